@@ -1,0 +1,80 @@
+#pragma once
+// BlockPool: the bytes of one rank's paged KV. One arena of num_blocks fixed-size blocks.
+//
+// Byte layout (docs/cache-layout.md). The arena is layer-major:
+//   arena = [local_layer][kv_factor][num_blocks] pages, page = page_bytes() bytes,
+//   page(l, kv, b) starts at ((l * kv_factor + kv) * num_blocks + b) * page_bytes().
+// kv = 0 is K, kv = 1 is V; MLA has kv_factor 1 (the latent, "head" count 1, head_dim = latent dim).
+// Inside a page (one layer, K or V, one block):
+//   HND: [num_heads][block_size][head_dim]  (default: a contiguous range of heads is contiguous bytes)
+//   NHD: [block_size][num_heads][head_dim]
+// A block id means the same tokens on every rank of a TP x PP group; each rank stores only its own
+// heads and layers, so the pools of one group differ in geometry but share block ids.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "kvshard/common/dtype.h"
+
+namespace kvshard {
+
+enum class PageOrder { kHnd, kNhd };
+
+struct PageGeometry {
+    int num_layers = 1;   // layers held by this rank
+    int kv_factor = 2;    // 2: K and V; 1: MLA latent
+    int num_heads = 1;    // KV heads held by this rank (MLA: 1)
+    int block_size = 16;  // tokens per block
+    int head_dim = 1;     // elements per head per token (MLA: kv_lora_rank + qk_rope_head_dim)
+    DType dtype = DType::kFp32;
+    PageOrder order = PageOrder::kHnd;
+
+    int64_t elem_size() const { return static_cast<int64_t>(dtype_size(dtype)); }
+    int64_t page_elems() const { return int64_t{num_heads} * block_size * head_dim; }
+    int64_t page_bytes() const { return page_elems() * elem_size(); }
+    // Bytes one block occupies over all layers and K/V.
+    int64_t block_bytes() const { return page_bytes() * num_layers * kv_factor; }
+    // Bytes one token occupies over all layers and K/V (= the layout's kv_bytes_per_token).
+    int64_t bytes_per_token() const { return int64_t{num_layers} * kv_factor * num_heads * head_dim * elem_size(); }
+    // Element index of (head, token-in-block, dim) inside a page.
+    int64_t elem_in_page(int head, int token, int dim) const {
+        return order == PageOrder::kHnd ? (int64_t{head} * block_size + token) * head_dim + dim
+                                        : (int64_t{token} * num_heads + head) * head_dim + dim;
+    }
+    bool operator==(const PageGeometry&) const = default;
+};
+
+class BlockPool {
+public:
+    // Throws Error when num_blocks < 1 or the geometry is empty.
+    BlockPool(PageGeometry geometry, int64_t num_blocks);
+    // Sized from a memory budget: floor(budget_bytes / block_bytes) blocks; Error if not even one fits.
+    static BlockPool from_budget(PageGeometry geometry, int64_t budget_bytes);
+
+    const PageGeometry& geometry() const { return geometry_; }
+    int64_t num_blocks() const { return num_blocks_; }
+    int64_t arena_bytes() const { return num_blocks_ * geometry_.block_bytes(); }
+
+    std::byte* page(int layer, int kv, int64_t block) { return arena_.get() + page_offset(layer, kv, block); }
+    const std::byte* page(int layer, int kv, int64_t block) const {
+        return arena_.get() + page_offset(layer, kv, block);
+    }
+    // fp32 pools only (the reference model computes in fp32).
+    float* page_f32(int layer, int kv, int64_t block) { return reinterpret_cast<float*>(page(layer, kv, block)); }
+    const float* page_f32(int layer, int kv, int64_t block) const {
+        return reinterpret_cast<const float*>(page(layer, kv, block));
+    }
+    int64_t page_offset(int layer, int kv, int64_t block) const {
+        return ((int64_t{layer} * geometry_.kv_factor + kv) * num_blocks_ + block) * geometry_.page_bytes();
+    }
+    std::span<std::byte> arena() { return {arena_.get(), static_cast<size_t>(arena_bytes())}; }
+    std::span<const std::byte> arena() const { return {arena_.get(), static_cast<size_t>(arena_bytes())}; }
+
+private:
+    PageGeometry geometry_;
+    int64_t num_blocks_;
+    std::unique_ptr<std::byte[]> arena_;
+};
+
+}  // namespace kvshard

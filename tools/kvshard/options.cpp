@@ -1,0 +1,57 @@
+#include "options.h"
+
+#include <cstdio>
+
+#include "kvshard/common/error.h"
+#include "kvshard/model/catalog.h"
+
+namespace kvshard::cli {
+
+void add_model_options(CLI::App* sub, ModelFlags& f, bool required) {
+    std::string names;
+    for (const auto& n : catalog_names()) names += (names.empty() ? "" : ", ") + n;
+    auto* opt = sub->add_option("--model,-m", f.model,
+                                "model: a catalog name (" + names +
+                                    "), a Hugging Face config.json, or a directory holding one");
+    if (required) opt->required();
+    sub->add_option("--kv-dtype", f.kv_dtype, "KV element type: fp32|bf16|fp16|fp8 (default: the model's)");
+}
+
+ModelSpec load_model(const ModelFlags& f) {
+    ModelSpec m = resolve_model(f.model);
+    if (!f.kv_dtype.empty()) m.kv_dtype = parse_dtype(f.kv_dtype);
+    return m;
+}
+
+void add_parallel_options(CLI::App* sub, ParallelFlags& f) {
+    sub->add_option("--tp", f.tp, "tensor parallel size (splits KV heads)")->capture_default_str();
+    sub->add_option("--pp", f.pp, "pipeline parallel size (splits layers)")->capture_default_str();
+    sub->add_option("--cp,--sp", f.cp, "context parallel size (splits tokens)")->capture_default_str();
+    sub->add_option("--dp", f.dp, "data parallel replicas")->capture_default_str();
+    sub->add_option("--ep", f.ep, "expert parallel size (MoE experts over dp*cp*tp ranks)")
+        ->capture_default_str();
+    sub->add_option("--cp-scheme", f.cp_scheme, "token ownership under CP: contiguous|zigzag|interleave")
+        ->capture_default_str();
+    sub->add_option("--cp-interleave", f.cp_interleave, "tokens per round-robin unit for interleave")
+        ->capture_default_str();
+    sub->add_option("--pp-layers", f.pp_layers, "explicit layers per stage, e.g. 10,12,10");
+}
+
+ParallelConfig to_parallel_config(const ParallelFlags& f) {
+    std::string text = "tp=" + std::to_string(f.tp) + ",pp=" + std::to_string(f.pp) +
+                       ",cp=" + std::to_string(f.cp) + ",dp=" + std::to_string(f.dp) +
+                       ",ep=" + std::to_string(f.ep) + ",cp_scheme=" + f.cp_scheme +
+                       ",cp_interleave=" + std::to_string(f.cp_interleave);
+    ParallelConfig p = parse_parallel_config(text);
+    if (!f.pp_layers.empty()) {
+        std::string layers = f.pp_layers;
+        for (char& c : layers)
+            if (c == ',') c = '/';
+        p.pp_layers = parse_parallel_config("pp_layers=" + layers).pp_layers;
+    }
+    return p;
+}
+
+void print_json(const std::string& json_text) { std::printf("%s\n", json_text.c_str()); }
+
+}  // namespace kvshard::cli

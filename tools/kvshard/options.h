@@ -1,0 +1,33 @@
+#pragma once
+// Flags shared by several subcommands.
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "kvshard/layout/parallel_config.h"
+#include "kvshard/model/model_spec.h"
+
+namespace kvshard::cli {
+
+struct ModelFlags {
+    std::string model;
+    std::string kv_dtype;  // empty: the model's own
+};
+// --model NAME|config.json|DIR and --kv-dtype.
+void add_model_options(CLI::App* sub, ModelFlags& f, bool required = true);
+ModelSpec load_model(const ModelFlags& f);
+
+struct ParallelFlags {
+    int tp = 1, pp = 1, cp = 1, dp = 1, ep = 1;
+    std::string cp_scheme = "contiguous";
+    int cp_interleave = 1;
+    std::string pp_layers;  // "10,12,10"
+};
+// --tp --pp --cp (--sp) --dp --ep --cp-scheme --cp-interleave --pp-layers
+void add_parallel_options(CLI::App* sub, ParallelFlags& f);
+ParallelConfig to_parallel_config(const ParallelFlags& f);
+
+// Prints JSON text to stdout followed by a newline.
+void print_json(const std::string& json_text);
+
+}  // namespace kvshard::cli
