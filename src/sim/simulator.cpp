@@ -84,6 +84,10 @@ class Engine {
             const TraceRequest& q = reqs[static_cast<size_t>(i)];
             for (auto& r : replicas_) advance(r, q.arrival_s);
             route(static_cast<int32_t>(i), q.arrival_s);
+            // Requests arriving at the same instant are all queued before an idle replica starts.
+            if (i + 1 == total || reqs[static_cast<size_t>(i + 1)].arrival_s > q.arrival_s)
+                for (auto& r : replicas_)
+                    if (!r.busy) start_step(r, q.arrival_s);
             if (progress && (i % 256 == 0 || i + 1 == total)) progress(i + 1, total);
         }
         for (auto& r : replicas_) advance(r, std::numeric_limits<double>::infinity());
@@ -114,7 +118,6 @@ class Engine {
         total_tokens_ += q.input_tokens;
         r.waiting.push_back(i);
         r.queued_prefill_tokens += q.input_tokens;
-        if (!r.busy) start_step(r, now);
     }
 
     void advance(Replica& r, double t) {
