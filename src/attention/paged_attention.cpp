@@ -27,12 +27,13 @@ void check_args(const BlockPool& pool, int layer, const PagedKv& kv, const Query
     KVSHARD_CHECK(g.head_dim == p.head_dim && g.num_heads == p.num_kv_heads,
                   "pool geometry (heads ", g.num_heads, ", head_dim ", g.head_dim,
                   ") differs from the attention params");
-    KVSHARD_CHECK(p.num_kv_heads >= 1 && p.num_q_heads % p.num_kv_heads == 0, "q heads ", p.num_q_heads,
-                  " not a multiple of kv heads ", p.num_kv_heads);
-    KVSHARD_CHECK(qb.batch() == kv.batch(), "query batch of ", qb.batch(), " sequences over a KV batch of ",
-                  kv.batch());
+    KVSHARD_CHECK(p.num_kv_heads >= 1 && p.num_q_heads % p.num_kv_heads == 0, "q heads ",
+                  p.num_q_heads, " not a multiple of kv heads ", p.num_kv_heads);
+    KVSHARD_CHECK(qb.batch() == kv.batch(), "query batch of ", qb.batch(),
+                  " sequences over a KV batch of ", kv.batch());
     KVSHARD_CHECK(int64_t(qb.q_pos.size()) == qb.rows(), "q_pos size");
-    KVSHARD_CHECK(qb.kv_pos.empty() || int(qb.kv_pos_indptr.size()) == qb.batch() + 1, "kv_pos_indptr size");
+    KVSHARD_CHECK(qb.kv_pos.empty() || int(qb.kv_pos_indptr.size()) == qb.batch() + 1,
+                  "kv_pos_indptr size");
 }
 
 // Where token j of sequence i lives for KV head h: pointer to its head_dim floats.
@@ -43,7 +44,11 @@ struct PageView {
     int64_t head_stride_elems, token_stride;  // within a page
 
     PageView(const BlockPool& p, const PagedKv& k, int l)
-        : pool(&p), kv(&k), layer(l), block_size(p.geometry().block_size), head_dim(p.geometry().head_dim) {
+        : pool(&p),
+          kv(&k),
+          layer(l),
+          block_size(p.geometry().block_size),
+          head_dim(p.geometry().head_dim) {
         const auto& g = p.geometry();
         head_stride_elems = g.elem_in_page(1, 0, 0) - g.elem_in_page(0, 0, 0);
         token_stride = g.elem_in_page(0, 1, 0) - g.elem_in_page(0, 0, 0);
@@ -70,7 +75,8 @@ void visible_counts(const QueryBatch& qb, const PagedKv& kv, int i, int block_si
                 n = std::clamp<int64_t>(qb.q_pos[t] + 1, 0, len);
             } else {
                 const auto* b = qb.kv_pos.data() + qb.kv_pos_indptr[i];
-                const int64_t cnt = std::min<int64_t>(len, qb.kv_pos_indptr[i + 1] - qb.kv_pos_indptr[i]);
+                const int64_t cnt =
+                    std::min<int64_t>(len, qb.kv_pos_indptr[i + 1] - qb.kv_pos_indptr[i]);
                 n = std::upper_bound(b, b + cnt, qb.q_pos[t]) - b;
             }
         }
@@ -95,8 +101,9 @@ void finish_row(const float* o, float m, float l, int d, float* out, float* lse)
 }
 
 // Few query rows per KV head (decode): stream the pages once, no copies.
-void attend_streaming(const PageView& pv, const AttentionParams& p, int seq, int kh, int32_t r0, int32_t r1,
-                      const std::vector<int64_t>& vis, const float* q, float* out, float* lse, Workspace& ws) {
+void attend_streaming(const PageView& pv, const AttentionParams& p, int seq, int kh, int32_t r0,
+                      int32_t r1, const std::vector<int64_t>& vis, const float* q, float* out,
+                      float* lse, Workspace& ws) {
     const auto& V = vec::ops();
     const int d = p.head_dim, group = p.num_q_heads / p.num_kv_heads, bs = pv.block_size;
     const int64_t rows = int64_t(r1 - r0) * group;
@@ -141,8 +148,9 @@ void attend_streaming(const PageView& pv, const AttentionParams& p, int seq, int
 
 // Many query rows per KV head (prefill): gather the head's keys and values once, then tiles of
 // S = Q K^T and O += P V through sgemm with an online softmax between them.
-void attend_gemm(const PageView& pv, const AttentionParams& p, int seq, int kh, int32_t r0, int32_t r1,
-                 const std::vector<int64_t>& vis, const float* q, float* out, float* lse, Workspace& ws) {
+void attend_gemm(const PageView& pv, const AttentionParams& p, int seq, int kh, int32_t r0,
+                 int32_t r1, const std::vector<int64_t>& vis, const float* q, float* out,
+                 float* lse, Workspace& ws) {
     const auto& V = vec::ops();
     const int d = p.head_dim, group = p.num_q_heads / p.num_kv_heads, bs = pv.block_size;
     const int64_t maxvis = *std::max_element(vis.begin(), vis.end());
@@ -157,8 +165,10 @@ void attend_gemm(const PageView& pv, const AttentionParams& p, int seq, int kh, 
             std::memcpy(ws.v.data() + j0 * d, vb, size_t(n * d) * sizeof(float));
         } else {
             for (int64_t j = 0; j < n; ++j) {
-                std::memcpy(ws.k.data() + (j0 + j) * d, kb + j * pv.token_stride, size_t(d) * sizeof(float));
-                std::memcpy(ws.v.data() + (j0 + j) * d, vb + j * pv.token_stride, size_t(d) * sizeof(float));
+                std::memcpy(ws.k.data() + (j0 + j) * d, kb + j * pv.token_stride,
+                            size_t(d) * sizeof(float));
+                std::memcpy(ws.v.data() + (j0 + j) * d, vb + j * pv.token_stride,
+                            size_t(d) * sizeof(float));
             }
         }
     }
@@ -176,7 +186,8 @@ void attend_gemm(const PageView& pv, const AttentionParams& p, int seq, int kh, 
         for (int64_t t = 0; t < tn; ++t) tile_vis = std::max(tile_vis, vis[size_t(t0 + t)]);
         for (int64_t t = 0; t < tn; ++t)
             for (int gi = 0; gi < group; ++gi) {
-                const float* src = q + ((r0 + t0 + t) * int64_t{p.num_q_heads} + kh * group + gi) * d;
+                const float* src =
+                    q + ((r0 + t0 + t) * int64_t{p.num_q_heads} + kh * group + gi) * d;
                 float* dst = ws.q.data() + (t * group + gi) * d;
                 for (int x = 0; x < d; ++x) dst[x] = src[x] * p.scale;
             }
@@ -207,7 +218,8 @@ void attend_gemm(const PageView& pv, const AttentionParams& p, int seq, int kh, 
                         ws.v.data() + j0 * d, d, 1.0f, ws.o.data(), d);
         }
         for (int64_t r = 0; r < m; ++r) {
-            const int64_t row = (r0 + t0 + r / group) * int64_t{p.num_q_heads} + kh * group + r % group;
+            const int64_t row =
+                (r0 + t0 + r / group) * int64_t{p.num_q_heads} + kh * group + r % group;
             finish_row(ws.o.data() + r * d, ws.m[size_t(r)], ws.l[size_t(r)], d, out + row * d,
                        lse ? lse + row : nullptr);
         }
@@ -229,14 +241,17 @@ void paged_attention(const BlockPool& pool, int layer, const PagedKv& kv, const 
         const std::vector<int64_t> vis = ws.vis;
         const bool gemm = int64_t(r1 - r0) * group >= kGemmMinRows;
         for (int kh = 0; kh < p.num_kv_heads; ++kh) {
-            if (gemm) attend_gemm(pv, p, i, kh, r0, r1, vis, q, out, lse, ws);
-            else attend_streaming(pv, p, i, kh, r0, r1, vis, q, out, lse, ws);
+            if (gemm)
+                attend_gemm(pv, p, i, kh, r0, r1, vis, q, out, lse, ws);
+            else
+                attend_streaming(pv, p, i, kh, r0, r1, vis, q, out, lse, ws);
         }
     }
 }
 
-void paged_attention_reference(const BlockPool& pool, int layer, const PagedKv& kv, const QueryBatch& qb,
-                               const AttentionParams& p, const float* q, float* out, float* lse) {
+void paged_attention_reference(const BlockPool& pool, int layer, const PagedKv& kv,
+                               const QueryBatch& qb, const AttentionParams& p, const float* q,
+                               float* out, float* lse) {
     check_args(pool, layer, kv, qb, p);
     const PageView pv(pool, kv, layer);
     const int d = p.head_dim, group = p.num_q_heads / p.num_kv_heads;
@@ -268,7 +283,9 @@ void paged_attention_reference(const BlockPool& pool, int layer, const PagedKv& 
                     for (int x = 0; x < d; ++x) acc[size_t(x)] += e * vj[x];
                 }
                 for (int x = 0; x < d; ++x) o[x] = n > 0 ? float(acc[size_t(x)] / sum) : 0.0f;
-                if (lse) lse[int64_t{t} * p.num_q_heads + h] = n > 0 ? float(mx + std::log(sum)) : kNegInf;
+                if (lse)
+                    lse[int64_t{t} * p.num_q_heads + h] =
+                        n > 0 ? float(mx + std::log(sum)) : kNegInf;
             }
         }
     }
@@ -278,8 +295,8 @@ void write_kv(BlockPool& pool, int layer, const PagedKv& kv, std::span<const int
               std::span<const int64_t> slots, const float* k, const float* v) {
     const auto& g = pool.geometry();
     KVSHARD_CHECK(g.dtype == DType::kFp32 && g.kv_factor == 2, "write_kv needs an fp32 K/V pool");
-    KVSHARD_CHECK(int(indptr.size()) == kv.batch() + 1, "indptr has ", indptr.size(), " entries for a batch of ",
-                  kv.batch());
+    KVSHARD_CHECK(int(indptr.size()) == kv.batch() + 1, "indptr has ", indptr.size(),
+                  " entries for a batch of ", kv.batch());
     const int d = g.head_dim, bs = g.block_size, nh = g.num_heads;
     for (int i = 0; i < kv.batch(); ++i) {
         const int64_t nblocks = kv.indptr[i + 1] - kv.indptr[i];

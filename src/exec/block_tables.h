@@ -16,15 +16,18 @@ struct SimpleAlloc {
 };
 
 class SimpleBlockTables {
-public:
-    SimpleBlockTables(int64_t num_blocks, int block_size) : num_blocks_(num_blocks), bs_(block_size) {}
+  public:
+    SimpleBlockTables(int64_t num_blocks, int block_size)
+        : num_blocks_(num_blocks), bs_(block_size) {}
     SimpleAlloc allocate(int64_t seq, std::span<const int32_t> tokens) {
         auto& s = seqs_[seq];
         s.tokens = 0;
         grow(s, int64_t(tokens.size()));
         return {};
     }
-    void append(int64_t seq, std::span<const int32_t> tokens) { grow(seqs_.at(seq), int64_t(tokens.size())); }
+    void append(int64_t seq, std::span<const int32_t> tokens) {
+        grow(seqs_.at(seq), int64_t(tokens.size()));
+    }
     std::span<const int32_t> block_table(int64_t seq) const { return seqs_.at(seq).blocks; }
     int64_t num_tokens(int64_t seq) const { return seqs_.at(seq).tokens; }
     PagedKv paged_kv(std::span<const int64_t> seqs) const {
@@ -34,7 +37,7 @@ public:
     }
     int64_t hit_tokens() const { return 0; }
 
-private:
+  private:
     struct Seq {
         std::vector<int32_t> blocks;
         int64_t tokens = 0;
@@ -42,7 +45,8 @@ private:
     void grow(Seq& s, int64_t n) {
         s.tokens += n;
         while (int64_t(s.blocks.size()) * bs_ < s.tokens) {
-            require(next_ < num_blocks_, "out of KV blocks: ", num_blocks_, " blocks of ", bs_, " tokens");
+            require(next_ < num_blocks_, "out of KV blocks: ", num_blocks_, " blocks of ", bs_,
+                    " tokens");
             s.blocks.push_back(int32_t(next_++));
         }
     }

@@ -15,11 +15,13 @@ namespace kvshard {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 // A flat byte buffer for the report exchange.
 class Writer {
-public:
+  public:
     template <typename T>
     void put(const T& v) {
         const auto* p = reinterpret_cast<const std::byte*>(&v);
@@ -33,12 +35,12 @@ public:
     }
     const std::vector<std::byte>& bytes() const { return buf_; }
 
-private:
+  private:
     std::vector<std::byte> buf_;
 };
 
 class Reader {
-public:
+  public:
     explicit Reader(const std::vector<std::byte>& b) : b_(b) {}
     template <typename T>
     T get() {
@@ -58,7 +60,7 @@ public:
         return v;
     }
 
-private:
+  private:
     const std::vector<std::byte>& b_;
     size_t pos_ = 0;
 };
@@ -87,8 +89,8 @@ WeightShard weight_shard(const KvLayout& layout, int rank) {
     const ModelSpec& m = layout.model;
     const ParallelConfig& p = layout.parallel;
     const RankKv& r = layout.ranks.at(size_t(rank));
-    require(m.intermediate % p.tp == 0, m.name, ": the MLP width ", m.intermediate, " is not divisible by tp=",
-            p.tp, ": choose a tp that divides ", m.intermediate);
+    require(m.intermediate % p.tp == 0, m.name, ": the MLP width ", m.intermediate,
+            " is not divisible by tp=", p.tp, ": choose a tp that divides ", m.intermediate);
     WeightShard s;
     s.layer_begin = r.layer_begin;
     s.layer_end = r.layer_end;
@@ -105,7 +107,8 @@ WeightShard weight_shard(const KvLayout& layout, int rank) {
 }
 
 double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
-    KVSHARD_CHECK(a.size() == b.size(), "relative_l2 of vectors of ", a.size(), " and ", b.size(), " elements");
+    KVSHARD_CHECK(a.size() == b.size(), "relative_l2 of vectors of ", a.size(), " and ", b.size(),
+                  " elements");
     double num = 0, den = 0;
     for (size_t i = 0; i < a.size(); ++i) {
         num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
@@ -115,9 +118,10 @@ double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
     return std::sqrt(num / den);
 }
 
-GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p, const TensorSource& weights,
-                          const std::vector<std::vector<int32_t>>& prompts, const GenerationOptions& opt,
-                          Communicator* world) {
+GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
+                          const TensorSource& weights,
+                          const std::vector<std::vector<int32_t>>& prompts,
+                          const GenerationOptions& opt, Communicator* world) {
     ModelSpec m = spec;
     m.kv_dtype = DType::kFp32;  // the reference computes and caches in fp32
     const KvLayout layout = make_layout(m, p);
@@ -129,10 +133,11 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p, const 
             opt.max_new_tokens);
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
     for (size_t i = 0; i < prompts.size(); ++i) {
-        require(!prompts[i].empty(), "prompt ", i, " is empty: every prompt needs at least one token");
+        require(!prompts[i].empty(), "prompt ", i,
+                " is empty: every prompt needs at least one token");
         for (int32_t t : prompts[i])
-            require(t >= 0 && t < m.vocab, "prompt ", i, " holds token id ", t, " outside the vocabulary [0, ",
-                    m.vocab, ")");
+            require(t >= 0 && t < m.vocab, "prompt ", i, " holds token id ", t,
+                    " outside the vocabulary [0, ", m.vocab, ")");
     }
     const RankKv& me = layout.ranks[size_t(rank)];
     const RankCoord c = me.coord;
@@ -159,7 +164,8 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p, const 
             num_blocks += (int64_t(prompts[size_t(i)].size()) + opt.max_new_tokens + bs - 1) / bs;
     }
 
-    RankModel model(load_weights(m, weight_shard(layout, rank), weights), num_blocks, bs, comms, opt.page_order);
+    RankModel model(load_weights(m, weight_shard(layout, rank), weights), num_blocks, bs, comms,
+                    opt.page_order);
     SimpleBlockTables tables(num_blocks, bs);
 
     const int batch = int(mine.size());
@@ -177,9 +183,11 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p, const 
             for (int i = 0; i < batch; ++i)
                 toks[size_t(i)] = argmax({lg.data() + int64_t{i} * m.vocab, size_t(m.vocab)});
             for (int s = 0; s < p.pp - 1; ++s)
-                coll::send(world, std::span<const int32_t>(toks), rank_of(p, c.dp, s, c.cp, c.tp), coll::kTagTokens);
+                coll::send(world, std::span<const int32_t>(toks), rank_of(p, c.dp, s, c.cp, c.tp),
+                           coll::kTagTokens);
         } else {
-            coll::recv(world, std::span<int32_t>(toks), rank_of(p, c.dp, p.pp - 1, c.cp, c.tp), coll::kTagTokens);
+            coll::recv(world, std::span<int32_t>(toks), rank_of(p, c.dp, p.pp - 1, c.cp, c.tp),
+                       coll::kTagTokens);
         }
         for (int i = 0; i < batch; ++i) out_tokens[size_t(i)].push_back(toks[size_t(i)]);
     };
@@ -238,7 +246,8 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p, const 
     rep.kv_bytes = rep.kv_tokens * model.pool().geometry().bytes_per_token();
     rep.kv_bytes_predicted = rep.kv_tokens * me.kv_bytes_per_token;
 
-    // Gather every rank's report; the last stage's first TP rank of each replica brings the results.
+    // Gather every rank's report; the last stage's first TP rank of each replica brings the
+    // results.
     Writer w;
     w.put(rep);
     const bool brings_results = last_stage && c.tp == 0 && c.cp == 0;
@@ -279,7 +288,8 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p, const 
         }
         report.ranks.push_back(rr);
     }
-    std::sort(report.ranks.begin(), report.ranks.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
+    std::sort(report.ranks.begin(), report.ranks.end(),
+              [](const auto& a, const auto& b) { return a.rank < b.rank; });
     return report;
 }
 

@@ -13,11 +13,13 @@ namespace kvshard {
 namespace {
 
 // y[n][out] = x[n][in] W^T, W: [out][in] (nn.Linear).
-void linear(const float* x, int64_t n, int64_t in, const std::vector<float>& w, int64_t out, float* y) {
+void linear(const float* x, int64_t n, int64_t in, const std::vector<float>& w, int64_t out,
+            float* y) {
     if (n == 0 || out == 0) return;
-    KVSHARD_CHECK(int64_t(w.size()) == in * out, "weight of ", w.size(), " elements, expected ", in, "x", out);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(out), int(in), 1.0f, x, int(in), w.data(),
-                int(in), 0.0f, y, int(out));
+    KVSHARD_CHECK(int64_t(w.size()) == in * out, "weight of ", w.size(), " elements, expected ", in,
+                  "x", out);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(out), int(in), 1.0f, x,
+                int(in), w.data(), int(in), 0.0f, y, int(out));
 }
 
 void add_bias(float* y, int64_t n, const std::vector<float>& b) {
@@ -27,7 +29,8 @@ void add_bias(float* y, int64_t n, const std::vector<float>& b) {
         for (int64_t c = 0; c < m; ++c) y[r * m + c] += b[size_t(c)];
 }
 
-void rms_norm(const float* x, int64_t n, int64_t h, const std::vector<float>& w, double eps, float* y) {
+void rms_norm(const float* x, int64_t n, int64_t h, const std::vector<float>& w, double eps,
+              float* y) {
     for (int64_t r = 0; r < n; ++r) {
         const float* xr = x + r * h;
         double ss = 0;
@@ -76,17 +79,20 @@ int32_t argmax(std::span<const float> logits) {
 }
 
 void default_attention(const AttentionCall& c) {
-    write_kv(*c.pool, c.local_layer, c.batch->kv, c.batch->queries.q_indptr, c.batch->slots, c.k, c.v);
-    paged_attention(*c.pool, c.local_layer, c.batch->kv, c.batch->queries, c.params, c.q, c.out, nullptr);
+    write_kv(*c.pool, c.local_layer, c.batch->kv, c.batch->queries.q_indptr, c.batch->slots, c.k,
+             c.v);
+    paged_attention(*c.pool, c.local_layer, c.batch->kv, c.batch->queries, c.params, c.q, c.out,
+                    nullptr);
 }
 
-RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms, PageOrder order)
+RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms,
+                     PageOrder order)
     : weights_(std::move(weights)),
       comms_(comms),
       pool_(geometry_for(weights_, block_size, order), num_blocks),
       attention_(default_attention) {
-    require(weights_.spec.head_dim % 2 == 0, weights_.spec.name, ": RoPE needs an even head_dim, got ",
-            weights_.spec.head_dim);
+    require(weights_.spec.head_dim % 2 == 0, weights_.spec.name,
+            ": RoPE needs an even head_dim, got ", weights_.spec.head_dim);
 }
 
 void RankModel::tp_all_reduce(std::span<float> data) { coll::all_reduce_sum(comms_.tp, data); }
@@ -94,12 +100,14 @@ void RankModel::tp_all_reduce(std::span<float> data) { coll::all_reduce_sum(comm
 std::vector<float> RankModel::forward(const ForwardBatch& b) {
     const ModelSpec& m = weights_.spec;
     const int64_t n = b.rows(), h = m.hidden;
-    KVSHARD_CHECK(int64_t(b.token_ids.size()) == n && int64_t(b.slots.size()) == n, "batch rows disagree");
+    KVSHARD_CHECK(int64_t(b.token_ids.size()) == n && int64_t(b.slots.size()) == n,
+                  "batch rows disagree");
     std::vector<float> x(size_t(n * h));
     if (first_stage()) {
         for (int64_t r = 0; r < n; ++r) {
             const int32_t tok = b.token_ids[size_t(r)];
-            require(tok >= 0 && tok < m.vocab, "token id ", tok, " outside the vocabulary [0, ", m.vocab, ")");
+            require(tok >= 0 && tok < m.vocab, "token id ", tok, " outside the vocabulary [0, ",
+                    m.vocab, ")");
             std::copy_n(weights_.embed.data() + int64_t{tok} * h, h, x.data() + r * h);
         }
     } else {
@@ -123,8 +131,10 @@ std::vector<float> RankModel::forward(const ForwardBatch& b) {
         const LayerWeights& w = weights_.layers[size_t(l)];
         attention_block(l, b, x);
         rms_norm(x.data(), n, h, w.mlp_norm, m.rms_norm_eps, xn.data());
-        if (m.is_moe_layer(weights_.shard.layer_begin + l)) moe_mlp(w, xn.data(), n, y.data());
-        else dense_mlp(w, xn.data(), n, y.data());
+        if (m.is_moe_layer(weights_.shard.layer_begin + l))
+            moe_mlp(w, xn.data(), n, y.data());
+        else
+            dense_mlp(w, xn.data(), n, y.data());
         for (int64_t i = 0; i < n * h; ++i) x[size_t(i)] += y[size_t(i)];
     }
 
@@ -136,7 +146,8 @@ std::vector<float> RankModel::forward(const ForwardBatch& b) {
     std::vector<float> last(size_t(batch) * h, 0.0f), normed(last.size());
     for (int i = 0; i < batch; ++i) {
         const int32_t r1 = b.queries.q_indptr[i + 1];
-        if (r1 > b.queries.q_indptr[i]) std::copy_n(x.data() + int64_t(r1 - 1) * h, h, last.data() + int64_t{i} * h);
+        if (r1 > b.queries.q_indptr[i])
+            std::copy_n(x.data() + int64_t(r1 - 1) * h, h, last.data() + int64_t{i} * h);
     }
     rms_norm(last.data(), batch, h, weights_.final_norm, m.rms_norm_eps, normed.data());
     std::vector<float> logits(size_t(batch) * m.vocab, 0.0f);
@@ -152,8 +163,8 @@ void RankModel::attention_block(int l, const ForwardBatch& b, std::vector<float>
     const LayerWeights& w = weights_.layers[size_t(l)];
     const int64_t n = b.rows(), h = m.hidden, d = m.head_dim;
     const int nq = weights_.shard.num_q_heads(), nkv = weights_.shard.num_kv_heads();
-    std::vector<float> xn(size_t(n * h)), q(size_t(n * nq * d)), k(size_t(n * nkv * d)), v(k.size()),
-        attn(q.size()), o(size_t(n * h));
+    std::vector<float> xn(size_t(n * h)), q(size_t(n * nq * d)), k(size_t(n * nkv * d)),
+        v(k.size()), attn(q.size()), o(size_t(n * h));
     rms_norm(x.data(), n, h, w.attn_norm, m.rms_norm_eps, xn.data());
     linear(xn.data(), n, h, w.wq, nq * d, q.data());
     linear(xn.data(), n, h, w.wk, nkv * d, k.data());
@@ -167,8 +178,11 @@ void RankModel::attention_block(int l, const ForwardBatch& b, std::vector<float>
     call.layer = weights_.shard.layer_begin + l;
     call.local_layer = l;
     call.batch = &b;
-    call.params = {.num_q_heads = nq, .num_kv_heads = nkv, .head_dim = int(d),
-                   .scale = 1.0f / std::sqrt(float(d)), .causal = true};
+    call.params = {.num_q_heads = nq,
+                   .num_kv_heads = nkv,
+                   .head_dim = int(d),
+                   .scale = 1.0f / std::sqrt(float(d)),
+                   .causal = true};
     call.q = q.data();
     call.k = k.data();
     call.v = v.data();
@@ -192,8 +206,8 @@ void RankModel::dense_mlp(const LayerWeights& w, const float* x, int64_t n, floa
 }
 
 // Mixtral routing: softmax over the router logits, top-k, weights renormalised over the k.
-// Each TP rank dispatches the rows r with r % tp == tp_rank (TP ranks hold the same rows), to the EP
-// rank that holds the expert; results come back by the reverse all-to-all and the TP all-reduce
+// Each TP rank dispatches the rows r with r % tp == tp_rank (TP ranks hold the same rows), to the
+// EP rank that holds the expert; results come back by the reverse all-to-all and the TP all-reduce
 // gives every TP rank all rows again.
 void RankModel::moe_mlp(const LayerWeights& w, const float* x, int64_t n, float* y) {
     const ModelSpec& m = weights_.spec;
@@ -202,9 +216,10 @@ void RankModel::moe_mlp(const LayerWeights& w, const float* x, int64_t n, float*
     const int tp_size = coll::size(comms_.tp), tp_rank = coll::rank(comms_.tp);
     const int ep_size = coll::size(comms_.ep), ep_rank = coll::rank(comms_.ep);
     const int per_rank = E / ep_size;
-    KVSHARD_CHECK(int(w.experts.size()) == per_rank && weights_.shard.expert_begin == ep_rank * per_rank,
-                  "expert shard [", weights_.shard.expert_begin, ", ", weights_.shard.expert_end,
-                  ") does not match ep rank ", ep_rank, " of ", ep_size);
+    KVSHARD_CHECK(
+        int(w.experts.size()) == per_rank && weights_.shard.expert_begin == ep_rank * per_rank,
+        "expert shard [", weights_.shard.expert_begin, ", ", weights_.shard.expert_end,
+        ") does not match ep rank ", ep_rank, " of ", ep_size);
 
     // Route the rows this rank dispatches.
     std::vector<int64_t> own;
@@ -238,11 +253,13 @@ void RankModel::moe_mlp(const LayerWeights& w, const float* x, int64_t n, float*
     std::vector<std::size_t> send_counts(static_cast<size_t>(ep_size), 0);
     for (int32_t e : choice) ++send_counts[size_t(e / per_rank)];
     std::vector<std::size_t> offset(size_t(ep_size) + 1, 0);
-    for (int p = 0; p < ep_size; ++p) offset[size_t(p) + 1] = offset[size_t(p)] + send_counts[size_t(p)];
+    for (int p = 0; p < ep_size; ++p)
+        offset[size_t(p) + 1] = offset[size_t(p)] + send_counts[size_t(p)];
     std::vector<int64_t> entry_slot(choice.size());  // send position of entry (i, k)
     {
         std::vector<std::size_t> fill(offset.begin(), offset.end() - 1);
-        for (size_t j = 0; j < choice.size(); ++j) entry_slot[j] = int64_t(fill[size_t(choice[j] / per_rank)]++);
+        for (size_t j = 0; j < choice.size(); ++j)
+            entry_slot[j] = int64_t(fill[size_t(choice[j] / per_rank)]++);
     }
     std::vector<int32_t> send_ids(choice.size());
     std::vector<float> send_x(choice.size() * size_t(h));
@@ -271,7 +288,8 @@ void RankModel::moe_mlp(const LayerWeights& w, const float* x, int64_t n, float*
         if (rows.empty()) continue;
         const int64_t mrows = int64_t(rows.size());
         xe.resize(size_t(mrows * h));
-        for (int64_t i = 0; i < mrows; ++i) std::copy_n(recv_x.data() + rows[size_t(i)] * h, h, xe.data() + i * h);
+        for (int64_t i = 0; i < mrows; ++i)
+            std::copy_n(recv_x.data() + rows[size_t(i)] * h, h, xe.data() + i * h);
         g.resize(size_t(mrows * ei));
         u.resize(g.size());
         ye.resize(xe.size());
@@ -280,7 +298,8 @@ void RankModel::moe_mlp(const LayerWeights& w, const float* x, int64_t n, float*
         linear(xe.data(), mrows, h, ew.up, ei, u.data());
         for (size_t i = 0; i < g.size(); ++i) g[i] = silu(g[i]) * u[i];
         linear(g.data(), mrows, ei, ew.down, h, ye.data());
-        for (int64_t i = 0; i < mrows; ++i) std::copy_n(ye.data() + i * h, h, result.data() + rows[size_t(i)] * h);
+        for (int64_t i = 0; i < mrows; ++i)
+            std::copy_n(ye.data() + i * h, h, result.data() + rows[size_t(i)] * h);
     }
 
     // Combine: results return in the order they were sent.

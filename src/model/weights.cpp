@@ -26,7 +26,7 @@ bool ends_with(const std::string& s, const char* suffix) {
 }
 
 class RandomSource final : public TensorSource {
-public:
+  public:
     explicit RandomSource(uint64_t seed) : seed_(seed) {}
     bool has(const std::string& name) const override { return !ends_with(name, ".bias"); }
 
@@ -52,28 +52,30 @@ public:
         return out;
     }
 
-private:
+  private:
     uint64_t seed_;
 };
 
 // Reads tensors of one layer / the model with the shape checks in one place.
 class Reader {
-public:
+  public:
     explicit Reader(const TensorSource& s) : s_(s) {}
     std::vector<float> full(const std::string& name, std::vector<int64_t> shape) const {
         const int64_t rows = shape[0], cols = shape.size() == 2 ? shape[1] : 1;
         return s_.read(name, shape, 0, rows, 0, cols);
     }
-    std::vector<float> rows(const std::string& name, std::vector<int64_t> shape, int64_t b, int64_t e) const {
+    std::vector<float> rows(const std::string& name, std::vector<int64_t> shape, int64_t b,
+                            int64_t e) const {
         const int64_t cols = shape.size() == 2 ? shape[1] : 1;
         return s_.read(name, shape, b, e, 0, cols);
     }
-    std::vector<float> cols(const std::string& name, std::vector<int64_t> shape, int64_t b, int64_t e) const {
+    std::vector<float> cols(const std::string& name, std::vector<int64_t> shape, int64_t b,
+                            int64_t e) const {
         return s_.read(name, shape, 0, shape[0], b, e);
     }
     bool has(const std::string& name) const { return s_.has(name); }
 
-private:
+  private:
     const TensorSource& s_;
 };
 
@@ -92,7 +94,8 @@ WeightShard WeightShard::full(const ModelSpec& m) {
 namespace hf_names {
 std::string layer_prefix(int layer) { return "model.layers." + std::to_string(layer) + "."; }
 std::string expert(int layer, int e, const char* w) {
-    return layer_prefix(layer) + "block_sparse_moe.experts." + std::to_string(e) + "." + w + ".weight";
+    return layer_prefix(layer) + "block_sparse_moe.experts." + std::to_string(e) + "." + w +
+           ".weight";
 }
 }  // namespace hf_names
 
@@ -132,10 +135,11 @@ ModelWeights load_weights(const ModelSpec& m, const WeightShard& s, const Tensor
     require(m.moe.shared_experts == 0, m.name,
             ": shared experts are not supported by the reference model (Mixtral-style MoE only)");
     require(0 <= s.layer_begin && s.layer_begin < s.layer_end && s.layer_end <= m.num_layers &&
-                0 <= s.q_head_begin && s.q_head_begin < s.q_head_end && s.q_head_end <= m.num_heads &&
-                0 <= s.kv_head_begin && s.kv_head_begin < s.kv_head_end &&
-                s.kv_head_end <= m.num_kv_heads && 0 <= s.mlp_begin && s.mlp_begin < s.mlp_end &&
-                s.mlp_end <= m.intermediate && 0 <= s.expert_begin && s.expert_begin <= s.expert_end &&
+                0 <= s.q_head_begin && s.q_head_begin < s.q_head_end &&
+                s.q_head_end <= m.num_heads && 0 <= s.kv_head_begin &&
+                s.kv_head_begin < s.kv_head_end && s.kv_head_end <= m.num_kv_heads &&
+                0 <= s.mlp_begin && s.mlp_begin < s.mlp_end && s.mlp_end <= m.intermediate &&
+                0 <= s.expert_begin && s.expert_begin <= s.expert_end &&
                 s.expert_end <= m.moe.num_experts,
             "weight shard out of range for ", m.name);
     const Reader rd(source);
@@ -155,9 +159,12 @@ ModelWeights load_weights(const ModelSpec& m, const WeightShard& s, const Tensor
         LayerWeights lw;
         lw.attn_norm = rd.full(p + "input_layernorm.weight", {h});
         const std::vector<int64_t> q_shape{m.num_heads * d, h}, kv_shape{m.num_kv_heads * d, h};
-        lw.wq = rd.rows(p + "self_attn.q_proj.weight", q_shape, s.q_head_begin * d, s.q_head_end * d);
-        lw.wk = rd.rows(p + "self_attn.k_proj.weight", kv_shape, s.kv_head_begin * d, s.kv_head_end * d);
-        lw.wv = rd.rows(p + "self_attn.v_proj.weight", kv_shape, s.kv_head_begin * d, s.kv_head_end * d);
+        lw.wq =
+            rd.rows(p + "self_attn.q_proj.weight", q_shape, s.q_head_begin * d, s.q_head_end * d);
+        lw.wk = rd.rows(p + "self_attn.k_proj.weight", kv_shape, s.kv_head_begin * d,
+                        s.kv_head_end * d);
+        lw.wv = rd.rows(p + "self_attn.v_proj.weight", kv_shape, s.kv_head_begin * d,
+                        s.kv_head_end * d);
         if (rd.has(p + "self_attn.q_proj.bias")) {
             lw.bq = rd.rows(p + "self_attn.q_proj.bias", {m.num_heads * d}, s.q_head_begin * d,
                             s.q_head_end * d);
@@ -172,14 +179,19 @@ ModelWeights load_weights(const ModelSpec& m, const WeightShard& s, const Tensor
         if (m.is_moe_layer(l)) {
             const int64_t ei = m.moe.expert_intermediate, ne = m.moe.num_experts;
             // Mixtral names, or Qwen-MoE names (mlp.gate / mlp.experts.E.{gate,up,down}_proj).
-            const bool mixtral = rd.has(p + "block_sparse_moe.gate.weight") || !rd.has(p + "mlp.gate.weight");
-            lw.router = rd.full(p + (mixtral ? "block_sparse_moe.gate.weight" : "mlp.gate.weight"), {ne, h});
+            const bool mixtral =
+                rd.has(p + "block_sparse_moe.gate.weight") || !rd.has(p + "mlp.gate.weight");
+            lw.router = rd.full(p + (mixtral ? "block_sparse_moe.gate.weight" : "mlp.gate.weight"),
+                                {ne, h});
             for (int e = s.expert_begin; e < s.expert_end; ++e) {
                 const std::string ep = p + "mlp.experts." + std::to_string(e) + ".";
                 ExpertWeights ew;
-                ew.gate = rd.full(mixtral ? hf_names::expert(l, e, "w1") : ep + "gate_proj.weight", {ei, h});
-                ew.up = rd.full(mixtral ? hf_names::expert(l, e, "w3") : ep + "up_proj.weight", {ei, h});
-                ew.down = rd.full(mixtral ? hf_names::expert(l, e, "w2") : ep + "down_proj.weight", {h, ei});
+                ew.gate = rd.full(mixtral ? hf_names::expert(l, e, "w1") : ep + "gate_proj.weight",
+                                  {ei, h});
+                ew.up = rd.full(mixtral ? hf_names::expert(l, e, "w3") : ep + "up_proj.weight",
+                                {ei, h});
+                ew.down = rd.full(mixtral ? hf_names::expert(l, e, "w2") : ep + "down_proj.weight",
+                                  {h, ei});
                 lw.experts.push_back(std::move(ew));
             }
         } else {

@@ -1,5 +1,6 @@
-// The fast attention kernels (streaming decode, sgemm prefill) against the plain two-pass reference,
-// over paged KV with scattered blocks, GQA groups, both page orders, causal and CP-style positions.
+// The fast attention kernels (streaming decode, sgemm prefill) against the plain two-pass
+// reference, over paged KV with scattered blocks, GQA groups, both page orders, causal and CP-style
+// positions.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -24,10 +25,16 @@ struct Case {
 std::pair<double, double> run_case(const Case& c, bool causal, bool with_kv_pos, uint32_t seed) {
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> u(-1.f, 1.f);
-    PageGeometry g{.num_layers = 2, .kv_factor = 2, .num_heads = c.nkv, .block_size = c.bs, .head_dim = c.d,
-                   .dtype = DType::kFp32, .order = c.order};
+    PageGeometry g{.num_layers = 2,
+                   .kv_factor = 2,
+                   .num_heads = c.nkv,
+                   .block_size = c.bs,
+                   .head_dim = c.d,
+                   .dtype = DType::kFp32,
+                   .order = c.order};
     int64_t blocks_needed = 0;
-    for (size_t i = 0; i < c.cached.size(); ++i) blocks_needed += (c.cached[i] + c.fresh[i] + c.bs - 1) / c.bs;
+    for (size_t i = 0; i < c.cached.size(); ++i)
+        blocks_needed += (c.cached[i] + c.fresh[i] + c.bs - 1) / c.bs;
     BlockPool pool(g, blocks_needed + 7);
     // Scattered block ids: a shuffled permutation.
     std::vector<int32_t> ids(size_t(pool.num_blocks()));
@@ -43,7 +50,8 @@ std::pair<double, double> run_case(const Case& c, bool causal, bool with_kv_pos,
         kv.add_sequence(blocks, len, c.bs);
         qb.add_sequence(c.fresh[i], c.cached[i]);
         if (with_kv_pos) {
-            // slot j holds position 2j (a CP rank holding every other token); queries at 2*(cached+t)+1
+            // slot j holds position 2j (a CP rank holding every other token); queries at
+            // 2*(cached+t)+1
             if (qb.kv_pos_indptr.empty()) qb.kv_pos_indptr.push_back(0);
             for (int64_t j = 0; j < len; ++j) qb.kv_pos.push_back(2 * j);
             qb.kv_pos_indptr.push_back(int64_t(qb.kv_pos.size()));
@@ -61,8 +69,11 @@ std::pair<double, double> run_case(const Case& c, bool causal, bool with_kv_pos,
     const int64_t rows = qb.rows();
     std::vector<float> q(size_t(rows * c.nq * c.d));
     for (auto& x : q) x = 2.0f * u(rng);
-    AttentionParams p{.num_q_heads = c.nq, .num_kv_heads = c.nkv, .head_dim = c.d,
-                      .scale = 1.0f / std::sqrt(float(c.d)), .causal = causal};
+    AttentionParams p{.num_q_heads = c.nq,
+                      .num_kv_heads = c.nkv,
+                      .head_dim = c.d,
+                      .scale = 1.0f / std::sqrt(float(c.d)),
+                      .causal = causal};
     std::vector<float> o1(q.size(), 7.f), o2(q.size(), 9.f), l1(size_t(rows * c.nq)), l2(l1.size());
     paged_attention(pool, 1, kv, qb, p, q.data(), o1.data(), l1.data());
     paged_attention_reference(pool, 1, kv, qb, p, q.data(), o2.data(), l2.data());
@@ -70,7 +81,8 @@ std::pair<double, double> run_case(const Case& c, bool causal, bool with_kv_pos,
     for (size_t i = 0; i < o1.size(); ++i) dout = std::max(dout, double(std::fabs(o1[i] - o2[i])));
     for (size_t i = 0; i < l1.size(); ++i) {
         if (std::isinf(l2[i])) {
-            EXPECT_TRUE(std::isinf(l1[i]) && l1[i] < 0) << "row " << i << " sees no key: lse must be -inf";
+            EXPECT_TRUE(std::isinf(l1[i]) && l1[i] < 0)
+                << "row " << i << " sees no key: lse must be -inf";
             continue;
         }
         dlse = std::max(dlse, double(std::fabs(l1[i] - l2[i])));
@@ -78,14 +90,16 @@ std::pair<double, double> run_case(const Case& c, bool causal, bool with_kv_pos,
     return {dout, dlse};
 }
 
-class PagedAttentionTest : public ::testing::TestWithParam<std::tuple<int, int, PageOrder, bool>> {};
+class PagedAttentionTest : public ::testing::TestWithParam<std::tuple<int, int, PageOrder, bool>> {
+};
 
 TEST_P(PagedAttentionTest, MatchesReference) {
     const auto [nq, nkv, order, with_kv_pos] = GetParam();
     const std::vector<Case> cases = {
         // decode: one row per sequence over various cached lengths (streaming path)
         {nq, nkv, 16, 16, order, {0, 1, 15, 16, 17, 100}, {1, 1, 1, 1, 1, 1}},
-        // prefill from scratch and with a cached prefix (GEMM path), lengths across block and tile edges
+        // prefill from scratch and with a cached prefix (GEMM path), lengths across block and tile
+        // edges
         {nq, nkv, 16, 16, order, {0, 32, 7}, {40, 300, 129}},
         // small block size, head_dim not a multiple of 8
         {nq, nkv, 12, 4, order, {5, 0}, {3, 70}},
@@ -94,8 +108,10 @@ TEST_P(PagedAttentionTest, MatchesReference) {
     for (const auto& c : cases)
         for (bool causal : {true, false}) {
             const auto [dout, dlse] = run_case(c, causal, with_kv_pos, seed++);
-            EXPECT_LT(dout, 2e-5) << "nq=" << nq << " nkv=" << nkv << " d=" << c.d << " causal=" << causal;
-            EXPECT_LT(dlse, 2e-5) << "nq=" << nq << " nkv=" << nkv << " d=" << c.d << " causal=" << causal;
+            EXPECT_LT(dout, 2e-5) << "nq=" << nq << " nkv=" << nkv << " d=" << c.d
+                                  << " causal=" << causal;
+            EXPECT_LT(dlse, 2e-5) << "nq=" << nq << " nkv=" << nkv << " d=" << c.d
+                                  << " causal=" << causal;
         }
 }
 
@@ -142,9 +158,12 @@ TEST(PagedAttention, WriteKvPlacesHeadsInTheirPages) {
         for (int h = 0; h < 2; ++h)
             for (int x = 0; x < 3; ++x) {
                 const int blk = t < 4 ? 3 : 1;
-                EXPECT_EQ(pool.page_f32(1, 0, blk)[g.elem_in_page(h, t % 4, x)], 100.f * t + 10.f * h + x);
-                EXPECT_EQ(pool.page_f32(1, 1, blk)[g.elem_in_page(h, t % 4, x)], -(100.f * t + 10.f * h + x));
-                EXPECT_EQ(pool.page_f32(0, 0, blk)[g.elem_in_page(h, t % 4, x)], 0.f) << "layer 0 untouched";
+                EXPECT_EQ(pool.page_f32(1, 0, blk)[g.elem_in_page(h, t % 4, x)],
+                          100.f * t + 10.f * h + x);
+                EXPECT_EQ(pool.page_f32(1, 1, blk)[g.elem_in_page(h, t % 4, x)],
+                          -(100.f * t + 10.f * h + x));
+                EXPECT_EQ(pool.page_f32(0, 0, blk)[g.elem_in_page(h, t % 4, x)], 0.f)
+                    << "layer 0 untouched";
             }
 }
 

@@ -19,7 +19,8 @@ Vec matvec(const std::vector<float>& w, const Vec& x, int64_t out) {
     const int64_t in = int64_t(x.size());
     Vec y(size_t(out), 0.0);
     for (int64_t o = 0; o < out; ++o)
-        for (int64_t i = 0; i < in; ++i) y[size_t(o)] += double(w[size_t(o * in + i)]) * x[size_t(i)];
+        for (int64_t i = 0; i < in; ++i)
+            y[size_t(o)] += double(w[size_t(o * in + i)]) * x[size_t(i)];
     return y;
 }
 
@@ -42,8 +43,8 @@ void rope(Vec& v, int heads, int d, int64_t pos, double theta) {
         }
 }
 
-Vec swiglu(const std::vector<float>& g, const std::vector<float>& u, const std::vector<float>& dn, const Vec& x,
-           int64_t width) {
+Vec swiglu(const std::vector<float>& g, const std::vector<float>& u, const std::vector<float>& dn,
+           const Vec& x, int64_t width) {
     Vec a = matvec(g, x, width), b = matvec(u, x, width);
     for (size_t i = 0; i < a.size(); ++i) a[i] = a[i] / (1 + std::exp(-a[i])) * b[i];
     return matvec(dn, a, int64_t(x.size()));
@@ -55,11 +56,13 @@ std::vector<float> naive_logits(const ModelWeights& w, const std::vector<int32_t
     const int64_t n = int64_t(tokens.size()), h = m.hidden, d = m.head_dim;
     const int nq = m.num_heads, nkv = m.num_kv_heads, group = nq / nkv;
     std::vector<Vec> x(static_cast<size_t>(n));
-    for (int64_t t = 0; t < n; ++t) x[size_t(t)] = Vec(w.embed.begin() + tokens[size_t(t)] * h,
-                                                       w.embed.begin() + (tokens[size_t(t)] + 1) * h);
+    for (int64_t t = 0; t < n; ++t)
+        x[size_t(t)] = Vec(w.embed.begin() + tokens[size_t(t)] * h,
+                           w.embed.begin() + (tokens[size_t(t)] + 1) * h);
     for (int l = 0; l < m.num_layers; ++l) {
         const LayerWeights& lw = w.layers[size_t(l)];
-        std::vector<Vec> q(static_cast<size_t>(n)), k(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+        std::vector<Vec> q(static_cast<size_t>(n)), k(static_cast<size_t>(n)),
+            v(static_cast<size_t>(n));
         for (int64_t t = 0; t < n; ++t) {
             const Vec xn = rms(x[size_t(t)], lw.attn_norm, m.rms_norm_eps);
             q[size_t(t)] = matvec(lw.wq, xn, nq * d);
@@ -75,7 +78,8 @@ std::vector<float> naive_logits(const ModelWeights& w, const std::vector<int32_t
                 Vec s(size_t(t + 1));
                 for (int64_t j = 0; j <= t; ++j) {
                     double acc = 0;
-                    for (int64_t e = 0; e < d; ++e) acc += q[size_t(t)][size_t(hh * d + e)] * k[size_t(j)][size_t(kh * d + e)];
+                    for (int64_t e = 0; e < d; ++e)
+                        acc += q[size_t(t)][size_t(hh * d + e)] * k[size_t(j)][size_t(kh * d + e)];
                     s[size_t(j)] = acc / std::sqrt(double(d));
                 }
                 const double mx = *std::max_element(s.begin(), s.end());
@@ -83,7 +87,8 @@ std::vector<float> naive_logits(const ModelWeights& w, const std::vector<int32_t
                 for (auto& e : s) sum += e = std::exp(e - mx);
                 for (int64_t j = 0; j <= t; ++j)
                     for (int64_t e = 0; e < d; ++e)
-                        attn[size_t(hh * d + e)] += s[size_t(j)] / sum * v[size_t(j)][size_t(kh * d + e)];
+                        attn[size_t(hh * d + e)] +=
+                            s[size_t(j)] / sum * v[size_t(j)][size_t(kh * d + e)];
             }
             const Vec o = matvec(lw.wo, attn, h);
             for (int64_t e = 0; e < h; ++e) x[size_t(t)][size_t(e)] += o[size_t(e)];
@@ -98,13 +103,16 @@ std::vector<float> naive_logits(const ModelWeights& w, const std::vector<int32_t
                 for (size_t e = 0; e < p.size(); ++e) p[e] = std::exp(logits[e] - mx);
                 std::vector<int> idx(p.size());
                 std::iota(idx.begin(), idx.end(), 0);
-                std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return p[size_t(a)] > p[size_t(b)]; });
+                std::stable_sort(idx.begin(), idx.end(),
+                                 [&](int a, int b) { return p[size_t(a)] > p[size_t(b)]; });
                 double top = 0;
-                for (int kk = 0; kk < m.moe.experts_per_token; ++kk) top += p[size_t(idx[size_t(kk)])];
+                for (int kk = 0; kk < m.moe.experts_per_token; ++kk)
+                    top += p[size_t(idx[size_t(kk)])];
                 for (int kk = 0; kk < m.moe.experts_per_token; ++kk) {
                     const auto& ew = lw.experts[size_t(idx[size_t(kk)])];
                     const Vec ye = swiglu(ew.gate, ew.up, ew.down, xn, m.moe.expert_intermediate);
-                    for (int64_t e = 0; e < h; ++e) y[size_t(e)] += p[size_t(idx[size_t(kk)])] / top * ye[size_t(e)];
+                    for (int64_t e = 0; e < h; ++e)
+                        y[size_t(e)] += p[size_t(idx[size_t(kk)])] / top * ye[size_t(e)];
                 }
             } else {
                 y = swiglu(lw.gate, lw.up, lw.down, xn, m.intermediate);
@@ -117,7 +125,8 @@ std::vector<float> naive_logits(const ModelWeights& w, const std::vector<int32_t
     return std::vector<float>(lg.begin(), lg.end());
 }
 
-std::vector<std::vector<int32_t>> make_prompts(const std::vector<int>& lens, int vocab, uint32_t seed) {
+std::vector<std::vector<int32_t>> make_prompts(const std::vector<int>& lens, int vocab,
+                                               uint32_t seed) {
     std::vector<std::vector<int32_t>> out;
     uint32_t s = seed;
     for (int len : lens) {
@@ -157,7 +166,8 @@ TEST_P(ReferenceModelTest, MatchesNaiveRecomputation) {
     ASSERT_EQ(r.ranks.size(), 1u);
     // prompt + generated - 1 tokens are cached per sequence
     EXPECT_EQ(r.ranks[0].kv_tokens, (13 + 4) + (20 + 4) + (1 + 4));
-    EXPECT_EQ(r.ranks[0].kv_bytes, r.ranks[0].kv_tokens * m.num_layers * 2 * m.num_kv_heads * m.head_dim * 4);
+    EXPECT_EQ(r.ranks[0].kv_bytes,
+              r.ranks[0].kv_tokens * m.num_layers * 2 * m.num_kv_heads * m.head_dim * 4);
     EXPECT_EQ(r.ranks[0].kv_bytes, r.ranks[0].kv_bytes_predicted);
 }
 
@@ -192,12 +202,15 @@ TEST(ReferenceModel, RandomWeightsSliceLikeTheFullTensors) {
         const auto& f = full.layers[size_t(l)];
         const auto& p = part.layers[size_t(l - 1)];
         for (int64_t r = 0; r < 2 * d; ++r)
-            for (int64_t c = 0; c < h; ++c) ASSERT_EQ(p.wq[size_t(r * h + c)], f.wq[size_t((2 * d + r) * h + c)]);
+            for (int64_t c = 0; c < h; ++c)
+                ASSERT_EQ(p.wq[size_t(r * h + c)], f.wq[size_t((2 * d + r) * h + c)]);
         for (int64_t r = 0; r < d; ++r)
-            for (int64_t c = 0; c < h; ++c) ASSERT_EQ(p.wk[size_t(r * h + c)], f.wk[size_t((d + r) * h + c)]);
+            for (int64_t c = 0; c < h; ++c)
+                ASSERT_EQ(p.wk[size_t(r * h + c)], f.wk[size_t((d + r) * h + c)]);
         for (int64_t r = 0; r < h; ++r)
             for (int64_t c = 0; c < 2 * d; ++c)
-                ASSERT_EQ(p.wo[size_t(r * 2 * d + c)], f.wo[size_t(r * m.num_heads * d + 2 * d + c)]);
+                ASSERT_EQ(p.wo[size_t(r * 2 * d + c)],
+                          f.wo[size_t(r * m.num_heads * d + 2 * d + c)]);
         ASSERT_EQ(p.experts.size(), 2u);
         EXPECT_EQ(p.experts[0].down, f.experts[4].down);
         EXPECT_EQ(p.router, f.router);

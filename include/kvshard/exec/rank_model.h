@@ -65,7 +65,7 @@ using AttentionFn = std::function<void(const AttentionCall&)>;
 void default_attention(const AttentionCall& call);
 
 class RankModel {
-public:
+  public:
     // The pool holds `num_blocks` blocks of `block_size` tokens for the held layers and KV heads.
     RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms = {},
               PageOrder order = PageOrder::kHnd);
@@ -78,11 +78,11 @@ public:
     bool last_stage() const { return comms_.next_stage < 0; }
     void set_attention(AttentionFn fn) { attention_ = std::move(fn); }
 
-    // Runs this rank's part of one step. Returns [batch][vocab] logits of each sequence's last row on
-    // the last stage (a sequence with no rows gets zeros), an empty vector elsewhere.
+    // Runs this rank's part of one step. Returns [batch][vocab] logits of each sequence's last row
+    // on the last stage (a sequence with no rows gets zeros), an empty vector elsewhere.
     std::vector<float> forward(const ForwardBatch& b);
 
-private:
+  private:
     void attention_block(int local_layer, const ForwardBatch& b, std::vector<float>& h);
     void dense_mlp(const LayerWeights& w, const float* x, int64_t n, float* y);
     void moe_mlp(const LayerWeights& w, const float* x, int64_t n, float* y);

@@ -1,6 +1,6 @@
 #pragma once
-// Weights of a Llama-family decoder (dense or Mixtral-style MoE), fp32, for the whole model or for the
-// slice one rank holds under TP / PP / EP (docs/model.md).
+// Weights of a Llama-family decoder (dense or Mixtral-style MoE), fp32, for the whole model or for
+// the slice one rank holds under TP / PP / EP (docs/model.md).
 //
 // Shapes follow Hugging Face nn.Linear: a weight is [out_features][in_features], row-major, and a
 // projection computes y = x W^T. Slicing is Megatron-style:
@@ -43,33 +43,35 @@ struct ExpertWeights {
 };
 
 struct LayerWeights {
-    std::vector<float> attn_norm;   // [hidden]
-    std::vector<float> wq;          // [n_q * head_dim][hidden]
-    std::vector<float> wk, wv;      // [n_kv * head_dim][hidden]
-    std::vector<float> bq, bk, bv;  // q/k/v biases (Qwen2), empty when the model has none
-    std::vector<float> wo;          // [hidden][n_q * head_dim]
-    std::vector<float> mlp_norm;    // [hidden]
-    std::vector<float> gate, up;    // dense MLP: [mlp_width][hidden]
-    std::vector<float> down;        // dense MLP: [hidden][mlp_width]
-    std::vector<float> router;      // MoE: [num_experts][hidden], all experts
+    std::vector<float> attn_norm;        // [hidden]
+    std::vector<float> wq;               // [n_q * head_dim][hidden]
+    std::vector<float> wk, wv;           // [n_kv * head_dim][hidden]
+    std::vector<float> bq, bk, bv;       // q/k/v biases (Qwen2), empty when the model has none
+    std::vector<float> wo;               // [hidden][n_q * head_dim]
+    std::vector<float> mlp_norm;         // [hidden]
+    std::vector<float> gate, up;         // dense MLP: [mlp_width][hidden]
+    std::vector<float> down;             // dense MLP: [hidden][mlp_width]
+    std::vector<float> router;           // MoE: [num_experts][hidden], all experts
     std::vector<ExpertWeights> experts;  // MoE: experts [expert_begin, expert_end)
 };
 
 struct ModelWeights {
     ModelSpec spec;
     WeightShard shard;
-    std::vector<float> embed;       // [vocab][hidden]
-    std::vector<float> final_norm;  // [hidden]
-    std::vector<float> lm_head;     // [vocab][hidden] (a copy of embed when tied)
+    std::vector<float> embed;          // [vocab][hidden]
+    std::vector<float> final_norm;     // [hidden]
+    std::vector<float> lm_head;        // [vocab][hidden] (a copy of embed when tied)
     std::vector<LayerWeights> layers;  // layers [shard.layer_begin, shard.layer_end)
 
-    const LayerWeights& layer(int global_layer) const { return layers[global_layer - shard.layer_begin]; }
+    const LayerWeights& layer(int global_layer) const {
+        return layers[global_layer - shard.layer_begin];
+    }
 };
 
-// A place tensors come from, by Hugging Face name. 1-D tensors have shape {n}; they are read as n rows
-// of one column.
+// A place tensors come from, by Hugging Face name. 1-D tensors have shape {n}; they are read as n
+// rows of one column.
 class TensorSource {
-public:
+  public:
     virtual ~TensorSource() = default;
     virtual bool has(const std::string& name) const = 0;
     // Rows [row_begin, row_end) x columns [col_begin, col_end) of `name` as fp32, row-major. Throws
@@ -79,25 +81,28 @@ public:
                                     int64_t col_end) const = 0;
 };
 
-// Deterministic random tensors: element i of tensor `name` is a pure function of (seed, name, i), so
-// every rank generates exactly its slice of the same full tensors. Norm weights are 1 + U(-0.1, 0.1),
-// projections U(-1, 1)/sqrt(in_features), the embedding U(-1, 1). It has every tensor except biases.
+// Deterministic random tensors: element i of tensor `name` is a pure function of (seed, name, i),
+// so every rank generates exactly its slice of the same full tensors. Norm weights are 1 + U(-0.1,
+// 0.1), projections U(-1, 1)/sqrt(in_features), the embedding U(-1, 1). It has every tensor except
+// biases.
 std::unique_ptr<TensorSource> random_tensor_source(uint64_t seed);
 
-// Builds the weights of `shard` from a source, checking every shape. Throws Error naming the tensor.
+// Builds the weights of `shard` from a source, checking every shape. Throws Error naming the
+// tensor.
 ModelWeights load_weights(const ModelSpec& m, const WeightShard& shard, const TensorSource& source);
 ModelWeights random_weights(const ModelSpec& m, const WeightShard& shard, uint64_t seed);
 
 // Hugging Face tensor names (Llama / Qwen2 / Mixtral).
 namespace hf_names {
-std::string layer_prefix(int layer);  // "model.layers.N."
+std::string layer_prefix(int layer);                  // "model.layers.N."
 std::string expert(int layer, int e, const char* w);  // w: "w1" | "w2" | "w3" (Mixtral)
 inline constexpr const char* kEmbed = "model.embed_tokens.weight";
 inline constexpr const char* kFinalNorm = "model.norm.weight";
 inline constexpr const char* kLmHead = "lm_head.weight";
 }  // namespace hf_names
 
-// Every (name, shape) of the full model as a Hugging Face checkpoint stores it (Mixtral names for MoE).
+// Every (name, shape) of the full model as a Hugging Face checkpoint stores it (Mixtral names for
+// MoE).
 std::vector<std::pair<std::string, std::vector<int64_t>>> hf_tensor_list(const ModelSpec& m);
 
 }  // namespace kvshard
