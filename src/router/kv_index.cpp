@@ -71,6 +71,20 @@ void KvIndex::all_cleared(int replica) {
     if (mode_ == KvIndexMode::kApproximate) expiry_of_[static_cast<size_t>(replica)].clear();
 }
 
+void KvIndex::apply(int replica, const KvEvent& event) {
+    switch (event.kind) {
+        case KvEventKind::kBlockStored:
+            block_stored(replica, event.block_hashes);
+            break;
+        case KvEventKind::kBlockRemoved:
+            block_removed(replica, event.block_hashes);
+            break;
+        case KvEventKind::kAllCleared:
+            all_cleared(replica);
+            break;
+    }
+}
+
 void KvIndex::record_routed(int replica, std::span<const BlockHash> hashes, double now_s) {
     check_replica(replica);
     KVSHARD_CHECK(mode_ == KvIndexMode::kApproximate, "record_routed needs approximate mode");

@@ -62,6 +62,7 @@ class Engine {
           bt_(trace.block_tokens),
           router_(cfg.num_replicas, cfg.policy, params_for(cfg, trace), cfg.index_mode,
                   cfg.index_ttl_s) {
+        replicas_.reserve(static_cast<size_t>(cfg.num_replicas));
         for (int r = 0; r < cfg.num_replicas; ++r) {
             replicas_.emplace_back(cfg.replica_capacity_blocks, bt_);
             if (cfg.index_mode == KvIndexMode::kExact)

@@ -5,6 +5,7 @@
 #include <set>
 #include <vector>
 
+#include "kvshard/cache/block_manager.h"
 #include "kvshard/common/error.h"
 #include "kvshard/router/kv_index.h"
 #include "kvshard/router/policy.h"
@@ -344,6 +345,31 @@ TEST(Router, ApproximateIndexRemembersItsOwnDecisions) {
     const auto d = r.route({q, 3 * 512}, loads, 61.0);
     EXPECT_EQ(d.matched_blocks, 0);
     EXPECT_EQ(d.reason, RouteReason::kLeastLoaded);
+}
+
+}  // namespace
+}  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// The exact index fed by a real BlockManager's events holds exactly the manager's registered
+// hashes.
+TEST(KvIndex, FollowsABlockManagerThroughEvictions) {
+    BlockManager m(BlockManagerConfig{6, 4, true});
+    KvIndex idx(2);
+    m.subscribe([&](const KvEvent& e) { idx.apply(1, e); });
+    std::vector<BlockHash> a = chain({1, 2, 3}), b = chain({4, 5, 6, 7});
+    m.allocate_with_hashes(0, a, 12);
+    EXPECT_EQ(overlaps(idx, a), (std::vector<int>{0, 3}));
+    m.free(0);  // cached, still findable
+    EXPECT_EQ(overlaps(idx, a), (std::vector<int>{0, 3}));
+    m.allocate_with_hashes(1, b, 16);  // 4 blocks: evicts 1 of a's (the tail, 3)
+    EXPECT_EQ(overlaps(idx, a), (std::vector<int>{0, 2}));
+    EXPECT_EQ(overlaps(idx, b), (std::vector<int>{0, 4}));
+    EXPECT_EQ(idx.num_blocks(1), m.metrics().hashed_blocks);
+    m.clear_cache();
+    EXPECT_EQ(idx.num_blocks(1), 0);
 }
 
 }  // namespace

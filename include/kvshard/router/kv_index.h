@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kvshard/cache/block_hash.h"
+#include "kvshard/cache/kv_events.h"
 
 namespace kvshard {
 
@@ -45,6 +46,8 @@ class KvIndex {
     void block_stored(int replica, std::span<const BlockHash> hashes);
     void block_removed(int replica, std::span<const BlockHash> hashes);
     void all_cleared(int replica);
+    // Any of the three, as published by a BlockManager (kvshard/cache/kv_events.h).
+    void apply(int replica, const KvEvent& event);
 
     // Approximate mode: `replica` was sent a request with these blocks at time now_s; they count as
     // cached there until now_s + ttl_s (refreshed by each later use).
