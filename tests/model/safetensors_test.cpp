@@ -1,6 +1,6 @@
-// Safetensors: a checkpoint written from seeded weights loads back to the same logits (fp32 exactly,
-// bf16/fp16 to their precision), sharded loading slices like the random source, and every malformed
-// file is an Error that names the tensor.
+// Safetensors: a checkpoint written from seeded weights loads back to the same logits (fp32
+// exactly, bf16/fp16 to their precision), sharded loading slices like the random source, and every
+// malformed file is an Error that names the tensor.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -18,7 +18,8 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path temp_dir(const std::string& name) {
-    const fs::path d = fs::temp_directory_path() / ("kvshard_st_" + name + "_" + std::to_string(::getpid()));
+    const fs::path d =
+        fs::temp_directory_path() / ("kvshard_st_" + name + "_" + std::to_string(::getpid()));
     fs::remove_all(d);
     fs::create_directories(d);
     return d;
@@ -85,7 +86,8 @@ TEST_P(SafetensorsRoundTrip, SameLogitsAsSeededWeights) {
 
 INSTANTIATE_TEST_SUITE_P(Models, SafetensorsRoundTrip,
                          ::testing::Combine(::testing::Values("tiny", "tiny-moe"),
-                                            ::testing::Values(DType::kFp32, DType::kBf16, DType::kFp16)));
+                                            ::testing::Values(DType::kFp32, DType::kBf16,
+                                                              DType::kFp16)));
 
 void write_raw(const fs::path& p, const std::string& header, size_t data_bytes) {
     std::ofstream out(p, std::ios::binary);
@@ -118,7 +120,8 @@ TEST(Safetensors, MalformedFilesAreErrorsNamingTheTensor) {
         std::ofstream out(f, std::ios::binary);
         out << "abc";
     }
-    EXPECT_NE(error_of([&] { SafetensorsFile x(f.string()); }).find("truncated"), std::string::npos);
+    EXPECT_NE(error_of([&] { SafetensorsFile x(f.string()); }).find("truncated"),
+              std::string::npos);
     {
         std::ofstream out(f, std::ios::binary);
         const uint64_t huge = uint64_t{1} << 40;
