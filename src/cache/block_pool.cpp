@@ -1,13 +1,19 @@
 #include "kvshard/cache/block_pool.h"
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstring>
 
 #include "kvshard/common/error.h"
+#include "kvshard/layout/kv_layout.h"
 
 namespace kvshard {
 
-BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks) : geometry_(geometry), num_blocks_(num_blocks) {
-    require(geometry_.block_size >= 1, "block size must be at least 1 token, got ", geometry_.block_size);
+BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks)
+    : geometry_(geometry), num_blocks_(num_blocks) {
+    require(geometry_.block_size >= 1, "block size must be at least 1 token, got ",
+            geometry_.block_size);
     require(geometry_.num_layers >= 1 && geometry_.num_heads >= 1 && geometry_.head_dim >= 1 &&
                 (geometry_.kv_factor == 1 || geometry_.kv_factor == 2),
             "page geometry needs at least one layer, head and element and kv_factor 1 or 2");
@@ -16,14 +22,76 @@ BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks) : geometry_(geom
 }
 
 BlockPool BlockPool::from_budget(PageGeometry geometry, int64_t budget_bytes) {
-    require(geometry.block_size >= 1, "block size must be at least 1 token, got ", geometry.block_size);
+    require(geometry.block_size >= 1, "block size must be at least 1 token, got ",
+            geometry.block_size);
     const int64_t per_block = geometry.block_bytes();
     require(per_block > 0, "page geometry is empty");
     if (budget_bytes < per_block)
-        throw Error(detail::concat("a memory budget of ", budget_bytes, " bytes holds no block of ", per_block,
-                                   " bytes (", geometry.block_size, " tokens): give at least ", per_block,
+        throw Error(detail::concat("a memory budget of ", budget_bytes, " bytes holds no block of ",
+                                   per_block, " bytes (", geometry.block_size,
+                                   " tokens): give at least ", per_block,
                                    " bytes or a smaller block size"));
     return BlockPool(geometry, budget_bytes / per_block);
+}
+
+PageGeometry page_geometry(const KvLayout& layout, int rank, int block_size, PageOrder order) {
+    require(rank >= 0 && rank < layout.world_size(), "rank ", rank, " out of range [0, ",
+            layout.world_size(), ")");
+    require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
+    const RankKv& r = layout.ranks[static_cast<size_t>(rank)];
+    const ModelSpec& m = layout.model;
+    PageGeometry g;
+    g.num_layers = r.num_layers();
+    g.block_size = block_size;
+    g.dtype = m.kv_dtype;
+    g.order = order;
+    if (m.is_mla()) {
+        g.kv_factor = 1;
+        g.num_heads = 1;
+        g.head_dim = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim;
+    } else {
+        g.kv_factor = 2;
+        g.num_heads = r.num_kv_heads();
+        g.head_dim = m.head_dim;
+    }
+    KVSHARD_CHECK(g.bytes_per_token() == r.kv_bytes_per_token, "page geometry of rank ", rank,
+                  " gives ", g.bytes_per_token(), " bytes per token, the layout ",
+                  r.kv_bytes_per_token);
+    return g;
+}
+
+int64_t num_blocks_for_budget(std::span<const PageGeometry> ranks, int64_t budget_bytes) {
+    require(!ranks.empty(), "no ranks to size a block pool for");
+    int64_t blocks = INT64_MAX;
+    for (const PageGeometry& g : ranks) {
+        require(g.block_size >= 1, "block size must be at least 1 token, got ", g.block_size);
+        const int64_t per_block = g.block_bytes();
+        require(per_block > 0, "page geometry is empty");
+        if (budget_bytes < per_block)
+            throw Error(detail::concat("a memory budget of ", budget_bytes,
+                                       " bytes holds no block of ", per_block, " bytes (",
+                                       g.block_size, " tokens): give at least ", per_block,
+                                       " bytes or a smaller block size"));
+        blocks = std::min(blocks, budget_bytes / per_block);
+    }
+    return blocks;
+}
+
+void convert_page(const std::byte* src, PageOrder from, std::byte* dst, PageOrder to,
+                  const PageGeometry& geometry) {
+    PageGeometry gs = geometry, gd = geometry;
+    gs.order = from;
+    gd.order = to;
+    if (from == to) {
+        std::memcpy(dst, src, static_cast<size_t>(geometry.page_bytes()));
+        return;
+    }
+    // Rows of head_dim elements are contiguous in both orders: move one row at a time.
+    const auto row = static_cast<size_t>(int64_t{geometry.head_dim} * geometry.elem_size());
+    for (int h = 0; h < geometry.num_heads; ++h)
+        for (int t = 0; t < geometry.block_size; ++t)
+            std::memcpy(dst + gd.elem_in_page(h, t, 0) * geometry.elem_size(),
+                        src + gs.elem_in_page(h, t, 0) * geometry.elem_size(), row);
 }
 
 }  // namespace kvshard

@@ -1,7 +1,7 @@
 #pragma once
 // BlockPool: the bytes of one rank's paged KV. One arena of num_blocks fixed-size blocks.
 //
-// Byte layout (docs/cache-layout.md). The arena is layer-major:
+// Byte layout (docs/cache.md). The arena is layer-major:
 //   arena = [local_layer][kv_factor][num_blocks] pages, page = page_bytes() bytes,
 //   page(l, kv, b) starts at ((l * kv_factor + kv) * num_blocks + b) * page_bytes().
 // kv = 0 is K, kv = 1 is V; MLA has kv_factor 1 (the latent, "head" count 1, head_dim = latent dim).
@@ -18,6 +18,8 @@
 #include "kvshard/common/dtype.h"
 
 namespace kvshard {
+
+struct KvLayout;
 
 enum class PageOrder { kHnd, kNhd };
 
@@ -76,5 +78,21 @@ private:
     int64_t num_blocks_;
     std::unique_ptr<std::byte[]> arena_;
 };
+
+// The page geometry of `rank` in a layout: its layers, its KV heads (MLA: one latent of
+// kv_lora_rank + qk_rope_head_dim, kv_factor 1), the model's KV dtype. Then
+// geometry.bytes_per_token() == layout.ranks[rank].kv_bytes_per_token.
+PageGeometry page_geometry(const KvLayout& layout, int rank, int block_size,
+                           PageOrder order = PageOrder::kHnd);
+
+// Blocks a group of ranks can share (one BlockManager, one block id space) when each rank has
+// budget_bytes for KV: the minimum over the ranks of floor(budget / block_bytes). Throws Error when
+// some rank cannot hold a single block.
+int64_t num_blocks_for_budget(std::span<const PageGeometry> ranks, int64_t budget_bytes);
+
+// Copies one page between page orders (HND <-> NHD, or the same order). src and dst hold
+// geometry.page_bytes() bytes each and do not overlap; `from` and `to` name their orders.
+void convert_page(const std::byte* src, PageOrder from, std::byte* dst, PageOrder to,
+                  const PageGeometry& geometry);
 
 }  // namespace kvshard

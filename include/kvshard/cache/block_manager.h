@@ -1,0 +1,218 @@
+#pragma once
+// BlockManager: which blocks hold which sequence's tokens, and the prefix cache (docs/cache.md).
+// Metadata only: ids, hashes, reference counts; no KV bytes and no pointers into pools. One manager
+// drives a whole TP x PP group: block id b means the same tokens on every rank of the group, and
+// each rank keeps its own heads and layers of those tokens in page b of its own BlockPool.
+//
+// Every block is in exactly one state:
+//   used:   referenced by >= 1 sequence (ref_count > 0); never evicted;
+//   cached: ref_count 0, its hash is in the prefix index; evictable (LRU);
+//   free:   ref_count 0, no hash.
+// Only full blocks are hashed and shared. A sequence's full block i is registered in the index
+// (made findable) when its blocks 0..i-1 are registered too, so a registered block's parent hash is
+// always registered: lookups never reach a block whose prefix is gone, and eviction (LRU over the
+// cached blocks, a sequence's blocks released tail first) always takes a chain's tail before its
+// head.
+//
+// Not thread-safe: one scheduler thread owns a manager.
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kvshard/cache/block_hash.h"
+#include "kvshard/cache/kv_events.h"
+#include "kvshard/cache/paged_kv.h"
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+
+using BlockId = int32_t;
+using SeqId = int64_t;
+
+// Not enough free or evictable blocks right now (the request would fit an idle pool): the caller
+// may retry after freeing sequences. Nothing was changed.
+class OutOfBlocksError : public Error {
+  public:
+    using Error::Error;
+};
+
+struct BlockManagerConfig {
+    int64_t num_blocks = 0;  // blocks of every rank's pool
+    int block_size = 16;     // tokens per block
+    bool enable_prefix_cache = true;
+};
+
+enum class BlockState { kFree, kUsed, kCached };
+
+struct CacheMetrics {
+    int64_t num_blocks = 0;
+    int64_t used_blocks = 0;    // referenced by a sequence
+    int64_t free_blocks = 0;    // unreferenced, no hash
+    int64_t cached_blocks = 0;  // unreferenced, hash known: evictable
+    int64_t hashed_blocks = 0;  // in the prefix index (used or cached)
+    int64_t num_sequences = 0;
+    int64_t queries = 0;        // allocations that consulted the prefix cache
+    int64_t query_tokens = 0;   // prompt tokens of those allocations
+    int64_t hit_tokens = 0;     // of which found in the cache
+    int64_t evictions = 0;      // cached blocks reclaimed for new data
+    int64_t stored_blocks = 0;  // blocks registered in the index so far
+
+    double token_hit_rate() const {
+        return query_tokens == 0 ? 0.0 : static_cast<double>(hit_tokens) / query_tokens;
+    }
+};
+
+struct PrefixMatch {
+    std::vector<BlockId> blocks;  // the longest cached prefix of the query, in whole blocks
+    int64_t num_tokens = 0;       // blocks.size() * block_size
+};
+
+struct AllocResult {
+    int64_t cached_tokens = 0;  // leading tokens whose KV is already in shared blocks (skip them)
+    int64_t cached_blocks = 0;  // = cached_tokens / block_size
+    int64_t new_blocks = 0;     // blocks taken from the free or evictable pool
+};
+
+class BlockManager {
+  public:
+    // Throws Error when num_blocks < 1 or block_size < 1.
+    explicit BlockManager(BlockManagerConfig config);
+
+    int block_size() const { return config_.block_size; }
+    int64_t num_blocks() const { return config_.num_blocks; }
+    bool prefix_cache_enabled() const { return config_.enable_prefix_cache; }
+    // Blocks an allocation can take now: free + cached (evictable).
+    int64_t num_available_blocks() const { return num_free_ + num_cached_; }
+    // Blocks needed to hold num_tokens tokens.
+    int64_t blocks_for_tokens(int64_t num_tokens) const {
+        return (num_tokens + config_.block_size - 1) / config_.block_size;
+    }
+
+    // ---- prefix lookup (const: changes neither state nor metrics) ----
+    PrefixMatch lookup(std::span<const int32_t> tokens,
+                       std::span<const std::byte> extra_keys = {}) const;
+    // The same for a query given as chained block hashes (one per full block, head first).
+    PrefixMatch lookup_hashes(std::span<const BlockHash> block_hashes) const;
+
+    // ---- sequences ----
+    // New sequence `seq` holding `tokens`: shares the longest cached prefix, allocates the rest,
+    // registers its new full blocks in the prefix index. Throws Error when seq exists or the
+    // request needs more blocks than the pool has, OutOfBlocksError when they are not available
+    // now.
+    AllocResult allocate(SeqId seq, std::span<const int32_t> tokens,
+                         std::span<const std::byte> extra_keys = {});
+    // The same with the caller's chained block hashes instead of token ids (e.g. a trace's hash
+    // ids). block_hashes holds one hash per full block of num_tokens (a hash for a trailing partial
+    // block may be included and is ignored). Later appends to this sequence are never hashed.
+    AllocResult allocate_with_hashes(SeqId seq, std::span<const BlockHash> block_hashes,
+                                     int64_t num_tokens);
+    // Whether allocate / allocate_with_hashes would succeed now.
+    bool can_allocate(std::span<const int32_t> tokens,
+                      std::span<const std::byte> extra_keys = {}) const;
+    bool can_allocate_hashes(std::span<const BlockHash> block_hashes, int64_t num_tokens) const;
+
+    // Appends tokens (e.g. decode output) to a sequence; a block that becomes full is hashed and
+    // registered when the sequence's token ids are all known. Throws Error for an unknown sequence,
+    // OutOfBlocksError when a new block is needed and none is available (nothing changed).
+    void append(SeqId seq, std::span<const int32_t> tokens);
+    // Appends `count` tokens whose ids are not given: their blocks are never hashed or shared.
+    void append_tokens(SeqId seq, int64_t count);
+    bool can_append(SeqId seq, int64_t count) const;
+
+    // Releases the sequence's blocks (tail first); hashed blocks stay cached and evictable.
+    // Throws Error for a sequence that is not allocated (unknown, or already freed).
+    void free(SeqId seq);
+
+    bool contains(SeqId seq) const { return seqs_.find(seq) != seqs_.end(); }
+    std::span<const BlockId> block_table(SeqId seq) const;
+    int64_t num_tokens(SeqId seq) const;
+    // Hashes of the sequence's full blocks, head first, as far as they are known.
+    std::span<const BlockHash> block_hashes(SeqId seq) const;
+    // FlashInfer-style description of these sequences' blocks (PagedKv).
+    PagedKv paged_kv(std::span<const SeqId> seqs) const;
+
+    // Drops every hash from the index (used blocks stay with their sequences but are no longer
+    // shareable); cached blocks become free. Publishes AllCleared.
+    void clear_cache();
+
+    // ---- events and metrics ----
+    int subscribe(KvEventCallback callback);  // returns an id for unsubscribe
+    void unsubscribe(int subscription_id);
+    uint64_t next_event_seq() const { return next_event_seq_; }
+    CacheMetrics metrics() const;
+
+    // ---- introspection (tests, debugging) ----
+    BlockState block_state(BlockId b) const;
+    int32_t ref_count(BlockId b) const;
+    // The hash under which block b is registered; nullopt when it is not in the index.
+    std::optional<BlockHash> registered_hash(BlockId b) const;
+    // Cached blocks, least recently used first (the eviction order).
+    std::vector<BlockId> eviction_order() const;
+    // Checks every structural invariant (states partition the pool, reference counts equal the
+    // block tables' references, the index and LRU agree, parents of registered blocks are
+    // registered); throws InternalError naming the first violation.
+    void check_invariants() const;
+
+  private:
+    struct Block {
+        int32_t ref = 0;
+        bool registered = false;
+        BlockHash hash;    // valid when registered
+        BlockHash parent;  // valid when registered and has_parent
+        bool has_parent = false;
+        BlockId lru_prev = -1, lru_next = -1;
+        bool in_lru = false;
+    };
+    struct Seq {
+        std::vector<BlockId> blocks;
+        std::vector<BlockHash> hashes;  // of blocks[0 .. hashes.size()), all full
+        int64_t num_tokens = 0;
+        bool hashable = true;       // token ids of every block so far are known
+        std::vector<int32_t> tail;  // token ids of the partial last block (when hashable)
+        std::vector<std::byte> extra_keys;
+    };
+
+    const Seq& seq_or_throw(SeqId seq) const;
+    Seq& seq_or_throw(SeqId seq);
+    // Leading hashes registered in the index.
+    size_t match_length(std::span<const BlockHash> hashes) const;
+    // Blocks an allocation of num_tokens with these hashes takes from free + cached, or throws.
+    int64_t blocks_needed(std::span<const BlockHash> hashes, int64_t num_tokens, size_t hits) const;
+    AllocResult allocate_impl(SeqId seq, std::span<const BlockHash> hashes, int64_t num_tokens);
+    BlockId take_block();  // from the free list, else evicts the LRU cached block
+    void release_block(BlockId b);
+    // Registers the sequence's full blocks [from, hashes.size()) where the chain allows.
+    void register_blocks(Seq& s, size_t from);
+    void unregister(BlockId b);
+    void lru_push_back(BlockId b);
+    void lru_remove(BlockId b);
+    void begin_op();
+    void flush_events();
+    // The event to add to: the open one of this kind, or a new one (always when force_new). The
+    // sequence number advances even when no one listens; then the result is nullptr.
+    KvEvent* event_for(KvEventKind kind, bool force_new);
+
+    BlockManagerConfig config_;
+    std::vector<Block> blocks_;
+    std::vector<BlockId> free_list_;         // back() is handed out next
+    BlockId lru_head_ = -1, lru_tail_ = -1;  // head: least recently used
+    int64_t num_free_ = 0, num_cached_ = 0, num_used_ = 0;
+    std::unordered_map<BlockHash, BlockId, BlockHashHasher> index_;
+    std::unordered_map<SeqId, Seq> seqs_;
+    mutable BlockHasher hasher_;
+    mutable std::vector<BlockHash> scratch_hashes_;
+
+    CacheMetrics counters_;  // queries, tokens, evictions, stored
+    uint64_t next_event_seq_ = 0;
+    std::vector<KvEvent> pending_;          // events of the current operation, delivered at its end
+    bool publishing_ = false;               // someone listens during the current operation
+    std::optional<KvEventKind> open_kind_;  // kind of the last event of the current operation
+    std::vector<std::pair<int, KvEventCallback>> subscribers_;
+    int next_subscriber_id_ = 0;
+};
+
+}  // namespace kvshard

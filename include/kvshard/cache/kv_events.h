@@ -1,0 +1,64 @@
+#pragma once
+// KV events: what a block manager publishes about its prefix cache (docs/cache.md, "KV events").
+// A cache-aware router rebuilds each replica's set of cached block hashes from this feed.
+//
+// Every event carries a sequence number, 0, 1, 2, ... per manager with no gaps, in the order the
+// changes happened. Subscribers receive events synchronously, in that order, after the operation
+// that caused them has completed (so the manager is consistent when a callback runs).
+//   BlockStored:  blocks that became findable by lookup. block_hashes is one chain, head first;
+//                 parent_hash is the hash the first of them chains from (none for a sequence's
+//                 first block); num_tokens = block_hashes.size() * block_size.
+//   BlockRemoved: hashes that are no longer findable (evicted).
+//   AllCleared:   every hash was dropped (clear_cache()).
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvshard/cache/block_hash.h"
+
+namespace kvshard {
+
+enum class KvEventKind { kBlockStored, kBlockRemoved, kAllCleared };
+std::string_view kv_event_kind_name(KvEventKind k);  // "BlockStored", "BlockRemoved", "AllCleared"
+
+struct KvEvent {
+    KvEventKind kind = KvEventKind::kBlockStored;
+    uint64_t seq = 0;                      // event sequence number
+    std::vector<BlockHash> block_hashes;   // Stored: chain order; Removed: eviction order
+    std::optional<BlockHash> parent_hash;  // Stored only; nullopt when the chain starts at the root
+    int64_t num_tokens = 0;                // Stored only
+    int block_size = 0;                    // tokens per block of the manager
+    std::vector<int32_t> block_ids;        // the manager's block ids, same order as block_hashes
+
+    bool operator==(const KvEvent&) const = default;
+};
+
+using KvEventCallback = std::function<void(const KvEvent&)>;
+
+// One JSON object, no newline:
+//   {"seq":3,"type":"BlockStored","block_hashes":["<32 hex>",...],"parent_hash":"<32 hex>"|null,
+//    "num_tokens":32,"block_size":16,"block_ids":[4,5]}
+// "source" is added first when non-empty (e.g. a replica name).
+std::string to_json_line(const KvEvent& e, std::string_view source = {});
+// Parses what to_json_line writes (the "source" field is ignored); throws Error on a malformed
+// line.
+KvEvent kv_event_from_json(std::string_view line);
+
+// Subscriber that writes one JSON line per event to a stream (flushes after each line).
+class KvEventJsonWriter {
+  public:
+    explicit KvEventJsonWriter(std::ostream& out, std::string source = {})
+        : out_(&out), source_(std::move(source)) {}
+    void operator()(const KvEvent& e) const;
+
+  private:
+    std::ostream* out_;
+    std::string source_;
+};
+
+}  // namespace kvshard

@@ -1,0 +1,160 @@
+#pragma once
+// Context parallelism (CP) as pure plans: who stores which token, what travels round the ring,
+// pass-KV vs pass-Q, decode placement, and prefix-cache reuse across CP sizes.
+// Formulas, rules and their derivations: docs/context-parallel.md.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/layout/parallel_config.h"
+
+namespace kvshard {
+
+// ---------------------------------------------------------------------------------------------
+// Token placement of one sequence.
+
+// One run of positions [begin, end) placed by one rule:
+//  kContiguous / kZigzag: the rule of cp_owner applied to the run alone (seq_len = end - begin,
+//    position pos - begin), so that placing new tokens never moves tokens stored earlier;
+//  kInterleave: owner = (pos / unit) % cp on the GLOBAL position (runs of one unit compose).
+struct CpSegment {
+    int64_t begin = 0;
+    int64_t end = 0;
+    CpScheme scheme = CpScheme::kContiguous;
+    int unit = 1;  // kInterleave only
+    bool operator==(const CpSegment&) const = default;
+};
+
+// Which CP rank stores each token of one sequence. A token's owner is fixed when it is first stored
+// and never changes as the sequence grows (a cached prefix stays where it is).
+class CpTokenMap {
+  public:
+    CpTokenMap() = default;
+    explicit CpTokenMap(int cp);
+
+    int cp() const { return cp_; }
+    int64_t size() const { return segments_.empty() ? 0 : segments_.back().end; }
+    const std::vector<CpSegment>& segments() const { return segments_; }
+
+    // Appends n tokens placed by `scheme` (prompt or the new tokens of a partial prefill).
+    void append(int64_t n, CpScheme scheme, int unit = 1);
+    // Appends n generated tokens by the decode rule: position t goes to CP rank (t / unit) % cp,
+    // unit = the KV block size (or the interleave unit under kInterleave). docs §5.
+    void append_generated(int64_t n, int unit);
+
+    int owner(int64_t pos) const;
+    // Ascending global positions of [begin, end) (end < 0: the whole sequence) stored on cp_rank.
+    std::vector<int64_t> positions(int cp_rank, int64_t begin = 0, int64_t end = -1) const;
+    int64_t count(int cp_rank, int64_t begin = 0, int64_t end = -1) const;
+
+    bool operator==(const CpTokenMap&) const = default;
+
+  private:
+    int cp_ = 1;
+    std::vector<CpSegment> segments_;
+};
+
+// The placement of a prompt of n tokens under p (one segment of p.cp_scheme, unit p.cp_interleave).
+// Equals cp_owner(p, n, pos) for every pos.
+CpTokenMap cp_prompt_map(const ParallelConfig& p, int64_t n);
+
+// ---------------------------------------------------------------------------------------------
+// The ring (pass-KV: KV shards travel; pass-Q: query shards travel).
+
+// At step s = 0..cp-1 CP rank c works on the shard that CP rank (c - s) mod cp owns; at step
+// s <= cp-2 it sends that shard to (c + 1) mod cp and receives shard (c - s - 1) mod cp from
+// (c - 1) mod cp, so after cp-1 steps every rank has seen every shard exactly once.
+struct CpRingStep {
+    int step = 0;
+    int holds = 0;      // CP rank whose shard is worked on in this step
+    int sends = -1;     // CP rank whose shard is sent to next(), -1 in the last step
+    int receives = -1;  // CP rank whose shard arrives from prev(), -1 in the last step
+    bool operator==(const CpRingStep&) const = default;
+};
+int cp_ring_next(int cp, int cp_rank);
+int cp_ring_prev(int cp, int cp_rank);
+std::vector<CpRingStep> cp_ring_schedule(int cp, int cp_rank);
+
+// Bytes rank `rank` of `layout` sends for one sequence placed by `map`, all its layers together.
+struct CpPrefillBytes {
+    int64_t ring = 0;        // pass-KV: K/V shards; pass-Q: query shards
+    int64_t all_to_all = 0;  // pass-Q only: partial outputs + LSEs returned to the query owners
+    int64_t total() const { return ring + all_to_all; }
+};
+// pass-KV: sum over layers of KV(all map.size() tokens) - KV(shard of next rank). Equals the
+// planner's cp_pass_kv_bytes_sent(layout, rank, n) when map == cp_prompt_map(layout.parallel, n).
+CpPrefillBytes cp_pass_kv_bytes(const KvLayout& layout, int rank, const CpTokenMap& map);
+// pass-Q for the new tokens [new_begin, map.size()): Q of those tokens minus the next rank's,
+// in the KV dtype; then, for every other rank's new tokens, the fp32 partial output (D) and fp32
+// LSE per query head.
+CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMap& map,
+                               int64_t new_begin);
+
+enum class CpPrefillMode { kPassKv, kPassQ };
+std::string_view cp_prefill_mode_name(CpPrefillMode m);   // "pass-kv" | "pass-q"
+CpPrefillMode parse_cp_prefill_mode(std::string_view s);  // pass-kv|pass-q; throws Error
+
+// The automatic choice for a partial prefill with `cached` tokens already stored and `fresh` new
+// ones (Meta, arXiv:2411.01783): pass-Q iff its total bytes over all ranks are strictly smaller,
+// which is iff fresh / (cached + fresh) < cp_pass_q_threshold(layout). cp = 1: pass-KV (no ring).
+struct CpPrefillChoice {
+    CpPrefillMode mode = CpPrefillMode::kPassKv;
+    double new_fraction = 1.0;  // fresh / (cached + fresh)
+    double threshold = 0.0;     // cp_pass_q_threshold
+    int64_t pass_kv_bytes = 0;  // totals over all ranks of the layout
+    int64_t pass_q_bytes = 0;
+};
+// 2 * Hkv_r * e_kv * D / (Hq_r * (e_kv * D + 4 * D + 4)), summed over the layers of one CP slice.
+double cp_pass_q_threshold(const KvLayout& layout);
+CpPrefillChoice choose_cp_prefill(const KvLayout& layout, int64_t cached, int64_t fresh);
+
+// ---------------------------------------------------------------------------------------------
+// Decode: every CP rank attends the new queries to its own shard and the (O, LSE) partials are
+// merged exactly.
+enum class CpDecodeMerge {
+    kAllGather,  // all-gather every partial, every rank merges all heads
+    kAllToAll,   // Helix: all-to-all over heads, each rank merges its heads, all-gather merged O
+};
+std::string_view cp_decode_merge_name(CpDecodeMerge m);  // "all-gather" | "all-to-all"
+CpDecodeMerge parse_cp_decode_merge(std::string_view s);
+// Query heads [begin, end) that CP rank c merges in the Helix form (num_heads split as evenly as
+// possible; some ranks get none when num_heads < cp).
+TokenRange cp_helix_heads(int num_heads, int cp, int cp_rank);
+// Bytes one rank sends per decoded token, all its layers, under each merge (fp32 O and LSE).
+int64_t cp_decode_merge_bytes(const KvLayout& layout, int rank, CpDecodeMerge merge);
+
+// ---------------------------------------------------------------------------------------------
+// Work balance: number of (query, visible key) pairs each CP rank computes when the queries are
+// the positions [q_begin, map.size()) it owns and every key at a position <= the query's is visible
+// (the causal attention work; FLOPs = 4 * pairs * Hq * D).
+std::vector<int64_t> cp_causal_pairs(const CpTokenMap& map, int64_t q_begin = 0);
+
+// ---------------------------------------------------------------------------------------------
+// Prefix cache under CP: block-granular interleave (unit = block size B) puts global block b on CP
+// rank b % cp, so the cached prefix of k blocks is on rank r exactly its local blocks
+// 0 .. cp_local_blocks(k, cp, r) - 1: a prefix on every rank at once.
+int64_t cp_local_blocks(int64_t global_blocks, int cp, int cp_rank);
+
+// Reusing a prefix of `blocks` global blocks cached at CP size src_cp (block b on CP rank b %
+// src_cp) for a request served at dst_cp (block b needed on CP rank b % dst_cp). CP rank i of the
+// destination group is the same device as CP rank i of the source group (same dp, pp, tp). Blocks
+// already in place stay; the others are moved, none is recomputed.
+struct CpBlockMove {
+    int64_t block = 0;  // global block index
+    int src = 0;        // CP rank in the source group
+    int dst = 0;        // CP rank in the destination group
+    bool operator==(const CpBlockMove&) const = default;
+};
+struct CpPrefixReusePlan {
+    int src_cp = 1;
+    int dst_cp = 1;
+    int64_t blocks = 0;
+    int64_t kept = 0;                // blocks already on their destination device
+    std::vector<CpBlockMove> moves;  // ascending block
+};
+CpPrefixReusePlan plan_cp_prefix_reuse(int src_cp, int dst_cp, int64_t blocks);
+
+std::string to_json(const CpPrefixReusePlan& plan);
+
+}  // namespace kvshard

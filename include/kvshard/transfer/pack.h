@@ -1,0 +1,53 @@
+#pragma once
+// Pack and unpack the messages of a TransferPlan between BlockPools (docs/transfer.md).
+//
+// The wire payload of a message lists, for layer ascending, for kv (K then V; MLA: the latent), for
+// each piece in order, the piece's rectangle of heads [head_begin, head_end) x its tokens, each
+// cell a head_dim-element vector, in one of two orders:
+//  - pre-send: the destination's page order. The sender gathers (reshapes) from its pages; the
+//    receiver copies runs that are contiguous in its pages straight in.
+//  - post-receive: the source's page order. The sender copies its pages' runs as they are; the
+//    receiver scatters them into its own layout.
+// Either mode leaves byte-identical destination pools. Consecutive copies that continue in both
+// buffers are merged into one memcpy.
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "kvshard/cache/block_pool.h"
+#include "kvshard/transfer/transfer_plan.h"
+
+namespace kvshard {
+
+enum class TransferMode { kPreSend, kPostReceive, kAuto };
+std::string_view transfer_mode_name(TransferMode m);  // "pre-send", "post-receive", "auto"
+TransferMode parse_transfer_mode(
+    std::string_view s);  // pre-send|post-receive|auto; Error otherwise
+
+// The page order of a message's payload under mode (kPreSend or kPostReceive).
+PageOrder wire_order(const TransferPlan& plan, TransferMode mode);
+
+// memcpy calls that packing (sender) and unpacking (receiver) the whole plan in `mode` issue.
+struct CopyCounts {
+    int64_t pack = 0;
+    int64_t unpack = 0;
+    int64_t total() const { return pack + unpack; }
+};
+CopyCounts count_copies(const TransferPlan& plan, TransferMode mode);
+
+// kAuto -> the mode whose pack + unpack take fewer memcpy calls (fewer, longer copies run faster);
+// on a tie, pre-send. Other modes are returned as they are.
+TransferMode resolve_mode(const TransferPlan& plan, TransferMode mode);
+
+// Writes message `msg`'s payload (msg.bytes bytes) from the source rank's pool into `out`.
+// `pool` must have the source rank's page geometry (rank_page_geometry); Error otherwise, or when a
+// block id is outside the pool or `out` has the wrong size. mode must not be kAuto.
+void pack_message(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
+                  const BlockPool& pool, std::span<std::byte> out);
+
+// Copies a payload made by pack_message (same plan, message and mode) into the destination rank's
+// pool.
+void unpack_message(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
+                    std::span<const std::byte> in, BlockPool& pool);
+
+}  // namespace kvshard

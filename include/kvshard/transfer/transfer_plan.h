@@ -1,0 +1,122 @@
+#pragma once
+// TransferPlan: which source rank sends which KV to which destination rank, and where it lands,
+// when a request's KV moves from one layout (prefill) to another (decode). A pure function of
+// values (docs/transfer.md).
+//
+// Each side is a KvLayout plus the request's paged storage on that side:
+//  - one DP replica serves the request (`dp`);
+//  - CP rank c stores the tokens cp_token_ranges(parallel, c, num_tokens) in ascending global
+//    position; its j-th token lives in block block_tables[c][j / block_size], slot j % block_size;
+//  - a block id means the same tokens on every TP x PP rank of that CP index (block_pool.h), so one
+//    table per CP rank serves all of them.
+//
+// The plan covers every destination rank of the replica: for each, every (layer, K/V, head, token)
+// its layout holds arrives exactly once. A head held by several source ranks (tp > H_kv, or the MLA
+// latent on every TP rank) is read from one copy per token: the copies split the source CP rank's
+// tokens into equal chunks, so all of them send. A head held by several destination ranks is
+// delivered to each copy. Messages are coalesced: one per (source rank, destination rank, layer
+// group).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvshard/cache/block_pool.h"
+#include "kvshard/layout/kv_layout.h"
+
+namespace kvshard {
+
+// One side of a transfer: a layout and the request's block tables on it.
+struct TransferEndpoint {
+    KvLayout layout;
+    int dp = 0;  // the replica that holds (or will hold) the request
+    int block_size = 16;
+    PageOrder order = PageOrder::kHnd;
+    // Indexed by CP rank; entry c lists the blocks of CP rank c's tokens in order. Each needs at
+    // least ceil(tokens held by c / block_size) entries.
+    std::vector<std::vector<int32_t>> block_tables;
+};
+
+// Block tables that number each CP rank's blocks 0, 1, 2, ... (what the CLI and benchmarks use).
+std::vector<std::vector<int32_t>> sequential_block_tables(const KvLayout& layout, int block_size,
+                                                          int64_t num_tokens);
+
+// The page geometry of rank `rank` of `layout`: its layers, its KV heads (MLA: one latent of
+// kv_lora_rank + qk_rope_head_dim elements, kv_factor 1), the model's KV dtype.
+PageGeometry rank_page_geometry(const KvLayout& layout, int rank, int block_size, PageOrder order);
+
+// A run of `count` consecutive global token positions that sits in one source block and one
+// destination block: source slots [src_slot, src_slot + count) and destination slots
+// [dst_slot, dst_slot + count).
+struct TransferPiece {
+    int64_t token_begin = 0;
+    int32_t count = 0;
+    int32_t src_block = 0, src_slot = 0;
+    int32_t dst_block = 0, dst_slot = 0;
+    bool operator==(const TransferPiece&) const = default;
+};
+
+// Everything one source rank sends one destination rank for one layer group: the same pieces for
+// every layer in [layer_begin, layer_end), both K and V (MLA: the latent), heads [head_begin,
+// head_end) (global KV head ids; MLA: [0, 1)).
+//
+// Wire payload (docs/transfer.md): for layer ascending, for kv in K, V, for piece in order, the
+// piece's (head, token) rectangle of head_dim-element vectors, in the page order of the side named
+// by the mode (pre-send: the destination's; post-receive: the source's): HND = head-major, NHD =
+// token-major.
+struct TransferMessage {
+    int src_rank = 0;  // rank in the source layout
+    int dst_rank = 0;  // rank in the destination layout
+    int layer_group = 0;
+    int layer_begin = 0, layer_end = 0;
+    int head_begin = 0, head_end = 0;
+    std::vector<TransferPiece> pieces;
+    int64_t num_tokens = 0;  // sum of piece counts
+    int64_t bytes = 0;       // payload bytes
+
+    int num_layers() const { return layer_end - layer_begin; }
+    int num_heads() const { return head_end - head_begin; }
+    bool operator==(const TransferMessage&) const = default;
+};
+
+struct TransferPlanOptions {
+    // Layers per group: layer l belongs to group l / layers_per_group. 0: one group (all layers),
+    // so one message per (source, destination) pair. 1: a message per layer (layer-wise streaming).
+    int layers_per_group = 0;
+};
+
+struct TransferPlan {
+    TransferEndpoint src, dst;
+    int64_t num_tokens = 0;
+    TransferPlanOptions options;
+    int num_layer_groups = 1;
+    int kv_factor = 2;  // 2: K and V; 1: MLA latent
+    int head_dim = 0;   // elements per head vector (MLA: the latent width)
+    int64_t elem_size = 0;
+    // Ordered by (layer group, source rank, destination rank).
+    std::vector<TransferMessage> messages;
+    int64_t bytes = 0;  // sum of message payloads
+    int64_t min_bytes =
+        0;  // sum over destination ranks of the KV bytes their layout holds for the request
+
+    // Bytes of one head vector and of one token of one head over K and V.
+    int64_t vector_bytes() const { return int64_t{head_dim} * elem_size; }
+    // Indices into messages sent by source rank r / received by destination rank r.
+    std::vector<int> messages_from(int src_rank) const;
+    std::vector<int> messages_to(int dst_rank) const;
+};
+
+// Throws Error when the two layouts describe different models (layers, KV heads, head_dim, MLA
+// shape, KV dtype), a dp index is out of range, a block table is missing or too short, or
+// num_tokens < 1.
+TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpoint& dst,
+                                int64_t num_tokens, const TransferPlanOptions& options = {});
+
+// The KV bytes destination rank `dst_rank` holds for the request (what it must receive).
+int64_t needed_bytes(const TransferPlan& plan, int dst_rank);
+
+// {"messages", "bytes", "min_bytes", "layer_groups", "from", "to", "tokens", "pairs":
+// [{"src","dst", "bytes","messages"}], "message_list": [...]} (message_list only with
+// `with_messages`).
+std::string to_json(const TransferPlan& plan, bool with_messages = false);
+
+}  // namespace kvshard

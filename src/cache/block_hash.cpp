@@ -1,0 +1,184 @@
+#include "kvshard/cache/block_hash.h"
+
+#include <xxhash.h>
+
+#include <bit>
+#include <cstring>
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+namespace {
+
+// Encoded blocks up to this size are copied into one buffer and hashed with the one-shot XXH3
+// (the copy is cheap next to XXH3's setup); larger ones go through XXH3's streaming state, which
+// reads the token ids in place and copies only the first and last partial stripes.
+constexpr size_t kOneShotLimit = 1024;
+
+void put_u64_le(std::byte* dst, uint64_t v) {
+    if constexpr (std::endian::native == std::endian::little) {
+        std::memcpy(dst, &v, 8);
+    } else {
+        for (int i = 0; i < 8; ++i) dst[i] = static_cast<std::byte>(v >> (8 * i));
+    }
+}
+
+void put_parent(std::byte* dst, const BlockHash& parent) {
+    put_u64_le(dst, parent.lo);
+    put_u64_le(dst + 8, parent.hi);
+}
+
+void put_tokens(std::byte* dst, std::span<const int32_t> tokens) {
+    if constexpr (std::endian::native == std::endian::little) {
+        std::memcpy(dst, tokens.data(), tokens.size_bytes());
+    } else {
+        for (size_t i = 0; i < tokens.size(); ++i) {
+            const auto v = static_cast<uint32_t>(tokens[i]);
+            for (int b = 0; b < 4; ++b) dst[4 * i + b] = static_cast<std::byte>(v >> (8 * b));
+        }
+    }
+}
+
+BlockHash to_block_hash(XXH128_hash_t h) { return BlockHash{h.low64, h.high64}; }
+
+size_t encoded_size(std::span<const int32_t> tokens, std::span<const std::byte> extra) {
+    return 16 + tokens.size_bytes() + extra.size();
+}
+
+int hex_digit(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+}  // namespace
+
+std::string BlockHash::hex() const {
+    static constexpr char kDigits[] = "0123456789abcdef";
+    std::string s(32, '0');
+    for (int i = 0; i < 16; ++i) {
+        s[15 - i] = kDigits[(hi >> (4 * i)) & 0xf];
+        s[31 - i] = kDigits[(lo >> (4 * i)) & 0xf];
+    }
+    return s;
+}
+
+BlockHash BlockHash::from_hex(std::string_view text) {
+    require(text.size() == 32, "a block hash is 32 hex digits (high 64 bits first), got '", text,
+            "' (", text.size(), " characters)");
+    BlockHash h;
+    for (int i = 0; i < 32; ++i) {
+        const int d = hex_digit(text[i]);
+        require(d >= 0, "a block hash is 32 hex digits, got '", text, "' (bad character '", text[i],
+                "')");
+        uint64_t& word = i < 16 ? h.hi : h.lo;
+        word = (word << 4) | static_cast<uint64_t>(d);
+    }
+    return h;
+}
+
+std::vector<std::byte> encode_extra_keys(std::string_view cache_salt, std::string_view adapter_id) {
+    std::vector<std::byte> out;
+    auto put = [&out](uint8_t tag, std::string_view key) {
+        if (key.empty()) return;
+        require(key.size() <= UINT32_MAX, "an extra key is at most 4 GiB long");
+        out.push_back(static_cast<std::byte>(tag));
+        const auto n = static_cast<uint32_t>(key.size());
+        for (int b = 0; b < 4; ++b) out.push_back(static_cast<std::byte>(n >> (8 * b)));
+        for (char c : key) out.push_back(static_cast<std::byte>(c));
+    };
+    put(1, cache_salt);
+    put(2, adapter_id);
+    return out;
+}
+
+std::vector<std::byte> encode_block(const BlockHash& parent, std::span<const int32_t> tokens,
+                                    std::span<const std::byte> extra_keys) {
+    std::vector<std::byte> out(encoded_size(tokens, extra_keys));
+    put_parent(out.data(), parent);
+    put_tokens(out.data() + 16, tokens);
+    if (!extra_keys.empty())
+        std::memcpy(out.data() + 16 + tokens.size_bytes(), extra_keys.data(), extra_keys.size());
+    return out;
+}
+
+BlockHash hash_block(const BlockHash& parent, std::span<const int32_t> tokens,
+                     std::span<const std::byte> extra_keys) {
+    const size_t n = encoded_size(tokens, extra_keys);
+    if (n <= kOneShotLimit) {
+        alignas(64) std::byte buf[kOneShotLimit];
+        put_parent(buf, parent);
+        put_tokens(buf + 16, tokens);
+        if (!extra_keys.empty())
+            std::memcpy(buf + 16 + tokens.size_bytes(), extra_keys.data(), extra_keys.size());
+        return to_block_hash(XXH3_128bits(buf, n));
+    }
+    BlockHasher h;
+    return h.hash(parent, tokens, extra_keys);
+}
+
+struct BlockHasher::Stream {
+    XXH3_state_t* state = XXH3_createState();
+    Stream() { KVSHARD_CHECK(state != nullptr, "XXH3_createState failed"); }
+    ~Stream() { XXH3_freeState(state); }
+    Stream(const Stream&) = delete;
+    Stream& operator=(const Stream&) = delete;
+};
+
+BlockHasher::BlockHasher() = default;
+BlockHasher::~BlockHasher() = default;
+BlockHasher::BlockHasher(BlockHasher&&) noexcept = default;
+BlockHasher& BlockHasher::operator=(BlockHasher&&) noexcept = default;
+
+BlockHash BlockHasher::hash(const BlockHash& parent, std::span<const int32_t> tokens,
+                            std::span<const std::byte> extra_keys) {
+    const size_t n = encoded_size(tokens, extra_keys);
+    if (n <= kOneShotLimit || std::endian::native != std::endian::little) {
+        if (buf_.size() < n) buf_.resize(n);
+        std::byte* b = buf_.data();
+        put_parent(b, parent);
+        put_tokens(b + 16, tokens);
+        if (!extra_keys.empty())
+            std::memcpy(b + 16 + tokens.size_bytes(), extra_keys.data(), extra_keys.size());
+        return to_block_hash(XXH3_128bits(b, n));
+    }
+    if (!stream_) stream_ = std::make_unique<Stream>();
+    std::byte head[16];
+    put_parent(head, parent);
+    XXH3_128bits_reset(stream_->state);
+    XXH3_128bits_update(stream_->state, head, 16);
+    XXH3_128bits_update(stream_->state, tokens.data(), tokens.size_bytes());
+    if (!extra_keys.empty())
+        XXH3_128bits_update(stream_->state, extra_keys.data(), extra_keys.size());
+    return to_block_hash(XXH3_128bits_digest(stream_->state));
+}
+
+void BlockHasher::hash_blocks(const BlockHash& parent, std::span<const int32_t> tokens,
+                              int block_size, std::span<const std::byte> extra_keys,
+                              std::vector<BlockHash>& out) {
+    require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
+    const size_t bs = static_cast<size_t>(block_size);
+    const size_t full = tokens.size() / bs;
+    out.reserve(out.size() + full);
+    BlockHash h = parent;
+    for (size_t i = 0; i < full; ++i) {
+        h = hash(h, tokens.subspan(i * bs, bs), extra_keys);
+        out.push_back(h);
+    }
+}
+
+std::vector<BlockHash> BlockHasher::hash_blocks(std::span<const int32_t> tokens, int block_size,
+                                                std::span<const std::byte> extra_keys) {
+    std::vector<BlockHash> out;
+    hash_blocks(kRootParentHash, tokens, block_size, extra_keys, out);
+    return out;
+}
+
+std::vector<BlockHash> hash_token_blocks(std::span<const int32_t> tokens, int block_size,
+                                         std::span<const std::byte> extra_keys) {
+    BlockHasher h;
+    return h.hash_blocks(tokens, block_size, extra_keys);
+}
+
+}  // namespace kvshard

@@ -1,0 +1,615 @@
+#include "kvshard/cache/block_manager.h"
+
+#include <algorithm>
+
+namespace kvshard {
+
+BlockManager::BlockManager(BlockManagerConfig config) : config_(config) {
+    require(config_.block_size >= 1, "block size must be at least 1 token, got ",
+            config_.block_size);
+    require(config_.num_blocks >= 1, "a block manager needs at least one block, got ",
+            config_.num_blocks);
+    require(config_.num_blocks <= INT32_MAX, "at most ", INT32_MAX, " blocks, got ",
+            config_.num_blocks);
+    blocks_.resize(static_cast<size_t>(config_.num_blocks));
+    free_list_.reserve(blocks_.size());
+    // Hand out block 0 first.
+    for (int64_t b = config_.num_blocks - 1; b >= 0; --b)
+        free_list_.push_back(static_cast<BlockId>(b));
+    num_free_ = config_.num_blocks;
+    if (config_.enable_prefix_cache) index_.reserve(blocks_.size());
+}
+
+// ---------------------------------------------------------------- lookup
+
+PrefixMatch BlockManager::lookup(std::span<const int32_t> tokens,
+                                 std::span<const std::byte> extra_keys) const {
+    PrefixMatch m;
+    if (!config_.enable_prefix_cache) return m;
+    const size_t bs = static_cast<size_t>(config_.block_size);
+    BlockHash h = kRootParentHash;
+    // Hash block by block and stop at the first miss: a miss ends the prefix.
+    for (size_t i = 0; i + bs <= tokens.size(); i += bs) {
+        h = hasher_.hash(h, tokens.subspan(i, bs), extra_keys);
+        const auto it = index_.find(h);
+        if (it == index_.end()) break;
+        m.blocks.push_back(it->second);
+    }
+    m.num_tokens = static_cast<int64_t>(m.blocks.size()) * config_.block_size;
+    return m;
+}
+
+PrefixMatch BlockManager::lookup_hashes(std::span<const BlockHash> block_hashes) const {
+    PrefixMatch m;
+    if (!config_.enable_prefix_cache) return m;
+    for (const BlockHash& h : block_hashes) {
+        const auto it = index_.find(h);
+        if (it == index_.end()) break;
+        m.blocks.push_back(it->second);
+    }
+    m.num_tokens = static_cast<int64_t>(m.blocks.size()) * config_.block_size;
+    return m;
+}
+
+size_t BlockManager::match_length(std::span<const BlockHash> hashes) const {
+    if (!config_.enable_prefix_cache) return 0;
+    size_t n = 0;
+    while (n < hashes.size() && index_.find(hashes[n]) != index_.end()) ++n;
+    return n;
+}
+
+// ---------------------------------------------------------------- allocation
+
+int64_t BlockManager::blocks_needed(std::span<const BlockHash> hashes, int64_t num_tokens,
+                                    size_t hits) const {
+    const int64_t total = blocks_for_tokens(num_tokens);
+    if (total > config_.num_blocks)
+        throw Error(detail::concat(
+            "a sequence of ", num_tokens, " tokens needs ", total, " blocks of ",
+            config_.block_size, " tokens but the whole pool has ", config_.num_blocks,
+            " blocks (at most ", config_.num_blocks * config_.block_size, " tokens per sequence)"));
+    int64_t need = total - static_cast<int64_t>(hits);
+    for (size_t i = 0; i < hits; ++i)
+        if (blocks_[static_cast<size_t>(index_.at(hashes[i]))].ref == 0) ++need;
+    return need;
+}
+
+bool BlockManager::can_allocate(std::span<const int32_t> tokens,
+                                std::span<const std::byte> extra_keys) const {
+    scratch_hashes_.clear();
+    if (config_.enable_prefix_cache)
+        hasher_.hash_blocks(kRootParentHash, tokens, config_.block_size, extra_keys,
+                            scratch_hashes_);
+    return can_allocate_hashes(scratch_hashes_, static_cast<int64_t>(tokens.size()));
+}
+
+bool BlockManager::can_allocate_hashes(std::span<const BlockHash> block_hashes,
+                                       int64_t num_tokens) const {
+    if (num_tokens < 0 || blocks_for_tokens(num_tokens) > config_.num_blocks) return false;
+    const size_t full = static_cast<size_t>(num_tokens / config_.block_size);
+    const auto hashes = block_hashes.first(std::min(full, block_hashes.size()));
+    return blocks_needed(hashes, num_tokens, match_length(hashes)) <= num_available_blocks();
+}
+
+AllocResult BlockManager::allocate(SeqId seq, std::span<const int32_t> tokens,
+                                   std::span<const std::byte> extra_keys) {
+    scratch_hashes_.clear();
+    if (config_.enable_prefix_cache)
+        hasher_.hash_blocks(kRootParentHash, tokens, config_.block_size, extra_keys,
+                            scratch_hashes_);
+    const AllocResult r = allocate_impl(seq, scratch_hashes_, static_cast<int64_t>(tokens.size()));
+    if (config_.enable_prefix_cache) {
+        Seq& s = seqs_.at(seq);
+        const size_t full_tokens = scratch_hashes_.size() * static_cast<size_t>(config_.block_size);
+        s.tail.assign(tokens.begin() + static_cast<ptrdiff_t>(full_tokens), tokens.end());
+        s.extra_keys.assign(extra_keys.begin(), extra_keys.end());
+        s.hashable = true;
+    }
+    return r;
+}
+
+AllocResult BlockManager::allocate_with_hashes(SeqId seq, std::span<const BlockHash> block_hashes,
+                                               int64_t num_tokens) {
+    require(num_tokens >= 0, "a sequence cannot have ", num_tokens, " tokens");
+    const size_t full = static_cast<size_t>(num_tokens / config_.block_size);
+    const auto total = static_cast<size_t>(blocks_for_tokens(num_tokens));
+    require(block_hashes.size() >= full && block_hashes.size() <= total, "sequence ", seq, ": ",
+            num_tokens, " tokens in blocks of ", config_.block_size, " need ", full,
+            full == total ? "" : " or ", full == total ? "" : std::to_string(total),
+            " block hashes (one per full block, optionally one for the partial last block), got ",
+            block_hashes.size());
+    return allocate_impl(seq, block_hashes.first(full), num_tokens);
+}
+
+AllocResult BlockManager::allocate_impl(SeqId seq, std::span<const BlockHash> hashes,
+                                        int64_t num_tokens) {
+    require(!contains(seq), "sequence ", seq,
+            " is already allocated; free it first or use a new id");
+    require(num_tokens >= 0, "a sequence cannot have ", num_tokens, " tokens");
+    const size_t hits = match_length(hashes);
+    const int64_t need = blocks_needed(hashes, num_tokens, hits);
+    if (need > num_available_blocks())
+        throw OutOfBlocksError(detail::concat(
+            "sequence ", seq, " of ", num_tokens, " tokens needs ", need, " more blocks but only ",
+            num_available_blocks(), " are free or evictable now; free a sequence first"));
+
+    begin_op();
+    Seq s;
+    const auto total = static_cast<size_t>(blocks_for_tokens(num_tokens));
+    s.blocks.reserve(total);
+    for (size_t i = 0; i < hits; ++i) {
+        const BlockId b = index_.find(hashes[i])->second;
+        Block& m = blocks_[static_cast<size_t>(b)];
+        if (m.ref == 0) {
+            lru_remove(b);
+            --num_cached_;
+            ++num_used_;
+        }
+        ++m.ref;
+        s.blocks.push_back(b);
+    }
+    for (size_t i = hits; i < total; ++i) {
+        const BlockId b = take_block();
+        blocks_[static_cast<size_t>(b)].ref = 1;
+        ++num_used_;
+        s.blocks.push_back(b);
+    }
+    s.num_tokens = num_tokens;
+    s.hashable = false;
+    if (config_.enable_prefix_cache) s.hashes.assign(hashes.begin(), hashes.end());
+    register_blocks(s, hits);
+
+    if (config_.enable_prefix_cache) {
+        ++counters_.queries;
+        counters_.query_tokens += num_tokens;
+        counters_.hit_tokens += static_cast<int64_t>(hits) * config_.block_size;
+    }
+    seqs_.emplace(seq, std::move(s));
+    flush_events();
+
+    AllocResult r;
+    r.cached_blocks = static_cast<int64_t>(hits);
+    r.cached_tokens = r.cached_blocks * config_.block_size;
+    r.new_blocks = need;
+    return r;
+}
+
+BlockId BlockManager::take_block() {
+    if (!free_list_.empty()) {
+        const BlockId b = free_list_.back();
+        free_list_.pop_back();
+        --num_free_;
+        return b;
+    }
+    KVSHARD_CHECK(lru_head_ >= 0, "take_block called with no free or cached block");
+    const BlockId b = lru_head_;
+    lru_remove(b);
+    --num_cached_;
+    if (KvEvent* e = event_for(KvEventKind::kBlockRemoved, false)) {
+        e->block_hashes.push_back(blocks_[static_cast<size_t>(b)].hash);
+        e->block_ids.push_back(b);
+    }
+    unregister(b);
+    ++counters_.evictions;
+    return b;
+}
+
+void BlockManager::release_block(BlockId b) {
+    Block& m = blocks_[static_cast<size_t>(b)];
+    KVSHARD_CHECK(m.ref > 0, "releasing block ", b, " with reference count ", m.ref);
+    if (--m.ref > 0) return;
+    --num_used_;
+    if (m.registered) {
+        lru_push_back(b);
+        ++num_cached_;
+    } else {
+        free_list_.push_back(b);
+        ++num_free_;
+    }
+}
+
+void BlockManager::register_blocks(Seq& s, size_t from) {
+    if (!config_.enable_prefix_cache) return;
+    KvEvent* group = nullptr;
+    bool group_open = false;
+    for (size_t i = from; i < s.hashes.size(); ++i) {
+        // A block is findable only below a findable parent (see the header).
+        if (i > 0) {
+            const Block& p = blocks_[static_cast<size_t>(s.blocks[i - 1])];
+            if (!p.registered || p.hash != s.hashes[i - 1]) break;
+        }
+        if (index_.find(s.hashes[i]) != index_.end()) break;  // same content in another block
+        const BlockId b = s.blocks[i];
+        Block& m = blocks_[static_cast<size_t>(b)];
+        KVSHARD_CHECK(!m.registered, "block ", b, " registered twice");
+        m.registered = true;
+        m.hash = s.hashes[i];
+        m.has_parent = i > 0;
+        m.parent = i > 0 ? s.hashes[i - 1] : BlockHash{};
+        index_.emplace(m.hash, b);
+        ++counters_.stored_blocks;
+        if (!group_open) {
+            group = event_for(KvEventKind::kBlockStored, true);
+            group_open = true;
+            if (group && i > 0) group->parent_hash = s.hashes[i - 1];
+        }
+        if (group) {
+            group->block_hashes.push_back(m.hash);
+            group->block_ids.push_back(b);
+            group->num_tokens += config_.block_size;
+        }
+    }
+}
+
+void BlockManager::unregister(BlockId b) {
+    Block& m = blocks_[static_cast<size_t>(b)];
+    index_.erase(m.hash);
+    m.registered = false;
+    m.has_parent = false;
+    m.hash = BlockHash{};
+    m.parent = BlockHash{};
+}
+
+// ---------------------------------------------------------------- append / free
+
+bool BlockManager::can_append(SeqId seq, int64_t count) const {
+    const Seq& s = seq_or_throw(seq);
+    if (count < 0) return false;
+    const int64_t more =
+        blocks_for_tokens(s.num_tokens + count) - static_cast<int64_t>(s.blocks.size());
+    return more <= num_available_blocks();
+}
+
+void BlockManager::append(SeqId seq, std::span<const int32_t> tokens) {
+    Seq& s = seq_or_throw(seq);
+    const auto count = static_cast<int64_t>(tokens.size());
+    const int64_t total = blocks_for_tokens(s.num_tokens + count);
+    if (total > config_.num_blocks)
+        throw Error(detail::concat("appending ", count, " tokens to sequence ", seq, " (",
+                                   s.num_tokens, " tokens) needs ", total,
+                                   " blocks but the whole pool has ", config_.num_blocks));
+    const int64_t more = total - static_cast<int64_t>(s.blocks.size());
+    if (more > num_available_blocks())
+        throw OutOfBlocksError(detail::concat(
+            "appending ", count, " tokens to sequence ", seq, " needs ", more,
+            " more blocks but only ", num_available_blocks(), " are free or evictable now"));
+    begin_op();
+    for (int64_t i = 0; i < more; ++i) {
+        const BlockId b = take_block();
+        blocks_[static_cast<size_t>(b)].ref = 1;
+        ++num_used_;
+        s.blocks.push_back(b);
+    }
+    s.num_tokens += count;
+    if (s.hashable) {
+        const size_t bs = static_cast<size_t>(config_.block_size);
+        const size_t first_new = s.hashes.size();
+        BlockHash parent = s.hashes.empty() ? kRootParentHash : s.hashes.back();
+        size_t pos = 0;
+        if (!s.tail.empty()) {
+            const size_t take = std::min(bs - s.tail.size(), tokens.size());
+            s.tail.insert(s.tail.end(), tokens.begin(),
+                          tokens.begin() + static_cast<ptrdiff_t>(take));
+            pos = take;
+            if (s.tail.size() == bs) {
+                parent = hasher_.hash(parent, s.tail, s.extra_keys);
+                s.hashes.push_back(parent);
+                s.tail.clear();
+            }
+        }
+        if (s.tail.empty()) {
+            const auto rest = tokens.subspan(pos);
+            const size_t full = rest.size() / bs;
+            hasher_.hash_blocks(parent, rest.first(full * bs), config_.block_size, s.extra_keys,
+                                s.hashes);
+            s.tail.assign(rest.begin() + static_cast<ptrdiff_t>(full * bs), rest.end());
+        }
+        register_blocks(s, first_new);
+    }
+    flush_events();
+}
+
+void BlockManager::append_tokens(SeqId seq, int64_t count) {
+    Seq& s = seq_or_throw(seq);
+    require(count >= 0, "cannot append ", count, " tokens");
+    const int64_t total = blocks_for_tokens(s.num_tokens + count);
+    if (total > config_.num_blocks)
+        throw Error(detail::concat("appending ", count, " tokens to sequence ", seq, " (",
+                                   s.num_tokens, " tokens) needs ", total,
+                                   " blocks but the whole pool has ", config_.num_blocks));
+    const int64_t more = total - static_cast<int64_t>(s.blocks.size());
+    if (more > num_available_blocks())
+        throw OutOfBlocksError(detail::concat(
+            "appending ", count, " tokens to sequence ", seq, " needs ", more,
+            " more blocks but only ", num_available_blocks(), " are free or evictable now"));
+    begin_op();
+    for (int64_t i = 0; i < more; ++i) {
+        const BlockId b = take_block();
+        blocks_[static_cast<size_t>(b)].ref = 1;
+        ++num_used_;
+        s.blocks.push_back(b);
+    }
+    s.num_tokens += count;
+    if (count > 0) {
+        s.hashable = false;
+        s.tail.clear();
+    }
+    flush_events();
+}
+
+void BlockManager::free(SeqId seq) {
+    const auto it = seqs_.find(seq);
+    require(it != seqs_.end(), "sequence ", seq,
+            " is not allocated (never allocated, or already freed)");
+    const std::vector<BlockId>& blocks = it->second.blocks;
+    // Tail first: among blocks released together, the chain's tail is evicted first.
+    for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) release_block(*b);
+    seqs_.erase(it);
+}
+
+void BlockManager::clear_cache() {
+    begin_op();
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+        Block& m = blocks_[i];
+        if (!m.registered) continue;
+        const auto b = static_cast<BlockId>(i);
+        if (m.ref == 0) {
+            lru_remove(b);
+            --num_cached_;
+            free_list_.push_back(b);
+            ++num_free_;
+        }
+        unregister(b);
+    }
+    KVSHARD_CHECK(index_.empty(), "prefix index not empty after clearing every block");
+    event_for(KvEventKind::kAllCleared, true);
+    flush_events();
+}
+
+// ---------------------------------------------------------------- queries
+
+const BlockManager::Seq& BlockManager::seq_or_throw(SeqId seq) const {
+    const auto it = seqs_.find(seq);
+    require(it != seqs_.end(), "sequence ", seq,
+            " is not allocated (never allocated, or already freed)");
+    return it->second;
+}
+
+BlockManager::Seq& BlockManager::seq_or_throw(SeqId seq) {
+    const auto it = seqs_.find(seq);
+    require(it != seqs_.end(), "sequence ", seq,
+            " is not allocated (never allocated, or already freed)");
+    return it->second;
+}
+
+std::span<const BlockId> BlockManager::block_table(SeqId seq) const {
+    return seq_or_throw(seq).blocks;
+}
+
+int64_t BlockManager::num_tokens(SeqId seq) const { return seq_or_throw(seq).num_tokens; }
+
+std::span<const BlockHash> BlockManager::block_hashes(SeqId seq) const {
+    return seq_or_throw(seq).hashes;
+}
+
+PagedKv BlockManager::paged_kv(std::span<const SeqId> seqs) const {
+    PagedKv kv;
+    for (const SeqId id : seqs) {
+        const Seq& s = seq_or_throw(id);
+        kv.add_sequence(s.blocks, s.num_tokens, config_.block_size);
+    }
+    return kv;
+}
+
+CacheMetrics BlockManager::metrics() const {
+    CacheMetrics m = counters_;
+    m.num_blocks = config_.num_blocks;
+    m.used_blocks = num_used_;
+    m.free_blocks = num_free_;
+    m.cached_blocks = num_cached_;
+    m.hashed_blocks = static_cast<int64_t>(index_.size());
+    m.num_sequences = static_cast<int64_t>(seqs_.size());
+    return m;
+}
+
+BlockState BlockManager::block_state(BlockId b) const {
+    require(b >= 0 && b < config_.num_blocks, "block id ", b, " out of range [0, ",
+            config_.num_blocks, ")");
+    const Block& m = blocks_[static_cast<size_t>(b)];
+    if (m.ref > 0) return BlockState::kUsed;
+    return m.registered ? BlockState::kCached : BlockState::kFree;
+}
+
+int32_t BlockManager::ref_count(BlockId b) const {
+    require(b >= 0 && b < config_.num_blocks, "block id ", b, " out of range [0, ",
+            config_.num_blocks, ")");
+    return blocks_[static_cast<size_t>(b)].ref;
+}
+
+std::optional<BlockHash> BlockManager::registered_hash(BlockId b) const {
+    require(b >= 0 && b < config_.num_blocks, "block id ", b, " out of range [0, ",
+            config_.num_blocks, ")");
+    const Block& m = blocks_[static_cast<size_t>(b)];
+    if (!m.registered) return std::nullopt;
+    return m.hash;
+}
+
+std::vector<BlockId> BlockManager::eviction_order() const {
+    std::vector<BlockId> out;
+    for (BlockId b = lru_head_; b >= 0; b = blocks_[static_cast<size_t>(b)].lru_next)
+        out.push_back(b);
+    return out;
+}
+
+// ---------------------------------------------------------------- LRU
+
+void BlockManager::lru_push_back(BlockId b) {
+    Block& m = blocks_[static_cast<size_t>(b)];
+    KVSHARD_CHECK(!m.in_lru, "block ", b, " already in the LRU list");
+    m.in_lru = true;
+    m.lru_prev = lru_tail_;
+    m.lru_next = -1;
+    if (lru_tail_ >= 0)
+        blocks_[static_cast<size_t>(lru_tail_)].lru_next = b;
+    else
+        lru_head_ = b;
+    lru_tail_ = b;
+}
+
+void BlockManager::lru_remove(BlockId b) {
+    Block& m = blocks_[static_cast<size_t>(b)];
+    KVSHARD_CHECK(m.in_lru, "block ", b, " not in the LRU list");
+    if (m.lru_prev >= 0)
+        blocks_[static_cast<size_t>(m.lru_prev)].lru_next = m.lru_next;
+    else
+        lru_head_ = m.lru_next;
+    if (m.lru_next >= 0)
+        blocks_[static_cast<size_t>(m.lru_next)].lru_prev = m.lru_prev;
+    else
+        lru_tail_ = m.lru_prev;
+    m.lru_prev = m.lru_next = -1;
+    m.in_lru = false;
+}
+
+// ---------------------------------------------------------------- events
+
+int BlockManager::subscribe(KvEventCallback callback) {
+    require(static_cast<bool>(callback), "cannot subscribe an empty callback");
+    const int id = next_subscriber_id_++;
+    subscribers_.emplace_back(id, std::move(callback));
+    return id;
+}
+
+void BlockManager::unsubscribe(int subscription_id) {
+    const auto it = std::find_if(subscribers_.begin(), subscribers_.end(),
+                                 [&](const auto& s) { return s.first == subscription_id; });
+    require(it != subscribers_.end(), "no subscription with id ", subscription_id);
+    subscribers_.erase(it);
+}
+
+void BlockManager::begin_op() {
+    publishing_ = !subscribers_.empty();
+    open_kind_.reset();
+    pending_.clear();
+}
+
+KvEvent* BlockManager::event_for(KvEventKind kind, bool force_new) {
+    if (!force_new && open_kind_ == kind) return publishing_ ? &pending_.back() : nullptr;
+    open_kind_ = kind;
+    const uint64_t seq = next_event_seq_++;
+    if (!publishing_) return nullptr;
+    KvEvent& e = pending_.emplace_back();
+    e.kind = kind;
+    e.seq = seq;
+    e.block_size = config_.block_size;
+    return &e;
+}
+
+void BlockManager::flush_events() {
+    open_kind_.reset();
+    if (pending_.empty()) return;
+    // Deliver from a local list: a callback may query the manager.
+    std::vector<KvEvent> events;
+    events.swap(pending_);
+    for (const KvEvent& e : events)
+        for (const auto& sub : subscribers_) sub.second(e);
+}
+
+// ---------------------------------------------------------------- invariants
+
+void BlockManager::check_invariants() const {
+    const auto n = static_cast<size_t>(config_.num_blocks);
+    KVSHARD_CHECK(blocks_.size() == n, "block metadata size");
+    std::vector<int32_t> refs(n, 0);
+    for (const auto& [id, s] : seqs_) {
+        KVSHARD_CHECK(static_cast<int64_t>(s.blocks.size()) == blocks_for_tokens(s.num_tokens),
+                      "sequence ", id, " holds ", s.blocks.size(), " blocks for ", s.num_tokens,
+                      " tokens");
+        const auto full = static_cast<size_t>(s.num_tokens / config_.block_size);
+        KVSHARD_CHECK(s.hashes.size() <= full, "sequence ", id, " has hashes of partial blocks");
+        if (s.hashable) {
+            KVSHARD_CHECK(
+                s.hashes.size() == full &&
+                    s.tail.size() == static_cast<size_t>(s.num_tokens % config_.block_size),
+                "sequence ", id, " token bookkeeping");
+        }
+        for (size_t i = 0; i < s.blocks.size(); ++i) {
+            const BlockId b = s.blocks[i];
+            KVSHARD_CHECK(b >= 0 && static_cast<size_t>(b) < n, "block id ", b, " out of range");
+            ++refs[static_cast<size_t>(b)];
+            const Block& m = blocks_[static_cast<size_t>(b)];
+            if (m.registered) {
+                KVSHARD_CHECK(i < s.hashes.size() && s.hashes[i] == m.hash, "sequence ", id,
+                              " block ", i, " registered under a hash that is not the sequence's");
+            }
+        }
+        std::vector<BlockId> sorted = s.blocks;
+        std::sort(sorted.begin(), sorted.end());
+        KVSHARD_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "sequence ",
+                      id, " holds a block twice");
+    }
+    int64_t used = 0, cached = 0, unused = 0, registered = 0;
+    for (size_t b = 0; b < n; ++b) {
+        const Block& m = blocks_[b];
+        KVSHARD_CHECK(m.ref == refs[b], "block ", b, " reference count ", m.ref, " but ", refs[b],
+                      " sequence references");
+        if (m.ref > 0) {
+            ++used;
+            KVSHARD_CHECK(!m.in_lru, "used block ", b, " in the LRU list");
+        } else if (m.registered) {
+            ++cached;
+            KVSHARD_CHECK(m.in_lru, "cached block ", b, " not in the LRU list");
+        } else {
+            ++unused;
+            KVSHARD_CHECK(!m.in_lru, "free block ", b, " in the LRU list");
+        }
+        if (m.registered) {
+            ++registered;
+            const auto it = index_.find(m.hash);
+            KVSHARD_CHECK(it != index_.end() && it->second == static_cast<BlockId>(b), "block ", b,
+                          " registered but not indexed");
+        }
+    }
+    KVSHARD_CHECK(used == num_used_ && cached == num_cached_ && unused == num_free_,
+                  "state counters: used ", num_used_, "/", used, " cached ", num_cached_, "/",
+                  cached, " free ", num_free_, "/", unused);
+    KVSHARD_CHECK(static_cast<int64_t>(index_.size()) == registered, "index holds ", index_.size(),
+                  " hashes for ", registered, " registered blocks");
+    KVSHARD_CHECK(static_cast<int64_t>(free_list_.size()) == unused, "free list size");
+    std::vector<char> seen(n, 0);
+    for (const BlockId b : free_list_) {
+        KVSHARD_CHECK(b >= 0 && static_cast<size_t>(b) < n && !seen[static_cast<size_t>(b)],
+                      "free list entry ", b);
+        seen[static_cast<size_t>(b)] = 1;
+        KVSHARD_CHECK(block_state(b) == BlockState::kFree, "free list holds non-free block ", b);
+    }
+    // LRU list: consistent links, exactly the cached blocks; remember positions.
+    std::vector<int64_t> pos(n, -1);
+    int64_t k = 0;
+    BlockId prev = -1;
+    for (BlockId b = lru_head_; b >= 0; b = blocks_[static_cast<size_t>(b)].lru_next) {
+        KVSHARD_CHECK(k < cached, "LRU list longer than the cached blocks (cycle?)");
+        const Block& m = blocks_[static_cast<size_t>(b)];
+        KVSHARD_CHECK(m.lru_prev == prev, "LRU back link of block ", b);
+        KVSHARD_CHECK(m.ref == 0 && m.registered, "LRU holds non-cached block ", b);
+        pos[static_cast<size_t>(b)] = k++;
+        prev = b;
+    }
+    KVSHARD_CHECK(prev == lru_tail_ && k == cached, "LRU list tail / length");
+    // Chains: a registered block's parent is registered; a cached block is evicted before its
+    // parent (the parent is used, or cached and more recent).
+    for (size_t b = 0; b < n; ++b) {
+        const Block& m = blocks_[b];
+        if (!m.registered || !m.has_parent) continue;
+        const auto it = index_.find(m.parent);
+        KVSHARD_CHECK(it != index_.end(), "block ", b, " is registered but its parent hash is not");
+        if (m.ref == 0) {
+            const auto p = static_cast<size_t>(it->second);
+            KVSHARD_CHECK(blocks_[p].ref > 0 || pos[p] > pos[b], "cached block ", b,
+                          " would be evicted after its parent block ", p);
+        }
+    }
+    KVSHARD_CHECK(pending_.empty(), "undelivered events outside an operation");
+}
+
+}  // namespace kvshard

@@ -1,0 +1,115 @@
+#include "kvshard/cache/kv_events.h"
+
+#include <nlohmann/json.hpp>
+#include <ostream>
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+
+std::string_view kv_event_kind_name(KvEventKind k) {
+    switch (k) {
+        case KvEventKind::kBlockStored:
+            return "BlockStored";
+        case KvEventKind::kBlockRemoved:
+            return "BlockRemoved";
+        case KvEventKind::kAllCleared:
+            return "AllCleared";
+    }
+    return "?";
+}
+
+std::string to_json_line(const KvEvent& e, std::string_view source) {
+    // Written by hand: field order is fixed and the hashes are strings, so the line is canonical.
+    std::string s;
+    s.reserve(96 + 36 * e.block_hashes.size() + 8 * e.block_ids.size());
+    s += '{';
+    if (!source.empty()) {
+        s += "\"source\":";
+        s += nlohmann::json(std::string(source)).dump();
+        s += ',';
+    }
+    s += "\"seq\":";
+    s += std::to_string(e.seq);
+    s += ",\"type\":\"";
+    s += kv_event_kind_name(e.kind);
+    s += '"';
+    if (e.kind != KvEventKind::kAllCleared) {
+        s += ",\"block_hashes\":[";
+        for (size_t i = 0; i < e.block_hashes.size(); ++i) {
+            if (i) s += ',';
+            s += '"';
+            s += e.block_hashes[i].hex();
+            s += '"';
+        }
+        s += ']';
+    }
+    if (e.kind == KvEventKind::kBlockStored) {
+        s += ",\"parent_hash\":";
+        if (e.parent_hash) {
+            s += '"';
+            s += e.parent_hash->hex();
+            s += '"';
+        } else {
+            s += "null";
+        }
+        s += ",\"num_tokens\":";
+        s += std::to_string(e.num_tokens);
+    }
+    s += ",\"block_size\":";
+    s += std::to_string(e.block_size);
+    if (e.kind != KvEventKind::kAllCleared) {
+        s += ",\"block_ids\":[";
+        for (size_t i = 0; i < e.block_ids.size(); ++i) {
+            if (i) s += ',';
+            s += std::to_string(e.block_ids[i]);
+        }
+        s += ']';
+    }
+    s += '}';
+    return s;
+}
+
+KvEvent kv_event_from_json(std::string_view line) {
+    nlohmann::json j;
+    try {
+        j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& ex) {
+        throw Error(detail::concat("a KV event line is not JSON: ", ex.what()));
+    }
+    require(j.is_object() && j.contains("seq") && j.contains("type"),
+            "a KV event line needs an object with \"seq\" and \"type\"");
+    KvEvent e;
+    try {
+        e.seq = j.at("seq").get<uint64_t>();
+        const std::string type = j.at("type").get<std::string>();
+        if (type == "BlockStored") {
+            e.kind = KvEventKind::kBlockStored;
+        } else if (type == "BlockRemoved") {
+            e.kind = KvEventKind::kBlockRemoved;
+        } else if (type == "AllCleared") {
+            e.kind = KvEventKind::kAllCleared;
+        } else {
+            throw Error(detail::concat("unknown KV event type '", type,
+                                       "' (valid: BlockStored, BlockRemoved, AllCleared)"));
+        }
+        if (j.contains("block_hashes"))
+            for (const auto& h : j.at("block_hashes"))
+                e.block_hashes.push_back(BlockHash::from_hex(h.get<std::string>()));
+        if (j.contains("parent_hash") && !j.at("parent_hash").is_null())
+            e.parent_hash = BlockHash::from_hex(j.at("parent_hash").get<std::string>());
+        if (j.contains("num_tokens")) e.num_tokens = j.at("num_tokens").get<int64_t>();
+        if (j.contains("block_size")) e.block_size = j.at("block_size").get<int>();
+        if (j.contains("block_ids")) e.block_ids = j.at("block_ids").get<std::vector<int32_t>>();
+    } catch (const nlohmann::json::exception& ex) {
+        throw Error(detail::concat("malformed KV event line: ", ex.what()));
+    }
+    return e;
+}
+
+void KvEventJsonWriter::operator()(const KvEvent& e) const {
+    *out_ << to_json_line(e, source_) << '\n';
+    out_->flush();
+}
+
+}  // namespace kvshard

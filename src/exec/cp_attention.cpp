@@ -1,0 +1,81 @@
+#include "kvshard/exec/cp_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+
+namespace {
+// Eight independent partial sums, so the compiler can vectorise without reassociating one sum.
+inline float dot(const float* a, const float* b, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int x = 0;
+    for (; x + 8 <= n; x += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += a[x + l] * b[x + l];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; x < n; ++x) s += a[x] * b[x];
+    return s;
+}
+}  // namespace
+
+void cp_partial_attention(const CpAttnShape& s, const float* q, std::span<const int64_t> q_pos,
+                          const float* k, const float* v, std::span<const int64_t> kv_pos,
+                          float* out, float* lse) {
+    KVSHARD_CHECK(s.num_kv_heads >= 1 && s.num_q_heads % s.num_kv_heads == 0, "query heads ",
+                  s.num_q_heads, " not a multiple of KV heads ", s.num_kv_heads);
+    const int hq = s.num_q_heads, hkv = s.num_kv_heads, d = s.head_dim;
+    const int group = hq / hkv;
+    const int64_t nq = static_cast<int64_t>(q_pos.size());
+    const int64_t nk = static_cast<int64_t>(kv_pos.size());
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    // score[g * nk + j]: query head kh * group + g against key j. The heads of one KV head share
+    // each loaded key and value row.
+    std::vector<float> score(static_cast<size_t>(nk) * group);
+    std::vector<float> m(group), sum(group);
+    for (int64_t i = 0; i < nq; ++i) {
+        const int64_t qp = q_pos[i];
+        for (int kh = 0; kh < hkv; ++kh) {
+            const float* qr = q + (i * hq + int64_t{kh} * group) * d;
+            std::fill(m.begin(), m.end(), kNegInf);
+            for (int64_t j = 0; j < nk; ++j) {
+                const bool visible = kv_pos[j] <= qp;
+                const float* kr = k + (j * hkv + kh) * d;
+                for (int g = 0; g < group; ++g) {
+                    const float sc = visible ? dot(qr + int64_t{g} * d, kr, d) * s.scale : kNegInf;
+                    score[g * nk + j] = sc;
+                    m[g] = std::max(m[g], sc);
+                }
+            }
+            float* o = out + (i * hq + int64_t{kh} * group) * d;
+            std::fill(o, o + int64_t{group} * d, 0.0f);
+            std::fill(sum.begin(), sum.end(), 0.0f);
+            for (int64_t j = 0; j < nk; ++j) {
+                if (kv_pos[j] > qp) continue;
+                const float* vr = v + (j * hkv + kh) * d;
+                for (int g = 0; g < group; ++g) {
+                    const float w = std::exp(score[g * nk + j] - m[g]);
+                    sum[g] += w;
+                    float* og = o + int64_t{g} * d;
+                    for (int x = 0; x < d; ++x) og[x] += w * vr[x];
+                }
+            }
+            for (int g = 0; g < group; ++g) {
+                float* og = o + int64_t{g} * d;
+                float& l = lse[i * hq + int64_t{kh} * group + g];
+                if (m[g] == kNegInf) {  // no visible key: weight 0 in any merge
+                    l = kNegInf;
+                    continue;
+                }
+                const float inv = 1.0f / sum[g];
+                for (int x = 0; x < d; ++x) og[x] *= inv;
+                l = m[g] + std::log(sum[g]);
+            }
+        }
+    }
+}
+
+}  // namespace kvshard

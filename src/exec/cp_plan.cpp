@@ -1,0 +1,271 @@
+#include "kvshard/exec/cp_plan.h"
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+
+namespace {
+
+int mod(int64_t a, int n) { return static_cast<int>(((a % n) + n) % n); }
+
+ParallelConfig cp_only(int cp, CpScheme scheme, int unit) {
+    ParallelConfig p;
+    p.cp = cp;
+    p.cp_scheme = scheme;
+    p.cp_interleave = unit;
+    return p;
+}
+
+int segment_owner(const CpSegment& s, int cp, int64_t pos) {
+    if (s.scheme == CpScheme::kInterleave) return mod(pos / s.unit, cp);
+    return cp_owner(cp_only(cp, s.scheme, 1), s.end - s.begin, pos - s.begin);
+}
+
+// Tokens of KV dtype per query/output element etc. live on the rank; these are per-token-per-layer.
+int64_t elem_size(const KvLayout& l) { return static_cast<int64_t>(dtype_size(l.model.kv_dtype)); }
+
+// Query heads and layers of the ranks with cp index 0 (one CP slice of dp group 0).
+template <typename F>
+void for_each_cp0_rank(const KvLayout& l, F&& f) {
+    for (const auto& r : l.ranks)
+        if (r.coord.cp == 0 && r.coord.dp == 0) f(r);
+}
+
+}  // namespace
+
+CpTokenMap::CpTokenMap(int cp) : cp_(cp) { require(cp >= 1, "cp must be >= 1, got ", cp); }
+
+void CpTokenMap::append(int64_t n, CpScheme scheme, int unit) {
+    require(n >= 0, "cannot append ", n, " tokens");
+    require(unit >= 1, "interleave unit must be >= 1, got ", unit);
+    if (n == 0) return;
+    const int64_t b = size();
+    if (cp_ == 1) scheme = CpScheme::kContiguous;  // one rank: every rule is the same
+    if (scheme != CpScheme::kInterleave) unit = 1;
+    // Interleave runs of the same unit compose into one (the rule is global).
+    if (scheme == CpScheme::kInterleave && !segments_.empty() &&
+        segments_.back().scheme == CpScheme::kInterleave && segments_.back().unit == unit) {
+        segments_.back().end += n;
+        return;
+    }
+    if (cp_ == 1 && !segments_.empty()) {
+        segments_.back().end += n;
+        return;
+    }
+    segments_.push_back({b, b + n, scheme, unit});
+}
+
+void CpTokenMap::append_generated(int64_t n, int unit) { append(n, CpScheme::kInterleave, unit); }
+
+int CpTokenMap::owner(int64_t pos) const {
+    KVSHARD_CHECK(pos >= 0 && pos < size(), "position ", pos, " outside a sequence of ", size());
+    auto it = std::upper_bound(segments_.begin(), segments_.end(), pos,
+                               [](int64_t p, const CpSegment& s) { return p < s.end; });
+    return segment_owner(*it, cp_, pos);
+}
+
+std::vector<int64_t> CpTokenMap::positions(int cp_rank, int64_t begin, int64_t end) const {
+    KVSHARD_CHECK(cp_rank >= 0 && cp_rank < cp_, "cp rank ", cp_rank, " out of range");
+    if (end < 0) end = size();
+    std::vector<int64_t> out;
+    for (const auto& s : segments_) {
+        const int64_t b = std::max(begin, s.begin), e = std::min(end, s.end);
+        if (b >= e) continue;
+        if (s.scheme == CpScheme::kInterleave) {
+            // first unit start u*unit with u % cp == cp_rank at or before b
+            int64_t u = b / s.unit;
+            u -= mod(u - cp_rank, cp_);
+            for (int64_t t = u * s.unit; t < e; t += int64_t{s.unit} * cp_)
+                for (int64_t x = std::max(t, b); x < std::min(e, t + s.unit); ++x) out.push_back(x);
+        } else {
+            const auto ranges =
+                cp_token_ranges(cp_only(cp_, s.scheme, 1), cp_rank, s.end - s.begin);
+            for (const auto& r : ranges)
+                for (int64_t x = std::max(b, s.begin + r.begin); x < std::min(e, s.begin + r.end);
+                     ++x)
+                    out.push_back(x);
+        }
+    }
+    return out;
+}
+
+int64_t CpTokenMap::count(int cp_rank, int64_t begin, int64_t end) const {
+    return static_cast<int64_t>(positions(cp_rank, begin, end).size());
+}
+
+CpTokenMap cp_prompt_map(const ParallelConfig& p, int64_t n) {
+    CpTokenMap m(p.cp);
+    m.append(n, p.cp_scheme, p.cp_interleave);
+    return m;
+}
+
+int cp_ring_next(int cp, int cp_rank) { return (cp_rank + 1) % cp; }
+int cp_ring_prev(int cp, int cp_rank) { return (cp_rank + cp - 1) % cp; }
+
+std::vector<CpRingStep> cp_ring_schedule(int cp, int cp_rank) {
+    KVSHARD_CHECK(cp >= 1 && cp_rank >= 0 && cp_rank < cp, "bad cp rank ", cp_rank, " of ", cp);
+    std::vector<CpRingStep> steps;
+    for (int s = 0; s < cp; ++s) {
+        CpRingStep st;
+        st.step = s;
+        st.holds = mod(cp_rank - s, cp);
+        if (s + 1 < cp) {
+            st.sends = st.holds;
+            st.receives = mod(cp_rank - s - 1, cp);
+        }
+        steps.push_back(st);
+    }
+    return steps;
+}
+
+CpPrefillBytes cp_pass_kv_bytes(const KvLayout& layout, int rank, const CpTokenMap& map) {
+    const RankKv& r = layout.ranks.at(rank);
+    const int cp = layout.parallel.cp;
+    KVSHARD_CHECK(map.cp() == cp, "token map for cp=", map.cp(), " used with cp=", cp);
+    CpPrefillBytes b;
+    if (cp == 1) return b;
+    const int64_t tokens = map.size() - map.count(cp_ring_next(cp, r.coord.cp));
+    b.ring = tokens * r.kv_bytes_per_token;
+    return b;
+}
+
+CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMap& map,
+                               int64_t new_begin) {
+    const RankKv& r = layout.ranks.at(rank);
+    const int cp = layout.parallel.cp;
+    KVSHARD_CHECK(map.cp() == cp, "token map for cp=", map.cp(), " used with cp=", cp);
+    CpPrefillBytes b;
+    if (cp == 1) return b;
+    const int64_t hq = r.q_head_end - r.q_head_begin;
+    const int64_t d = layout.model.head_dim;
+    const int64_t fresh = map.size() - new_begin;
+    const int64_t q_tokens = fresh - map.count(cp_ring_next(cp, r.coord.cp), new_begin);
+    const int64_t other_tokens = fresh - map.count(r.coord.cp, new_begin);
+    b.ring = q_tokens * r.num_layers() * hq * d * elem_size(layout);
+    b.all_to_all = other_tokens * r.num_layers() * hq * (d + 1) * 4;
+    return b;
+}
+
+std::string_view cp_prefill_mode_name(CpPrefillMode m) {
+    return m == CpPrefillMode::kPassKv ? "pass-kv" : "pass-q";
+}
+
+CpPrefillMode parse_cp_prefill_mode(std::string_view s) {
+    if (s == "pass-kv" || s == "kv") return CpPrefillMode::kPassKv;
+    if (s == "pass-q" || s == "q") return CpPrefillMode::kPassQ;
+    throw Error(
+        detail::concat("unknown CP prefill mode '", s, "': valid modes are pass-kv, pass-q"));
+}
+
+double cp_pass_q_threshold(const KvLayout& layout) {
+    // Per token, over one CP slice: pass-KV moves kv_bytes_per_token (2 * L * Hkv_r * D * e);
+    // pass-Q moves L * Hq_r * (D * e + 4 * D + 4). Both are multiplied by (cp - 1) over the ring.
+    double kv = 0, q = 0;
+    const double d = layout.model.head_dim;
+    const double e = static_cast<double>(elem_size(layout));
+    for_each_cp0_rank(layout, [&](const RankKv& r) {
+        kv += static_cast<double>(r.kv_bytes_per_token);
+        q += static_cast<double>(r.num_layers()) * (r.q_head_end - r.q_head_begin) *
+             (d * e + 4 * d + 4);
+    });
+    return q > 0 ? kv / q : 0.0;
+}
+
+CpPrefillChoice choose_cp_prefill(const KvLayout& layout, int64_t cached, int64_t fresh) {
+    require(cached >= 0 && fresh >= 1, "a prefill needs at least one new token (cached=", cached,
+            ", new=", fresh, ")");
+    CpPrefillChoice c;
+    c.new_fraction = static_cast<double>(fresh) / static_cast<double>(cached + fresh);
+    c.threshold = cp_pass_q_threshold(layout);
+    const int64_t cp1 = layout.parallel.cp - 1;
+    int64_t kv_per_token = 0, q_per_token = 0;
+    const int64_t d = layout.model.head_dim;
+    for_each_cp0_rank(layout, [&](const RankKv& r) {
+        kv_per_token += r.kv_bytes_per_token;
+        q_per_token += int64_t{r.num_layers()} * (r.q_head_end - r.q_head_begin) *
+                       (d * elem_size(layout) + 4 * d + 4);
+    });
+    // Exact totals: summing N - n_{c+1} over the CP ranks gives (cp - 1) N.
+    const int64_t dp = layout.parallel.dp;
+    c.pass_kv_bytes = dp * cp1 * (cached + fresh) * kv_per_token;
+    c.pass_q_bytes = dp * cp1 * fresh * q_per_token;
+    c.mode = (cp1 > 0 && c.pass_q_bytes < c.pass_kv_bytes) ? CpPrefillMode::kPassQ
+                                                           : CpPrefillMode::kPassKv;
+    return c;
+}
+
+std::string_view cp_decode_merge_name(CpDecodeMerge m) {
+    return m == CpDecodeMerge::kAllGather ? "all-gather" : "all-to-all";
+}
+
+CpDecodeMerge parse_cp_decode_merge(std::string_view s) {
+    if (s == "all-gather" || s == "allgather") return CpDecodeMerge::kAllGather;
+    if (s == "all-to-all" || s == "alltoall" || s == "helix") return CpDecodeMerge::kAllToAll;
+    throw Error(detail::concat("unknown CP decode merge '", s,
+                               "': valid merges are all-gather, all-to-all (helix)"));
+}
+
+TokenRange cp_helix_heads(int num_heads, int cp, int cp_rank) {
+    return {int64_t{cp_rank} * num_heads / cp, int64_t{cp_rank + 1} * num_heads / cp};
+}
+
+int64_t cp_decode_merge_bytes(const KvLayout& layout, int rank, CpDecodeMerge merge) {
+    const RankKv& r = layout.ranks.at(rank);
+    const int cp = layout.parallel.cp;
+    if (cp == 1) return 0;
+    const int64_t hq = r.q_head_end - r.q_head_begin;
+    const int64_t d = layout.model.head_dim;
+    const int64_t row = (d + 1) * 4;  // fp32 O and LSE per head
+    if (merge == CpDecodeMerge::kAllGather) return int64_t{r.num_layers()} * (cp - 1) * hq * row;
+    // all-to-all: to every other rank, the partial rows of that rank's heads; then all-gather
+    // of the merged O of this rank's heads (no LSE needed any more).
+    const TokenRange mine = cp_helix_heads(static_cast<int>(hq), cp, r.coord.cp);
+    const int64_t a2a = (hq - mine.size()) * row;
+    const int64_t ag = (cp - 1) * mine.size() * d * 4;
+    return int64_t{r.num_layers()} * (a2a + ag);
+}
+
+std::vector<int64_t> cp_causal_pairs(const CpTokenMap& map, int64_t q_begin) {
+    std::vector<int64_t> pairs(map.cp(), 0);
+    for (int c = 0; c < map.cp(); ++c)
+        for (int64_t p : map.positions(c, q_begin)) pairs[c] += p + 1;
+    return pairs;
+}
+
+int64_t cp_local_blocks(int64_t global_blocks, int cp, int cp_rank) {
+    if (global_blocks <= cp_rank) return 0;
+    return (global_blocks - cp_rank + cp - 1) / cp;
+}
+
+CpPrefixReusePlan plan_cp_prefix_reuse(int src_cp, int dst_cp, int64_t blocks) {
+    require(src_cp >= 1 && dst_cp >= 1, "cp sizes must be >= 1 (got ", src_cp, " and ", dst_cp,
+            ")");
+    require(blocks >= 0, "block count must be >= 0, got ", blocks);
+    CpPrefixReusePlan plan;
+    plan.src_cp = src_cp;
+    plan.dst_cp = dst_cp;
+    plan.blocks = blocks;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int s = static_cast<int>(b % src_cp), d = static_cast<int>(b % dst_cp);
+        if (s == d)
+            ++plan.kept;
+        else
+            plan.moves.push_back({b, s, d});
+    }
+    return plan;
+}
+
+std::string to_json(const CpPrefixReusePlan& plan) {
+    nlohmann::json moves = nlohmann::json::array();
+    for (const auto& m : plan.moves)
+        moves.push_back({{"block", m.block}, {"src", m.src}, {"dst", m.dst}});
+    nlohmann::json j = {{"src_cp", plan.src_cp},      {"dst_cp", plan.dst_cp},
+                        {"blocks", plan.blocks},      {"kept", plan.kept},
+                        {"moved", plan.moves.size()}, {"moves", moves}};
+    return j.dump(2);
+}
+
+}  // namespace kvshard

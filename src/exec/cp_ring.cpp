@@ -1,0 +1,240 @@
+#include "kvshard/exec/cp_ring.h"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "kvshard/attention/merge.h"
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+
+namespace {
+
+constexpr int kTagPassKv = 0x5c01;
+constexpr int kTagPassQ = 0x5c02;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int64_t as_bytes(int64_t floats) { return floats * static_cast<int64_t>(sizeof(float)); }
+
+// True when no key of `kp` is visible to any query of `qp` (both ascending): skip the work.
+bool all_masked(const std::vector<int64_t>& qp, const std::vector<int64_t>& kp) {
+    return qp.empty() || kp.empty() || kp.front() > qp.back();
+}
+
+void pass_kv(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int64_t new_begin,
+             const float* q, const float* k, const float* v, float* out, CpCommStats& st) {
+    const int cp = comm.size(), c = comm.rank();
+    const int64_t kvrow = int64_t{s.num_kv_heads} * s.head_dim;
+    const auto qp = map.positions(c, new_begin);
+    const int64_t rows = static_cast<int64_t>(qp.size()) * s.num_q_heads;
+    std::vector<float> lse(rows, kNegInf), part(rows * s.head_dim), part_lse(rows);
+    std::fill(out, out + rows * s.head_dim, 0.0f);
+
+    // buf[s % 2] holds the shard worked on in step s: K [n][Hkv][D] then V.
+    std::vector<float> buf[2];
+    const int64_t own = map.count(c);
+    buf[0].resize(2 * own * kvrow);
+    std::copy(k, k + own * kvrow, buf[0].begin());
+    std::copy(v, v + own * kvrow, buf[0].begin() + own * kvrow);
+    const int next = cp_ring_next(cp, c), prev = cp_ring_prev(cp, c);
+    for (const CpRingStep& step : cp_ring_schedule(cp, c)) {
+        std::vector<float>& cur = buf[step.step % 2];
+        std::vector<float>& nxt = buf[(step.step + 1) % 2];
+        Request send, recv;
+        if (step.sends >= 0) {
+            nxt.resize(2 * map.count(step.receives) * kvrow);
+            recv = comm.irecv(std::span<float>(nxt), prev, kTagPassKv);
+            send = comm.isend(std::span<const float>(cur), next, kTagPassKv);
+            st.ring += as_bytes(static_cast<int64_t>(cur.size()));
+        }
+        const auto kp = map.positions(step.holds);
+        if (!all_masked(qp, kp)) {
+            const int64_t nk = static_cast<int64_t>(kp.size());
+            cp_partial_attention(s, q, qp, cur.data(), cur.data() + nk * kvrow, kp, part.data(),
+                                 part_lse.data());
+            merge_attention_into(out, lse.data(), part.data(), part_lse.data(), rows, s.head_dim);
+        }
+        send.wait();
+        recv.wait();
+    }
+}
+
+void pass_q(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int64_t new_begin,
+            const float* q, const float* k, const float* v, float* out, CpCommStats& st) {
+    const int cp = comm.size(), c = comm.rank();
+    const int64_t qrow = int64_t{s.num_q_heads} * s.head_dim;
+    const int64_t prow = int64_t{s.num_q_heads} * (s.head_dim + 1);  // O then LSE, per token
+    std::vector<int64_t> tq(cp);
+    for (int r = 0; r < cp; ++r) tq[r] = map.count(r, new_begin);
+    const auto kp = map.positions(c);
+
+    // Partials of every rank's queries over this rank's KV: for owner r, [t_r][Hq][D] then
+    // [t_r][Hq] at offset off[r] of `parts`, the peer order of all_to_all_v.
+    std::vector<size_t> send_counts(cp), recv_counts(cp);
+    std::vector<int64_t> off(cp + 1, 0);
+    for (int r = 0; r < cp; ++r) {
+        send_counts[r] = r == c ? 0 : static_cast<size_t>(tq[r] * prow);
+        recv_counts[r] = r == c ? 0 : static_cast<size_t>(tq[c] * prow);
+        off[r + 1] = off[r] + tq[r] * prow;
+    }
+    std::vector<float> parts(off[cp]);
+
+    std::vector<float> buf[2];
+    buf[0].assign(q, q + tq[c] * qrow);
+    const int next = cp_ring_next(cp, c), prev = cp_ring_prev(cp, c);
+    for (const CpRingStep& step : cp_ring_schedule(cp, c)) {
+        std::vector<float>& cur = buf[step.step % 2];
+        std::vector<float>& nxt = buf[(step.step + 1) % 2];
+        Request send, recv;
+        if (step.sends >= 0) {
+            nxt.resize(tq[step.receives] * qrow);
+            recv = comm.irecv(std::span<float>(nxt), prev, kTagPassQ);
+            send = comm.isend(std::span<const float>(cur), next, kTagPassQ);
+            st.ring += as_bytes(static_cast<int64_t>(cur.size()));
+        }
+        const int h = step.holds;
+        const auto qp = map.positions(h, new_begin);
+        float* po = parts.data() + off[h];
+        float* pl = po + tq[h] * qrow;
+        if (all_masked(qp, kp)) {
+            std::fill(pl, pl + tq[h] * s.num_q_heads, kNegInf);
+        } else {
+            cp_partial_attention(s, cur.data(), qp, k, v, kp, po, pl);
+        }
+        send.wait();
+        recv.wait();
+    }
+    // Return the partials to the query owners. The own partial stays (count 0 to self).
+    std::vector<float> send_buf;
+    send_buf.reserve(off[cp] - tq[c] * prow);
+    for (int r = 0; r < cp; ++r)
+        if (r != c)
+            send_buf.insert(send_buf.end(), parts.begin() + off[r], parts.begin() + off[r + 1]);
+    std::vector<float> recv_buf(static_cast<size_t>(tq[c] * prow) * (cp - 1));
+    comm.all_to_all_v<float>(send_buf, send_counts, recv_buf, recv_counts);
+    st.all_to_all += as_bytes(static_cast<int64_t>(send_buf.size()));
+
+    std::vector<const float*> outs, lses;
+    const float* own = parts.data() + off[c];
+    outs.push_back(own);
+    lses.push_back(own + tq[c] * qrow);
+    for (int i = 0; i < cp - 1; ++i) {
+        const float* p = recv_buf.data() + i * tq[c] * prow;
+        outs.push_back(p);
+        lses.push_back(p + tq[c] * qrow);
+    }
+    std::vector<float> lse(tq[c] * s.num_q_heads);
+    merge_attention(outs, lses, tq[c] * s.num_q_heads, s.head_dim, out, lse.data());
+}
+
+}  // namespace
+
+void cp_prefill_attention(Communicator& cp_comm, CpPrefillMode mode, const CpAttnShape& shape,
+                          const CpTokenMap& map, int64_t new_begin, const float* q, const float* k,
+                          const float* v, float* out, CpCommStats* stats) {
+    KVSHARD_CHECK(cp_comm.size() == map.cp(), "CP communicator of ", cp_comm.size(),
+                  " ranks for a token map of cp=", map.cp());
+    KVSHARD_CHECK(new_begin >= 0 && new_begin <= map.size(),
+                  "new tokens start outside the sequence");
+    CpCommStats st;
+    if (mode == CpPrefillMode::kPassKv)
+        pass_kv(cp_comm, shape, map, new_begin, q, k, v, out, st);
+    else
+        pass_q(cp_comm, shape, map, new_begin, q, k, v, out, st);
+    if (stats) *stats += st;
+}
+
+void cp_merge_partials(Communicator& comm, CpDecodeMerge merge, int64_t rows, int num_heads,
+                       int head_dim, const float* part_out, const float* part_lse, float* out,
+                       CpCommStats* stats) {
+    const int cp = comm.size(), c = comm.rank();
+    const int64_t d = head_dim;
+    CpCommStats st;
+    if (cp == 1) {
+        std::copy(part_out, part_out + rows * num_heads * d, out);
+        // a row with no key at all stays 0, as the merge would leave it
+        for (int64_t i = 0; i < rows * num_heads; ++i)
+            if (part_lse[i] == kNegInf) std::fill(out + i * d, out + (i + 1) * d, 0.0f);
+        return;
+    }
+    if (merge == CpDecodeMerge::kAllGather) {
+        const int64_t blk = rows * num_heads * (d + 1);
+        std::vector<float> mine(blk), all(blk * cp);
+        std::copy(part_out, part_out + rows * num_heads * d, mine.begin());
+        std::copy(part_lse, part_lse + rows * num_heads, mine.begin() + rows * num_heads * d);
+        comm.all_gather(mine, all);
+        st.all_gather += as_bytes(blk) * (cp - 1);
+        std::vector<const float*> outs, lses;
+        for (int r = 0; r < cp; ++r) {
+            outs.push_back(all.data() + r * blk);
+            lses.push_back(all.data() + r * blk + rows * num_heads * d);
+        }
+        std::vector<float> lse(rows * num_heads);
+        merge_attention(outs, lses, rows * num_heads, head_dim, out, lse.data());
+    } else {
+        // Helix: rank r merges heads cp_helix_heads(num_heads, cp, r) of every row.
+        std::vector<TokenRange> hr(cp);
+        for (int r = 0; r < cp; ++r) hr[r] = cp_helix_heads(num_heads, cp, r);
+        std::vector<size_t> send_counts(cp), recv_counts(cp);
+        std::vector<float> send_buf;
+        for (int r = 0; r < cp; ++r) {  // for peer r: O [rows][h_r][D] then LSE [rows][h_r]
+            const size_t before = send_buf.size();
+            for (int64_t i = 0; i < rows; ++i)
+                for (int64_t h = hr[r].begin; h < hr[r].end; ++h) {
+                    const float* o = part_out + (i * num_heads + h) * d;
+                    send_buf.insert(send_buf.end(), o, o + d);
+                }
+            for (int64_t i = 0; i < rows; ++i)
+                for (int64_t h = hr[r].begin; h < hr[r].end; ++h)
+                    send_buf.push_back(part_lse[i * num_heads + h]);
+            send_counts[r] = send_buf.size() - before;
+            recv_counts[r] = static_cast<size_t>(rows * hr[c].size() * (d + 1));
+            if (r != c) st.all_to_all += as_bytes(static_cast<int64_t>(send_counts[r]));
+        }
+        std::vector<float> recv_buf(recv_counts[0] * cp);
+        comm.all_to_all_v<float>(send_buf, send_counts, recv_buf, recv_counts);
+        const int64_t mh = hr[c].size();
+        std::vector<const float*> outs, lses;
+        for (int r = 0; r < cp; ++r) {
+            const float* p = recv_buf.data() + r * recv_counts[0];
+            outs.push_back(p);
+            lses.push_back(p + rows * mh * d);
+        }
+        std::vector<float> merged(rows * mh * d), lse(rows * mh);
+        merge_attention(outs, lses, rows * mh, head_dim, merged.data(), lse.data());
+        // every rank needs every head: all-gather the merged heads (sizes differ by rank)
+        std::vector<size_t> counts(cp);
+        for (int r = 0; r < cp; ++r)
+            counts[r] = static_cast<size_t>(rows * hr[r].size() * d) * sizeof(float);
+        std::vector<float> all(rows * num_heads * d);
+        comm.all_gather_v(std::as_bytes(std::span<const float>(merged)),
+                          std::as_writable_bytes(std::span<float>(all)), counts);
+        st.all_gather += as_bytes(static_cast<int64_t>(merged.size())) * (cp - 1);
+        int64_t at = 0;
+        for (int r = 0; r < cp; ++r) {
+            const int64_t h_r = hr[r].size();
+            for (int64_t i = 0; i < rows; ++i)
+                for (int64_t h = 0; h < h_r; ++h)
+                    std::copy(all.begin() + at + (i * h_r + h) * d,
+                              all.begin() + at + (i * h_r + h + 1) * d,
+                              out + (i * num_heads + hr[r].begin + h) * d);
+            at += rows * h_r * d;
+        }
+    }
+    if (stats) *stats += st;
+}
+
+void cp_decode_attention(Communicator& cp_comm, CpDecodeMerge merge, const CpAttnShape& shape,
+                         const float* q, std::span<const int64_t> q_pos, const float* k,
+                         const float* v, std::span<const int64_t> kv_pos, float* out,
+                         CpCommStats* stats) {
+    const int64_t rows = static_cast<int64_t>(q_pos.size());
+    std::vector<float> part(rows * shape.num_q_heads * shape.head_dim),
+        lse(rows * shape.num_q_heads);
+    cp_partial_attention(shape, q, q_pos, k, v, kv_pos, part.data(), lse.data());
+    cp_merge_partials(cp_comm, merge, rows, shape.num_q_heads, shape.head_dim, part.data(),
+                      lse.data(), out, stats);
+}
+
+}  // namespace kvshard

@@ -1,0 +1,188 @@
+#include "kvshard/transfer/pack.h"
+
+#include <cstring>
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+namespace {
+
+// Merges copies that continue where the previous one ended in both buffers (offsets in bytes).
+// Sink(pool_offset, wire_offset, len) receives each merged copy.
+template <typename Sink>
+class Coalescer {
+  public:
+    explicit Coalescer(Sink& sink) : sink_(sink) {}
+    void add(int64_t pool_off, int64_t wire_off, int64_t len) {
+        if (len_ > 0 && pool_off == pool_ + len_ && wire_off == wire_ + len_) {
+            len_ += len;
+            return;
+        }
+        flush();
+        pool_ = pool_off;
+        wire_ = wire_off;
+        len_ = len;
+    }
+    void flush() {
+        if (len_ > 0) sink_(pool_, wire_, len_);
+        len_ = 0;
+    }
+
+  private:
+    Sink& sink_;
+    int64_t pool_ = 0, wire_ = 0, len_ = 0;
+};
+
+// Walks the copies between one side's pool and the wire for message `msg`.
+// layers: only [layer_begin, layer_begin + layer_count) of the message, kvs: [0, kv_count).
+template <typename Sink>
+void walk_message(const TransferPlan& plan, const TransferMessage& msg, bool source_side,
+                  PageOrder wire, const PageGeometry& g, int64_t num_blocks, int layer_count,
+                  int kv_count, Sink& sink) {
+    const TransferEndpoint& side = source_side ? plan.src : plan.dst;
+    const RankKv& rk = side.layout.ranks[source_side ? msg.src_rank : msg.dst_rank];
+    const int head0 =
+        (side.layout.model.is_mla() ? msg.head_begin : msg.head_begin - rk.kv_heads.front());
+    const int nh = msg.num_heads();
+    const int64_t vec = plan.vector_bytes();
+    const int64_t page_bytes = g.page_bytes();
+    const int bs = g.block_size;
+    const int H = g.num_heads;
+    Coalescer<Sink> co(sink);
+    int64_t w = 0;
+    for (int l = msg.layer_begin; l < msg.layer_begin + layer_count; ++l) {
+        const int local_layer = l - rk.layer_begin;
+        for (int kv = 0; kv < kv_count; ++kv) {
+            const int64_t page_base = (int64_t{local_layer} * g.kv_factor + kv) * num_blocks;
+            for (const TransferPiece& p : msg.pieces) {
+                const int32_t block = source_side ? p.src_block : p.dst_block;
+                const int s0 = source_side ? p.src_slot : p.dst_slot;
+                const int cnt = p.count;
+                const int64_t page = (page_base + block) * page_bytes;
+                if (g.order == PageOrder::kHnd && wire == PageOrder::kHnd) {
+                    for (int hi = 0; hi < nh; ++hi)
+                        co.add(page + ((int64_t{head0 + hi} * bs + s0) * vec),
+                               w + int64_t{hi} * cnt * vec, cnt * vec);
+                } else if (g.order == PageOrder::kNhd && wire == PageOrder::kNhd) {
+                    for (int si = 0; si < cnt; ++si)
+                        co.add(page + ((int64_t{s0 + si} * H + head0) * vec),
+                               w + int64_t{si} * nh * vec, nh * vec);
+                } else if (wire == PageOrder::kHnd) {  // NHD pages, HND wire
+                    for (int hi = 0; hi < nh; ++hi)
+                        for (int si = 0; si < cnt; ++si)
+                            co.add(page + ((int64_t{s0 + si} * H + head0 + hi) * vec),
+                                   w + (int64_t{hi} * cnt + si) * vec, vec);
+                } else {  // HND pages, NHD wire
+                    for (int si = 0; si < cnt; ++si)
+                        for (int hi = 0; hi < nh; ++hi)
+                            co.add(page + ((int64_t{head0 + hi} * bs + s0 + si) * vec),
+                                   w + (int64_t{si} * nh + hi) * vec, vec);
+                }
+                w += int64_t{nh} * cnt * vec;
+            }
+        }
+    }
+    co.flush();
+}
+
+void check_pool(const TransferPlan& plan, const TransferMessage& msg, bool source_side,
+                const BlockPool& pool, int64_t payload_bytes) {
+    const TransferEndpoint& side = source_side ? plan.src : plan.dst;
+    const int rank = source_side ? msg.src_rank : msg.dst_rank;
+    const PageGeometry want = rank_page_geometry(side.layout, rank, side.block_size, side.order);
+    require(pool.geometry() == want, "the ", source_side ? "source" : "destination",
+            " pool of rank ", rank, " does not have that rank's page geometry (", want.num_layers,
+            " layers, ", want.num_heads, " heads, block size ", want.block_size, ")");
+    require(payload_bytes == msg.bytes, "message ", msg.src_rank, "->", msg.dst_rank, " carries ",
+            msg.bytes, " bytes but the buffer has ", payload_bytes);
+    for (const auto& p : msg.pieces) {
+        const int32_t b = source_side ? p.src_block : p.dst_block;
+        require(b < pool.num_blocks(), "block ", b, " of rank ", rank, " is outside its pool of ",
+                pool.num_blocks(), " blocks");
+    }
+}
+
+}  // namespace
+
+std::string_view transfer_mode_name(TransferMode m) {
+    switch (m) {
+        case TransferMode::kPreSend:
+            return "pre-send";
+        case TransferMode::kPostReceive:
+            return "post-receive";
+        case TransferMode::kAuto:
+            return "auto";
+    }
+    return "?";
+}
+
+TransferMode parse_transfer_mode(std::string_view s) {
+    if (s == "pre-send" || s == "presend") return TransferMode::kPreSend;
+    if (s == "post-receive" || s == "postreceive") return TransferMode::kPostReceive;
+    if (s == "auto") return TransferMode::kAuto;
+    throw Error(
+        detail::concat("unknown transfer mode '", s, "': valid are pre-send, post-receive, auto"));
+}
+
+PageOrder wire_order(const TransferPlan& plan, TransferMode mode) {
+    KVSHARD_CHECK(mode != TransferMode::kAuto, "resolve kAuto before asking for the wire order");
+    return mode == TransferMode::kPreSend ? plan.dst.order : plan.src.order;
+}
+
+CopyCounts count_copies(const TransferPlan& plan, TransferMode mode) {
+    mode = mode == TransferMode::kAuto ? TransferMode::kPreSend : mode;
+    const PageOrder wire = wire_order(plan, mode);
+    CopyCounts c;
+    // One layer and K only, times layers x kv: copies never merge across pages of different layers
+    // or K/V in a way that matters for the choice. The pool's block count only shifts offsets.
+    for (const auto& msg : plan.messages) {
+        int64_t n = 0;
+        auto count = [&n](int64_t, int64_t, int64_t) { ++n; };
+        const int64_t reps = int64_t{msg.num_layers()} * plan.kv_factor;
+        for (bool source : {true, false}) {
+            const TransferEndpoint& side = source ? plan.src : plan.dst;
+            const PageGeometry g = rank_page_geometry(
+                side.layout, source ? msg.src_rank : msg.dst_rank, side.block_size, side.order);
+            n = 0;
+            walk_message(plan, msg, source, wire, g, int64_t{1} << 20, 1, 1, count);
+            (source ? c.pack : c.unpack) += n * reps;
+        }
+    }
+    return c;
+}
+
+TransferMode resolve_mode(const TransferPlan& plan, TransferMode mode) {
+    if (mode != TransferMode::kAuto) return mode;
+    const int64_t pre = count_copies(plan, TransferMode::kPreSend).total();
+    const int64_t post = count_copies(plan, TransferMode::kPostReceive).total();
+    return post < pre ? TransferMode::kPostReceive : TransferMode::kPreSend;
+}
+
+void pack_message(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
+                  const BlockPool& pool, std::span<std::byte> out) {
+    require(mode != TransferMode::kAuto, "pack_message needs a resolved mode (call resolve_mode)");
+    check_pool(plan, msg, true, pool, static_cast<int64_t>(out.size()));
+    const std::byte* base = pool.arena().data();
+    std::byte* wire = out.data();
+    auto copy = [base, wire](int64_t pool_off, int64_t wire_off, int64_t len) {
+        std::memcpy(wire + wire_off, base + pool_off, static_cast<size_t>(len));
+    };
+    walk_message(plan, msg, true, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
+                 msg.num_layers(), plan.kv_factor, copy);
+}
+
+void unpack_message(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
+                    std::span<const std::byte> in, BlockPool& pool) {
+    require(mode != TransferMode::kAuto,
+            "unpack_message needs a resolved mode (call resolve_mode)");
+    check_pool(plan, msg, false, pool, static_cast<int64_t>(in.size()));
+    std::byte* base = pool.arena().data();
+    const std::byte* wire = in.data();
+    auto copy = [base, wire](int64_t pool_off, int64_t wire_off, int64_t len) {
+        std::memcpy(base + pool_off, wire + wire_off, static_cast<size_t>(len));
+    };
+    walk_message(plan, msg, false, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
+                 msg.num_layers(), plan.kv_factor, copy);
+}
+
+}  // namespace kvshard

@@ -1,0 +1,320 @@
+#include "kvshard/transfer/transfer_plan.h"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+namespace {
+
+// The tokens one CP rank holds, with the local index at which each range starts.
+struct CpTokens {
+    std::vector<TokenRange> ranges;
+    std::vector<int64_t> local_begin;
+    int64_t total = 0;
+};
+
+CpTokens cp_tokens(const ParallelConfig& p, int cp_rank, int64_t num_tokens) {
+    CpTokens t;
+    t.ranges = cp_token_ranges(p, cp_rank, num_tokens);
+    for (const auto& r : t.ranges) {
+        t.local_begin.push_back(t.total);
+        t.total += r.size();
+    }
+    return t;
+}
+
+int latent_dim(const ModelSpec& m) { return m.mla.kv_lora_rank + m.mla.qk_rope_head_dim; }
+
+void require_same_model(const ModelSpec& a, const ModelSpec& b) {
+    auto mismatch = [&](const char* what, auto x, auto y) {
+        throw Error(detail::concat("transfer between different models: the source (", a.name,
+                                   ") has ", what, " ", x, " but the destination (", b.name,
+                                   ") has ", y, "; both sides must hold the same model's KV"));
+    };
+    if (a.num_layers != b.num_layers) mismatch("layers", a.num_layers, b.num_layers);
+    if (a.is_mla() != b.is_mla()) mismatch("MLA", a.is_mla(), b.is_mla());
+    if (a.is_mla()) {
+        if (latent_dim(a) != latent_dim(b)) mismatch("latent width", latent_dim(a), latent_dim(b));
+    } else {
+        if (a.num_kv_heads != b.num_kv_heads) mismatch("KV heads", a.num_kv_heads, b.num_kv_heads);
+        if (a.head_dim != b.head_dim) mismatch("head_dim", a.head_dim, b.head_dim);
+    }
+    if (a.kv_dtype != b.kv_dtype)
+        mismatch("KV dtype", dtype_name(a.kv_dtype), dtype_name(b.kv_dtype));
+}
+
+void validate_endpoint(const TransferEndpoint& e, const char* side, int64_t num_tokens) {
+    const ParallelConfig& p = e.layout.parallel;
+    require(e.layout.world_size() == p.world_size() && !e.layout.ranks.empty(), "the ", side,
+            " layout is empty: build it with make_layout");
+    require(e.dp >= 0 && e.dp < p.dp, "the ", side, " replica dp=", e.dp,
+            " does not exist: valid are 0..", p.dp - 1);
+    require(e.block_size >= 1, "the ", side, " block size must be at least 1 token, got ",
+            e.block_size);
+    require(static_cast<int>(e.block_tables.size()) == p.cp, "the ", side,
+            " side needs one block table per CP rank (", p.cp, "), got ", e.block_tables.size());
+    for (int c = 0; c < p.cp; ++c) {
+        const int64_t held = cp_tokens(p, c, num_tokens).total;
+        const int64_t need = (held + e.block_size - 1) / e.block_size;
+        require(static_cast<int64_t>(e.block_tables[c].size()) >= need, "the ", side,
+                " block table of CP rank ", c, " has ", e.block_tables[c].size(),
+                " blocks but its ", held, " tokens need ", need, " blocks of ", e.block_size);
+        for (int64_t i = 0; i < need; ++i)
+            require(e.block_tables[c][i] >= 0, "the ", side, " block table of CP rank ", c,
+                    " holds a negative block id ", e.block_tables[c][i]);
+    }
+}
+
+// Heads per TP rank and how many TP ranks hold each head group.
+struct HeadSplit {
+    int per_rank = 1;
+    int replication = 1;
+    int groups = 1;  // distinct head groups
+};
+
+HeadSplit head_split(const KvLayout& l) {
+    HeadSplit h;
+    h.per_rank = l.kv_heads_per_rank();
+    h.replication = l.head_replication();
+    h.groups = l.parallel.tp / h.replication;
+    return h;
+}
+
+}  // namespace
+
+std::vector<std::vector<int32_t>> sequential_block_tables(const KvLayout& layout, int block_size,
+                                                          int64_t num_tokens) {
+    require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
+    std::vector<std::vector<int32_t>> tables(layout.parallel.cp);
+    for (int c = 0; c < layout.parallel.cp; ++c) {
+        const int64_t held = cp_tokens(layout.parallel, c, num_tokens).total;
+        const int64_t blocks = (held + block_size - 1) / block_size;
+        for (int64_t b = 0; b < blocks; ++b) tables[c].push_back(static_cast<int32_t>(b));
+    }
+    return tables;
+}
+
+PageGeometry rank_page_geometry(const KvLayout& layout, int rank, int block_size, PageOrder order) {
+    KVSHARD_CHECK(rank >= 0 && rank < layout.world_size(), "rank ", rank, " outside the layout");
+    const RankKv& r = layout.ranks[rank];
+    const ModelSpec& m = layout.model;
+    PageGeometry g;
+    g.num_layers = r.num_layers();
+    g.kv_factor = m.is_mla() ? 1 : 2;
+    g.num_heads = m.is_mla() ? 1 : r.num_kv_heads();
+    g.block_size = block_size;
+    g.head_dim = m.is_mla() ? latent_dim(m) : m.head_dim;
+    g.dtype = m.kv_dtype;
+    g.order = order;
+    return g;
+}
+
+std::vector<int> TransferPlan::messages_from(int src_rank) const {
+    std::vector<int> out;
+    for (int i = 0; i < static_cast<int>(messages.size()); ++i)
+        if (messages[i].src_rank == src_rank) out.push_back(i);
+    return out;
+}
+
+std::vector<int> TransferPlan::messages_to(int dst_rank) const {
+    std::vector<int> out;
+    for (int i = 0; i < static_cast<int>(messages.size()); ++i)
+        if (messages[i].dst_rank == dst_rank) out.push_back(i);
+    return out;
+}
+
+int64_t needed_bytes(const TransferPlan& plan, int dst_rank) {
+    const KvLayout& l = plan.dst.layout;
+    const RankKv& r = l.ranks[dst_rank];
+    if (r.coord.dp != plan.dst.dp) return 0;
+    const int64_t tokens = cp_tokens(l.parallel, r.coord.cp, plan.num_tokens).total;
+    const int heads = l.model.is_mla() ? 1 : r.num_kv_heads();
+    return int64_t{r.num_layers()} * plan.kv_factor * heads * tokens * plan.vector_bytes();
+}
+
+TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpoint& dst,
+                                int64_t num_tokens, const TransferPlanOptions& options) {
+    require(num_tokens >= 1, "a transfer needs at least one token, got ", num_tokens);
+    require(options.layers_per_group >= 0, "layers per group must be 0 (all) or positive, got ",
+            options.layers_per_group);
+    require_same_model(src.layout.model, dst.layout.model);
+    validate_endpoint(src, "source", num_tokens);
+    validate_endpoint(dst, "destination", num_tokens);
+
+    const ModelSpec& m = src.layout.model;
+    TransferPlan plan;
+    plan.src = src;
+    plan.dst = dst;
+    plan.num_tokens = num_tokens;
+    plan.options = options;
+    plan.kv_factor = m.is_mla() ? 1 : 2;
+    plan.head_dim = m.is_mla() ? latent_dim(m) : m.head_dim;
+    plan.elem_size = static_cast<int64_t>(dtype_size(m.kv_dtype));
+    const int lpg = options.layers_per_group;
+    plan.num_layer_groups = lpg == 0 ? 1 : (m.num_layers + lpg - 1) / lpg;
+
+    const ParallelConfig& ps = src.layout.parallel;
+    const ParallelConfig& pd = dst.layout.parallel;
+    const HeadSplit hs = head_split(src.layout);
+
+    std::vector<CpTokens> src_tokens, dst_tokens;
+    for (int c = 0; c < ps.cp; ++c) src_tokens.push_back(cp_tokens(ps, c, num_tokens));
+    for (int c = 0; c < pd.cp; ++c) dst_tokens.push_back(cp_tokens(pd, c, num_tokens));
+
+    // pieces[cs][cd][r]: the pieces source CP rank cs sends destination CP rank cd from head copy
+    // r. Copy r of a source head group reads local tokens [r * n / R, (r + 1) * n / R) of its CP
+    // rank.
+    std::vector<std::vector<std::vector<std::vector<TransferPiece>>>> pieces(
+        ps.cp, std::vector<std::vector<std::vector<TransferPiece>>>(
+                   pd.cp, std::vector<std::vector<TransferPiece>>(hs.replication)));
+    for (int cs = 0; cs < ps.cp; ++cs) {
+        const CpTokens& st = src_tokens[cs];
+        const int64_t n = st.total;
+        const int reps = hs.replication;
+        auto chunk_end = [&](int r) { return (r + 1) * n / reps; };
+        for (int cd = 0; cd < pd.cp; ++cd) {
+            const CpTokens& dt = dst_tokens[cd];
+            size_t i = 0, j = 0;
+            while (i < st.ranges.size() && j < dt.ranges.size()) {
+                const int64_t a = std::max(st.ranges[i].begin, dt.ranges[j].begin);
+                const int64_t b = std::min(st.ranges[i].end, dt.ranges[j].end);
+                if (a < b) {
+                    int64_t js = st.local_begin[i] + (a - st.ranges[i].begin);
+                    int64_t jd = dt.local_begin[j] + (a - dt.ranges[j].begin);
+                    int r = 0;
+                    while (chunk_end(r) <= js) ++r;
+                    for (int64_t t = a; t < b;) {
+                        while (chunk_end(r) <= js) ++r;
+                        const int64_t step =
+                            std::min({b - t, src.block_size - js % src.block_size,
+                                      dst.block_size - jd % dst.block_size, chunk_end(r) - js});
+                        TransferPiece p;
+                        p.token_begin = t;
+                        p.count = static_cast<int32_t>(step);
+                        p.src_block = src.block_tables[cs][js / src.block_size];
+                        p.src_slot = static_cast<int32_t>(js % src.block_size);
+                        p.dst_block = dst.block_tables[cd][jd / dst.block_size];
+                        p.dst_slot = static_cast<int32_t>(jd % dst.block_size);
+                        pieces[cs][cd][r].push_back(p);
+                        t += step;
+                        js += step;
+                        jd += step;
+                    }
+                }
+                if (st.ranges[i].end < dt.ranges[j].end)
+                    ++i;
+                else
+                    ++j;
+            }
+        }
+    }
+
+    std::map<std::tuple<int, int, int>, TransferMessage> by_key;  // (group, src, dst)
+    const std::vector<int> src_split = pp_layer_split(m, ps);
+    std::vector<int> src_stage_begin(ps.pp + 1, 0);
+    for (int s = 0; s < ps.pp; ++s) src_stage_begin[s + 1] = src_stage_begin[s] + src_split[s];
+
+    for (const RankKv& d : dst.layout.ranks) {
+        if (d.coord.dp != dst.dp) continue;
+        const int cd = d.coord.cp;
+        const int dh0 = m.is_mla() ? 0 : d.kv_heads.front();
+        const int dh1 = m.is_mla() ? 1 : d.kv_heads.back() + 1;
+        plan.min_bytes += needed_bytes(plan, d.coord.rank);
+        for (int stage = 0; stage < ps.pp; ++stage) {
+            const int l0 = std::max(d.layer_begin, src_stage_begin[stage]);
+            const int l1 = std::min(d.layer_end, src_stage_begin[stage + 1]);
+            if (l0 >= l1) continue;
+            for (int g = 0; g < hs.groups; ++g) {
+                const int h0 = std::max(dh0, g * hs.per_rank);
+                const int h1 = std::min(dh1, (g + 1) * hs.per_rank);
+                if (h0 >= h1) continue;
+                for (int cs = 0; cs < ps.cp; ++cs) {
+                    for (int r = 0; r < hs.replication; ++r) {
+                        const auto& pcs = pieces[cs][cd][r];
+                        if (pcs.empty()) continue;
+                        const int s_rank = rank_of(ps, src.dp, stage, cs, g * hs.replication + r);
+                        int64_t tokens = 0;
+                        for (const auto& p : pcs) tokens += p.count;
+                        for (int la = l0; la < l1;) {
+                            const int group = lpg == 0 ? 0 : la / lpg;
+                            const int lb = lpg == 0 ? l1 : std::min(l1, (group + 1) * lpg);
+                            TransferMessage msg;
+                            msg.src_rank = s_rank;
+                            msg.dst_rank = d.coord.rank;
+                            msg.layer_group = group;
+                            msg.layer_begin = la;
+                            msg.layer_end = lb;
+                            msg.head_begin = h0;
+                            msg.head_end = h1;
+                            msg.pieces = pcs;
+                            msg.num_tokens = tokens;
+                            msg.bytes = int64_t{lb - la} * plan.kv_factor * (h1 - h0) * tokens *
+                                        plan.vector_bytes();
+                            auto [it, inserted] = by_key.emplace(
+                                std::make_tuple(group, s_rank, d.coord.rank), std::move(msg));
+                            KVSHARD_CHECK(inserted,
+                                          "two messages for one (group, source, destination)");
+                            la = lb;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (auto& [key, msg] : by_key) {
+        plan.bytes += msg.bytes;
+        plan.messages.push_back(std::move(msg));
+    }
+    return plan;
+}
+
+std::string to_json(const TransferPlan& plan, bool with_messages) {
+    std::map<std::pair<int, int>, std::pair<int64_t, int>> pairs;
+    for (const auto& msg : plan.messages) {
+        auto& p = pairs[{msg.src_rank, msg.dst_rank}];
+        p.first += msg.bytes;
+        p.second += 1;
+    }
+    nlohmann::json jp = nlohmann::json::array();
+    for (const auto& [k, v] : pairs)
+        jp.push_back(
+            {{"src", k.first}, {"dst", k.second}, {"bytes", v.first}, {"messages", v.second}});
+    auto side = [](const TransferEndpoint& e) {
+        return nlohmann::json{{"parallel", e.layout.parallel.to_string()},
+                              {"dp", e.dp},
+                              {"world_size", e.layout.world_size()},
+                              {"block_size", e.block_size},
+                              {"page_order", e.order == PageOrder::kHnd ? "HND" : "NHD"}};
+    };
+    nlohmann::json j = {{"model", plan.src.layout.model.name},
+                        {"from", side(plan.src)},
+                        {"to", side(plan.dst)},
+                        {"tokens", plan.num_tokens},
+                        {"layer_groups", plan.num_layer_groups},
+                        {"messages", plan.messages.size()},
+                        {"bytes", plan.bytes},
+                        {"min_bytes", plan.min_bytes},
+                        {"pairs", jp}};
+    if (with_messages) {
+        nlohmann::json jm = nlohmann::json::array();
+        for (const auto& msg : plan.messages) {
+            jm.push_back({{"src", msg.src_rank},
+                          {"dst", msg.dst_rank},
+                          {"layer_group", msg.layer_group},
+                          {"layers", {msg.layer_begin, msg.layer_end}},
+                          {"heads", {msg.head_begin, msg.head_end}},
+                          {"tokens", msg.num_tokens},
+                          {"pieces", msg.pieces.size()},
+                          {"bytes", msg.bytes}});
+        }
+        j["message_list"] = jm;
+    }
+    return j.dump(2);
+}
+
+}  // namespace kvshard

@@ -1,0 +1,246 @@
+// BlockManager: allocation, sharing, eviction order, events, metrics, bad input.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <sstream>
+
+#include "kvshard/cache/block_manager.h"
+
+namespace kvshard {
+namespace {
+
+std::vector<int32_t> iota_tokens(size_t n, int32_t start = 0) {
+    std::vector<int32_t> t(n);
+    std::iota(t.begin(), t.end(), start);
+    return t;
+}
+
+BlockManager make(int64_t blocks, int bs = 4) { return BlockManager({blocks, bs, true}); }
+
+TEST(BlockManager, AllocatesAndFreesWithoutSharing) {
+    auto m = make(8);
+    const auto r = m.allocate(1, iota_tokens(10));
+    EXPECT_EQ(r.cached_tokens, 0);
+    EXPECT_EQ(r.new_blocks, 3);
+    EXPECT_EQ(m.block_table(1).size(), 3u);
+    EXPECT_EQ(m.num_tokens(1), 10);
+    EXPECT_EQ(m.block_hashes(1).size(), 2u);  // two full blocks
+    auto mt = m.metrics();
+    EXPECT_EQ(mt.used_blocks, 3);
+    EXPECT_EQ(mt.free_blocks, 5);
+    EXPECT_EQ(mt.hashed_blocks, 2);
+    m.check_invariants();
+    m.free(1);
+    mt = m.metrics();
+    EXPECT_EQ(mt.used_blocks, 0);
+    EXPECT_EQ(mt.cached_blocks, 2);  // full blocks stay cached
+    EXPECT_EQ(mt.free_blocks, 6);
+    m.check_invariants();
+}
+
+TEST(BlockManager, SharesOnlyFullBlocksOfACommonPrefix) {
+    auto m = make(16);
+    auto a = iota_tokens(10);
+    m.allocate(1, a);
+    auto b = iota_tokens(10);
+    b[9] = 999;  // same first two full blocks, different partial block
+    const auto r = m.allocate(2, b);
+    EXPECT_EQ(r.cached_tokens, 8);
+    EXPECT_EQ(r.new_blocks, 1);
+    EXPECT_EQ(m.block_table(2)[0], m.block_table(1)[0]);
+    EXPECT_EQ(m.block_table(2)[1], m.block_table(1)[1]);
+    EXPECT_NE(m.block_table(2)[2], m.block_table(1)[2]);
+    EXPECT_EQ(m.ref_count(m.block_table(1)[0]), 2);
+    auto c = iota_tokens(10);
+    c[5] = -1;  // differs inside block 1
+    EXPECT_EQ(m.allocate(3, c).cached_tokens, 4);
+    m.check_invariants();
+    const auto mt = m.metrics();
+    EXPECT_EQ(mt.queries, 3);
+    EXPECT_EQ(mt.query_tokens, 30);
+    EXPECT_EQ(mt.hit_tokens, 12);
+}
+
+TEST(BlockManager, FreedPrefixIsFoundAgain) {
+    auto m = make(16);
+    const auto t = iota_tokens(17);
+    m.allocate(1, t);
+    const std::vector<BlockId> first(m.block_table(1).begin(), m.block_table(1).end());
+    m.free(1);
+    EXPECT_EQ(m.lookup(t).num_tokens, 16);
+    const auto r = m.allocate(2, t);
+    EXPECT_EQ(r.cached_tokens, 16);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(m.block_table(2)[i], first[i]);
+    m.check_invariants();
+}
+
+TEST(BlockManager, AppendHashesBlocksAsTheyFill) {
+    auto m = make(16);
+    m.allocate(1, iota_tokens(3));
+    const auto all = iota_tokens(13);
+    m.append(1, std::span(all).subspan(3, 2));  // 5 tokens: block 0 full
+    m.append(1, std::span(all).subspan(5, 8));  // 13 tokens: 3 full blocks
+    EXPECT_EQ(m.num_tokens(1), 13);
+    ASSERT_EQ(m.block_hashes(1).size(), 3u);
+    EXPECT_EQ(std::vector<BlockHash>(m.block_hashes(1).begin(), m.block_hashes(1).end()),
+              hash_token_blocks(all, 4));
+    EXPECT_EQ(m.lookup(all).num_tokens, 12);
+    m.append_tokens(1, 7);  // ids unknown: not hashed
+    EXPECT_EQ(m.num_tokens(1), 20);
+    EXPECT_EQ(m.block_hashes(1).size(), 3u);
+    m.check_invariants();
+}
+
+TEST(BlockManager, EvictsLeastRecentlyUsedTailFirst) {
+    auto m = make(6);
+    m.allocate(1, iota_tokens(12, 0));    // blocks 0,1,2 (chain a0-a1-a2)
+    m.allocate(2, iota_tokens(12, 100));  // blocks 3,4,5
+    m.free(1);
+    m.free(2);
+    // Seq 1 released first (older), each chain tail first.
+    const auto order = m.eviction_order();
+    ASSERT_EQ(order.size(), 6u);
+    EXPECT_EQ(order, (std::vector<BlockId>{2, 1, 0, 5, 4, 3}));
+    // A new 2-block sequence evicts seq 1's tail and middle; its head remains findable.
+    m.allocate(3, iota_tokens(8, 500));
+    EXPECT_EQ(m.lookup(iota_tokens(12, 0)).num_tokens, 4);
+    EXPECT_EQ(m.lookup(iota_tokens(12, 100)).num_tokens, 12);
+    EXPECT_EQ(m.metrics().evictions, 2);
+    m.check_invariants();
+}
+
+TEST(BlockManager, UsedBlocksAreNeverEvicted) {
+    auto m = make(4);
+    m.allocate(1, iota_tokens(12));
+    EXPECT_THROW(m.allocate(2, iota_tokens(8, 50)), OutOfBlocksError);
+    m.check_invariants();
+    EXPECT_EQ(m.metrics().used_blocks, 3);
+    EXPECT_TRUE(m.can_allocate(iota_tokens(4, 50)));
+    EXPECT_FALSE(m.can_allocate(iota_tokens(8, 50)));
+    // Sharing does not need new blocks: the same prompt fits.
+    EXPECT_TRUE(m.can_allocate(iota_tokens(12)));
+    EXPECT_EQ(m.allocate(3, iota_tokens(12)).new_blocks, 0);
+    m.check_invariants();
+}
+
+TEST(BlockManager, PrecomputedHashes) {
+    auto m = BlockManager({8, 512, true});
+    std::vector<BlockHash> h{{1, 0}, {2, 0}, {3, 0}};
+    auto r = m.allocate_with_hashes(1, h, 1100);  // 2 full blocks + partial; third hash ignored
+    EXPECT_EQ(r.cached_tokens, 0);
+    EXPECT_EQ(m.block_table(1).size(), 3u);
+    EXPECT_EQ(m.block_hashes(1).size(), 2u);
+    r = m.allocate_with_hashes(2, std::span(h).first(2), 1024);
+    EXPECT_EQ(r.cached_tokens, 1024);
+    EXPECT_EQ(r.new_blocks, 0);
+    EXPECT_EQ(m.lookup_hashes(h).num_tokens, 1024);
+    m.append_tokens(1, 500);  // decode output: never hashed
+    EXPECT_EQ(m.block_hashes(1).size(), 2u);
+    EXPECT_THROW(m.allocate_with_hashes(3, std::span(h).first(1), 1100), Error);  // too few
+    EXPECT_THROW(m.allocate_with_hashes(3, h, 1024), Error);                      // too many
+    m.check_invariants();
+}
+
+TEST(BlockManager, EventsDescribeStoredAndRemovedChainsInOrder) {
+    auto m = make(4);
+    std::vector<KvEvent> got;
+    m.subscribe([&](const KvEvent& e) { got.push_back(e); });
+    std::ostringstream lines;
+    m.subscribe(KvEventJsonWriter(lines, "replica-0"));
+    const auto a = iota_tokens(9);
+    m.allocate(1, a);  // 2 full blocks stored
+    m.free(1);
+    m.allocate(2, iota_tokens(12, 100));  // needs 3: 2 free, evicts 1 (a's tail)
+    m.clear_cache();
+    ASSERT_EQ(got.size(), 4u);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].seq, i);
+    const auto ha = hash_token_blocks(a, 4);
+    EXPECT_EQ(got[0].kind, KvEventKind::kBlockStored);
+    EXPECT_EQ(got[0].block_hashes, ha);
+    EXPECT_FALSE(got[0].parent_hash.has_value());
+    EXPECT_EQ(got[0].num_tokens, 8);
+    EXPECT_EQ(got[1].kind, KvEventKind::kBlockRemoved);
+    EXPECT_EQ(got[1].block_hashes, std::vector<BlockHash>{ha[1]});
+    EXPECT_EQ(got[2].kind, KvEventKind::kBlockStored);
+    EXPECT_EQ(got[2].block_hashes.size(), 3u);
+    EXPECT_EQ(got[3].kind, KvEventKind::kAllCleared);
+    // The JSON lines carry the same events.
+    std::istringstream in(lines.str());
+    std::string line;
+    size_t n = 0;
+    while (std::getline(in, line)) {
+        ASSERT_LT(n, got.size());
+        EXPECT_EQ(line.rfind("{\"source\":\"replica-0\",\"seq\":", 0), 0u) << line;
+        EXPECT_EQ(kv_event_from_json(line), got[n]) << line;
+        ++n;
+    }
+    EXPECT_EQ(n, got.size());
+    EXPECT_EQ(m.metrics().hashed_blocks, 0);
+    m.check_invariants();
+}
+
+TEST(BlockManager, AppendThenStoredEventChainsFromTheParent) {
+    auto m = make(8);
+    std::vector<KvEvent> got;
+    m.subscribe([&](const KvEvent& e) { got.push_back(e); });
+    const auto t = iota_tokens(8);
+    m.allocate(1, std::span(t).first(5));
+    m.append(1, std::span(t).subspan(5));
+    ASSERT_EQ(got.size(), 2u);
+    const auto h = hash_token_blocks(t, 4);
+    EXPECT_EQ(got[1].block_hashes, std::vector<BlockHash>{h[1]});
+    EXPECT_EQ(got[1].parent_hash, h[0]);
+}
+
+TEST(BlockManager, BadInputIsAClearErrorAndChangesNothing) {
+    EXPECT_THROW(BlockManager({8, 0, true}), Error);
+    EXPECT_THROW(BlockManager({0, 16, true}), Error);
+    auto m = make(4);
+    m.allocate(1, iota_tokens(6));
+    const auto before = m.metrics();
+    try {
+        m.allocate(2, iota_tokens(17));  // 5 blocks > pool of 4
+        FAIL() << "no error";
+    } catch (const OutOfBlocksError&) {
+        FAIL() << "a request larger than the pool is not a transient shortage";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("whole pool has 4 blocks"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_THROW(m.allocate(1, iota_tokens(2)), Error);  // id in use
+    EXPECT_THROW(m.free(7), Error);                      // unknown
+    EXPECT_THROW(m.append(7, iota_tokens(1)), Error);
+    EXPECT_THROW(m.append(1, iota_tokens(20)), Error);  // beyond the pool
+    m.free(1);
+    EXPECT_THROW(m.free(1), Error);  // double free
+    m.check_invariants();
+    const auto after = m.metrics();
+    EXPECT_EQ(after.queries, before.queries);
+    EXPECT_EQ(after.used_blocks, 0);
+    EXPECT_EQ(after.cached_blocks + after.free_blocks, 4);
+}
+
+TEST(BlockManager, DisabledPrefixCacheNeverShares) {
+    BlockManager m({8, 4, false});
+    m.allocate(1, iota_tokens(8));
+    EXPECT_EQ(m.allocate(2, iota_tokens(8)).cached_tokens, 0);
+    m.free(1);
+    EXPECT_EQ(m.metrics().cached_blocks, 0);
+    EXPECT_EQ(m.lookup(iota_tokens(8)).num_tokens, 0);
+    m.check_invariants();
+}
+
+TEST(BlockManager, PagedKvDescribesTheBlockTables) {
+    auto m = make(8);
+    m.allocate(1, iota_tokens(9));
+    m.allocate(2, iota_tokens(4, 50));
+    const std::vector<SeqId> ids{1, 2};
+    const PagedKv kv = m.paged_kv(ids);
+    EXPECT_EQ(kv.indptr, (std::vector<int32_t>{0, 3, 4}));
+    EXPECT_EQ(kv.last_page_len, (std::vector<int32_t>{1, 4}));
+    EXPECT_EQ(kv.seq_len(0, 4), 9);
+    EXPECT_EQ(kv.seq_len(1, 4), 4);
+}
+
+}  // namespace
+}  // namespace kvshard

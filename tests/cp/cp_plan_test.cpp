@@ -1,0 +1,249 @@
+// CP plans (exec/cp_plan.h): token placement, ring schedule, bytes, pass-KV/pass-Q choice, decode
+// placement, prefix-cache alignment and reuse across CP sizes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+
+#include "kvshard/common/error.h"
+#include "kvshard/exec/cp_plan.h"
+#include "kvshard/model/catalog.h"
+
+namespace kvshard {
+namespace {
+
+ParallelConfig cfg(int cp, CpScheme s, int unit = 1, int tp = 1) {
+    ParallelConfig p;
+    p.cp = cp;
+    p.tp = tp;
+    p.cp_scheme = s;
+    p.cp_interleave = unit;
+    return p;
+}
+
+const CpScheme kSchemes[] = {CpScheme::kContiguous, CpScheme::kZigzag, CpScheme::kInterleave};
+
+TEST(CpTokenMap, PromptMapAgreesWithLayoutOwnership) {
+    for (int cp : {1, 2, 3, 4, 8})
+        for (CpScheme s : kSchemes)
+            for (int unit : {1, 4})
+                for (int64_t n : {0, 1, 5, 16, 37, 64}) {
+                    const auto p = cfg(cp, s, unit);
+                    const auto m = cp_prompt_map(p, n);
+                    ASSERT_EQ(m.size(), n);
+                    std::vector<int> seen(n, -1);
+                    for (int c = 0; c < cp; ++c) {
+                        const auto pos = m.positions(c);
+                        ASSERT_TRUE(std::is_sorted(pos.begin(), pos.end()));
+                        int64_t total = 0;
+                        for (const auto& r : cp_token_ranges(p, c, n)) total += r.size();
+                        EXPECT_EQ(static_cast<int64_t>(pos.size()), total);
+                        for (int64_t x : pos) {
+                            ASSERT_EQ(seen[x], -1) << "position " << x << " on two ranks";
+                            seen[x] = c;
+                        }
+                    }
+                    for (int64_t x = 0; x < n; ++x) {
+                        EXPECT_EQ(seen[x], cp_owner(p, n, x)) << x;
+                        EXPECT_EQ(m.owner(x), seen[x]);
+                    }
+                }
+}
+
+TEST(CpTokenMap, AppendingNeverMovesStoredTokens) {
+    for (CpScheme s : kSchemes) {
+        CpTokenMap m(4);
+        m.append(30, s, 4);
+        std::vector<int> before;
+        for (int64_t x = 0; x < 30; ++x) before.push_back(m.owner(x));
+        m.append(21, s, 4);         // the new tokens of a second turn
+        m.append_generated(9, 16);  // decode
+        ASSERT_EQ(m.size(), 60);
+        for (int64_t x = 0; x < 30; ++x) EXPECT_EQ(m.owner(x), before[x]);
+        // the new segment is placed by the scheme relative to itself
+        const auto p = cfg(4, s, 4);
+        for (int64_t x = 30; x < 51; ++x)
+            EXPECT_EQ(m.owner(x),
+                      s == CpScheme::kInterleave ? (x / 4) % 4 : cp_owner(p, 21, x - 30));
+        // decode rule: (t / 16) % cp on the global position
+        for (int64_t x = 51; x < 60; ++x) EXPECT_EQ(m.owner(x), (x / 16) % 4);
+        int64_t total = 0;
+        for (int c = 0; c < 4; ++c) total += m.count(c);
+        EXPECT_EQ(total, 60);
+        EXPECT_EQ(m.count(1, 30, 51) + m.count(0, 30, 51) + m.count(2, 30, 51) + m.count(3, 30, 51),
+                  21);
+    }
+}
+
+TEST(CpTokenMap, DecodeSpreadsGeneratedBlocksRoundRobin) {
+    CpTokenMap m(3);
+    m.append(10, CpScheme::kZigzag);
+    m.append_generated(16 * 9, 16);
+    // generated tokens: every rank receives whole blocks in turn, so they differ by at most a block
+    std::vector<int64_t> gen(3);
+    for (int c = 0; c < 3; ++c) gen[c] = m.count(c, 10);
+    EXPECT_LE(*std::max_element(gen.begin(), gen.end()) - *std::min_element(gen.begin(), gen.end()),
+              16);
+}
+
+TEST(CpRing, EveryRankSeesEveryShardOnceAndSendsWhatTheNextReceives) {
+    for (int cp : {1, 2, 3, 4, 8}) {
+        for (int c = 0; c < cp; ++c) {
+            const auto st = cp_ring_schedule(cp, c);
+            ASSERT_EQ(static_cast<int>(st.size()), cp);
+            std::set<int> held;
+            for (const auto& x : st) held.insert(x.holds);
+            EXPECT_EQ(static_cast<int>(held.size()), cp);
+            EXPECT_EQ(st[0].holds, c);  // own shard first
+            const auto nx = cp_ring_schedule(cp, cp_ring_next(cp, c));
+            for (int s = 0; s + 1 < cp; ++s) {
+                EXPECT_EQ(st[s].sends, st[s].holds);
+                EXPECT_EQ(nx[s].receives, st[s].sends);      // what I send, next receives
+                EXPECT_EQ(st[s + 1].holds, st[s].receives);  // and works on it in the next step
+            }
+            EXPECT_EQ(st.back().sends, -1);
+        }
+    }
+}
+
+TEST(CpRing, PassKvBytesFollowTheScheduleShardSizes) {
+    const auto model = catalog_model("tiny");
+    for (int cp : {2, 3, 4, 8})
+        for (int tp : {1, 2})
+            for (CpScheme s : kSchemes) {
+                const auto p = cfg(cp, s, 4, tp);
+                const auto l = make_layout(model, p);
+                const auto map = cp_prompt_map(p, 45);
+                for (int r = 0; r < l.world_size(); ++r) {
+                    int64_t tokens = 0;
+                    for (const auto& st : cp_ring_schedule(cp, l.ranks[r].coord.cp))
+                        if (st.sends >= 0) tokens += map.count(st.sends);
+                    EXPECT_EQ(cp_pass_kv_bytes(l, r, map).ring,
+                              tokens * l.ranks[r].kv_bytes_per_token);
+                    EXPECT_EQ(cp_pass_kv_bytes(l, r, map).all_to_all, 0);
+                }
+            }
+}
+
+TEST(CpPrefillChoice, PassQWinsExactlyBelowTheThreshold) {
+    for (const char* name : {"tiny", "llama-3.1-70b", "llama-3.1-8b"}) {
+        const auto model = catalog_model(name);
+        for (int tp : {1, 2, 8}) {
+            if (model.num_heads % tp != 0) continue;
+            const auto l = make_layout(model, cfg(4, CpScheme::kZigzag, 1, tp));
+            const double th = cp_pass_q_threshold(l);
+            ASSERT_GT(th, 0.0);
+            ASSERT_LT(th, 1.0);
+            for (int64_t fresh : {1, 7, 100, 1000}) {
+                for (int64_t cached : {0, 1, 10, 100, 1000, 100000}) {
+                    const auto c = choose_cp_prefill(l, cached, fresh);
+                    // the totals are the per-rank bytes summed
+                    const auto map = [&] {
+                        CpTokenMap m(4);
+                        m.append(cached, CpScheme::kZigzag);
+                        m.append(fresh, CpScheme::kZigzag);
+                        return m;
+                    }();
+                    int64_t kv = 0, q = 0;
+                    for (int r = 0; r < l.world_size(); ++r) {
+                        kv += cp_pass_kv_bytes(l, r, map).total();
+                        q += cp_pass_q_bytes(l, r, map, cached).total();
+                    }
+                    EXPECT_EQ(c.pass_kv_bytes, kv);
+                    EXPECT_EQ(c.pass_q_bytes, q);
+                    EXPECT_EQ(c.mode == CpPrefillMode::kPassQ, q < kv);
+                    const double frac = double(fresh) / double(cached + fresh);
+                    if (std::abs(frac - th) > 1e-9) {
+                        EXPECT_EQ(c.mode == CpPrefillMode::kPassQ, frac < th)
+                            << name << " " << frac;
+                    }
+                }
+            }
+        }
+    }
+    // A full prefill (nothing cached) always passes KV; a long cached context with a short turn
+    // passes Q.
+    const auto l = make_layout(catalog_model("llama-3.1-70b"), cfg(4, CpScheme::kZigzag, 1, 8));
+    EXPECT_EQ(choose_cp_prefill(l, 0, 4096).mode, CpPrefillMode::kPassKv);
+    EXPECT_EQ(choose_cp_prefill(l, 128000, 1000).mode, CpPrefillMode::kPassQ);
+    // Llama-3.1-70B, bf16: 2*8*2*128 / (64*(2*128+4*128+4)) = 4096/49408
+    EXPECT_NEAR(cp_pass_q_threshold(l), 4096.0 / 49408.0, 1e-12);
+    EXPECT_THROW(choose_cp_prefill(l, 10, 0), Error);
+}
+
+TEST(CpDecode, HelixMovesLessThanAllGatherBeyondTwoRanks) {
+    const auto model = catalog_model("tiny");
+    for (int cp : {2, 3, 4, 8}) {
+        const auto l = make_layout(model, cfg(cp, CpScheme::kZigzag));
+        int heads = 0;
+        for (int c = 0; c < cp; ++c) heads += static_cast<int>(cp_helix_heads(8, cp, c).size());
+        EXPECT_EQ(heads, 8);
+        int64_t ag = 0, a2a = 0;
+        for (int r = 0; r < l.world_size(); ++r) {
+            ag += cp_decode_merge_bytes(l, r, CpDecodeMerge::kAllGather);
+            a2a += cp_decode_merge_bytes(l, r, CpDecodeMerge::kAllToAll);
+        }
+        // all-gather: 4 layers * cp(cp-1) * 8 heads * 9 floats
+        EXPECT_EQ(ag, 4 * cp * (cp - 1) * 8 * 9 * 4);
+        if (cp > 2) {
+            EXPECT_LT(a2a, ag);
+        }
+    }
+}
+
+TEST(CpBalance, ZigzagBalancesCausalWorkAndContiguousDoesNot) {
+    for (int cp : {2, 4, 8}) {
+        const int64_t n = 2 * cp * 64;
+        auto ratio = [&](CpScheme s) {
+            const auto pairs = cp_causal_pairs(cp_prompt_map(cfg(cp, s), n));
+            const double total = std::accumulate(pairs.begin(), pairs.end(), 0.0);
+            EXPECT_EQ(total, double(n) * (n + 1) / 2);  // every (query, key<=query) pair once
+            return *std::max_element(pairs.begin(), pairs.end()) / (total / cp);
+        };
+        EXPECT_LE(ratio(CpScheme::kZigzag), 1.0 + 1e-12);
+        EXPECT_GT(ratio(CpScheme::kContiguous), 1.4);  // (2cp-1)/cp for large n
+    }
+}
+
+TEST(CpPrefixCache, BlockInterleaveMakesACachedPrefixAPrefixOnEveryRank) {
+    const int block = 16;
+    for (int cp : {1, 2, 3, 4, 8}) {
+        const auto p = cfg(cp, CpScheme::kInterleave, block);
+        const auto long_map = cp_prompt_map(p, 40 * block + 5);
+        for (int64_t k : {0, 1, 3, 7, 12}) {  // cached global blocks
+            const auto short_map = cp_prompt_map(p, k * block);
+            for (int c = 0; c < cp; ++c) {
+                const auto mine = long_map.positions(c);
+                const auto cached = short_map.positions(c);
+                // the cached tokens of rank c are the first ones it stores for the longer request
+                ASSERT_LE(cached.size(), mine.size());
+                EXPECT_TRUE(std::equal(cached.begin(), cached.end(), mine.begin()));
+                EXPECT_EQ(static_cast<int64_t>(cached.size()), cp_local_blocks(k, cp, c) * block);
+            }
+        }
+    }
+    // Contiguous placement is not stable: a longer request puts the prefix's tokens elsewhere.
+    const auto p = cfg(4, CpScheme::kContiguous);
+    const auto short_pos = cp_prompt_map(p, 64).positions(1);  // 16..31
+    const auto long_pos = cp_prompt_map(p, 128).positions(1);  // 32..63
+    EXPECT_NE(short_pos, std::vector<int64_t>(long_pos.begin(), long_pos.begin() + 16));
+}
+
+TEST(CpPrefixCache, ReusePlanAcrossCpSizesMovesOnlyMisplacedBlocks) {
+    const auto a = plan_cp_prefix_reuse(4, 2, 10);
+    EXPECT_EQ(a.kept + static_cast<int64_t>(a.moves.size()), 10);
+    EXPECT_EQ(a.kept, 6);  // blocks 0,1,4,5,8,9
+    for (const auto& m : a.moves) {
+        EXPECT_EQ(m.src, m.block % 4);
+        EXPECT_EQ(m.dst, m.block % 2);
+        EXPECT_NE(m.src, m.dst);
+    }
+    EXPECT_EQ(plan_cp_prefix_reuse(4, 1, 8).kept, 2);
+    EXPECT_EQ(plan_cp_prefix_reuse(4, 4, 8).moves.size(), 0u);
+    EXPECT_EQ(plan_cp_prefix_reuse(2, 4, 8).moves.size(), 4u);  // blocks 2,3,6,7 go to ranks 2,3
+    EXPECT_THROW(plan_cp_prefix_reuse(0, 2, 1), Error);
+}
+
+}  // namespace
+}  // namespace kvshard

@@ -1,0 +1,76 @@
+// kvshard transfer-plan: JSON fields, the seed example, and clear errors.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+struct CliResult {
+    int status = 0;
+    std::string out;
+};
+
+CliResult run_cli(const std::string& args) {
+    const std::string cmd = std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1";
+    CliResult r;
+    FILE* p = popen(cmd.c_str(), "r");
+    if (!p) return {-1, ""};
+    std::array<char, 4096> buf{};
+    size_t n = 0;
+    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+    const int st = pclose(p);
+    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return r;
+}
+
+TEST(TransferPlanCli, JsonSeedExample) {
+    const auto r =
+        run_cli("transfer-plan --model llama-3.1-70b --from tp=8 --to tp=4 --tokens 1000 --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["messages"], 8);
+    // 80 layers x K,V x 8 heads x 1000 tokens x 128 x bf16
+    EXPECT_EQ(j["min_bytes"].get<int64_t>(), int64_t{80} * 2 * 8 * 1000 * 128 * 2);
+    EXPECT_EQ(j["bytes"], j["min_bytes"]);
+    ASSERT_EQ(j["pairs"].size(), 8u);
+    for (const auto& p : j["pairs"]) {
+        EXPECT_EQ(p["dst"].get<int>(), p["src"].get<int>() / 2);
+        EXPECT_EQ(p["bytes"].get<int64_t>(), int64_t{80} * 2 * 1000 * 128 * 2);
+    }
+}
+
+TEST(TransferPlanCli, BlockSizesAndPipeline) {
+    const auto r = run_cli(
+        "transfer-plan --model llama-3.1-8b --from tp=8 --to tp=4,pp=2 --tokens 300 "
+        "--block-size-from 16 "
+        "--block-size-to 64 --layers-per-message 1 --json --messages");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["layer_groups"], 32);
+    EXPECT_EQ(j["messages"], 32 * 8);  // each layer: 8 source ranks, one destination each
+    EXPECT_EQ(j["bytes"], j["min_bytes"]);
+    EXPECT_EQ(j["message_list"].size(), 256u);
+}
+
+TEST(TransferPlanCli, TableAndErrors) {
+    const auto ok = run_cli("transfer-plan --model tiny --from tp=8 --to tp=2 --tokens 10");
+    EXPECT_EQ(ok.status, 0) << ok.out;
+    EXPECT_NE(ok.out.find("min bytes"), std::string::npos) << ok.out;
+    const auto bad_tp = run_cli("transfer-plan --model tiny --from tp=3 --to tp=2 --tokens 10");
+    EXPECT_EQ(bad_tp.status, 2);
+    EXPECT_NE(bad_tp.out.find("kvshard: error: --from 'tp=3'"), std::string::npos) << bad_tp.out;
+    const auto bad_tokens = run_cli("transfer-plan --model tiny --from tp=1 --to tp=2 --tokens 0");
+    EXPECT_EQ(bad_tokens.status, 2) << bad_tokens.out;
+    const auto bad_order = run_cli("transfer-plan --model tiny --tokens 4 --order-to xyz");
+    EXPECT_EQ(bad_order.status, 2) << bad_order.out;
+    EXPECT_NE(bad_order.out.find("hnd, nhd"), std::string::npos) << bad_order.out;
+    const auto help = run_cli("transfer-plan --help");
+    EXPECT_EQ(help.status, 0);
+    EXPECT_NE(help.out.find("--block-size-to"), std::string::npos);
+}
+
+}  // namespace

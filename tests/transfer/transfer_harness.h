@@ -1,0 +1,200 @@
+#pragma once
+// Test harness: pools on every rank of both sides, source KV whose every element encodes its own
+// (layer, kv, head, token, dim), and a checker that says whether each destination pool holds
+// exactly what its layout says (and nothing else).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvshard/cache/block_pool.h"
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/model/catalog.h"
+#include "kvshard/transfer/pack.h"
+#include "kvshard/transfer/transfer_plan.h"
+
+namespace kvshard::testing {
+
+constexpr uint32_t kSentinel = 0xABABABABu;  // untouched destination bytes
+constexpr uint32_t kGarbage = 0xDEADBEEFu;   // source slots that hold no token of the request
+
+// A llama-shaped small model: 32 query heads, 8 KV heads (the seed's GQA(8)), fp32 so that every
+// element can carry a unique 32-bit code.
+inline ModelSpec llama_mini(int layers = 4, int kv_heads = 8, int head_dim = 16) {
+    ModelSpec m = catalog_model("tiny");
+    m.name = "llama-mini";
+    m.num_layers = layers;
+    m.num_heads = 32;
+    m.num_kv_heads = kv_heads;
+    m.head_dim = head_dim;
+    m.hidden = 32 * head_dim;
+    m.attention = kv_heads == 32  ? AttentionKind::kMha
+                  : kv_heads == 1 ? AttentionKind::kMqa
+                                  : AttentionKind::kGqa;
+    return m;
+}
+
+// Every element's code: unique over (layer < 32, kv, head < 64, token < 1024, dim < 64), below
+// 2^27, so never 0, the sentinel or the garbage value.
+inline uint32_t element_code(int layer, int kv, int head, int64_t token, int dim) {
+    return static_cast<uint32_t>(
+        ((((uint64_t(layer) * 2 + kv) * 64 + head) * 1024 + token) * 64 + dim) + 1);
+}
+
+struct Side {
+    TransferEndpoint endpoint;
+    std::vector<std::unique_ptr<BlockPool>> pools;  // by rank; null outside the endpoint's replica
+};
+
+inline TransferEndpoint make_endpoint(const ModelSpec& m, const std::string& parallel,
+                                      int block_size, PageOrder order, int64_t num_tokens,
+                                      int dp = 0, uint64_t shuffle_seed = 0) {
+    TransferEndpoint e;
+    e.layout = make_layout(m, parse_parallel_config(parallel));
+    e.dp = dp;
+    e.block_size = block_size;
+    e.order = order;
+    e.block_tables = sequential_block_tables(e.layout, block_size, num_tokens);
+    if (shuffle_seed != 0) {
+        // Spread each CP rank's blocks over a pool twice as large, in random order.
+        std::mt19937_64 rng(shuffle_seed);
+        for (auto& t : e.block_tables) {
+            std::vector<int32_t> ids(t.size() * 2 + 1);
+            for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+            std::shuffle(ids.begin(), ids.end(), rng);
+            for (size_t i = 0; i < t.size(); ++i) t[i] = ids[i];
+        }
+    }
+    return e;
+}
+
+inline int64_t pool_blocks(const TransferEndpoint& e) {
+    int64_t n = 1;
+    for (const auto& t : e.block_tables)
+        for (int32_t b : t) n = std::max<int64_t>(n, b + 1);
+    return n;
+}
+
+// Fills pool elements as uint32 values: fn(rank, local_layer, kv, local_head, block, slot, dim).
+template <typename Fn>
+void for_each_token_element(const TransferEndpoint& e, int rank, int64_t num_tokens, Fn&& fn) {
+    const RankKv& r = e.layout.ranks[rank];
+    const PageGeometry g = rank_page_geometry(e.layout, rank, e.block_size, e.order);
+    const auto ranges = cp_token_ranges(e.layout.parallel, r.coord.cp, num_tokens);
+    int64_t j = 0;
+    for (const auto& range : ranges)
+        for (int64_t t = range.begin; t < range.end; ++t, ++j) {
+            const int32_t block = e.block_tables[r.coord.cp][j / e.block_size];
+            const int slot = static_cast<int>(j % e.block_size);
+            for (int l = 0; l < g.num_layers; ++l)
+                for (int kv = 0; kv < g.kv_factor; ++kv)
+                    for (int h = 0; h < g.num_heads; ++h)
+                        for (int d = 0; d < g.head_dim; ++d)
+                            fn(r.layer_begin + l, l, kv,
+                               (e.layout.model.is_mla() ? 0 : r.kv_heads[h]), h, t, block, slot, d);
+        }
+}
+
+inline uint32_t* elem_ptr(BlockPool& pool, int local_layer, int kv, int64_t block, int local_head,
+                          int slot, int d) {
+    auto* page = reinterpret_cast<uint32_t*>(pool.page(local_layer, kv, block));
+    return page + pool.geometry().elem_in_page(local_head, slot, d);
+}
+
+inline void fill_u32(BlockPool& pool, uint32_t v) {
+    auto a = pool.arena();
+    auto* p = reinterpret_cast<uint32_t*>(a.data());
+    std::fill(p, p + a.size() / 4, v);
+}
+
+inline Side make_source(const TransferEndpoint& e, int64_t num_tokens) {
+    Side s;
+    s.endpoint = e;
+    s.pools.resize(e.layout.world_size());
+    for (const auto& r : e.layout.ranks) {
+        if (r.coord.dp != e.dp) continue;
+        auto pool = std::make_unique<BlockPool>(
+            rank_page_geometry(e.layout, r.coord.rank, e.block_size, e.order), pool_blocks(e));
+        fill_u32(*pool, kGarbage);
+        for_each_token_element(e, r.coord.rank, num_tokens,
+                               [&](int layer, int ll, int kv, int head, int lh, int64_t t,
+                                   int32_t b, int slot, int d) {
+                                   *elem_ptr(*pool, ll, kv, b, lh, slot, d) =
+                                       element_code(layer, kv, head, t, d);
+                               });
+        s.pools[r.coord.rank] = std::move(pool);
+    }
+    return s;
+}
+
+inline Side make_destination(const TransferEndpoint& e) {
+    Side s;
+    s.endpoint = e;
+    s.pools.resize(e.layout.world_size());
+    for (const auto& r : e.layout.ranks) {
+        if (r.coord.dp != e.dp) continue;
+        s.pools[r.coord.rank] = std::make_unique<BlockPool>(
+            rank_page_geometry(e.layout, r.coord.rank, e.block_size, e.order), pool_blocks(e));
+        fill_u32(*s.pools[r.coord.rank], kSentinel);
+    }
+    return s;
+}
+
+// What a destination pool must hold: codes at the request's slots, the sentinel everywhere else.
+inline std::vector<uint32_t> expected_pool(const TransferEndpoint& e, int rank, int64_t num_tokens,
+                                           const BlockPool& like) {
+    BlockPool want(like.geometry(), like.num_blocks());
+    fill_u32(want, kSentinel);
+    for_each_token_element(
+        e, rank, num_tokens,
+        [&](int layer, int ll, int kv, int head, int lh, int64_t t, int32_t b, int slot, int d) {
+            *elem_ptr(want, ll, kv, b, lh, slot, d) = element_code(layer, kv, head, t, d);
+        });
+    const auto* p = reinterpret_cast<const uint32_t*>(want.arena().data());
+    return {p, p + want.arena().size() / 4};
+}
+
+struct RunResult {
+    int64_t bytes = 0;
+    std::vector<int64_t> bytes_to;  // by destination rank
+};
+
+// Packs every message from its source pool and unpacks it into its destination pool.
+inline RunResult run_plan(const TransferPlan& plan, TransferMode mode, const Side& src, Side& dst) {
+    mode = resolve_mode(plan, mode);
+    RunResult r;
+    r.bytes_to.assign(dst.pools.size(), 0);
+    std::vector<std::byte> buf;
+    for (const auto& msg : plan.messages) {
+        buf.assign(static_cast<size_t>(msg.bytes), std::byte{0});
+        pack_message(plan, msg, mode, *src.pools.at(msg.src_rank), buf);
+        unpack_message(plan, msg, mode, buf, *dst.pools.at(msg.dst_rank));
+        r.bytes += msg.bytes;
+        r.bytes_to[msg.dst_rank] += msg.bytes;
+    }
+    return r;
+}
+
+// How many times each byte of each destination pool is written by the plan (unpacking a payload of
+// 0x01 bytes into a zeroed pool per message and summing).
+inline std::vector<std::vector<uint8_t>> write_counts(const TransferPlan& plan, TransferMode mode,
+                                                      const Side& dst) {
+    mode = resolve_mode(plan, mode);
+    std::vector<std::vector<uint8_t>> counts(dst.pools.size());
+    for (size_t r = 0; r < dst.pools.size(); ++r)
+        if (dst.pools[r]) counts[r].assign(dst.pools[r]->arena().size(), 0);
+    for (const auto& msg : plan.messages) {
+        const BlockPool& like = *dst.pools.at(msg.dst_rank);
+        BlockPool scratch(like.geometry(), like.num_blocks());
+        std::vector<std::byte> ones(static_cast<size_t>(msg.bytes), std::byte{1});
+        unpack_message(plan, msg, mode, ones, scratch);
+        auto a = scratch.arena();
+        for (size_t i = 0; i < a.size(); ++i) counts[msg.dst_rank][i] += static_cast<uint8_t>(a[i]);
+    }
+    return counts;
+}
+
+}  // namespace kvshard::testing

@@ -1,0 +1,429 @@
+// Transfer plan + pack/unpack: named layout pairs and a property test over random pairs.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+
+#include "kvshard/common/error.h"
+#include "transfer/transfer_harness.h"
+
+namespace kvshard {
+namespace {
+
+using testing::element_code;
+using testing::llama_mini;
+
+struct Case {
+    ModelSpec model;
+    std::string from, to;
+    int64_t tokens = 100;
+    int bs_from = 16, bs_to = 16;
+    PageOrder order_from = PageOrder::kHnd, order_to = PageOrder::kHnd;
+    int dp_from = 0, dp_to = 0;
+    int layers_per_group = 0;
+    uint64_t shuffle = 0;
+};
+
+TransferPlan plan_of(const Case& c) {
+    auto src = testing::make_endpoint(c.model, c.from, c.bs_from, c.order_from, c.tokens, c.dp_from,
+                                      c.shuffle);
+    auto dst = testing::make_endpoint(c.model, c.to, c.bs_to, c.order_to, c.tokens, c.dp_to,
+                                      c.shuffle ? c.shuffle + 1 : 0);
+    return make_transfer_plan(src, dst, c.tokens, {.layers_per_group = c.layers_per_group});
+}
+
+// Runs the plan in both modes and checks every destination pool element by element, that no byte is
+// written twice, that total bytes equal the minimum, and that both modes give identical pools.
+void check_exact(const Case& c, const TransferPlan& plan) {
+    SCOPED_TRACE(c.model.name + " " + c.from + " -> " + c.to +
+                 " tokens=" + std::to_string(c.tokens) + " bs " + std::to_string(c.bs_from) + "->" +
+                 std::to_string(c.bs_to));
+    EXPECT_EQ(plan.bytes, plan.min_bytes);
+    const auto src = testing::make_source(plan.src, c.tokens);
+    std::vector<std::vector<std::byte>> first_mode_pools;
+    for (TransferMode mode : {TransferMode::kPreSend, TransferMode::kPostReceive}) {
+        SCOPED_TRACE(std::string(transfer_mode_name(mode)));
+        auto dst = testing::make_destination(plan.dst);
+        const auto res = testing::run_plan(plan, mode, src, dst);
+        EXPECT_EQ(res.bytes, plan.min_bytes);
+        for (int r = 0; r < plan.dst.layout.world_size(); ++r) {
+            if (!dst.pools[r]) continue;
+            EXPECT_EQ(res.bytes_to[r], needed_bytes(plan, r)) << "dst rank " << r;
+            const auto want = testing::expected_pool(plan.dst, r, c.tokens, *dst.pools[r]);
+            const auto* got = reinterpret_cast<const uint32_t*>(dst.pools[r]->arena().data());
+            int64_t wrong = 0, first = -1;
+            for (size_t i = 0; i < want.size(); ++i)
+                if (got[i] != want[i]) {
+                    if (first < 0) first = static_cast<int64_t>(i);
+                    ++wrong;
+                }
+            EXPECT_EQ(wrong, 0) << "dst rank " << r << ": first wrong element " << first
+                                << " holds " << (first >= 0 ? got[first] : 0) << " want "
+                                << (first >= 0 ? want[first] : 0);
+        }
+        const auto counts = testing::write_counts(plan, mode, dst);
+        for (int r = 0; r < plan.dst.layout.world_size(); ++r) {
+            if (!dst.pools[r]) continue;
+            const auto want = testing::expected_pool(plan.dst, r, c.tokens, *dst.pools[r]);
+            int64_t bad = 0;
+            for (size_t i = 0; i < counts[r].size(); ++i) {
+                const uint8_t expect = want[i / 4] == testing::kSentinel ? 0 : 1;
+                bad += counts[r][i] != expect;
+            }
+            EXPECT_EQ(bad, 0) << "dst rank " << r << ": bytes written other than once where needed";
+        }
+        if (first_mode_pools.empty()) {
+            for (auto& p : dst.pools)
+                first_mode_pools.emplace_back(
+                    p ? std::vector<std::byte>(p->arena().begin(), p->arena().end())
+                      : std::vector<std::byte>{});
+        } else {
+            for (size_t r = 0; r < dst.pools.size(); ++r) {
+                if (!dst.pools[r]) continue;
+                EXPECT_TRUE(std::equal(first_mode_pools[r].begin(), first_mode_pools[r].end(),
+                                       dst.pools[r]->arena().begin()))
+                    << "pre-send and post-receive differ on dst rank " << r;
+            }
+        }
+    }
+}
+
+// Messages sent per (src, dst) pair, and source ranks seen.
+std::map<std::pair<int, int>, int> pair_counts(const TransferPlan& plan) {
+    std::map<std::pair<int, int>, int> m;
+    for (const auto& msg : plan.messages) ++m[{msg.src_rank, msg.dst_rank}];
+    return m;
+}
+
+TEST(TransferPlan, SeedExampleTp8ToTp4) {
+    // [H0][H1]...[H7] -> [H0H1][H2H3][H4H5][H6H7]
+    Case c{.model = llama_mini(), .from = "tp=8", .to = "tp=4", .tokens = 100};
+    const auto plan = plan_of(c);
+    ASSERT_EQ(plan.messages.size(), 8u);
+    for (const auto& msg : plan.messages) {
+        EXPECT_EQ(msg.dst_rank, msg.src_rank / 2);
+        EXPECT_EQ(msg.head_begin, msg.src_rank);
+        EXPECT_EQ(msg.head_end, msg.src_rank + 1);
+        EXPECT_EQ(msg.num_tokens, 100);
+        EXPECT_EQ(msg.layer_begin, 0);
+        EXPECT_EQ(msg.layer_end, 4);
+    }
+    check_exact(c, plan);
+}
+
+TEST(TransferPlan, Tp2ToTp8) {
+    Case c{.model = llama_mini(), .from = "tp=2", .to = "tp=8", .tokens = 77};
+    const auto plan = plan_of(c);
+    ASSERT_EQ(plan.messages.size(), 8u);
+    for (const auto& msg : plan.messages) {
+        EXPECT_EQ(msg.src_rank, msg.dst_rank / 4);
+        EXPECT_EQ(msg.head_begin, msg.dst_rank);
+    }
+    check_exact(c, plan);
+}
+
+TEST(TransferPlan, Tp16ReplicatedHeadsToTp2) {
+    // 8 KV heads on 16 ranks: each head held twice. Each copy sends half the tokens; no head twice.
+    Case c{.model = llama_mini(), .from = "tp=16", .to = "tp=2", .tokens = 90};
+    const auto plan = plan_of(c);
+    ASSERT_EQ(plan.messages.size(), 16u);
+    std::map<int, int64_t> sent;
+    for (const auto& msg : plan.messages) {
+        sent[msg.src_rank] += msg.bytes;
+        EXPECT_EQ(msg.num_tokens, 45);
+        EXPECT_EQ(msg.dst_rank, msg.src_rank / 8);
+    }
+    EXPECT_EQ(sent.size(), 16u);  // every copy sends
+    for (const auto& [r, b] : sent) EXPECT_EQ(b, sent.begin()->second);
+    check_exact(c, plan);
+}
+
+TEST(TransferPlan, Tp2ToTp16ReplicatedDestination) {
+    // Every destination copy of a head receives it; each from the one source rank that holds it.
+    Case c{.model = llama_mini(), .from = "tp=2", .to = "tp=16", .tokens = 40};
+    const auto plan = plan_of(c);
+    ASSERT_EQ(plan.messages.size(), 16u);
+    for (const auto& msg : plan.messages) EXPECT_EQ(msg.head_begin, msg.dst_rank / 2);
+    EXPECT_EQ(plan.min_bytes, 2 * 4 * 2 * 8 * 40 * 16 * 4);  // each head held twice
+    check_exact(c, plan);
+}
+
+TEST(TransferPlan, Pp2ToPp3UnevenSplits) {
+    // 7 layers: source stages [0,4) [4,7); destination [0,3) [3,5) [5,7).
+    Case c{.model = llama_mini(7), .from = "pp=2,tp=2", .to = "pp=3,tp=2", .tokens = 50};
+    const auto plan = plan_of(c);
+    std::set<std::tuple<int, int, int, int>> got;  // src stage, dst stage, layer range
+    for (const auto& msg : plan.messages)
+        got.insert({plan.src.layout.ranks[msg.src_rank].coord.pp,
+                    plan.dst.layout.ranks[msg.dst_rank].coord.pp, msg.layer_begin, msg.layer_end});
+    const std::set<std::tuple<int, int, int, int>> want = {
+        {0, 0, 0, 3}, {0, 1, 3, 4}, {1, 1, 4, 5}, {1, 2, 5, 7}};
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(plan.messages.size(), 8u);  // 4 stage pairs x 2 TP ranks
+    check_exact(c, plan);
+    Case explicit_split = c;
+    explicit_split.from = "pp=2,pp_layers=2/5";
+    explicit_split.to = "pp=3,pp_layers=1/5/1";
+    check_exact(explicit_split, plan_of(explicit_split));
+}
+
+TEST(TransferPlan, Cp4ToCp1) {
+    for (const char* scheme : {"contiguous", "zigzag", "interleave,cp_interleave=3"}) {
+        Case c{.model = llama_mini(),
+               .from = std::string("cp=4,tp=2,cp_scheme=") + scheme,
+               .to = "tp=2",
+               .tokens = 101};
+        const auto plan = plan_of(c);
+        EXPECT_EQ(plan.messages.size(), 8u)
+            << scheme;  // 4 CP ranks x 2 TP ranks, each to its TP peer
+        for (const auto& msg : plan.messages)
+            EXPECT_EQ(plan.src.layout.ranks[msg.src_rank].coord.tp,
+                      plan.dst.layout.ranks[msg.dst_rank].coord.tp);
+        check_exact(c, plan);
+    }
+}
+
+TEST(TransferPlan, Cp1ToCp4AndBetweenSchemes) {
+    check_exact(Case{.model = llama_mini(),
+                     .from = "tp=4",
+                     .to = "cp=4,tp=1,cp_scheme=zigzag",
+                     .tokens = 64},
+                plan_of(Case{.model = llama_mini(),
+                             .from = "tp=4",
+                             .to = "cp=4,tp=1,cp_scheme=zigzag",
+                             .tokens = 64}));
+    Case c{.model = llama_mini(),
+           .from = "cp=2,cp_scheme=zigzag",
+           .to = "cp=3,cp_scheme=interleave,cp_interleave=16",
+           .tokens = 133,
+           .bs_from = 8,
+           .bs_to = 16};
+    check_exact(c, plan_of(c));
+}
+
+TEST(TransferPlan, BlockSize16To64) {
+    Case c{.model = llama_mini(),
+           .from = "tp=4",
+           .to = "tp=4",
+           .tokens = 200,
+           .bs_from = 16,
+           .bs_to = 64};
+    const auto plan = plan_of(c);
+    ASSERT_EQ(plan.messages.size(), 4u);
+    for (const auto& msg : plan.messages) {
+        EXPECT_EQ(msg.src_rank, msg.dst_rank);
+        EXPECT_EQ(msg.pieces.size(),
+                  13u);  // ceil(200 / 16) source blocks, each inside one 64-block
+    }
+    check_exact(c, plan);
+    Case back = c;
+    std::swap(back.bs_from, back.bs_to);
+    back.shuffle = 7;
+    check_exact(back, plan_of(back));
+}
+
+TEST(TransferPlan, HndToNhdAndBack) {
+    Case c{.model = llama_mini(),
+           .from = "tp=8",
+           .to = "tp=2",
+           .tokens = 70,
+           .order_from = PageOrder::kHnd,
+           .order_to = PageOrder::kNhd,
+           .shuffle = 3};
+    check_exact(c, plan_of(c));
+    std::swap(c.order_from, c.order_to);
+    check_exact(c, plan_of(c));
+    c.order_from = c.order_to = PageOrder::kNhd;
+    check_exact(c, plan_of(c));
+    // Several heads on both sides, so the rectangles are really transposed.
+    for (auto [from, to] : {std::pair{PageOrder::kHnd, PageOrder::kNhd},
+                            std::pair{PageOrder::kNhd, PageOrder::kHnd}}) {
+        Case m{.model = llama_mini(),
+               .from = "tp=2",
+               .to = "tp=4",
+               .tokens = 45,
+               .bs_from = 4,
+               .bs_to = 16,
+               .order_from = from,
+               .order_to = to};
+        check_exact(m, plan_of(m));
+    }
+}
+
+TEST(TransferPlan, MlaTp8ToTp2) {
+    // The latent is on every TP rank: each of the 8 copies sends an eighth of the tokens to each of
+    // the 2 destinations; every destination gets the latent once.
+    Case c{.model = catalog_model("tiny-mla"), .from = "tp=8", .to = "tp=2", .tokens = 96};
+    const auto plan = plan_of(c);
+    ASSERT_EQ(plan.messages.size(), 16u);
+    for (const auto& msg : plan.messages) EXPECT_EQ(msg.num_tokens, 12);
+    EXPECT_EQ(plan.min_bytes, 2 * (2 * 40 * 96 * 4));  // 2 destinations x 2 layers x latent 40 fp32
+    check_exact(c, plan);
+}
+
+TEST(TransferPlan, LayerGroupsOneMessagePerLayer) {
+    Case c{.model = llama_mini(6),
+           .from = "tp=4,pp=2",
+           .to = "tp=2",
+           .tokens = 33,
+           .layers_per_group = 1};
+    const auto plan = plan_of(c);
+    EXPECT_EQ(plan.num_layer_groups, 6);
+    EXPECT_EQ(plan.messages.size(), 6u * 4u);  // per layer: 4 source TP ranks -> their dst
+    for (size_t i = 1; i < plan.messages.size(); ++i)
+        EXPECT_LE(plan.messages[i - 1].layer_group, plan.messages[i].layer_group);
+    for (const auto& msg : plan.messages) EXPECT_EQ(msg.num_layers(), 1);
+    check_exact(c, plan);
+}
+
+TEST(TransferPlan, DataParallelReplicas) {
+    Case c{.model = llama_mini(),
+           .from = "dp=2,tp=2",
+           .to = "dp=3,tp=4",
+           .tokens = 21,
+           .dp_from = 1,
+           .dp_to = 2};
+    const auto plan = plan_of(c);
+    for (const auto& msg : plan.messages) {
+        EXPECT_EQ(plan.src.layout.ranks[msg.src_rank].coord.dp, 1);
+        EXPECT_EQ(plan.dst.layout.ranks[msg.dst_rank].coord.dp, 2);
+    }
+    check_exact(c, plan);
+}
+
+TEST(TransferPlan, OneMessagePerPairAndGroup) {
+    Case c{.model = llama_mini(5),
+           .from = "tp=4,pp=2,cp=2",
+           .to = "tp=8,pp=3,cp=3,cp_scheme=zigzag",
+           .tokens = 150,
+           .bs_from = 16,
+           .bs_to = 32};
+    const auto plan = plan_of(c);
+    for (const auto& [pair, n] : pair_counts(plan)) EXPECT_EQ(n, 1);
+    check_exact(c, plan);
+}
+
+TEST(TransferPlan, RejectsBadInput) {
+    auto src = testing::make_endpoint(llama_mini(), "tp=8", 16, PageOrder::kHnd, 10);
+    auto dst = testing::make_endpoint(llama_mini(5), "tp=4", 16, PageOrder::kHnd, 10);
+    EXPECT_THROW(make_transfer_plan(src, dst, 10), Error);  // different layer counts
+    dst = testing::make_endpoint(llama_mini(), "tp=4", 16, PageOrder::kHnd, 10);
+    EXPECT_THROW(make_transfer_plan(src, dst, 0), Error);
+    EXPECT_THROW(make_transfer_plan(src, dst, 100), Error);  // tables sized for 10 tokens
+    dst.dp = 1;
+    EXPECT_THROW(make_transfer_plan(src, dst, 10), Error);
+    dst.dp = 0;
+    dst.block_tables.clear();
+    EXPECT_THROW(make_transfer_plan(src, dst, 10), Error);
+    try {
+        make_transfer_plan(
+            src, testing::make_endpoint(catalog_model("tiny-mla"), "tp=2", 16, PageOrder::kHnd, 10),
+            10);
+        FAIL() << "expected an Error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("same model"), std::string::npos) << e.what();
+    }
+}
+
+TEST(TransferPlan, PackRejectsWrongPool) {
+    Case c{.model = llama_mini(), .from = "tp=8", .to = "tp=4", .tokens = 16};
+    const auto plan = plan_of(c);
+    const auto& msg = plan.messages.front();
+    BlockPool wrong(rank_page_geometry(plan.dst.layout, 0, 16, PageOrder::kHnd),
+                    4);  // dst geometry
+    std::vector<std::byte> buf(static_cast<size_t>(msg.bytes));
+    EXPECT_THROW(pack_message(plan, msg, TransferMode::kPreSend, wrong, buf), Error);
+    BlockPool right(rank_page_geometry(plan.src.layout, msg.src_rank, 16, PageOrder::kHnd), 4);
+    std::vector<std::byte> short_buf(static_cast<size_t>(msg.bytes - 1));
+    EXPECT_THROW(pack_message(plan, msg, TransferMode::kPreSend, right, short_buf), Error);
+    EXPECT_NO_THROW(pack_message(plan, msg, TransferMode::kPreSend, right, buf));
+    EXPECT_THROW(parse_transfer_mode("sideways"), Error);
+}
+
+TEST(TransferPlan, AutoModePicksFewerCopies) {
+    // HND source, NHD destination, block 16 -> 64: the mode whose wire follows the side with more
+    // scattered runs costs more; auto must pick the cheaper one and both must be valid.
+    Case c{.model = llama_mini(),
+           .from = "tp=8",
+           .to = "tp=2",
+           .tokens = 128,
+           .order_from = PageOrder::kHnd,
+           .order_to = PageOrder::kNhd};
+    const auto plan = plan_of(c);
+    const auto pre = count_copies(plan, TransferMode::kPreSend).total();
+    const auto post = count_copies(plan, TransferMode::kPostReceive).total();
+    const auto chosen = resolve_mode(plan, TransferMode::kAuto);
+    EXPECT_EQ(chosen, post < pre ? TransferMode::kPostReceive : TransferMode::kPreSend);
+    // Same page order on both sides with full blocks: every message is one run per (layer, kv,
+    // piece).
+    Case same{.model = llama_mini(), .from = "tp=4", .to = "tp=4", .tokens = 64};
+    const auto p2 = plan_of(same);
+    EXPECT_EQ(count_copies(p2, TransferMode::kPreSend).pack, 4 * 4 * 2 * 1);  // pages 0..3 adjacent
+}
+
+// ---- property test over random layout pairs --------------------------------------------------
+
+std::string random_parallel(std::mt19937_64& rng, const ModelSpec& m, int max_world) {
+    auto pick = [&](const std::vector<int>& v) { return v[rng() % v.size()]; };
+    for (;;) {
+        const auto tps = valid_tp_sizes(m);
+        const int tp = pick(tps);
+        const int pp = 1 + static_cast<int>(rng() % std::min(3, m.num_layers));
+        const int cp = pick({1, 1, 2, 3, 4});
+        const int dp = pick({1, 1, 2});
+        if (tp * pp * cp * dp > max_world) continue;
+        std::string s = "tp=" + std::to_string(tp) + ",pp=" + std::to_string(pp) +
+                        ",cp=" + std::to_string(cp) + ",dp=" + std::to_string(dp);
+        if (cp > 1) {
+            const int scheme = static_cast<int>(rng() % 3);
+            s += scheme == 0   ? ",cp_scheme=contiguous"
+                 : scheme == 1 ? ",cp_scheme=zigzag"
+                               : ",cp_scheme=interleave";
+            if (scheme == 2) s += ",cp_interleave=" + std::to_string(pick({1, 4, 16}));
+        }
+        if (pp > 1 && rng() % 2 == 0) {
+            // A random uneven split.
+            std::vector<int> split(pp, 1);
+            for (int l = pp; l < m.num_layers; ++l) ++split[rng() % pp];
+            s += ",pp_layers=";
+            for (int i = 0; i < pp; ++i) s += (i ? "/" : "") + std::to_string(split[i]);
+        }
+        return s;
+    }
+}
+
+TEST(TransferPlan, PropertyRandomLayoutPairs) {
+    std::mt19937_64 rng(20261130);
+    const std::vector<ModelSpec> models = {catalog_model("tiny"), catalog_model("tiny-mla"),
+                                           llama_mini(5), llama_mini(3, 1, 8) /* MQA */,
+                                           llama_mini(3, 32, 4) /* MHA */};
+    const int kCases = 60;
+    for (int i = 0; i < kCases; ++i) {
+        const ModelSpec& m = models[rng() % models.size()];
+        Case c;
+        c.model = m;
+        c.from = random_parallel(rng, m, 32);
+        c.to = random_parallel(rng, m, 32);
+        c.tokens = 1 + static_cast<int64_t>(rng() % 300);
+        const std::vector<int> sizes = {1, 4, 5, 16, 64};
+        c.bs_from = sizes[rng() % sizes.size()];
+        c.bs_to = sizes[rng() % sizes.size()];
+        c.order_from = rng() % 2 ? PageOrder::kHnd : PageOrder::kNhd;
+        c.order_to = rng() % 2 ? PageOrder::kHnd : PageOrder::kNhd;
+        c.dp_from = static_cast<int>(rng() % parse_parallel_config(c.from).dp);
+        c.dp_to = static_cast<int>(rng() % parse_parallel_config(c.to).dp);
+        c.layers_per_group = static_cast<int>(rng() % 3);
+        c.shuffle = rng() % 2 ? rng() | 1 : 0;
+        SCOPED_TRACE("case " + std::to_string(i));
+        const auto plan = plan_of(c);
+        // Coalesced: one message per (src, dst, layer group).
+        std::set<std::tuple<int, int, int>> keys;
+        for (const auto& msg : plan.messages)
+            EXPECT_TRUE(keys.insert({msg.layer_group, msg.src_rank, msg.dst_rank}).second);
+        check_exact(c, plan);
+        if (::testing::Test::HasFailure()) break;
+    }
+}
+
+}  // namespace
+}  // namespace kvshard

@@ -1,0 +1,136 @@
+// kvshard transfer-plan: which prefill rank sends which KV to which decode rank.
+#include <fmt/format.h>
+
+#include <map>
+#include <memory>
+
+#include "command.h"
+#include "kvshard/common/error.h"
+#include "kvshard/transfer/pack.h"
+#include "kvshard/transfer/transfer_plan.h"
+#include "options.h"
+
+namespace kvshard::cli {
+namespace {
+
+struct TransferPlanFlags {
+    ModelFlags model;
+    std::string from = "tp=1", to = "tp=1";
+    int64_t tokens = 0;
+    int block_size_from = 16, block_size_to = 16;
+    std::string order_from = "hnd", order_to = "hnd";
+    int dp_from = 0, dp_to = 0;
+    int layers_per_group = 0;
+    std::string mode = "auto";
+    bool messages = false;
+    bool json = false;
+};
+
+PageOrder parse_order(const std::string& s) {
+    if (s == "hnd" || s == "HND") return PageOrder::kHnd;
+    if (s == "nhd" || s == "NHD") return PageOrder::kNhd;
+    throw Error(fmt::format("unknown page order '{}': valid are hnd, nhd", s));
+}
+
+std::string bytes_text(int64_t b) {
+    if (b >= (int64_t{1} << 30)) return fmt::format("{:.2f} GiB", b / 1073741824.0);
+    if (b >= (int64_t{1} << 20)) return fmt::format("{:.2f} MiB", b / 1048576.0);
+    if (b >= 1024) return fmt::format("{:.1f} KiB", b / 1024.0);
+    return fmt::format("{} B", b);
+}
+
+TransferEndpoint endpoint(const char* side, const ModelSpec& m, const std::string& parallel, int dp,
+                          int block_size, const std::string& order, int64_t tokens) {
+    TransferEndpoint e;
+    try {
+        e.layout = make_layout(m, parse_parallel_config(parallel));
+    } catch (const Error& err) {
+        throw Error(fmt::format("{} '{}': {}", side, parallel, err.what()));
+    }
+    e.dp = dp;
+    e.block_size = block_size;
+    e.order = parse_order(order);
+    require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
+    e.block_tables = sequential_block_tables(e.layout, block_size, tokens);
+    return e;
+}
+
+void run(const TransferPlanFlags& f) {
+    require(f.tokens >= 1, "--tokens must be at least 1, got ", f.tokens);
+    const ModelSpec m = load_model(f.model);
+    const TransferEndpoint src =
+        endpoint("--from", m, f.from, f.dp_from, f.block_size_from, f.order_from, f.tokens);
+    const TransferEndpoint dst =
+        endpoint("--to", m, f.to, f.dp_to, f.block_size_to, f.order_to, f.tokens);
+    const TransferPlan plan =
+        make_transfer_plan(src, dst, f.tokens, {.layers_per_group = f.layers_per_group});
+    const TransferMode mode = resolve_mode(plan, parse_transfer_mode(f.mode));
+    if (f.json) {
+        print_json(to_json(plan, f.messages));
+        return;
+    }
+    fmt::print("{}: {} tokens, {} -> {}\n", m.name, f.tokens, src.layout.parallel.to_string(),
+               dst.layout.parallel.to_string());
+    fmt::print("block size {} -> {}, pages {} -> {}, mode {}, {} layer group(s)\n", src.block_size,
+               dst.block_size, f.order_from, f.order_to, transfer_mode_name(mode),
+               plan.num_layer_groups);
+    fmt::print("messages {}, bytes {} ({}), min bytes {} ({})\n\n", plan.messages.size(),
+               plan.bytes, bytes_text(plan.bytes), plan.min_bytes, bytes_text(plan.min_bytes));
+    std::map<std::pair<int, int>, std::pair<int64_t, int>> pairs;
+    for (const auto& msg : plan.messages) {
+        auto& p = pairs[{msg.src_rank, msg.dst_rank}];
+        p.first += msg.bytes;
+        ++p.second;
+    }
+    fmt::print("{:>5} {:>5} {:>9} {:>14}\n", "src", "dst", "messages", "bytes");
+    for (const auto& [k, v] : pairs)
+        fmt::print("{:>5} {:>5} {:>9} {:>14}\n", k.first, k.second, v.second, bytes_text(v.first));
+    if (f.messages) {
+        fmt::print("\n{:>5} {:>5} {:>6} {:>9} {:>9} {:>8} {:>7} {:>12}\n", "src", "dst", "group",
+                   "layers", "heads", "tokens", "pieces", "bytes");
+        for (const auto& msg : plan.messages)
+            fmt::print("{:>5} {:>5} {:>6} {:>9} {:>9} {:>8} {:>7} {:>12}\n", msg.src_rank,
+                       msg.dst_rank, msg.layer_group,
+                       fmt::format("[{},{})", msg.layer_begin, msg.layer_end),
+                       fmt::format("[{},{})", msg.head_begin, msg.head_end), msg.num_tokens,
+                       msg.pieces.size(), msg.bytes);
+    }
+}
+
+void setup(CLI::App& app) {
+    auto f = std::make_shared<TransferPlanFlags>();
+    auto* sub = app.add_subcommand(
+        "transfer-plan",
+        "Plan moving one request's KV from a prefill layout to a decode layout (docs/transfer.md)");
+    add_model_options(sub, f->model);
+    sub->add_option("--from", f->from,
+                    "prefill layout, e.g. tp=8 or tp=4,pp=2,cp=2,cp_scheme=zigzag")
+        ->capture_default_str();
+    sub->add_option("--to", f->to, "decode layout, same syntax")->capture_default_str();
+    sub->add_option("--tokens,-L", f->tokens, "tokens of the request")->required();
+    sub->add_option("--block-size-from", f->block_size_from, "prefill block size (tokens)")
+        ->capture_default_str();
+    sub->add_option("--block-size-to", f->block_size_to, "decode block size (tokens)")
+        ->capture_default_str();
+    sub->add_option("--order-from", f->order_from, "prefill page order: hnd|nhd")
+        ->capture_default_str();
+    sub->add_option("--order-to", f->order_to, "decode page order: hnd|nhd")->capture_default_str();
+    sub->add_option("--dp-from", f->dp_from, "prefill replica holding the request")
+        ->capture_default_str();
+    sub->add_option("--dp-to", f->dp_to, "decode replica receiving the request")
+        ->capture_default_str();
+    sub->add_option("--layers-per-message", f->layers_per_group,
+                    "layers per message (0: all, 1: stream layer by layer)")
+        ->capture_default_str();
+    sub->add_option("--mode", f->mode, "pre-send|post-receive|auto (where the reshape happens)")
+        ->capture_default_str();
+    sub->add_flag("--messages", f->messages, "also list every message");
+    sub->add_flag("--json", f->json, "print JSON instead of a table");
+    sub->callback([f] { run(*f); });
+}
+
+}  // namespace
+
+KVSHARD_COMMAND("transfer-plan", setup);
+
+}  // namespace kvshard::cli
