@@ -70,42 +70,42 @@ int64_t cp_pass_kv_bytes_sent(const KvLayout& layout, int rank, int64_t context_
     return int64_t{rk.num_layers()} * per_token_layer * (context_tokens - shard);
 }
 
-std::string_view cp_prefill_scheme_name(CpPrefillScheme s) {
+std::string_view cp_prefill_policy_name(CpPrefillPolicy s) {
     switch (s) {
-        case CpPrefillScheme::kAuto:
+        case CpPrefillPolicy::kAuto:
             return "auto";
-        case CpPrefillScheme::kPassKv:
+        case CpPrefillPolicy::kPassKv:
             return "pass-kv";
-        case CpPrefillScheme::kPassQ:
+        case CpPrefillPolicy::kPassQ:
             return "pass-q";
     }
     return "?";
 }
 
-CpPrefillScheme parse_cp_prefill_scheme(std::string_view s) {
-    if (s == "auto") return CpPrefillScheme::kAuto;
-    if (s == "pass-kv") return CpPrefillScheme::kPassKv;
-    if (s == "pass-q") return CpPrefillScheme::kPassQ;
+CpPrefillPolicy parse_cp_prefill_policy(std::string_view s) {
+    if (s == "auto") return CpPrefillPolicy::kAuto;
+    if (s == "pass-kv") return CpPrefillPolicy::kPassKv;
+    if (s == "pass-q") return CpPrefillPolicy::kPassQ;
     throw Error(
         detail::concat("unknown CP prefill scheme '", s, "': expected auto, pass-kv or pass-q"));
 }
 
-std::string_view cp_decode_merge_name(CpDecodeMerge s) {
+std::string_view cp_merge_policy_name(CpMergePolicy s) {
     switch (s) {
-        case CpDecodeMerge::kAuto:
+        case CpMergePolicy::kAuto:
             return "auto";
-        case CpDecodeMerge::kAllGather:
+        case CpMergePolicy::kAllGather:
             return "all-gather";
-        case CpDecodeMerge::kAllToAll:
+        case CpMergePolicy::kAllToAll:
             return "all-to-all";
     }
     return "?";
 }
 
-CpDecodeMerge parse_cp_decode_merge(std::string_view s) {
-    if (s == "auto") return CpDecodeMerge::kAuto;
-    if (s == "all-gather") return CpDecodeMerge::kAllGather;
-    if (s == "all-to-all") return CpDecodeMerge::kAllToAll;
+CpMergePolicy parse_cp_merge_policy(std::string_view s) {
+    if (s == "auto") return CpMergePolicy::kAuto;
+    if (s == "all-gather") return CpMergePolicy::kAllGather;
+    if (s == "all-to-all") return CpMergePolicy::kAllToAll;
     throw Error(detail::concat("unknown CP decode merge '", s,
                                "': expected auto, all-gather or all-to-all"));
 }
@@ -225,7 +225,7 @@ class Model {
                 const double kv_exposed = (p_.cp - 1) * std::max(0.0, kv_send - step_attn);
                 const double q_step = T * q_heads() * qk_dim() * a;
                 const double q_send = send_s(q_step, l_.cp_bw, l_.cp_hop);
-                const double part = T * q_heads() * (v_dim() * a + 4);  // O and fp32 LSE per block
+                const double part = T * q_heads() * (v_dim() + 1) * 4.0;  // fp32 partial O and LSE
                 const double q_a2a = all_to_all_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop);
                 const double q_exposed = (p_.cp - 1) * std::max(0.0, q_send - step_attn) + q_a2a;
                 auto& cpp = c.cp_prefill;
@@ -235,9 +235,9 @@ class Model {
                 cpp.pass_q_bytes += (p_.cp - 1) * q_step + double(p_.cp - 1) / p_.cp * p_.cp * part;
                 cpp.pass_q_s += q_exposed;
                 const bool use_q =
-                    o_.cp_prefill == CpPrefillScheme::kPassQ ||
-                    (o_.cp_prefill == CpPrefillScheme::kAuto && q_exposed < kv_exposed);
-                cpp.chosen = use_q ? CpPrefillScheme::kPassQ : CpPrefillScheme::kPassKv;
+                    o_.cp_prefill == CpPrefillPolicy::kPassQ ||
+                    (o_.cp_prefill == CpPrefillPolicy::kAuto && q_exposed < kv_exposed);
+                cpp.chosen = use_q ? CpPrefillPolicy::kPassQ : CpPrefillPolicy::kPassKv;
                 c.cp_bytes +=
                     use_q ? (p_.cp - 1) * q_step + double(p_.cp - 1) * part : (p_.cp - 1) * kv_step;
                 c.cp_s += use_q ? q_exposed : kv_exposed;
@@ -291,7 +291,7 @@ class Model {
             if (moe && p_.ep > 1) add_ep(c, B / (p_.tp * p_.cp));
             if (p_.cp > 1) {
                 // Partial outputs of the rank's query heads and their fp32 LSE.
-                const double part = B * q_heads() * (v_dim() * a + 4);
+                const double part = B * q_heads() * (v_dim() + 1) * 4.0;  // fp32 partial O and LSE
                 const double merged = B * q_heads() * v_dim() * a;
                 auto& d = c.cp_decode;
                 const double ag_s = ring_all_gather_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop);
@@ -303,9 +303,9 @@ class Model {
                 d.all_gather_bytes += ag_b;
                 d.all_to_all_s += aa_s;
                 d.all_to_all_bytes += aa_b;
-                const bool use_aa = o_.cp_decode_merge == CpDecodeMerge::kAllToAll ||
-                                    (o_.cp_decode_merge == CpDecodeMerge::kAuto && aa_s < ag_s);
-                d.chosen = use_aa ? CpDecodeMerge::kAllToAll : CpDecodeMerge::kAllGather;
+                const bool use_aa = o_.cp_decode_merge == CpMergePolicy::kAllToAll ||
+                                    (o_.cp_decode_merge == CpMergePolicy::kAuto && aa_s < ag_s);
+                d.chosen = use_aa ? CpMergePolicy::kAllToAll : CpMergePolicy::kAllGather;
                 c.cp_bytes += use_aa ? aa_b : ag_b;
                 c.cp_s += use_aa ? aa_s : ag_s;
             }

@@ -210,9 +210,9 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
             {"ep_link_share_for_kv", k.ep_link_share_for_kv},
         };
         if (p.cp > 1) {
-            j["cp_prefill"] = cp_prefill_scheme_name(k.cp_prefill.chosen);
+            j["cp_prefill"] = cp_prefill_policy_name(k.cp_prefill.chosen);
             j["cp_pass_kv_hidden"] = k.cp_prefill.pass_kv_hidden;
-            j["cp_decode_merge"] = cp_decode_merge_name(k.cp_decode.chosen);
+            j["cp_decode_merge"] = cp_merge_policy_name(k.cp_decode.chosen);
         }
         if (!e.fits) j["why_not"] = c.why_not;
         configs.push_back(std::move(j));

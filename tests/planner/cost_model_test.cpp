@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kvshard/common/error.h"
+#include "kvshard/exec/cp_plan.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/cost_model.h"
 
@@ -109,9 +110,9 @@ TEST(CostModel, DecodeTrafficOnTinyModels) {
     r = estimate_cost(m, cfg(1, 2), hw, work(16, 16, 1));
     EXPECT_DOUBLE_EQ(r.decode.pp_bytes, 64 * 2);
     EXPECT_DOUBLE_EQ(r.decode.tp_bytes, 0);
-    // CP=2: all-gather of partial O (8 heads x 8 dims x 2 B) + fp32 LSE per head, each layer.
+    // CP=2: all-gather of the fp32 partial O (8 heads x 8 dims) + fp32 LSE per head, each layer.
     r = estimate_cost(m, cfg(1, 1, 2), hw, work(16, 16, 1));
-    EXPECT_DOUBLE_EQ(r.cp_decode.all_gather_bytes, 4 * 1 * 8 * (8 * 2 + 4));
+    EXPECT_DOUBLE_EQ(r.cp_decode.all_gather_bytes, 4 * 1 * 8 * (8 + 1) * 4);
     EXPECT_GT(r.cp_decode.all_to_all_bytes, 0);
     // EP=2 over dp=2: dispatch + combine of B x top-2 x hidden x 2 B, half of it leaving the rank.
     r = estimate_cost(catalog_model("tiny-moe"), cfg(1, 1, 1, 2, 2), hw, work(16, 16, 2));
@@ -141,7 +142,7 @@ TEST(CostModel, PassKvHidesUnderAttentionAtLongContextOnly) {
     auto p = cfg(8, 1, 4);
     p.cp_scheme = CpScheme::kZigzag;
     CostOptions o;
-    o.cp_prefill = CpPrefillScheme::kPassKv;
+    o.cp_prefill = CpPrefillPolicy::kPassKv;
     const auto long_ctx = estimate_cost(m, p, hw, work(131072, 131072, 1), o);
     EXPECT_TRUE(long_ctx.cp_prefill.pass_kv_hidden);
     EXPECT_EQ(long_ctx.prefill.cp_s, 0);
@@ -172,8 +173,30 @@ TEST(CostModel, BadWorkloadsAreErrors) {
     EXPECT_THROW(estimate_cost(m, cfg(1), hw, work(16, 0, 1)), Error);
     EXPECT_THROW(estimate_cost(m, cfg(1), hw, work(16, 16, 0)), Error);
     EXPECT_THROW(estimate_cost(m, cfg(3), hw, work(16, 16, 1)), Error);
-    EXPECT_THROW(parse_cp_prefill_scheme("ring"), Error);
-    EXPECT_THROW(parse_cp_decode_merge("tree"), Error);
+    EXPECT_THROW(parse_cp_prefill_policy("ring"), Error);
+    EXPECT_THROW(parse_cp_merge_policy("tree"), Error);
+}
+
+}  // namespace
+}  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// The context-parallel executor counts the same bytes from its own token map.
+TEST(CpPassKv, AgreesWithTheExecutorsPlan) {
+    for (auto scheme : {CpScheme::kContiguous, CpScheme::kZigzag, CpScheme::kInterleave})
+        for (int cp : {2, 3, 4}) {
+            auto p = cfg(2, 1, cp);
+            p.cp_scheme = scheme;
+            p.cp_interleave = 4;
+            const auto l = make_layout(catalog_model("tiny"), p);
+            for (int64_t n : {1, 17, 100})
+                for (int r = 0; r < l.world_size(); ++r)
+                    EXPECT_EQ(cp_pass_kv_bytes_sent(l, r, n),
+                              cp_pass_kv_bytes(l, r, cp_prompt_map(p, n)).ring)
+                        << cp_scheme_name(scheme) << " cp=" << cp << " n=" << n << " rank=" << r;
+        }
 }
 
 }  // namespace

@@ -60,8 +60,8 @@ void run(const PlanFlags& f) {
     r.objective = parse_objective(f.objective);
     r.cp_scheme = parse_cp_scheme(f.cp_scheme);
     r.capacity = f.hardware.capacity_options();
-    r.cost.cp_prefill = parse_cp_prefill_scheme(f.cp_prefill);
-    r.cost.cp_decode_merge = parse_cp_decode_merge(f.cp_decode_merge);
+    r.cost.cp_prefill = parse_cp_prefill_policy(f.cp_prefill);
+    r.cost.cp_decode_merge = parse_cp_merge_policy(f.cp_decode_merge);
     r.cost.pp_prefill_chunks = f.pp_chunks;
     require(f.top >= 0, "--top must be >= 0 (0: all), got ", f.top);
     const auto entries = plan(m, hw, r);

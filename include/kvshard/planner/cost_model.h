@@ -35,20 +35,20 @@ bool group_crosses_nodes(const ParallelConfig& p, GroupKind g, int gpus_per_node
 // == 1.
 int64_t cp_pass_kv_bytes_sent(const KvLayout& layout, int rank, int64_t context_tokens);
 
-enum class CpPrefillScheme { kAuto, kPassKv, kPassQ };  // kAuto: the faster of the two
-std::string_view cp_prefill_scheme_name(CpPrefillScheme s);
-CpPrefillScheme parse_cp_prefill_scheme(std::string_view s);  // auto|pass-kv|pass-q
+enum class CpPrefillPolicy { kAuto, kPassKv, kPassQ };  // kAuto: the faster of the two
+std::string_view cp_prefill_policy_name(CpPrefillPolicy s);
+CpPrefillPolicy parse_cp_prefill_policy(std::string_view s);  // auto|pass-kv|pass-q
 
-enum class CpDecodeMerge { kAuto, kAllGather, kAllToAll };
-std::string_view cp_decode_merge_name(CpDecodeMerge s);
-CpDecodeMerge parse_cp_decode_merge(std::string_view s);  // auto|all-gather|all-to-all
+enum class CpMergePolicy { kAuto, kAllGather, kAllToAll };
+std::string_view cp_merge_policy_name(CpMergePolicy s);
+CpMergePolicy parse_cp_merge_policy(std::string_view s);  // auto|all-gather|all-to-all
 
 struct CostOptions {
     int activation_bytes = 2;  // bf16 activations (also under fp8 weights)
     // Prefill chunks pipelined through the PP stages; 0: as many as stages (pp).
     int pp_prefill_chunks = 0;
-    CpPrefillScheme cp_prefill = CpPrefillScheme::kAuto;
-    CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAuto;
+    CpPrefillPolicy cp_prefill = CpPrefillPolicy::kAuto;
+    CpMergePolicy cp_decode_merge = CpMergePolicy::kAuto;
     void validate() const;
 };
 
@@ -77,13 +77,13 @@ struct CpPrefillCost {
     bool pass_kv_hidden = false;  // ring time <= attention compute time (overlapped)
     double pass_q_bytes = 0;      // Q ring + all-to-all of partial outputs and LSE
     double pass_q_s = 0;
-    CpPrefillScheme chosen = CpPrefillScheme::kPassKv;
+    CpPrefillPolicy chosen = CpPrefillPolicy::kPassKv;
 };
 
 struct CpDecodeCost {
     double all_gather_bytes = 0, all_gather_s = 0;
     double all_to_all_bytes = 0, all_to_all_s = 0;
-    CpDecodeMerge chosen = CpDecodeMerge::kAllGather;
+    CpMergePolicy chosen = CpMergePolicy::kAllGather;
 };
 
 struct Workload {
