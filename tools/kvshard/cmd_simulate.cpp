@@ -8,6 +8,8 @@
 
 #include "command.h"
 #include "kvshard/common/error.h"
+#include "kvshard/planner/hardware.h"
+#include "kvshard/sim/planner_service.h"
 #include "kvshard/sim/simulator.h"
 #include "options.h"
 
@@ -18,9 +20,10 @@ struct SimulateFlags {
     std::string trace;
     int replicas = 8;
     std::string policy = "all";
-    ModelFlags model;
+    ModelFlags model{"llama-3.1-70b", ""};
     std::string hardware = "h100-sxm";
-    int tp = 1;
+    int tp = 8;
+    int pp = 1;
     int64_t capacity_tokens = 0;
     std::string on_error = "fail";
     int64_t max_requests = 0;
@@ -66,17 +69,20 @@ void run(const SimulateFlags& f) {
         std::fprintf(stderr, "kvshard: warning: %zu more malformed lines skipped\n",
                      trace.skipped.size() - 5);
 
-    // PROVISIONAL (until the planner lands): capacity from --capacity-tokens, linear service times.
-    require(f.capacity_tokens > 0, "--capacity-tokens is required for now");
-    LinearServiceModel service;
-    service.prefill_fixed_s = 0.005;
-    service.prefill_s_per_token = 30e-6;
-    service.decode_fixed_s = 0.0065;
-    service.decode_s_per_context_token = 1.5e-8;
+    ReplicaSetup setup;
+    setup.model = load_model(f.model);
+    setup.hardware = resolve_hardware(f.hardware);
+    setup.parallel =
+        parse_parallel_config("tp=" + std::to_string(f.tp) + ",pp=" + std::to_string(f.pp));
+    const int64_t capacity_tokens =
+        f.capacity_tokens > 0 ? f.capacity_tokens : replica_kv_tokens(setup);
+    require(capacity_tokens >= trace.block_tokens, "each replica holds ", capacity_tokens,
+            " KV tokens, less than one ", trace.block_tokens, "-token trace block");
+    const PlannerServiceModel service(setup);
 
     SimConfig cfg;
     cfg.num_replicas = f.replicas;
-    cfg.replica_capacity_blocks = f.capacity_tokens / trace.block_tokens;
+    cfg.replica_capacity_blocks = capacity_tokens / trace.block_tokens;
     cfg.index_mode = parse_kv_index_mode(f.index);
     cfg.index_ttl_s = f.ttl_s;
     cfg.max_batch = f.max_batch;
@@ -99,8 +105,8 @@ void run(const SimulateFlags& f) {
     rep.num_replicas = f.replicas;
     rep.block_tokens = trace.block_tokens;
     rep.replica_capacity_blocks = cfg.replica_capacity_blocks;
-    rep.setup =
-        fmt::format("{} KV tokens per replica", cfg.replica_capacity_blocks * trace.block_tokens);
+    rep.setup = fmt::format("{}: {} KV tokens{}", setup.to_string(), capacity_tokens,
+                            f.capacity_tokens > 0 ? " (--capacity-tokens)" : " (planner)");
     rep.infinite_cache = infinite_cache_hit_rates(trace);
     rep.pooled_lru = pooled_lru_hit_rates(trace, cfg.replica_capacity_blocks * f.replicas);
     for (RoutingPolicy p : policies) {
@@ -120,12 +126,11 @@ void run(const SimulateFlags& f) {
     }
     fmt::print("trace: {}: {} requests over {:.0f} s ({} malformed lines skipped)\n", f.trace,
                rep.requests, rep.trace_duration_s, rep.skipped_lines);
-    fmt::print("cluster: {} replicas, {} ({} blocks of {} tokens)\n", rep.num_replicas, rep.setup,
+    fmt::print("cluster: {} replicas of {} ({} blocks of {} tokens)\n", rep.num_replicas, rep.setup,
                rep.replica_capacity_blocks, rep.block_tokens);
     fmt::print(
-        "bounds: infinite cache {:.1f}% of prompt tokens ({:.1f}% of blocks); pooled LRU of {} "
-        "blocks "
-        "{:.1f}% ({:.1f}%)\n\n",
+        "bounds: infinite cache {:.1f}% of prompt tokens ({:.1f}% of blocks); "
+        "pooled LRU of {} blocks {:.1f}% ({:.1f}%)\n\n",
         rep.infinite_cache.token_hit_rate * 100, rep.infinite_cache.block_hit_rate * 100,
         rep.replica_capacity_blocks * rep.num_replicas, rep.pooled_lru.token_hit_rate * 100,
         rep.pooled_lru.block_hit_rate * 100);
@@ -163,6 +168,7 @@ void setup(CLI::App& app) {
     sub->add_option("--hardware", f->hardware, "accelerator: a catalog name or a JSON file")
         ->capture_default_str();
     sub->add_option("--tp", f->tp, "tensor parallel size of each replica")->capture_default_str();
+    sub->add_option("--pp", f->pp, "pipeline parallel size of each replica")->capture_default_str();
     sub->add_option(
         "--capacity-tokens", f->capacity_tokens,
         "KV tokens per replica (default: what the planner computes for model/hardware/tp)");
