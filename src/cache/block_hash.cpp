@@ -48,6 +48,52 @@ size_t encoded_size(std::span<const int32_t> tokens, std::span<const std::byte> 
     return 16 + tokens.size_bytes() + extra.size();
 }
 
+// XXH3-128 of parent (16 bytes) || token bytes (T = tokens_len bytes) for inputs over 240 bytes,
+// without copying the tokens. XXH3's long-input loop reads 64-byte stripes at offsets 0, 64, 128...
+// plus a last stripe ending at the input's end; only stripe 0 straddles the two pieces, so it is
+// built in a 64-byte buffer and every other stripe is read in place from the tokens. This is
+// XXH3_hashLong_128b_internal of xxHash 0.8.1 with a two-piece input (same secret, same
+// accumulate/scramble/merge steps); tests check it against XXH3_128bits over the concatenation.
+#if XXH_VERSION_NUMBER == 801 && defined(XXH_INLINE_ALL)
+#define KVSHARD_XXH3_TWO_PIECE 1
+constexpr size_t kTwoPieceMin = XXH3_MIDSIZE_MAX + 1;  // 241 bytes: XXH3's long-input path
+
+BlockHash xxh3_128_two_piece(const BlockHash& parent, const std::byte* tokens, size_t tokens_len) {
+    const size_t len = 16 + tokens_len;
+    alignas(64) std::byte stripe0[XXH_STRIPE_LEN];
+    put_parent(stripe0, parent);
+    std::memcpy(stripe0 + 16, tokens, XXH_STRIPE_LEN - 16);
+    const auto* tok = reinterpret_cast<const xxh_u8*>(tokens);
+    auto at = [&](size_t offset) -> const xxh_u8* {
+        return offset == 0 ? reinterpret_cast<const xxh_u8*>(stripe0) : tok + offset - 16;
+    };
+    const xxh_u8* secret = XXH3_kSecret;
+    constexpr size_t kSecretSize = sizeof(XXH3_kSecret);
+    XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    constexpr size_t kStripesPerBlock = (kSecretSize - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;
+    constexpr size_t kBlockLen = XXH_STRIPE_LEN * kStripesPerBlock;
+    const size_t nb_blocks = (len - 1) / kBlockLen;
+    for (size_t n = 0; n < nb_blocks; ++n) {
+        for (size_t st = 0; st < kStripesPerBlock; ++st)
+            XXH3_accumulate_512(acc, at(n * kBlockLen + st * XXH_STRIPE_LEN),
+                                secret + st * XXH_SECRET_CONSUME_RATE);
+        XXH3_scrambleAcc(acc, secret + kSecretSize - XXH_STRIPE_LEN);
+    }
+    const size_t nb_stripes = ((len - 1) - kBlockLen * nb_blocks) / XXH_STRIPE_LEN;
+    for (size_t st = 0; st < nb_stripes; ++st)
+        XXH3_accumulate_512(acc, at(nb_blocks * kBlockLen + st * XXH_STRIPE_LEN),
+                            secret + st * XXH_SECRET_CONSUME_RATE);
+    XXH3_accumulate_512(acc, tok + tokens_len - XXH_STRIPE_LEN,
+                        secret + kSecretSize - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);
+    BlockHash h;
+    h.lo = XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START,
+                          static_cast<xxh_u64>(len) * XXH_PRIME64_1);
+    h.hi = XXH3_mergeAccs(acc, secret + kSecretSize - sizeof(acc) - XXH_SECRET_MERGEACCS_START,
+                          ~(static_cast<xxh_u64>(len) * XXH_PRIME64_2));
+    return h;
+}
+#endif
+
 int hex_digit(char c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
@@ -109,6 +155,11 @@ std::vector<std::byte> encode_block(const BlockHash& parent, std::span<const int
 BlockHash hash_block(const BlockHash& parent, std::span<const int32_t> tokens,
                      std::span<const std::byte> extra_keys) {
     const size_t n = encoded_size(tokens, extra_keys);
+#ifdef KVSHARD_XXH3_TWO_PIECE
+    if (extra_keys.empty() && n >= kTwoPieceMin && std::endian::native == std::endian::little)
+        return xxh3_128_two_piece(parent, reinterpret_cast<const std::byte*>(tokens.data()),
+                                  tokens.size_bytes());
+#endif
     if (n <= kOneShotLimit) {
         alignas(64) std::byte buf[kOneShotLimit];
         put_parent(buf, parent);
@@ -137,6 +188,11 @@ BlockHasher& BlockHasher::operator=(BlockHasher&&) noexcept = default;
 BlockHash BlockHasher::hash(const BlockHash& parent, std::span<const int32_t> tokens,
                             std::span<const std::byte> extra_keys) {
     const size_t n = encoded_size(tokens, extra_keys);
+#ifdef KVSHARD_XXH3_TWO_PIECE
+    if (extra_keys.empty() && n >= kTwoPieceMin && std::endian::native == std::endian::little)
+        return xxh3_128_two_piece(parent, reinterpret_cast<const std::byte*>(tokens.data()),
+                                  tokens.size_bytes());
+#endif
     if (n <= kOneShotLimit || std::endian::native != std::endian::little) {
         if (buf_.size() < n) buf_.resize(n);
         std::byte* b = buf_.data();
@@ -164,6 +220,16 @@ namespace {
 template <size_t kTokens>
 void chain_fixed(BlockHash h, const int32_t* tokens, size_t n, BlockHash* out) {
     constexpr size_t kBytes = 16 + 4 * kTokens;
+#ifdef KVSHARD_XXH3_TWO_PIECE
+    if constexpr (kBytes >= kTwoPieceMin) {
+        for (size_t i = 0; i < n; ++i) {
+            h = xxh3_128_two_piece(h, reinterpret_cast<const std::byte*>(tokens + i * kTokens),
+                                   4 * kTokens);
+            out[i] = h;
+        }
+        return;
+    }
+#endif
     alignas(64) std::byte buf[kBytes];
     for (size_t i = 0; i < n; ++i) {
         put_parent(buf, h);
