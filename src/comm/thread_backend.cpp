@@ -172,8 +172,7 @@ void copy_matched(Op& send, Op& recv) {
                                     " tag ", recv.tag, " matched a message of ", send.bytes,
                                     " bytes: receive buffers must have the exact message size "
                                     "(use recv_any_size for unknown sizes)");
-        send.error = detail::concat("send of ", send.bytes, " bytes to rank ", send.dest, " tag ",
-                                    send.tag, " matched a recv of ", recv.bytes, " bytes");
+        // As with MPI, only the receiver sees the error; the send completes.
     } else if (send.bytes) {
         std::memcpy(recv.dst, send.src, send.bytes);
     }

@@ -1,0 +1,62 @@
+#pragma once
+// Batched prefill + greedy decode of a set of prompts, unsharded or sharded over TP / PP / EP / DP
+// (docs/model.md, "Sharded execution").
+//
+// Every rank runs the same schedule: one prefill step over all of its replica's prompts (each
+// prompt first asks the prefix cache; cached tokens are not recomputed), then max_new_tokens - 1
+// decode steps of one token per sequence. Prompt i goes to DP replica i % dp. The last pipeline
+// stage picks the greedy token and sends it to the earlier stages of its replica.
+#include <cstdint>
+#include <vector>
+
+#include "kvshard/cache/block_pool.h"
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/model/weights.h"
+
+namespace kvshard {
+
+class Communicator;
+
+struct GenerationOptions {
+    int max_new_tokens = 16;  // greedy tokens per prompt; the first comes from the prefill step
+    int block_size = 16;
+    int64_t num_blocks = 0;  // blocks per rank; 0: enough for every prompt of the replica
+    bool prefix_cache = true;
+    PageOrder page_order = PageOrder::kHnd;
+};
+
+struct RankReport {
+    int rank = 0;
+    RankCoord coord;
+    int64_t kv_tokens = 0;           // distinct tokens whose KV this rank holds at the end
+    int64_t kv_bytes = 0;            // kv_tokens * the bytes per token of this rank's pool
+    int64_t kv_bytes_predicted = 0;  // kv_tokens * the layout's kv_bytes_per_token
+    int64_t prefix_hit_tokens = 0;   // prompt tokens found in this rank's prefix cache
+    double prefill_seconds = 0, decode_seconds = 0;
+};
+
+struct GenerationReport {
+    std::vector<std::vector<int32_t>> tokens;        // per prompt: the generated tokens
+    std::vector<std::vector<float>> last_logits;     // per prompt: [vocab] logits of the last step
+    std::vector<RankReport> ranks;                   // by rank
+    int64_t prompt_tokens = 0;                       // over all prompts
+    int64_t prefix_hit_tokens = 0;                   // over all replicas
+    int64_t computed_prompt_tokens = 0;              // prompt tokens run through the prefill step
+    double prefill_seconds = 0, decode_seconds = 0;  // the slowest rank's
+};
+
+// The slice of the weights rank `rank` holds under `layout` (Error when the dense MLP width is not
+// divisible by tp).
+WeightShard weight_shard(const KvLayout& layout, int rank);
+
+// Runs the generation on this rank. Collective over `world` (world->size() == p.world_size()); with
+// world == nullptr the run is one rank and p.world_size() must be 1. Every rank returns the whole
+// report. The model computes in fp32 with an fp32 KV cache whatever m.kv_dtype says.
+GenerationReport generate(const ModelSpec& m, const ParallelConfig& p, const TensorSource& weights,
+                          const std::vector<std::vector<int32_t>>& prompts,
+                          const GenerationOptions& options, Communicator* world = nullptr);
+
+// The relative L2 distance ||a - b|| / ||b|| (0 when both are zero).
+double relative_l2(const std::vector<float>& a, const std::vector<float>& b);
+
+}  // namespace kvshard

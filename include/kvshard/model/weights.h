@@ -1,0 +1,108 @@
+#pragma once
+// Weights of a Llama-family decoder (dense or Mixtral-style MoE), fp32, for the whole model or for
+// the slice one rank holds under TP / PP / EP (docs/model.md).
+//
+// Shapes follow Hugging Face nn.Linear: a weight is [out_features][in_features], row-major, and a
+// projection computes y = x W^T. Slicing is Megatron-style:
+//   q_proj / k_proj / v_proj: rows of the held heads (column parallel),
+//   o_proj: columns of the held query heads (row parallel),
+//   gate_proj / up_proj: rows [mlp_begin, mlp_end), down_proj: the same columns,
+//   experts: whole experts [expert_begin, expert_end), layers: [layer_begin, layer_end).
+// Embedding, final norm, LM head and router are replicated on every rank that holds them.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvshard/model/model_spec.h"
+
+namespace kvshard {
+
+// The part of the model one rank holds. A value; `full(m)` is the unsharded model.
+struct WeightShard {
+    int layer_begin = 0, layer_end = 0;
+    int q_head_begin = 0, q_head_end = 0;
+    int kv_head_begin = 0, kv_head_end = 0;  // may be shared with other ranks (tp > H_kv)
+    int mlp_begin = 0, mlp_end = 0;          // dense MLP intermediate columns
+    int expert_begin = 0, expert_end = 0;    // routed experts of every MoE layer
+
+    int num_layers() const { return layer_end - layer_begin; }
+    int num_q_heads() const { return q_head_end - q_head_begin; }
+    int num_kv_heads() const { return kv_head_end - kv_head_begin; }
+    int mlp_width() const { return mlp_end - mlp_begin; }
+    int num_experts() const { return expert_end - expert_begin; }
+    bool operator==(const WeightShard&) const = default;
+
+    static WeightShard full(const ModelSpec& m);
+};
+
+struct ExpertWeights {
+    std::vector<float> gate;  // w1 [expert_intermediate][hidden]
+    std::vector<float> up;    // w3 [expert_intermediate][hidden]
+    std::vector<float> down;  // w2 [hidden][expert_intermediate]
+};
+
+struct LayerWeights {
+    std::vector<float> attn_norm;        // [hidden]
+    std::vector<float> wq;               // [n_q * head_dim][hidden]
+    std::vector<float> wk, wv;           // [n_kv * head_dim][hidden]
+    std::vector<float> bq, bk, bv;       // q/k/v biases (Qwen2), empty when the model has none
+    std::vector<float> wo;               // [hidden][n_q * head_dim]
+    std::vector<float> mlp_norm;         // [hidden]
+    std::vector<float> gate, up;         // dense MLP: [mlp_width][hidden]
+    std::vector<float> down;             // dense MLP: [hidden][mlp_width]
+    std::vector<float> router;           // MoE: [num_experts][hidden], all experts
+    std::vector<ExpertWeights> experts;  // MoE: experts [expert_begin, expert_end)
+};
+
+struct ModelWeights {
+    ModelSpec spec;
+    WeightShard shard;
+    std::vector<float> embed;          // [vocab][hidden]
+    std::vector<float> final_norm;     // [hidden]
+    std::vector<float> lm_head;        // [vocab][hidden] (a copy of embed when tied)
+    std::vector<LayerWeights> layers;  // layers [shard.layer_begin, shard.layer_end)
+
+    const LayerWeights& layer(int global_layer) const {
+        return layers[global_layer - shard.layer_begin];
+    }
+};
+
+// A place tensors come from, by Hugging Face name. 1-D tensors have shape {n}; they are read as n
+// rows of one column.
+class TensorSource {
+  public:
+    virtual ~TensorSource() = default;
+    virtual bool has(const std::string& name) const = 0;
+    // Rows [row_begin, row_end) x columns [col_begin, col_end) of `name` as fp32, row-major. Throws
+    // Error naming the tensor when it is missing or its shape is not `shape`.
+    virtual std::vector<float> read(const std::string& name, const std::vector<int64_t>& shape,
+                                    int64_t row_begin, int64_t row_end, int64_t col_begin,
+                                    int64_t col_end) const = 0;
+};
+
+// Deterministic random tensors: element i of tensor `name` is a pure function of (seed, name, i),
+// so every rank generates exactly its slice of the same full tensors. Norm weights are 1 + U(-0.1,
+// 0.1), projections U(-1, 1)/sqrt(in_features), the embedding U(-1, 1). It has every tensor except
+// biases.
+std::unique_ptr<TensorSource> random_tensor_source(uint64_t seed);
+
+// Builds the weights of `shard` from a source, checking every shape. Throws Error naming the
+// tensor.
+ModelWeights load_weights(const ModelSpec& m, const WeightShard& shard, const TensorSource& source);
+ModelWeights random_weights(const ModelSpec& m, const WeightShard& shard, uint64_t seed);
+
+// Hugging Face tensor names (Llama / Qwen2 / Mixtral).
+namespace hf_names {
+std::string layer_prefix(int layer);                  // "model.layers.N."
+std::string expert(int layer, int e, const char* w);  // w: "w1" | "w2" | "w3" (Mixtral)
+inline constexpr const char* kEmbed = "model.embed_tokens.weight";
+inline constexpr const char* kFinalNorm = "model.norm.weight";
+inline constexpr const char* kLmHead = "lm_head.weight";
+}  // namespace hf_names
+
+// Every (name, shape) of the full model as a Hugging Face checkpoint stores it (Mixtral names for
+// MoE).
+std::vector<std::pair<std::string, std::vector<int64_t>>> hf_tensor_list(const ModelSpec& m);
+
+}  // namespace kvshard

@@ -1,0 +1,320 @@
+#include "kvshard/attention/paged_attention.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "attention/vec.h"
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Query rows (sequence rows x heads of one GQA group) at or above which the GEMM path is used.
+constexpr int64_t kGemmMinRows = 16;
+constexpr int kTileRows = 128;  // query rows per GEMM tile
+constexpr int kTileKeys = 256;  // keys per GEMM chunk
+
+void check_args(const BlockPool& pool, int layer, const PagedKv& kv, const QueryBatch& qb,
+                const AttentionParams& p) {
+    const auto& g = pool.geometry();
+    KVSHARD_CHECK(g.dtype == DType::kFp32 && g.kv_factor == 2, "attention needs an fp32 K/V pool");
+    KVSHARD_CHECK(layer >= 0 && layer < g.num_layers, "layer ", layer, " not in the pool");
+    KVSHARD_CHECK(g.head_dim == p.head_dim && g.num_heads == p.num_kv_heads,
+                  "pool geometry (heads ", g.num_heads, ", head_dim ", g.head_dim,
+                  ") differs from the attention params");
+    KVSHARD_CHECK(p.num_kv_heads >= 1 && p.num_q_heads % p.num_kv_heads == 0, "q heads ",
+                  p.num_q_heads, " not a multiple of kv heads ", p.num_kv_heads);
+    KVSHARD_CHECK(qb.batch() == kv.batch(), "query batch of ", qb.batch(),
+                  " sequences over a KV batch of ", kv.batch());
+    KVSHARD_CHECK(int64_t(qb.q_pos.size()) == qb.rows(), "q_pos size");
+    KVSHARD_CHECK(qb.kv_pos.empty() || int(qb.kv_pos_indptr.size()) == qb.batch() + 1,
+                  "kv_pos_indptr size");
+}
+
+// Where token j of sequence i lives for KV head h: pointer to its head_dim floats.
+struct PageView {
+    const BlockPool* pool;
+    const PagedKv* kv;
+    int layer, block_size, head_dim;
+    int64_t head_stride_elems, token_stride;  // within a page
+
+    PageView(const BlockPool& p, const PagedKv& k, int l)
+        : pool(&p),
+          kv(&k),
+          layer(l),
+          block_size(p.geometry().block_size),
+          head_dim(p.geometry().head_dim) {
+        const auto& g = p.geometry();
+        head_stride_elems = g.elem_in_page(1, 0, 0) - g.elem_in_page(0, 0, 0);
+        token_stride = g.elem_in_page(0, 1, 0) - g.elem_in_page(0, 0, 0);
+    }
+    const float* block_ptr(int which, int seq, int64_t b, int head) const {
+        const int32_t blk = kv->indices[kv->indptr[seq] + b];
+        return pool->page_f32(layer, which, blk) + head * head_stride_elems;
+    }
+    const float* token(int which, int seq, int64_t j, int head) const {
+        return block_ptr(which, seq, j / block_size, head) + (j % block_size) * token_stride;
+    }
+};
+
+// Keys visible to every row of sequence i (a count of slots: visible slots are a prefix).
+void visible_counts(const QueryBatch& qb, const PagedKv& kv, int i, int block_size, bool causal,
+                    std::vector<int64_t>& vis) {
+    const int64_t len = kv.seq_len(i, block_size);
+    const int32_t r0 = qb.q_indptr[i], r1 = qb.q_indptr[i + 1];
+    vis.resize(size_t(r1 - r0));
+    for (int32_t t = r0; t < r1; ++t) {
+        int64_t n = len;
+        if (causal) {
+            if (qb.kv_pos.empty()) {
+                n = std::clamp<int64_t>(qb.q_pos[t] + 1, 0, len);
+            } else {
+                const auto* b = qb.kv_pos.data() + qb.kv_pos_indptr[i];
+                const int64_t cnt =
+                    std::min<int64_t>(len, qb.kv_pos_indptr[i + 1] - qb.kv_pos_indptr[i]);
+                n = std::upper_bound(b, b + cnt, qb.q_pos[t]) - b;
+            }
+        }
+        vis[size_t(t - r0)] = n;
+    }
+}
+
+struct Workspace {
+    std::vector<float> k, v, q, s, o, m, l;
+    std::vector<int64_t> vis;
+};
+
+void finish_row(const float* o, float m, float l, int d, float* out, float* lse) {
+    if (l > 0) {
+        const float inv = 1.0f / l;
+        for (int x = 0; x < d; ++x) out[x] = o[x] * inv;
+        if (lse) *lse = m + std::log(l);
+    } else {
+        std::fill(out, out + d, 0.0f);
+        if (lse) *lse = kNegInf;
+    }
+}
+
+// Few query rows per KV head (decode): stream the pages once, no copies.
+void attend_streaming(const PageView& pv, const AttentionParams& p, int seq, int kh, int32_t r0,
+                      int32_t r1, const std::vector<int64_t>& vis, const float* q, float* out,
+                      float* lse, Workspace& ws) {
+    const auto& V = vec::ops();
+    const int d = p.head_dim, group = p.num_q_heads / p.num_kv_heads, bs = pv.block_size;
+    const int64_t rows = int64_t(r1 - r0) * group;
+    ws.o.assign(size_t(rows * d), 0.0f);
+    ws.m.assign(size_t(rows), kNegInf);
+    ws.l.assign(size_t(rows), 0.0f);
+    ws.s.resize(size_t(bs));
+    const int64_t maxvis = *std::max_element(vis.begin(), vis.end());
+    const int64_t nblocks = (maxvis + bs - 1) / bs;
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const float* kb = pv.block_ptr(0, seq, b, kh);
+        const float* vb = pv.block_ptr(1, seq, b, kh);
+        const int64_t j0 = b * bs;
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t t = r / group;
+            const int nv = int(std::clamp<int64_t>(vis[size_t(t)] - j0, 0, bs));
+            if (nv == 0) continue;
+            const int h = kh * group + int(r % group);
+            const float* qr = q + ((r0 + t) * int64_t{p.num_q_heads} + h) * d;
+            float* s = ws.s.data();
+            for (int j = 0; j < nv; ++j) s[j] = V.dot(qr, kb + j * pv.token_stride, d) * p.scale;
+            const float mnew = std::max(ws.m[size_t(r)], V.max(s, nv));
+            float* o = ws.o.data() + r * d;
+            if (ws.m[size_t(r)] != mnew) {
+                const float corr = std::exp(ws.m[size_t(r)] - mnew);  // 0 when the old max was -inf
+                ws.l[size_t(r)] *= corr;
+                V.scale(o, corr, d);
+                ws.m[size_t(r)] = mnew;
+            }
+            ws.l[size_t(r)] += V.exp_sub_sum(s, nv, mnew);
+            for (int j = 0; j < nv; ++j) V.axpy(o, s[j], vb + j * pv.token_stride, d);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = r / group;
+        const int h = kh * group + int(r % group);
+        const int64_t row = (r0 + t) * int64_t{p.num_q_heads} + h;
+        finish_row(ws.o.data() + r * d, ws.m[size_t(r)], ws.l[size_t(r)], d, out + row * d,
+                   lse ? lse + row : nullptr);
+    }
+}
+
+// Many query rows per KV head (prefill): gather the head's keys and values once, then tiles of
+// S = Q K^T and O += P V through sgemm with an online softmax between them.
+void attend_gemm(const PageView& pv, const AttentionParams& p, int seq, int kh, int32_t r0,
+                 int32_t r1, const std::vector<int64_t>& vis, const float* q, float* out,
+                 float* lse, Workspace& ws) {
+    const auto& V = vec::ops();
+    const int d = p.head_dim, group = p.num_q_heads / p.num_kv_heads, bs = pv.block_size;
+    const int64_t maxvis = *std::max_element(vis.begin(), vis.end());
+    ws.k.resize(size_t(std::max<int64_t>(maxvis, 1) * d));
+    ws.v.resize(ws.k.size());
+    for (int64_t j0 = 0; j0 < maxvis; j0 += bs) {
+        const int64_t n = std::min<int64_t>(bs, maxvis - j0);
+        const float* kb = pv.block_ptr(0, seq, j0 / bs, kh);
+        const float* vb = pv.block_ptr(1, seq, j0 / bs, kh);
+        if (pv.token_stride == d) {
+            std::memcpy(ws.k.data() + j0 * d, kb, size_t(n * d) * sizeof(float));
+            std::memcpy(ws.v.data() + j0 * d, vb, size_t(n * d) * sizeof(float));
+        } else {
+            for (int64_t j = 0; j < n; ++j) {
+                std::memcpy(ws.k.data() + (j0 + j) * d, kb + j * pv.token_stride,
+                            size_t(d) * sizeof(float));
+                std::memcpy(ws.v.data() + (j0 + j) * d, vb + j * pv.token_stride,
+                            size_t(d) * sizeof(float));
+            }
+        }
+    }
+    const int64_t nrows = r1 - r0;
+    const int64_t tile_t = std::max<int64_t>(1, kTileRows / group);  // sequence rows per tile
+    ws.q.resize(size_t(tile_t * group * d));
+    ws.o.resize(ws.q.size());
+    ws.s.resize(size_t(tile_t * group * kTileKeys));
+    ws.m.resize(size_t(tile_t * group));
+    ws.l.resize(ws.m.size());
+    for (int64_t t0 = 0; t0 < nrows; t0 += tile_t) {
+        const int64_t tn = std::min(tile_t, nrows - t0);
+        const int64_t m = tn * group;
+        int64_t tile_vis = 0;
+        for (int64_t t = 0; t < tn; ++t) tile_vis = std::max(tile_vis, vis[size_t(t0 + t)]);
+        for (int64_t t = 0; t < tn; ++t)
+            for (int gi = 0; gi < group; ++gi) {
+                const float* src =
+                    q + ((r0 + t0 + t) * int64_t{p.num_q_heads} + kh * group + gi) * d;
+                float* dst = ws.q.data() + (t * group + gi) * d;
+                for (int x = 0; x < d; ++x) dst[x] = src[x] * p.scale;
+            }
+        std::fill(ws.o.begin(), ws.o.begin() + m * d, 0.0f);
+        std::fill(ws.m.begin(), ws.m.begin() + m, kNegInf);
+        std::fill(ws.l.begin(), ws.l.begin() + m, 0.0f);
+        for (int64_t j0 = 0; j0 < tile_vis; j0 += kTileKeys) {
+            const int n = int(std::min<int64_t>(kTileKeys, tile_vis - j0));
+            float* S = ws.s.data();
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), n, d, 1.0f, ws.q.data(), d,
+                        ws.k.data() + j0 * d, d, 0.0f, S, n);
+            for (int64_t r = 0; r < m; ++r) {
+                float* srow = S + r * n;
+                const int nv = int(std::clamp<int64_t>(vis[size_t(t0 + r / group)] - j0, 0, n));
+                if (nv > 0) {
+                    const float mnew = std::max(ws.m[size_t(r)], V.max(srow, nv));
+                    if (ws.m[size_t(r)] != mnew) {
+                        const float corr = std::exp(ws.m[size_t(r)] - mnew);
+                        ws.l[size_t(r)] *= corr;
+                        V.scale(ws.o.data() + r * d, corr, d);
+                        ws.m[size_t(r)] = mnew;
+                    }
+                    ws.l[size_t(r)] += V.exp_sub_sum(srow, nv, mnew);
+                }
+                std::fill(srow + nv, srow + n, 0.0f);
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(m), d, n, 1.0f, S, n,
+                        ws.v.data() + j0 * d, d, 1.0f, ws.o.data(), d);
+        }
+        for (int64_t r = 0; r < m; ++r) {
+            const int64_t row =
+                (r0 + t0 + r / group) * int64_t{p.num_q_heads} + kh * group + r % group;
+            finish_row(ws.o.data() + r * d, ws.m[size_t(r)], ws.l[size_t(r)], d, out + row * d,
+                       lse ? lse + row : nullptr);
+        }
+    }
+}
+
+}  // namespace
+
+void paged_attention(const BlockPool& pool, int layer, const PagedKv& kv, const QueryBatch& qb,
+                     const AttentionParams& p, const float* q, float* out, float* lse) {
+    check_args(pool, layer, kv, qb, p);
+    thread_local Workspace ws;
+    const PageView pv(pool, kv, layer);
+    const int group = p.num_q_heads / p.num_kv_heads;
+    for (int i = 0; i < qb.batch(); ++i) {
+        const int32_t r0 = qb.q_indptr[i], r1 = qb.q_indptr[i + 1];
+        if (r1 == r0) continue;
+        visible_counts(qb, kv, i, pv.block_size, p.causal, ws.vis);
+        const std::vector<int64_t> vis = ws.vis;
+        const bool gemm = int64_t(r1 - r0) * group >= kGemmMinRows;
+        for (int kh = 0; kh < p.num_kv_heads; ++kh) {
+            if (gemm)
+                attend_gemm(pv, p, i, kh, r0, r1, vis, q, out, lse, ws);
+            else
+                attend_streaming(pv, p, i, kh, r0, r1, vis, q, out, lse, ws);
+        }
+    }
+}
+
+void paged_attention_reference(const BlockPool& pool, int layer, const PagedKv& kv,
+                               const QueryBatch& qb, const AttentionParams& p, const float* q,
+                               float* out, float* lse) {
+    check_args(pool, layer, kv, qb, p);
+    const PageView pv(pool, kv, layer);
+    const int d = p.head_dim, group = p.num_q_heads / p.num_kv_heads;
+    std::vector<int64_t> vis;
+    std::vector<double> s;
+    for (int i = 0; i < qb.batch(); ++i) {
+        visible_counts(qb, kv, i, pv.block_size, p.causal, vis);
+        for (int32_t t = qb.q_indptr[i]; t < qb.q_indptr[i + 1]; ++t) {
+            const int64_t n = vis[size_t(t - qb.q_indptr[i])];
+            for (int h = 0; h < p.num_q_heads; ++h) {
+                const float* qr = q + (int64_t{t} * p.num_q_heads + h) * d;
+                float* o = out + (int64_t{t} * p.num_q_heads + h) * d;
+                const int kh = h / group;
+                s.assign(size_t(n), 0.0);
+                double mx = -std::numeric_limits<double>::infinity();
+                for (int64_t j = 0; j < n; ++j) {
+                    const float* kj = pv.token(0, i, j, kh);
+                    double acc = 0;
+                    for (int x = 0; x < d; ++x) acc += double(qr[x]) * kj[x];
+                    s[size_t(j)] = acc * p.scale;
+                    mx = std::max(mx, s[size_t(j)]);
+                }
+                double sum = 0;
+                std::vector<double> acc(size_t(d), 0.0);
+                for (int64_t j = 0; j < n; ++j) {
+                    const double e = std::exp(s[size_t(j)] - mx);
+                    sum += e;
+                    const float* vj = pv.token(1, i, j, kh);
+                    for (int x = 0; x < d; ++x) acc[size_t(x)] += e * vj[x];
+                }
+                for (int x = 0; x < d; ++x) o[x] = n > 0 ? float(acc[size_t(x)] / sum) : 0.0f;
+                if (lse)
+                    lse[int64_t{t} * p.num_q_heads + h] =
+                        n > 0 ? float(mx + std::log(sum)) : kNegInf;
+            }
+        }
+    }
+}
+
+void write_kv(BlockPool& pool, int layer, const PagedKv& kv, std::span<const int32_t> indptr,
+              std::span<const int64_t> slots, const float* k, const float* v) {
+    const auto& g = pool.geometry();
+    KVSHARD_CHECK(g.dtype == DType::kFp32 && g.kv_factor == 2, "write_kv needs an fp32 K/V pool");
+    KVSHARD_CHECK(int(indptr.size()) == kv.batch() + 1, "indptr has ", indptr.size(),
+                  " entries for a batch of ", kv.batch());
+    const int d = g.head_dim, bs = g.block_size, nh = g.num_heads;
+    for (int i = 0; i < kv.batch(); ++i) {
+        const int64_t nblocks = kv.indptr[i + 1] - kv.indptr[i];
+        for (int32_t t = indptr[i]; t < indptr[i + 1]; ++t) {
+            const int64_t slot = slots[size_t(t)];
+            KVSHARD_CHECK(slot >= 0 && slot < nblocks * bs, "slot ", slot, " outside the ", nblocks,
+                          " blocks of sequence ", i);
+            const int32_t blk = kv.indices[kv.indptr[i] + slot / bs];
+            const int off = int(slot % bs);
+            float* kp = pool.page_f32(layer, 0, blk);
+            float* vp = pool.page_f32(layer, 1, blk);
+            for (int h = 0; h < nh; ++h) {
+                const int64_t e = g.elem_in_page(h, off, 0);
+                std::memcpy(kp + e, k + (int64_t{t} * nh + h) * d, size_t(d) * sizeof(float));
+                std::memcpy(vp + e, v + (int64_t{t} * nh + h) * d, size_t(d) * sizeof(float));
+            }
+        }
+    }
+}
+
+}  // namespace kvshard

@@ -1,0 +1,76 @@
+#include "exec/collectives.h"
+
+#include <algorithm>
+
+#include "kvshard/comm/communicator.h"
+#include "kvshard/comm/groups.h"
+#include "kvshard/common/error.h"
+
+namespace kvshard::coll {
+
+int rank(const Communicator* c) { return c ? c->rank() : 0; }
+int size(const Communicator* c) { return c ? c->size() : 1; }
+
+void all_reduce_sum(Communicator* c, std::span<float> data) {
+    if (c) c->all_reduce_sum(data);
+}
+
+void all_to_all(Communicator* c, std::span<const int32_t> send,
+                std::span<const std::size_t> send_counts, std::vector<int32_t>& recv,
+                std::vector<std::size_t>& recv_counts) {
+    if (!c) {
+        recv.assign(send.begin(), send.end());
+        recv_counts.assign(send_counts.begin(), send_counts.end());
+        return;
+    }
+    recv_counts = c->all_to_all_counts(send_counts);
+    std::size_t total = 0;
+    for (auto n : recv_counts) total += n;
+    recv.resize(total);
+    c->all_to_all_v<int32_t>(send, send_counts, recv, recv_counts);
+}
+
+void all_to_all(Communicator* c, std::span<const float> send,
+                std::span<const std::size_t> send_counts, std::span<float> recv,
+                std::span<const std::size_t> recv_counts) {
+    if (!c) {
+        KVSHARD_CHECK(send.size() == recv.size(), "local all-to-all sizes differ");
+        std::copy(send.begin(), send.end(), recv.begin());
+        return;
+    }
+    c->all_to_all_v<float>(send, send_counts, recv, recv_counts);
+}
+
+void send(Communicator* w, std::span<const float> data, int dest, int tag) {
+    KVSHARD_CHECK(w != nullptr, "pipeline send without a communicator");
+    w->send(data, dest, tag);
+}
+void recv(Communicator* w, std::span<float> data, int source, int tag) {
+    KVSHARD_CHECK(w != nullptr, "pipeline recv without a communicator");
+    w->recv(data, source, tag);
+}
+void send(Communicator* w, std::span<const int32_t> data, int dest, int tag) {
+    KVSHARD_CHECK(w != nullptr, "pipeline send without a communicator");
+    w->send(data, dest, tag);
+}
+void recv(Communicator* w, std::span<int32_t> data, int source, int tag) {
+    KVSHARD_CHECK(w != nullptr, "pipeline recv without a communicator");
+    w->recv(data, source, tag);
+}
+
+Groups make_groups(Communicator* world, const ParallelConfig& p) {
+    Groups out;
+    if (!world) return out;
+    ParallelGroups g = kvshard::make_groups(*world, p);
+    if (g.tp && g.tp->size() > 1) out.tp = std::move(g.tp);
+    if (g.ep && g.ep->size() > 1) out.ep = std::move(g.ep);
+    return out;
+}
+
+std::vector<std::vector<std::byte>> all_gather_blobs(Communicator* world,
+                                                     std::span<const std::byte> mine) {
+    if (!world) return {std::vector<std::byte>(mine.begin(), mine.end())};
+    return world->all_gather_blobs(mine);
+}
+
+}  // namespace kvshard::coll

@@ -1,0 +1,50 @@
+#pragma once
+// The few collectives the forward pass needs, over the Communicator of a group; a null communicator
+// is a group of one (the call is then a no-op or a local copy). Internal to src/exec.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace kvshard {
+
+class Communicator;
+
+namespace coll {
+
+inline constexpr int kTagActivations = 101;
+inline constexpr int kTagTokens = 102;
+
+int rank(const Communicator* c);
+int size(const Communicator* c);
+void all_reduce_sum(Communicator* c, std::span<float> data);
+// Personalized exchange in elements of T (int32 or float); recv is resized to what arrives.
+void all_to_all(Communicator* c, std::span<const int32_t> send,
+                std::span<const std::size_t> send_counts, std::vector<int32_t>& recv,
+                std::vector<std::size_t>& recv_counts);
+void all_to_all(Communicator* c, std::span<const float> send,
+                std::span<const std::size_t> send_counts, std::span<float> recv,
+                std::span<const std::size_t> recv_counts);
+void send(Communicator* world, std::span<const float> data, int dest, int tag);
+void recv(Communicator* world, std::span<float> data, int source, int tag);
+void send(Communicator* world, std::span<const int32_t> data, int dest, int tag);
+void recv(Communicator* world, std::span<int32_t> data, int source, int tag);
+
+}  // namespace coll
+}  // namespace kvshard
+
+#include <memory>
+
+#include "kvshard/layout/parallel_config.h"
+
+namespace kvshard::coll {
+
+// The TP and EP sub-groups of this rank (null when the group is this rank alone).
+struct Groups {
+    std::shared_ptr<Communicator> tp, ep;
+};
+Groups make_groups(Communicator* world, const ParallelConfig& p);
+std::vector<std::vector<std::byte>> all_gather_blobs(Communicator* world,
+                                                     std::span<const std::byte> mine);
+
+}  // namespace kvshard::coll
