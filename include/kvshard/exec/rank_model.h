@@ -77,6 +77,8 @@ class RankModel {
     bool first_stage() const { return comms_.prev_stage < 0; }
     bool last_stage() const { return comms_.next_stage < 0; }
     void set_attention(AttentionFn fn) { attention_ = std::move(fn); }
+    // Who this rank talks to from now on (a device that serves under several layouts over time).
+    void set_comms(RankComms comms) { comms_ = comms; }
 
     // Runs this rank's part of one step. Returns [batch][vocab] logits of each sequence's last row
     // on the last stage (a sequence with no rows gets zeros), an empty vector elsewhere.
@@ -94,6 +96,10 @@ class RankModel {
     AttentionFn attention_;
     std::vector<float> rope_cos_, rope_sin_;  // [rows][head_dim/2] of the current step
 };
+
+// Threads each BLAS call may use (process-wide). Rank threads of the threads backend each run their
+// own GEMMs, so one per call avoids oversubscribing the cores.
+void set_compute_threads(int n);
 
 // Greedy choice: the index of the largest logit (the lowest index among equal ones).
 int32_t argmax(std::span<const float> logits);

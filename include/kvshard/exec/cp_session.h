@@ -1,0 +1,140 @@
+#pragma once
+// Serving sequences under context parallelism with the reference model (docs/context-parallel.md
+// §8): every CP rank runs the model over the new tokens it owns, attention is the CP ring (prefill)
+// or the merged partials (decode), and the prefix cache works across CP ranks and CP sizes.
+//
+// A CpDevice is what outlives a request and a CP size: one device's weight slice (its TP index),
+// KV pool and BlockManager. A CpSession is one collective run over a world of devices.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "kvshard/cache/block_manager.h"
+#include "kvshard/comm/communicator.h"
+#include "kvshard/comm/groups.h"
+#include "kvshard/exec/cp_plan.h"
+#include "kvshard/exec/cp_ring.h"
+#include "kvshard/exec/rank_model.h"
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/model/weights.h"
+
+namespace kvshard {
+
+struct CpOptions {
+    int block_size = 16;
+    int64_t num_blocks = 256;  // per device
+    // Prefix caching needs block-granular interleave (--cp-scheme interleave --cp-interleave
+    // block_size) when cp > 1; under other placements it is off.
+    bool prefix_cache = true;
+    std::optional<CpPrefillMode> prefill_mode;  // empty: choose_cp_prefill (pass-Q for short turns)
+    CpDecodeMerge decode_merge = CpDecodeMerge::kAllGather;
+};
+
+class CpDevice {
+  public:
+    // The device holds the TP slice tp_rank of tp of model m (fp32 weights and KV).
+    CpDevice(const ModelSpec& m, int tp, int tp_rank, const TensorSource& weights,
+             const CpOptions& opt);
+    RankModel& model() { return *model_; }
+    BlockManager& blocks() { return blocks_; }
+    const ModelSpec& spec() const { return model_->spec(); }
+    int tp() const { return tp_; }
+    int tp_rank() const { return tp_rank_; }
+    int block_size() const { return block_size_; }
+
+  private:
+    int tp_, tp_rank_, block_size_;
+    std::unique_ptr<RankModel> model_;
+    BlockManager blocks_;
+};
+
+// What the last prefill or decode did on this rank.
+struct CpStepStats {
+    CpPrefillMode mode = CpPrefillMode::kPassKv;
+    int64_t computed_tokens = 0;    // rows this rank ran through the model
+    int64_t cached_tokens = 0;      // leading tokens of the sequence not recomputed (all ranks)
+    int64_t local_hit_blocks = 0;   // of this rank's blocks, found in its own prefix cache
+    int64_t blocks_moved_in = 0;    // blocks received from other devices (cross-CP-size reuse)
+    int64_t blocks_moved_out = 0;   // blocks sent to other devices
+    int64_t block_bytes_moved = 0;  // bytes of those blocks, sent or received
+    CpCommStats comm;               // attention traffic of this step
+};
+
+class CpSession {
+  public:
+    // Collective over `world`. Ranks [0, p.world_size()) serve under p (the layout's rank order,
+    // their devices must hold TP index rank % p.tp); the others only lend cached blocks in prefill.
+    // Requires dp = pp = 1 and the device's tp == p.tp.
+    CpSession(CpDevice& device, Communicator& world, const ParallelConfig& p, CpOptions opt);
+    CpSession(const CpSession&) = delete;
+    CpSession& operator=(const CpSession&) = delete;
+    ~CpSession();
+
+    bool serving() const { return serving_; }
+    const KvLayout& layout() const { return layout_; }
+    int cp_rank() const { return coord_.cp; }
+
+    // New tokens of sequence `seq`. A new sequence first asks the prefix cache of every device of
+    // the world (moving blocks that another device holds rather than recomputing them); an existing
+    // one is continued (a partial prefill with what it holds as the cached prefix). Returns the
+    // [vocab] logits of the last token on every serving rank; empty on lending ranks. Collective
+    // over the world for a new sequence with prefix caching on, else over the serving ranks.
+    std::vector<float> prefill(SeqId seq, std::span<const int32_t> tokens);
+    // Feeds one token (usually the last greedy one) to `seq`; returns the [vocab] logits.
+    std::vector<float> decode(SeqId seq, int32_t token);
+    // Releases the sequence; its hashed blocks stay in the device's prefix cache.
+    void release(SeqId seq);
+
+    const CpTokenMap& token_map(SeqId seq) const;
+    const CpStepStats& last_step() const { return last_; }
+    const CpCommStats& comm_total() const { return total_; }
+    // Whether prefix caching is in effect (cp == 1, or interleave with unit == block size).
+    bool prefix_cache_active() const;
+
+  private:
+    struct Seq {
+        std::vector<int32_t> tokens;
+        CpTokenMap map;
+        std::vector<int64_t> local_pos;  // ascending positions stored here, slot i = local_pos[i]
+    };
+    // Finds the longest prefix cached on the world's devices, moves the blocks that are not on
+    // their owner, and returns the number of global blocks found.
+    int64_t discover_and_move(std::span<const int32_t> tokens);
+    std::vector<float> run(Seq& s, SeqId seq, std::vector<int64_t> rows, bool decode);
+
+    CpDevice& dev_;
+    Communicator& world_;
+    ParallelConfig p_;
+    CpOptions opt_;
+    KvLayout layout_;
+    bool serving_ = false;
+    RankCoord coord_;
+    std::unique_ptr<Communicator> serving_comm_;
+    ParallelGroups groups_;
+    std::unordered_map<SeqId, Seq> seqs_;
+    CpStepStats last_;
+    CpCommStats total_;
+    int64_t next_tmp_seq_ = -1;
+};
+
+// Prefill + greedy decode of each prompt in turn under CP (the `kvshard run` path for cp > 1):
+// prompt i is sequence i, max_new_tokens greedy tokens, the logits of the last step. Collective
+// over world (world->size() == p.world_size()); null world: one rank. Every rank returns the tokens
+// and logits.
+struct CpGenerateResult {
+    std::vector<std::vector<int32_t>> tokens;
+    std::vector<std::vector<float>> last_logits;
+    std::vector<std::vector<float>> prefill_logits;
+    int64_t prompt_tokens = 0, computed_prompt_tokens = 0, prefix_hit_tokens = 0;
+    CpCommStats comm;  // this rank's
+    double prefill_seconds = 0, decode_seconds = 0;
+};
+CpGenerateResult cp_generate(const ModelSpec& m, const ParallelConfig& p,
+                             const TensorSource& weights,
+                             const std::vector<std::vector<int32_t>>& prompts, int max_new_tokens,
+                             const CpOptions& opt, Communicator* world);
+
+}  // namespace kvshard
