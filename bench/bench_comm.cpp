@@ -63,59 +63,56 @@ std::string human(std::size_t b) {
     return std::to_string(b) + " B";
 }
 
-// Best time of one memcpy of `bytes` between two warm buffers.
-double memcpy_seconds(std::size_t bytes, int iters) {
-    std::vector<std::byte> a(bytes, std::byte{1}), b(bytes, std::byte{2});
-    double best = 1e30;
-    for (int rep = 0; rep < kReps; ++rep) {
-        auto t0 = Clock::now();
-        for (int i = 0; i < iters; ++i) {
-            std::memcpy(b.data(), a.data(), bytes);
-            benchmark::ClobberMemory();
-        }
-        best = std::min(best, seconds_since(t0) / iters);
+struct Timing {
+    double op = 1e30;      // best seconds per operation
+    double memcpy = 1e30;  // best seconds per memcpy of the same bytes, measured between the reps
+};
+
+// One memcpy of `bytes` between two warm buffers, `iters` times; seconds per copy.
+double memcpy_seconds(std::vector<std::byte>& a, std::vector<std::byte>& b, int iters) {
+    auto t0 = Clock::now();
+    for (int i = 0; i < iters; ++i) {
+        std::memcpy(b.data(), a.data(), a.size());
+        benchmark::ClobberMemory();
     }
     benchmark::DoNotOptimize(b.data());
-    return best;
+    return seconds_since(t0) / iters;
 }
 
-// Threads backend: rank 0 streams `iters` messages to rank 1, which acknowledges the last.
-double threads_sendrecv_seconds(std::size_t bytes, int iters) {
-    double best = 1e30;
-    run_threads(2, [&](Communicator& c) {
-        std::vector<std::byte> buf(bytes, std::byte{3});
-        for (int rep = 0; rep < kReps; ++rep) {
-            c.barrier();
-            auto t0 = Clock::now();
-            for (int i = 0; i < iters; ++i) {
-                if (c.rank() == 0)
-                    c.send(buf, 1, 0);
-                else
-                    c.recv(buf, 0, 0);
-            }
-            if (c.rank() == 0)
-                c.recv(std::span<std::byte>(), 1, 1);
-            else
-                c.send(std::span<const std::byte>(), 0, 1);
-            if (c.rank() == 0) best = std::min(best, seconds_since(t0) / iters);
-        }
-    });
-    return best;
-}
-
-double threads_allreduce_seconds(int world, std::size_t bytes, int iters) {
-    double best = 1e30;
+// Runs `op` on `world` threads; rank 0 times the memcpy ceiling before each repetition (while the
+// other ranks wait), so both figures see the same machine load.
+Timing time_threads(int world, std::size_t bytes, int iters,
+                    const std::function<void(Communicator&)>& op) {
+    Timing t;
+    std::vector<std::byte> a(bytes, std::byte{1}), b(bytes, std::byte{2});
     run_threads(world, [&](Communicator& c) {
-        std::vector<float> v(bytes / sizeof(float), 1.0f);
         for (int rep = 0; rep < kReps; ++rep) {
+            if (c.rank() == 0) t.memcpy = std::min(t.memcpy, memcpy_seconds(a, b, iters));
             c.barrier();
             auto t0 = Clock::now();
-            for (int i = 0; i < iters; ++i) c.all_reduce_sum(v);
+            for (int i = 0; i < iters; ++i) op(c);
             c.barrier();
-            if (c.rank() == 0) best = std::min(best, seconds_since(t0) / iters);
+            if (c.rank() == 0) t.op = std::min(t.op, seconds_since(t0) / iters);
         }
     });
-    return best;
+    return t;
+}
+
+// Threads backend: rank 0 streams messages to rank 1 (a rendezvous each: one memcpy per message).
+Timing threads_sendrecv(std::size_t bytes, int iters) {
+    std::vector<std::vector<std::byte>> bufs(2, std::vector<std::byte>(bytes, std::byte{3}));
+    return time_threads(2, bytes, iters, [&](Communicator& c) {
+        if (c.rank() == 0)
+            c.send(bufs[0], 1, 0);
+        else
+            c.recv(bufs[1], 0, 0);
+    });
+}
+
+Timing threads_allreduce(int world, std::size_t bytes, int iters) {
+    std::vector<std::vector<float>> bufs(world, std::vector<float>(bytes / sizeof(float), 1.0f));
+    return time_threads(world, bytes, iters,
+                        [&](Communicator& c) { c.all_reduce_sum(bufs[c.rank()]); });
 }
 
 int run_threads_bench(const Options& o) {
@@ -124,9 +121,8 @@ int run_threads_bench(const Options& o) {
         std::printf("%-10s %-22s %10s %10s %8s\n", "bytes", "operation", "GB/s", "memcpy", "ratio");
     for (std::size_t bytes : sizes(o)) {
         const int iters = iterations(bytes, o);
-        const double tm = memcpy_seconds(bytes, iters);
-        auto report = [&](const std::string& op, double t) {
-            const double g = gbps(bytes, 1, t), gm = gbps(bytes, 1, tm);
+        auto report = [&](const std::string& op, Timing t) {
+            const double g = gbps(bytes, 1, t.op), gm = gbps(bytes, 1, t.memcpy);
             if (o.json) {
                 out.push_back({{"backend", "threads"},
                                {"op", op},
@@ -139,9 +135,9 @@ int run_threads_bench(const Options& o) {
                             g, gm, g / gm);
             }
         };
-        report("send/recv (2 ranks)", threads_sendrecv_seconds(bytes, iters));
-        report("all_reduce_sum (2)", threads_allreduce_seconds(2, bytes, iters));
-        report("all_reduce_sum (4)", threads_allreduce_seconds(4, bytes, iters));
+        report("send/recv (2 ranks)", threads_sendrecv(bytes, iters));
+        report("all_reduce_sum (2)", threads_allreduce(2, bytes, iters));
+        report("all_reduce_sum (4)", threads_allreduce(4, bytes, iters));
     }
     if (o.json) std::printf("%s\n", out.dump(2).c_str());
     return 0;
