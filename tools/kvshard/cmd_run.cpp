@@ -14,7 +14,7 @@
 
 #include "command.h"
 #include "kvshard/comm/communicator.h"
-#include "kvshard/comm/threads.h"
+#include "kvshard/comm/launch.h"
 #include "kvshard/common/error.h"
 #include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
@@ -113,13 +113,6 @@ void write_npy(const std::string& path, const std::vector<float>& data, int64_t 
     out.write(reinterpret_cast<const char*>(data.data()),
               std::streamsize(data.size() * sizeof(float)));
     require(bool(out), "--dump-logits: write to '", path, "' failed");
-}
-
-// TODO(model): kvshard/comm/launch.h once the MPI backend lands.
-void launch(Backend b, int world, const std::function<void(Communicator&)>& fn) {
-    require(b == Backend::kThreads,
-            "--backend mpi: the MPI backend is not available in this build");
-    run_threads(world, fn);
 }
 
 bool dir_has_safetensors(const std::string& path) {
