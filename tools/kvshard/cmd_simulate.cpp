@@ -28,7 +28,7 @@ struct SimulateFlags {
     std::string on_error = "fail";
     int64_t max_requests = 0;
     std::string index = "exact";
-    double ttl_s = 120;
+    double ttl_s = SimConfig{}.index_ttl_s;
     int max_batch = 256;
     int64_t max_prefill_tokens = 16384;
     double load_slack = PolicyParams{}.load_slack;
