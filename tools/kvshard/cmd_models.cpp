@@ -40,15 +40,17 @@ void run(const ModelsFlags& f) {
         fmt::print("{:<16} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>13.2f}B {:>8.1f}KiB\n", n,
                    m.num_layers, m.hidden, m.num_heads, m.is_mla() ? 1 : m.num_kv_heads, m.head_dim,
                    attention_kind_name(m.attention),
-                   m.moe.enabled() ? fmt::format("{}/{}", m.moe.experts_per_token, m.moe.num_experts)
-                                   : "-",
+                   m.moe.enabled()
+                       ? fmt::format("{}/{}", m.moe.experts_per_token, m.moe.num_experts)
+                       : "-",
                    m.total_params() / 1e9, kv / 1024.0);
     }
 }
 
 void setup(CLI::App& app) {
     auto f = std::make_shared<ModelsFlags>();
-    auto* sub = app.add_subcommand("models", "List the model catalog, or print one model's spec as JSON");
+    auto* sub =
+        app.add_subcommand("models", "List the model catalog, or print one model's spec as JSON");
     add_model_options(sub, f->model, /*required=*/false);
     sub->add_flag("--json", f->json, "print the whole catalog as JSON");
     sub->callback([f] { run(*f); });
