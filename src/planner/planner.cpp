@@ -191,12 +191,12 @@ std::vector<PlanEntry> plan(const ModelSpec& m, const HardwareSpec& hw, const Pl
 
 std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r,
                          const std::vector<PlanEntry>& entries) {
-    nlohmann::json configs = nlohmann::json::array();
+    nlohmann::ordered_json configs = nlohmann::ordered_json::array();
     for (const auto& e : entries) {
         const auto& p = e.parallel;
         const auto& c = e.capacity;
         const auto& k = e.cost;
-        nlohmann::json j = {
+        nlohmann::ordered_json j = {
             {"dp", p.dp},
             {"pp", p.pp},
             {"cp", p.cp},
@@ -235,7 +235,7 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
         if (!e.fits) j["why_not"] = c.why_not;
         configs.push_back(std::move(j));
     }
-    nlohmann::json out = {{"model", m.name},
+    nlohmann::ordered_json out = {{"model", m.name},
                           {"hardware", hw.name},
                           {"gpus", r.gpus},
                           {"context", r.context_tokens},
