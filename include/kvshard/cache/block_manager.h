@@ -144,7 +144,9 @@ class BlockManager {
     void clear_cache();
 
     // ---- events and metrics ----
-    int subscribe(KvEventCallback callback);  // returns an id for unsubscribe
+    // Callbacks run synchronously at the end of the operation that caused the events; they may
+    // query the manager but must not modify it. Returns an id for unsubscribe.
+    int subscribe(KvEventCallback callback);
     void unsubscribe(int subscription_id);
     uint64_t next_event_seq() const { return next_event_seq_; }
     CacheMetrics metrics() const;
