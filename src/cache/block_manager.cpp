@@ -206,11 +206,12 @@ AllocResult BlockManager::allocate_with_hashes(SeqId seq, std::span<const BlockH
     require(num_tokens >= 0, "a sequence cannot have ", num_tokens, " tokens");
     const size_t full = static_cast<size_t>(num_tokens / config_.block_size);
     const auto total = static_cast<size_t>(blocks_for_tokens(num_tokens));
-    require(block_hashes.size() >= full && block_hashes.size() <= total, "sequence ", seq, ": ",
-            num_tokens, " tokens in blocks of ", config_.block_size, " need ", full,
-            full == total ? "" : " or ", full == total ? "" : std::to_string(total),
+    if (block_hashes.size() < full || block_hashes.size() > total)
+        throw Error(detail::concat(
+            "sequence ", seq, ": ", num_tokens, " tokens in blocks of ", config_.block_size,
+            " need ", full, full == total ? "" : " or ", full == total ? "" : std::to_string(total),
             " block hashes (one per full block, optionally one for the partial last block), got ",
-            block_hashes.size());
+            block_hashes.size()));
     return allocate_impl(seq, block_hashes.first(full), num_tokens, max_cached_blocks);
 }
 
