@@ -1,10 +1,83 @@
 #include "kvshard/cache/block_manager.h"
 
 #include <algorithm>
+#include <bit>
 
 namespace kvshard {
 
-BlockManager::BlockManager(BlockManagerConfig config) : config_(config) {
+// ---------------------------------------------------------------- hash index
+
+BlockManager::HashIndex::HashIndex(size_t max_entries) {
+    size_t cap = 16;
+    while (cap < 2 * max_entries) cap *= 2;
+    slots_.resize(cap);
+    mask_ = cap - 1;
+    shift_ = 64 - std::countr_zero(cap);
+}
+
+size_t BlockManager::HashIndex::home(const BlockHash& h) const {
+    // Fibonacci hashing of both halves: caller-supplied hashes (trace ids) need not be uniform.
+    return static_cast<size_t>(((h.lo ^ (h.hi * 0xC2B2AE3D27D4EB4Full)) * 0x9E3779B97F4A7C15ull) >>
+                               shift_);
+}
+
+BlockId BlockManager::HashIndex::find(const BlockHash& h) const {
+    for (size_t i = home(h);; i = (i + 1) & mask_) {
+        const Slot& s = slots_[i];
+        if (s.value < 0) return -1;
+        if (s.key == h) return s.value;
+    }
+}
+
+void BlockManager::HashIndex::insert(const BlockHash& h, BlockId b) {
+    KVSHARD_CHECK(size_ < slots_.size() / 2, "hash index over its load limit");
+    for (size_t i = home(h);; i = (i + 1) & mask_) {
+        Slot& s = slots_[i];
+        KVSHARD_CHECK(s.value < 0 || s.key != h, "hash inserted twice into the index");
+        if (s.value < 0) {
+            s.key = h;
+            s.value = b;
+            ++size_;
+            return;
+        }
+    }
+}
+
+void BlockManager::HashIndex::erase(const BlockHash& h) {
+    size_t i = home(h);
+    while (true) {
+        KVSHARD_CHECK(slots_[i].value >= 0, "erasing a hash that is not in the index");
+        if (slots_[i].key == h) break;
+        i = (i + 1) & mask_;
+    }
+    // Backward-shift deletion: move later members of the probe run into the hole when their home
+    // position allows it, so that no tombstones are needed.
+    size_t hole = i;
+    for (size_t j = (hole + 1) & mask_; slots_[j].value >= 0; j = (j + 1) & mask_) {
+        const size_t k = home(slots_[j].key);
+        // j may fill the hole unless its home lies cyclically in (hole, j].
+        const bool home_in_between = hole <= j ? (hole < k && k <= j) : (hole < k || k <= j);
+        if (!home_in_between) {
+            slots_[hole] = slots_[j];
+            hole = j;
+        }
+    }
+    slots_[hole] = Slot{};
+    --size_;
+}
+
+void BlockManager::HashIndex::clear() {
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+    size_ = 0;
+}
+
+// ---------------------------------------------------------------- construction
+
+BlockManager::BlockManager(BlockManagerConfig config)
+    : config_(config),
+      index_(config.enable_prefix_cache && config.num_blocks > 0
+                 ? static_cast<size_t>(config.num_blocks)
+                 : 0) {
     require(config_.block_size >= 1, "block size must be at least 1 token, got ",
             config_.block_size);
     require(config_.num_blocks >= 1, "a block manager needs at least one block, got ",
@@ -17,7 +90,6 @@ BlockManager::BlockManager(BlockManagerConfig config) : config_(config) {
     for (int64_t b = config_.num_blocks - 1; b >= 0; --b)
         free_list_.push_back(static_cast<BlockId>(b));
     num_free_ = config_.num_blocks;
-    if (config_.enable_prefix_cache) index_.reserve(blocks_.size());
 }
 
 // ---------------------------------------------------------------- lookup
@@ -27,13 +99,25 @@ PrefixMatch BlockManager::lookup(std::span<const int32_t> tokens,
     PrefixMatch m;
     if (!config_.enable_prefix_cache) return m;
     const size_t bs = static_cast<size_t>(config_.block_size);
-    BlockHash h = kRootParentHash;
-    // Hash block by block and stop at the first miss: a miss ends the prefix.
-    for (size_t i = 0; i + bs <= tokens.size(); i += bs) {
-        h = hasher_.hash(h, tokens.subspan(i, bs), extra_keys);
-        const auto it = index_.find(h);
-        if (it == index_.end()) break;
-        m.blocks.push_back(it->second);
+    // Hash a chunk of blocks at a time on the fast chained path, stop at the first miss: at most
+    // one chunk is hashed in vain.
+    constexpr size_t kChunkBlocks = 32;
+    const size_t full = tokens.size() / bs;
+    BlockHash parent = kRootParentHash;
+    for (size_t first = 0; first < full; first += kChunkBlocks) {
+        const size_t n = std::min(kChunkBlocks, full - first);
+        scratch_hashes_.clear();
+        hasher_.hash_blocks(parent, tokens.subspan(first * bs, n * bs), config_.block_size,
+                            extra_keys, scratch_hashes_);
+        for (const BlockHash& h : scratch_hashes_) {
+            const BlockId b = index_.find(h);
+            if (b < 0) {
+                m.num_tokens = static_cast<int64_t>(m.blocks.size()) * config_.block_size;
+                return m;
+            }
+            m.blocks.push_back(b);
+        }
+        parent = scratch_hashes_.back();
     }
     m.num_tokens = static_cast<int64_t>(m.blocks.size()) * config_.block_size;
     return m;
@@ -43,34 +127,35 @@ PrefixMatch BlockManager::lookup_hashes(std::span<const BlockHash> block_hashes)
     PrefixMatch m;
     if (!config_.enable_prefix_cache) return m;
     for (const BlockHash& h : block_hashes) {
-        const auto it = index_.find(h);
-        if (it == index_.end()) break;
-        m.blocks.push_back(it->second);
+        const BlockId b = index_.find(h);
+        if (b < 0) break;
+        m.blocks.push_back(b);
     }
     m.num_tokens = static_cast<int64_t>(m.blocks.size()) * config_.block_size;
     return m;
 }
 
-size_t BlockManager::match_length(std::span<const BlockHash> hashes) const {
-    if (!config_.enable_prefix_cache) return 0;
-    size_t n = 0;
-    while (n < hashes.size() && index_.find(hashes[n]) != index_.end()) ++n;
-    return n;
+void BlockManager::match(std::span<const BlockHash> hashes, std::vector<BlockId>& hits) const {
+    hits.clear();
+    if (!config_.enable_prefix_cache) return;
+    for (const BlockHash& h : hashes) {
+        const BlockId b = index_.find(h);
+        if (b < 0) break;
+        hits.push_back(b);
+    }
 }
 
 // ---------------------------------------------------------------- allocation
 
-int64_t BlockManager::blocks_needed(std::span<const BlockHash> hashes, int64_t num_tokens,
-                                    size_t hits) const {
+int64_t BlockManager::blocks_needed(int64_t num_tokens, std::span<const BlockId> hits) const {
     const int64_t total = blocks_for_tokens(num_tokens);
     if (total > config_.num_blocks)
         throw Error(detail::concat(
             "a sequence of ", num_tokens, " tokens needs ", total, " blocks of ",
             config_.block_size, " tokens but the whole pool has ", config_.num_blocks,
             " blocks (at most ", config_.num_blocks * config_.block_size, " tokens per sequence)"));
-    int64_t need = total - static_cast<int64_t>(hits);
-    for (size_t i = 0; i < hits; ++i)
-        if (blocks_[static_cast<size_t>(index_.at(hashes[i]))].ref == 0) ++need;
+    int64_t need = total - static_cast<int64_t>(hits.size());
+    for (const BlockId b : hits) need += blocks_[static_cast<size_t>(b)].ref == 0;
     return need;
 }
 
@@ -87,8 +172,8 @@ bool BlockManager::can_allocate_hashes(std::span<const BlockHash> block_hashes,
                                        int64_t num_tokens) const {
     if (num_tokens < 0 || blocks_for_tokens(num_tokens) > config_.num_blocks) return false;
     const size_t full = static_cast<size_t>(num_tokens / config_.block_size);
-    const auto hashes = block_hashes.first(std::min(full, block_hashes.size()));
-    return blocks_needed(hashes, num_tokens, match_length(hashes)) <= num_available_blocks();
+    match(block_hashes.first(std::min(full, block_hashes.size())), scratch_hits_);
+    return blocks_needed(num_tokens, scratch_hits_) <= num_available_blocks();
 }
 
 AllocResult BlockManager::allocate(SeqId seq, std::span<const int32_t> tokens,
@@ -126,8 +211,9 @@ AllocResult BlockManager::allocate_impl(SeqId seq, std::span<const BlockHash> ha
     require(!contains(seq), "sequence ", seq,
             " is already allocated; free it first or use a new id");
     require(num_tokens >= 0, "a sequence cannot have ", num_tokens, " tokens");
-    const size_t hits = match_length(hashes);
-    const int64_t need = blocks_needed(hashes, num_tokens, hits);
+    match(hashes, scratch_hits_);
+    const size_t hits = scratch_hits_.size();
+    const int64_t need = blocks_needed(num_tokens, scratch_hits_);
     if (need > num_available_blocks())
         throw OutOfBlocksError(detail::concat(
             "sequence ", seq, " of ", num_tokens, " tokens needs ", need, " more blocks but only ",
@@ -138,7 +224,7 @@ AllocResult BlockManager::allocate_impl(SeqId seq, std::span<const BlockHash> ha
     const auto total = static_cast<size_t>(blocks_for_tokens(num_tokens));
     s.blocks.reserve(total);
     for (size_t i = 0; i < hits; ++i) {
-        const BlockId b = index_.find(hashes[i])->second;
+        const BlockId b = scratch_hits_[i];
         Block& m = blocks_[static_cast<size_t>(b)];
         if (m.ref == 0) {
             lru_remove(b);
@@ -218,7 +304,7 @@ void BlockManager::register_blocks(Seq& s, size_t from) {
             const Block& p = blocks_[static_cast<size_t>(s.blocks[i - 1])];
             if (!p.registered || p.hash != s.hashes[i - 1]) break;
         }
-        if (index_.find(s.hashes[i]) != index_.end()) break;  // same content in another block
+        if (index_.find(s.hashes[i]) >= 0) break;  // same content in another block
         const BlockId b = s.blocks[i];
         Block& m = blocks_[static_cast<size_t>(b)];
         KVSHARD_CHECK(!m.registered, "block ", b, " registered twice");
@@ -226,7 +312,7 @@ void BlockManager::register_blocks(Seq& s, size_t from) {
         m.hash = s.hashes[i];
         m.has_parent = i > 0;
         m.parent = i > 0 ? s.hashes[i - 1] : BlockHash{};
-        index_.emplace(m.hash, b);
+        index_.insert(m.hash, b);
         ++counters_.stored_blocks;
         if (!group_open) {
             group = event_for(KvEventKind::kBlockStored, true);
@@ -359,8 +445,10 @@ void BlockManager::clear_cache() {
             free_list_.push_back(b);
             ++num_free_;
         }
-        unregister(b);
+        m.registered = m.has_parent = false;
+        m.hash = m.parent = BlockHash{};
     }
+    index_.clear();
     KVSHARD_CHECK(index_.empty(), "prefix index not empty after clearing every block");
     event_for(KvEventKind::kAllCleared, true);
     flush_events();
@@ -565,8 +653,7 @@ void BlockManager::check_invariants() const {
         }
         if (m.registered) {
             ++registered;
-            const auto it = index_.find(m.hash);
-            KVSHARD_CHECK(it != index_.end() && it->second == static_cast<BlockId>(b), "block ", b,
+            KVSHARD_CHECK(index_.find(m.hash) == static_cast<BlockId>(b), "block ", b,
                           " registered but not indexed");
         }
     }
@@ -601,10 +688,10 @@ void BlockManager::check_invariants() const {
     for (size_t b = 0; b < n; ++b) {
         const Block& m = blocks_[b];
         if (!m.registered || !m.has_parent) continue;
-        const auto it = index_.find(m.parent);
-        KVSHARD_CHECK(it != index_.end(), "block ", b, " is registered but its parent hash is not");
+        const BlockId parent = index_.find(m.parent);
+        KVSHARD_CHECK(parent >= 0, "block ", b, " is registered but its parent hash is not");
         if (m.ref == 0) {
-            const auto p = static_cast<size_t>(it->second);
+            const auto p = static_cast<size_t>(parent);
             KVSHARD_CHECK(blocks_[p].ref > 0 || pos[p] > pos[b], "cached block ", b,
                           " would be evicted after its parent block ", p);
         }

@@ -6,8 +6,8 @@
 #include <cstring>
 #include <map>
 
-#include "exec/block_tables.h"
 #include "exec/collectives.h"
+#include "kvshard/cache/block_manager.h"
 #include "kvshard/common/error.h"
 #include "kvshard/exec/rank_model.h"
 
@@ -166,7 +166,7 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
 
     RankModel model(load_weights(m, weight_shard(layout, rank), weights), num_blocks, bs, comms,
                     opt.page_order);
-    SimpleBlockTables tables(num_blocks, bs);
+    BlockManager tables(BlockManagerConfig{.num_blocks = num_blocks, .block_size = bs, .enable_prefix_cache = opt.prefix_cache});
 
     const int batch = int(mine.size());
     std::vector<std::vector<int32_t>> out_tokens(static_cast<size_t>(batch));

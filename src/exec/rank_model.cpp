@@ -74,6 +74,8 @@ PageGeometry geometry_for(const ModelWeights& w, int block_size, PageOrder order
 
 }  // namespace
 
+void set_compute_threads(int n) { openblas_set_num_threads(std::max(1, n)); }
+
 int32_t argmax(std::span<const float> logits) {
     return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }

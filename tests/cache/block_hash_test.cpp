@@ -56,6 +56,27 @@ TEST(BlockHash, MatchesXxh3OverTheDocumentedBytes) {
     }
 }
 
+TEST(BlockHash, EveryLengthAroundXxh3PathBoundaries) {
+    // XXH3 switches code paths at 16, 128, 240 bytes and at every 1024-byte block and 64-byte
+    // stripe: all token counts from 1 to 600 (encodings of 20 to 2416 bytes), chained and single.
+    const BlockHash parent{0xdeadbeefcafef00dull, 0x0badc0de12345678ull};
+    const auto tokens = iota_tokens(600 * 2, 3);
+    BlockHasher hasher;
+    for (int bs = 1; bs <= 600; ++bs) {
+        const std::vector<int32_t> blk(tokens.begin(), tokens.begin() + bs);
+        const auto want = xxh(manual_encoding(parent, blk, {}));
+        ASSERT_EQ(hash_block(parent, blk), want) << bs;
+        ASSERT_EQ(hasher.hash(parent, blk), want) << bs;
+        std::vector<BlockHash> chain;
+        hasher.hash_blocks(parent, std::span(tokens).first(2 * static_cast<size_t>(bs)), bs, {},
+                           chain);
+        ASSERT_EQ(chain.size(), 2u);
+        ASSERT_EQ(chain[0], want) << bs;
+        const std::vector<int32_t> blk2(tokens.begin() + bs, tokens.begin() + 2 * bs);
+        ASSERT_EQ(chain[1], xxh(manual_encoding(want, blk2, {}))) << bs;
+    }
+}
+
 TEST(BlockHash, ChainsFromZeroParentAndIgnoresPartialBlock) {
     const auto tokens = iota_tokens(50, 1);
     const auto hashes = hash_token_blocks(tokens, 16);

@@ -219,3 +219,43 @@ TEST(ReferenceModel, RandomWeightsSliceLikeTheFullTensors) {
 
 }  // namespace
 }  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// Prompts sharing a 21-token prefix (5 full blocks of 4): later prompts reuse the first one's
+// blocks and skip their computation, with the same tokens and logits as a run without the prefix
+// cache.
+TEST(ReferenceModel, PrefixCacheHitsSkipWorkAndChangeNothing) {
+    for (const std::string name : {"tiny", "tiny-moe"}) {
+        const ModelSpec m = catalog_model(name);
+        auto prompts = make_prompts({21, 7, 3, 0}, m.vocab, 9);
+        const auto shared = prompts[0];
+        prompts[1].insert(prompts[1].begin(), shared.begin(),
+                          shared.end());  // 28 tokens, 20 cached
+        prompts[2].insert(prompts[2].begin(), shared.begin(),
+                          shared.end());  // 24 tokens, 20 cached
+        prompts[3].assign(shared.begin(),
+                          shared.begin() + 20);  // 20 tokens all cached: recompute the last
+        GenerationOptions opt;
+        opt.max_new_tokens = 6;
+        opt.block_size = 4;
+        const auto src = random_tensor_source(3);
+        const GenerationReport with = generate(m, ParallelConfig{}, *src, prompts, opt);
+        opt.prefix_cache = false;
+        const GenerationReport without = generate(m, ParallelConfig{}, *src, prompts, opt);
+        EXPECT_EQ(with.tokens, without.tokens) << name;
+        for (size_t i = 0; i < prompts.size(); ++i)
+            EXPECT_LT(relative_l2(with.last_logits[i], without.last_logits[i]), 1e-5)
+                << name << " prompt " << i;
+        EXPECT_EQ(without.prefix_hit_tokens, 0);
+        EXPECT_EQ(with.prefix_hit_tokens, 3 * 20) << name;
+        EXPECT_EQ(with.computed_prompt_tokens, 21 + 8 + 4 + 1) << name;
+        EXPECT_EQ(without.computed_prompt_tokens, 21 + 28 + 24 + 20) << name;
+        // Shared blocks are stored once.
+        EXPECT_EQ(without.ranks[0].kv_tokens - with.ranks[0].kv_tokens, 3 * 20) << name;
+    }
+}
+
+}  // namespace
+}  // namespace kvshard

@@ -14,7 +14,8 @@ void add_model_options(CLI::App* sub, ModelFlags& f, bool required) {
                                 "model: a catalog name (" + names +
                                     "), a Hugging Face config.json, or a directory holding one");
     if (required) opt->required();
-    sub->add_option("--kv-dtype", f.kv_dtype, "KV element type: fp32|bf16|fp16|fp8 (default: the model's)");
+    sub->add_option("--kv-dtype", f.kv_dtype,
+                    "KV element type: fp32|bf16|fp16|fp8 (default: the model's)");
 }
 
 ModelSpec load_model(const ModelFlags& f) {
@@ -26,13 +27,16 @@ ModelSpec load_model(const ModelFlags& f) {
 void add_parallel_options(CLI::App* sub, ParallelFlags& f) {
     sub->add_option("--tp", f.tp, "tensor parallel size (splits KV heads)")->capture_default_str();
     sub->add_option("--pp", f.pp, "pipeline parallel size (splits layers)")->capture_default_str();
-    sub->add_option("--cp,--sp", f.cp, "context parallel size (splits tokens)")->capture_default_str();
+    sub->add_option("--cp,--sp", f.cp, "context parallel size (splits tokens)")
+        ->capture_default_str();
     sub->add_option("--dp", f.dp, "data parallel replicas")->capture_default_str();
     sub->add_option("--ep", f.ep, "expert parallel size (MoE experts over dp*cp*tp ranks)")
         ->capture_default_str();
-    sub->add_option("--cp-scheme", f.cp_scheme, "token ownership under CP: contiguous|zigzag|interleave")
+    sub->add_option("--cp-scheme", f.cp_scheme,
+                    "token ownership under CP: contiguous|zigzag|interleave")
         ->capture_default_str();
-    sub->add_option("--cp-interleave", f.cp_interleave, "tokens per round-robin unit for interleave")
+    sub->add_option("--cp-interleave", f.cp_interleave,
+                    "tokens per round-robin unit for interleave")
         ->capture_default_str();
     sub->add_option("--pp-layers", f.pp_layers, "explicit layers per stage, e.g. 10,12,10");
 }
@@ -51,6 +55,34 @@ ParallelConfig to_parallel_config(const ParallelFlags& f) {
     }
     return p;
 }
+
+void add_hardware_options(CLI::App* sub, HardwareFlags& f) {
+    std::string names;
+    for (const auto& n : hardware_names()) names += (names.empty() ? "" : ", ") + n;
+    sub->add_option("--hardware,--hw", f.hardware,
+                    "GPU: a catalog name (" + names + ") or a JSON file (docs/cost-model.md)")
+        ->capture_default_str();
+    sub->add_option("--mem-util", f.mem_util,
+                    "share of GPU memory for weights + KV (vLLM gpu_memory_utilization)")
+        ->capture_default_str();
+    sub->add_option("--activation-reserve-gib", f.activation_reserve_gib,
+                    "GiB per GPU kept for activations, CUDA graphs and buffers")
+        ->capture_default_str();
+    sub->add_option("--block-size", f.block_size, "tokens per KV block")->capture_default_str();
+}
+
+CapacityOptions HardwareFlags::capacity_options() const {
+    require(activation_reserve_gib >= 0, "--activation-reserve-gib must be >= 0, got ",
+            activation_reserve_gib);
+    CapacityOptions o;
+    o.mem_util = mem_util;
+    o.activation_reserve_bytes = static_cast<int64_t>(activation_reserve_gib * (1 << 30));
+    o.block_size = block_size;
+    o.validate();
+    return o;
+}
+
+HardwareSpec load_hardware(const HardwareFlags& f) { return resolve_hardware(f.hardware); }
 
 void print_json(const std::string& json_text) { std::printf("%s\n", json_text.c_str()); }
 

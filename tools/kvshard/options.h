@@ -6,6 +6,8 @@
 
 #include "kvshard/layout/parallel_config.h"
 #include "kvshard/model/model_spec.h"
+#include "kvshard/planner/capacity.h"
+#include "kvshard/planner/hardware.h"
 
 namespace kvshard::cli {
 
@@ -26,6 +28,17 @@ struct ParallelFlags {
 // --tp --pp --cp (--sp) --dp --ep --cp-scheme --cp-interleave --pp-layers
 void add_parallel_options(CLI::App* sub, ParallelFlags& f);
 ParallelConfig to_parallel_config(const ParallelFlags& f);
+
+struct HardwareFlags {
+    std::string hardware = "h100-sxm";
+    double mem_util = 0.9;
+    double activation_reserve_gib = 2.0;
+    int block_size = 16;
+    CapacityOptions capacity_options() const;  // validated
+};
+// --hardware NAME|FILE.json, --mem-util, --activation-reserve-gib, --block-size
+void add_hardware_options(CLI::App* sub, HardwareFlags& f);
+HardwareSpec load_hardware(const HardwareFlags& f);
 
 // Prints JSON text to stdout followed by a newline.
 void print_json(const std::string& json_text);

@@ -158,6 +158,30 @@ class BlockManager {
     void check_invariants() const;
 
   private:
+    // Open-addressing map hash -> block id (linear probing, backward-shift deletion, load <= 1/2):
+    // no allocation per insert, one cache line per probe.
+    class HashIndex {
+      public:
+        explicit HashIndex(size_t max_entries);
+        BlockId find(const BlockHash& h) const;      // -1 when absent
+        void insert(const BlockHash& h, BlockId b);  // h must be absent
+        void erase(const BlockHash& h);              // h must be present
+        void clear();
+        size_t size() const { return size_; }
+        bool empty() const { return size_ == 0; }
+
+      private:
+        struct Slot {
+            BlockHash key;
+            BlockId value = -1;  // -1: empty
+        };
+        size_t home(const BlockHash& h) const;
+        std::vector<Slot> slots_;
+        size_t mask_ = 0;
+        int shift_ = 0;
+        size_t size_ = 0;
+    };
+
     struct Block {
         int32_t ref = 0;
         bool registered = false;
@@ -178,10 +202,11 @@ class BlockManager {
 
     const Seq& seq_or_throw(SeqId seq) const;
     Seq& seq_or_throw(SeqId seq);
-    // Leading hashes registered in the index.
-    size_t match_length(std::span<const BlockHash> hashes) const;
-    // Blocks an allocation of num_tokens with these hashes takes from free + cached, or throws.
-    int64_t blocks_needed(std::span<const BlockHash> hashes, int64_t num_tokens, size_t hits) const;
+    // The blocks of the leading hashes registered in the index, into `hits`.
+    void match(std::span<const BlockHash> hashes, std::vector<BlockId>& hits) const;
+    // Blocks an allocation of num_tokens sharing `hits` takes from free + cached; throws Error
+    // when the pool is too small for it.
+    int64_t blocks_needed(int64_t num_tokens, std::span<const BlockId> hits) const;
     AllocResult allocate_impl(SeqId seq, std::span<const BlockHash> hashes, int64_t num_tokens);
     BlockId take_block();  // from the free list, else evicts the LRU cached block
     void release_block(BlockId b);
@@ -201,10 +226,11 @@ class BlockManager {
     std::vector<BlockId> free_list_;         // back() is handed out next
     BlockId lru_head_ = -1, lru_tail_ = -1;  // head: least recently used
     int64_t num_free_ = 0, num_cached_ = 0, num_used_ = 0;
-    std::unordered_map<BlockHash, BlockId, BlockHashHasher> index_;
+    HashIndex index_;
     std::unordered_map<SeqId, Seq> seqs_;
     mutable BlockHasher hasher_;
     mutable std::vector<BlockHash> scratch_hashes_;
+    mutable std::vector<BlockId> scratch_hits_;
 
     CacheMetrics counters_;  // queries, tokens, evictions, stored
     uint64_t next_event_seq_ = 0;

@@ -97,6 +97,10 @@ class RankModel {
     std::vector<float> rope_cos_, rope_sin_;  // [rows][head_dim/2] of the current step
 };
 
+// Threads each BLAS call may use (process-wide). Rank threads of the threads backend each run their
+// own GEMMs, so one per call avoids oversubscribing the cores.
+void set_compute_threads(int n);
+
 // Greedy choice: the index of the largest logit (the lowest index among equal ones).
 int32_t argmax(std::span<const float> logits);
 

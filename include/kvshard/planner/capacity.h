@@ -1,0 +1,76 @@
+#pragma once
+// Capacity: what each GPU of a deployment holds (weights, KV) and how many tokens of KV fit.
+// Sized the way serving engines size their cache (vLLM's determine_num_available_blocks, SGLang's
+// profile_max_num_token): kv_tokens = floor((memory * mem_util - weights - activation reserve)
+// / kv_bytes_per_token), rounded down to whole blocks. Formulas and sources: docs/cost-model.md.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/layout/parallel_config.h"
+#include "kvshard/model/model_spec.h"
+#include "kvshard/planner/hardware.h"
+
+namespace kvshard {
+
+struct CapacityOptions {
+    double mem_util = 0.9;  // share of GPU memory the engine may use (vLLM gpu_memory_utilization)
+    // Memory kept for activations, CUDA graphs, the allocator and NCCL buffers, per GPU.
+    int64_t activation_reserve_bytes = int64_t{2} << 30;  // 2 GiB
+    int block_size = 16;         // tokens per KV block (vLLM and SGLang default 16)
+    int64_t context_tokens = 0;  // a request's context; 0: only ask that one block fits
+    void validate() const;       // throws Error on a bad value
+};
+
+// Weight bytes one rank holds, by kind.
+struct WeightBytes {
+    int64_t attention = 0;  // Q/K/V/O (K/V of replicated heads counted on every holder)
+    int64_t dense_mlp = 0;  // dense layers' MLP, split by tp
+    int64_t experts = 0;    // routed experts (E/ep whole experts, or all E split by tp when ep=1),
+                            // shared experts (split by tp) and the router (replicated)
+    int64_t embedding = 0;  // first PP stage, vocab split by tp
+    int64_t lm_head = 0;    // last PP stage, vocab split by tp (also when tied and pp > 1)
+    int64_t norms = 0;      // RMSNorm weights, replicated
+    int64_t total() const { return attention + dense_mlp + experts + embedding + lm_head + norms; }
+    bool operator==(const WeightBytes&) const = default;
+};
+
+struct RankCapacity {
+    int rank = 0;
+    WeightBytes weights;
+    int64_t kv_bytes_per_token = 0;  // bytes of KV per token this rank stores
+    int64_t kv_budget_bytes = 0;     // memory*mem_util - weights - reserve (may be negative)
+    int64_t kv_tokens = 0;           // whole blocks only; 0 when nothing fits
+};
+
+struct CapacityReport {
+    // The limiting rank's figures (the minimum KV token capacity over all ranks).
+    int limiting_rank = 0;
+    int64_t weight_bytes_per_gpu = 0;  // the most any rank holds
+    int64_t kv_bytes_per_token = 0;    // per GPU, of the limiting rank
+    int64_t kv_tokens_per_gpu = 0;     // min over ranks, whole blocks
+    int64_t kv_blocks_per_gpu = 0;     // kv_tokens_per_gpu / block_size
+    // The longest context one request can have: its tokens spread over the cp ranks of a CP group,
+    // each holding ceil(L / cp) of them (the most any scheme puts on one rank, rounded to blocks).
+    int64_t max_context = 0;
+    // Requests of options.context_tokens that fit at once in one DP replica and in all replicas.
+    int64_t requests_per_replica = 0;
+    int64_t max_concurrency = 0;  // dp * requests_per_replica
+    // Weights fit, at least one block of KV fits, and (when context_tokens > 0) one such request
+    // fits.
+    bool fits = false;
+    std::string why_not;              // empty when fits
+    std::vector<RankCapacity> ranks;  // indexed by rank
+};
+
+// Weight bytes held by `rank` of the layout.
+WeightBytes rank_weight_bytes(const KvLayout& layout, int rank);
+
+// Tokens of a sequence of `context_tokens` that the busiest CP rank stores (cp_token_ranges).
+int64_t cp_tokens_per_rank(const ParallelConfig& p, int64_t context_tokens);
+
+CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, const HardwareSpec& hw,
+                                const CapacityOptions& options = {});
+
+}  // namespace kvshard

@@ -1,0 +1,112 @@
+#pragma once
+// Communication and time cost model (seed §7): per partitioning, the bytes each GPU moves and the
+// time it takes, for a prefill of S tokens and for one decode step, with roofline compute/memory
+// time per phase, giving TTFT and TPOT. Every formula and its source: docs/cost-model.md.
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/planner/hardware.h"
+
+namespace kvshard {
+
+// ---- collectives over a ring of n ranks (bytes = the full buffer each rank holds) ----------
+// all-reduce: 2(n-1)/n * bytes / bw + 2(n-1) * hop
+double ring_all_reduce_s(double bytes, int n, double bw, double hop_s);
+// all-gather / reduce-scatter: (n-1)/n * bytes / bw + (n-1) * hop
+double ring_all_gather_s(double bytes, int n, double bw, double hop_s);
+// all-to-all: (n-1)/n * bytes / bw + (n-1) * hop (n-1 pairwise exchanges)
+double all_to_all_s(double bytes, int n, double bw, double hop_s);
+// point-to-point send: bytes / bw + hop
+double send_s(double bytes, double bw, double hop_s);
+
+// Does the group of ranks (e.g. rank 0's TP group) span more than one node? Ranks are placed on
+// nodes in rank order, gpus_per_node to a node.
+enum class GroupKind { kTp, kCp, kPp, kEp, kDp };
+bool group_crosses_nodes(const ParallelConfig& p, GroupKind g, int gpus_per_node);
+
+// ---- CP pass-KV ring ---------------------------------------------------------------------
+// Bytes `rank` sends over the CP ring during one pass-KV prefill of a sequence of `context_tokens`
+// tokens (cached + new), summed over the rank's layers. In ring step s = 0..cp-2, CP rank c
+// forwards the shard first owned by CP rank (c - s) mod cp, so it sends every shard except the one
+// owned by (c + 1) mod cp: per layer, whole-sequence KV minus that shard, at kv_bytes_per_token /
+// num_layers bytes per token and layer. Shard sizes are exactly those of cp_token_ranges. 0 when cp
+// == 1.
+int64_t cp_pass_kv_bytes_sent(const KvLayout& layout, int rank, int64_t context_tokens);
+
+enum class CpPrefillPolicy { kAuto, kPassKv, kPassQ };  // kAuto: the faster of the two
+std::string_view cp_prefill_policy_name(CpPrefillPolicy s);
+CpPrefillPolicy parse_cp_prefill_policy(std::string_view s);  // auto|pass-kv|pass-q
+
+enum class CpMergePolicy { kAuto, kAllGather, kAllToAll };
+std::string_view cp_merge_policy_name(CpMergePolicy s);
+CpMergePolicy parse_cp_merge_policy(std::string_view s);  // auto|all-gather|all-to-all
+
+struct CostOptions {
+    int activation_bytes = 2;  // bf16 activations (also under fp8 weights)
+    // Prefill chunks pipelined through the PP stages; 0: as many as stages (pp).
+    int pp_prefill_chunks = 0;
+    CpPrefillPolicy cp_prefill = CpPrefillPolicy::kAuto;
+    CpMergePolicy cp_decode_merge = CpMergePolicy::kAuto;
+    void validate() const;
+};
+
+// What one phase costs on the busiest GPU: bytes it sends and seconds, by kind.
+struct PhaseCost {
+    double flops = 0;                // per GPU, the whole phase (all its layers)
+    double hbm_bytes = 0;            // per GPU: weights and KV read, KV written
+    double compute_s = 0;            // flops / achieved FLOP/s
+    double memory_s = 0;             // hbm_bytes / achieved HBM bandwidth
+    double roofline_s = 0;           // max(compute_s, memory_s) summed layer by layer (all stages)
+    double attention_compute_s = 0;  // the attention (QK, PV) part of compute_s
+    // Communication per GPU, bytes sent and exposed seconds (all stages of one pass).
+    double tp_bytes = 0, tp_s = 0;  // all-reduce after attention and after each MLP
+    double pp_bytes = 0, pp_s = 0;  // activation hand-off at each of the pp-1 boundaries
+    double cp_bytes = 0,
+           cp_s = 0;  // CP: pass-KV or pass-Q ring (prefill), partial-output merge (decode)
+    double ep_bytes = 0, ep_s = 0;  // MoE dispatch + combine all-to-all
+    double pp_bubble_s = 0;         // pipeline fill/drain time inside total_s
+    double total_s = 0;             // the phase's latency
+    double comm_bytes() const { return tp_bytes + pp_bytes + cp_bytes + ep_bytes; }
+};
+
+struct CpPrefillCost {
+    double pass_kv_bytes = 0;     // per GPU, all its layers
+    double pass_kv_s = 0;         // ring time, all its layers
+    bool pass_kv_hidden = false;  // ring time <= attention compute time (overlapped)
+    double pass_q_bytes = 0;      // Q ring + all-to-all of partial outputs and LSE
+    double pass_q_s = 0;
+    CpPrefillPolicy chosen = CpPrefillPolicy::kPassKv;
+};
+
+struct CpDecodeCost {
+    double all_gather_bytes = 0, all_gather_s = 0;
+    double all_to_all_bytes = 0, all_to_all_s = 0;
+    CpMergePolicy chosen = CpMergePolicy::kAllGather;
+};
+
+struct Workload {
+    int64_t prompt_tokens = 0;   // S: tokens prefilled for one request (TTFT)
+    int64_t context_tokens = 0;  // tokens in context during decode (cached + generated)
+    int64_t batch = 1;           // requests decoding together in one DP replica (TPOT)
+    void validate() const;
+};
+
+struct CostReport {
+    PhaseCost prefill;  // one request of prompt_tokens
+    PhaseCost decode;   // one step of `batch` requests at context_tokens
+    CpPrefillCost cp_prefill;
+    CpDecodeCost cp_decode;
+    double ttft_s = 0;
+    double tpot_s = 0;
+    double decode_tokens_per_s = 0;  // all DP replicas: dp * batch / tpot
+    // Share of link time in a decode step that EP's all-to-all leaves for KV transfer (seed §5):
+    // 1 - ep_s / tpot_s (1 without EP).
+    double ep_link_share_for_kv = 1;
+};
+
+CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const HardwareSpec& hw,
+                         const Workload& w, const CostOptions& options = {});
+
+}  // namespace kvshard

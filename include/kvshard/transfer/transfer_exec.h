@@ -1,0 +1,157 @@
+#pragma once
+// Carrying out a TransferPlan over a Communicator (docs/transfer.md, "Execution" and "Wire
+// format").
+//
+// Both groups live in one communicator `world`: source layout rank r is world rank
+// src_world_base + r, destination layout rank r is world rank dst_world_base + r (threads: one
+// run_threads over P + D ranks; MPI: `mpirun -np P prog : -np D prog`, MPI_COMM_WORLD).
+//
+// Each source rank drives a TransferSender, each destination rank a TransferReceiver, one pair of
+// objects per request. Both are poll-driven (progress() never blocks), so one thread can move many
+// requests at once; finish() polls until done. Per request and (source, destination) pair, the
+// messages go in layer-group order on the request's own tags, each as a 64-byte header and then the
+// payload. The sender packs a message as soon as all its layers are ready (layer_ready), keeping at
+// most `staging_bytes` of packed payloads in flight (back-pressure: it packs the next one only when
+// an earlier send completed). The receiver posts a payload receive only while its staging allows.
+//
+// Failure is per request: a sender-side error (fail()), a checksum or header mismatch, or no
+// progress for `timeout_s` ends that request on both sides with a non-OK status (the receiver
+// tells every source by an ack; a source told of failure stops sending). The caller then frees the
+// request's blocks; other requests, on other tags, are untouched.
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvshard/cache/block_pool.h"
+#include "kvshard/comm/communicator.h"
+#include "kvshard/transfer/pack.h"
+#include "kvshard/transfer/transfer_plan.h"
+
+namespace kvshard {
+
+enum class TransferStatus : uint32_t {
+    kOk = 0,
+    kSourceAborted = 1,     // the source failed the request (fail()) and said so
+    kChecksumMismatch = 2,  // a payload's XXH3_64 did not match its header
+    kBadHeader = 3,         // a header that does not belong to this plan/request, or corrupt
+    kTimeout = 4,           // no progress for timeout_s (a peer that died or hangs)
+    kPeerFailed = 5,        // the other side reported a failure (in an ack)
+};
+std::string_view transfer_status_name(TransferStatus s);
+
+// Message header on the wire (docs/transfer.md): 64 bytes, native (little-endian) byte order.
+struct TransferHeader {
+    static constexpr uint32_t kMagic = 0x4658564B;  // "KVXF"
+    static constexpr uint16_t kVersion = 1;
+    uint32_t magic = kMagic;
+    uint16_t version = kVersion;
+    uint16_t mode = 0;  // 0 pre-send, 1 post-receive: the payload's wire order
+    uint64_t request_id = 0;
+    uint32_t src_rank = 0;       // source layout rank
+    uint32_t dst_rank = 0;       // destination layout rank
+    uint32_t message_index = 0;  // index in plan.messages
+    uint32_t layer_group = 0;
+    uint64_t payload_bytes = 0;  // 0 when status != kOk (no payload follows)
+    uint64_t payload_xxh3 = 0;   // XXH3_64bits(payload), seed 0
+    uint32_t status = 0;         // TransferStatus; kSourceAborted: no payload follows
+    uint32_t reserved = 0;
+    uint64_t header_xxh3 = 0;  // XXH3_64bits of the 56 bytes above
+};
+static_assert(sizeof(TransferHeader) == 64);
+
+// Sent by each destination rank to each of its sources when it is done with the request.
+struct TransferAck {
+    static constexpr uint32_t kMagic = 0x4B41564B;  // "KVAK"
+    uint32_t magic = kMagic;
+    uint32_t status = 0;  // TransferStatus seen by the destination
+    uint64_t request_id = 0;
+};
+
+// Test hooks that make faults happen on purpose.
+struct TransferFaults {
+    int corrupt_message =
+        -1;  // plan message index whose payload the sender corrupts after checksumming
+    int stall_after = -1;  // the sender sends this many messages, then nothing more (a hung peer)
+};
+
+struct TransferExecOptions {
+    TransferMode mode = TransferMode::kAuto;
+    int src_world_base = 0;
+    int dst_world_base = 0;
+    int64_t staging_bytes = int64_t{64}
+                            << 20;  // per sender and per receiver; one message always fits
+    double timeout_s = 30.0;        // without progress
+    TransferFaults faults;
+};
+
+// Tags of a request: header, payload, ack (request_id modulo 65536 slots above 2^19).
+int transfer_tag(uint64_t request_id, int kind);
+
+struct TransferResult {
+    TransferStatus status = TransferStatus::kOk;
+    std::string error;  // empty when ok
+    int64_t bytes = 0;  // payload bytes sent (sender) or received and unpacked (receiver)
+    int messages = 0;
+    double seconds = 0;        // from construction to done
+    double pack_seconds = 0;   // sender: packing + checksums; receiver: checks + unpacking
+    double first_send_s = -1;  // sender: when the first message went out, from construction
+    double last_send_s = -1;   // sender: when the last message went out
+    int64_t peak_staging = 0;  // most payload bytes held at once
+    bool ok() const { return status == TransferStatus::kOk; }
+};
+
+class TransferSender {
+  public:
+    TransferSender(Communicator& world, std::shared_ptr<const TransferPlan> plan,
+                   uint64_t request_id, int src_rank, const BlockPool& pool,
+                   TransferExecOptions options = {});
+    ~TransferSender();
+    TransferSender(const TransferSender&) = delete;
+    TransferSender& operator=(const TransferSender&) = delete;
+
+    // Layers [0, layer] of the model are final in the pool (layers are produced in order).
+    void layer_ready(int layer);
+    void all_layers_ready();
+    // The source failed (e.g. prefill threw): every message not yet sent goes as a header with
+    // status kSourceAborted and no payload.
+    void fail(const std::string& reason);
+
+    bool progress();  // non-blocking; true when done
+    bool done() const { return done_; }
+    TransferResult finish();  // polls until done
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+    bool done_ = false;
+};
+
+class TransferReceiver {
+  public:
+    TransferReceiver(Communicator& world, std::shared_ptr<const TransferPlan> plan,
+                     uint64_t request_id, int dst_rank, BlockPool& pool,
+                     TransferExecOptions options = {});
+    ~TransferReceiver();
+    TransferReceiver(const TransferReceiver&) = delete;
+    TransferReceiver& operator=(const TransferReceiver&) = delete;
+
+    bool progress();  // non-blocking; true when done
+    bool done() const { return done_; }
+    TransferResult finish();
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+    bool done_ = false;
+};
+
+// Checks a received header against what the plan expects; returns an error text or "".
+std::string check_header(const TransferHeader& h, const TransferPlan& plan, uint64_t request_id,
+                         int message_index);
+// Fills header_xxh3.
+void seal_header(TransferHeader& h);
+
+}  // namespace kvshard

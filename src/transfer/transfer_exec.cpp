@@ -1,0 +1,516 @@
+#include "kvshard/transfer/transfer_exec.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <list>
+#include <map>
+#include <thread>
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+constexpr int kTagBase = 1 << 19;
+constexpr int kTagSlots = 1 << 16;
+constexpr int kHeaderKind = 0, kPayloadKind = 1, kAckKind = 2;
+
+uint64_t header_hash(const TransferHeader& h) {
+    return XXH3_64bits(&h, offsetof(TransferHeader, header_xxh3));
+}
+
+// Short sleep when a poll loop made no progress (the machine's cores are shared).
+void idle() { std::this_thread::sleep_for(std::chrono::microseconds(20)); }
+
+}  // namespace
+
+std::string_view transfer_status_name(TransferStatus s) {
+    switch (s) {
+        case TransferStatus::kOk:
+            return "ok";
+        case TransferStatus::kSourceAborted:
+            return "source-aborted";
+        case TransferStatus::kChecksumMismatch:
+            return "checksum-mismatch";
+        case TransferStatus::kBadHeader:
+            return "bad-header";
+        case TransferStatus::kTimeout:
+            return "timeout";
+        case TransferStatus::kPeerFailed:
+            return "peer-failed";
+    }
+    return "?";
+}
+
+int transfer_tag(uint64_t request_id, int kind) {
+    return kTagBase + static_cast<int>(request_id % kTagSlots) * 3 + kind;
+}
+
+void seal_header(TransferHeader& h) { h.header_xxh3 = header_hash(h); }
+
+std::string check_header(const TransferHeader& h, const TransferPlan& plan, uint64_t request_id,
+                         int message_index) {
+    if (h.magic != TransferHeader::kMagic || h.version != TransferHeader::kVersion)
+        return detail::concat("not a transfer header (magic ", h.magic, ", version ", h.version,
+                              ")");
+    if (h.header_xxh3 != header_hash(h)) return "header checksum mismatch";
+    const TransferMessage& m = plan.messages.at(message_index);
+    if (h.request_id != request_id || h.message_index != static_cast<uint32_t>(message_index) ||
+        h.src_rank != static_cast<uint32_t>(m.src_rank) ||
+        h.dst_rank != static_cast<uint32_t>(m.dst_rank) ||
+        h.layer_group != static_cast<uint32_t>(m.layer_group))
+        return detail::concat("header for request ", h.request_id, " message ", h.message_index,
+                              " (", h.src_rank, "->", h.dst_rank, ") where request ", request_id,
+                              " message ", message_index, " (", m.src_rank, "->", m.dst_rank,
+                              ") was expected");
+    if (h.status == static_cast<uint32_t>(TransferStatus::kOk) &&
+        h.payload_bytes != static_cast<uint64_t>(m.bytes))
+        return detail::concat("header announces ", h.payload_bytes,
+                              " payload bytes, the plan says ", m.bytes);
+    return "";
+}
+
+// ---- sender ----------------------------------------------------------------------------------
+
+struct TransferSender::Impl {
+    Communicator& world;
+    std::shared_ptr<const TransferPlan> plan;
+    uint64_t request_id;
+    int src_rank;
+    const BlockPool& pool;
+    TransferExecOptions opt;
+    TransferMode mode;
+    Clock::time_point t0 = Clock::now();
+    Clock::time_point last_progress = t0;
+
+    std::vector<int> mine;  // plan message indices, in plan (layer group) order
+    size_t next = 0;
+    int ready_end = 0;  // layers [0, ready_end) are final
+    bool failed_locally = false;
+    std::string fail_reason;
+
+    struct InFlight {
+        int dst = 0;
+        TransferHeader header;
+        std::vector<std::byte> payload;
+        Request header_req, payload_req;
+    };
+    std::list<InFlight> in_flight;
+    int64_t staged = 0;
+
+    std::vector<int> dsts;  // distinct destination ranks
+    std::vector<TransferAck> acks;
+    std::vector<Request> ack_reqs;
+    std::vector<char> closed;  // per destination: acked, so it listens no more
+    TransferResult result;
+
+    Impl(Communicator& w, std::shared_ptr<const TransferPlan> p, uint64_t rid, int r,
+         const BlockPool& pl, TransferExecOptions o)
+        : world(w), plan(std::move(p)), request_id(rid), src_rank(r), pool(pl), opt(o) {
+        mode = resolve_mode(*plan, opt.mode);
+        mine = plan->messages_from(src_rank);
+        for (int i : mine) {
+            const int d = plan->messages[i].dst_rank;
+            if (std::find(dsts.begin(), dsts.end(), d) == dsts.end()) dsts.push_back(d);
+        }
+        acks.resize(dsts.size());
+        closed.assign(dsts.size(), 0);
+        for (size_t k = 0; k < dsts.size(); ++k)
+            ack_reqs.push_back(
+                world.irecv(std::as_writable_bytes(std::span<TransferAck, 1>(&acks[k], 1)),
+                            opt.dst_world_base + dsts[k], transfer_tag(request_id, kAckKind)));
+    }
+
+    void set_status(TransferStatus s, const std::string& why) {
+        if (result.status == TransferStatus::kOk) {
+            result.status = s;
+            result.error = why;
+        }
+    }
+
+    bool aborting() const { return result.status != TransferStatus::kOk; }
+
+    int dst_index(int dst) const {
+        return static_cast<int>(std::find(dsts.begin(), dsts.end(), dst) - dsts.begin());
+    }
+
+    void post(InFlight&& f, int dest) {
+        in_flight.push_back(std::move(f));
+        auto& b = in_flight.back();
+        b.header_req = world.isend(std::as_bytes(std::span<const TransferHeader, 1>(&b.header, 1)),
+                                   dest, transfer_tag(request_id, kHeaderKind));
+        if (!b.payload.empty())
+            b.payload_req = world.isend(std::span<const std::byte>(b.payload), dest,
+                                        transfer_tag(request_id, kPayloadKind));
+    }
+
+    bool send_next() {
+        if (next >= mine.size()) return false;
+        if (opt.faults.stall_after >= 0 && static_cast<int>(next) >= opt.faults.stall_after)
+            return false;
+        const int idx = mine[next];
+        const TransferMessage& msg = plan->messages[idx];
+        if (closed[dst_index(msg.dst_rank)]) {  // that destination stopped listening
+            ++next;
+            return true;
+        }
+        InFlight f;
+        f.dst = msg.dst_rank;
+        f.header.mode = mode == TransferMode::kPreSend ? 0 : 1;
+        f.header.request_id = request_id;
+        f.header.src_rank = static_cast<uint32_t>(msg.src_rank);
+        f.header.dst_rank = static_cast<uint32_t>(msg.dst_rank);
+        f.header.message_index = static_cast<uint32_t>(idx);
+        f.header.layer_group = static_cast<uint32_t>(msg.layer_group);
+        const int dest = opt.dst_world_base + msg.dst_rank;
+        if (aborting()) {
+            f.header.status = static_cast<uint32_t>(TransferStatus::kSourceAborted);
+            seal_header(f.header);
+            post(std::move(f), dest);
+            ++next;
+            return true;
+        }
+        if (msg.layer_end > ready_end) return false;
+        if (!in_flight.empty() && staged + msg.bytes > opt.staging_bytes)
+            return false;  // back-pressure
+        const auto tp = Clock::now();
+        f.payload.resize(static_cast<size_t>(msg.bytes));
+        pack_message(*plan, msg, mode, pool, f.payload);
+        f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
+        f.header.payload_xxh3 = XXH3_64bits(f.payload.data(), f.payload.size());
+        seal_header(f.header);
+        if (idx == opt.faults.corrupt_message && !f.payload.empty())
+            f.payload[f.payload.size() / 2] ^= std::byte{0x5A};
+        result.pack_seconds += seconds_since(tp);
+        staged += msg.bytes;
+        result.peak_staging = std::max(result.peak_staging, staged);
+        post(std::move(f), dest);
+        if (result.first_send_s < 0) result.first_send_s = seconds_since(t0);
+        result.last_send_s = seconds_since(t0);
+        result.bytes += msg.bytes;
+        ++result.messages;
+        ++next;
+        return true;
+    }
+
+    // True when something moved.
+    bool step() {
+        bool moved = false;
+        // Acks: a destination acks once it listens no more; one that failed fails the request.
+        for (size_t k = 0; k < dsts.size(); ++k) {
+            if (closed[k] || !ack_reqs[k].test()) continue;
+            closed[k] = 1;
+            moved = true;
+            const TransferAck& a = acks[k];
+            if (a.magic != TransferAck::kMagic || a.request_id != request_id)
+                set_status(TransferStatus::kBadHeader,
+                           detail::concat("bad ack from destination rank ", dsts[k]));
+            else if (a.status != static_cast<uint32_t>(TransferStatus::kOk))
+                set_status(
+                    TransferStatus::kPeerFailed,
+                    detail::concat("destination rank ", dsts[k], " failed the request: ",
+                                   transfer_status_name(static_cast<TransferStatus>(a.status))));
+        }
+        for (auto it = in_flight.begin(); it != in_flight.end();) {
+            const bool dropped = closed[dst_index(it->dst)] != 0;  // never matched: cancel
+            if (!dropped && (!it->header_req.test() ||
+                             (it->payload_req.pending() && !it->payload_req.test()))) {
+                ++it;
+                continue;
+            }
+            staged -= static_cast<int64_t>(it->payload.size());
+            it = in_flight.erase(it);
+            moved = true;
+        }
+        while (send_next()) moved = true;
+        return moved;
+    }
+
+    bool finished() const {
+        return next >= mine.size() && in_flight.empty() &&
+               std::all_of(closed.begin(), closed.end(), [](char c) { return c != 0; });
+    }
+
+    void time_out() {
+        set_status(TransferStatus::kTimeout,
+                   detail::concat("source rank ", src_rank, ": no progress for ", opt.timeout_s,
+                                  " s (", mine.size() - next, " messages unsent, ",
+                                  in_flight.size(), " in flight)"));
+        in_flight.clear();
+        ack_reqs.clear();
+        closed.assign(dsts.size(), 1);
+    }
+};
+
+TransferSender::TransferSender(Communicator& world, std::shared_ptr<const TransferPlan> plan,
+                               uint64_t request_id, int src_rank, const BlockPool& pool,
+                               TransferExecOptions options)
+    : impl_(std::make_unique<Impl>(world, std::move(plan), request_id, src_rank, pool, options)) {
+    KVSHARD_CHECK(src_rank >= 0 && src_rank < impl_->plan->src.layout.world_size(),
+                  "source rank out of range");
+    const PageGeometry want = rank_page_geometry(
+        impl_->plan->src.layout, src_rank, impl_->plan->src.block_size, impl_->plan->src.order);
+    require(pool.geometry() == want, "the pool given to the sender of source rank ", src_rank,
+            " does not have that rank's page geometry");
+    progress();
+}
+
+TransferSender::~TransferSender() = default;
+
+void TransferSender::layer_ready(int layer) {
+    impl_->ready_end = std::max(impl_->ready_end, layer + 1);
+}
+
+void TransferSender::all_layers_ready() {
+    impl_->ready_end = impl_->plan->src.layout.model.num_layers;
+}
+
+void TransferSender::fail(const std::string& reason) {
+    if (impl_->failed_locally) return;
+    impl_->failed_locally = true;
+    impl_->fail_reason = reason;
+    impl_->set_status(TransferStatus::kSourceAborted, reason);
+}
+
+bool TransferSender::progress() {
+    if (done_) return true;
+    Impl& s = *impl_;
+    if (s.step()) s.last_progress = Clock::now();
+    if (s.next < s.mine.size() && s.plan->messages[s.mine[s.next]].layer_end > s.ready_end &&
+        !s.aborting())
+        s.last_progress = Clock::now();  // waiting for prefill, not for a peer
+    if (s.finished()) {
+        done_ = true;
+    } else if (seconds_since(s.last_progress) > s.opt.timeout_s) {
+        s.time_out();
+        done_ = true;
+    }
+    if (done_) s.result.seconds = seconds_since(s.t0);
+    return done_;
+}
+
+TransferResult TransferSender::finish() {
+    while (!progress()) idle();
+    return impl_->result;
+}
+
+// ---- receiver --------------------------------------------------------------------------------
+
+struct TransferReceiver::Impl {
+    Communicator& world;
+    std::shared_ptr<const TransferPlan> plan;
+    uint64_t request_id;
+    int dst_rank;
+    BlockPool& pool;
+    TransferExecOptions opt;
+    TransferMode mode;
+    Clock::time_point t0 = Clock::now();
+    Clock::time_point last_progress = t0;
+
+    // Per source: its messages to me in order, the next one, and the receive in progress.
+    struct Source {
+        int rank = 0;
+        std::vector<int> messages;
+        size_t next = 0;
+        TransferHeader header;
+        Request header_req;
+        bool header_posted = false;
+        bool have_header = false;  // header arrived, payload not yet received
+        std::vector<std::byte> payload;
+        Request payload_req;
+        bool payload_posted = false;
+    };
+    std::vector<Source> sources;
+    int64_t staged = 0;
+    TransferResult result;
+    bool acks_sent = false;
+    std::vector<TransferAck> acks;
+    std::vector<Request> ack_reqs;
+
+    Impl(Communicator& w, std::shared_ptr<const TransferPlan> p, uint64_t rid, int r, BlockPool& pl,
+         TransferExecOptions o)
+        : world(w), plan(std::move(p)), request_id(rid), dst_rank(r), pool(pl), opt(o) {
+        mode = resolve_mode(*plan, opt.mode);
+        for (int i : plan->messages_to(dst_rank)) {
+            const int s = plan->messages[i].src_rank;
+            auto it = std::find_if(sources.begin(), sources.end(),
+                                   [s](const Source& x) { return x.rank == s; });
+            if (it == sources.end()) {
+                sources.emplace_back();
+                sources.back().rank = s;
+                it = sources.end() - 1;
+            }
+            it->messages.push_back(i);
+        }
+    }
+
+    void set_status(TransferStatus s, const std::string& why) {
+        if (result.status == TransferStatus::kOk) {
+            result.status = s;
+            result.error = why;
+        }
+    }
+
+    int src_world(const Source& s) const { return opt.src_world_base + s.rank; }
+
+    bool step_source(Source& s) {
+        bool moved = false;
+        for (;;) {
+            if (s.next >= s.messages.size()) return moved;
+            if (!s.header_posted) {
+                s.header_req =
+                    world.irecv(std::as_writable_bytes(std::span<TransferHeader, 1>(&s.header, 1)),
+                                src_world(s), transfer_tag(request_id, kHeaderKind));
+                s.header_posted = true;
+                moved = true;
+            }
+            if (!s.have_header) {
+                if (!s.header_req.test()) return moved;
+                s.have_header = true;
+                moved = true;
+                const int idx = s.messages[s.next];
+                const std::string bad = check_header(s.header, *plan, request_id, idx);
+                if (!bad.empty()) {
+                    set_status(TransferStatus::kBadHeader,
+                               detail::concat("destination rank ", dst_rank, " from source rank ",
+                                              s.rank, ": ", bad));
+                    // Unknown framing from here on: stop listening to this source.
+                    s.next = s.messages.size();
+                    return moved;
+                }
+                if (s.header.status != static_cast<uint32_t>(TransferStatus::kOk)) {
+                    set_status(TransferStatus::kSourceAborted,
+                               detail::concat("source rank ", s.rank, " aborted the request"));
+                    s.have_header = false;
+                    s.header_posted = false;
+                    ++s.next;
+                    continue;
+                }
+            }
+            const int idx = s.messages[s.next];
+            const TransferMessage& msg = plan->messages[idx];
+            if (!s.payload_posted) {
+                if (staged > 0 && staged + msg.bytes > opt.staging_bytes)
+                    return moved;  // back-pressure
+                s.payload.resize(static_cast<size_t>(msg.bytes));
+                staged += msg.bytes;
+                result.peak_staging = std::max(result.peak_staging, staged);
+                s.payload_req = world.irecv(std::span<std::byte>(s.payload), src_world(s),
+                                            transfer_tag(request_id, kPayloadKind));
+                s.payload_posted = true;
+                moved = true;
+            }
+            if (!s.payload_req.test()) return moved;
+            const auto tu = Clock::now();
+            const uint64_t sum = XXH3_64bits(s.payload.data(), s.payload.size());
+            if (sum != s.header.payload_xxh3) {
+                set_status(TransferStatus::kChecksumMismatch,
+                           detail::concat("destination rank ", dst_rank, ": message ", idx,
+                                          " from source rank ", s.rank, " failed its checksum"));
+            } else if (result.status == TransferStatus::kOk) {
+                unpack_message(*plan, msg, mode, s.payload, pool);
+                result.bytes += msg.bytes;
+                ++result.messages;
+            }
+            result.pack_seconds += seconds_since(tu);
+            staged -= msg.bytes;
+            std::vector<std::byte>().swap(s.payload);
+            s.payload_posted = false;
+            s.have_header = false;
+            s.header_posted = false;
+            ++s.next;
+            moved = true;
+        }
+    }
+
+    void send_acks() {
+        acks.assign(sources.size(), TransferAck{});
+        for (size_t k = 0; k < sources.size(); ++k) {
+            acks[k].status = static_cast<uint32_t>(result.status);
+            acks[k].request_id = request_id;
+            ack_reqs.push_back(
+                world.isend(std::as_bytes(std::span<const TransferAck, 1>(&acks[k], 1)),
+                            src_world(sources[k]), transfer_tag(request_id, kAckKind)));
+        }
+        acks_sent = true;
+    }
+
+    bool step() {
+        bool moved = false;
+        for (auto& s : sources) moved |= step_source(s);
+        const bool all_in = std::all_of(sources.begin(), sources.end(), [](const Source& s) {
+            return s.next >= s.messages.size();
+        });
+        if (all_in && !acks_sent) {
+            send_acks();
+            moved = true;
+        }
+        return moved;
+    }
+
+    bool finished() {
+        if (!acks_sent) return false;
+        for (auto& r : ack_reqs)
+            if (r.pending() && !r.test()) return false;
+        return true;
+    }
+
+    void time_out() {
+        int missing = 0;
+        for (const auto& s : sources) missing += static_cast<int>(s.messages.size() - s.next);
+        set_status(TransferStatus::kTimeout,
+                   detail::concat("destination rank ", dst_rank, ": no progress for ",
+                                  opt.timeout_s, " s, ", missing, " messages missing"));
+        for (auto& s : sources) {  // cancel what never came
+            s.header_req = Request();
+            s.payload_req = Request();
+        }
+        // Tell the sources (a live but slow one stops; a dead one never matches: cancelled below).
+        if (!acks_sent) send_acks();
+        ack_reqs.clear();
+    }
+};
+
+TransferReceiver::TransferReceiver(Communicator& world, std::shared_ptr<const TransferPlan> plan,
+                                   uint64_t request_id, int dst_rank, BlockPool& pool,
+                                   TransferExecOptions options)
+    : impl_(std::make_unique<Impl>(world, std::move(plan), request_id, dst_rank, pool, options)) {
+    KVSHARD_CHECK(dst_rank >= 0 && dst_rank < impl_->plan->dst.layout.world_size(),
+                  "destination rank out of range");
+    const PageGeometry want = rank_page_geometry(
+        impl_->plan->dst.layout, dst_rank, impl_->plan->dst.block_size, impl_->plan->dst.order);
+    require(pool.geometry() == want, "the pool given to the receiver of destination rank ",
+            dst_rank, " does not have that rank's page geometry");
+    progress();
+}
+
+TransferReceiver::~TransferReceiver() = default;
+
+bool TransferReceiver::progress() {
+    if (done_) return true;
+    Impl& r = *impl_;
+    if (r.step()) r.last_progress = Clock::now();
+    if (r.finished()) {
+        done_ = true;
+    } else if (seconds_since(r.last_progress) > r.opt.timeout_s) {
+        r.time_out();
+        done_ = true;
+    }
+    if (done_) r.result.seconds = seconds_since(r.t0);
+    return done_;
+}
+
+TransferResult TransferReceiver::finish() {
+    while (!progress()) idle();
+    return impl_->result;
+}
+
+}  // namespace kvshard

@@ -1,0 +1,87 @@
+// `kvshard run` end to end: JSON fields, verification, per-rank KV bytes, .npy dump, and errors.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+struct Result {
+    int status = -1;
+    std::string out;
+};
+
+Result run_cli(const std::string& args) {
+    const std::string cmd = std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1";
+    Result r;
+    FILE* pipe = popen(cmd.c_str(), "r");
+    if (!pipe) return r;
+    std::array<char, 4096> buf;
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
+    const int st = pclose(pipe);
+    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return r;
+}
+
+TEST(RunCli, JsonReportsVerifyAndKvBytesPerRank) {
+    const Result r = run_cli(
+        "run --model tiny-moe --tp 2 --pp 2 --ep 2 --prompts 3 --prompt-len 20 --shared-prefix 16 "
+        "--gen 8 "
+        "--block-size 4 --verify --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_TRUE(j["verify"]["tokens_match"].get<bool>());
+    EXPECT_LT(j["verify"]["max_rel_err"].get<double>(), 1e-4);
+    ASSERT_EQ(j["ranks"].size(), 4u);
+    for (const auto& rk : j["ranks"]) {
+        EXPECT_GT(rk["kv_bytes"].get<int64_t>(), 0);
+        EXPECT_EQ(rk["kv_bytes"], rk["kv_bytes_predicted"]);
+    }
+    // Prompts 1 and 2 find the 16 shared tokens (4 full blocks) in the cache.
+    EXPECT_EQ(j["prefix_cache"]["hit_tokens"].get<int64_t>(), 32);
+    ASSERT_EQ(j["tokens"].size(), 3u);
+    EXPECT_EQ(j["tokens"][0].size(), 8u);
+}
+
+TEST(RunCli, DumpLogitsWritesNpy) {
+    const auto path = std::filesystem::temp_directory_path() /
+                      ("kvshard_logits_" + std::to_string(getpid()) + ".npy");
+    const Result r =
+        run_cli("run --model tiny --dp 2 --prompts 2 --prompt-len 5 --gen 3 --dump-logits " +
+                path.string());
+    ASSERT_EQ(r.status, 0) << r.out;
+    std::ifstream in(path, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_GE(bytes.size(), 10u);
+    EXPECT_EQ(bytes.substr(0, 6), "\x93NUMPY");
+    const size_t header_len = size_t(uint8_t(bytes[8])) | (size_t(uint8_t(bytes[9])) << 8);
+    EXPECT_EQ((10 + header_len) % 64, 0u);
+    const std::string header = bytes.substr(10, header_len);
+    EXPECT_NE(header.find("'descr': '<f4'"), std::string::npos) << header;
+    EXPECT_NE(header.find("'shape': (2, 256)"), std::string::npos) << header;
+    EXPECT_EQ(bytes.size(), 10 + header_len + 2 * 256 * 4);
+    std::filesystem::remove(path);
+}
+
+TEST(RunCli, BadInputExitsTwoWithAMessage) {
+    Result r = run_cli("run --model tiny --tp 3");
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.out.find("valid tp sizes are 1, 2, 4, 8"), std::string::npos) << r.out;
+    r = run_cli("run --model tiny --ep 2");
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.out.find("kvshard: error:"), std::string::npos) << r.out;
+    r = run_cli("run --model tiny --prompt-ids 1,300");
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.out.find("outside the vocabulary"), std::string::npos) << r.out;
+    r = run_cli("run --model tiny --prompt-len 4 --shared-prefix 5");
+    EXPECT_EQ(r.status, 2);
+}
+
+}  // namespace

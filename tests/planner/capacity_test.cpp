@@ -1,0 +1,178 @@
+// Capacity against hand-computed engine formulas (vLLM determine_num_available_blocks, SGLang
+// profile_max_num_token): KV heads per rank = max(1, H_kv / tp); MLA = (kv_lora_rank + rope) per
+// layer.
+#include <gtest/gtest.h>
+
+#include "kvshard/common/error.h"
+#include "kvshard/model/catalog.h"
+#include "kvshard/planner/capacity.h"
+
+namespace kvshard {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+ParallelConfig cfg(int tp, int pp = 1, int cp = 1, int dp = 1, int ep = 1) {
+    ParallelConfig p;
+    p.tp = tp;
+    p.pp = pp;
+    p.cp = cp;
+    p.dp = dp;
+    p.ep = ep;
+    return p;
+}
+
+TEST(Capacity, Llama70bTp8OnH100MatchesHandComputedEngineFormula) {
+    const auto m = catalog_model("llama-3.1-70b");
+    const auto rep = compute_capacity(m, cfg(8), hardware_by_name("h100-sxm"));
+    // Per rank and layer: Q and O for 64/8 = 8 heads, K and V for 8/8 = 1 head; the MLP split by 8.
+    const int64_t attn = 2LL * 8192 * 8 * 128 + 2LL * 8192 * 1 * 128;
+    const int64_t mlp = 3LL * 8192 * 28672 / 8;
+    const int64_t vocab = (128256 / 8) * 8192LL;  // embedding and LM head (pp = 1: both)
+    const int64_t norms = 80LL * 2 * 8192 + 8192;
+    const int64_t weights = 2 * (80 * (attn + mlp) + 2 * vocab + norms);
+    EXPECT_EQ(rep.weight_bytes_per_gpu, weights);
+    EXPECT_EQ(weights, 17640734720LL);
+    const int64_t kv_per_token = 80LL * 2 * 1 * 128 * 2;  // layers * (K,V) * heads * d * bf16
+    EXPECT_EQ(rep.kv_bytes_per_token, kv_per_token);
+    const int64_t budget = static_cast<int64_t>(80 * kGiB * 0.9) - weights - 2 * kGiB;
+    const int64_t tokens = budget / kv_per_token / 16 * 16;
+    EXPECT_EQ(rep.kv_tokens_per_gpu, tokens);
+    EXPECT_EQ(rep.kv_tokens_per_gpu, 1404320);
+    EXPECT_EQ(rep.kv_blocks_per_gpu, tokens / 16);
+    EXPECT_EQ(rep.max_context, tokens);  // cp = 1: one GPU's KV
+    EXPECT_TRUE(rep.fits);
+    for (const auto& r : rep.ranks) EXPECT_EQ(r.kv_tokens, tokens);
+}
+
+TEST(Capacity, TpLargerThanKvHeadsReplicatesHeads) {
+    const auto m = catalog_model("llama-3.1-70b");
+    const auto hw = hardware_by_name("h100-sxm");
+    const auto r16 = compute_capacity(m, cfg(16), hw);
+    const auto r8 = compute_capacity(m, cfg(8), hw);
+    // max(1, 8/16) = 1 head per rank: KV bytes per token per GPU do not halve past tp = H_kv.
+    EXPECT_EQ(r16.kv_bytes_per_token, 80LL * 2 * 1 * 128 * 2);
+    EXPECT_EQ(r16.kv_bytes_per_token, r8.kv_bytes_per_token);
+    // The replicated K/V projections are counted on every holder.
+    const auto w = rank_weight_bytes(make_layout(m, cfg(16)), 0);
+    EXPECT_EQ(w.attention, 80LL * 2 * (2LL * 8192 * 4 * 128 + 2LL * 8192 * 1 * 128));
+}
+
+TEST(Capacity, MlaLatentIsNotSplitByTp) {
+    auto m = catalog_model("deepseek-v3");
+    const auto hw = hardware_by_name("b200");
+    for (int tp : {1, 8, 16}) {
+        const auto rep = compute_capacity(m, cfg(tp), hw);
+        EXPECT_EQ(rep.kv_bytes_per_token, 61 * (512 + 64) * 2) << "tp=" << tp;
+    }
+    m.kv_dtype = DType::kFp8;
+    EXPECT_EQ(compute_capacity(m, cfg(8), hw).kv_bytes_per_token, 61 * (512 + 64) * 1);
+}
+
+TEST(Capacity, ExpertsUnderEpAreWholeAndUnderTpAreSplit) {
+    const auto m = catalog_model("mixtral-8x7b");
+    const int64_t expert = 3LL * 4096 * 14336;
+    const int64_t router = 4096LL * 8;
+    // TP=4 x DP=2 with EP=8: each of the 8 ranks holds 1 whole expert per layer.
+    const auto ep = rank_weight_bytes(make_layout(m, cfg(4, 1, 1, 2, 8)), 5);
+    EXPECT_EQ(ep.experts, 32 * (expert + router) * 2);
+    // EP=1: all 8 experts, each split over tp=4.
+    const auto tp = rank_weight_bytes(make_layout(m, cfg(4)), 0);
+    EXPECT_EQ(tp.experts, 32 * (8 * expert / 4 + router) * 2);
+    EXPECT_EQ(tp.dense_mlp, 0);
+}
+
+TEST(Capacity, EmbeddingOnFirstStageLmHeadOnLast) {
+    const auto m = catalog_model("llama-3.1-8b");
+    const auto l = make_layout(m, cfg(2, 2));
+    const auto first = rank_weight_bytes(l, 0), last = rank_weight_bytes(l, 2);
+    EXPECT_EQ(first.embedding, 128256LL / 2 * 4096 * 2);
+    EXPECT_EQ(first.lm_head, 0);
+    EXPECT_EQ(last.embedding, 0);
+    EXPECT_EQ(last.lm_head, 128256LL / 2 * 4096 * 2);
+    // Tied embeddings on one stage are held once.
+    auto tied = m;
+    tied.tie_embeddings = true;
+    const auto one = rank_weight_bytes(make_layout(tied, cfg(1)), 0);
+    EXPECT_EQ(one.lm_head, 0);
+    EXPECT_EQ(one.embedding, 128256LL * 4096 * 2);
+    // Whole-model weights over tp=1 equal the parameter count (plus norms).
+    const auto all = rank_weight_bytes(make_layout(m, cfg(1)), 0);
+    EXPECT_EQ(all.total() - all.norms, m.total_params() * 2);
+}
+
+TEST(Capacity, CpSpreadsOneRequestOverCpGpus) {
+    const auto m = catalog_model("llama-3.1-70b");
+    const auto hw = hardware_by_name("h100-sxm");
+    for (auto scheme : {CpScheme::kContiguous, CpScheme::kZigzag, CpScheme::kInterleave}) {
+        auto p = cfg(8, 1, 4);
+        p.cp_scheme = scheme;
+        p.cp_interleave = 16;
+        CapacityOptions o;
+        o.context_tokens = 1 << 20;
+        const auto rep = compute_capacity(m, p, hw, o);
+        EXPECT_GE(rep.max_context, 4 * rep.kv_tokens_per_gpu - 4 * 16) << cp_scheme_name(scheme);
+        EXPECT_LE(rep.max_context, 4 * rep.kv_tokens_per_gpu) << cp_scheme_name(scheme);
+        EXPECT_LE(cp_tokens_per_rank(p, rep.max_context), rep.kv_tokens_per_gpu);
+        EXPECT_GT(cp_tokens_per_rank(p, rep.max_context + 1), rep.kv_tokens_per_gpu);
+        // 2^20 tokens / 4 ranks = 262144 tokens per rank = 16384 blocks per request.
+        EXPECT_EQ(rep.requests_per_replica, rep.kv_blocks_per_gpu / 16384);
+        EXPECT_EQ(rep.fits, rep.max_context >= (1 << 20));
+    }
+}
+
+TEST(Capacity, CpTokensPerRankAgreesWithTokenRanges) {
+    for (auto scheme : {CpScheme::kContiguous, CpScheme::kZigzag, CpScheme::kInterleave})
+        for (int cp : {1, 2, 3, 4})
+            for (int64_t len : {0, 1, 7, 16, 100, 1001}) {
+                ParallelConfig p = cfg(1, 1, cp);
+                p.cp_scheme = scheme;
+                p.cp_interleave = 3;
+                int64_t most = 0;
+                for (int r = 0; r < cp; ++r) {
+                    int64_t n = 0;
+                    for (const auto& tr : cp_token_ranges(p, r, len)) n += tr.size();
+                    most = std::max(most, n);
+                }
+                EXPECT_EQ(cp_tokens_per_rank(p, len), most)
+                    << cp_scheme_name(scheme) << " cp=" << cp << " len=" << len;
+            }
+}
+
+TEST(Capacity, ConcurrencyAndFit) {
+    const auto m = catalog_model("llama-3.1-8b");
+    CapacityOptions o;
+    o.context_tokens = 8192;
+    const auto rep = compute_capacity(m, cfg(1, 1, 1, 4), hardware_by_name("h100-sxm"), o);
+    EXPECT_EQ(rep.requests_per_replica, rep.kv_tokens_per_gpu / 8192);
+    EXPECT_EQ(rep.max_concurrency, 4 * rep.requests_per_replica);
+    // 405B in bf16 on one 80 GiB GPU does not fit, and says why.
+    const auto big =
+        compute_capacity(catalog_model("llama-3.1-405b"), cfg(1), hardware_by_name("h100-sxm"));
+    EXPECT_FALSE(big.fits);
+    EXPECT_EQ(big.kv_tokens_per_gpu, 0);
+    EXPECT_NE(big.why_not.find("weights"), std::string::npos) << big.why_not;
+    // A context longer than the KV capacity does not fit.
+    o.context_tokens = rep.max_context + 1;
+    EXPECT_FALSE(compute_capacity(m, cfg(1), hardware_by_name("h100-sxm"), o).fits);
+}
+
+TEST(Capacity, BadOptionsAreErrors) {
+    const auto m = catalog_model("tiny");
+    const auto hw = hardware_by_name("a100-80g");
+    CapacityOptions o;
+    o.mem_util = 1.5;
+    EXPECT_THROW(compute_capacity(m, cfg(1), hw, o), Error);
+    o = {};
+    o.block_size = 0;
+    EXPECT_THROW(compute_capacity(m, cfg(1), hw, o), Error);
+    o = {};
+    o.activation_reserve_bytes = -1;
+    EXPECT_THROW(compute_capacity(m, cfg(1), hw, o), Error);
+    o = {};
+    o.context_tokens = -5;
+    EXPECT_THROW(compute_capacity(m, cfg(1), hw, o), Error);
+}
+
+}  // namespace
+}  // namespace kvshard

@@ -1,0 +1,203 @@
+// Cost model formulas on small cases (docs/cost-model.md).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kvshard/common/error.h"
+#include "kvshard/exec/cp_plan.h"
+#include "kvshard/model/catalog.h"
+#include "kvshard/planner/cost_model.h"
+
+namespace kvshard {
+namespace {
+
+ParallelConfig cfg(int tp, int pp = 1, int cp = 1, int dp = 1, int ep = 1) {
+    ParallelConfig p;
+    p.tp = tp;
+    p.pp = pp;
+    p.cp = cp;
+    p.dp = dp;
+    p.ep = ep;
+    return p;
+}
+
+Workload work(int64_t prompt, int64_t context, int64_t batch) {
+    Workload w;
+    w.prompt_tokens = prompt;
+    w.context_tokens = context;
+    w.batch = batch;
+    return w;
+}
+
+TEST(Collectives, RingFormulas) {
+    // all-reduce: 2(n-1)/n * bytes / bw + 2(n-1) * hop
+    EXPECT_DOUBLE_EQ(ring_all_reduce_s(8e6, 4, 1e9, 1e-6), 2.0 * 3 / 4 * 8e6 / 1e9 + 6e-6);
+    EXPECT_DOUBLE_EQ(ring_all_gather_s(8e6, 4, 1e9, 1e-6), 3.0 / 4 * 8e6 / 1e9 + 3e-6);
+    EXPECT_DOUBLE_EQ(all_to_all_s(8e6, 4, 1e9, 1e-6), 3.0 / 4 * 8e6 / 1e9 + 3e-6);
+    EXPECT_DOUBLE_EQ(send_s(1e6, 1e9, 2e-6), 1e-3 + 2e-6);
+    EXPECT_EQ(ring_all_reduce_s(8e6, 1, 1e9, 1e-6), 0);
+    EXPECT_EQ(ring_all_gather_s(8e6, 1, 1e9, 1e-6), 0);
+    EXPECT_EQ(all_to_all_s(8e6, 1, 1e9, 1e-6), 0);
+}
+
+TEST(Collectives, GroupsCrossNodesByRankPlacement) {
+    EXPECT_FALSE(group_crosses_nodes(cfg(8), GroupKind::kTp, 8));
+    EXPECT_TRUE(group_crosses_nodes(cfg(16), GroupKind::kTp, 8));
+    EXPECT_TRUE(group_crosses_nodes(cfg(8, 2), GroupKind::kPp, 8));   // ranks 0 and 8
+    EXPECT_FALSE(group_crosses_nodes(cfg(4, 2), GroupKind::kPp, 8));  // ranks 0 and 4
+    EXPECT_FALSE(group_crosses_nodes(cfg(2, 1, 4), GroupKind::kCp, 8));
+    EXPECT_TRUE(group_crosses_nodes(cfg(4, 1, 4), GroupKind::kCp, 8));
+    EXPECT_TRUE(group_crosses_nodes(cfg(8, 1, 1, 2), GroupKind::kDp, 8));
+    EXPECT_FALSE(group_crosses_nodes(cfg(4, 1, 1, 2, 8), GroupKind::kEp, 8));
+    EXPECT_TRUE(group_crosses_nodes(cfg(8, 1, 1, 2, 16), GroupKind::kEp, 8));
+}
+
+// The ring simulated step by step: in step s, CP rank c forwards the shard first owned by (c - s)
+// mod cp.
+int64_t simulated_pass_kv(const KvLayout& l, int rank, int64_t len) {
+    const auto& p = l.parallel;
+    const auto& rk = l.ranks[rank];
+    const int64_t per_token_layer = rk.kv_bytes_per_token / rk.num_layers();
+    int64_t bytes = 0;
+    for (int s = 0; s + 1 < p.cp; ++s) {
+        const int owner = ((rk.coord.cp - s) % p.cp + p.cp) % p.cp;
+        for (const auto& r : cp_token_ranges(p, owner, len)) bytes += r.size() * per_token_layer;
+    }
+    return bytes * rk.num_layers();
+}
+
+TEST(CpPassKv, BytesSentMatchHandCountAndRingSimulation) {
+    const auto m = catalog_model("tiny");  // 4 layers, 4 KV heads of 8, fp32: 256 B per token-layer
+    auto p = cfg(1, 1, 4);
+    auto l = make_layout(m, p);
+    EXPECT_EQ(cp_pass_kv_bytes_sent(l, 0, 100), 4 * 256 * (100 - 25));
+    // Zigzag, cp=3, 10 tokens: 6 chunks at 0,1,3,5,6,8,10 -> ranks hold 3, 4, 3 tokens.
+    p = cfg(1, 1, 3);
+    p.cp_scheme = CpScheme::kZigzag;
+    l = make_layout(m, p);
+    EXPECT_EQ(cp_pass_kv_bytes_sent(l, 0, 10), 4 * 256 * (10 - 4));
+    EXPECT_EQ(cp_pass_kv_bytes_sent(l, 1, 10), 4 * 256 * (10 - 3));
+    EXPECT_EQ(cp_pass_kv_bytes_sent(l, 2, 10), 4 * 256 * (10 - 3));
+    // Every scheme, tp and pp split, against the simulated ring.
+    for (auto scheme : {CpScheme::kContiguous, CpScheme::kZigzag, CpScheme::kInterleave})
+        for (int cp : {1, 2, 3, 4}) {
+            auto q = cfg(2, 2, cp);
+            q.cp_scheme = scheme;
+            q.cp_interleave = 5;
+            const auto lq = make_layout(m, q);
+            for (int r = 0; r < lq.world_size(); ++r)
+                for (int64_t len : {0, 1, 13, 64, 257})
+                    EXPECT_EQ(cp_pass_kv_bytes_sent(lq, r, len), simulated_pass_kv(lq, r, len))
+                        << cp_scheme_name(scheme) << " cp=" << cp << " rank=" << r
+                        << " len=" << len;
+        }
+    // cp = 1 sends nothing; MLA passes the latent.
+    EXPECT_EQ(cp_pass_kv_bytes_sent(make_layout(m, cfg(4)), 0, 1000), 0);
+    const auto mla = make_layout(catalog_model("tiny-mla"), cfg(2, 1, 2));
+    EXPECT_EQ(cp_pass_kv_bytes_sent(mla, 0, 8), 2 * (32 + 8) * 4 * 4);
+}
+
+TEST(CostModel, DecodeTrafficOnTinyModels) {
+    const auto m = catalog_model("tiny");  // hidden 64, 8 query heads of 8
+    const auto hw = hardware_by_name("h100-sxm");
+    // TP=2: two all-reduces per layer of B*hidden*2 bytes, each sending 2(n-1)/n of it.
+    auto r = estimate_cost(m, cfg(2), hw, work(16, 16, 1));
+    EXPECT_DOUBLE_EQ(r.decode.tp_bytes, 4 * 2 * (2.0 * 1 / 2) * 64 * 2);
+    EXPECT_EQ(r.decode.pp_bytes, 0);
+    EXPECT_EQ(r.decode.cp_bytes, 0);
+    EXPECT_EQ(r.decode.ep_bytes, 0);
+    // PP=2: one hand-off of B*hidden*2 bytes.
+    r = estimate_cost(m, cfg(1, 2), hw, work(16, 16, 1));
+    EXPECT_DOUBLE_EQ(r.decode.pp_bytes, 64 * 2);
+    EXPECT_DOUBLE_EQ(r.decode.tp_bytes, 0);
+    // CP=2: all-gather of the fp32 partial O (8 heads x 8 dims) + fp32 LSE per head, each layer.
+    r = estimate_cost(m, cfg(1, 1, 2), hw, work(16, 16, 1));
+    EXPECT_DOUBLE_EQ(r.cp_decode.all_gather_bytes, 4 * 1 * 8 * (8 + 1) * 4);
+    EXPECT_GT(r.cp_decode.all_to_all_bytes, 0);
+    // EP=2 over dp=2: dispatch + combine of B x top-2 x hidden x 2 B, half of it leaving the rank.
+    r = estimate_cost(catalog_model("tiny-moe"), cfg(1, 1, 1, 2, 2), hw, work(16, 16, 2));
+    EXPECT_DOUBLE_EQ(r.decode.ep_bytes, 4 * 2 * 0.5 * (2 * 2 * 64 * 2));
+    EXPECT_LT(r.ep_link_share_for_kv, 1.0);
+    EXPECT_GT(r.ep_link_share_for_kv, 0.0);
+}
+
+TEST(CostModel, DecodeIsMemoryBoundAndPrefillComputeBound) {
+    const auto m = catalog_model("llama-3.1-70b");
+    const auto hw = hardware_by_name("h100-sxm");
+    const auto r = estimate_cost(m, cfg(8), hw, work(8192, 8192, 1));
+    EXPECT_GT(r.decode.memory_s, r.decode.compute_s);
+    EXPECT_GT(r.prefill.compute_s, r.prefill.memory_s);
+    // Decode at batch 1 reads each GPU's weights once: 17.6 GB / (3.35 TB/s * 0.8) ~ 6.6 ms + KV.
+    EXPECT_GT(r.tpot_s, 17.6e9 / (3.35e12 * 0.8));
+    // + 160 all-reduces of 16 KiB, each 14 hops of 3 us: ~6.7 ms.
+    EXPECT_LT(r.tpot_s, 17.6e9 / (3.35e12 * 0.8) + 160 * 14 * 3e-6 + 1e-3);
+    // Prefill FLOPs ~ 2 * params * S (+ attention): TTFT at least that over 8 GPUs' achieved rate.
+    EXPECT_GT(r.ttft_s, 2 * 70.6e9 * 8192 / (8 * 989e12 * 0.6));
+    EXPECT_DOUBLE_EQ(r.decode_tokens_per_s, 1 / r.tpot_s);
+}
+
+TEST(CostModel, PassKvHidesUnderAttentionAtLongContextOnly) {
+    const auto m = catalog_model("llama-3.1-70b");
+    const auto hw = hardware_by_name("h100-sxm");
+    auto p = cfg(8, 1, 4);
+    p.cp_scheme = CpScheme::kZigzag;
+    CostOptions o;
+    o.cp_prefill = CpPrefillPolicy::kPassKv;
+    const auto long_ctx = estimate_cost(m, p, hw, work(131072, 131072, 1), o);
+    EXPECT_TRUE(long_ctx.cp_prefill.pass_kv_hidden);
+    EXPECT_EQ(long_ctx.prefill.cp_s, 0);
+    // Pass-KV bytes per GPU: (cp-1) shards of S/cp tokens at the rank's KV bytes per token.
+    EXPECT_DOUBLE_EQ(long_ctx.cp_prefill.pass_kv_bytes, 3.0 * 131072 / 4 * 80 * 2 * 1 * 128 * 2);
+    const auto short_ctx = estimate_cost(m, p, hw, work(64, 64, 1), o);
+    EXPECT_FALSE(short_ctx.cp_prefill.pass_kv_hidden);
+    EXPECT_GT(short_ctx.prefill.cp_s, 0);
+}
+
+TEST(CostModel, PipelineBubbleAndChunks) {
+    const auto m = catalog_model("llama-3.1-8b");
+    const auto hw = hardware_by_name("h100-sxm");
+    CostOptions one;
+    one.pp_prefill_chunks = 1;
+    const auto r1 = estimate_cost(m, cfg(1, 4), hw, work(4096, 4096, 1), one);
+    const auto r4 = estimate_cost(m, cfg(1, 4), hw, work(4096, 4096, 1));  // 4 chunks
+    EXPECT_LT(r4.ttft_s, r1.ttft_s);
+    EXPECT_GT(r1.prefill.pp_bubble_s, r4.prefill.pp_bubble_s);
+    // Decode with batch 1 on 4 stages: 3 of 4 stages idle at any time.
+    EXPECT_NEAR(r1.decode.pp_bubble_s / r1.tpot_s, 0.75, 1e-12);
+}
+
+TEST(CostModel, BadWorkloadsAreErrors) {
+    const auto m = catalog_model("tiny");
+    const auto hw = hardware_by_name("h100-sxm");
+    EXPECT_THROW(estimate_cost(m, cfg(1), hw, work(0, 16, 1)), Error);
+    EXPECT_THROW(estimate_cost(m, cfg(1), hw, work(16, 0, 1)), Error);
+    EXPECT_THROW(estimate_cost(m, cfg(1), hw, work(16, 16, 0)), Error);
+    EXPECT_THROW(estimate_cost(m, cfg(3), hw, work(16, 16, 1)), Error);
+    EXPECT_THROW(parse_cp_prefill_policy("ring"), Error);
+    EXPECT_THROW(parse_cp_merge_policy("tree"), Error);
+}
+
+}  // namespace
+}  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// The context-parallel executor counts the same bytes from its own token map.
+TEST(CpPassKv, AgreesWithTheExecutorsPlan) {
+    for (auto scheme : {CpScheme::kContiguous, CpScheme::kZigzag, CpScheme::kInterleave})
+        for (int cp : {2, 3, 4}) {
+            auto p = cfg(2, 1, cp);
+            p.cp_scheme = scheme;
+            p.cp_interleave = 4;
+            const auto l = make_layout(catalog_model("tiny"), p);
+            for (int64_t n : {1, 17, 100})
+                for (int r = 0; r < l.world_size(); ++r)
+                    EXPECT_EQ(cp_pass_kv_bytes_sent(l, r, n),
+                              cp_pass_kv_bytes(l, r, cp_prompt_map(p, n)).ring)
+                        << cp_scheme_name(scheme) << " cp=" << cp << " n=" << n << " rank=" << r;
+        }
+}
+
+}  // namespace
+}  // namespace kvshard

@@ -1,0 +1,237 @@
+// Executing transfer plans over the threads Communicator: layer-wise streaming, back-pressure,
+// checksums and failures that stay within their request.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <mutex>
+
+#include "kvshard/comm/threads.h"
+#include "kvshard/transfer/transfer_exec.h"
+#include "transfer/transfer_harness.h"
+
+namespace kvshard {
+namespace {
+
+using testing::llama_mini;
+
+struct Pair {
+    ModelSpec model;
+    std::string from, to;
+    int64_t tokens = 64;
+    int bs_from = 16, bs_to = 16;
+    PageOrder order_from = PageOrder::kHnd, order_to = PageOrder::kHnd;
+};
+
+std::shared_ptr<TransferPlan> make_plan(const Pair& p, int layers_per_group, uint64_t shuffle = 0) {
+    auto src =
+        testing::make_endpoint(p.model, p.from, p.bs_from, p.order_from, p.tokens, 0, shuffle);
+    auto dst = testing::make_endpoint(p.model, p.to, p.bs_to, p.order_to, p.tokens, 0,
+                                      shuffle ? shuffle + 1 : 0);
+    return std::make_shared<TransferPlan>(
+        make_transfer_plan(src, dst, p.tokens, {.layers_per_group = layers_per_group}));
+}
+
+int64_t wrong_elements(const TransferPlan& plan, const testing::Side& dst, int64_t tokens) {
+    int64_t wrong = 0;
+    for (int r = 0; r < plan.dst.layout.world_size(); ++r) {
+        if (!dst.pools[r]) continue;
+        const auto want = testing::expected_pool(plan.dst, r, tokens, *dst.pools[r]);
+        const auto* got = reinterpret_cast<const uint32_t*>(dst.pools[r]->arena().data());
+        for (size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
+    }
+    return wrong;
+}
+
+// One request: P source threads and D destination threads in one world. Sources mark layers ready
+// one by one (as prefill would) and progress between layers.
+struct Outcome {
+    std::vector<TransferResult> src, dst;
+};
+
+struct XferRequest {
+    std::shared_ptr<TransferPlan> plan;
+    uint64_t id = 1;
+    TransferExecOptions opt;
+    testing::Side src, dst;
+    int fail_source = -1;  // this source calls fail() after its first layer
+    Outcome out;
+};
+
+void run_requests(std::vector<XferRequest*> reqs) {
+    const int P = reqs[0]->plan->src.layout.world_size();
+    const int D = reqs[0]->plan->dst.layout.world_size();
+    for (auto* r : reqs) {
+        r->opt.src_world_base = 0;
+        r->opt.dst_world_base = P;
+        r->out.src.assign(P, {});
+        r->out.dst.assign(D, {});
+    }
+    std::mutex mu;
+    run_threads(P + D, [&](Communicator& world) {
+        const int me = world.rank();
+        if (me < P) {
+            std::vector<std::unique_ptr<TransferSender>> senders;
+            for (auto* r : reqs)
+                senders.push_back(std::make_unique<TransferSender>(world, r->plan, r->id, me,
+                                                                   *r->src.pools[me], r->opt));
+            const RankKv& rk = reqs[0]->plan->src.layout.ranks[me];
+            for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
+                for (size_t k = 0; k < reqs.size(); ++k) {
+                    if (reqs[k]->fail_source == me && l == rk.layer_begin + 1)
+                        senders[k]->fail("prefill failed");
+                    senders[k]->layer_ready(l);
+                    senders[k]->progress();
+                }
+            }
+            for (auto& s : senders) s->all_layers_ready();
+            bool all = false;
+            while (!all) {
+                all = true;
+                for (auto& s : senders) all &= s->progress();
+                if (!all) std::this_thread::yield();
+            }
+            std::lock_guard lk(mu);
+            for (size_t k = 0; k < reqs.size(); ++k) reqs[k]->out.src[me] = senders[k]->finish();
+        } else {
+            const int d = me - P;
+            std::vector<std::unique_ptr<TransferReceiver>> receivers;
+            for (auto* r : reqs)
+                receivers.push_back(std::make_unique<TransferReceiver>(world, r->plan, r->id, d,
+                                                                       *r->dst.pools[d], r->opt));
+            bool all = false;
+            while (!all) {
+                all = true;
+                for (auto& r : receivers) all &= r->progress();
+                if (!all) std::this_thread::yield();
+            }
+            std::lock_guard lk(mu);
+            for (size_t k = 0; k < reqs.size(); ++k) reqs[k]->out.dst[d] = receivers[k]->finish();
+        }
+    });
+}
+
+XferRequest make_request(const Pair& p, int layers_per_group, uint64_t id,
+                         TransferMode mode = TransferMode::kAuto) {
+    XferRequest r;
+    r.plan = make_plan(p, layers_per_group, id * 11);
+    r.id = id;
+    r.opt.mode = mode;
+    r.src = testing::make_source(r.plan->src, p.tokens);
+    r.dst = testing::make_destination(r.plan->dst);
+    return r;
+}
+
+void expect_all_ok(const XferRequest& r, int64_t tokens) {
+    int64_t sent = 0, received = 0;
+    for (const auto& s : r.out.src) {
+        EXPECT_TRUE(s.ok()) << s.error;
+        sent += s.bytes;
+    }
+    for (const auto& d : r.out.dst) {
+        EXPECT_TRUE(d.ok()) << d.error;
+        received += d.bytes;
+    }
+    EXPECT_EQ(sent, r.plan->min_bytes);
+    EXPECT_EQ(received, r.plan->min_bytes);
+    EXPECT_EQ(wrong_elements(*r.plan, r.dst, tokens), 0);
+}
+
+TEST(TransferExec, StreamsLayerByLayerOverThreads) {
+    const std::vector<Pair> pairs = {
+        {llama_mini(), "tp=8", "tp=4", 100},
+        {llama_mini(5), "tp=2,pp=2", "tp=4,pp=3", 70, 16, 64},
+        {llama_mini(), "tp=16", "tp=2", 50, 8, 16, PageOrder::kNhd, PageOrder::kHnd},
+        {catalog_model("tiny-mla"), "tp=8", "tp=2", 40},
+        {llama_mini(), "cp=4,tp=2,cp_scheme=zigzag", "tp=2", 90},
+        {catalog_model("tiny"), "tp=4,cp=2,cp_scheme=interleave,cp_interleave=16", "tp=2,pp=2", 61,
+         16, 32},
+    };
+    for (const auto& p : pairs) {
+        for (TransferMode mode : {TransferMode::kPreSend, TransferMode::kPostReceive}) {
+            SCOPED_TRACE(p.model.name + " " + p.from + " -> " + p.to + " " +
+                         std::string(transfer_mode_name(mode)));
+            XferRequest r = make_request(p, 1, 7, mode);
+            run_requests({&r});
+            expect_all_ok(r, p.tokens);
+        }
+    }
+}
+
+TEST(TransferExec, BoundedStagingWithBackPressure) {
+    Pair p{llama_mini(), "tp=2", "tp=4", 200};
+    XferRequest r = make_request(p, 1, 3);
+    int64_t largest = 0;
+    for (const auto& m : r.plan->messages) largest = std::max(largest, m.bytes);
+    r.opt.staging_bytes = largest;  // one message in flight per sender and per receiver
+    run_requests({&r});
+    expect_all_ok(r, p.tokens);
+    for (const auto& s : r.out.src) EXPECT_LE(s.peak_staging, largest);
+    for (const auto& d : r.out.dst) EXPECT_LE(d.peak_staging, largest);
+}
+
+TEST(TransferExec, ChecksumMismatchFailsOnlyThatRequest) {
+    Pair p{llama_mini(), "tp=8", "tp=4", 48};
+    XferRequest bad = make_request(p, 1, 21);
+    XferRequest good = make_request(p, 1, 22);
+    const int corrupt = 5;
+    bad.opt.faults.corrupt_message = corrupt;
+    const TransferMessage& m = bad.plan->messages[corrupt];
+    run_requests({&bad, &good});
+    EXPECT_EQ(bad.out.dst[m.dst_rank].status, TransferStatus::kChecksumMismatch)
+        << bad.out.dst[m.dst_rank].error;
+    EXPECT_EQ(bad.out.src[m.src_rank].status, TransferStatus::kPeerFailed)
+        << bad.out.src[m.src_rank].error;
+    expect_all_ok(good, p.tokens);
+}
+
+TEST(TransferExec, SourceFailureAbortsThatRequest) {
+    Pair p{llama_mini(), "tp=4,pp=2", "tp=2", 32};
+    XferRequest bad = make_request(p, 1, 31);
+    XferRequest good = make_request(p, 0, 32);
+    bad.fail_source = 1;
+    run_requests({&bad, &good});
+    EXPECT_EQ(bad.out.src[1].status, TransferStatus::kSourceAborted);
+    int aborted = 0;
+    for (int d : {0, 1}) aborted += bad.out.dst[d].status == TransferStatus::kSourceAborted;
+    EXPECT_GE(aborted, 1);
+    // Every destination that got messages from rank 1 failed the request.
+    for (const auto& msg : bad.plan->messages)
+        if (msg.src_rank == 1) {
+            EXPECT_FALSE(bad.out.dst[msg.dst_rank].ok());
+        }
+    expect_all_ok(good, p.tokens);
+}
+
+TEST(TransferExec, HungSourceTimesOut) {
+    Pair p{llama_mini(), "tp=4", "tp=2", 32};
+    XferRequest bad = make_request(p, 1, 41);
+    XferRequest good = make_request(p, 1, 42);
+    bad.opt.timeout_s = 0.3;
+    bad.opt.faults.stall_after = 0;  // every source sends nothing
+    run_requests({&bad, &good});
+    for (const auto& d : bad.out.dst) EXPECT_EQ(d.status, TransferStatus::kTimeout) << d.error;
+    for (const auto& s : bad.out.src) EXPECT_FALSE(s.ok());
+    expect_all_ok(good, p.tokens);
+}
+
+TEST(TransferExec, HeaderRoundTrip) {
+    Pair p{llama_mini(), "tp=8", "tp=4", 16};
+    auto plan = make_plan(p, 0);
+    TransferHeader h;
+    h.request_id = 9;
+    h.src_rank = plan->messages[2].src_rank;
+    h.dst_rank = plan->messages[2].dst_rank;
+    h.message_index = 2;
+    h.payload_bytes = plan->messages[2].bytes;
+    seal_header(h);
+    EXPECT_EQ(check_header(h, *plan, 9, 2), "");
+    EXPECT_NE(check_header(h, *plan, 10, 2), "");
+    EXPECT_NE(check_header(h, *plan, 9, 3), "");
+    h.payload_bytes += 1;
+    EXPECT_EQ(check_header(h, *plan, 9, 2), "header checksum mismatch");
+    seal_header(h);
+    EXPECT_NE(check_header(h, *plan, 9, 2).find("payload bytes"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvshard

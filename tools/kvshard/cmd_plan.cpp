@@ -1,0 +1,169 @@
+// kvshard plan: rank every (dp, pp, cp, tp, ep) for N GPUs by capacity and estimated TTFT/TPOT.
+#include <fmt/format.h>
+
+#include <fstream>
+#include <memory>
+
+#include "command.h"
+#include "kvshard/common/error.h"
+#include "kvshard/planner/planner.h"
+#include "options.h"
+
+namespace kvshard::cli {
+namespace {
+
+struct PlanFlags {
+    ModelFlags model;
+    HardwareFlags hardware;
+    int gpus = 0;
+    int64_t context = 0;
+    int64_t batch = 0;
+    int64_t max_batch = 256;
+    std::string objective = "throughput";
+    std::string cp_scheme = "zigzag";
+    std::string cp_prefill = "auto";
+    std::string cp_decode_merge = "auto";
+    int pp_chunks = 0;
+    int top = 0;
+    bool json = false;
+    std::string svg;
+};
+
+std::string gib(double b) { return fmt::format("{:.1f}", b / (1 << 30)); }
+
+std::string tokens(int64_t t) {
+    if (t >= 10'000'000) return fmt::format("{:.1f}M", t / 1e6);
+    if (t >= 10'000) return fmt::format("{}k", t / 1000);
+    return fmt::format("{}", t);
+}
+
+std::string seconds(double s) {
+    if (s >= 1) return fmt::format("{:.2f} s", s);
+    if (s >= 1e-3) return fmt::format("{:.1f} ms", s * 1e3);
+    return fmt::format("{:.0f} us", s * 1e6);
+}
+
+std::string mib(double b) {
+    if (b == 0) return "0";
+    if (b >= (1 << 30)) return fmt::format("{:.1f}G", b / (1 << 30));
+    return fmt::format("{:.1f}M", b / (1 << 20));
+}
+
+void run(const PlanFlags& f) {
+    const ModelSpec m = load_model(f.model);
+    const HardwareSpec hw = load_hardware(f.hardware);
+    PlanRequest r;
+    r.gpus = f.gpus;
+    r.context_tokens = f.context;
+    r.batch = f.batch;
+    r.max_batch = f.max_batch;
+    r.objective = parse_objective(f.objective);
+    r.cp_scheme = parse_cp_scheme(f.cp_scheme);
+    r.capacity = f.hardware.capacity_options();
+    r.cost.cp_prefill = parse_cp_prefill_policy(f.cp_prefill);
+    r.cost.cp_decode_merge = parse_cp_merge_policy(f.cp_decode_merge);
+    r.cost.pp_prefill_chunks = f.pp_chunks;
+    require(f.top >= 0, "--top must be >= 0 (0: all), got ", f.top);
+    const auto entries = plan(m, hw, r);
+
+    if (!f.svg.empty()) {
+        std::ofstream out(f.svg);
+        require(static_cast<bool>(out), "cannot write the chart to '", f.svg, "'");
+        out << plan_to_svg(m, hw, r, entries);
+    }
+    if (f.json) {
+        print_json(plan_to_json(m, hw, r, entries));
+        return;
+    }
+    int n_fit = 0;
+    for (const auto& e : entries) n_fit += e.fits;
+    fmt::print("{} on {} x {} ({} GiB, {} KV), context {} tokens, objective {}\n", m.name, f.gpus,
+               hw.name, gib(static_cast<double>(hw.memory_bytes)), dtype_name(m.kv_dtype),
+               f.context, objective_name(r.objective));
+    fmt::print(
+        "KV tokens/GPU = floor(({} GiB x {} - weights - {} GiB reserve) / KV bytes per token), "
+        "in blocks of {}\n",
+        gib(static_cast<double>(hw.memory_bytes)), r.capacity.mem_util,
+        gib(static_cast<double>(r.capacity.activation_reserve_bytes)), r.capacity.block_size);
+    fmt::print("{} of {} configurations fit.{}\n\n", n_fit, entries.size(),
+               f.batch > 0
+                   ? fmt::format(" Batch {} per replica.", f.batch)
+                   : fmt::format(" Batch per replica: as many as fit, at most {}.", f.max_batch));
+    fmt::print(
+        "{:>3} {:>3} {:>3} {:>3} {:>3} {:>3}  {:>4} {:>7} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8} "
+        "{:>8} {:>9} {:>9} {:>9}\n",
+        "#", "dp", "pp", "cp", "tp", "ep", "fits", "W GiB", "KV B/tok", "KV tok", "max ctx", "conc",
+        "batch", "comm/tok", "comm pf", "TTFT", "TPOT", "tok/s");
+    int shown = 0;
+    for (size_t i = 0; i < entries.size(); ++i) {
+        const auto& e = entries[i];
+        if (f.top > 0 && shown >= f.top && e.fits) continue;
+        ++shown;
+        const auto& p = e.parallel;
+        const auto& c = e.capacity;
+        const auto& k = e.cost;
+        if (!e.fits) {
+            fmt::print("{:>3} {:>3} {:>3} {:>3} {:>3} {:>3}  {:>4} {:>7} {:>8}  {}\n", "-", p.dp,
+                       p.pp, p.cp, p.tp, p.ep, "no",
+                       gib(static_cast<double>(c.weight_bytes_per_gpu)), c.kv_bytes_per_token,
+                       c.why_not);
+            continue;
+        }
+        fmt::print(
+            "{:>3} {:>3} {:>3} {:>3} {:>3} {:>3}  {:>4} {:>7} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8} "
+            "{:>8} {:>9} {:>9} {:>9}\n",
+            i + 1, p.dp, p.pp, p.cp, p.tp, p.ep, "yes",
+            gib(static_cast<double>(c.weight_bytes_per_gpu)), c.kv_bytes_per_token,
+            tokens(c.kv_tokens_per_gpu), tokens(c.max_context), c.max_concurrency, e.batch,
+            mib(k.decode.comm_bytes()), mib(k.prefill.comm_bytes()), seconds(k.ttft_s),
+            seconds(k.tpot_s), fmt::format("{:.0f}", k.decode_tokens_per_s));
+    }
+    fmt::print(
+        "\nW: weights per GPU. KV B/tok: KV bytes per token on the limiting GPU. KV tok: KV "
+        "tokens per GPU. max ctx: longest single request (spans cp GPUs). conc: requests of "
+        "the context that fit at once, all replicas. comm/tok: bytes one GPU sends per decode "
+        "step (TP+PP+CP+EP); comm pf: per prefill. tok/s: decode tokens/s, all replicas.\n");
+    if (!f.svg.empty()) fmt::print("Chart written to {}\n", f.svg);
+}
+
+void setup(CLI::App& app) {
+    auto f = std::make_shared<PlanFlags>();
+    auto* sub = app.add_subcommand(
+        "plan",
+        "Rank every (dp, pp, cp, tp, ep) for N GPUs by KV capacity and estimated TTFT/TPOT");
+    add_model_options(sub, f->model);
+    add_hardware_options(sub, f->hardware);
+    sub->add_option("--gpus,-n", f->gpus, "number of GPUs")->required();
+    sub->add_option("--context,-c", f->context, "context length in tokens (prompt + generated)")
+        ->required();
+    sub->add_option("--batch,-b", f->batch,
+                    "requests decoding together per DP replica (default 0: as many as fit, up to "
+                    "--max-batch)")
+        ->capture_default_str();
+    sub->add_option("--max-batch", f->max_batch, "cap on the batch when --batch is 0")
+        ->capture_default_str();
+    sub->add_option("--objective", f->objective, "ranking: ttft|tpot|throughput")
+        ->capture_default_str();
+    sub->add_option("--cp-scheme", f->cp_scheme,
+                    "token ownership for cp > 1: contiguous|zigzag|interleave")
+        ->capture_default_str();
+    sub->add_option("--cp-prefill", f->cp_prefill, "CP prefill exchange: auto|pass-kv|pass-q")
+        ->capture_default_str();
+    sub->add_option("--cp-decode-merge", f->cp_decode_merge,
+                    "CP decode merge: auto|all-gather|all-to-all")
+        ->capture_default_str();
+    sub->add_option("--pp-chunks", f->pp_chunks,
+                    "prefill chunks pipelined through PP stages (0: pp)")
+        ->capture_default_str();
+    sub->add_option("--top", f->top, "show only the best N fitting configurations (0: all)")
+        ->capture_default_str();
+    sub->add_flag("--json", f->json, "print JSON instead of a table");
+    sub->add_option("--svg", f->svg, "also write a TTFT-vs-TPOT chart to this SVG file");
+    sub->callback([f] { run(*f); });
+}
+
+}  // namespace
+
+KVSHARD_COMMAND("plan", setup);
+
+}  // namespace kvshard::cli

@@ -1,0 +1,325 @@
+// kvshard run: batched prefill + greedy decode of the reference model, sharded over TP/PP/EP/DP
+// ranks (threads or MPI), with per-rank KV bytes against the layout and, with --verify, the
+// unsharded run.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "command.h"
+#include "kvshard/comm/communicator.h"
+#include "kvshard/comm/launch.h"
+#include "kvshard/common/error.h"
+#include "kvshard/exec/generate.h"
+#include "kvshard/exec/rank_model.h"
+#include "kvshard/model/catalog.h"
+#include "kvshard/model/safetensors.h"
+#include "options.h"
+
+namespace kvshard::cli {
+namespace {
+
+struct RunFlags {
+    ModelFlags model;
+    ParallelFlags parallel;
+    std::string backend = "threads";
+    int prompt_len = 32;
+    int gen = 16;
+    int prompts = 1;
+    int shared_prefix = 0;
+    std::string prompt_ids;
+    uint64_t seed = 1;
+    int block_size = 16;
+    bool no_prefix_cache = false;
+    bool verify = false;
+    bool json = false;
+    std::string dump_logits;
+};
+
+std::vector<int32_t> parse_ids(const std::string& text, int vocab) {
+    std::vector<int32_t> ids;
+    size_t pos = 0;
+    while (pos <= text.size()) {
+        const size_t comma = text.find(',', pos);
+        const std::string item =
+            text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+        size_t used = 0;
+        long long v = -1;
+        try {
+            v = std::stoll(item, &used);
+        } catch (...) {
+            used = 0;
+        }
+        require(used == item.size() && !item.empty(), "--prompt-ids: '", item,
+                "' is not a token id: give comma-separated integers, e.g. 1,2,3");
+        require(v >= 0 && v < vocab, "--prompt-ids: token id ", v,
+                " is outside the vocabulary [0, ", vocab, ")");
+        ids.push_back(int32_t(v));
+        if (comma == std::string::npos) break;
+        pos = comma + 1;
+    }
+    return ids;
+}
+
+// Deterministic prompts: a shared prefix of K tokens, then tokens of each prompt's own.
+std::vector<std::vector<int32_t>> make_prompts(const RunFlags& f, int vocab) {
+    require(f.prompts >= 1, "--prompts must be at least 1, got ", f.prompts);
+    if (!f.prompt_ids.empty()) {
+        const auto ids = parse_ids(f.prompt_ids, vocab);
+        return std::vector<std::vector<int32_t>>(size_t(f.prompts), ids);
+    }
+    require(f.prompt_len >= 1, "--prompt-len must be at least 1, got ", f.prompt_len);
+    require(f.shared_prefix >= 0 && f.shared_prefix <= f.prompt_len,
+            "--shared-prefix must be in [0, ", f.prompt_len, "] (the prompt length), got ",
+            f.shared_prefix);
+    auto next = [](uint64_t& s) {
+        s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+        return s >> 33;
+    };
+    uint64_t shared_state = f.seed * 2654435761ULL + 17;
+    std::vector<int32_t> prefix;
+    for (int i = 0; i < f.shared_prefix; ++i)
+        prefix.push_back(int32_t(next(shared_state) % uint64_t(vocab)));
+    std::vector<std::vector<int32_t>> out;
+    for (int p = 0; p < f.prompts; ++p) {
+        uint64_t s = f.seed * 2654435761ULL + 1000003ULL * uint64_t(p + 1);
+        std::vector<int32_t> pr = prefix;
+        while (int(pr.size()) < f.prompt_len) pr.push_back(int32_t(next(s) % uint64_t(vocab)));
+        out.push_back(pr);
+    }
+    return out;
+}
+
+// numpy .npy v1.0, little-endian float32, C order.
+void write_npy(const std::string& path, const std::vector<float>& data, int64_t rows,
+               int64_t cols) {
+    std::string header =
+        fmt::format("{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {}), }}", rows, cols);
+    while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+    header += '\n';
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    require(bool(out), "--dump-logits: cannot write '", path, "'");
+    out.write("\x93NUMPY\x01\x00", 8);
+    const uint16_t len = uint16_t(header.size());
+    const char len_bytes[2] = {char(len & 0xff), char(len >> 8)};
+    out.write(len_bytes, 2);
+    out.write(header.data(), std::streamsize(header.size()));
+    out.write(reinterpret_cast<const char*>(data.data()),
+              std::streamsize(data.size() * sizeof(float)));
+    require(bool(out), "--dump-logits: write to '", path, "' failed");
+}
+
+bool dir_has_safetensors(const std::string& path) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (!fs::is_directory(path, ec)) return false;
+    for (const auto& e : fs::directory_iterator(path, ec))
+        if (e.path().extension() == ".safetensors") return true;
+    return false;
+}
+
+std::string bytes_text(int64_t b) {
+    if (b >= (int64_t{1} << 20)) return fmt::format("{:.2f} MiB", b / 1048576.0);
+    if (b >= 1024) return fmt::format("{:.1f} KiB", b / 1024.0);
+    return fmt::format("{} B", b);
+}
+
+struct Verify {
+    double max_rel_err = 0;
+    bool tokens_match = true;
+};
+
+void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p,
+                  const std::string& weights_from, const GenerationReport& r,
+                  const std::optional<Verify>& v, int64_t prompt_count) {
+    const int64_t decode_tokens = prompt_count * (f.gen - 1);
+    const double prefill_tps =
+        r.prefill_seconds > 0 ? r.computed_prompt_tokens / r.prefill_seconds : 0;
+    const double decode_tps = r.decode_seconds > 0 ? decode_tokens / r.decode_seconds : 0;
+    const KvLayout layout = make_layout(m, p);
+    if (f.json) {
+        nlohmann::json ranks = nlohmann::json::array();
+        for (const auto& rr : r.ranks) {
+            const RankKv& rk = layout.ranks[size_t(rr.rank)];
+            ranks.push_back({{"rank", rr.rank},
+                             {"dp", rr.coord.dp},
+                             {"pp", rr.coord.pp},
+                             {"tp", rr.coord.tp},
+                             {"ep", rr.coord.ep},
+                             {"layers", {rk.layer_begin, rk.layer_end}},
+                             {"kv_heads", rk.kv_heads},
+                             {"experts", {rk.expert_begin, rk.expert_end}},
+                             {"kv_tokens", rr.kv_tokens},
+                             {"kv_bytes", rr.kv_bytes},
+                             {"kv_bytes_predicted", rr.kv_bytes_predicted},
+                             {"prefix_hit_tokens", rr.prefix_hit_tokens}});
+        }
+        nlohmann::json j = {
+            {"model", m.name},
+            {"weights", weights_from},
+            {"parallel", nlohmann::json::parse(to_json(p))},
+            {"backend", f.backend},
+            {"prompts", prompt_count},
+            {"gen", f.gen},
+            {"prefill",
+             {{"prompt_tokens", r.prompt_tokens},
+              {"computed_tokens", r.computed_prompt_tokens},
+              {"seconds", r.prefill_seconds},
+              {"tokens_per_s", prefill_tps}}},
+            {"decode",
+             {{"tokens", decode_tokens},
+              {"seconds", r.decode_seconds},
+              {"tokens_per_s", decode_tps}}},
+            {"prefix_cache",
+             {{"hit_tokens", r.prefix_hit_tokens}, {"prompt_tokens", r.prompt_tokens}}},
+            {"tokens", r.tokens},
+            {"ranks", ranks},
+            {"verify",
+             v ? nlohmann::json{{"max_rel_err", v->max_rel_err}, {"tokens_match", v->tokens_match}}
+               : nlohmann::json(nullptr)}};
+        print_json(j.dump(2));
+        return;
+    }
+    fmt::print("{} ({} weights), {}, backend {}: {} prompt(s), generate {} token(s) each\n", m.name,
+               weights_from, p.to_string(), f.backend, prompt_count, f.gen);
+    fmt::print(
+        "prefill: {} prompt tokens, {} computed, {} prefix-cache hits, {:.2f} ms, {:.0f} "
+        "tokens/s\n",
+        r.prompt_tokens, r.computed_prompt_tokens, r.prefix_hit_tokens, r.prefill_seconds * 1e3,
+        prefill_tps);
+    fmt::print("decode:  {} tokens in {:.2f} ms, {:.0f} tokens/s\n", decode_tokens,
+               r.decode_seconds * 1e3, decode_tps);
+    fmt::print("\n{:>5} {:>3} {:>3} {:>3} {:>3}  {:<8} {:<9} {:<8} {:>10} {:>12} {:>12}  {}\n",
+               "rank", "dp", "pp", "tp", "ep", "layers", "kv_heads", "experts", "kv_tokens",
+               "kv_bytes", "predicted", "");
+    for (const auto& rr : r.ranks) {
+        const RankKv& rk = layout.ranks[size_t(rr.rank)];
+        const std::string heads =
+            rk.kv_heads.size() == 1 ? fmt::format("{}", rk.kv_heads.front())
+                                    : fmt::format("{}-{}", rk.kv_heads.front(), rk.kv_heads.back());
+        fmt::print("{:>5} {:>3} {:>3} {:>3} {:>3}  {:<8} {:<9} {:<8} {:>10} {:>12} {:>12}  {}\n",
+                   rr.rank, rr.coord.dp, rr.coord.pp, rr.coord.tp, rr.coord.ep,
+                   fmt::format("[{},{})", rk.layer_begin, rk.layer_end), heads,
+                   m.moe.enabled() ? fmt::format("[{},{})", rk.expert_begin, rk.expert_end) : "-",
+                   rr.kv_tokens, bytes_text(rr.kv_bytes), bytes_text(rr.kv_bytes_predicted),
+                   rr.kv_bytes == rr.kv_bytes_predicted ? "ok" : "MISMATCH");
+    }
+    if (!r.tokens.empty()) {
+        std::string toks;
+        for (size_t i = 0; i < r.tokens[0].size() && i < 16; ++i)
+            toks += fmt::format("{} ", r.tokens[0][i]);
+        fmt::print("\nprompt 0 -> {}{}\n", toks, r.tokens[0].size() > 16 ? "..." : "");
+    }
+    if (v)
+        fmt::print(
+            "verify: max relative L2 error of the last-step logits {:.3g} (limit 1e-4), greedy "
+            "tokens {}\n",
+            v->max_rel_err, v->tokens_match ? "identical" : "DIFFER");
+}
+
+void run(const RunFlags& f) {
+    ModelSpec m = load_model(f.model);
+    const ParallelConfig p = to_parallel_config(f.parallel);
+    require(p.cp == 1, "kvshard run does not run context parallelism: use --cp 1");
+    validate(m, p);
+    require(f.gen >= 1, "--gen must be at least 1, got ", f.gen);
+    require(f.block_size >= 1, "--block-size must be at least 1, got ", f.block_size);
+    const Backend backend = parse_backend(f.backend);
+    const auto prompts = make_prompts(f, m.vocab);
+
+    std::unique_ptr<TensorSource> source;
+    std::string weights_from;
+    if (dir_has_safetensors(f.model.model)) {
+        source = std::make_unique<SafetensorsCheckpoint>(f.model.model);
+        weights_from = "safetensors";
+    } else {
+        source = random_tensor_source(f.seed);
+        weights_from = fmt::format("seed {}", f.seed);
+    }
+    GenerationOptions opt;
+    opt.max_new_tokens = f.gen;
+    opt.block_size = f.block_size;
+    opt.prefix_cache = !f.no_prefix_cache;
+    set_compute_threads(1);
+
+    bool failed = false;
+    launch(backend, p.world_size(), [&](Communicator& world) {
+        const GenerationReport r = generate(m, p, *source, prompts, opt, &world);
+        if (world.rank() != 0) return;
+        std::optional<Verify> v;
+        if (f.verify) {
+            const GenerationReport ref = generate(m, ParallelConfig{}, *source, prompts, opt);
+            v.emplace();
+            for (size_t i = 0; i < prompts.size(); ++i) {
+                v->max_rel_err =
+                    std::max(v->max_rel_err, relative_l2(r.last_logits[i], ref.last_logits[i]));
+                v->tokens_match = v->tokens_match && r.tokens[i] == ref.tokens[i];
+            }
+            failed = !v->tokens_match || v->max_rel_err > 1e-4;
+        }
+        for (const auto& rr : r.ranks) failed = failed || rr.kv_bytes != rr.kv_bytes_predicted;
+        if (!f.dump_logits.empty()) {
+            std::vector<float> all;
+            for (const auto& l : r.last_logits) all.insert(all.end(), l.begin(), l.end());
+            write_npy(f.dump_logits, all, int64_t(prompts.size()), m.vocab);
+        }
+        print_result(f, m, p, weights_from, r, v, int64_t(prompts.size()));
+        std::fflush(stdout);
+    });
+    if (failed) {
+        std::fprintf(stderr, "kvshard: run: verification failed\n");
+        std::fflush(stderr);
+        std::exit(1);
+    }
+}
+
+void setup(CLI::App& app) {
+    auto f = std::make_shared<RunFlags>();
+    auto* sub = app.add_subcommand(
+        "run",
+        "Run batched prefill and greedy decode of the reference model, sharded over TP/PP/EP/DP "
+        "ranks; print "
+        "per-rank KV bytes against the layout, tokens per second and prefix-cache hits");
+    add_model_options(sub, f->model);
+    add_parallel_options(sub, f->parallel);
+    sub->add_option("--backend", f->backend,
+                    "threads (ranks as threads of this process) | mpi (this process is one rank of "
+                    "`mpirun -np N kvshard run --backend mpi ...`)")
+        ->capture_default_str();
+    sub->add_option("--prompt-len", f->prompt_len,
+                    "tokens per prompt (including the shared prefix)")
+        ->capture_default_str();
+    sub->add_option("--gen", f->gen, "greedy tokens to generate per prompt")->capture_default_str();
+    sub->add_option("--prompts", f->prompts,
+                    "number of prompts (prompt i runs on DP replica i % dp)")
+        ->capture_default_str();
+    sub->add_option("--shared-prefix", f->shared_prefix,
+                    "leading tokens all prompts share (prefix-cache hits)")
+        ->capture_default_str();
+    sub->add_option("--prompt-ids", f->prompt_ids,
+                    "the prompt as comma-separated token ids (every prompt)");
+    sub->add_option("--seed", f->seed, "seed of the random weights and prompts")
+        ->capture_default_str();
+    sub->add_option("--block-size", f->block_size, "tokens per KV block")->capture_default_str();
+    sub->add_flag("--no-prefix-cache", f->no_prefix_cache, "recompute every prompt token");
+    sub->add_flag(
+        "--verify", f->verify,
+        "also run the model unsharded and compare: last-step logits within 1e-4 relative L2 and "
+        "identical tokens (exit 1 otherwise)");
+    sub->add_flag("--json", f->json, "print JSON");
+    sub->add_option("--dump-logits", f->dump_logits,
+                    "write the last step's logits [prompts][vocab] to FILE.npy");
+    sub->callback([f] { run(*f); });
+}
+
+}  // namespace
+
+KVSHARD_COMMAND("run", setup);
+
+}  // namespace kvshard::cli
