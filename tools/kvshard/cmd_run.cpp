@@ -21,6 +21,7 @@
 #include "kvshard/model/catalog.h"
 #include "kvshard/model/safetensors.h"
 #include "options.h"
+#include "run_disagg.h"
 
 namespace kvshard::cli {
 namespace {
@@ -40,6 +41,7 @@ struct RunFlags {
     bool verify = false;
     bool json = false;
     std::string dump_logits;
+    DisaggFlags disagg;  // --prefill/--decode: the disaggregated run (run_disagg.cpp)
 };
 
 std::vector<int32_t> parse_ids(const std::string& text, int vocab) {
@@ -242,6 +244,16 @@ void run(const RunFlags& f) {
         source = random_tensor_source(f.seed);
         weights_from = fmt::format("seed {}", f.seed);
     }
+    if (f.disagg.enabled()) {
+        const int status = run_disagg(f.disagg, {m, source.get(), weights_from, prompts, f.gen,
+                                                 f.block_size, backend, f.verify, f.json});
+        if (status != 0) {
+            std::fprintf(stderr, "kvshard: run: verification failed or a request failed\n");
+            std::fflush(stderr);
+            std::exit(status);
+        }
+        return;
+    }
     GenerationOptions opt;
     opt.max_new_tokens = f.gen;
     opt.block_size = f.block_size;
@@ -315,6 +327,7 @@ void setup(CLI::App& app) {
     sub->add_flag("--json", f->json, "print JSON");
     sub->add_option("--dump-logits", f->dump_logits,
                     "write the last step's logits [prompts][vocab] to FILE.npy");
+    add_disagg_options(sub, f->disagg);
     sub->callback([f] { run(*f); });
 }
 
