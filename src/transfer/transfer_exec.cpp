@@ -181,23 +181,61 @@ struct TransferSender::Impl {
         if (msg.layer_end > ready_end) return false;
         if (!in_flight.empty() && staged + msg.bytes > opt.staging_bytes)
             return false;  // back-pressure
+        // A batch: this and the following messages of the same layers (to other destinations),
+        // packed in one pass over the pages, as far as staging allows.
+        size_t end = next + 1;
+        int64_t batch_bytes = msg.bytes;
+        while (end < mine.size()) {
+            const TransferMessage& m2 = plan->messages[mine[end]];
+            if (m2.layer_begin != msg.layer_begin || m2.layer_end != msg.layer_end) break;
+            if (closed[dst_index(m2.dst_rank)]) break;
+            if (opt.faults.stall_after >= 0 && static_cast<int>(end) >= opt.faults.stall_after)
+                break;
+            if (staged + batch_bytes + m2.bytes > opt.staging_bytes) break;
+            batch_bytes += m2.bytes;
+            ++end;
+        }
         const auto tp = Clock::now();
-        f.payload.resize(static_cast<size_t>(msg.bytes));
-        pack_message(*plan, msg, mode, pool, f.payload);
-        f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
-        f.header.payload_xxh3 = XXH3_64bits(f.payload.data(), f.payload.size());
-        seal_header(f.header);
-        if (idx == opt.faults.corrupt_message && !f.payload.empty())
-            f.payload[f.payload.size() / 2] ^= std::byte{0x5A};
+        std::vector<InFlight> batch;
+        std::vector<const TransferMessage*> msgs;
+        std::vector<std::span<std::byte>> outs;
+        batch.reserve(end - next);
+        for (size_t k = next; k < end; ++k) {
+            const int i = mine[k];
+            const TransferMessage& m = plan->messages[i];
+            InFlight b;
+            b.dst = m.dst_rank;
+            b.header = f.header;
+            b.header.dst_rank = static_cast<uint32_t>(m.dst_rank);
+            b.header.message_index = static_cast<uint32_t>(i);
+            b.header.layer_group = static_cast<uint32_t>(m.layer_group);
+            b.header.payload_bytes = static_cast<uint64_t>(m.bytes);
+            b.payload.resize(static_cast<size_t>(m.bytes));
+            batch.push_back(std::move(b));
+            msgs.push_back(&m);
+        }
+        for (auto& b : batch) outs.emplace_back(b.payload);
+        pack_messages(*plan, msgs, mode, pool, outs);
+        for (size_t k = 0; k < batch.size(); ++k) {
+            InFlight& b = batch[k];
+            b.header.payload_xxh3 = XXH3_64bits(b.payload.data(), b.payload.size());
+            seal_header(b.header);
+            if (mine[next + k] == opt.faults.corrupt_message && !b.payload.empty())
+                b.payload[b.payload.size() / 2] ^= std::byte{0x5A};
+        }
         result.pack_seconds += seconds_since(tp);
-        staged += msg.bytes;
+        for (auto& b : batch) {
+            const int64_t bytes = static_cast<int64_t>(b.payload.size());
+            const int to = opt.dst_world_base + b.dst;
+            staged += bytes;
+            post(std::move(b), to);
+            result.bytes += bytes;
+            ++result.messages;
+        }
         result.peak_staging = std::max(result.peak_staging, staged);
-        post(std::move(f), dest);
         if (result.first_send_s < 0) result.first_send_s = seconds_since(t0);
         result.last_send_s = seconds_since(t0);
-        result.bytes += msg.bytes;
-        ++result.messages;
-        ++next;
+        next = end;
         return true;
     }
 
@@ -332,6 +370,14 @@ struct TransferReceiver::Impl {
     int64_t staged = 0;
     TransferResult result;
     bool acks_sent = false;
+    // Verified payloads waiting for the rest of their layer range's messages, to be unpacked in one
+    // pass over the pages (unpack_messages). Key: (layer_begin, layer_end).
+    struct Pending {
+        std::vector<int> messages;
+        std::vector<std::vector<std::byte>> payloads;
+    };
+    std::map<std::pair<int, int>, Pending> pending;
+    std::map<std::pair<int, int>, int> expected;  // messages to me per layer range
     std::vector<TransferAck> acks;
     std::vector<Request> ack_reqs;
 
@@ -340,6 +386,7 @@ struct TransferReceiver::Impl {
         : world(w), plan(std::move(p)), request_id(rid), dst_rank(r), pool(pl), opt(o) {
         mode = resolve_mode(*plan, opt.mode);
         for (int i : plan->messages_to(dst_rank)) {
+            ++expected[{plan->messages[i].layer_begin, plan->messages[i].layer_end}];
             const int s = plan->messages[i].src_rank;
             auto it = std::find_if(sources.begin(), sources.end(),
                                    [s](const Source& x) { return x.rank == s; });
@@ -398,6 +445,7 @@ struct TransferReceiver::Impl {
             const int idx = s.messages[s.next];
             const TransferMessage& msg = plan->messages[idx];
             if (!s.payload_posted) {
+                if (staged > 0 && staged + msg.bytes > opt.staging_bytes) flush_pending();
                 if (staged > 0 && staged + msg.bytes > opt.staging_bytes)
                     return moved;  // back-pressure
                 s.payload.resize(static_cast<size_t>(msg.bytes));
@@ -415,14 +463,18 @@ struct TransferReceiver::Impl {
                 set_status(TransferStatus::kChecksumMismatch,
                            detail::concat("destination rank ", dst_rank, ": message ", idx,
                                           " from source rank ", s.rank, " failed its checksum"));
-            } else if (result.status == TransferStatus::kOk) {
-                unpack_message(*plan, msg, mode, s.payload, pool);
-                result.bytes += msg.bytes;
-                ++result.messages;
+            }
+            if (result.status == TransferStatus::kOk) {
+                const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
+                Pending& pd = pending[key];
+                pd.messages.push_back(idx);
+                pd.payloads.push_back(std::move(s.payload));
+                if (static_cast<int>(pd.messages.size()) == expected[key]) unpack_pending(key);
+            } else {
+                staged -= msg.bytes;  // discarded
             }
             result.pack_seconds += seconds_since(tu);
-            staged -= msg.bytes;
-            std::vector<std::byte>().swap(s.payload);
+            s.payload = {};
             s.payload_posted = false;
             s.have_header = false;
             s.header_posted = false;
@@ -431,7 +483,37 @@ struct TransferReceiver::Impl {
         }
     }
 
+    void unpack_pending(const std::pair<int, int>& key) {
+        auto it = pending.find(key);
+        if (it == pending.end()) return;
+        Pending& pd = it->second;
+        std::vector<const TransferMessage*> msgs;
+        std::vector<std::span<const std::byte>> ins;
+        for (size_t k = 0; k < pd.messages.size(); ++k) {
+            msgs.push_back(&plan->messages[pd.messages[k]]);
+            ins.emplace_back(pd.payloads[k]);
+        }
+        const auto tu = Clock::now();
+        if (result.status == TransferStatus::kOk) unpack_messages(*plan, msgs, mode, ins, pool);
+        result.pack_seconds += seconds_since(tu);
+        for (const auto* m : msgs) {
+            staged -= m->bytes;
+            if (result.status == TransferStatus::kOk) {
+                result.bytes += m->bytes;
+                ++result.messages;
+            }
+        }
+        expected[key] -= static_cast<int>(msgs.size());
+        pending.erase(it);
+    }
+
+    // Unpacks what is waiting now (staging is full and more must come in first).
+    void flush_pending() {
+        while (!pending.empty()) unpack_pending(pending.begin()->first);
+    }
+
     void send_acks() {
+        flush_pending();
         acks.assign(sources.size(), TransferAck{});
         for (size_t k = 0; k < sources.size(); ++k) {
             acks[k].status = static_cast<uint32_t>(result.status);
