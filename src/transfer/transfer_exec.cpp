@@ -27,10 +27,70 @@ uint64_t header_hash(const TransferHeader& h) {
     return XXH3_64bits(&h, offsetof(TransferHeader, header_xxh3));
 }
 
-// Short sleep when a poll loop made no progress (the machine's cores are shared).
-void idle() { std::this_thread::sleep_for(std::chrono::microseconds(20)); }
+// Between polls: spin while things move, sleep once idle for a while (the cores may be shared).
+void idle(double idle_seconds) {
+    if (idle_seconds < 0.05)
+        std::this_thread::yield();
+    else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
 
 }  // namespace
+
+std::shared_ptr<StagingPool> StagingPool::create(int64_t keep_bytes) {
+    return std::shared_ptr<StagingPool>(new StagingPool(keep_bytes));
+}
+
+StagingPool::Buffer StagingPool::acquire(size_t size) {
+    Buffer b;
+    b.pool_ = shared_from_this();
+    b.size_ = size;
+    {
+        std::lock_guard lk(mu_);
+        auto it = free_.lower_bound(size);
+        if (it != free_.end()) {
+            b.capacity_ = it->first;
+            b.data_ = std::move(it->second);
+            kept_ -= static_cast<int64_t>(it->first);
+            free_.erase(it);
+            return b;
+        }
+    }
+    b.capacity_ = std::max<size_t>(size, 1);
+    b.data_.reset(new std::byte[b.capacity_]);  // default-initialized: no zero fill
+    return b;
+}
+
+void StagingPool::give_back(std::unique_ptr<std::byte[]> data, size_t capacity) {
+    std::lock_guard lk(mu_);
+    free_.emplace(capacity, std::move(data));
+    kept_ += static_cast<int64_t>(capacity);
+    while (kept_ > keep_bytes_ && !free_.empty()) {  // drop the smallest first
+        kept_ -= static_cast<int64_t>(free_.begin()->first);
+        free_.erase(free_.begin());
+    }
+}
+
+void StagingPool::Buffer::reset() {
+    if (data_ && pool_) pool_->give_back(std::move(data_), capacity_);
+    data_.reset();
+    pool_.reset();
+    capacity_ = size_ = 0;
+}
+
+StagingPool::Buffer& StagingPool::Buffer::operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+        reset();
+        pool_ = std::move(o.pool_);
+        data_ = std::move(o.data_);
+        capacity_ = o.capacity_;
+        size_ = o.size_;
+        o.capacity_ = o.size_ = 0;
+    }
+    return *this;
+}
+
+StagingPool::Buffer::~Buffer() { reset(); }
 
 std::string_view transfer_status_name(TransferStatus s) {
     switch (s) {
@@ -87,6 +147,7 @@ struct TransferSender::Impl {
     int src_rank;
     const BlockPool& pool;
     TransferExecOptions opt;
+    std::shared_ptr<StagingPool> staging;
     TransferMode mode;
     Clock::time_point t0 = Clock::now();
     Clock::time_point last_progress = t0;
@@ -100,7 +161,7 @@ struct TransferSender::Impl {
     struct InFlight {
         int dst = 0;
         TransferHeader header;
-        std::vector<std::byte> payload;
+        StagingPool::Buffer payload;
         Request header_req, payload_req;
     };
     std::list<InFlight> in_flight;
@@ -116,6 +177,7 @@ struct TransferSender::Impl {
          const BlockPool& pl, TransferExecOptions o)
         : world(w), plan(std::move(p)), request_id(rid), src_rank(r), pool(pl), opt(o) {
         mode = resolve_mode(*plan, opt.mode);
+        staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
         mine = plan->messages_from(src_rank);
         for (int i : mine) {
             const int d = plan->messages[i].dst_rank;
@@ -210,7 +272,7 @@ struct TransferSender::Impl {
             b.header.message_index = static_cast<uint32_t>(i);
             b.header.layer_group = static_cast<uint32_t>(m.layer_group);
             b.header.payload_bytes = static_cast<uint64_t>(m.bytes);
-            b.payload.resize(static_cast<size_t>(m.bytes));
+            b.payload = staging->acquire(static_cast<size_t>(m.bytes));
             batch.push_back(std::move(b));
             msgs.push_back(&m);
         }
@@ -336,9 +398,11 @@ bool TransferSender::progress() {
 }
 
 TransferResult TransferSender::finish() {
-    while (!progress()) idle();
+    while (!progress()) idle(idle_seconds());
     return impl_->result;
 }
+
+double TransferSender::idle_seconds() const { return seconds_since(impl_->last_progress); }
 
 // ---- receiver --------------------------------------------------------------------------------
 
@@ -349,6 +413,7 @@ struct TransferReceiver::Impl {
     int dst_rank;
     BlockPool& pool;
     TransferExecOptions opt;
+    std::shared_ptr<StagingPool> staging;
     TransferMode mode;
     Clock::time_point t0 = Clock::now();
     Clock::time_point last_progress = t0;
@@ -362,7 +427,7 @@ struct TransferReceiver::Impl {
         Request header_req;
         bool header_posted = false;
         bool have_header = false;  // header arrived, payload not yet received
-        std::vector<std::byte> payload;
+        StagingPool::Buffer payload;
         Request payload_req;
         bool payload_posted = false;
     };
@@ -374,7 +439,7 @@ struct TransferReceiver::Impl {
     // pass over the pages (unpack_messages). Key: (layer_begin, layer_end).
     struct Pending {
         std::vector<int> messages;
-        std::vector<std::vector<std::byte>> payloads;
+        std::vector<StagingPool::Buffer> payloads;
     };
     std::map<std::pair<int, int>, Pending> pending;
     std::map<std::pair<int, int>, int> expected;  // messages to me per layer range
@@ -385,6 +450,7 @@ struct TransferReceiver::Impl {
          TransferExecOptions o)
         : world(w), plan(std::move(p)), request_id(rid), dst_rank(r), pool(pl), opt(o) {
         mode = resolve_mode(*plan, opt.mode);
+        staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
         for (int i : plan->messages_to(dst_rank)) {
             ++expected[{plan->messages[i].layer_begin, plan->messages[i].layer_end}];
             const int s = plan->messages[i].src_rank;
@@ -448,7 +514,7 @@ struct TransferReceiver::Impl {
                 if (staged > 0 && staged + msg.bytes > opt.staging_bytes) flush_pending();
                 if (staged > 0 && staged + msg.bytes > opt.staging_bytes)
                     return moved;  // back-pressure
-                s.payload.resize(static_cast<size_t>(msg.bytes));
+                s.payload = staging->acquire(static_cast<size_t>(msg.bytes));
                 staged += msg.bytes;
                 result.peak_staging = std::max(result.peak_staging, staged);
                 s.payload_req = world.irecv(std::span<std::byte>(s.payload), src_world(s),
@@ -591,8 +657,28 @@ bool TransferReceiver::progress() {
 }
 
 TransferResult TransferReceiver::finish() {
-    while (!progress()) idle();
+    while (!progress()) idle(idle_seconds());
     return impl_->result;
+}
+
+double TransferReceiver::idle_seconds() const { return seconds_since(impl_->last_progress); }
+
+void progress_until_done(std::span<TransferSender* const> senders,
+                         std::span<TransferReceiver* const> receivers) {
+    for (;;) {
+        bool all = true;
+        double least_idle = 1e9;
+        for (auto* s : senders) {
+            all &= s->progress();
+            if (!s->done()) least_idle = std::min(least_idle, s->idle_seconds());
+        }
+        for (auto* r : receivers) {
+            all &= r->progress();
+            if (!r->done()) least_idle = std::min(least_idle, r->idle_seconds());
+        }
+        if (all) return;
+        idle(least_idle);
+    }
 }
 
 }  // namespace kvshard
