@@ -7,6 +7,7 @@
 // buffer into the receiver's, outside the lock. Collectives publish a descriptor per rank, meet
 // at a barrier, read each other's buffers, and meet again before anyone may reuse them.
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -33,23 +34,32 @@ struct Waiter {
     int tag = -1;
 };
 
+constexpr int kSpinRounds = 64;  // yields before a waiter sleeps on the condition variable
+
 struct World {
     explicit World(int n) : size(n), waiting(n, nullptr), exited(n, 0) {}
 
     std::mutex mu;
     std::condition_variable cv;
+    std::atomic<std::uint64_t> epoch{0};  // bumped by every notify(): lets a waiter spin briefly
     const int size;
     bool aborted = false;
     std::string abort_reason;
     std::vector<const Waiter*> waiting;  // per world rank; set while blocked
     std::vector<char> exited;            // per world rank; 1 once its function returned or threw
 
+    // Wakes every waiter (spinning or sleeping). Caller holds the lock.
+    void notify() {
+        epoch.fetch_add(1, std::memory_order_release);
+        cv.notify_all();
+    }
+
     void abort_locked(const std::string& reason) {
         if (!aborted) {
             aborted = true;
             abort_reason = reason;
         }
-        cv.notify_all();
+        notify();
     }
 
     // True when no running rank can make progress: each one is blocked on a condition that is
@@ -69,8 +79,21 @@ struct World {
     // Blocks rank `world_rank` until w.ready(); throws CommAborted if the run is (or gets) aborted
     // or if this wait completes a deadlock.
     void wait_until(std::unique_lock<std::mutex>& lk, int world_rank, const Waiter& w) {
+        int spins = kSpinRounds;
         while (!w.ready()) {
             if (aborted) throw CommAborted(abort_reason);
+            if (spins > 0) {
+                // A partner usually arrives within microseconds: yield a few times before paying
+                // for a sleep and a wake-up. Any notify() ends the spin; then re-check under lock.
+                const std::uint64_t e = epoch.load(std::memory_order_acquire);
+                lk.unlock();
+                while (spins > 0 && epoch.load(std::memory_order_acquire) == e) {
+                    --spins;
+                    std::this_thread::yield();
+                }
+                lk.lock();
+                continue;
+            }
             waiting[world_rank] = &w;
             if (deadlocked_locked()) {
                 abort_locked(describe_deadlock_locked());
@@ -86,7 +109,7 @@ struct World {
     void rank_exited_locked(int world_rank) {
         exited[world_rank] = 1;
         if (!aborted && deadlocked_locked()) abort_locked(describe_deadlock_locked());
-        cv.notify_all();
+        notify();
     }
 };
 
@@ -230,7 +253,7 @@ OpPtr post(Group& g, OpPtr op) {
         copy_matched(*partner, *op);
     lk.lock();
     op->state = partner->state = Op::State::kDone;
-    w.cv.notify_all();
+    w.notify();
     return op;
 }
 
@@ -464,7 +487,7 @@ class ThreadCommunicator final : public Communicator {
         if (++g.arrived == g.size()) {
             g.arrived = 0;
             ++g.generation;
-            w.cv.notify_all();
+            w.notify();
             return;
         }
         Waiter waiter{[&] { return g.generation != gen; }, what, &g, -1, -1};

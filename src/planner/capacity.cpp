@@ -163,7 +163,7 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
         char buf[160];
         std::snprintf(buf, sizeof buf,
                       "weights %.1f GiB + reserve %.1f GiB exceed %.1f GiB (%.2f x %.1f GiB)",
-                      worst.weights.total() / kGiB, options.activation_reserve_bytes / kGiB,
+                      rep.weight_bytes_per_gpu / kGiB, options.activation_reserve_bytes / kGiB,
                       usable / kGiB, options.mem_util, hw.memory_bytes / kGiB);
         rep.why_not = buf;
     } else if (rep.kv_tokens_per_gpu < bs) {

@@ -342,19 +342,21 @@ class Model {
     double flops_ = 0, hbm_ = 0, we_ = 0;
 };
 
+// Times add up along the path through the stages; per-GPU quantities (FLOPs, bytes) are those of
+// the busiest stage's GPU. `times`: how often the stage runs the computed pass in the phase.
 void accumulate(PhaseCost& ph, const StageCost& s, double times) {
-    ph.flops += times * s.flops;
-    ph.hbm_bytes += times * s.hbm_bytes;
-    ph.compute_s += times * s.compute_s;
-    ph.memory_s += times * s.memory_s;
-    ph.roofline_s += times * s.roofline_s;
-    ph.attention_compute_s += times * s.attn_s;
-    ph.tp_bytes += times * s.tp_bytes;
-    ph.tp_s += times * s.tp_s;
-    ph.ep_bytes += times * s.ep_bytes;
-    ph.ep_s += times * s.ep_s;
-    ph.cp_bytes += times * s.cp_bytes;
-    ph.cp_s += times * s.cp_s;
+    ph.flops = std::max(ph.flops, times * s.flops);
+    ph.hbm_bytes = std::max(ph.hbm_bytes, times * s.hbm_bytes);
+    ph.tp_bytes = std::max(ph.tp_bytes, times * s.tp_bytes);
+    ph.ep_bytes = std::max(ph.ep_bytes, times * s.ep_bytes);
+    ph.cp_bytes = std::max(ph.cp_bytes, times * s.cp_bytes);
+    ph.compute_s += s.compute_s;
+    ph.memory_s += s.memory_s;
+    ph.roofline_s += s.roofline_s;
+    ph.attention_compute_s += s.attn_s;
+    ph.tp_s += s.tp_s;
+    ph.ep_s += s.ep_s;
+    ph.cp_s += s.cp_s;
 }
 
 }  // namespace
@@ -377,16 +379,18 @@ CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const Hard
         accumulate(rep.prefill, sc, 1.0);
         sum_stage += sc.total();
         max_stage = std::max(max_stage, sc.total());
-        rep.cp_prefill.pass_kv_bytes += sc.cp_prefill.pass_kv_bytes;
+        rep.cp_prefill.pass_kv_bytes =
+            std::max(rep.cp_prefill.pass_kv_bytes, sc.cp_prefill.pass_kv_bytes);
         rep.cp_prefill.pass_kv_s += sc.cp_prefill.pass_kv_s;
-        rep.cp_prefill.pass_q_bytes += sc.cp_prefill.pass_q_bytes;
+        rep.cp_prefill.pass_q_bytes =
+            std::max(rep.cp_prefill.pass_q_bytes, sc.cp_prefill.pass_q_bytes);
         rep.cp_prefill.pass_q_s += sc.cp_prefill.pass_q_s;
         rep.cp_prefill.chosen = sc.cp_prefill.chosen;
         rep.cp_prefill.pass_kv_hidden = sc.cp_prefill.pass_kv_hidden;
     }
     // Each chunk crosses the pp-1 boundaries; the last chunk's hand-offs are on the critical path.
     const double chunk_tokens = S / p.cp / chunks;
-    rep.prefill.pp_bytes = (p.pp - 1) * chunks * model.handoff_bytes(chunk_tokens);
+    rep.prefill.pp_bytes = p.pp > 1 ? chunks * model.handoff_bytes(chunk_tokens) : 0;
     rep.prefill.pp_s = (p.pp - 1) * send_s(model.handoff_bytes(chunk_tokens), l.pp_bw, l.pp_hop);
     rep.prefill.pp_bubble_s = (p.pp - 1) * max_stage / chunks;
     rep.prefill.total_s = sum_stage / chunks + (chunks - 1) * max_stage / chunks + rep.prefill.pp_s;
@@ -401,27 +405,19 @@ CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const Hard
         const StageCost sc = model.decode_stage(s, B / micro, C);
         accumulate(rep.decode, sc, micro);  // per step, every stage runs `micro` micro-batches
         decode_path += sc.total();
-        rep.cp_decode.all_gather_bytes += micro * sc.cp_decode.all_gather_bytes;
+        rep.cp_decode.all_gather_bytes =
+            std::max(rep.cp_decode.all_gather_bytes, micro * sc.cp_decode.all_gather_bytes);
         rep.cp_decode.all_gather_s += sc.cp_decode.all_gather_s;
-        rep.cp_decode.all_to_all_bytes += micro * sc.cp_decode.all_to_all_bytes;
+        rep.cp_decode.all_to_all_bytes =
+            std::max(rep.cp_decode.all_to_all_bytes, micro * sc.cp_decode.all_to_all_bytes);
         rep.cp_decode.all_to_all_s += sc.cp_decode.all_to_all_s;
         rep.cp_decode.chosen = sc.cp_decode.chosen;
     }
     const double mb_handoff = model.handoff_bytes(B / micro);
-    rep.decode.pp_bytes = (p.pp - 1) * micro * mb_handoff;
+    rep.decode.pp_bytes = p.pp > 1 ? micro * mb_handoff : 0;
     rep.decode.pp_s = (p.pp - 1) * send_s(mb_handoff, l.pp_bw, l.pp_hop);
     rep.decode.total_s = decode_path + rep.decode.pp_s;
     rep.decode.pp_bubble_s = rep.decode.total_s * (p.pp - micro) / p.pp;
-    // The per-micro-batch times above are summed over micro-batches for the totals; the latency of
-    // a step is one micro-batch's path through all stages.
-    rep.decode.tp_s /= micro;
-    rep.decode.ep_s /= micro;
-    rep.decode.cp_s /= micro;
-    rep.decode.roofline_s /= micro;
-    rep.decode.compute_s /= micro;
-    rep.decode.memory_s /= micro;
-    rep.decode.attention_compute_s /= micro;
-
     rep.ttft_s = rep.prefill.total_s;
     rep.tpot_s = rep.decode.total_s;
     rep.decode_tokens_per_s = p.dp * B / rep.tpot_s;

@@ -60,6 +60,24 @@ std::string fmt_time(double s) {
     return buf;
 }
 
+// A few words for the chart: what ran out.
+std::string short_reason(const PlanEntry& e) {
+    const auto& c = e.capacity;
+    const auto& worst = c.ranks.at(c.limiting_rank);
+    char buf[96];
+    if (worst.kv_budget_bytes <= 0)
+        std::snprintf(buf, sizeof buf, "weights %.0f GiB per GPU",
+                      c.weight_bytes_per_gpu / 1073741824.0);
+    else if (c.kv_tokens_per_gpu == 0 || c.max_context == 0)
+        std::snprintf(buf, sizeof buf, "no room for one KV block");
+    else if (c.fits)
+        std::snprintf(buf, sizeof buf, "batch needs more KV than fits");
+    else
+        std::snprintf(buf, sizeof buf, "KV holds %lld tokens per request at most",
+                      static_cast<long long>(c.max_context));
+    return buf;
+}
+
 }  // namespace
 
 std::string_view objective_name(Objective o) {
@@ -173,12 +191,12 @@ std::vector<PlanEntry> plan(const ModelSpec& m, const HardwareSpec& hw, const Pl
 
 std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r,
                          const std::vector<PlanEntry>& entries) {
-    nlohmann::json configs = nlohmann::json::array();
+    nlohmann::ordered_json configs = nlohmann::ordered_json::array();
     for (const auto& e : entries) {
         const auto& p = e.parallel;
         const auto& c = e.capacity;
         const auto& k = e.cost;
-        nlohmann::json j = {
+        nlohmann::ordered_json j = {
             {"dp", p.dp},
             {"pp", p.pp},
             {"cp", p.cp},
@@ -217,7 +235,7 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
         if (!e.fits) j["why_not"] = c.why_not;
         configs.push_back(std::move(j));
     }
-    nlohmann::json out = {{"model", m.name},
+    nlohmann::ordered_json out = {{"model", m.name},
                           {"hardware", hw.name},
                           {"gpus", r.gpus},
                           {"context", r.context_tokens},
@@ -235,7 +253,7 @@ std::string plan_to_svg(const ModelSpec& m, const HardwareSpec& hw, const PlanRe
     std::vector<const PlanEntry*> fit, misfit;
     for (const auto& e : entries) (e.fits ? fit : misfit).push_back(&e);
 
-    const double W = 960, H = 600, L = 80, R = 660, T = 70, B = 520;  // plot box [L,R] x [T,B]
+    const double W = 1010, H = 600, L = 80, R = 660, T = 70, B = 520;  // plot box [L,R] x [T,B]
     std::ostringstream s;
     s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
       << "\" viewBox=\"0 0 " << W << " " << H
@@ -264,34 +282,33 @@ std::string plan_to_svg(const ModelSpec& m, const HardwareSpec& hw, const PlanRe
             y0 = std::min(y0, e->cost.tpot_s);
             y1 = std::max(y1, e->cost.tpot_s);
         }
-        // Log axes on whole decades around the data.
-        const double lx0 = std::floor(std::log10(x0)),
-                     lx1 = std::max(lx0 + 1, std::ceil(std::log10(x1)));
-        const double ly0 = std::floor(std::log10(y0)),
-                     ly1 = std::max(ly0 + 1, std::ceil(std::log10(y1)));
+        // Log axes padded by a quarter decade around the data, ticks at 1, 2, 5 x 10^k.
+        const double lx0 = std::log10(x0) - 0.25, lx1 = std::log10(x1) + 0.25;
+        const double ly0 = std::log10(y0) - 0.25, ly1 = std::log10(y1) + 0.25;
         auto px = [&](double v) { return L + (std::log10(v) - lx0) / (lx1 - lx0) * (R - L); };
         auto py = [&](double v) { return B - (std::log10(v) - ly0) / (ly1 - ly0) * (B - T); };
         s << "<rect x=\"" << L << "\" y=\"" << T << "\" width=\"" << R - L << "\" height=\""
           << B - T << "\" fill=\"#fafafa\" stroke=\"#888\"/>\n";
-        for (double d = lx0; d <= lx1 + 1e-9; ++d) {
-            for (int k = 1; k <= 9 && d + std::log10(k) <= lx1 + 1e-9; ++k) {
-                const double x = px(std::pow(10, d) * k);
-                s << "<line x1=\"" << x << "\" y1=\"" << T << "\" x2=\"" << x << "\" y2=\"" << B
-                  << "\" stroke=\"" << (k == 1 ? "#ccc" : "#eee") << "\"/>\n";
-            }
-            s << "<text x=\"" << px(std::pow(10, d)) << "\" y=\"" << B + 18
-              << "\" font-size=\"12\" text-anchor=\"middle\">" << fmt_time(std::pow(10, d))
-              << "</text>\n";
+        auto ticks = [](double l0, double l1) {
+            std::vector<double> out;
+            for (double d = std::floor(l0); d <= std::ceil(l1); ++d)
+                for (int k : {1, 2, 5}) {
+                    const double v = std::pow(10, d) * k;
+                    if (std::log10(v) >= l0 && std::log10(v) <= l1) out.push_back(v);
+                }
+            return out;
+        };
+        for (double v : ticks(lx0, lx1)) {
+            s << "<line x1=\"" << px(v) << "\" y1=\"" << T << "\" x2=\"" << px(v) << "\" y2=\"" << B
+              << "\" stroke=\"#ddd\"/>\n";
+            s << "<text x=\"" << px(v) << "\" y=\"" << B + 18
+              << "\" font-size=\"12\" text-anchor=\"middle\">" << fmt_time(v) << "</text>\n";
         }
-        for (double d = ly0; d <= ly1 + 1e-9; ++d) {
-            for (int k = 1; k <= 9 && d + std::log10(k) <= ly1 + 1e-9; ++k) {
-                const double y = py(std::pow(10, d) * k);
-                s << "<line x1=\"" << L << "\" y1=\"" << y << "\" x2=\"" << R << "\" y2=\"" << y
-                  << "\" stroke=\"" << (k == 1 ? "#ccc" : "#eee") << "\"/>\n";
-            }
-            s << "<text x=\"" << L - 6 << "\" y=\"" << py(std::pow(10, d)) + 4
-              << "\" font-size=\"12\" text-anchor=\"end\">" << fmt_time(std::pow(10, d))
-              << "</text>\n";
+        for (double v : ticks(ly0, ly1)) {
+            s << "<line x1=\"" << L << "\" y1=\"" << py(v) << "\" x2=\"" << R << "\" y2=\"" << py(v)
+              << "\" stroke=\"#ddd\"/>\n";
+            s << "<text x=\"" << L - 6 << "\" y=\"" << py(v) + 4
+              << "\" font-size=\"12\" text-anchor=\"end\">" << fmt_time(v) << "</text>\n";
         }
         s << "<text x=\"" << (L + R) / 2 << "\" y=\"" << B + 42
           << "\" font-size=\"14\" text-anchor=\"middle\">time to first token (prefill of the whole "
@@ -321,39 +338,66 @@ std::string plan_to_svg(const ModelSpec& m, const HardwareSpec& hw, const PlanRe
             }
             s << "\"/>\n";
         }
-        // Points: the best last so it is drawn on top; label the best few by rank.
+        // Points: the best last so it is drawn on top. The best few get their rank as a label,
+        // placed at the first of four spots around the point that overlaps no label placed before.
+        struct Box {
+            double x0, y0, x1, y1;
+        };
+        std::vector<Box> placed;
+        std::ostringstream labels;
         const size_t labeled = std::min<size_t>(fit.size(), 8);
+        for (size_t i = 0; i < labeled; ++i) {
+            const double x = px(fit[i]->cost.ttft_s), y = py(fit[i]->cost.tpot_s);
+            const std::string text = "#" + std::to_string(i + 1);
+            const double w = 8.0 * text.size(), h = 12;
+            const double spots[4][2] = {
+                {x + 8, y - 6}, {x + 8, y + 14}, {x - 8 - w, y - 6}, {x - 8 - w, y + 14}};
+            for (const auto& sp : spots) {
+                const Box b{sp[0], sp[1] - h, sp[0] + w, sp[1]};
+                bool clash = false;
+                for (const auto& o : placed)
+                    clash = clash || !(b.x1 < o.x0 || o.x1 < b.x0 || b.y1 < o.y0 || o.y1 < b.y0);
+                if (clash) continue;
+                placed.push_back(b);
+                labels << "<text x=\"" << sp[0] << "\" y=\"" << sp[1]
+                       << "\" font-size=\"12\" font-weight=\"bold\" fill=\""
+                       << (i == 0 ? "#b11" : "#124") << "\">" << text << "</text>\n";
+                break;
+            }
+        }
         for (size_t i = fit.size(); i-- > 0;) {
             const PlanEntry& e = *fit[i];
             const double x = px(e.cost.ttft_s), y = py(e.cost.tpot_s);
-            const bool on_front = std::find(front.begin(), front.end(), &e) != front.end();
+            const bool on_front =
+                front.size() > 1 && std::find(front.begin(), front.end(), &e) != front.end();
             s << "<circle cx=\"" << x << "\" cy=\"" << y << "\" r=\"" << (i == 0 ? 7 : 5)
               << "\" fill=\""
               << (i == 0     ? "#d22"
                   : on_front ? "#2a7"
                              : "#48c")
               << "\" fill-opacity=\"0.85\""
-              << " stroke=\"#222\" stroke-width=\"0.6\"><title>"
+              << " stroke=\"#222\" stroke-width=\"0.6\"><title>#" << i + 1 << " "
               << xml_escape(short_name(e.parallel)) << ": TTFT " << fmt_time(e.cost.ttft_s)
               << ", TPOT " << fmt_time(e.cost.tpot_s) << "</title></circle>\n";
-            if (i < labeled)
-                s << "<text x=\"" << x + 8 << "\" y=\"" << y - 6
-                  << "\" font-size=\"11\" fill=\"#222\">#" << i + 1 << " "
-                  << xml_escape(short_name(e.parallel)) << "</text>\n";
         }
+        s << labels.str();
+        if (front.size() > 1)
+            s << "<text x=\"" << L << "\" y=\"" << H - 14 << "\" font-size=\"11\" fill=\"#2a7\">"
+              << "Green, dashed: the Pareto front (no other configuration is faster on both "
+                 "axes).</text>\n";
     }
 
     // Side panel: the ranking and what did not fit.
     double y = T + 4;
     const double sx = R + 24;
     s << "<text x=\"" << sx << "\" y=\"" << y << "\" font-size=\"14\" font-weight=\"bold\">Best by "
-      << objective_name(r.objective) << "</text>\n";
+      << objective_name(r.objective) << " (TTFT, TPOT, decode)</text>\n";
     y += 20;
     for (size_t i = 0; i < fit.size() && i < 8; ++i) {
         const PlanEntry& e = *fit[i];
-        std::snprintf(buf, sizeof buf, "#%zu %s: %.0f tok/s, KV %lldk tok/GPU", i + 1,
-                      short_name(e.parallel).c_str(), e.cost.decode_tokens_per_s,
-                      static_cast<long long>(e.capacity.kv_tokens_per_gpu / 1000));
+        std::snprintf(buf, sizeof buf, "#%zu %s: %s, %s, %.0f tok/s", i + 1,
+                      short_name(e.parallel).c_str(), fmt_time(e.cost.ttft_s).c_str(),
+                      fmt_time(e.cost.tpot_s).c_str(), e.cost.decode_tokens_per_s);
         s << "<text x=\"" << sx << "\" y=\"" << y << "\" font-size=\"11\">" << xml_escape(buf)
           << "</text>\n";
         y += 16;
@@ -365,17 +409,14 @@ std::string plan_to_svg(const ModelSpec& m, const HardwareSpec& hw, const PlanRe
     y += 20;
     for (size_t i = 0; i < misfit.size() && y < H - 20; ++i) {
         const bool last_line = y + 16 >= H - 20 && i + 1 < misfit.size();
-        std::string line = last_line ? detail::concat("... and ", misfit.size() - i, " more")
-                                     : short_name(misfit[i]->parallel) + ": " +
-                                           (misfit[i]->capacity.why_not.substr(0, 40));
+        std::string line = last_line
+                               ? detail::concat("... and ", misfit.size() - i, " more")
+                               : short_name(misfit[i]->parallel) + ": " + short_reason(*misfit[i]);
         s << "<text x=\"" << sx << "\" y=\"" << y << "\" font-size=\"10\" fill=\"#733\">"
           << xml_escape(line) << "</text>\n";
         y += 14;
         if (last_line) break;
     }
-    s << "<text x=\"" << L << "\" y=\"" << H - 14 << "\" font-size=\"11\" fill=\"#666\">"
-      << "Green dashed: Pareto front (no config better on both). Model: docs/cost-model.md. "
-      << "Hover a point for its figures.</text>\n";
     s << "</svg>\n";
     return s.str();
 }

@@ -14,6 +14,7 @@ struct LayoutFlags {
     ModelFlags model;
     ParallelFlags parallel;
     int gpus = 0;
+    bool gpus_given = false;
     bool json = false;
 };
 
@@ -32,7 +33,7 @@ std::string bytes_text(int64_t b) {
 void run(const LayoutFlags& f) {
     const ModelSpec m = load_model(f.model);
     const ParallelConfig p = to_parallel_config(f.parallel);
-    if (f.gpus > 0) validate_world(p, f.gpus);
+    if (f.gpus_given) validate_world(p, f.gpus);
     const KvLayout l = make_layout(m, p);
     if (f.json) {
         print_json(to_json(l));
@@ -45,9 +46,9 @@ void run(const LayoutFlags& f) {
                l.kv_heads_per_rank());
     if (l.head_replication() > 1) fmt::print(", each held by {} TP ranks", l.head_replication());
     fmt::print("\n\n");
-    fmt::print("{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<9} {:<9} {:<10} {:<12} {:<24} {:>12}\n", "rank",
-               "dp", "pp", "cp", "tp", "ep", "kv_heads", "q_heads", "layers", "experts", "cp_tokens",
-               "KV/token");
+    fmt::print("{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<9} {:<9} {:<10} {:<12} {:<24} {:>12}\n",
+               "rank", "dp", "pp", "cp", "tp", "ep", "kv_heads", "q_heads", "layers", "experts",
+               "cp_tokens", "KV/token");
     for (const auto& r : l.ranks) {
         const std::string experts =
             m.moe.enabled() ? fmt::format("[{},{})", r.expert_begin, r.expert_end) : "-";
@@ -61,12 +62,16 @@ void run(const LayoutFlags& f) {
 
 void setup(CLI::App& app) {
     auto f = std::make_shared<LayoutFlags>();
-    auto* sub = app.add_subcommand("layout", "Show which rank holds which KV heads, layers and tokens");
+    auto* sub =
+        app.add_subcommand("layout", "Show which rank holds which KV heads, layers and tokens");
     add_model_options(sub, f->model);
     add_parallel_options(sub, f->parallel);
-    sub->add_option("--gpus", f->gpus, "check that dp*pp*cp*tp equals this GPU count");
+    auto* gpus = sub->add_option("--gpus", f->gpus, "check that dp*pp*cp*tp equals this GPU count");
     sub->add_flag("--json", f->json, "print JSON instead of a table");
-    sub->callback([f] { run(*f); });
+    sub->callback([f, gpus] {
+        f->gpus_given = gpus->count() > 0;
+        run(*f);
+    });
 }
 
 }  // namespace

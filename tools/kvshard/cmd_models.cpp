@@ -31,24 +31,29 @@ void run(const ModelsFlags& f) {
         print_json(out + "]");
         return;
     }
-    fmt::print("{:<16} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>14} {:>10}\n", "name", "layers",
+    fmt::print("{:<16} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>9} {:>10}\n", "name", "layers",
                "hidden", "H", "H_kv", "d", "attn", "experts", "params", "KV/token");
     for (const auto& n : catalog_names()) {
         const ModelSpec m = catalog_model(n);
         const int64_t kv = m.kv_elems_per_token_per_layer() * m.num_layers *
                            static_cast<int64_t>(dtype_size(m.kv_dtype));
-        fmt::print("{:<16} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>13.2f}B {:>8.1f}KiB\n", n,
+        const double params = static_cast<double>(m.total_params());
+        const std::string params_text = params >= 1e9 ? fmt::format("{:.2f}B", params / 1e9)
+                                                      : fmt::format("{:.2f}M", params / 1e6);
+        fmt::print("{:<16} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>9} {:>7.1f}KiB\n", n,
                    m.num_layers, m.hidden, m.num_heads, m.is_mla() ? 1 : m.num_kv_heads, m.head_dim,
                    attention_kind_name(m.attention),
-                   m.moe.enabled() ? fmt::format("{}/{}", m.moe.experts_per_token, m.moe.num_experts)
-                                   : "-",
-                   m.total_params() / 1e9, kv / 1024.0);
+                   m.moe.enabled()
+                       ? fmt::format("{}/{}", m.moe.experts_per_token, m.moe.num_experts)
+                       : "-",
+                   params_text, kv / 1024.0);
     }
 }
 
 void setup(CLI::App& app) {
     auto f = std::make_shared<ModelsFlags>();
-    auto* sub = app.add_subcommand("models", "List the model catalog, or print one model's spec as JSON");
+    auto* sub =
+        app.add_subcommand("models", "List the model catalog, or print one model's spec as JSON");
     add_model_options(sub, f->model, /*required=*/false);
     sub->add_flag("--json", f->json, "print the whole catalog as JSON");
     sub->callback([f] { run(*f); });

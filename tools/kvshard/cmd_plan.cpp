@@ -97,7 +97,7 @@ void run(const PlanFlags& f) {
     int shown = 0;
     for (size_t i = 0; i < entries.size(); ++i) {
         const auto& e = entries[i];
-        if (f.top > 0 && shown >= f.top && e.fits) continue;
+        if (f.top > 0 && (shown >= f.top || !e.fits)) continue;
         ++shown;
         const auto& p = e.parallel;
         const auto& c = e.capacity;
@@ -118,6 +118,10 @@ void run(const PlanFlags& f) {
             mib(k.decode.comm_bytes()), mib(k.prefill.comm_bytes()), seconds(k.ttft_s),
             seconds(k.tpot_s), fmt::format("{:.0f}", k.decode_tokens_per_s));
     }
+    if (f.top > 0 && static_cast<int>(entries.size()) > shown)
+        fmt::print("... {} more ({} of them do not fit); drop --top to list them all\n",
+                   static_cast<int>(entries.size()) - shown,
+                   static_cast<int>(entries.size()) - n_fit);
     fmt::print(
         "\nW: weights per GPU. KV B/tok: KV bytes per token on the limiting GPU. KV tok: KV "
         "tokens per GPU. max ctx: longest single request (spans cp GPUs). conc: requests of "
@@ -155,7 +159,9 @@ void setup(CLI::App& app) {
     sub->add_option("--pp-chunks", f->pp_chunks,
                     "prefill chunks pipelined through PP stages (0: pp)")
         ->capture_default_str();
-    sub->add_option("--top", f->top, "show only the best N fitting configurations (0: all)")
+    sub->add_option(
+           "--top", f->top,
+           "show only the best N fitting configurations (0: all, with those that do not fit)")
         ->capture_default_str();
     sub->add_flag("--json", f->json, "print JSON instead of a table");
     sub->add_option("--svg", f->svg, "also write a TTFT-vs-TPOT chart to this SVG file");

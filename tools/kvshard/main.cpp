@@ -22,7 +22,8 @@ bool register_command(std::string name, CommandSetup setup) {
 }  // namespace kvshard::cli
 
 int main(int argc, char** argv) {
-    CLI::App app{"kvshard: the KV cache under tensor, pipeline, context, expert and data parallelism"};
+    CLI::App app{
+        "kvshard: the KV cache under tensor, pipeline, context, expert and data parallelism"};
     app.require_subcommand(1);
     app.set_version_flag("--version", "kvshard 0.1.0");
     for (auto& cmd : kvshard::cli::command_registry()) cmd.setup(app);

@@ -42,15 +42,22 @@ void add_parallel_options(CLI::App* sub, ParallelFlags& f) {
 }
 
 ParallelConfig to_parallel_config(const ParallelFlags& f) {
-    std::string text = "tp=" + std::to_string(f.tp) + ",pp=" + std::to_string(f.pp) +
-                       ",cp=" + std::to_string(f.cp) + ",dp=" + std::to_string(f.dp) +
-                       ",ep=" + std::to_string(f.ep) + ",cp_scheme=" + f.cp_scheme +
-                       ",cp_interleave=" + std::to_string(f.cp_interleave);
-    ParallelConfig p = parse_parallel_config(text);
+    // Set field by field (not through a "key=value" string, which a value with a comma could
+    // extend); validate() checks the sizes.
+    ParallelConfig p;
+    p.tp = f.tp;
+    p.pp = f.pp;
+    p.cp = f.cp;
+    p.dp = f.dp;
+    p.ep = f.ep;
+    p.cp_scheme = parse_cp_scheme(f.cp_scheme);
+    p.cp_interleave = f.cp_interleave;
     if (!f.pp_layers.empty()) {
         std::string layers = f.pp_layers;
         for (char& c : layers)
             if (c == ',') c = '/';
+        require(layers.find_first_of("= ") == std::string::npos,
+                "--pp-layers takes layer counts per stage, e.g. 10,12,10; got '", f.pp_layers, "'");
         p.pp_layers = parse_parallel_config("pp_layers=" + layers).pp_layers;
     }
     return p;

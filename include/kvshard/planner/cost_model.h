@@ -52,22 +52,23 @@ struct CostOptions {
     void validate() const;
 };
 
-// What one phase costs on the busiest GPU: bytes it sends and seconds, by kind.
+// What one phase costs. Seconds add up along one pass through all pipeline stages (for decode:
+// one micro-batch's path, which is the step latency); FLOPs and bytes are per GPU, those of the
+// busiest stage's GPU over the whole phase (for decode: all micro-batches of the step).
 struct PhaseCost {
-    double flops = 0;                // per GPU, the whole phase (all its layers)
-    double hbm_bytes = 0;            // per GPU: weights and KV read, KV written
-    double compute_s = 0;            // flops / achieved FLOP/s
-    double memory_s = 0;             // hbm_bytes / achieved HBM bandwidth
-    double roofline_s = 0;           // max(compute_s, memory_s) summed layer by layer (all stages)
+    double flops = 0;                // per GPU
+    double hbm_bytes = 0;            // per GPU: weights and KV read, KV and activations written
+    double compute_s = 0;            // flops / achieved FLOP/s, layer by layer
+    double memory_s = 0;             // hbm bytes / achieved HBM bandwidth, layer by layer
+    double roofline_s = 0;           // sum over layers of max(compute, memory)
     double attention_compute_s = 0;  // the attention (QK, PV) part of compute_s
-    // Communication per GPU, bytes sent and exposed seconds (all stages of one pass).
-    double tp_bytes = 0, tp_s = 0;  // all-reduce after attention and after each MLP
-    double pp_bytes = 0, pp_s = 0;  // activation hand-off at each of the pp-1 boundaries
-    double cp_bytes = 0,
-           cp_s = 0;  // CP: pass-KV or pass-Q ring (prefill), partial-output merge (decode)
+    double tp_bytes = 0, tp_s = 0;   // all-reduce after attention and after each MLP
+    double pp_bytes = 0,
+           pp_s = 0;  // activation hand-off: bytes a boundary GPU sends; s on the path
+    double cp_bytes = 0, cp_s = 0;  // CP ring (prefill) or partial-output merge (decode); exposed s
     double ep_bytes = 0, ep_s = 0;  // MoE dispatch + combine all-to-all
-    double pp_bubble_s = 0;         // pipeline fill/drain time inside total_s
-    double total_s = 0;             // the phase's latency
+    double pp_bubble_s = 0;  // pipeline fill/drain (prefill) or idle share (decode) in total_s
+    double total_s = 0;      // the phase's latency
     double comm_bytes() const { return tp_bytes + pp_bytes + cp_bytes + ep_bytes; }
 };
 

@@ -1,0 +1,63 @@
+#pragma once
+// Disaggregated prefill/decode of the reference model (docs/transfer.md, "End to end").
+//
+// One communicator `world` holds both groups: ranks [0, P) are the prefill group (layout `prefill`,
+// P = prefill.world_size()), ranks [P, P + D) the decode group (layout `decode`). Every prompt is
+// one request. The prefill group runs one batched prefill step; as each layer's attention has
+// written its KV, the prefill ranks send that layer of every request to the decode ranks that need
+// it (layer-wise streaming, TransferSender), so the transfer overlaps the rest of prefill. The
+// first greedy token goes from the prefill group's last stage to the decode group, which decodes
+// the other max_new_tokens - 1 tokens. A request whose transfer fails is reported and not decoded;
+// the others go on.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvshard/cache/block_pool.h"
+#include "kvshard/layout/parallel_config.h"
+#include "kvshard/model/model_spec.h"
+#include "kvshard/model/weights.h"
+#include "kvshard/transfer/pack.h"
+
+namespace kvshard {
+
+class Communicator;
+
+struct DisaggOptions {
+    int max_new_tokens = 16;  // the first comes from prefill, the rest from decode
+    int prefill_block_size = 16;
+    int decode_block_size = 16;
+    PageOrder prefill_order = PageOrder::kHnd;
+    PageOrder decode_order = PageOrder::kHnd;
+    TransferMode mode = TransferMode::kAuto;
+    bool stream_layers = true;  // a message per layer, sent as soon as the layer is done
+    int64_t staging_bytes = int64_t{64} << 20;
+    double timeout_s = 60.0;
+    int corrupt_request = -1;  // test hook: corrupt one payload of this request (prompt index)
+};
+
+struct DisaggReport {
+    std::vector<std::vector<int32_t>> tokens;     // per prompt; empty for a failed request
+    std::vector<std::vector<float>> last_logits;  // per prompt: [vocab] of the last step
+    std::vector<std::string> errors;              // per prompt: empty when its transfer succeeded
+    int failed_requests = 0;
+    int64_t transfer_bytes = 0;  // payload bytes received over all requests
+    int64_t min_bytes = 0;       // what the decode layout needs for every request
+    int64_t messages = 0;
+    std::string mode;            // the resolved transfer mode of the first request
+    double prefill_seconds = 0;  // from the common start to the end of the slowest prefill rank
+    double transfer_start_s = 0, transfer_end_s = 0;  // first message sent, last message landed
+    double transfer_seconds = 0;                      // transfer_end_s - transfer_start_s
+    double overlap_seconds = 0;  // of the transfer window, the part before prefill ended
+    double decode_seconds = 0;   // the slowest decode rank's decode loop
+};
+
+// Collective over `world` (size prefill.world_size() + decode.world_size()); every rank returns the
+// whole report. dp and cp must be 1 on both sides (Error otherwise). The model computes with an
+// fp32 KV cache whatever m.kv_dtype says, as generate() does.
+DisaggReport disagg_generate(const ModelSpec& m, const ParallelConfig& prefill,
+                             const ParallelConfig& decode, const TensorSource& weights,
+                             const std::vector<std::vector<int32_t>>& prompts,
+                             const DisaggOptions& options, Communicator& world);
+
+}  // namespace kvshard

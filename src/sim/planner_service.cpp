@@ -1,0 +1,65 @@
+#include "kvshard/sim/planner_service.h"
+
+#include <algorithm>
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+
+std::string ReplicaSetup::to_string() const {
+    return detail::concat(model.name, " on ", hardware.name, ", ", parallel.to_string());
+}
+
+int64_t replica_kv_tokens(const ReplicaSetup& s) {
+    require(s.parallel.dp == 1,
+            "a replica's layout must have dp=1 (replicas are counted apart), got ",
+            s.parallel.to_string());
+    const CapacityReport c = compute_capacity(s.model, s.parallel, s.hardware, s.capacity);
+    require(c.fits && c.kv_tokens_per_gpu > 0, s.to_string(), ": no room for KV: ", c.why_not);
+    return c.kv_tokens_per_gpu;
+}
+
+PlannerServiceModel::PlannerServiceModel(ReplicaSetup setup, int64_t prefill_quantum,
+                                         int64_t context_quantum)
+    : setup_(std::move(setup)),
+      prefill_quantum_(prefill_quantum),
+      context_quantum_(context_quantum) {
+    require(prefill_quantum_ >= 1 && context_quantum_ >= 1,
+            "service model: quanta must be positive");
+    require(setup_.parallel.dp == 1, "a replica's layout must have dp=1, got ",
+            setup_.parallel.to_string());
+}
+
+double PlannerServiceModel::prefill_s(int64_t new_tokens) const {
+    const int64_t n = std::max<int64_t>(1, (new_tokens + prefill_quantum_ - 1) / prefill_quantum_) *
+                      prefill_quantum_;
+    const auto it = prefill_memo_.find(n);
+    if (it != prefill_memo_.end()) return it->second;
+    Workload w;
+    w.prompt_tokens = n;
+    w.context_tokens = n;
+    w.batch = 1;
+    const double t = estimate_cost(setup_.model, setup_.parallel, setup_.hardware, w, setup_.cost)
+                         .prefill.total_s;
+    prefill_memo_.emplace(n, t);
+    return t;
+}
+
+double PlannerServiceModel::decode_step_s(int64_t batch, int64_t context_tokens) const {
+    batch = std::max<int64_t>(batch, 1);
+    const int64_t per = std::max<int64_t>(1, (context_tokens + batch - 1) / batch);
+    const int64_t q = (per + context_quantum_ - 1) / context_quantum_;
+    const uint64_t key = (static_cast<uint64_t>(batch) << 32) ^ static_cast<uint64_t>(q);
+    const auto it = decode_memo_.find(key);
+    if (it != decode_memo_.end()) return it->second;
+    Workload w;
+    w.prompt_tokens = 1;
+    w.context_tokens = q * context_quantum_;
+    w.batch = batch;
+    const double t = estimate_cost(setup_.model, setup_.parallel, setup_.hardware, w, setup_.cost)
+                         .decode.total_s;
+    decode_memo_.emplace(key, t);
+    return t;
+}
+
+}  // namespace kvshard

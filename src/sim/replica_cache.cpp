@@ -1,0 +1,23 @@
+#include "sim/replica_cache.h"
+
+namespace kvshard::sim_detail {
+
+ReplicaCache::ReplicaCache(int64_t capacity_blocks, int block_tokens)
+    : manager_(BlockManagerConfig{capacity_blocks, block_tokens, /*enable_prefix_cache=*/true}) {}
+
+std::optional<int64_t> ReplicaCache::admit(int64_t seq, std::span<const BlockHash> full_hashes,
+                                           int64_t prompt_tokens, int64_t output_tokens) {
+    // can_allocate_hashes counts the blocks of prompt + output, less the cached prefix that is
+    // already in use, against the free + evictable blocks.
+    if (!manager_.can_allocate_hashes(full_hashes, prompt_tokens + output_tokens))
+        return std::nullopt;
+    const AllocResult r = manager_.allocate_with_hashes(seq, full_hashes, prompt_tokens);
+    manager_.append_tokens(seq, output_tokens);
+    return r.cached_blocks;
+}
+
+void ReplicaCache::publish_to(KvIndex* index, int replica) {
+    manager_.subscribe([index, replica](const KvEvent& e) { index->apply(replica, e); });
+}
+
+}  // namespace kvshard::sim_detail

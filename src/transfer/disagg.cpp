@@ -1,0 +1,396 @@
+#include "kvshard/transfer/disagg.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "kvshard/comm/communicator.h"
+#include "kvshard/comm/groups.h"
+#include "kvshard/common/error.h"
+#include "kvshard/exec/generate.h"
+#include "kvshard/exec/rank_model.h"
+#include "kvshard/transfer/transfer_exec.h"
+#include "kvshard/transfer/transfer_plan.h"
+
+namespace kvshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kTagFirstTokens = 0x7A001;   // prefill last stage -> every decode rank
+constexpr int kTagDecodeTokens = 0x7A002;  // decode last stage -> earlier decode stages
+
+double since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+class Writer {
+  public:
+    template <typename T>
+    void put(const T& v) {
+        const auto* p = reinterpret_cast<const std::byte*>(&v);
+        buf_.insert(buf_.end(), p, p + sizeof(T));
+    }
+    template <typename T>
+    void put_vec(const std::vector<T>& v) {
+        put<int64_t>(static_cast<int64_t>(v.size()));
+        const auto* p = reinterpret_cast<const std::byte*>(v.data());
+        buf_.insert(buf_.end(), p, p + v.size() * sizeof(T));
+    }
+    void put_str(const std::string& s) { put_vec(std::vector<char>(s.begin(), s.end())); }
+    const std::vector<std::byte>& bytes() const { return buf_; }
+
+  private:
+    std::vector<std::byte> buf_;
+};
+
+class Reader {
+  public:
+    explicit Reader(const std::vector<std::byte>& b) : b_(b) {}
+    template <typename T>
+    T get() {
+        KVSHARD_CHECK(pos_ + sizeof(T) <= b_.size(), "report buffer underrun");
+        T v;
+        std::memcpy(&v, b_.data() + pos_, sizeof(T));
+        pos_ += sizeof(T);
+        return v;
+    }
+    template <typename T>
+    std::vector<T> get_vec() {
+        const auto n = static_cast<size_t>(get<int64_t>());
+        KVSHARD_CHECK(pos_ + n * sizeof(T) <= b_.size(), "report buffer underrun");
+        std::vector<T> v(n);
+        if (n) std::memcpy(v.data(), b_.data() + pos_, n * sizeof(T));
+        pos_ += n * sizeof(T);
+        return v;
+    }
+    std::string get_str() {
+        const auto v = get_vec<char>();
+        return {v.begin(), v.end()};
+    }
+
+  private:
+    const std::vector<std::byte>& b_;
+    size_t pos_ = 0;
+};
+
+// Blocks of each request: request i uses [base[i], base[i] + count(i)).
+std::vector<std::vector<int32_t>> consecutive_tables(const std::vector<int64_t>& tokens,
+                                                     int block_size, int64_t& total_blocks) {
+    std::vector<std::vector<int32_t>> t;
+    int32_t next = 0;
+    for (int64_t n : tokens) {
+        const int64_t blocks = (n + block_size - 1) / block_size;
+        std::vector<int32_t> table;
+        for (int64_t b = 0; b < blocks; ++b) table.push_back(next++);
+        t.push_back(std::move(table));
+    }
+    total_blocks = std::max<int64_t>(1, next);
+    return t;
+}
+
+RankComms rank_comms(Communicator& group, const ParallelGroups& g, const ParallelConfig& p,
+                     const RankCoord& c) {
+    RankComms comms;
+    comms.world = &group;
+    comms.tp = g.tp.get();
+    comms.ep = g.ep.get();
+    if (c.pp > 0) comms.prev_stage = rank_of(p, c.dp, c.pp - 1, c.cp, c.tp);
+    if (c.pp < p.pp - 1) comms.next_stage = rank_of(p, c.dp, c.pp + 1, c.cp, c.tp);
+    return comms;
+}
+
+// What each rank contributes to the report.
+struct RankTimes {
+    double prefill_end = -1;    // prefill ranks: forward done
+    double first_send = -1;     // prefill ranks: first message out
+    double transfer_done = -1;  // decode ranks: every request's transfer finished
+    double decode_seconds = 0;
+    int64_t bytes = 0;  // decode ranks: payload bytes received
+    int64_t messages = 0;
+};
+
+}  // namespace
+
+DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefill,
+                             const ParallelConfig& decode, const TensorSource& weights,
+                             const std::vector<std::vector<int32_t>>& prompts,
+                             const DisaggOptions& opt, Communicator& world) {
+    ModelSpec m = spec;
+    m.kv_dtype = DType::kFp32;  // the reference model caches fp32 KV
+    require(
+        prefill.dp == 1 && decode.dp == 1,
+        "disaggregated runs serve one replica on each side: use dp=1 for --prefill and --decode");
+    require(
+        prefill.cp == 1 && decode.cp == 1,
+        "the disaggregated run executes the reference model without context parallelism: use cp=1 "
+        "(kvshard transfer-plan plans transfers between CP layouts)");
+    require(!m.is_mla(), m.name, " uses MLA, which the reference model does not run");
+    const KvLayout lp = make_layout(m, prefill);
+    const KvLayout ld = make_layout(m, decode);
+    const int P = prefill.world_size(), D = decode.world_size();
+    require(world.size() == P + D, "the run has ", world.size(), " ranks but prefill ",
+            prefill.to_string(), " + decode ", decode.to_string(), " need ", P, " + ", D, " = ",
+            P + D);
+    require(opt.max_new_tokens >= 1, "the number of tokens to generate must be at least 1, got ",
+            opt.max_new_tokens);
+    require(!prompts.empty(), "give at least one prompt");
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        require(!prompts[i].empty(), "prompt ", i,
+                " is empty: every prompt needs at least one token");
+        for (int32_t t : prompts[i])
+            require(t >= 0 && t < m.vocab, "prompt ", i, " holds token id ", t,
+                    " outside the vocabulary [0, ", m.vocab, ")");
+    }
+    const int n = static_cast<int>(prompts.size());
+    const int gen = opt.max_new_tokens;
+
+    // The plans: pure functions of the two layouts and the block tables, the same on every rank.
+    std::vector<int64_t> prompt_len, decode_len;
+    for (const auto& p : prompts) {
+        prompt_len.push_back(static_cast<int64_t>(p.size()));
+        decode_len.push_back(static_cast<int64_t>(p.size()) + gen);
+    }
+    int64_t prefill_blocks = 0, decode_blocks = 0;
+    const auto ptables = consecutive_tables(prompt_len, opt.prefill_block_size, prefill_blocks);
+    const auto dtables = consecutive_tables(decode_len, opt.decode_block_size, decode_blocks);
+    std::vector<std::shared_ptr<const TransferPlan>> plans;
+    for (int i = 0; i < n; ++i) {
+        TransferEndpoint src{.layout = lp,
+                             .dp = 0,
+                             .block_size = opt.prefill_block_size,
+                             .order = opt.prefill_order,
+                             .block_tables = {ptables[i]}};
+        TransferEndpoint dst{.layout = ld,
+                             .dp = 0,
+                             .block_size = opt.decode_block_size,
+                             .order = opt.decode_order,
+                             .block_tables = {dtables[i]}};
+        plans.push_back(std::make_shared<const TransferPlan>(make_transfer_plan(
+            src, dst, prompt_len[i], {.layers_per_group = opt.stream_layers ? 1 : 0})));
+    }
+    TransferExecOptions xo;
+    xo.mode = opt.mode;
+    xo.src_world_base = 0;
+    xo.dst_world_base = P;
+    xo.staging_bytes = opt.staging_bytes;
+    xo.timeout_s = opt.timeout_s;
+
+    const int me = world.rank();
+    const bool is_prefill = me < P;
+    auto group = world.split(is_prefill ? 0 : 1, me);
+    const int prefill_last = rank_of(prefill, 0, prefill.pp - 1, 0, 0);
+
+    // Models first (weights are loaded outside the timed part), then a common start.
+    const KvLayout& mine = is_prefill ? lp : ld;
+    const ParallelConfig& pc = is_prefill ? prefill : decode;
+    const int local = is_prefill ? me : me - P;
+    const RankCoord c = mine.ranks[local].coord;
+    const ParallelGroups g = make_groups(*group, pc);
+    RankModel model(load_weights(m, weight_shard(mine, local), weights),
+                    is_prefill ? prefill_blocks : decode_blocks,
+                    is_prefill ? opt.prefill_block_size : opt.decode_block_size,
+                    rank_comms(*group, g, pc, c),
+                    is_prefill ? opt.prefill_order : opt.decode_order);
+    xo.staging_pool = StagingPool::create();  // this rank's, shared by its requests
+    world.barrier();
+    const auto t0 = Clock::now();
+    RankTimes times;
+    Writer w;
+
+    if (is_prefill) {
+        std::vector<std::unique_ptr<TransferSender>> senders;
+        const double senders_at = since(t0);
+        for (int i = 0; i < n; ++i) {
+            TransferExecOptions o = xo;
+            if (i == opt.corrupt_request) o.faults.corrupt_message = 0;
+            senders.push_back(std::make_unique<TransferSender>(
+                world, plans[i], static_cast<uint64_t>(i), me, model.pool(), o));
+        }
+        model.set_attention([&](const AttentionCall& call) {
+            default_attention(call);  // writes this layer's KV, then attends
+            for (auto& s : senders) {
+                s->layer_ready(call.layer);
+                s->progress();
+            }
+        });
+        ForwardBatch fb;
+        for (int i = 0; i < n; ++i) {
+            for (int64_t t = 0; t < prompt_len[i]; ++t) {
+                fb.token_ids.push_back(prompts[i][t]);
+                fb.slots.push_back(t);
+            }
+            fb.queries.add_sequence(prompt_len[i], 0);
+            fb.kv.add_sequence(ptables[i], prompt_len[i], opt.prefill_block_size);
+        }
+        const std::vector<float> logits = model.forward(fb);
+        times.prefill_end = since(t0);
+        for (auto& s : senders) s->all_layers_ready();
+        // Finish every transfer before anything blocking: the decode ranks need our sends to finish
+        // theirs.
+        std::vector<TransferSender*> sp;
+        for (auto& s : senders) sp.push_back(s.get());
+        progress_until_done(sp, {});
+        for (auto& s : senders) {
+            const TransferResult r = s->finish();
+            if (r.first_send_s >= 0) {
+                const double at =
+                    senders_at + r.first_send_s;  // first_send_s counts from construction
+                times.first_send = times.first_send < 0 ? at : std::min(times.first_send, at);
+            }
+        }
+        std::vector<int32_t> first(static_cast<size_t>(n), 0);
+        if (me == prefill_last) {
+            for (int i = 0; i < n; ++i)
+                first[i] =
+                    argmax({logits.data() + int64_t{i} * m.vocab, static_cast<size_t>(m.vocab)});
+            std::vector<Request> reqs;
+            for (int d = 0; d < D; ++d)
+                reqs.push_back(
+                    world.isend(std::span<const int32_t>(first), P + d, kTagFirstTokens));
+            wait_all(reqs);
+        }
+        w.put(times);
+        w.put<int32_t>(me == prefill_last ? 1 : 0);
+        if (me == prefill_last) w.put_vec(logits);
+        w.put<int32_t>(0);  // no per-request errors
+        w.put<int32_t>(0);  // no per-request results
+    } else {
+        const int d = local;
+        std::vector<std::unique_ptr<TransferReceiver>> receivers;
+        for (int i = 0; i < n; ++i)
+            receivers.push_back(std::make_unique<TransferReceiver>(
+                world, plans[i], static_cast<uint64_t>(i), d, model.pool(), xo));
+        std::vector<TransferReceiver*> rp;
+        for (auto& r : receivers) rp.push_back(r.get());
+        progress_until_done({}, rp);
+        times.transfer_done = since(t0);
+        std::vector<std::string> errors(static_cast<size_t>(n));
+        std::vector<int32_t> failed(static_cast<size_t>(n), 0);
+        for (int i = 0; i < n; ++i) {
+            const TransferResult r = receivers[i]->finish();
+            times.bytes += r.bytes;
+            times.messages += r.messages;
+            if (!r.ok()) {
+                failed[i] = 1;
+                errors[i] = std::string(transfer_status_name(r.status)) + ": " + r.error;
+            }
+        }
+        receivers.clear();
+        // One verdict per request for the whole decode group.
+        group->all_reduce(std::span<int32_t>(failed), ReduceOp::kMax);
+
+        std::vector<int32_t> first(static_cast<size_t>(n), 0);
+        world.recv(std::span<int32_t>(first), prefill_last, kTagFirstTokens);
+        std::vector<std::vector<int32_t>> out(static_cast<size_t>(n));
+        std::vector<int> active;
+        for (int i = 0; i < n; ++i)
+            if (!failed[i]) {
+                out[i].push_back(first[i]);
+                active.push_back(i);
+            }
+        const bool last_stage = c.pp == decode.pp - 1;
+        std::vector<float> logits;
+        const auto td = Clock::now();
+        for (int step = 1; step < gen && !active.empty(); ++step) {
+            ForwardBatch fb;
+            for (int i : active) {
+                const int64_t pos = prompt_len[i] + step - 1;
+                fb.token_ids.push_back(out[i].back());
+                fb.slots.push_back(pos);
+                fb.queries.add_sequence(1, pos);
+                const int64_t blocks =
+                    (pos + 1 + opt.decode_block_size - 1) / opt.decode_block_size;
+                fb.kv.add_sequence(
+                    std::vector<int32_t>(dtables[i].begin(), dtables[i].begin() + blocks), pos + 1,
+                    opt.decode_block_size);
+            }
+            logits = model.forward(fb);
+            std::vector<int32_t> toks(active.size(), 0);
+            if (last_stage) {
+                for (size_t k = 0; k < active.size(); ++k)
+                    toks[k] = argmax({logits.data() + static_cast<int64_t>(k) * m.vocab,
+                                      static_cast<size_t>(m.vocab)});
+                for (int s = 0; s < decode.pp - 1; ++s)
+                    group->send(std::span<const int32_t>(toks), rank_of(decode, 0, s, 0, c.tp),
+                                kTagDecodeTokens);
+            } else {
+                group->recv(std::span<int32_t>(toks), rank_of(decode, 0, decode.pp - 1, 0, c.tp),
+                            kTagDecodeTokens);
+            }
+            for (size_t k = 0; k < active.size(); ++k) out[active[k]].push_back(toks[k]);
+        }
+        times.decode_seconds = since(td);
+        w.put(times);
+        w.put<int32_t>(0);  // no prefill logits
+        w.put<int32_t>(1);
+        for (int i = 0; i < n; ++i) w.put_str(errors[i]);
+        const bool brings = last_stage && c.tp == 0;
+        w.put<int32_t>(brings ? 1 : 0);
+        if (brings) {
+            for (int i = 0; i < n; ++i) {
+                w.put_vec(out[i]);
+                w.put<int32_t>(failed[i]);
+                std::vector<float> lg;
+                if (gen > 1 && !failed[i]) {
+                    const auto k = std::find(active.begin(), active.end(), i) - active.begin();
+                    lg.assign(logits.begin() + k * m.vocab, logits.begin() + (k + 1) * m.vocab);
+                }
+                w.put_vec(lg);
+            }
+        }
+    }
+
+    const auto blobs = world.all_gather_blobs(w.bytes());
+    DisaggReport rep;
+    rep.tokens.resize(n);
+    rep.last_logits.resize(n);
+    rep.errors.resize(n);
+    std::vector<float> prefill_logits;
+    std::vector<int32_t> failed_flags(static_cast<size_t>(n), 0);
+    rep.transfer_start_s = -1;
+    for (int r = 0; r < static_cast<int>(blobs.size()); ++r) {
+        Reader rd(blobs[r]);
+        const auto t = rd.get<RankTimes>();
+        if (rd.get<int32_t>()) prefill_logits = rd.get_vec<float>();
+        if (rd.get<int32_t>())
+            for (int i = 0; i < n; ++i) {
+                std::string e = rd.get_str();
+                if (!e.empty() && rep.errors[i].empty())
+                    rep.errors[i] = "decode rank " + std::to_string(r - P) + ": " + e;
+            }
+        if (rd.get<int32_t>())
+            for (int i = 0; i < n; ++i) {
+                rep.tokens[i] = rd.get_vec<int32_t>();
+                failed_flags[i] = rd.get<int32_t>();
+                rep.last_logits[i] = rd.get_vec<float>();
+            }
+        rep.prefill_seconds = std::max(rep.prefill_seconds, t.prefill_end);
+        if (t.first_send >= 0)
+            rep.transfer_start_s = rep.transfer_start_s < 0
+                                       ? t.first_send
+                                       : std::min(rep.transfer_start_s, t.first_send);
+        rep.transfer_end_s = std::max(rep.transfer_end_s, t.transfer_done);
+        rep.decode_seconds = std::max(rep.decode_seconds, t.decode_seconds);
+        rep.transfer_bytes += t.bytes;
+        rep.messages += t.messages;
+    }
+    if (rep.transfer_start_s < 0) rep.transfer_start_s = rep.transfer_end_s;
+    rep.transfer_seconds = std::max(0.0, rep.transfer_end_s - rep.transfer_start_s);
+    rep.overlap_seconds =
+        std::max(0.0, std::min(rep.prefill_seconds, rep.transfer_end_s) - rep.transfer_start_s);
+    for (int i = 0; i < n; ++i) {
+        if (failed_flags[i] && rep.errors[i].empty()) rep.errors[i] = "failed";
+        rep.min_bytes += plans[i]->min_bytes;
+        if (!rep.errors[i].empty()) ++rep.failed_requests;
+        if (gen == 1 && rep.errors[i].empty() && !prefill_logits.empty())
+            rep.last_logits[i].assign(prefill_logits.begin() + int64_t{i} * m.vocab,
+                                      prefill_logits.begin() + int64_t{i + 1} * m.vocab);
+    }
+    rep.mode = std::string(transfer_mode_name(resolve_mode(*plans[0], opt.mode)));
+    return rep;
+}
+
+}  // namespace kvshard

@@ -1,0 +1,154 @@
+// The CLI on bad input: "kvshard: error: ..." on stderr and exit status 2, never a crash.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+struct Result {
+    int status = -1;
+    std::string out;  // stdout and stderr together
+};
+
+Result kvshard(const std::string& args) {
+    Result r;
+    const std::string cmd = std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1";
+    FILE* f = popen(cmd.c_str(), "r");
+    if (!f) return r;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) r.out.append(buf, n);
+    const int st = pclose(f);
+    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return r;
+}
+
+std::string temp_file(const std::string& name, const std::string& text) {
+    const std::string path = testing::TempDir() + name;
+    std::ofstream(path) << text;
+    return path;
+}
+
+void expect_usage_error(const std::string& args, const std::string& needle) {
+    const Result r = kvshard(args);
+    EXPECT_EQ(r.status, 2) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find("kvshard: error: "), std::string::npos) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(needle), std::string::npos) << args << "\n" << r.out;
+}
+
+TEST(CliErrors, LayoutValidationPaths) {
+    expect_usage_error("layout --model llama-3.1-70b --tp 3",
+                       "tp=3 does not divide the 64 query heads");
+    expect_usage_error("layout --model llama-3.1-70b --tp 12",
+                       "valid tp sizes are 1, 2, 4, 8, 16, 32, 64");
+    expect_usage_error("layout --model llama-3.1-8b --pp 40", "pp=40 is larger than the 32 layers");
+    expect_usage_error("layout --model llama-3.1-8b --pp 2 --pp-layers 10,10",
+                       "pp_layers sums to 20");
+    expect_usage_error("layout --model llama-3.1-8b --pp 2 --pp-layers 32",
+                       "pp_layers lists 1 stages");
+    expect_usage_error("layout --model llama-3.1-8b --tp 4 --dp 2 --ep 8", "dense model");
+    expect_usage_error("layout --model mixtral-8x7b --dp 3 --ep 3",
+                       "ep=3 does not divide the 8 experts");
+    expect_usage_error("layout --model mixtral-8x7b --tp 4 --ep 8", "ep must divide dp*cp*tp");
+    expect_usage_error("layout --model llama-3.1-70b --tp 8 --pp 2 --gpus 8",
+                       "but 8 GPUs were given");
+    expect_usage_error("layout --model llama-3.1-70b --tp 0",
+                       "tp must be a positive integer, got 0");
+    expect_usage_error("layout --model llama-3.1-70b --dp -2",
+                       "dp must be a positive integer, got -2");
+    expect_usage_error("layout --model llama-3.1-70b --cp 2 --cp-scheme spiral",
+                       "unknown CP scheme 'spiral'");
+    expect_usage_error(
+        "layout --model llama-3.1-70b --cp 2 --cp-scheme interleave --cp-interleave 0",
+        "cp_interleave must be a positive integer");
+    expect_usage_error("layout --model llama-3.1-70b --kv-dtype fp7", "fp7");
+    expect_usage_error("layout --model no-such-model", "unknown model 'no-such-model'");
+    expect_usage_error("layout --model llama-3.1-70b --tp eight", "eight");
+    expect_usage_error("layout --tp 8", "--model");
+    expect_usage_error("layout --model llama-3.1-70b --gpus 0",
+                       "GPU count must be a positive integer");
+}
+
+TEST(CliErrors, ModelFiles) {
+    const auto missing = temp_file("kvshard_cli_missing.json", R"({"hidden_size": 4096})");
+    expect_usage_error("models --model " + missing, "missing field 'num_hidden_layers'");
+    const auto broken = temp_file("kvshard_cli_broken.json", "{not json");
+    expect_usage_error("layout --model " + broken, "not valid JSON");
+    const auto mistyped =
+        temp_file("kvshard_cli_mistyped.json",
+                  R"({"num_hidden_layers": "32", "hidden_size": 4096, "num_attention_heads": 32,
+                                       "intermediate_size": 11008, "vocab_size": 32000})");
+    expect_usage_error("layout --model " + mistyped,
+                       "'num_hidden_layers' must be a positive integer");
+}
+
+TEST(CliErrors, PlanPaths) {
+    const std::string base = "plan --model llama-3.1-8b --hardware h100-sxm ";
+    expect_usage_error(base + "--gpus 0 --context 1024", "GPU count must be a positive integer");
+    expect_usage_error(base + "--gpus 8 --context 0", "context must be at least 1 token");
+    expect_usage_error(base + "--gpus 8 --context 1024 --batch -3", "batch must be >= 0");
+    expect_usage_error(base + "--gpus 8 --context 1024 --objective cost",
+                       "unknown objective 'cost'");
+    expect_usage_error(base + "--gpus 8 --context 1024 --mem-util 1.5",
+                       "mem_util must be in (0, 1]");
+    expect_usage_error(base + "--gpus 8 --context 1024 --block-size 0",
+                       "block_size must be a positive integer");
+    expect_usage_error(base + "--gpus 8 --context 1024 --cp-prefill ring",
+                       "unknown CP prefill scheme 'ring'");
+    expect_usage_error(base + "--context 1024", "--gpus");
+    expect_usage_error("plan --model llama-3.1-8b --hardware tpu-v9 --gpus 8 --context 1024",
+                       "unknown hardware 'tpu-v9'");
+    const auto hw =
+        temp_file("kvshard_cli_hw.json", R"({"base": "h100-sxm", "hbm_eficiency": 0.7})");
+    expect_usage_error("plan --model llama-3.1-8b --hardware " + hw + " --gpus 8 --context 1024",
+                       "unknown field 'hbm_eficiency'");
+}
+
+TEST(Cli, HelpOnEveryCommand) {
+    for (const char* cmd : {"layout", "plan", "models"}) {
+        const Result r = kvshard(std::string(cmd) + " --help");
+        EXPECT_EQ(r.status, 0) << cmd;
+        EXPECT_NE(r.out.find("--json"), std::string::npos) << cmd << "\n" << r.out;
+    }
+}
+
+TEST(Cli, LayoutJson) {
+    const Result r = kvshard("layout --model llama-3.1-70b --tp 8 --pp 2 --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["world_size"], 16);
+    ASSERT_EQ(j["ranks"].size(), 16u);
+    EXPECT_EQ(j["ranks"][9]["kv_heads"], nlohmann::json::array({1}));
+    EXPECT_EQ(j["ranks"][9]["layers"], nlohmann::json::array({40, 80}));
+    EXPECT_EQ(j["ranks"][9]["kv_bytes_per_token"], 40 * 2 * 128 * 2);
+    for (const char* k : {"rank", "dp", "pp", "cp", "tp"})
+        EXPECT_TRUE(j["ranks"][0].contains(k)) << k;
+}
+
+TEST(Cli, PlanMustShowJsonAndSvg) {
+    const std::string svg = testing::TempDir() + "kvshard_cli_plan.svg";
+    const Result r = kvshard(
+        "plan --model llama-3.1-405b --hardware h100-sxm --gpus 16 --context 131072 --json --svg " +
+        svg);
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    ASSERT_FALSE(j["configs"].empty());
+    EXPECT_TRUE(j["configs"][0]["fits"].get<bool>());
+    EXPECT_GE(j["configs"][0]["max_context"].get<int64_t>(), 131072);
+    std::ifstream in(svg);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(text.rfind("<svg", 0), 0u);
+    std::remove(svg.c_str());
+    // The table form prints a ranked table.
+    const Result t =
+        kvshard("plan --model llama-3.1-405b --hardware h100-sxm --gpus 16 --context 131072");
+    ASSERT_EQ(t.status, 0) << t.out;
+    EXPECT_NE(t.out.find("configurations fit"), std::string::npos);
+}
+
+}  // namespace

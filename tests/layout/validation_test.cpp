@@ -1,0 +1,164 @@
+// Every validation error path of the layout (issue 2, §3): each is a kvshard::Error whose one-line
+// message says what is wrong and what would be valid.
+#include <gtest/gtest.h>
+
+#include "kvshard/common/error.h"
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/model/catalog.h"
+
+namespace kvshard {
+namespace {
+
+ParallelConfig cfg(int tp, int pp = 1, int cp = 1, int dp = 1, int ep = 1) {
+    ParallelConfig p;
+    p.tp = tp;
+    p.pp = pp;
+    p.cp = cp;
+    p.dp = dp;
+    p.ep = ep;
+    return p;
+}
+
+// Runs f, expects an Error whose message contains every needle and has no newline.
+template <typename F>
+void expect_error(F&& f, std::initializer_list<const char*> needles) {
+    try {
+        f();
+        ADD_FAILURE() << "no error; expected one mentioning " << *needles.begin();
+    } catch (const Error& e) {
+        const std::string what = e.what();
+        for (const char* n : needles)
+            EXPECT_NE(what.find(n), std::string::npos) << "'" << n << "' not in: " << what;
+        EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+}
+
+const ModelSpec& llama70() {
+    static const ModelSpec m = catalog_model("llama-3.1-70b");
+    return m;
+}
+
+TEST(Validation, QueryHeadsNotDivisibleByTp) {
+    expect_error(
+        [] { make_layout(llama70(), cfg(3)); },
+        {"tp=3 does not divide the 64 query heads", "valid tp sizes are 1, 2, 4, 8, 16, 32, 64"});
+}
+
+TEST(Validation, TpAndKvHeadsDoNotDivideOneAnother) {
+    ModelSpec m = llama70();
+    m.num_heads = 48;  // 48 query heads, 8 KV heads: tp=12 divides 48 but neither divides the other
+    expect_error([&] { make_layout(m, cfg(12)); },
+                 {"tp=12 and the 8 KV heads", "valid tp sizes are 1, 2, 4, 8, 16, 24, 48"});
+    EXPECT_EQ(valid_tp_sizes(m), (std::vector<int>{1, 2, 4, 8, 16, 24, 48}));
+}
+
+TEST(Validation, PpLargerThanLayers) {
+    expect_error([] { make_layout(catalog_model("tiny"), cfg(1, 5)); },
+                 {"pp=5 is larger than the 4 layers", "at most 4"});
+}
+
+TEST(Validation, ExplicitPpSplitErrors) {
+    auto p = cfg(1, 2);
+    p.pp_layers = {40};
+    expect_error([&] { make_layout(llama70(), p); }, {"pp_layers lists 1 stages but pp=2"});
+    p.pp_layers = {80, 0};
+    expect_error([&] { make_layout(llama70(), p); }, {"at least one layer"});
+    p.pp_layers = {40, 30};
+    expect_error([&] { make_layout(llama70(), p); }, {"pp_layers sums to 70", "add up to 80"});
+}
+
+TEST(Validation, EpOnDenseModel) {
+    expect_error([] { make_layout(llama70(), cfg(4, 1, 1, 2, 8)); },
+                 {"ep=8 on llama-3.1-70b", "dense model", "use ep=1"});
+}
+
+TEST(Validation, EpNotDividingExperts) {
+    expect_error([] { make_layout(catalog_model("mixtral-8x7b"), cfg(1, 1, 1, 3, 3)); },
+                 {"ep=3 does not divide the 8 experts"});
+    // 6 ranks per stage, ep=6: does not divide the 8 experts either.
+    expect_error([] { make_layout(catalog_model("mixtral-8x7b"), cfg(2, 1, 1, 3, 6)); },
+                 {"ep=6 does not divide the 8 experts"});
+}
+
+TEST(Validation, EpNotDividingStageRanks) {
+    expect_error([] { make_layout(catalog_model("mixtral-8x7b"), cfg(4, 1, 1, 1, 8)); },
+                 {"ep=8 does not divide the dp*cp*tp=4 ranks", "ep must divide dp*cp*tp"});
+}
+
+TEST(Validation, WorldSizeMustMatchGpuCount) {
+    expect_error([] { validate_world(cfg(8, 2), 8); },
+                 {"dp*pp*cp*tp = 1*2*1*8 = 16 ranks, but 8 GPUs", "must equal the GPU count"});
+    expect_error([] { validate_world(cfg(1), 0); },
+                 {"GPU count must be a positive integer, got 0"});
+    EXPECT_NO_THROW(validate_world(cfg(8, 2), 16));
+}
+
+TEST(Validation, ZeroOrNegativeSizes) {
+    for (int v : {0, -1}) {
+        expect_error([&] { make_layout(llama70(), cfg(v)); }, {"tp must be a positive integer"});
+        expect_error([&] { make_layout(llama70(), cfg(1, v)); }, {"pp must be a positive integer"});
+        expect_error([&] { make_layout(llama70(), cfg(1, 1, v)); },
+                     {"cp must be a positive integer"});
+        expect_error([&] { make_layout(llama70(), cfg(1, 1, 1, v)); },
+                     {"dp must be a positive integer"});
+        expect_error([&] { make_layout(llama70(), cfg(1, 1, 1, 1, v)); },
+                     {"ep must be a positive integer"});
+        auto p = cfg(1, 1, 2);
+        p.cp_scheme = CpScheme::kInterleave;
+        p.cp_interleave = v;
+        expect_error([&] { make_layout(llama70(), p); },
+                     {"cp_interleave must be a positive integer"});
+    }
+}
+
+TEST(Validation, ParallelConfigText) {
+    expect_error([] { parse_parallel_config("tp=8,qq=2"); },
+                 {"unknown key 'qq'", "expected tp, pp"});
+    expect_error([] { parse_parallel_config("tp8"); }, {"'tp8' is not key=value"});
+    expect_error([] { parse_parallel_config("tp=eight"); }, {"'tp' needs an integer, got 'eight'"});
+    expect_error([] { parse_cp_scheme("spiral"); },
+                 {"unknown CP scheme 'spiral'", "contiguous, zigzag or interleave"});
+    const auto p =
+        parse_parallel_config("tp=8 pp=2,cp=4 dp=1,ep=1,cp_scheme=zigzag,pp_layers=40/40");
+    EXPECT_EQ(p.tp, 8);
+    EXPECT_EQ(p.cp, 4);
+    EXPECT_EQ(p.cp_scheme, CpScheme::kZigzag);
+    EXPECT_EQ(p.pp_layers, (std::vector<int>{40, 40}));
+}
+
+TEST(Validation, ModelSpecFields) {
+    auto bad = [](auto mutate, const char* needle) {
+        ModelSpec m = catalog_model("tiny");
+        mutate(m);
+        expect_error([&] { make_layout(m, cfg(1)); }, {needle});
+    };
+    bad([](ModelSpec& m) { m.num_layers = 0; }, "num_layers must be a positive integer");
+    bad([](ModelSpec& m) { m.hidden = -4; }, "hidden must be a positive integer");
+    bad([](ModelSpec& m) { m.num_heads = 0; }, "num_heads must be a positive integer");
+    bad([](ModelSpec& m) { m.num_kv_heads = 0; }, "num_kv_heads must be a positive integer");
+    bad([](ModelSpec& m) { m.num_kv_heads = 3; }, "must be a multiple of num_kv_heads (3)");
+    bad([](ModelSpec& m) { m.head_dim = 0; }, "head_dim must be a positive integer");
+    bad([](ModelSpec& m) { m.vocab = 0; }, "vocab must be a positive integer");
+    bad([](ModelSpec& m) { m.intermediate = 0; }, "intermediate must be a positive integer");
+    bad(
+        [](ModelSpec& m) {
+            m.moe.num_experts = 4;
+            m.moe.experts_per_token = 5;
+            m.moe.expert_intermediate = 8;
+        },
+        "experts_per_token must be in [1, num_experts=4]");
+    bad(
+        [](ModelSpec& m) {
+            m.attention = AttentionKind::kMla;
+            m.mla = {};
+        },
+        "mla.kv_lora_rank must be a positive integer");
+}
+
+TEST(Validation, CatalogAndDtypeErrors) {
+    expect_error([] { catalog_model("gpt-5"); }, {"unknown model 'gpt-5'", "llama-3.1-70b"});
+    expect_error([] { parse_dtype("fp7"); }, {"fp7"});
+}
+
+}  // namespace
+}  // namespace kvshard

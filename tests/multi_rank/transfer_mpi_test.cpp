@@ -1,0 +1,116 @@
+// KV transfer over the MPI backend: the first P processes are the source (prefill) group, the next
+// D the destination (decode) group, as in `mpirun -np P prog : -np D prog`. Layout pairs whose
+// P + D equals the job size run; the others skip.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <thread>
+
+#include "kvshard/comm/mpi.h"
+#include "kvshard/transfer/transfer_exec.h"
+#include "transfer/transfer_harness.h"
+
+namespace kvshard {
+namespace {
+
+Communicator& world() {
+    static std::unique_ptr<Communicator> w = mpi_world();
+    return *w;
+}
+
+struct MpiPair {
+    std::string from, to;
+    int64_t tokens;
+    int bs_from, bs_to;
+};
+
+class TransferMpiTest : public ::testing::TestWithParam<MpiPair> {};
+
+// Runs `requests` transfers of the same plan at once on this rank; returns the results by request.
+std::vector<TransferResult> run_here(const std::shared_ptr<TransferPlan>& plan, testing::Side& src,
+                                     testing::Side& dst,
+                                     const std::vector<TransferExecOptions>& opts) {
+    const int P = plan->src.layout.world_size();
+    const int me = world().rank();
+    std::vector<TransferResult> out;
+    if (me < P) {
+        std::vector<std::unique_ptr<TransferSender>> s;
+        for (size_t k = 0; k < opts.size(); ++k)
+            s.push_back(std::make_unique<TransferSender>(world(), plan, 100 + k, me, *src.pools[me],
+                                                         opts[k]));
+        for (int l = 0; l < plan->src.layout.model.num_layers; ++l)
+            for (auto& x : s) {
+                x->layer_ready(l);
+                x->progress();
+            }
+        for (auto& x : s) out.push_back(x->finish());
+    } else {
+        // Each request into its own copy of the destination pool.
+        std::vector<std::unique_ptr<BlockPool>> pools;
+        std::vector<std::unique_ptr<TransferReceiver>> r;
+        for (size_t k = 0; k < opts.size(); ++k) {
+            const BlockPool& like = *dst.pools[me - P];
+            pools.push_back(std::make_unique<BlockPool>(like.geometry(), like.num_blocks()));
+            std::copy(like.arena().begin(), like.arena().end(), pools.back()->arena().begin());
+            r.push_back(std::make_unique<TransferReceiver>(world(), plan, 100 + k, me - P,
+                                                           *pools.back(), opts[k]));
+        }
+        bool all = false;
+        while (!all) {
+            all = true;
+            for (auto& x : r) all &= x->progress();
+            if (!all) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+        for (auto& x : r) out.push_back(x->finish());
+        // Request 0 lands in the destination side's own pool for checking.
+        std::copy(pools[0]->arena().begin(), pools[0]->arena().end(),
+                  dst.pools[me - P]->arena().begin());
+    }
+    return out;
+}
+
+TEST_P(TransferMpiTest, StreamedTransferIsExact) {
+    const MpiPair& c = GetParam();
+    const ModelSpec m = testing::llama_mini(5);
+    auto src_ep = testing::make_endpoint(m, c.from, c.bs_from, PageOrder::kHnd, c.tokens, 0, 5);
+    auto dst_ep = testing::make_endpoint(m, c.to, c.bs_to, PageOrder::kNhd, c.tokens, 0, 6);
+    const int P = src_ep.layout.world_size(), D = dst_ep.layout.world_size();
+    if (P + D != world().size()) GTEST_SKIP() << "needs " << P + D << " processes";
+    auto plan = std::make_shared<TransferPlan>(
+        make_transfer_plan(src_ep, dst_ep, c.tokens, {.layers_per_group = 1}));
+    auto src = testing::make_source(plan->src, c.tokens);
+    auto dst = testing::make_destination(plan->dst);
+    TransferExecOptions good;
+    good.dst_world_base = P;
+    good.staging_bytes = 1;  // one message at a time: back-pressure on every send
+    TransferExecOptions bad = good;
+    bad.faults.corrupt_message = 0;  // another request, corrupted: fails alone
+    const auto res = run_here(plan, src, dst, {good, bad});
+    const int me = world().rank();
+    EXPECT_TRUE(res[0].ok()) << res[0].error;
+    if (me >= P) {
+        const int d = me - P;
+        EXPECT_EQ(res[0].bytes, needed_bytes(*plan, d));
+        const auto want = testing::expected_pool(plan->dst, d, c.tokens, *dst.pools[d]);
+        const auto* got = reinterpret_cast<const uint32_t*>(dst.pools[d]->arena().data());
+        int64_t wrong = 0;
+        for (size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
+        EXPECT_EQ(wrong, 0) << "destination rank " << d;
+        if (d == plan->messages[0].dst_rank) {
+            EXPECT_EQ(res[1].status, TransferStatus::kChecksumMismatch) << res[1].error;
+        }
+    } else if (me == plan->messages[0].src_rank) {
+        EXPECT_EQ(res[1].status, TransferStatus::kPeerFailed) << res[1].error;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Pairs, TransferMpiTest,
+                         ::testing::Values(MpiPair{"tp=2", "tp=1", 70, 16, 64},   // 3 processes
+                                           MpiPair{"tp=4", "tp=2", 100, 16, 16},  // 6
+                                           MpiPair{"tp=2,pp=2", "tp=1,pp=2", 50, 8, 16},  // 6
+                                           MpiPair{"cp=2,tp=2,cp_scheme=zigzag", "tp=2", 64, 16,
+                                                   16}),  // 6
+                         [](const auto& info) { return "pair" + std::to_string(info.index); });
+
+}  // namespace
+}  // namespace kvshard

@@ -1,0 +1,175 @@
+#include "run_disagg.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "kvshard/comm/launch.h"
+#include "kvshard/common/error.h"
+#include "kvshard/exec/generate.h"
+#include "kvshard/exec/rank_model.h"
+#include "kvshard/transfer/disagg.h"
+#include "options.h"
+
+namespace kvshard::cli {
+namespace {
+
+PageOrder parse_order(const std::string& flag, const std::string& s) {
+    if (s == "hnd" || s == "HND") return PageOrder::kHnd;
+    if (s == "nhd" || s == "NHD") return PageOrder::kNhd;
+    throw Error(fmt::format("{} '{}': valid page orders are hnd, nhd", flag, s));
+}
+
+ParallelConfig parse_side(const char* flag, const std::string& text, const ModelSpec& m) {
+    require(!text.empty(), flag,
+            " is missing: a disaggregated run needs both --prefill and --decode, e.g. "
+            "--prefill tp=8 --decode tp=4");
+    try {
+        ParallelConfig p = parse_parallel_config(text);
+        validate(m, p);
+        return p;
+    } catch (const Error& e) {
+        throw Error(fmt::format("{} '{}': {}", flag, text, e.what()));
+    }
+}
+
+std::string bytes_text(int64_t b) {
+    if (b >= (int64_t{1} << 20)) return fmt::format("{:.2f} MiB", b / 1048576.0);
+    if (b >= 1024) return fmt::format("{:.1f} KiB", b / 1024.0);
+    return fmt::format("{} B", b);
+}
+
+}  // namespace
+
+void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
+    sub->add_option(
+        "--prefill", f.prefill,
+        "disaggregated run: the prefill group's layout, e.g. tp=8 or tp=4,pp=2 (with --decode)");
+    sub->add_option("--decode", f.decode,
+                    "disaggregated run: the decode group's layout, e.g. tp=4");
+    sub->add_option("--decode-block-size", f.decode_block_size,
+                    "disaggregated run: decode block size (default: --block-size)");
+    sub->add_option("--prefill-order", f.prefill_order,
+                    "disaggregated run: prefill page order hnd|nhd")
+        ->capture_default_str();
+    sub->add_option("--decode-order", f.decode_order,
+                    "disaggregated run: decode page order hnd|nhd")
+        ->capture_default_str();
+    sub->add_option("--transfer-mode", f.transfer_mode,
+                    "disaggregated run: where the KV is reshaped: pre-send|post-receive|auto")
+        ->capture_default_str();
+    sub->add_flag("--no-stream", f.no_stream,
+                  "disaggregated run: send the KV after prefill instead of layer by layer");
+    sub->add_option("--staging-mib", f.staging_mib,
+                    "disaggregated run: packed KV in flight per rank (MiB; back-pressure beyond)")
+        ->capture_default_str();
+}
+
+int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
+    const ModelSpec& m = in.model;
+    const ParallelConfig pp = parse_side("--prefill", f.prefill, m);
+    const ParallelConfig pd = parse_side("--decode", f.decode, m);
+    require(f.staging_mib >= 1, "--staging-mib must be at least 1, got ", f.staging_mib);
+    require(f.decode_block_size >= 0, "--decode-block-size must be positive, got ",
+            f.decode_block_size);
+    DisaggOptions opt;
+    opt.max_new_tokens = in.gen;
+    opt.prefill_block_size = in.block_size;
+    opt.decode_block_size = f.decode_block_size > 0 ? f.decode_block_size : in.block_size;
+    opt.prefill_order = parse_order("--prefill-order", f.prefill_order);
+    opt.decode_order = parse_order("--decode-order", f.decode_order);
+    opt.mode = parse_transfer_mode(f.transfer_mode);
+    opt.stream_layers = !f.no_stream;
+    opt.staging_bytes = f.staging_mib << 20;
+    set_compute_threads(1);
+
+    int status = 0;
+    launch(in.backend, pp.world_size() + pd.world_size(), [&](Communicator& world) {
+        const DisaggReport r = disagg_generate(m, pp, pd, *in.weights, in.prompts, opt, world);
+        if (world.rank() != 0) return;
+        double max_err = 0;
+        bool match = true;
+        if (in.verify) {
+            GenerationOptions go;
+            go.max_new_tokens = in.gen;
+            go.block_size = in.block_size;
+            const GenerationReport ref = generate(m, ParallelConfig{}, *in.weights, in.prompts, go);
+            for (size_t i = 0; i < in.prompts.size(); ++i) {
+                if (!r.errors[i].empty()) continue;
+                max_err = std::max(max_err, relative_l2(r.last_logits[i], ref.last_logits[i]));
+                match = match && r.tokens[i] == ref.tokens[i];
+            }
+            if (!match || max_err > 1e-4) status = 1;
+        }
+        if (r.failed_requests > 0) status = 1;
+        const double overlap_fraction =
+            r.transfer_seconds > 0 ? r.overlap_seconds / r.transfer_seconds : 0;
+        if (in.json) {
+            nlohmann::json j = {{"model", m.name},
+                                {"weights", in.weights_from},
+                                {"backend", std::string(backend_name(in.backend))},
+                                {"prefill",
+                                 {{"parallel", pp.to_string()},
+                                  {"ranks", pp.world_size()},
+                                  {"block_size", opt.prefill_block_size},
+                                  {"seconds", r.prefill_seconds}}},
+                                {"decode",
+                                 {{"parallel", pd.to_string()},
+                                  {"ranks", pd.world_size()},
+                                  {"block_size", opt.decode_block_size},
+                                  {"seconds", r.decode_seconds}}},
+                                {"transfer",
+                                 {{"bytes", r.transfer_bytes},
+                                  {"min_bytes", r.min_bytes},
+                                  {"messages", r.messages},
+                                  {"mode", r.mode},
+                                  {"streamed", opt.stream_layers},
+                                  {"seconds", r.transfer_seconds},
+                                  {"overlap_seconds", r.overlap_seconds},
+                                  {"overlap_fraction", overlap_fraction}}},
+                                {"prompts", in.prompts.size()},
+                                {"gen", in.gen},
+                                {"tokens", r.tokens},
+                                {"failed_requests", r.failed_requests},
+                                {"errors", r.errors},
+                                {"verify", in.verify ? nlohmann::json{{"max_rel_err", max_err},
+                                                                      {"tokens_match", match}}
+                                                     : nlohmann::json(nullptr)}};
+            print_json(j.dump(2));
+        } else {
+            fmt::print(
+                "{} ({} weights), backend {}: prefill {} ({} ranks) -> decode {} ({} ranks), {} "
+                "prompt(s), "
+                "generate {} token(s) each\n",
+                m.name, in.weights_from, backend_name(in.backend), pp.to_string(), pp.world_size(),
+                pd.to_string(), pd.world_size(), in.prompts.size(), in.gen);
+            fmt::print("prefill: {:.2f} ms\n", r.prefill_seconds * 1e3);
+            fmt::print(
+                "transfer: {} in {} messages (minimum {}), mode {}, {}; {:.2f} ms, {:.2f} ms of it "
+                "overlapping prefill ({:.0f}%)\n",
+                bytes_text(r.transfer_bytes), r.messages, bytes_text(r.min_bytes), r.mode,
+                opt.stream_layers ? "layer by layer" : "after prefill", r.transfer_seconds * 1e3,
+                r.overlap_seconds * 1e3, overlap_fraction * 100);
+            fmt::print("decode: {:.2f} ms\n", r.decode_seconds * 1e3);
+            for (size_t i = 0; i < in.prompts.size(); ++i)
+                if (!r.errors[i].empty()) fmt::print("request {} failed: {}\n", i, r.errors[i]);
+            if (!r.tokens.empty() && !r.tokens[0].empty()) {
+                std::string toks;
+                for (size_t i = 0; i < r.tokens[0].size() && i < 16; ++i)
+                    toks += fmt::format("{} ", r.tokens[0][i]);
+                fmt::print("prompt 0 -> {}{}\n", toks, r.tokens[0].size() > 16 ? "..." : "");
+            }
+            if (in.verify)
+                fmt::print(
+                    "verify: max relative L2 error of the last-step logits {:.3g} (limit 1e-4), "
+                    "greedy tokens "
+                    "{}\n",
+                    max_err, match ? "identical" : "DIFFER");
+        }
+        std::fflush(stdout);
+    });
+    return status;
+}
+
+}  // namespace kvshard::cli

@@ -1,0 +1,46 @@
+#pragma once
+// kvshard run --prefill LAYOUT --decode LAYOUT: the disaggregated run (prefill group, KV transfer,
+// decode group), called from cmd_run.cpp. The work is kvshard::disagg_generate.
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "kvshard/comm/communicator.h"
+#include "kvshard/model/model_spec.h"
+#include "kvshard/model/weights.h"
+
+namespace kvshard::cli {
+
+struct DisaggFlags {
+    std::string prefill;        // e.g. "tp=8"; empty: not a disaggregated run
+    std::string decode;         // e.g. "tp=4,pp=2"
+    int decode_block_size = 0;  // 0: --block-size
+    std::string prefill_order = "hnd", decode_order = "hnd";
+    std::string transfer_mode = "auto";
+    bool no_stream = false;
+    int64_t staging_mib = 64;
+    bool enabled() const { return !prefill.empty() || !decode.empty(); }
+};
+
+// Adds --prefill, --decode, --decode-block-size, --prefill-order, --decode-order, --transfer-mode,
+// --no-stream, --staging-mib to `kvshard run`.
+void add_disagg_options(CLI::App* sub, DisaggFlags& f);
+
+struct DisaggRunInput {
+    ModelSpec model;
+    const TensorSource* weights = nullptr;
+    std::string weights_from;
+    std::vector<std::vector<int32_t>> prompts;
+    int gen = 16;
+    int block_size = 16;  // the prefill block size (and the decode one unless --decode-block-size)
+    Backend backend = Backend::kThreads;
+    bool verify = false;
+    bool json = false;
+};
+
+// Runs it and prints the report from world rank 0. Returns the process exit status: 0, or 1 when
+// --verify found a difference or a request failed.
+int run_disagg(const DisaggFlags& f, const DisaggRunInput& in);
+
+}  // namespace kvshard::cli
