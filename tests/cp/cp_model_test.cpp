@@ -12,6 +12,7 @@
 #include "kvshard/exec/cp_session.h"
 #include "kvshard/exec/generate.h"
 #include "kvshard/model/catalog.h"
+#include "kvshard/planner/cost_model.h"
 
 namespace kvshard {
 namespace {
@@ -206,6 +207,9 @@ TEST(CpModel, RingBytesEqualTheCostModel) {
                     const auto want =
                         cp_pass_kv_bytes(sess.layout(), w.rank(), cp_prompt_map(p, 23));
                     EXPECT_EQ(st.ring, want.ring) << p.to_string() << " rank " << w.rank();
+                    // ... and the planner's cost model (the foundation issue's formula)
+                    EXPECT_EQ(st.ring, cp_pass_kv_bytes_sent(make_layout(tiny(), p), w.rank(), 23))
+                        << p.to_string() << " rank " << w.rank();
                     EXPECT_GT(st.ring, 0);
                     EXPECT_EQ(st.all_to_all, 0);
                 });
@@ -290,5 +294,30 @@ TEST(CpModel, PrefixCachedAtCp4IsReusedAtCp2AndCp1WithoutRecomputation) {
     });
 }
 
+}  // namespace
+}  // namespace kvshard
+
+namespace kvshard {
+namespace {
+TEST(CpModel, AutomaticPrefillModeFollowsTheByteRule) {
+    // tiny: threshold 0.4706. A full prefill passes KV; a 3-token turn after 17 passes Q.
+    const auto p = config(4, 1, CpScheme::kZigzag);
+    run_threads(4, [&](Communicator& w) {
+        CpOptions o = options();
+        CpDevice dev(tiny(), 1, 0, weights(), o);
+        CpSession s(dev, w, p, o);
+        s.prefill(0, tokens(17, 12));
+        EXPECT_EQ(s.last_step().mode, CpPrefillMode::kPassKv);
+        EXPECT_GT(s.last_step().comm.ring, 0);
+        s.prefill(0, tokens(3, 13));
+        EXPECT_EQ(s.last_step().mode, CpPrefillMode::kPassQ);
+        EXPECT_EQ(s.last_step().comm.total(),
+                  cp_pass_q_bytes(s.layout(), w.rank(), s.token_map(0), 17).total());
+        s.prefill(0, tokens(30, 14));  // 30 / 50 = 0.6 > 0.47: back to pass-KV
+        EXPECT_EQ(s.last_step().mode, CpPrefillMode::kPassKv);
+        EXPECT_EQ(s.last_step().comm.ring,
+                  cp_pass_kv_bytes(s.layout(), w.rank(), s.token_map(0)).ring);
+    });
+}
 }  // namespace
 }  // namespace kvshard
