@@ -235,3 +235,51 @@ TEST(TransferExec, HeaderRoundTrip) {
 
 }  // namespace
 }  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// The executor (batched pack, pending batched unpack, small staging) on random layout pairs.
+TEST(TransferExec, RandomPairsOverThreads) {
+    std::mt19937_64 rng(777);
+    const std::vector<ModelSpec> models = {catalog_model("tiny"), catalog_model("tiny-mla"),
+                                           testing::llama_mini(5)};
+    const std::vector<std::string> layouts = {"tp=1",
+                                              "tp=2",
+                                              "tp=4",
+                                              "tp=8",
+                                              "pp=2,tp=2",
+                                              "pp=3",
+                                              "cp=2,tp=2",
+                                              "cp=3,cp_scheme=zigzag",
+                                              "cp=2,pp=2,cp_scheme=interleave,cp_interleave=4"};
+    int ran = 0;
+    for (int i = 0; i < 12; ++i) {
+        const ModelSpec& m = models[rng() % models.size()];
+        Pair p{m, layouts[rng() % layouts.size()], layouts[rng() % layouts.size()],
+               1 + static_cast<int64_t>(rng() % 120)};
+        const std::vector<int> sizes = {1, 4, 16};
+        p.bs_from = sizes[rng() % sizes.size()];
+        p.bs_to = sizes[rng() % sizes.size()];
+        p.order_from = rng() % 2 ? PageOrder::kHnd : PageOrder::kNhd;
+        p.order_to = rng() % 2 ? PageOrder::kHnd : PageOrder::kNhd;
+        if (parse_parallel_config(p.from).pp > m.num_layers ||
+            parse_parallel_config(p.to).pp > m.num_layers)
+            continue;
+        SCOPED_TRACE(m.name + " " + p.from + " -> " + p.to + " tokens " + std::to_string(p.tokens));
+        XferRequest r =
+            make_request(p, static_cast<int>(rng() % 3), 50 + i,
+                         rng() % 2 ? TransferMode::kPreSend : TransferMode::kPostReceive);
+        int64_t largest = 0;
+        for (const auto& msg : r.plan->messages) largest = std::max(largest, msg.bytes);
+        r.opt.staging_bytes = rng() % 2 ? largest : (int64_t{1} << 30);
+        run_requests({&r});
+        expect_all_ok(r, p.tokens);
+        ++ran;
+        if (::testing::Test::HasFailure()) break;
+    }
+    EXPECT_GE(ran, 8);
+}
+
+}  // namespace
+}  // namespace kvshard
