@@ -283,3 +283,48 @@ TEST(TransferExec, RandomPairsOverThreads) {
 
 }  // namespace
 }  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// Same layout on both sides, blocks in order, pools exactly as large as the request: every
+// per-layer message is one run of both pools, so it goes without any staging copy, and still lands
+// exactly.
+TEST(TransferExec, ZeroCopyWhenPayloadIsOneRun) {
+    Pair p{testing::llama_mini(), "tp=2,pp=2", "tp=2,pp=2", 64};
+    XferRequest r;
+    r.plan = make_plan(p, 1, /*shuffle=*/0);
+    r.id = 90;
+    r.opt.mode = TransferMode::kPostReceive;
+    r.src = testing::make_source(r.plan->src, p.tokens);
+    r.dst = testing::make_destination(r.plan->dst);
+    for (const auto& m : r.plan->messages) {
+        EXPECT_GE(contiguous_payload_offset(*r.plan, m, TransferMode::kPostReceive, true,
+                                            *r.src.pools[m.src_rank]),
+                  0);
+        EXPECT_GE(contiguous_payload_offset(*r.plan, m, TransferMode::kPostReceive, false,
+                                            *r.dst.pools[m.dst_rank]),
+                  0);
+    }
+    run_requests({&r});
+    expect_all_ok(r, p.tokens);
+    for (const auto& s : r.out.src) {
+        EXPECT_EQ(s.zero_copy_messages, s.messages);
+        EXPECT_EQ(s.peak_staging, 0);
+    }
+    for (const auto& d : r.out.dst) EXPECT_EQ(d.zero_copy_messages, d.messages);
+    // A reshape (TP 2 -> 4) is not one run on the source: it is packed.
+    Pair q{testing::llama_mini(), "tp=2", "tp=4", 64};
+    XferRequest t;
+    t.plan = make_plan(q, 1, 0);
+    t.id = 91;
+    t.opt.mode = TransferMode::kPostReceive;
+    t.src = testing::make_source(t.plan->src, q.tokens);
+    t.dst = testing::make_destination(t.plan->dst);
+    run_requests({&t});
+    expect_all_ok(t, q.tokens);
+    for (const auto& s : t.out.src) EXPECT_EQ(s.zero_copy_messages, 0);
+}
+
+}  // namespace
+}  // namespace kvshard
