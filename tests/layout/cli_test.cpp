@@ -152,3 +152,23 @@ TEST(Cli, PlanMustShowJsonAndSvg) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Cli, PlanHardwareFromJsonFile) {
+    // 40 GiB A100s: llama-3.1-70b no longer fits on 2 GPUs.
+    const auto hw = temp_file("kvshard_cli_a100_40g.json",
+                              R"({"base": "a100-80g", "name": "a100-40g", "memory_gib": 40})");
+    const Result small =
+        kvshard("plan --model llama-3.1-70b --gpus 2 --context 4096 --json --hardware " + hw);
+    ASSERT_EQ(small.status, 0) << small.out;
+    const auto j = nlohmann::json::parse(small.out);
+    EXPECT_EQ(j["hardware"], "a100-40g");
+    for (const auto& c : j["configs"]) EXPECT_FALSE(c["fits"].get<bool>());
+    const Result big =
+        kvshard("plan --model llama-3.1-70b --gpus 2 --context 4096 --json --hardware a100-80g");
+    ASSERT_EQ(big.status, 0) << big.out;
+    EXPECT_TRUE(nlohmann::json::parse(big.out)["configs"][0]["fits"].get<bool>());
+}
+
+}  // namespace
