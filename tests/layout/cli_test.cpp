@@ -172,3 +172,24 @@ TEST(Cli, PlanHardwareFromJsonFile) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Cli, PlanExplainOneConfiguration) {
+    const std::string base =
+        "plan --model llama-3.1-405b --hardware h100-sxm --gpus 16 --context 131072 ";
+    const Result t = kvshard(base + "--explain tp=8,pp=2");
+    ASSERT_EQ(t.status, 0) << t.out;
+    EXPECT_NE(t.out.find("[63,126)"), std::string::npos) << t.out;
+    EXPECT_NE(t.out.find("TTFT"), std::string::npos);
+    const Result j = kvshard(base + "--explain tp=8,pp=2 --json");
+    ASSERT_EQ(j.status, 0) << j.out;
+    const auto c = nlohmann::json::parse(j.out)["configs"];
+    ASSERT_EQ(c.size(), 1u);
+    EXPECT_EQ(c[0]["kv_tokens_per_gpu"], 757264);
+    expect_usage_error(base + "--explain tp=8,pp=4", "but 16 GPUs were given");
+    expect_usage_error(base + "--explain tp=3,pp=2", "tp=3 does not divide");
+    expect_usage_error(base + "--explain tq=8", "unknown key 'tq'");
+}
+
+}  // namespace
