@@ -49,8 +49,6 @@ std::string_view route_reason_name(RouteReason r) {
             return "best-match";
         case RouteReason::kLowestCost:
             return "lowest-cost";
-        case RouteReason::kAffinity:
-            return "affinity";
         case RouteReason::kSpill:
             return "spill";
     }
@@ -179,39 +177,55 @@ RouteDecision cost(const PolicyParams& p, const Context& c, const RouteRequest& 
 }
 
 RouteDecision kvshard_policy(const PolicyParams& p, const Context& c, const RouteRequest& req,
-                             std::span<const int> overlap, uint64_t rr) {
+                             std::span<const int> overlap, std::span<const ReplicaLoad> loads) {
     const double bound =
         (1.0 + p.load_slack) * c.mean_load + p.load_headroom_tokens / p.block_tokens;
     auto allowed = [&](int r) { return c.load[static_cast<size_t>(r)] <= bound; };
     auto ov = [&](int r) { return overlap[static_cast<size_t>(r)]; };
-    // The conversation's home: rendezvous hashing of the hash at position affinity_blocks (a
-    // chained hash, so it names the whole prefix up to there); the first allowed replica in that
-    // order.
+    // Placement load: queued prefill weighted by prefill_weight (a queued prompt holds up every
+    // request behind it; an active block only slows decode steps a little), capacity-scaled like
+    // c.load.
+    std::array<double, kMax> place{};
+    for (int r = 0; r < c.n; ++r) {
+        const auto& l = loads[static_cast<size_t>(r)];
+        const double queued =
+            static_cast<double>((l.queued_prefill_tokens + p.block_tokens - 1) / p.block_tokens);
+        const double plain = static_cast<double>(l.active_blocks) + queued;
+        const double weighted = static_cast<double>(l.active_blocks) + p.prefill_weight * queued;
+        place[static_cast<size_t>(r)] =
+            plain > 0 ? weighted * c.load[static_cast<size_t>(r)] / plain : 0.0;
+    }
+    // Ties go by rendezvous order of the request's affinity key (its chained hash at position
+    // affinity_blocks), the same for every turn of one conversation.
     uint64_t key = 0x51ED27A1u;
     if (c.request_blocks > 0) {
         const int pos = std::min(std::max(p.affinity_blocks, 0), c.request_blocks - 1);
         const BlockHash& h = req.block_hashes[static_cast<size_t>(pos)];
         key = rendezvous_score(h.lo ^ (h.hi * 0xC2B2AE3D27D4EB4Full), pos);
     }
-    int home = -1, first = -1;
-    uint64_t home_score = 0, first_score = 0;
+    std::array<uint64_t, kMax> score{};
+    for (int r = 0; r < c.n; ++r) score[static_cast<size_t>(r)] = rendezvous_score(key, r);
+    auto before = [&](int a, int b) {  // lower placement load, then higher rendezvous score
+        const double la = place[static_cast<size_t>(a)], lb = place[static_cast<size_t>(b)];
+        return la < lb ||
+               (la == lb && score[static_cast<size_t>(a)] > score[static_cast<size_t>(b)]);
+    };
+    // least: the first allowed replica by placement load; best: the longest overlap among allowed
+    // replicas. The replica of least plain load is always allowed.
+    int least = -1, best = -1, best_any = 0;
     for (int r = 0; r < c.n; ++r) {
-        const uint64_t s = rendezvous_score(key, r);
-        if (first < 0 || s > first_score) first = r, first_score = s;
-        if (allowed(r) && (home < 0 || s > home_score)) home = r, home_score = s;
+        best_any = std::max(best_any, ov(r));
+        if (!allowed(r)) continue;
+        if (least < 0 || before(r, least)) least = r;
+        if (best < 0 || ov(r) > ov(best) || (ov(r) == ov(best) && before(r, best))) best = r;
     }
-    KVSHARD_CHECK(home >= 0, "the least loaded replica is always under the bound");
-    // The longest overlap among allowed replicas (ties: lower load, then rotation).
-    int best_overlap = -1;
-    for (int r = 0; r < c.n; ++r)
-        if (allowed(r)) best_overlap = std::max(best_overlap, ov(r));
-    if (best_overlap > ov(home) + p.min_gain_blocks) {
-        const int r = argmin_rotated(
-            c.n, rr, [&](int i) { return c.load[static_cast<size_t>(i)]; },
-            [&](int i) { return allowed(i) && ov(i) == best_overlap; });
-        return decision(r, overlap, RouteReason::kBestMatch);
-    }
-    return decision(home, overlap, home == first ? RouteReason::kAffinity : RouteReason::kSpill);
+    KVSHARD_CHECK(least >= 0 && best >= 0, "the least loaded replica is always under the bound");
+    if (ov(best) > ov(least) + p.min_gain_blocks)
+        return decision(best, overlap,
+                        ov(best) == best_any ? RouteReason::kBestMatch : RouteReason::kSpill);
+    return decision(
+        least, overlap,
+        best_any > ov(least) + p.min_gain_blocks ? RouteReason::kSpill : RouteReason::kLeastLoaded);
 }
 
 }  // namespace
@@ -239,7 +253,7 @@ RouteDecision decide_route(RoutingPolicy policy, const PolicyParams& params,
         case RoutingPolicy::kCost:
             return cost(params, c, req, overlap, loads, rr_counter);
         case RoutingPolicy::kKvshard:
-            return kvshard_policy(params, c, req, overlap, rr_counter);
+            return kvshard_policy(params, c, req, overlap, loads);
     }
     KVSHARD_CHECK(false, "unhandled routing policy");
     return {};

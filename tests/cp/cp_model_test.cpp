@@ -12,6 +12,7 @@
 #include "kvshard/exec/cp_session.h"
 #include "kvshard/exec/generate.h"
 #include "kvshard/model/catalog.h"
+#include "kvshard/planner/cost_model.h"
 
 namespace kvshard {
 namespace {
@@ -206,6 +207,9 @@ TEST(CpModel, RingBytesEqualTheCostModel) {
                     const auto want =
                         cp_pass_kv_bytes(sess.layout(), w.rank(), cp_prompt_map(p, 23));
                     EXPECT_EQ(st.ring, want.ring) << p.to_string() << " rank " << w.rank();
+                    // ... and the planner's cost model (the foundation issue's formula)
+                    EXPECT_EQ(st.ring, cp_pass_kv_bytes_sent(make_layout(tiny(), p), w.rank(), 23))
+                        << p.to_string() << " rank " << w.rank();
                     EXPECT_GT(st.ring, 0);
                     EXPECT_EQ(st.all_to_all, 0);
                 });

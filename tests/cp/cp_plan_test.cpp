@@ -9,6 +9,7 @@
 #include "kvshard/common/error.h"
 #include "kvshard/exec/cp_plan.h"
 #include "kvshard/model/catalog.h"
+#include "kvshard/planner/cost_model.h"
 
 namespace kvshard {
 namespace {
@@ -122,6 +123,7 @@ TEST(CpRing, PassKvBytesFollowTheScheduleShardSizes) {
                     EXPECT_EQ(cp_pass_kv_bytes(l, r, map).ring,
                               tokens * l.ranks[r].kv_bytes_per_token);
                     EXPECT_EQ(cp_pass_kv_bytes(l, r, map).all_to_all, 0);
+                    EXPECT_EQ(cp_pass_kv_bytes(l, r, map).ring, cp_pass_kv_bytes_sent(l, r, 45));
                 }
             }
 }
@@ -245,5 +247,22 @@ TEST(CpPrefixCache, ReusePlanAcrossCpSizesMovesOnlyMisplacedBlocks) {
     EXPECT_THROW(plan_cp_prefix_reuse(0, 2, 1), Error);
 }
 
+}  // namespace
+}  // namespace kvshard
+
+namespace kvshard {
+namespace {
+TEST(CpRing, PassKvBytesEqualThePlannerForLargeModelsToo) {
+    for (const char* name : {"llama-3.1-70b", "llama-3.1-8b"})
+        for (CpScheme s : kSchemes)
+            for (int64_t n : {1, 1000, 131072 + 7}) {
+                const auto p = cfg(4, s, 16, 8);
+                const auto l = make_layout(catalog_model(name), p);
+                const auto map = cp_prompt_map(p, n);
+                for (int r = 0; r < l.world_size(); ++r)
+                    EXPECT_EQ(cp_pass_kv_bytes(l, r, map).ring, cp_pass_kv_bytes_sent(l, r, n))
+                        << name << " " << p.to_string() << " n=" << n << " rank " << r;
+            }
+}
 }  // namespace
 }  // namespace kvshard

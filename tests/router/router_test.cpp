@@ -239,7 +239,8 @@ TEST(Policy, CostWeighsBlocksToPrefillAgainstActiveBlocks) {
     EXPECT_EQ(decide(RoutingPolicy::kCost, c, 1).replica, 1);
 }
 
-int rendezvous_home(const std::vector<BlockHash>& blocks, int n, int pos = 1) {
+// The first replica in rendezvous order of the request's hash at position `pos`.
+int rendezvous_first(const std::vector<BlockHash>& blocks, int n, int pos = 1) {
     const int p = std::min(pos, static_cast<int>(blocks.size()) - 1);
     const BlockHash& b = blocks[static_cast<size_t>(p)];
     const uint64_t key = rendezvous_score(b.lo ^ (b.hi * 0xC2B2AE3D27D4EB4Full), p);
@@ -249,68 +250,85 @@ int rendezvous_home(const std::vector<BlockHash>& blocks, int n, int pos = 1) {
     return best;
 }
 
-TEST(Policy, KvshardColdStartGoesToTheConversationsHome) {
+TEST(Policy, KvshardColdStartIsConsistentPerConversation) {
     const int n = 8;
     Case c{chain({0, 100, 101}), std::vector<int>(n, 0), std::vector<ReplicaLoad>(n)};
-    const int home = rendezvous_home(c.blocks, n);
+    const int first = rendezvous_first(c.blocks, n);
+    // Idle cluster, nothing cached: every replica ties; rendezvous order breaks the tie.
     auto d = decide(RoutingPolicy::kKvshard, c);
-    EXPECT_EQ(d.replica, home);
-    EXPECT_EQ(d.reason, RouteReason::kAffinity);
-    // The same conversation's next turn (same first two blocks, more after) has the same home, and
-    // so does it with any rotation counter.
+    EXPECT_EQ(d.replica, first);
+    EXPECT_EQ(d.reason, RouteReason::kLeastLoaded);
+    // The same conversation's next turn (same first two blocks) picks the same replica, whatever
+    // the rotation counter.
     Case next{chain({0, 100, 101, 102, 103}), std::vector<int>(n, 0), std::vector<ReplicaLoad>(n)};
     for (uint64_t rr = 0; rr < 4; ++rr)
-        EXPECT_EQ(decide(RoutingPolicy::kKvshard, next, rr).replica, home);
-    // Conversations spread: 200 distinct second blocks land on every replica.
+        EXPECT_EQ(decide(RoutingPolicy::kKvshard, next, rr).replica, first);
+    // Different conversations spread over every replica.
     std::set<int> used;
     for (uint64_t conv = 0; conv < 200; ++conv) {
         Case k{chain({0, 1000 + conv}), std::vector<int>(n, 0), std::vector<ReplicaLoad>(n)};
         used.insert(decide(RoutingPolicy::kKvshard, k).replica);
     }
     EXPECT_EQ(static_cast<int>(used.size()), n);
+    // Not idle: a cold request goes to the least loaded replica.
+    Case busy{chain({0, 100}), std::vector<int>(n, 0), std::vector<ReplicaLoad>(n, load(0, 10))};
+    busy.loads[5].active_blocks = 3;
+    EXPECT_EQ(decide(RoutingPolicy::kKvshard, busy).replica, 5);
 }
 
-TEST(Policy, KvshardIgnoresASharedSystemPromptButFollowsAConversation) {
+TEST(Policy, KvshardFollowsAConversationButNotASharedSystemPrompt) {
     const int n = 4;
-    Case c{chain({0, 7, 8, 9}), {0, 0, 0, 0}, std::vector<ReplicaLoad>(n)};
-    const int home = rendezvous_home(c.blocks, n);
-    const int other = (home + 1) % n;
-    // Another replica holds only the system prompt (1 block more than home): gain 1, stay home.
-    c.overlap[static_cast<size_t>(other)] = 1;
-    EXPECT_EQ(decide(RoutingPolicy::kKvshard, c).replica, home);
-    // It holds the conversation (3 blocks): follow it.
-    c.overlap[static_cast<size_t>(other)] = 3;
+    Case c{chain({0, 7, 8, 9}), {0, 0, 0, 0}, std::vector<ReplicaLoad>(n, load(0, 10))};
+    c.loads[2].active_blocks = 5;  // the least loaded
+    // Replica 0 holds only the system prompt: one block more than the least loaded, not worth it.
+    c.overlap[0] = 1;
     auto d = decide(RoutingPolicy::kKvshard, c);
-    EXPECT_EQ(d.replica, other);
+    EXPECT_EQ(d.replica, 2);
+    EXPECT_EQ(d.reason, RouteReason::kLeastLoaded);
+    // Replica 0 holds the conversation (3 blocks): follow it.
+    c.overlap[0] = 3;
+    d = decide(RoutingPolicy::kKvshard, c);
+    EXPECT_EQ(d.replica, 0);
     EXPECT_EQ(d.reason, RouteReason::kBestMatch);
     EXPECT_EQ(d.matched_blocks, 3);
+    // A tie in overlap: the lower load wins.
+    c.overlap[3] = 3;
+    c.loads[3].active_blocks = 8;
+    EXPECT_EQ(decide(RoutingPolicy::kKvshard, c).replica, 3);
 }
 
-TEST(Policy, KvshardSpillsAnOverloadedBestMatchOrHome) {
-    const int n = 4;
+TEST(Policy, KvshardSpillsAnOverloadedBestMatch) {
     PolicyParams p;
     p.load_slack = 0.25;
     p.load_headroom_tokens = 16 * 4;  // 4 blocks of 16 tokens
-    Case c{chain({0, 7, 8, 9}), {0, 0, 0, 0}, {load(0, 10), load(0, 10), load(0, 10), load(0, 10)}};
-    const int home = rendezvous_home(c.blocks, n);
-    // Overload the home: mean = (40 + 10*3)/4 = 17.5, bound = 1.25*17.5 + 4 = 25.9 < 40.
-    c.loads[static_cast<size_t>(home)].active_blocks = 40;
-    c.overlap[static_cast<size_t>(home)] = 4;  // and it is the best match
+    Case c{chain({0, 7, 8, 9}), {4, 0, 2, 0}, {load(0, 40), load(0, 10), load(0, 12), load(0, 10)}};
+    // mean = 72 / 4 = 18, bound = 1.25 * 18 + 4 = 26.5 < 40: replica 0 is out. The longest
+    // allowed overlap is replica 2's (2 blocks, a gain of 2 over the least loaded): it spills
+    // there.
     auto d = decide(RoutingPolicy::kKvshard, c, 0, p);
-    EXPECT_NE(d.replica, home);
+    EXPECT_EQ(d.replica, 2);
     EXPECT_EQ(d.reason, RouteReason::kSpill);
-    // The spill goes to the next replica in the conversation's rendezvous order (consistent).
-    const BlockHash& b = c.blocks[1];
-    const uint64_t key = rendezvous_score(b.lo ^ (b.hi * 0xC2B2AE3D27D4EB4Full), 1);
-    int second = -1;
-    for (int r = 0; r < n; ++r)
-        if (r != home && (second < 0 || rendezvous_score(key, r) > rendezvous_score(key, second)))
-            second = r;
-    EXPECT_EQ(d.replica, second);
-    // Within the bound (40 <= 1.25 * 17.5 + 30): the best match keeps it.
+    // Without that partial copy: the least loaded of 1 and 3 (a tie: rendezvous order).
+    c.overlap[2] = 0;
+    d = decide(RoutingPolicy::kKvshard, c, 0, p);
+    EXPECT_TRUE(d.replica == 1 || d.replica == 3);
+    EXPECT_EQ(d.reason, RouteReason::kSpill);
+    EXPECT_EQ(d.replica, decide(RoutingPolicy::kKvshard, c, 1, p).replica);  // not rotation
+    // Within the bound (40 <= 1.25 * 18 + 30): the best match keeps it.
     p.load_headroom_tokens = 16 * 30;
     d = decide(RoutingPolicy::kKvshard, c, 0, p);
-    EXPECT_EQ(d.replica, home);
+    EXPECT_EQ(d.replica, 0);
+    EXPECT_EQ(d.reason, RouteReason::kBestMatch);
+}
+
+TEST(Policy, KvshardPlacesColdRequestsAwayFromQueuedPrefill) {
+    // Equal plain load (40 blocks): replica 0 decodes 40 active blocks, replica 1 has 40 blocks of
+    // prompt queued. A cold request waits behind the queue on 1, not on 0.
+    Case c{chain({0, 5}), {0, 0}, {load(0, 40), load(40 * 16, 0)}};
+    PolicyParams p;
+    EXPECT_EQ(decide(RoutingPolicy::kKvshard, c, 0, p).replica, 0);
+    p.prefill_weight = 1;  // a plain tie: rendezvous order
+    EXPECT_EQ(decide(RoutingPolicy::kKvshard, c, 0, p).replica, rendezvous_first(c.blocks, 2));
 }
 
 // ---------------------------------------------------------------- Router

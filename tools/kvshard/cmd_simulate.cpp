@@ -28,11 +28,16 @@ struct SimulateFlags {
     std::string on_error = "fail";
     int64_t max_requests = 0;
     std::string index = "exact";
-    double ttl_s = 120;
+    double ttl_s = SimConfig{}.index_ttl_s;
     int max_batch = 256;
     int64_t max_prefill_tokens = 16384;
     double load_slack = PolicyParams{}.load_slack;
     double load_headroom = PolicyParams{}.load_headroom_tokens;
+    double balance_abs = PolicyParams{}.balance_abs_threshold;
+    double balance_rel = PolicyParams{}.balance_rel_threshold;
+    double cache_threshold = PolicyParams{}.cache_threshold;
+    double overlap_weight = PolicyParams{}.overlap_weight;
+    double prefill_weight = PolicyParams{}.prefill_weight;
     bool json = false;
     std::string svg;
 };
@@ -89,6 +94,11 @@ void run(const SimulateFlags& f) {
     cfg.max_prefill_tokens = f.max_prefill_tokens;
     cfg.params.load_slack = f.load_slack;
     cfg.params.load_headroom_tokens = f.load_headroom;
+    cfg.params.balance_abs_threshold = f.balance_abs;
+    cfg.params.balance_rel_threshold = f.balance_rel;
+    cfg.params.cache_threshold = f.cache_threshold;
+    cfg.params.overlap_weight = f.overlap_weight;
+    cfg.params.prefill_weight = f.prefill_weight;
     cfg.validate();
 
     std::vector<RoutingPolicy> policies;
@@ -191,6 +201,21 @@ void setup(CLI::App& app) {
         ->capture_default_str();
     sub->add_option("--load-headroom", f->load_headroom,
                     "kvshard policy: tokens of load added to the bound")
+        ->capture_default_str();
+    sub->add_option("--balance-abs", f->balance_abs,
+                    "cache-aware policy: absolute load gap (blocks) that counts as imbalance")
+        ->capture_default_str();
+    sub->add_option("--balance-rel", f->balance_rel,
+                    "cache-aware policy: max/min load ratio that counts as imbalance")
+        ->capture_default_str();
+    sub->add_option("--cache-threshold", f->cache_threshold,
+                    "cache-aware policy: least match ratio to follow the best match")
+        ->capture_default_str();
+    sub->add_option("--overlap-weight", f->overlap_weight,
+                    "cost policy: weight of the blocks left to prefill against active blocks")
+        ->capture_default_str();
+    sub->add_option("--prefill-weight", f->prefill_weight,
+                    "kvshard policy: weight of a queued prefill block against an active block")
         ->capture_default_str();
     sub->add_flag("--json", f->json, "print JSON instead of a table");
     sub->add_option("--svg", f->svg,

@@ -10,7 +10,8 @@
 // Load is measured in blocks: load_r = active_blocks_r + ceil(queued_prefill_tokens_r /
 // block_tokens), scaled by mean_capacity / capacity_r when capacities are given (so a replica with
 // twice the memory counts as half as loaded). Ties between equally good replicas go to the first
-// one in rotation order starting at rr_counter % R, so an idle cluster is not piled onto replica 0.
+// one in rotation order starting at rr_counter % R, so an idle cluster is not piled onto replica 0
+// (kvshard breaks ties by rendezvous hashing instead, see PolicyParams).
 #include <cstdint>
 #include <span>
 #include <string_view>
@@ -25,7 +26,7 @@ enum class RoutingPolicy {
     kLeastLoaded,  // lowest load
     kCacheAware,   // SGLang: best prefix match unless the load is imbalanced or the match is poor
     kCost,         // Dynamo: lowest overlap_weight * blocks to prefill + active blocks
-    kKvshard,      // prefix affinity with bounded load; rendezvous-hashed home per conversation
+    kKvshard,      // follow the data within a load bound, else least loaded
 };
 std::string_view routing_policy_name(
     RoutingPolicy p);  // round-robin|least-loaded|cache-aware|cost|kvshard
@@ -51,14 +52,20 @@ struct PolicyParams {
     // cost (Dynamo KV router): cost_r = overlap_weight * (queued prefill blocks_r + request blocks
     // - overlap_r) + active_blocks_r; the lowest cost wins.
     double overlap_weight = 1.0;
-    // kvshard: replica r may take the request when load_r <= (1 + load_slack) * mean_load +
-    // load_headroom_tokens / block_tokens. The request's home is the first such replica in
-    // rendezvous-hash order of its block hash at position affinity_blocks (a chained hash: it names
-    // the prefix up to there, e.g. system prompt + first user turn, so one conversation keeps one
-    // home). It goes to the allowed replica with the longest overlap when that beats the home's by
-    // more than min_gain_blocks (the conversation lives elsewhere), else home.
+    // kvshard: a request follows its data when that is worth it and the load allows, and goes to
+    // the least loaded replica otherwise (docs/router.md):
+    //   bound   = (1 + load_slack) * mean_load + load_headroom_tokens / block_tokens;
+    //   allowed = replicas with load <= bound (the least loaded always is);
+    //   least   = the allowed replica with the lowest placement load, active_blocks +
+    //             prefill_weight * queued prefill blocks (a queued prompt holds up everything
+    //             behind it, an active block barely slows a decode step);
+    //   best    = the allowed replica with the longest overlap;
+    //   choose best if overlap(best) > overlap(least) + min_gain_blocks, else least.
+    // Ties go by rendezvous order of the request's hash at position affinity_blocks (a chained
+    // hash: system prompt + first turn), the same for every turn of one conversation.
     double load_slack = 0.25;
-    double load_headroom_tokens = 65536;
+    double load_headroom_tokens = 131072;
+    double prefill_weight = 16;
     int affinity_blocks = 1;
     int min_gain_blocks = 1;
 };
@@ -70,12 +77,11 @@ struct RouteRequest {
 
 enum class RouteReason {
     kRoundRobin,
-    kLeastLoaded,  // least-loaded policy, or cache-aware with a poor match
+    kLeastLoaded,  // least-loaded policy; cache-aware with a poor match; kvshard with no gain
     kImbalanced,   // cache-aware: thresholds passed, least loaded
     kBestMatch,    // the longest prefix overlap
     kLowestCost,   // cost policy
-    kAffinity,     // kvshard: the request's rendezvous-hash home
-    kSpill,  // kvshard: the home was over the load bound; the next allowed replica in its order
+    kSpill,        // kvshard: the longest overlap was on a replica over the load bound
 };
 std::string_view route_reason_name(RouteReason r);
 

@@ -58,7 +58,7 @@ struct SimConfig {
     RoutingPolicy policy = RoutingPolicy::kKvshard;
     PolicyParams params;  // params.block_tokens is set to the trace's
     KvIndexMode index_mode = KvIndexMode::kExact;
-    double index_ttl_s = 120.0;          // approximate mode
+    double index_ttl_s = 300.0;          // approximate mode: ~ how long a block survives in LRU
     int max_batch = 256;                 // running requests per replica
     int64_t max_prefill_tokens = 16384;  // prompt tokens per step (a longer prompt runs alone)
     void validate() const;               // throws Error on a bad value
