@@ -16,8 +16,9 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Query rows (sequence rows x heads of one GQA group) at or above which the GEMM path is used.
 constexpr int64_t kGemmMinRows = 16;
-constexpr int kTileRows = 128;  // query rows per GEMM tile
-constexpr int kTileKeys = 256;  // keys per GEMM chunk
+constexpr int kTileRows = 128;      // query rows per GEMM tile
+constexpr int kTileKeys = 256;      // keys per GEMM chunk
+constexpr int kPrefetchChunks = 4;  // decode: (block, KV head) chunks to prefetch ahead
 
 void check_args(const BlockPool& pool, int layer, const PagedKv& kv, const QueryBatch& qb,
                 const AttentionParams& p) {
@@ -100,50 +101,59 @@ void finish_row(const float* o, float m, float l, int d, float* out, float* lse)
     }
 }
 
-// Few query rows per KV head (decode): stream the pages once, no copies.
-void attend_streaming(const PageView& pv, const AttentionParams& p, int seq, int kh, int32_t r0,
-                      int32_t r1, const std::vector<int64_t>& vis, const float* q, float* out,
-                      float* lse, Workspace& ws) {
+// Few query rows per KV head (decode): stream each block's pages once, every KV head of the block
+// in turn (a page is contiguous bytes), no copies.
+void attend_streaming(const PageView& pv, const AttentionParams& p, int seq, int32_t r0, int32_t r1,
+                      const std::vector<int64_t>& vis, const float* q, float* out, float* lse,
+                      Workspace& ws) {
     const auto& V = vec::ops();
-    const int d = p.head_dim, group = p.num_q_heads / p.num_kv_heads, bs = pv.block_size;
-    const int64_t rows = int64_t(r1 - r0) * group;
-    ws.o.assign(size_t(rows * d), 0.0f);
-    ws.m.assign(size_t(rows), kNegInf);
-    ws.l.assign(size_t(rows), 0.0f);
-    ws.s.resize(size_t(bs));
+    const int d = p.head_dim, nq = p.num_q_heads, group = nq / p.num_kv_heads, bs = pv.block_size;
+    const int64_t nrows = r1 - r0;
+    ws.o.assign(size_t(nrows * nq * d), 0.0f);
+    ws.m.assign(size_t(nrows * nq), kNegInf);
+    ws.l.assign(size_t(nrows * nq), 0.0f);
     const int64_t maxvis = *std::max_element(vis.begin(), vis.end());
     const int64_t nblocks = (maxvis + bs - 1) / bs;
+    const bool hnd = pv.pool->geometry().order == PageOrder::kHnd;
+    const int64_t page_bytes = pv.pool->geometry().page_bytes();
+    const int64_t chunk_bytes = hnd ? page_bytes / p.num_kv_heads : page_bytes;
     for (int64_t b = 0; b < nblocks; ++b) {
-        const float* kb = pv.block_ptr(0, seq, b, kh);
-        const float* vb = pv.block_ptr(1, seq, b, kh);
         const int64_t j0 = b * bs;
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t t = r / group;
-            const int nv = int(std::clamp<int64_t>(vis[size_t(t)] - j0, 0, bs));
-            if (nv == 0) continue;
-            const int h = kh * group + int(r % group);
-            const float* qr = q + ((r0 + t) * int64_t{p.num_q_heads} + h) * d;
-            float* s = ws.s.data();
-            for (int j = 0; j < nv; ++j) s[j] = V.dot(qr, kb + j * pv.token_stride, d) * p.scale;
-            const float mnew = std::max(ws.m[size_t(r)], V.max(s, nv));
-            float* o = ws.o.data() + r * d;
-            if (ws.m[size_t(r)] != mnew) {
-                const float corr = std::exp(ws.m[size_t(r)] - mnew);  // 0 when the old max was -inf
-                ws.l[size_t(r)] *= corr;
-                V.scale(o, corr, d);
-                ws.m[size_t(r)] = mnew;
+        for (int kh = 0; kh < p.num_kv_heads; ++kh) {
+            // Prefetch the K and V of the (block, head) chunk kPrefetchChunks steps ahead: each
+            // head's part of a page is its own run of bytes (one OS page for 16 x 64 fp32), which
+            // the hardware prefetcher does not enter on its own.
+            const int64_t ahead = b * p.num_kv_heads + kh + kPrefetchChunks;
+            const int64_t pb = ahead / p.num_kv_heads;
+            const int ph = int(ahead % p.num_kv_heads);
+            if (pb < nblocks && (hnd || ph == 0)) {
+                const auto* nk =
+                    reinterpret_cast<const char*>(pv.block_ptr(0, seq, pb, hnd ? ph : 0));
+                const auto* nv =
+                    reinterpret_cast<const char*>(pv.block_ptr(1, seq, pb, hnd ? ph : 0));
+                for (int64_t off = 0; off < chunk_bytes; off += 64) {
+                    __builtin_prefetch(nk + off, 0, 2);
+                    __builtin_prefetch(nv + off, 0, 2);
+                }
             }
-            ws.l[size_t(r)] += V.exp_sub_sum(s, nv, mnew);
-            for (int j = 0; j < nv; ++j) V.axpy(o, s[j], vb + j * pv.token_stride, d);
+            const float* kb = pv.block_ptr(0, seq, b, kh);
+            const float* vb = pv.block_ptr(1, seq, b, kh);
+            for (int64_t t = 0; t < nrows; ++t) {
+                const int nv = int(std::clamp<int64_t>(vis[size_t(t)] - j0, 0, bs));
+                if (nv == 0) continue;
+                const int64_t row = t * nq + kh * group;
+                V.attend_keys(q + ((r0 + t) * int64_t{nq} + kh * group) * d, group, d, kb, vb, nv,
+                              pv.token_stride, d, p.scale, ws.m.data() + row, ws.l.data() + row,
+                              ws.o.data() + row * d);
+            }
         }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = r / group;
-        const int h = kh * group + int(r % group);
-        const int64_t row = (r0 + t) * int64_t{p.num_q_heads} + h;
-        finish_row(ws.o.data() + r * d, ws.m[size_t(r)], ws.l[size_t(r)], d, out + row * d,
-                   lse ? lse + row : nullptr);
-    }
+    for (int64_t t = 0; t < nrows; ++t)
+        for (int h = 0; h < nq; ++h) {
+            const int64_t r = t * nq + h, row = (r0 + t) * int64_t{nq} + h;
+            finish_row(ws.o.data() + r * d, ws.m[size_t(r)], ws.l[size_t(r)], d, out + row * d,
+                       lse ? lse + row : nullptr);
+        }
 }
 
 // Many query rows per KV head (prefill): gather the head's keys and values once, then tiles of
@@ -239,12 +249,11 @@ void paged_attention(const BlockPool& pool, int layer, const PagedKv& kv, const 
         if (r1 == r0) continue;
         visible_counts(qb, kv, i, pv.block_size, p.causal, ws.vis);
         const std::vector<int64_t> vis = ws.vis;
-        const bool gemm = int64_t(r1 - r0) * group >= kGemmMinRows;
-        for (int kh = 0; kh < p.num_kv_heads; ++kh) {
-            if (gemm)
+        if (int64_t(r1 - r0) * group >= kGemmMinRows) {
+            for (int kh = 0; kh < p.num_kv_heads; ++kh)
                 attend_gemm(pv, p, i, kh, r0, r1, vis, q, out, lse, ws);
-            else
-                attend_streaming(pv, p, i, kh, r0, r1, vis, q, out, lse, ws);
+        } else {
+            attend_streaming(pv, p, i, r0, r1, vis, q, out, lse, ws);
         }
     }
 }

@@ -40,6 +40,26 @@ float exp_sub_sum_generic(float* x, int n, float m) {
     return s;
 }
 
+void attend_keys_generic(const float* q, int rows, int64_t q_stride, const float* k, const float* v,
+                         int nv, int64_t kv_stride, int d, float scale, float* m, float* l,
+                         float* o) {
+    float s[64];
+    for (int r = 0; r < rows; ++r) {
+        const float* qr = q + r * q_stride;
+        for (int j = 0; j < nv; ++j) s[j] = dot_generic(qr, k + j * kv_stride, d) * scale;
+        const float mnew = std::max(m[r], max_generic(s, nv));
+        float* orow = o + int64_t{r} * d;
+        if (mnew != m[r]) {
+            const float corr = std::exp(m[r] - mnew);
+            l[r] *= corr;
+            scale_generic(orow, corr, d);
+            m[r] = mnew;
+        }
+        l[r] += exp_sub_sum_generic(s, nv, mnew);
+        for (int j = 0; j < nv; ++j) axpy_generic(orow, s[j], v + j * kv_stride, d);
+    }
+}
+
 #if defined(__x86_64__)
 #define KVSHARD_AVX2 __attribute__((target("avx2,fma")))
 
@@ -140,15 +160,113 @@ KVSHARD_AVX2 float exp_sub_sum_avx2(float* x, int n, float m) {
     }
     return sum;
 }
+
+// Sums of 8 vectors: lane j of the result is the horizontal sum of a[j].
+KVSHARD_AVX2 inline __m256 hsum8(const __m256* a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// o[r] += sum_j p[r][j] v_j for NR rows (p rows 64 apart), 4 vectors of o at a time (d % 32 == 0),
+// or one at a time otherwise.
+template <int NR>
+KVSHARD_AVX2 void accumulate_v(const float* p, const float* v, int nv, int64_t kv_stride, int d,
+                               float* o) {
+    const int nd = d / 8;
+    const int step = nd % 4 == 0 ? 4 : 1;
+    for (int x0 = 0; x0 < nd; x0 += step) {
+        if (step == 4) {
+            __m256 acc[NR][4];
+            for (int r = 0; r < NR; ++r)
+                for (int t = 0; t < 4; ++t)
+                    acc[r][t] = _mm256_loadu_ps(o + int64_t{r} * d + 8 * (x0 + t));
+            for (int j = 0; j < nv; ++j) {
+                const float* vj = v + j * kv_stride + 8 * x0;
+                __m256 pj[NR];
+                for (int r = 0; r < NR; ++r) pj[r] = _mm256_broadcast_ss(p + r * 64 + j);
+                for (int t = 0; t < 4; ++t) {
+                    const __m256 vt = _mm256_loadu_ps(vj + 8 * t);
+                    for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_fmadd_ps(pj[r], vt, acc[r][t]);
+                }
+            }
+            for (int r = 0; r < NR; ++r)
+                for (int t = 0; t < 4; ++t)
+                    _mm256_storeu_ps(o + int64_t{r} * d + 8 * (x0 + t), acc[r][t]);
+        } else {
+            __m256 acc[NR];
+            for (int r = 0; r < NR; ++r) acc[r] = _mm256_loadu_ps(o + int64_t{r} * d + 8 * x0);
+            for (int j = 0; j < nv; ++j) {
+                const __m256 vt = _mm256_loadu_ps(v + j * kv_stride + 8 * x0);
+                for (int r = 0; r < NR; ++r)
+                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * 64 + j), vt, acc[r]);
+            }
+            for (int r = 0; r < NR; ++r) _mm256_storeu_ps(o + int64_t{r} * d + 8 * x0, acc[r]);
+        }
+    }
+}
+
+KVSHARD_AVX2 void attend_keys_avx2(const float* q, int rows, int64_t q_stride, const float* k,
+                                   const float* v, int nv, int64_t kv_stride, int d, float scale,
+                                   float* m, float* l, float* o) {
+    constexpr int kMaxRows = 16;
+    if (d % 8 != 0 || rows > kMaxRows) {
+        attend_keys_generic(q, rows, q_stride, k, v, nv, kv_stride, d, scale, m, l, o);
+        return;
+    }
+    alignas(32) float s[kMaxRows][64];
+    const int nd = d / 8;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    // Scores, 8 keys at a time: 8 independent accumulators, one transpose-sum.
+    for (int r = 0; r < rows; ++r) {
+        const float* qr = q + r * q_stride;
+        int j = 0;
+        for (; j + 8 <= nv; j += 8) {
+            __m256 acc[8];
+            for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+            for (int x = 0; x < nd; ++x) {
+                const __m256 qx = _mm256_loadu_ps(qr + 8 * x);
+                for (int t = 0; t < 8; ++t)
+                    acc[t] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + (j + t) * kv_stride + 8 * x),
+                                             acc[t]);
+            }
+            _mm256_store_ps(&s[r][j], _mm256_mul_ps(hsum8(acc), vscale));
+        }
+        for (; j < nv; ++j) s[r][j] = dot_avx2(qr, k + j * kv_stride, d) * scale;
+    }
+    for (int r = 0; r < rows; ++r) {
+        const float mnew = std::max(m[r], max_avx2(s[r], nv));
+        if (mnew != m[r]) {
+            const float corr = std::exp(m[r] - mnew);
+            l[r] *= corr;
+            scale_avx2(o + int64_t{r} * d, corr, d);
+            m[r] = mnew;
+        }
+        l[r] += exp_sub_sum_avx2(s[r], nv, mnew);
+    }
+    // o_r += sum_j p_rj v_j: NR rows x 4 vectors of o in registers, each v load used by every row.
+    int r0 = 0;
+    {
+        for (; r0 + 3 <= rows; r0 += 3)
+            accumulate_v<3>(&s[r0][0], v, nv, kv_stride, d, o + int64_t{r0} * d);
+        for (; r0 + 2 <= rows; r0 += 2)
+            accumulate_v<2>(&s[r0][0], v, nv, kv_stride, d, o + int64_t{r0} * d);
+    }
+    for (; r0 < rows; ++r0) accumulate_v<1>(&s[r0][0], v, nv, kv_stride, d, o + int64_t{r0} * d);
+}
 #endif
 
 Ops select() {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return {dot_avx2, axpy_avx2, scale_avx2, max_avx2, exp_sub_sum_avx2, "avx2"};
+        return {dot_avx2,         axpy_avx2,        scale_avx2, max_avx2,
+                exp_sub_sum_avx2, attend_keys_avx2, "avx2"};
 #endif
-    return {dot_generic, axpy_generic, scale_generic, max_generic, exp_sub_sum_generic, "generic"};
+    return {dot_generic,         axpy_generic,        scale_generic, max_generic,
+            exp_sub_sum_generic, attend_keys_generic, "generic"};
 }
 
 }  // namespace

@@ -12,6 +12,13 @@ struct Ops {
     float (*max)(const float* x, int n);                     // n >= 1
     // x[i] = exp(x[i] - m) for i < n; returns the sum. m must be >= every x[i] and finite.
     float (*exp_sub_sum)(float* x, int n, float m);
+    // Online-softmax step of `rows` query rows over nv keys: s_j = scale * q_r . k_j, then
+    //   m_r' = max(m_r, max_j s_j), l_r = l_r e^(m_r - m_r') + sum_j e^(s_j - m_r'),
+    //   o_r = o_r e^(m_r - m_r') + sum_j e^(s_j - m_r') v_j.
+    // q: rows x d (stride q_stride); k, v: nv keys of d (stride kv_stride); o: rows x d; nv <= 64.
+    void (*attend_keys)(const float* q, int rows, int64_t q_stride, const float* k, const float* v,
+                        int nv, int64_t kv_stride, int d, float scale, float* m, float* l,
+                        float* o);
     const char* name;
 };
 

@@ -9,6 +9,7 @@
 #include "exec/collectives.h"
 #include "kvshard/cache/block_manager.h"
 #include "kvshard/common/error.h"
+#include "kvshard/exec/cp_session.h"
 #include "kvshard/exec/rank_model.h"
 
 namespace kvshard {
@@ -125,7 +126,7 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     ModelSpec m = spec;
     m.kv_dtype = DType::kFp32;  // the reference computes and caches in fp32
     const KvLayout layout = make_layout(m, p);
-    require(p.cp == 1, "context parallelism is not part of this executor: use cp=1");
+    if (p.cp > 1) return cp_generate(spec, p, weights, prompts, opt, world);  // exec/cp_session.cpp
     const int world_size = coll::size(world), rank = coll::rank(world);
     require(world_size == p.world_size(), "the run has ", world_size, " ranks but ", p.to_string(),
             " needs dp*pp*cp*tp = ", p.world_size());
@@ -166,7 +167,8 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
 
     RankModel model(load_weights(m, weight_shard(layout, rank), weights), num_blocks, bs, comms,
                     opt.page_order);
-    BlockManager tables(BlockManagerConfig{.num_blocks = num_blocks, .block_size = bs, .enable_prefix_cache = opt.prefix_cache});
+    BlockManager tables(BlockManagerConfig{
+        .num_blocks = num_blocks, .block_size = bs, .enable_prefix_cache = opt.prefix_cache});
 
     const int batch = int(mine.size());
     std::vector<std::vector<int32_t>> out_tokens(static_cast<size_t>(batch));

@@ -18,6 +18,11 @@ void linear(const float* x, int64_t n, int64_t in, const std::vector<float>& w, 
     if (n == 0 || out == 0) return;
     KVSHARD_CHECK(int64_t(w.size()) == in * out, "weight of ", w.size(), " elements, expected ", in,
                   "x", out);
+    if (n == 1) {  // one row (decode of one sequence): a matrix-vector product streams W once
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, int(out), int(in), 1.0f, w.data(), int(in), x, 1,
+                    0.0f, y, 1);
+        return;
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(out), int(in), 1.0f, x,
                 int(in), w.data(), int(in), 0.0f, y, int(out));
 }

@@ -41,6 +41,8 @@ struct RunFlags {
     bool verify = false;
     bool json = false;
     std::string dump_logits;
+    std::string cp_prefill = "auto";             // --cp-prefill auto|pass-kv|pass-q
+    std::string cp_decode_merge = "all-gather";  // --cp-decode-merge all-gather|all-to-all
     DisaggFlags disagg;  // --prefill/--decode: the disaggregated run (run_disagg.cpp)
 };
 
@@ -152,6 +154,7 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
             ranks.push_back({{"rank", rr.rank},
                              {"dp", rr.coord.dp},
                              {"pp", rr.coord.pp},
+                             {"cp", rr.coord.cp},
                              {"tp", rr.coord.tp},
                              {"ep", rr.coord.ep},
                              {"layers", {rk.layer_begin, rk.layer_end}},
@@ -197,20 +200,22 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
         prefill_tps);
     fmt::print("decode:  {} tokens in {:.2f} ms, {:.0f} tokens/s\n", decode_tokens,
                r.decode_seconds * 1e3, decode_tps);
-    fmt::print("\n{:>5} {:>3} {:>3} {:>3} {:>3}  {:<8} {:<9} {:<8} {:>10} {:>12} {:>12}  {}\n",
-               "rank", "dp", "pp", "tp", "ep", "layers", "kv_heads", "experts", "kv_tokens",
-               "kv_bytes", "predicted", "");
+    fmt::print(
+        "\n{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<8} {:<9} {:<8} {:>10} {:>12} {:>12}  {}\n",
+        "rank", "dp", "pp", "cp", "tp", "ep", "layers", "kv_heads", "experts", "kv_tokens",
+        "kv_bytes", "predicted", "");
     for (const auto& rr : r.ranks) {
         const RankKv& rk = layout.ranks[size_t(rr.rank)];
         const std::string heads =
             rk.kv_heads.size() == 1 ? fmt::format("{}", rk.kv_heads.front())
                                     : fmt::format("{}-{}", rk.kv_heads.front(), rk.kv_heads.back());
-        fmt::print("{:>5} {:>3} {:>3} {:>3} {:>3}  {:<8} {:<9} {:<8} {:>10} {:>12} {:>12}  {}\n",
-                   rr.rank, rr.coord.dp, rr.coord.pp, rr.coord.tp, rr.coord.ep,
-                   fmt::format("[{},{})", rk.layer_begin, rk.layer_end), heads,
-                   m.moe.enabled() ? fmt::format("[{},{})", rk.expert_begin, rk.expert_end) : "-",
-                   rr.kv_tokens, bytes_text(rr.kv_bytes), bytes_text(rr.kv_bytes_predicted),
-                   rr.kv_bytes == rr.kv_bytes_predicted ? "ok" : "MISMATCH");
+        fmt::print(
+            "{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<8} {:<9} {:<8} {:>10} {:>12} {:>12}  {}\n",
+            rr.rank, rr.coord.dp, rr.coord.pp, rr.coord.cp, rr.coord.tp, rr.coord.ep,
+            fmt::format("[{},{})", rk.layer_begin, rk.layer_end), heads,
+            m.moe.enabled() ? fmt::format("[{},{})", rk.expert_begin, rk.expert_end) : "-",
+            rr.kv_tokens, bytes_text(rr.kv_bytes), bytes_text(rr.kv_bytes_predicted),
+            rr.kv_bytes == rr.kv_bytes_predicted ? "ok" : "MISMATCH");
     }
     if (!r.tokens.empty()) {
         std::string toks;
@@ -228,7 +233,8 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
 void run(const RunFlags& f) {
     ModelSpec m = load_model(f.model);
     const ParallelConfig p = to_parallel_config(f.parallel);
-    require(p.cp == 1, "kvshard run does not run context parallelism: use --cp 1");
+    require(p.cp == 1 || (p.dp == 1 && p.pp == 1),
+            "context parallelism runs with --dp 1 --pp 1 here (got ", p.to_string(), ")");
     validate(m, p);
     require(f.gen >= 1, "--gen must be at least 1, got ", f.gen);
     require(f.block_size >= 1, "--block-size must be at least 1, got ", f.block_size);
@@ -258,6 +264,8 @@ void run(const RunFlags& f) {
     opt.max_new_tokens = f.gen;
     opt.block_size = f.block_size;
     opt.prefix_cache = !f.no_prefix_cache;
+    if (f.cp_prefill != "auto") opt.cp_prefill_mode = parse_cp_prefill_mode(f.cp_prefill);
+    opt.cp_decode_merge = parse_cp_decode_merge(f.cp_decode_merge);
     set_compute_threads(1);
 
     bool failed = false;
@@ -320,6 +328,15 @@ void setup(CLI::App& app) {
         ->capture_default_str();
     sub->add_option("--block-size", f->block_size, "tokens per KV block")->capture_default_str();
     sub->add_flag("--no-prefix-cache", f->no_prefix_cache, "recompute every prompt token");
+    sub->add_option("--cp-prefill", f->cp_prefill,
+                    "CP prefill: auto (the mode that moves fewer bytes, docs/context-parallel.md "
+                    "section 4) | pass-kv (KV shards travel the ring) | pass-q (queries travel, "
+                    "partial outputs come back by all-to-all)")
+        ->capture_default_str();
+    sub->add_option("--cp-decode-merge", f->cp_decode_merge,
+                    "CP decode: all-gather (every rank merges every partial) | all-to-all (Helix: "
+                    "each rank merges a share of the heads)")
+        ->capture_default_str();
     sub->add_flag(
         "--verify", f->verify,
         "also run the model unsharded and compare: last-step logits within 1e-4 relative L2 and "

@@ -17,6 +17,7 @@
 #include "kvshard/comm/groups.h"
 #include "kvshard/exec/cp_plan.h"
 #include "kvshard/exec/cp_ring.h"
+#include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/weights.h"
@@ -120,21 +121,14 @@ class CpSession {
     int64_t next_tmp_seq_ = -1;
 };
 
-// Prefill + greedy decode of each prompt in turn under CP (the `kvshard run` path for cp > 1):
-// prompt i is sequence i, max_new_tokens greedy tokens, the logits of the last step. Collective
-// over world (world->size() == p.world_size()); null world: one rank. Every rank returns the tokens
-// and logits.
-struct CpGenerateResult {
-    std::vector<std::vector<int32_t>> tokens;
-    std::vector<std::vector<float>> last_logits;
-    std::vector<std::vector<float>> prefill_logits;
-    int64_t prompt_tokens = 0, computed_prompt_tokens = 0, prefix_hit_tokens = 0;
-    CpCommStats comm;  // this rank's
-    double prefill_seconds = 0, decode_seconds = 0;
-};
-CpGenerateResult cp_generate(const ModelSpec& m, const ParallelConfig& p,
+// Prefill + greedy decode of each prompt in turn under CP: generate()'s path for cp > 1, with the
+// same report. Prompt i is sequence i; prefix caching (opt.prefix_cache) needs
+// cp_scheme = interleave with cp_interleave = opt.block_size. Collective over world
+// (world->size() == p.world_size(), dp = pp = 1); null world: one rank. Every rank returns the
+// whole report.
+GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const TensorSource& weights,
-                             const std::vector<std::vector<int32_t>>& prompts, int max_new_tokens,
-                             const CpOptions& opt, Communicator* world);
+                             const std::vector<std::vector<int32_t>>& prompts,
+                             const GenerationOptions& opt, Communicator* world);
 
 }  // namespace kvshard

@@ -7,9 +7,11 @@
 // decode steps of one token per sequence. Prompt i goes to DP replica i % dp. The last pipeline
 // stage picks the greedy token and sends it to the earlier stages of its replica.
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "kvshard/cache/block_pool.h"
+#include "kvshard/exec/cp_plan.h"
 #include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/weights.h"
 
@@ -23,6 +25,10 @@ struct GenerationOptions {
     int64_t num_blocks = 0;  // blocks per rank; 0: enough for every prompt of the replica
     bool prefix_cache = true;
     PageOrder page_order = PageOrder::kHnd;
+    // Context parallelism (cp > 1 runs cp_generate, kvshard/exec/cp_session.h): the prefill mode
+    // (empty: the one that moves fewer bytes) and how the decode partials are merged.
+    std::optional<CpPrefillMode> cp_prefill_mode;
+    CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;
 };
 
 struct RankReport {

@@ -1,0 +1,67 @@
+// `kvshard run --cp ...` end to end on the threads backend (the MPI one: tests/multi_rank).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+struct Result {
+    int status = -1;
+    std::string out;
+};
+
+Result run_cli(const std::string& args) {
+    const std::string cmd = std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1";
+    Result r;
+    FILE* pipe = popen(cmd.c_str(), "r");
+    if (!pipe) return r;
+    std::array<char, 4096> buf;
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
+    const int st = pclose(pipe);
+    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return r;
+}
+
+TEST(CpCli, RunCp4ZigzagVerifies) {
+    const Result r = run_cli(
+        "run --model tiny --cp 4 --cp-scheme zigzag --prompt-len 40 --gen 32 --verify --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_TRUE(j["verify"]["tokens_match"].get<bool>());
+    EXPECT_LT(j["verify"]["max_rel_err"].get<double>(), 1e-4);
+    ASSERT_EQ(j["ranks"].size(), 4u);
+    int64_t tokens = 0;
+    for (const auto& rk : j["ranks"]) {
+        EXPECT_EQ(rk["kv_bytes"], rk["kv_bytes_predicted"]);
+        tokens += rk["kv_tokens"].get<int64_t>();
+    }
+    EXPECT_EQ(tokens, 40 + 31);  // every token stored once, on one CP rank
+}
+
+TEST(CpCli, RunCp2Tp2InterleaveWithPrefixCacheAndHelixMergeVerifies) {
+    const Result r = run_cli(
+        "run --model tiny --cp 2 --tp 2 --cp-scheme interleave --cp-interleave 4 --block-size 4 "
+        "--prompts 3 --shared-prefix 16 --prompt-len 30 --gen 8 --cp-decode-merge all-to-all "
+        "--cp-prefill pass-q --verify --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_TRUE(j["verify"]["tokens_match"].get<bool>());
+    EXPECT_EQ(j["prefix_cache"]["hit_tokens"].get<int64_t>(), 32);  // prompts 1, 2: 4 blocks each
+}
+
+TEST(CpCli, BadCpFlagsExitTwo) {
+    for (const char* args :
+         {"run --model tiny --cp 2 --cp-prefill ring",
+          "run --model tiny --cp 2 --cp-decode-merge tree", "run --model tiny --cp 2 --pp 2"}) {
+        const Result r = run_cli(args);
+        EXPECT_EQ(r.status, 2) << args << "\n" << r.out;
+        EXPECT_NE(r.out.find("kvshard: error:"), std::string::npos) << r.out;
+    }
+}
+
+}  // namespace
