@@ -3,6 +3,7 @@
 // merge next to the decode attention it merges. Ceiling in the same run: OpenBLAS sgemm FLOP/s
 // (what the attention kernel could reach) and memcpy bandwidth (what the merge could reach).
 //   build/bench/bench_cp --benchmark_counters_tabular=true
+// Per-rank work is timed in thread CPU time; the threads decode step in wall time (it waits).
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 
@@ -10,16 +11,27 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "kvshard/attention/merge.h"
+#include "kvshard/comm/threads.h"
 #include "kvshard/exec/cp_attention.h"
 #include "kvshard/exec/cp_plan.h"
+#include "kvshard/exec/cp_ring.h"
 
 namespace kvshard {
 namespace {
+
+// CPU time of the calling thread: per-rank work measured this way is not inflated by other
+// processes sharing the cores (wall time is, on a loaded machine).
+double thread_cpu_s() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
 
 std::vector<float> random_floats(size_t n, unsigned seed) {
     std::mt19937 rng(seed);
@@ -40,16 +52,16 @@ ParallelConfig cp_cfg(int cp, CpScheme s) {
 // sgemm FLOP/s on an m x k x n product: the compute ceiling of this machine.
 double sgemm_flops_per_s() {
     static double rate = [] {
+        openblas_set_num_threads(1);  // one core, like one rank's attention kernel
         const int n = 512;
         auto a = random_floats(n * n, 1), b = random_floats(n * n, 2);
         std::vector<float> c(n * n);
         double best = 0;
         for (int rep = 0; rep < 5; ++rep) {
-            const auto t0 = std::chrono::steady_clock::now();
+            const double t0 = thread_cpu_s();
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n,
                         b.data(), n, 0.0f, c.data(), n);
-            const double s =
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            const double s = thread_cpu_s() - t0;
             best = std::max(best, 2.0 * n * n * n / s);
         }
         return best;
@@ -63,11 +75,10 @@ double memcpy_bytes_per_s() {
         std::vector<char> a(n, 1), b(n);
         double best = 0;
         for (int rep = 0; rep < 5; ++rep) {
-            const auto t0 = std::chrono::steady_clock::now();
+            const double t0 = thread_cpu_s();
             std::memcpy(b.data(), a.data(), n);
             benchmark::DoNotOptimize(b.data());
-            const double s =
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            const double s = thread_cpu_s() - t0;
             best = std::max(best, 2.0 * n / s);  // read + write
         }
         return best;
@@ -100,10 +111,10 @@ void BM_CpPrefillBalance(benchmark::State& state) {
     std::vector<float> out(n * row), lse(n * shape.num_q_heads);
     for (auto _ : state) {
         for (int c = 0; c < cp; ++c) {
-            const auto t0 = std::chrono::steady_clock::now();
+            const double t0 = thread_cpu_s();
             cp_partial_attention(shape, qr[c].data(), qpos[c], k.data(), v.data(), all, out.data(),
                                  lse.data());
-            secs[c] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            secs[c] += thread_cpu_s() - t0;
             benchmark::DoNotOptimize(out.data());
         }
     }
@@ -149,10 +160,10 @@ void BM_CpDecodeMerge(benchmark::State& state) {
     std::vector<float> out(rows * shape.head_dim), lse(rows);
     double attn_s = 0, merge_s = 0;
     for (auto _ : state) {
-        auto t0 = std::chrono::steady_clock::now();
+        const double t0 = thread_cpu_s();
         cp_partial_attention(shape, q.data(), qp, k.data(), v.data(), kp, po[0].data(),
                              pl[0].data());
-        auto t1 = std::chrono::steady_clock::now();
+        const double t1 = thread_cpu_s();
         for (int c = 1; c < cp; ++c) {  // stand-ins for the other ranks' partials
             po[c] = po[0];
             pl[c] = pl[0];
@@ -163,12 +174,12 @@ void BM_CpDecodeMerge(benchmark::State& state) {
             outs.push_back(po[c].data());
             lses.push_back(pl[c].data());
         }
-        auto t2 = std::chrono::steady_clock::now();
+        const double t2 = thread_cpu_s();
         merge_attention(outs, lses, rows, shape.head_dim, out.data(), lse.data());
-        auto t3 = std::chrono::steady_clock::now();
+        const double t3 = thread_cpu_s();
         benchmark::DoNotOptimize(out.data());
-        attn_s += std::chrono::duration<double>(t1 - t0).count();
-        merge_s += std::chrono::duration<double>(t3 - t2).count();
+        attn_s += t1 - t0;
+        merge_s += t3 - t2;
     }
     const double it = static_cast<double>(state.iterations());
     state.counters["attn_us"] = attn_s / it * 1e6;
@@ -185,6 +196,67 @@ BENCHMARK(BM_CpDecodeMerge)
     ->ArgNames({"cp", "n"})
     ->ArgsProduct({{2, 4, 8}, {32768}})
     ->Unit(benchmark::kMicrosecond);
+
+// Decode of one token over a context of n tokens on cp ranks (threads backend): per rank, the
+// partial attention over its n / cp keys, then the exchange + merge (all-gather or Helix
+// all-to-all). Ceiling of the exchange: a raw all_gather of the same bytes on the same
+// communicator. args: merge (0 all-gather, 1 all-to-all), cp, n
+void BM_CpDecodeStepThreads(benchmark::State& state) {
+    const auto merge = static_cast<CpDecodeMerge>(state.range(0));
+    const int cp = static_cast<int>(state.range(1));
+    const int64_t n = state.range(2);
+    const CpAttnShape shape{32, 8, 128, 1.0f / std::sqrt(128.0f)};
+    const int64_t shard = n / cp;
+    const auto q = random_floats(shape.num_q_heads * shape.head_dim, 6);
+    const auto k = random_floats(shard * shape.num_kv_heads * shape.head_dim, 7);
+    const auto v = random_floats(shard * shape.num_kv_heads * shape.head_dim, 8);
+    const int64_t rows = shape.num_q_heads;
+    double attn_s = 0, merge_s = 0, raw_s = 0;
+    int64_t iters = 0;
+    for (auto _ : state) {
+        const int reps = 5;
+        std::vector<double> a(cp), m(cp), r(cp);
+        run_threads(cp, [&](Communicator& w) {
+            const int c = w.rank();
+            std::vector<int64_t> kp(shard);
+            std::iota(kp.begin(), kp.end(), int64_t{c} * shard);
+            const std::vector<int64_t> qp = {n};
+            std::vector<float> part(rows * shape.head_dim), lse(rows), out(part.size());
+            std::vector<float> blob(rows * (shape.head_dim + 1)), all(blob.size() * cp);
+            for (int rep = 0; rep < reps; ++rep) {
+                w.barrier();
+                auto t0 = std::chrono::steady_clock::now();
+                cp_partial_attention(shape, q.data(), qp, k.data(), v.data(), kp, part.data(),
+                                     lse.data());
+                auto t1 = std::chrono::steady_clock::now();
+                cp_merge_partials(w, merge, 1, shape.num_q_heads, shape.head_dim, part.data(),
+                                  lse.data(), out.data());
+                auto t2 = std::chrono::steady_clock::now();
+                w.all_gather(blob, all);
+                auto t3 = std::chrono::steady_clock::now();
+                benchmark::DoNotOptimize(out.data());
+                a[c] += std::chrono::duration<double>(t1 - t0).count();
+                m[c] += std::chrono::duration<double>(t2 - t1).count();
+                r[c] += std::chrono::duration<double>(t3 - t2).count();
+            }
+        });
+        attn_s += *std::max_element(a.begin(), a.end()) / reps;
+        merge_s += *std::max_element(m.begin(), m.end()) / reps;
+        raw_s += *std::max_element(r.begin(), r.end()) / reps;
+        ++iters;
+    }
+    state.counters["attn_us"] = attn_s / iters * 1e6;
+    state.counters["merge_us"] = merge_s / iters * 1e6;
+    state.counters["merge_over_attn"] = merge_s / attn_s;
+    state.counters["raw_allgather_us"] = raw_s / iters * 1e6;
+    state.counters["merge_over_raw"] = merge_s / raw_s;
+    state.SetLabel(std::string(cp_decode_merge_name(merge)));
+}
+BENCHMARK(BM_CpDecodeStepThreads)
+    ->ArgNames({"merge", "cp", "n"})
+    ->ArgsProduct({{0, 1}, {2, 4}, {8192}})
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
 
 }  // namespace
 }  // namespace kvshard

@@ -31,12 +31,19 @@ double thread_seconds() {
 struct Setup {
     TransferPlan plan;
     std::unique_ptr<BlockPool> src_pool, dst_pool;
-    const TransferMessage* msg = nullptr;
-    std::vector<std::byte> wire, copy_src, copy_dst;
+    std::vector<const TransferMessage*> msgs;  // one message, or a batch (all of one rank's)
+    std::vector<std::vector<std::byte>> wires;
+    std::vector<std::span<std::byte>> outs;
+    std::vector<std::span<const std::byte>> ins;
+    std::vector<std::byte> copy_src, copy_dst;
+    int64_t bytes = 0;
 };
 
-std::unique_ptr<Setup> make_setup(const std::string& from, const std::string& to, int bs_from,
-                                  int bs_to, PageOrder of, PageOrder ot, int64_t tokens) {
+enum class Batch { kNone, kSource, kDestination };
+
+std::unique_ptr<Setup> make_setup(Batch batch, const std::string& from, const std::string& to,
+                                  int bs_from, int bs_to, PageOrder of, PageOrder ot,
+                                  int64_t tokens) {
     const ModelSpec m = catalog_model("llama-3.1-8b");
     auto endpoint = [&](const std::string& par, int bs, PageOrder o) {
         TransferEndpoint e;
@@ -48,33 +55,51 @@ std::unique_ptr<Setup> make_setup(const std::string& from, const std::string& to
     };
     auto s = std::make_unique<Setup>();
     s->plan = make_transfer_plan(endpoint(from, bs_from, of), endpoint(to, bs_to, ot), tokens);
-    s->msg = &s->plan.messages.front();
+    const TransferMessage& first = s->plan.messages.front();
+    if (batch == Batch::kNone) s->msgs = {&first};
+    for (const auto& m : s->plan.messages)
+        if ((batch == Batch::kSource && m.src_rank == first.src_rank) ||
+            (batch == Batch::kDestination && m.dst_rank == first.dst_rank))
+            s->msgs.push_back(&m);
+    const TransferMessage* msg = s->msgs.front();
     const int64_t src_blocks = (tokens + bs_from - 1) / bs_from,
                   dst_blocks = (tokens + bs_to - 1) / bs_to;
     s->src_pool = std::make_unique<BlockPool>(
-        rank_page_geometry(s->plan.src.layout, s->msg->src_rank, bs_from, of), src_blocks);
+        rank_page_geometry(s->plan.src.layout, msg->src_rank, bs_from, of), src_blocks);
     s->dst_pool = std::make_unique<BlockPool>(
-        rank_page_geometry(s->plan.dst.layout, s->msg->dst_rank, bs_to, ot), dst_blocks);
+        rank_page_geometry(s->plan.dst.layout, msg->dst_rank, bs_to, ot), dst_blocks);
     auto a = s->src_pool->arena();
     for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<std::byte>(i * 131 + 7);
-    s->wire.assign(static_cast<size_t>(s->msg->bytes), std::byte{1});
-    s->copy_src.assign(s->wire.size(), std::byte{2});
-    s->copy_dst.assign(s->wire.size(), std::byte{3});
+    for (const auto* m : s->msgs) {
+        s->wires.emplace_back(static_cast<size_t>(m->bytes), std::byte{1});
+        s->bytes += m->bytes;
+    }
+    for (auto& w : s->wires) {
+        s->outs.emplace_back(w);
+        s->ins.emplace_back(w);
+    }
+    s->copy_src.assign(static_cast<size_t>(s->bytes), std::byte{2});
+    s->copy_dst.assign(static_cast<size_t>(s->bytes), std::byte{3});
     return s;
 }
 
-void run(benchmark::State& state, bool pack, TransferMode mode, const std::string& from,
-         const std::string& to, int bs_from, int bs_to, PageOrder of, PageOrder ot) {
+void run(benchmark::State& state, bool pack, bool batched, TransferMode mode,
+         const std::string& from, const std::string& to, int bs_from, int bs_to, PageOrder of,
+         PageOrder ot) {
     const int64_t tokens = state.range(0);
-    auto s = make_setup(from, to, bs_from, bs_to, of, ot, tokens);
-    if (!pack) pack_message(s->plan, *s->msg, mode, *s->src_pool, s->wire);
+    const Batch batch = !batched ? Batch::kNone : pack ? Batch::kSource : Batch::kDestination;
+    auto s = make_setup(batch, from, to, bs_from, bs_to, of, ot, tokens);
+    if (!pack)  // payloads to unpack (packed from the one source pool: the bytes do not matter)
+        for (size_t m = 0; m < s->msgs.size(); ++m)
+            std::fill(s->wires[m].begin(), s->wires[m].end(),
+                      std::byte{static_cast<unsigned char>(m + 5)});
     double t_op = 0, t_copy = 0;
     for (auto _ : state) {
         const double t0 = thread_seconds();
         if (pack)
-            pack_message(s->plan, *s->msg, mode, *s->src_pool, s->wire);
+            pack_messages(s->plan, s->msgs, mode, *s->src_pool, s->outs);
         else
-            unpack_message(s->plan, *s->msg, mode, s->wire, *s->dst_pool);
+            unpack_messages(s->plan, s->msgs, mode, s->ins, *s->dst_pool);
         const double t1 = thread_seconds();
         std::memcpy(s->copy_dst.data(), s->copy_src.data(), s->copy_dst.size());
         benchmark::ClobberMemory();
@@ -84,9 +109,9 @@ void run(benchmark::State& state, bool pack, TransferMode mode, const std::strin
         t_copy += t2 - t1;
         state.SetIterationTime(op);
     }
-    const double bytes =
-        static_cast<double>(s->msg->bytes) * static_cast<double>(state.iterations());
-    state.counters["MiB"] = static_cast<double>(s->msg->bytes) / 1048576.0;
+    const double bytes = static_cast<double>(s->bytes) * static_cast<double>(state.iterations());
+    state.counters["MiB"] = static_cast<double>(s->bytes) / 1048576.0;
+    state.counters["messages"] = static_cast<double>(s->msgs.size());
     state.counters["GBps"] = bytes / t_op / 1e9;
     state.counters["memcpy_GBps"] = bytes / t_copy / 1e9;
     state.counters["ratio"] = t_copy / t_op;
@@ -100,30 +125,38 @@ constexpr auto kN = PageOrder::kNhd;
 constexpr auto kPre = TransferMode::kPreSend;
 constexpr auto kPost = TransferMode::kPostReceive;
 
-#define KVSHARD_TRANSFER_BENCH(name, pack, mode, from, to, bsf, bst, of, ot) \
-    BENCHMARK_CAPTURE(run, name, pack, mode, from, to, bsf, bst, of, ot)     \
-        ->Arg(4096)                                                          \
-        ->UseManualTime()                                                    \
-        ->Unit(benchmark::kMillisecond)                                      \
+#define KVSHARD_TRANSFER_BENCH(name, pack, batched, mode, from, to, bsf, bst, of, ot) \
+    BENCHMARK_CAPTURE(run, name, pack, batched, mode, from, to, bsf, bst, of, ot)     \
+        ->Arg(4096)                                                                   \
+        ->UseManualTime()                                                             \
+        ->Unit(benchmark::kMillisecond)                                               \
         ->MinTime(0.5)
 
 // The seed's example: TP=8 -> TP=4, block 16, HND. One message = one head, all layers, all tokens.
-KVSHARD_TRANSFER_BENCH(pack_tp8_tp4_presend, true, kPre, "tp=8", "tp=4", 16, 16, kH, kH);
-KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_presend, false, kPre, "tp=8", "tp=4", 16, 16, kH, kH);
-KVSHARD_TRANSFER_BENCH(pack_tp8_tp4_postrecv, true, kPost, "tp=8", "tp=4", 16, 16, kH, kH);
-KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_postrecv, false, kPost, "tp=8", "tp=4", 16, 16, kH, kH);
+KVSHARD_TRANSFER_BENCH(pack_tp8_tp4_presend, true, false, kPre, "tp=8", "tp=4", 16, 16, kH, kH);
+KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_presend, false, false, kPre, "tp=8", "tp=4", 16, 16, kH, kH);
+KVSHARD_TRANSFER_BENCH(pack_tp8_tp4_postrecv, true, false, kPost, "tp=8", "tp=4", 16, 16, kH, kH);
+KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_postrecv, false, false, kPost, "tp=8", "tp=4", 16, 16, kH,
+                       kH);
 // TP=2 -> TP=8: each message is a quarter of the source pages' heads.
-KVSHARD_TRANSFER_BENCH(pack_tp2_tp8_presend, true, kPre, "tp=2", "tp=8", 16, 16, kH, kH);
-KVSHARD_TRANSFER_BENCH(unpack_tp2_tp8_presend, false, kPre, "tp=2", "tp=8", 16, 16, kH, kH);
+KVSHARD_TRANSFER_BENCH(pack_tp2_tp8_presend, true, false, kPre, "tp=2", "tp=8", 16, 16, kH, kH);
+KVSHARD_TRANSFER_BENCH(unpack_tp2_tp8_presend, false, false, kPre, "tp=2", "tp=8", 16, 16, kH, kH);
 // Block size 16 -> 64.
-KVSHARD_TRANSFER_BENCH(pack_tp8_tp4_bs16_64, true, kPre, "tp=8", "tp=4", 16, 64, kH, kH);
-KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_bs16_64, false, kPre, "tp=8", "tp=4", 16, 64, kH, kH);
+KVSHARD_TRANSFER_BENCH(pack_tp8_tp4_bs16_64, true, false, kPre, "tp=8", "tp=4", 16, 64, kH, kH);
+KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_bs16_64, false, false, kPre, "tp=8", "tp=4", 16, 64, kH, kH);
 // NHD on both sides (token-major pages: a message's head is a 256-byte run per token).
-KVSHARD_TRANSFER_BENCH(pack_tp8_tp4_nhd, true, kPre, "tp=8", "tp=4", 16, 16, kN, kN);
-KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_nhd, false, kPre, "tp=8", "tp=4", 16, 16, kN, kN);
+KVSHARD_TRANSFER_BENCH(pack_tp8_tp4_nhd, true, false, kPre, "tp=8", "tp=4", 16, 16, kN, kN);
+KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_nhd, false, false, kPre, "tp=8", "tp=4", 16, 16, kN, kN);
+// Batched: all of one rank's messages in one pass (pack: the source's 4 messages of TP=2 -> TP=8;
+// unpack: the destination's 2 messages of TP=8 -> TP=4), which touches each page once, in order.
+KVSHARD_TRANSFER_BENCH(pack_tp2_tp8_batched, true, true, kPre, "tp=2", "tp=8", 16, 16, kH, kH);
+KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_batched, false, true, kPre, "tp=8", "tp=4", 16, 16, kH, kH);
+KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_nhd_batched, false, true, kPre, "tp=8", "tp=4", 16, 16, kN,
+                       kN);
 // HND -> NHD transpose (the reshaping side copies head_dim vectors).
-KVSHARD_TRANSFER_BENCH(pack_hnd_to_nhd_presend, true, kPre, "tp=2", "tp=2", 16, 16, kH, kN);
-KVSHARD_TRANSFER_BENCH(unpack_hnd_to_nhd_presend, false, kPre, "tp=2", "tp=2", 16, 16, kH, kN);
+KVSHARD_TRANSFER_BENCH(pack_hnd_to_nhd_presend, true, false, kPre, "tp=2", "tp=2", 16, 16, kH, kN);
+KVSHARD_TRANSFER_BENCH(unpack_hnd_to_nhd_presend, false, false, kPre, "tp=2", "tp=2", 16, 16, kH,
+                       kN);
 
 }  // namespace
 }  // namespace kvshard

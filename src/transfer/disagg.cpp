@@ -194,6 +194,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
                     is_prefill ? opt.prefill_block_size : opt.decode_block_size,
                     rank_comms(*group, g, pc, c),
                     is_prefill ? opt.prefill_order : opt.decode_order);
+    xo.staging_pool = StagingPool::create();  // this rank's, shared by its requests
     world.barrier();
     const auto t0 = Clock::now();
     RankTimes times;
@@ -229,12 +230,9 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         for (auto& s : senders) s->all_layers_ready();
         // Finish every transfer before anything blocking: the decode ranks need our sends to finish
         // theirs.
-        bool all = false;
-        while (!all) {
-            all = true;
-            for (auto& s : senders) all &= s->progress();
-            if (!all) std::this_thread::sleep_for(std::chrono::microseconds(20));
-        }
+        std::vector<TransferSender*> sp;
+        for (auto& s : senders) sp.push_back(s.get());
+        progress_until_done(sp, {});
         for (auto& s : senders) {
             const TransferResult r = s->finish();
             if (r.first_send_s >= 0) {
@@ -265,12 +263,9 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         for (int i = 0; i < n; ++i)
             receivers.push_back(std::make_unique<TransferReceiver>(
                 world, plans[i], static_cast<uint64_t>(i), d, model.pool(), xo));
-        bool all = false;
-        while (!all) {
-            all = true;
-            for (auto& r : receivers) all &= r->progress();
-            if (!all) std::this_thread::sleep_for(std::chrono::microseconds(20));
-        }
+        std::vector<TransferReceiver*> rp;
+        for (auto& r : receivers) rp.push_back(r.get());
+        progress_until_done({}, rp);
         times.transfer_done = since(t0);
         std::vector<std::string> errors(static_cast<size_t>(n));
         std::vector<int32_t> failed(static_cast<size_t>(n), 0);

@@ -34,56 +34,85 @@ class Coalescer {
     int64_t pool_ = 0, wire_ = 0, len_ = 0;
 };
 
-// Walks the copies between one side's pool and the wire for message `msg`.
-// layers: only [layer_begin, layer_begin + layer_count) of the message, kvs: [0, kv_count).
+// Wire offsets of a batch carry the message's position in the batch in their top bits, so that
+// copies of different messages never merge and a sink can find the message's buffer.
+constexpr int kWireShift = 40;
+constexpr int64_t kWireMask = (int64_t{1} << kWireShift) - 1;
+
+// Walks the copies between one side's pool and the wire for a batch of messages that share their
+// layer range, interleaved by (layer, kv, piece index): messages that differ only by heads (a TP
+// reshape) then touch each page once, in address order, instead of once per message.
+// Only layers [layer_begin, layer_begin + layer_count) and kvs [0, kv_count) are walked.
 template <typename Sink>
-void walk_message(const TransferPlan& plan, const TransferMessage& msg, bool source_side,
-                  PageOrder wire, const PageGeometry& g, int64_t num_blocks, int layer_count,
-                  int kv_count, Sink& sink) {
+void walk_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
+                   bool source_side, PageOrder wire, const PageGeometry& g, int64_t num_blocks,
+                   int layer_count, int kv_count, Sink& sink) {
     const TransferEndpoint& side = source_side ? plan.src : plan.dst;
-    const RankKv& rk = side.layout.ranks[source_side ? msg.src_rank : msg.dst_rank];
-    const int head0 =
-        (side.layout.model.is_mla() ? msg.head_begin : msg.head_begin - rk.kv_heads.front());
-    const int nh = msg.num_heads();
     const int64_t vec = plan.vector_bytes();
     const int64_t page_bytes = g.page_bytes();
     const int bs = g.block_size;
     const int H = g.num_heads;
+    const int layer_begin = msgs.front()->layer_begin;
+    const RankKv& rk =
+        side.layout.ranks[source_side ? msgs.front()->src_rank : msgs.front()->dst_rank];
+    std::vector<int64_t> w(msgs.size(), 0);
+    std::vector<int> head0(msgs.size());
+    size_t max_pieces = 0;
+    for (size_t m = 0; m < msgs.size(); ++m) {
+        KVSHARD_CHECK(msgs[m]->layer_begin == layer_begin, "a batch shares its layers");
+        head0[m] = msgs[m]->head_begin - rk.kv_heads.front();
+        max_pieces = std::max(max_pieces, msgs[m]->pieces.size());
+    }
     Coalescer<Sink> co(sink);
-    int64_t w = 0;
-    for (int l = msg.layer_begin; l < msg.layer_begin + layer_count; ++l) {
+    for (int l = layer_begin; l < layer_begin + layer_count; ++l) {
         const int local_layer = l - rk.layer_begin;
         for (int kv = 0; kv < kv_count; ++kv) {
             const int64_t page_base = (int64_t{local_layer} * g.kv_factor + kv) * num_blocks;
-            for (const TransferPiece& p : msg.pieces) {
-                const int32_t block = source_side ? p.src_block : p.dst_block;
-                const int s0 = source_side ? p.src_slot : p.dst_slot;
-                const int cnt = p.count;
-                const int64_t page = (page_base + block) * page_bytes;
-                if (g.order == PageOrder::kHnd && wire == PageOrder::kHnd) {
-                    for (int hi = 0; hi < nh; ++hi)
-                        co.add(page + ((int64_t{head0 + hi} * bs + s0) * vec),
-                               w + int64_t{hi} * cnt * vec, cnt * vec);
-                } else if (g.order == PageOrder::kNhd && wire == PageOrder::kNhd) {
-                    for (int si = 0; si < cnt; ++si)
-                        co.add(page + ((int64_t{s0 + si} * H + head0) * vec),
-                               w + int64_t{si} * nh * vec, nh * vec);
-                } else if (wire == PageOrder::kHnd) {  // NHD pages, HND wire
-                    for (int hi = 0; hi < nh; ++hi)
-                        for (int si = 0; si < cnt; ++si)
-                            co.add(page + ((int64_t{s0 + si} * H + head0 + hi) * vec),
-                                   w + (int64_t{hi} * cnt + si) * vec, vec);
-                } else {  // HND pages, NHD wire
-                    for (int si = 0; si < cnt; ++si)
+            for (size_t j = 0; j < max_pieces; ++j) {
+                for (size_t m = 0; m < msgs.size(); ++m) {
+                    if (j >= msgs[m]->pieces.size()) continue;
+                    const TransferPiece& p = msgs[m]->pieces[j];
+                    const int nh = msgs[m]->num_heads();
+                    const int h0 = head0[m];
+                    const int32_t block = source_side ? p.src_block : p.dst_block;
+                    const int s0 = source_side ? p.src_slot : p.dst_slot;
+                    const int cnt = p.count;
+                    const int64_t page = (page_base + block) * page_bytes;
+                    const int64_t wb = (static_cast<int64_t>(m) << kWireShift) + w[m];
+                    if (g.order == PageOrder::kHnd && wire == PageOrder::kHnd) {
                         for (int hi = 0; hi < nh; ++hi)
-                            co.add(page + ((int64_t{head0 + hi} * bs + s0 + si) * vec),
-                                   w + (int64_t{si} * nh + hi) * vec, vec);
+                            co.add(page + ((int64_t{h0 + hi} * bs + s0) * vec),
+                                   wb + int64_t{hi} * cnt * vec, cnt * vec);
+                    } else if (g.order == PageOrder::kNhd && wire == PageOrder::kNhd) {
+                        for (int si = 0; si < cnt; ++si)
+                            co.add(page + ((int64_t{s0 + si} * H + h0) * vec),
+                                   wb + int64_t{si} * nh * vec, nh * vec);
+                    } else if (wire == PageOrder::kHnd) {  // NHD pages, HND wire
+                        for (int hi = 0; hi < nh; ++hi)
+                            for (int si = 0; si < cnt; ++si)
+                                co.add(page + ((int64_t{s0 + si} * H + h0 + hi) * vec),
+                                       wb + (int64_t{hi} * cnt + si) * vec, vec);
+                    } else {  // HND pages, NHD wire
+                        for (int si = 0; si < cnt; ++si)
+                            for (int hi = 0; hi < nh; ++hi)
+                                co.add(page + ((int64_t{h0 + hi} * bs + s0 + si) * vec),
+                                       wb + (int64_t{si} * nh + hi) * vec, vec);
+                    }
+                    w[m] += int64_t{nh} * cnt * vec;
                 }
-                w += int64_t{nh} * cnt * vec;
             }
         }
     }
     co.flush();
+}
+
+template <typename Sink>
+void walk_message(const TransferPlan& plan, const TransferMessage& msg, bool source_side,
+                  PageOrder wire, const PageGeometry& g, int64_t num_blocks, int layer_count,
+                  int kv_count, Sink& sink) {
+    const TransferMessage* one[] = {&msg};
+    walk_messages(plan, std::span<const TransferMessage* const>(one), source_side, wire, g,
+                  num_blocks, layer_count, kv_count, sink);
 }
 
 // memcpy one run behind: before copying run i it prefetches the start of run i + 1 in both buffers,
@@ -189,32 +218,64 @@ TransferMode resolve_mode(const TransferPlan& plan, TransferMode mode) {
 
 void pack_message(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
                   const BlockPool& pool, std::span<std::byte> out) {
-    require(mode != TransferMode::kAuto, "pack_message needs a resolved mode (call resolve_mode)");
-    check_pool(plan, msg, true, pool, static_cast<int64_t>(out.size()));
-    const std::byte* base = pool.arena().data();
-    std::byte* wire = out.data();
-    PrefetchingCopier copier;
-    auto copy = [base, wire, &copier](int64_t pool_off, int64_t wire_off, int64_t len) {
-        copier.add(wire + wire_off, base + pool_off, len);
-    };
-    walk_message(plan, msg, true, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
-                 msg.num_layers(), plan.kv_factor, copy);
-    copier.flush();
+    const TransferMessage* one[] = {&msg};
+    const std::span<std::byte> outs[] = {out};
+    pack_messages(plan, one, mode, pool, outs);
 }
 
 void unpack_message(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
                     std::span<const std::byte> in, BlockPool& pool) {
-    require(mode != TransferMode::kAuto,
-            "unpack_message needs a resolved mode (call resolve_mode)");
-    check_pool(plan, msg, false, pool, static_cast<int64_t>(in.size()));
-    std::byte* base = pool.arena().data();
-    const std::byte* wire = in.data();
+    const TransferMessage* one[] = {&msg};
+    const std::span<const std::byte> ins[] = {in};
+    unpack_messages(plan, one, mode, ins, pool);
+}
+
+void pack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
+                   TransferMode mode, const BlockPool& pool,
+                   std::span<const std::span<std::byte>> outs) {
+    require(mode != TransferMode::kAuto, "pack_messages needs a resolved mode (call resolve_mode)");
+    require(msgs.size() == outs.size() && !msgs.empty(), "pack_messages: one buffer per message");
+    for (size_t m = 0; m < msgs.size(); ++m) {
+        check_pool(plan, *msgs[m], true, pool, static_cast<int64_t>(outs[m].size()));
+        require(msgs[m]->src_rank == msgs[0]->src_rank &&
+                    msgs[m]->layer_begin == msgs[0]->layer_begin &&
+                    msgs[m]->layer_end == msgs[0]->layer_end,
+                "pack_messages: a batch is one source rank's messages of one layer range");
+    }
+    const std::byte* base = pool.arena().data();
     PrefetchingCopier copier;
-    auto copy = [base, wire, &copier](int64_t pool_off, int64_t wire_off, int64_t len) {
-        copier.add(base + pool_off, wire + wire_off, len);
+    auto copy = [base, outs, &copier](int64_t pool_off, int64_t wire_off, int64_t len) {
+        copier.add(
+            outs[static_cast<size_t>(wire_off >> kWireShift)].data() + (wire_off & kWireMask),
+            base + pool_off, len);
     };
-    walk_message(plan, msg, false, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
-                 msg.num_layers(), plan.kv_factor, copy);
+    walk_messages(plan, msgs, true, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
+                  msgs[0]->num_layers(), plan.kv_factor, copy);
+    copier.flush();
+}
+
+void unpack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
+                     TransferMode mode, std::span<const std::span<const std::byte>> ins,
+                     BlockPool& pool) {
+    require(mode != TransferMode::kAuto,
+            "unpack_messages needs a resolved mode (call resolve_mode)");
+    require(msgs.size() == ins.size() && !msgs.empty(), "unpack_messages: one buffer per message");
+    for (size_t m = 0; m < msgs.size(); ++m) {
+        check_pool(plan, *msgs[m], false, pool, static_cast<int64_t>(ins[m].size()));
+        require(msgs[m]->dst_rank == msgs[0]->dst_rank &&
+                    msgs[m]->layer_begin == msgs[0]->layer_begin &&
+                    msgs[m]->layer_end == msgs[0]->layer_end,
+                "unpack_messages: a batch is one destination rank's messages of one layer range");
+    }
+    std::byte* base = pool.arena().data();
+    PrefetchingCopier copier;
+    auto copy = [base, ins, &copier](int64_t pool_off, int64_t wire_off, int64_t len) {
+        copier.add(base + pool_off,
+                   ins[static_cast<size_t>(wire_off >> kWireShift)].data() + (wire_off & kWireMask),
+                   len);
+    };
+    walk_messages(plan, msgs, false, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
+                  msgs[0]->num_layers(), plan.kv_factor, copy);
     copier.flush();
 }
 

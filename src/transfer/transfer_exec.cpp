@@ -27,10 +27,70 @@ uint64_t header_hash(const TransferHeader& h) {
     return XXH3_64bits(&h, offsetof(TransferHeader, header_xxh3));
 }
 
-// Short sleep when a poll loop made no progress (the machine's cores are shared).
-void idle() { std::this_thread::sleep_for(std::chrono::microseconds(20)); }
+// Between polls: spin while things move, sleep once idle for a while (the cores may be shared).
+void idle(double idle_seconds) {
+    if (idle_seconds < 0.05)
+        std::this_thread::yield();
+    else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
 
 }  // namespace
+
+std::shared_ptr<StagingPool> StagingPool::create(int64_t keep_bytes) {
+    return std::shared_ptr<StagingPool>(new StagingPool(keep_bytes));
+}
+
+StagingPool::Buffer StagingPool::acquire(size_t size) {
+    Buffer b;
+    b.pool_ = shared_from_this();
+    b.size_ = size;
+    {
+        std::lock_guard lk(mu_);
+        auto it = free_.lower_bound(size);
+        if (it != free_.end()) {
+            b.capacity_ = it->first;
+            b.data_ = std::move(it->second);
+            kept_ -= static_cast<int64_t>(it->first);
+            free_.erase(it);
+            return b;
+        }
+    }
+    b.capacity_ = std::max<size_t>(size, 1);
+    b.data_.reset(new std::byte[b.capacity_]);  // default-initialized: no zero fill
+    return b;
+}
+
+void StagingPool::give_back(std::unique_ptr<std::byte[]> data, size_t capacity) {
+    std::lock_guard lk(mu_);
+    free_.emplace(capacity, std::move(data));
+    kept_ += static_cast<int64_t>(capacity);
+    while (kept_ > keep_bytes_ && !free_.empty()) {  // drop the smallest first
+        kept_ -= static_cast<int64_t>(free_.begin()->first);
+        free_.erase(free_.begin());
+    }
+}
+
+void StagingPool::Buffer::reset() {
+    if (data_ && pool_) pool_->give_back(std::move(data_), capacity_);
+    data_.reset();
+    pool_.reset();
+    capacity_ = size_ = 0;
+}
+
+StagingPool::Buffer& StagingPool::Buffer::operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+        reset();
+        pool_ = std::move(o.pool_);
+        data_ = std::move(o.data_);
+        capacity_ = o.capacity_;
+        size_ = o.size_;
+        o.capacity_ = o.size_ = 0;
+    }
+    return *this;
+}
+
+StagingPool::Buffer::~Buffer() { reset(); }
 
 std::string_view transfer_status_name(TransferStatus s) {
     switch (s) {
@@ -87,6 +147,7 @@ struct TransferSender::Impl {
     int src_rank;
     const BlockPool& pool;
     TransferExecOptions opt;
+    std::shared_ptr<StagingPool> staging;
     TransferMode mode;
     Clock::time_point t0 = Clock::now();
     Clock::time_point last_progress = t0;
@@ -100,7 +161,7 @@ struct TransferSender::Impl {
     struct InFlight {
         int dst = 0;
         TransferHeader header;
-        std::vector<std::byte> payload;
+        StagingPool::Buffer payload;
         Request header_req, payload_req;
     };
     std::list<InFlight> in_flight;
@@ -116,6 +177,7 @@ struct TransferSender::Impl {
          const BlockPool& pl, TransferExecOptions o)
         : world(w), plan(std::move(p)), request_id(rid), src_rank(r), pool(pl), opt(o) {
         mode = resolve_mode(*plan, opt.mode);
+        staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
         mine = plan->messages_from(src_rank);
         for (int i : mine) {
             const int d = plan->messages[i].dst_rank;
@@ -181,23 +243,61 @@ struct TransferSender::Impl {
         if (msg.layer_end > ready_end) return false;
         if (!in_flight.empty() && staged + msg.bytes > opt.staging_bytes)
             return false;  // back-pressure
+        // A batch: this and the following messages of the same layers (to other destinations),
+        // packed in one pass over the pages, as far as staging allows.
+        size_t end = next + 1;
+        int64_t batch_bytes = msg.bytes;
+        while (end < mine.size()) {
+            const TransferMessage& m2 = plan->messages[mine[end]];
+            if (m2.layer_begin != msg.layer_begin || m2.layer_end != msg.layer_end) break;
+            if (closed[dst_index(m2.dst_rank)]) break;
+            if (opt.faults.stall_after >= 0 && static_cast<int>(end) >= opt.faults.stall_after)
+                break;
+            if (staged + batch_bytes + m2.bytes > opt.staging_bytes) break;
+            batch_bytes += m2.bytes;
+            ++end;
+        }
         const auto tp = Clock::now();
-        f.payload.resize(static_cast<size_t>(msg.bytes));
-        pack_message(*plan, msg, mode, pool, f.payload);
-        f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
-        f.header.payload_xxh3 = XXH3_64bits(f.payload.data(), f.payload.size());
-        seal_header(f.header);
-        if (idx == opt.faults.corrupt_message && !f.payload.empty())
-            f.payload[f.payload.size() / 2] ^= std::byte{0x5A};
+        std::vector<InFlight> batch;
+        std::vector<const TransferMessage*> msgs;
+        std::vector<std::span<std::byte>> outs;
+        batch.reserve(end - next);
+        for (size_t k = next; k < end; ++k) {
+            const int i = mine[k];
+            const TransferMessage& m = plan->messages[i];
+            InFlight b;
+            b.dst = m.dst_rank;
+            b.header = f.header;
+            b.header.dst_rank = static_cast<uint32_t>(m.dst_rank);
+            b.header.message_index = static_cast<uint32_t>(i);
+            b.header.layer_group = static_cast<uint32_t>(m.layer_group);
+            b.header.payload_bytes = static_cast<uint64_t>(m.bytes);
+            b.payload = staging->acquire(static_cast<size_t>(m.bytes));
+            batch.push_back(std::move(b));
+            msgs.push_back(&m);
+        }
+        for (auto& b : batch) outs.emplace_back(b.payload);
+        pack_messages(*plan, msgs, mode, pool, outs);
+        for (size_t k = 0; k < batch.size(); ++k) {
+            InFlight& b = batch[k];
+            b.header.payload_xxh3 = XXH3_64bits(b.payload.data(), b.payload.size());
+            seal_header(b.header);
+            if (mine[next + k] == opt.faults.corrupt_message && !b.payload.empty())
+                b.payload[b.payload.size() / 2] ^= std::byte{0x5A};
+        }
         result.pack_seconds += seconds_since(tp);
-        staged += msg.bytes;
+        for (auto& b : batch) {
+            const int64_t bytes = static_cast<int64_t>(b.payload.size());
+            const int to = opt.dst_world_base + b.dst;
+            staged += bytes;
+            post(std::move(b), to);
+            result.bytes += bytes;
+            ++result.messages;
+        }
         result.peak_staging = std::max(result.peak_staging, staged);
-        post(std::move(f), dest);
         if (result.first_send_s < 0) result.first_send_s = seconds_since(t0);
         result.last_send_s = seconds_since(t0);
-        result.bytes += msg.bytes;
-        ++result.messages;
-        ++next;
+        next = end;
         return true;
     }
 
@@ -298,9 +398,11 @@ bool TransferSender::progress() {
 }
 
 TransferResult TransferSender::finish() {
-    while (!progress()) idle();
+    while (!progress()) idle(idle_seconds());
     return impl_->result;
 }
+
+double TransferSender::idle_seconds() const { return seconds_since(impl_->last_progress); }
 
 // ---- receiver --------------------------------------------------------------------------------
 
@@ -311,6 +413,7 @@ struct TransferReceiver::Impl {
     int dst_rank;
     BlockPool& pool;
     TransferExecOptions opt;
+    std::shared_ptr<StagingPool> staging;
     TransferMode mode;
     Clock::time_point t0 = Clock::now();
     Clock::time_point last_progress = t0;
@@ -324,7 +427,7 @@ struct TransferReceiver::Impl {
         Request header_req;
         bool header_posted = false;
         bool have_header = false;  // header arrived, payload not yet received
-        std::vector<std::byte> payload;
+        StagingPool::Buffer payload;
         Request payload_req;
         bool payload_posted = false;
     };
@@ -332,6 +435,14 @@ struct TransferReceiver::Impl {
     int64_t staged = 0;
     TransferResult result;
     bool acks_sent = false;
+    // Verified payloads waiting for the rest of their layer range's messages, to be unpacked in one
+    // pass over the pages (unpack_messages). Key: (layer_begin, layer_end).
+    struct Pending {
+        std::vector<int> messages;
+        std::vector<StagingPool::Buffer> payloads;
+    };
+    std::map<std::pair<int, int>, Pending> pending;
+    std::map<std::pair<int, int>, int> expected;  // messages to me per layer range
     std::vector<TransferAck> acks;
     std::vector<Request> ack_reqs;
 
@@ -339,7 +450,9 @@ struct TransferReceiver::Impl {
          TransferExecOptions o)
         : world(w), plan(std::move(p)), request_id(rid), dst_rank(r), pool(pl), opt(o) {
         mode = resolve_mode(*plan, opt.mode);
+        staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
         for (int i : plan->messages_to(dst_rank)) {
+            ++expected[{plan->messages[i].layer_begin, plan->messages[i].layer_end}];
             const int s = plan->messages[i].src_rank;
             auto it = std::find_if(sources.begin(), sources.end(),
                                    [s](const Source& x) { return x.rank == s; });
@@ -398,9 +511,10 @@ struct TransferReceiver::Impl {
             const int idx = s.messages[s.next];
             const TransferMessage& msg = plan->messages[idx];
             if (!s.payload_posted) {
+                if (staged > 0 && staged + msg.bytes > opt.staging_bytes) flush_pending();
                 if (staged > 0 && staged + msg.bytes > opt.staging_bytes)
                     return moved;  // back-pressure
-                s.payload.resize(static_cast<size_t>(msg.bytes));
+                s.payload = staging->acquire(static_cast<size_t>(msg.bytes));
                 staged += msg.bytes;
                 result.peak_staging = std::max(result.peak_staging, staged);
                 s.payload_req = world.irecv(std::span<std::byte>(s.payload), src_world(s),
@@ -415,14 +529,18 @@ struct TransferReceiver::Impl {
                 set_status(TransferStatus::kChecksumMismatch,
                            detail::concat("destination rank ", dst_rank, ": message ", idx,
                                           " from source rank ", s.rank, " failed its checksum"));
-            } else if (result.status == TransferStatus::kOk) {
-                unpack_message(*plan, msg, mode, s.payload, pool);
-                result.bytes += msg.bytes;
-                ++result.messages;
+            }
+            if (result.status == TransferStatus::kOk) {
+                const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
+                Pending& pd = pending[key];
+                pd.messages.push_back(idx);
+                pd.payloads.push_back(std::move(s.payload));
+                if (static_cast<int>(pd.messages.size()) == expected[key]) unpack_pending(key);
+            } else {
+                staged -= msg.bytes;  // discarded
             }
             result.pack_seconds += seconds_since(tu);
-            staged -= msg.bytes;
-            std::vector<std::byte>().swap(s.payload);
+            s.payload = {};
             s.payload_posted = false;
             s.have_header = false;
             s.header_posted = false;
@@ -431,7 +549,37 @@ struct TransferReceiver::Impl {
         }
     }
 
+    void unpack_pending(const std::pair<int, int>& key) {
+        auto it = pending.find(key);
+        if (it == pending.end()) return;
+        Pending& pd = it->second;
+        std::vector<const TransferMessage*> msgs;
+        std::vector<std::span<const std::byte>> ins;
+        for (size_t k = 0; k < pd.messages.size(); ++k) {
+            msgs.push_back(&plan->messages[pd.messages[k]]);
+            ins.emplace_back(pd.payloads[k]);
+        }
+        const auto tu = Clock::now();
+        if (result.status == TransferStatus::kOk) unpack_messages(*plan, msgs, mode, ins, pool);
+        result.pack_seconds += seconds_since(tu);
+        for (const auto* m : msgs) {
+            staged -= m->bytes;
+            if (result.status == TransferStatus::kOk) {
+                result.bytes += m->bytes;
+                ++result.messages;
+            }
+        }
+        expected[key] -= static_cast<int>(msgs.size());
+        pending.erase(it);
+    }
+
+    // Unpacks what is waiting now (staging is full and more must come in first).
+    void flush_pending() {
+        while (!pending.empty()) unpack_pending(pending.begin()->first);
+    }
+
     void send_acks() {
+        flush_pending();
         acks.assign(sources.size(), TransferAck{});
         for (size_t k = 0; k < sources.size(); ++k) {
             acks[k].status = static_cast<uint32_t>(result.status);
@@ -509,8 +657,28 @@ bool TransferReceiver::progress() {
 }
 
 TransferResult TransferReceiver::finish() {
-    while (!progress()) idle();
+    while (!progress()) idle(idle_seconds());
     return impl_->result;
+}
+
+double TransferReceiver::idle_seconds() const { return seconds_since(impl_->last_progress); }
+
+void progress_until_done(std::span<TransferSender* const> senders,
+                         std::span<TransferReceiver* const> receivers) {
+    for (;;) {
+        bool all = true;
+        double least_idle = 1e9;
+        for (auto* s : senders) {
+            all &= s->progress();
+            if (!s->done()) least_idle = std::min(least_idle, s->idle_seconds());
+        }
+        for (auto* r : receivers) {
+            all &= r->progress();
+            if (!r->done()) least_idle = std::min(least_idle, r->idle_seconds());
+        }
+        if (all) return;
+        idle(least_idle);
+    }
 }
 
 }  // namespace kvshard

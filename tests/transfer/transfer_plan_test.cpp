@@ -427,3 +427,79 @@ TEST(TransferPlan, PropertyRandomLayoutPairs) {
 
 }  // namespace
 }  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// Batched pack/unpack (one pass over a rank's pages for all its messages of a layer range) gives
+// the same payloads and the same destination pools as one call per message.
+TEST(TransferPlan, BatchedPackUnpackMatchesPerMessage) {
+    const std::vector<Case> cases = {
+        {.model = llama_mini(), .from = "tp=8", .to = "tp=4", .tokens = 77},
+        {.model = llama_mini(),
+         .from = "tp=2",
+         .to = "tp=8",
+         .tokens = 50,
+         .bs_from = 4,
+         .bs_to = 16},
+        {.model = llama_mini(5),
+         .from = "tp=4,pp=2",
+         .to = "tp=2,pp=3,cp=2,cp_scheme=zigzag",
+         .tokens = 90,
+         .order_from = PageOrder::kNhd,
+         .layers_per_group = 1,
+         .shuffle = 9},
+        {.model = llama_mini(),
+         .from = "tp=16",
+         .to = "tp=2",
+         .tokens = 33,
+         .order_to = PageOrder::kNhd},
+    };
+    for (const Case& c : cases) {
+        SCOPED_TRACE(c.from + " -> " + c.to);
+        const auto plan = plan_of(c);
+        const auto src = testing::make_source(plan.src, c.tokens);
+        for (TransferMode mode : {TransferMode::kPreSend, TransferMode::kPostReceive}) {
+            auto one = testing::make_destination(plan.dst);
+            auto batched = testing::make_destination(plan.dst);
+            testing::run_plan(plan, mode, src, one);
+            // Batches: (source rank, layer range) for pack; (destination rank, layer range) for
+            // unpack.
+            std::map<std::tuple<int, int, int>, std::vector<const TransferMessage*>> by_src;
+            for (const auto& m : plan.messages)
+                by_src[{m.src_rank, m.layer_begin, m.layer_end}].push_back(&m);
+            std::map<const TransferMessage*, std::vector<std::byte>> payload;
+            for (auto& [key, msgs] : by_src) {
+                std::vector<std::span<std::byte>> outs;
+                for (const auto* m : msgs) {
+                    payload[m].assign(static_cast<size_t>(m->bytes), std::byte{0});
+                    outs.push_back(payload[m]);
+                }
+                pack_messages(plan, msgs, mode, *src.pools[std::get<0>(key)], outs);
+                for (const auto* m : msgs) {
+                    std::vector<std::byte> single(static_cast<size_t>(m->bytes));
+                    pack_message(plan, *m, mode, *src.pools[m->src_rank], single);
+                    EXPECT_TRUE(single == payload[m])
+                        << "message " << m->src_rank << "->" << m->dst_rank;
+                }
+            }
+            std::map<std::tuple<int, int, int>, std::vector<const TransferMessage*>> by_dst;
+            for (const auto& m : plan.messages)
+                by_dst[{m.dst_rank, m.layer_begin, m.layer_end}].push_back(&m);
+            for (auto& [key, msgs] : by_dst) {
+                std::vector<std::span<const std::byte>> ins;
+                for (const auto* m : msgs) ins.push_back(payload[m]);
+                unpack_messages(plan, msgs, mode, ins, *batched.pools[std::get<0>(key)]);
+            }
+            for (size_t r = 0; r < one.pools.size(); ++r) {
+                if (!one.pools[r]) continue;
+                EXPECT_TRUE(std::equal(one.pools[r]->arena().begin(), one.pools[r]->arena().end(),
+                                       batched.pools[r]->arena().begin()))
+                    << "dst rank " << r;
+            }
+        }
+    }
+}
+
+}  // namespace
+}  // namespace kvshard

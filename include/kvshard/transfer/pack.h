@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "kvshard/cache/block_pool.h"
 #include "kvshard/transfer/transfer_plan.h"
@@ -49,5 +50,16 @@ void pack_message(const TransferPlan& plan, const TransferMessage& msg, Transfer
 // pool.
 void unpack_message(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
                     std::span<const std::byte> in, BlockPool& pool);
+
+// Batches: several messages of one source rank (pack) or one destination rank (unpack) that share
+// their layer range, in one pass interleaved by (layer, K/V, piece): messages that differ only by
+// heads (a TP reshape) then touch each page once, in address order. Same bytes as one call per
+// message.
+void pack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
+                   TransferMode mode, const BlockPool& pool,
+                   std::span<const std::span<std::byte>> outs);
+void unpack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
+                     TransferMode mode, std::span<const std::span<const std::byte>> ins,
+                     BlockPool& pool);
 
 }  // namespace kvshard

@@ -1,0 +1,183 @@
+// KV transfer over the MPI backend next to plain MPI send/recv of the same bytes, same run.
+//
+//   mpirun -np P+D bench_transfer_mpi [--model llama-3.1-8b] [--from tp=2] [--to tp=1] [--tokens
+//   1024]
+//                                     [--reps 5] [--layers-per-message 1] [--mode auto]
+//
+// Ranks [0, P) hold the source layout, [P, P+D) the destination layout. Each repetition times
+// (1) the transfer: TransferSender/TransferReceiver on every rank (pack, XXH3, send, verify,
+// unpack), (2) the ceiling: for every (source, destination) pair of the plan, one MPI message of
+// exactly the
+//     bytes the plan moves between them, sent with isend/irecv from/to plain buffers.
+// Both are timed from a barrier to a barrier; the figure is the median over repetitions. Rank 0
+// prints one JSON line: {"transfer_GBps", "mpi_GBps", "ratio", ...}, ratio = mpi time / transfer
+// time.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvshard/comm/mpi.h"
+#include "kvshard/model/catalog.h"
+#include "kvshard/transfer/transfer_exec.h"
+
+using namespace kvshard;
+
+namespace {
+
+struct Args {
+    std::string model = "llama-3.1-8b", from = "tp=2", to = "tp=1", mode = "auto";
+    int64_t tokens = 1024;
+    int reps = 5;
+    int layers_per_message = 1;
+};
+
+Args parse(int argc, char** argv) {
+    Args a;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const std::string k = argv[i], v = argv[i + 1];
+        if (k == "--model")
+            a.model = v;
+        else if (k == "--from")
+            a.from = v;
+        else if (k == "--to")
+            a.to = v;
+        else if (k == "--tokens")
+            a.tokens = std::stoll(v);
+        else if (k == "--reps")
+            a.reps = std::stoi(v);
+        else if (k == "--layers-per-message")
+            a.layers_per_message = std::stoi(v);
+        else if (k == "--mode")
+            a.mode = v;
+        else {
+            std::fprintf(stderr, "bench_transfer_mpi: unknown flag %s\n", k.c_str());
+            std::exit(2);
+        }
+    }
+    return a;
+}
+
+double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    MpiSession mpi(&argc, &argv);
+    const Args a = parse(argc, argv);
+    auto world = mpi_world();
+    const int me = world->rank();
+
+    const ModelSpec m = catalog_model(a.model);
+    auto endpoint = [&](const std::string& par) {
+        TransferEndpoint e;
+        e.layout = make_layout(m, parse_parallel_config(par));
+        e.block_tables = sequential_block_tables(e.layout, e.block_size, a.tokens);
+        return e;
+    };
+    auto plan = std::make_shared<const TransferPlan>(make_transfer_plan(
+        endpoint(a.from), endpoint(a.to), a.tokens, {.layers_per_group = a.layers_per_message}));
+    const int P = plan->src.layout.world_size(), D = plan->dst.layout.world_size();
+    if (world->size() != P + D) {
+        if (me == 0)
+            std::fprintf(stderr, "bench_transfer_mpi: %s -> %s needs mpirun -np %d (%d + %d)\n",
+                         a.from.c_str(), a.to.c_str(), P + D, P, D);
+        return 2;
+    }
+    const bool src_side = me < P;
+    const int local = src_side ? me : me - P;
+    const TransferEndpoint& side = src_side ? plan->src : plan->dst;
+    BlockPool pool(rank_page_geometry(side.layout, local, side.block_size, side.order),
+                   (a.tokens + side.block_size - 1) / side.block_size);
+    if (src_side) {
+        auto ar = pool.arena();
+        for (size_t i = 0; i < ar.size(); ++i) ar[i] = static_cast<std::byte>(i * 131 + me);
+    }
+    TransferExecOptions xo;
+    xo.mode = parse_transfer_mode(a.mode);
+    xo.dst_world_base = P;
+    xo.staging_bytes = int64_t{256} << 20;
+    xo.staging_pool = StagingPool::create();  // reused across repetitions, as a server reuses it
+
+    // The ceiling: one message per (src, dst) pair of the plan, of the bytes the plan moves.
+    std::map<std::pair<int, int>, int64_t> pair_bytes;
+    for (const auto& msg : plan->messages) pair_bytes[{msg.src_rank, msg.dst_rank}] += msg.bytes;
+    std::vector<std::vector<std::byte>> raw_bufs;
+    for (const auto& [pr, b] : pair_bytes)
+        if ((src_side && pr.first == local) || (!src_side && pr.second == local))
+            raw_bufs.emplace_back(static_cast<size_t>(b), std::byte{1});
+
+    std::vector<double> t_transfer, t_mpi;
+    for (int rep = 0; rep < a.reps + 1; ++rep) {  // the first round warms up
+        world->barrier();
+        double t0 = now();
+        const uint64_t rid = static_cast<uint64_t>(rep);
+        if (src_side) {
+            TransferSender s(*world, plan, rid, local, pool, xo);
+            s.all_layers_ready();
+            TransferSender* one[] = {&s};
+            progress_until_done(one, {});
+            const auto r = s.finish();
+            if (!r.ok()) std::fprintf(stderr, "rank %d: %s\n", me, r.error.c_str());
+            if (std::getenv("KVSHARD_BENCH_VERBOSE"))
+                std::fprintf(stderr, "rank %d send: %.4f s, pack+xxh3 %.4f s\n", me, r.seconds,
+                             r.pack_seconds);
+        } else {
+            TransferReceiver r(*world, plan, rid, local, pool, xo);
+            TransferReceiver* one[] = {&r};
+            progress_until_done({}, one);
+            const auto res = r.finish();
+            if (!res.ok()) std::fprintf(stderr, "rank %d: %s\n", me, res.error.c_str());
+            if (std::getenv("KVSHARD_BENCH_VERBOSE"))
+                std::fprintf(stderr, "rank %d recv: %.4f s, xxh3+unpack %.4f s\n", me, res.seconds,
+                             res.pack_seconds);
+        }
+        world->barrier();
+        double t1 = now();
+        if (rep > 0) t_transfer.push_back(t1 - t0);
+
+        world->barrier();
+        t0 = now();
+        std::vector<Request> reqs;
+        size_t k = 0;
+        for (const auto& [pr, b] : pair_bytes) {
+            if (src_side && pr.first == local)
+                reqs.push_back(
+                    world->isend(std::span<const std::byte>(raw_bufs[k++]), P + pr.second, 77));
+            else if (!src_side && pr.second == local)
+                reqs.push_back(world->irecv(std::span<std::byte>(raw_bufs[k++]), pr.first, 77));
+        }
+        wait_all(reqs);
+        world->barrier();
+        t1 = now();
+        if (rep > 0) t_mpi.push_back(t1 - t0);
+    }
+    if (me == 0) {
+        const double tt = median(t_transfer), tm = median(t_mpi);
+        const double gb = static_cast<double>(plan->bytes) / 1e9;
+        std::printf(
+            "{\"model\": \"%s\", \"from\": \"%s\", \"to\": \"%s\", \"tokens\": %lld, \"messages\": "
+            "%zu, "
+            "\"bytes\": %lld, \"mode\": \"%s\", \"transfer_s\": %.6f, \"mpi_s\": %.6f, "
+            "\"transfer_GBps\": %.3f, "
+            "\"mpi_GBps\": %.3f, \"ratio\": %.3f}\n",
+            a.model.c_str(), a.from.c_str(), a.to.c_str(), static_cast<long long>(a.tokens),
+            plan->messages.size(), static_cast<long long>(plan->bytes),
+            std::string(transfer_mode_name(resolve_mode(*plan, xo.mode))).c_str(), tt, tm, gb / tt,
+            gb / tm, tm / tt);
+    }
+    return 0;
+}
