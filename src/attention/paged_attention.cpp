@@ -16,9 +16,8 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Query rows (sequence rows x heads of one GQA group) at or above which the GEMM path is used.
 constexpr int64_t kGemmMinRows = 16;
-constexpr int kTileRows = 128;      // query rows per GEMM tile
-constexpr int kTileKeys = 256;      // keys per GEMM chunk
-constexpr int kPrefetchChunks = 4;  // decode: (block, KV head) chunks to prefetch ahead
+constexpr int kTileRows = 128;  // query rows per GEMM tile
+constexpr int kTileKeys = 256;  // keys per GEMM chunk
 
 void check_args(const BlockPool& pool, int layer, const PagedKv& kv, const QueryBatch& qb,
                 const AttentionParams& p) {
@@ -85,6 +84,9 @@ void visible_counts(const QueryBatch& qb, const PagedKv& kv, int i, int block_si
     }
 }
 
+// Keeps the touch loads of attend_streaming from being optimised away.
+volatile float g_touch_sink = 0;
+
 struct Workspace {
     std::vector<float> k, v, q, s, o, m, l;
     std::vector<int64_t> vis;
@@ -115,29 +117,21 @@ void attend_streaming(const PageView& pv, const AttentionParams& p, int seq, int
     const int64_t maxvis = *std::max_element(vis.begin(), vis.end());
     const int64_t nblocks = (maxvis + bs - 1) / bs;
     const bool hnd = pv.pool->geometry().order == PageOrder::kHnd;
-    const int64_t page_bytes = pv.pool->geometry().page_bytes();
-    const int64_t chunk_bytes = hnd ? page_bytes / p.num_kv_heads : page_bytes;
+    const int64_t chunk_floats = int64_t{bs} * d;  // one head's run of a page (HND)
+    float touch_sink_ = 0;
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t j0 = b * bs;
         for (int kh = 0; kh < p.num_kv_heads; ++kh) {
-            // Prefetch the K and V of the (block, head) chunk kPrefetchChunks steps ahead: each
-            // head's part of a page is its own run of bytes (one OS page for 16 x 64 fp32), which
-            // the hardware prefetcher does not enter on its own.
-            const int64_t ahead = b * p.num_kv_heads + kh + kPrefetchChunks;
-            const int64_t pb = ahead / p.num_kv_heads;
-            const int ph = int(ahead % p.num_kv_heads);
-            if (pb < nblocks && (hnd || ph == 0)) {
-                const auto* nk =
-                    reinterpret_cast<const char*>(pv.block_ptr(0, seq, pb, hnd ? ph : 0));
-                const auto* nv =
-                    reinterpret_cast<const char*>(pv.block_ptr(1, seq, pb, hnd ? ph : 0));
-                for (int64_t off = 0; off < chunk_bytes; off += 64) {
-                    __builtin_prefetch(nk + off, 0, 2);
-                    __builtin_prefetch(nv + off, 0, 2);
-                }
-            }
             const float* kb = pv.block_ptr(0, seq, b, kh);
             const float* vb = pv.block_ptr(1, seq, b, kh);
+            // One load per cache line of the run, in address order, before the kernel's strided
+            // reads: the misses then overlap one another and the hardware prefetcher sees a stream
+            // (measured: +15% decode bandwidth; software prefetch ahead measured slower).
+            if (hnd) {
+                float t = 0;
+                for (int64_t e = 0; e < chunk_floats; e += 16) t += kb[e] + vb[e];
+                touch_sink_ += t;
+            }
             for (int64_t t = 0; t < nrows; ++t) {
                 const int nv = int(std::clamp<int64_t>(vis[size_t(t)] - j0, 0, bs));
                 if (nv == 0) continue;
@@ -148,6 +142,7 @@ void attend_streaming(const PageView& pv, const AttentionParams& p, int seq, int
             }
         }
     }
+    g_touch_sink = touch_sink_;
     for (int64_t t = 0; t < nrows; ++t)
         for (int h = 0; h < nq; ++h) {
             const int64_t r = t * nq + h, row = (r0 + t) * int64_t{nq} + h;

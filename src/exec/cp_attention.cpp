@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention/vec.h"
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -32,6 +33,42 @@ void cp_partial_attention(const CpAttnShape& s, const float* q, std::span<const 
     const int64_t nq = static_cast<int64_t>(q_pos.size());
     const int64_t nk = static_cast<int64_t>(kv_pos.size());
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    if (group <= 16 && std::is_sorted(kv_pos.begin(), kv_pos.end())) {
+        // Keys in ascending position (every shard of the ring): the keys a query sees are a prefix,
+        // run through the vectorised online-softmax step 64 keys at a time.
+        const vec::Ops& V = vec::ops();
+        const int64_t kv_stride = int64_t{hkv} * d;
+        std::vector<float> m(group), l(group);
+        for (int64_t i = 0; i < nq; ++i) {
+            const int64_t nvis =
+                std::upper_bound(kv_pos.begin(), kv_pos.end(), q_pos[i]) - kv_pos.begin();
+            for (int kh = 0; kh < hkv; ++kh) {
+                const int64_t row0 = i * hq + int64_t{kh} * group;
+                float* o = out + row0 * d;
+                std::fill(o, o + int64_t{group} * d, 0.0f);
+                std::fill(m.begin(), m.end(), kNegInf);
+                std::fill(l.begin(), l.end(), 0.0f);
+                for (int64_t j0 = 0; j0 < nvis; j0 += 64) {
+                    const int nv = static_cast<int>(std::min<int64_t>(64, nvis - j0));
+                    V.attend_keys(q + row0 * d, group, d, k + j0 * kv_stride + int64_t{kh} * d,
+                                  v + j0 * kv_stride + int64_t{kh} * d, nv, kv_stride, d, s.scale,
+                                  m.data(), l.data(), o);
+                }
+                for (int g = 0; g < group; ++g) {
+                    float* og = o + int64_t{g} * d;
+                    if (nvis == 0) {  // no visible key: weight 0 in any merge
+                        std::fill(og, og + d, 0.0f);
+                        lse[row0 + g] = kNegInf;
+                        continue;
+                    }
+                    const float inv = 1.0f / l[g];
+                    for (int x = 0; x < d; ++x) og[x] *= inv;
+                    lse[row0 + g] = m[g] + std::log(l[g]);
+                }
+            }
+        }
+        return;
+    }
     // score[g * nk + j]: query head kh * group + g against key j. The heads of one KV head share
     // each loaded key and value row.
     std::vector<float> score(static_cast<size_t>(nk) * group);

@@ -107,3 +107,22 @@ TEST(CpAttention, RingWalkEqualsUnshardedForEverySchemeWithAndWithoutCachedPrefi
 
 }  // namespace
 }  // namespace kvshard
+
+namespace kvshard {
+namespace {
+// The vectorised path (ascending keys) and the general one (any order) agree.
+TEST(CpAttention, AscendingAndShuffledKeysGiveTheSameResult) {
+    auto x = make_data(150, 4, 2, 16, 3);
+    std::vector<int64_t> qp = {3, 70, 149}, kp(150);
+    for (int64_t i = 0; i < 150; ++i) kp[i] = i;
+    const auto q = gather(x.q, qp, 4 * 16);
+    std::vector<float> a(3 * 4 * 16), al(3 * 4), b(a.size()), bl(al.size());
+    cp_partial_attention(x.shape, q.data(), qp, x.k.data(), x.v.data(), kp, a.data(), al.data());
+    std::vector<int64_t> perm(kp.rbegin(), kp.rend());  // descending: the general path
+    const auto k = gather(x.k, perm, 2 * 16), v = gather(x.v, perm, 2 * 16);
+    cp_partial_attention(x.shape, q.data(), qp, k.data(), v.data(), perm, b.data(), bl.data());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5f * (1 + std::abs(b[i])));
+    for (size_t i = 0; i < al.size(); ++i) EXPECT_NEAR(al[i], bl[i], 1e-4f);
+}
+}  // namespace
+}  // namespace kvshard

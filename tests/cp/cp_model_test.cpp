@@ -296,3 +296,28 @@ TEST(CpModel, PrefixCachedAtCp4IsReusedAtCp2AndCp1WithoutRecomputation) {
 
 }  // namespace
 }  // namespace kvshard
+
+namespace kvshard {
+namespace {
+TEST(CpModel, AutomaticPrefillModeFollowsTheByteRule) {
+    // tiny: threshold 0.4706. A full prefill passes KV; a 3-token turn after 17 passes Q.
+    const auto p = config(4, 1, CpScheme::kZigzag);
+    run_threads(4, [&](Communicator& w) {
+        CpOptions o = options();
+        CpDevice dev(tiny(), 1, 0, weights(), o);
+        CpSession s(dev, w, p, o);
+        s.prefill(0, tokens(17, 12));
+        EXPECT_EQ(s.last_step().mode, CpPrefillMode::kPassKv);
+        EXPECT_GT(s.last_step().comm.ring, 0);
+        s.prefill(0, tokens(3, 13));
+        EXPECT_EQ(s.last_step().mode, CpPrefillMode::kPassQ);
+        EXPECT_EQ(s.last_step().comm.total(),
+                  cp_pass_q_bytes(s.layout(), w.rank(), s.token_map(0), 17).total());
+        s.prefill(0, tokens(30, 14));  // 30 / 50 = 0.6 > 0.47: back to pass-KV
+        EXPECT_EQ(s.last_step().mode, CpPrefillMode::kPassKv);
+        EXPECT_EQ(s.last_step().comm.ring,
+                  cp_pass_kv_bytes(s.layout(), w.rank(), s.token_map(0)).ring);
+    });
+}
+}  // namespace
+}  // namespace kvshard
