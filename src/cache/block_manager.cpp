@@ -135,9 +135,12 @@ PrefixMatch BlockManager::lookup_hashes(std::span<const BlockHash> block_hashes)
     return m;
 }
 
-void BlockManager::match(std::span<const BlockHash> hashes, std::vector<BlockId>& hits) const {
+void BlockManager::match(std::span<const BlockHash> hashes, int64_t max_hits,
+                         std::vector<BlockId>& hits) const {
     hits.clear();
     if (!config_.enable_prefix_cache) return;
+    if (max_hits >= 0 && static_cast<size_t>(max_hits) < hashes.size())
+        hashes = hashes.first(static_cast<size_t>(max_hits));
     for (const BlockHash& h : hashes) {
         const BlockId b = index_.find(h);
         if (b < 0) break;
@@ -160,29 +163,34 @@ int64_t BlockManager::blocks_needed(int64_t num_tokens, std::span<const BlockId>
 }
 
 bool BlockManager::can_allocate(std::span<const int32_t> tokens,
-                                std::span<const std::byte> extra_keys) const {
+                                std::span<const std::byte> extra_keys,
+                                int64_t max_cached_blocks) const {
     scratch_hashes_.clear();
     if (config_.enable_prefix_cache)
         hasher_.hash_blocks(kRootParentHash, tokens, config_.block_size, extra_keys,
                             scratch_hashes_);
-    return can_allocate_hashes(scratch_hashes_, static_cast<int64_t>(tokens.size()));
+    return can_allocate_hashes(scratch_hashes_, static_cast<int64_t>(tokens.size()),
+                               max_cached_blocks);
 }
 
-bool BlockManager::can_allocate_hashes(std::span<const BlockHash> block_hashes,
-                                       int64_t num_tokens) const {
+bool BlockManager::can_allocate_hashes(std::span<const BlockHash> block_hashes, int64_t num_tokens,
+                                       int64_t max_cached_blocks) const {
     if (num_tokens < 0 || blocks_for_tokens(num_tokens) > config_.num_blocks) return false;
     const size_t full = static_cast<size_t>(num_tokens / config_.block_size);
-    match(block_hashes.first(std::min(full, block_hashes.size())), scratch_hits_);
+    match(block_hashes.first(std::min(full, block_hashes.size())), max_cached_blocks,
+          scratch_hits_);
     return blocks_needed(num_tokens, scratch_hits_) <= num_available_blocks();
 }
 
 AllocResult BlockManager::allocate(SeqId seq, std::span<const int32_t> tokens,
-                                   std::span<const std::byte> extra_keys) {
+                                   std::span<const std::byte> extra_keys,
+                                   int64_t max_cached_blocks) {
     scratch_hashes_.clear();
     if (config_.enable_prefix_cache)
         hasher_.hash_blocks(kRootParentHash, tokens, config_.block_size, extra_keys,
                             scratch_hashes_);
-    const AllocResult r = allocate_impl(seq, scratch_hashes_, static_cast<int64_t>(tokens.size()));
+    const AllocResult r =
+        allocate_impl(seq, scratch_hashes_, static_cast<int64_t>(tokens.size()), max_cached_blocks);
     if (config_.enable_prefix_cache) {
         Seq& s = seqs_.at(seq);
         const size_t full_tokens = scratch_hashes_.size() * static_cast<size_t>(config_.block_size);
@@ -194,24 +202,25 @@ AllocResult BlockManager::allocate(SeqId seq, std::span<const int32_t> tokens,
 }
 
 AllocResult BlockManager::allocate_with_hashes(SeqId seq, std::span<const BlockHash> block_hashes,
-                                               int64_t num_tokens) {
+                                               int64_t num_tokens, int64_t max_cached_blocks) {
     require(num_tokens >= 0, "a sequence cannot have ", num_tokens, " tokens");
     const size_t full = static_cast<size_t>(num_tokens / config_.block_size);
     const auto total = static_cast<size_t>(blocks_for_tokens(num_tokens));
-    require(block_hashes.size() >= full && block_hashes.size() <= total, "sequence ", seq, ": ",
-            num_tokens, " tokens in blocks of ", config_.block_size, " need ", full,
-            full == total ? "" : " or ", full == total ? "" : std::to_string(total),
+    if (block_hashes.size() < full || block_hashes.size() > total)
+        throw Error(detail::concat(
+            "sequence ", seq, ": ", num_tokens, " tokens in blocks of ", config_.block_size,
+            " need ", full, full == total ? "" : " or ", full == total ? "" : std::to_string(total),
             " block hashes (one per full block, optionally one for the partial last block), got ",
-            block_hashes.size());
-    return allocate_impl(seq, block_hashes.first(full), num_tokens);
+            block_hashes.size()));
+    return allocate_impl(seq, block_hashes.first(full), num_tokens, max_cached_blocks);
 }
 
 AllocResult BlockManager::allocate_impl(SeqId seq, std::span<const BlockHash> hashes,
-                                        int64_t num_tokens) {
+                                        int64_t num_tokens, int64_t max_cached_blocks) {
     require(!contains(seq), "sequence ", seq,
             " is already allocated; free it first or use a new id");
     require(num_tokens >= 0, "a sequence cannot have ", num_tokens, " tokens");
-    match(hashes, scratch_hits_);
+    match(hashes, max_cached_blocks, scratch_hits_);
     const size_t hits = scratch_hits_.size();
     const int64_t need = blocks_needed(num_tokens, scratch_hits_);
     if (need > num_available_blocks())
@@ -256,7 +265,7 @@ AllocResult BlockManager::allocate_impl(SeqId seq, std::span<const BlockHash> ha
     AllocResult r;
     r.cached_blocks = static_cast<int64_t>(hits);
     r.cached_tokens = r.cached_blocks * config_.block_size;
-    r.new_blocks = need;
+    r.new_blocks = static_cast<int64_t>(total - hits);
     return r;
 }
 
@@ -520,6 +529,14 @@ std::optional<BlockHash> BlockManager::registered_hash(BlockId b) const {
     const Block& m = blocks_[static_cast<size_t>(b)];
     if (!m.registered) return std::nullopt;
     return m.hash;
+}
+
+std::vector<BlockHash> BlockManager::registered_hashes() const {
+    std::vector<BlockHash> out;
+    out.reserve(index_.size());
+    for (const Block& m : blocks_)
+        if (m.registered) out.push_back(m.hash);
+    return out;
 }
 
 std::vector<BlockId> BlockManager::eviction_order() const {

@@ -107,6 +107,38 @@ KvEvent kv_event_from_json(std::string_view line) {
     return e;
 }
 
+void KvEventIndex::apply(const KvEvent& e) {
+    if (next_seq_ && e.seq != *next_seq_)
+        throw Error(detail::concat(
+            "KV event ", e.seq, " arrived where event ", *next_seq_,
+            " was expected: ", e.seq > *next_seq_ ? "events were lost" : "an event was replayed",
+            "; resynchronize from a snapshot"));
+    switch (e.kind) {
+        case KvEventKind::kBlockStored:
+            for (const BlockHash& h : e.block_hashes) hashes_.insert(h);
+            break;
+        case KvEventKind::kBlockRemoved:
+            for (const BlockHash& h : e.block_hashes) hashes_.erase(h);
+            break;
+        case KvEventKind::kAllCleared:
+            hashes_.clear();
+            break;
+    }
+    next_seq_ = e.seq + 1;
+}
+
+void KvEventIndex::sync(std::span<const BlockHash> hashes, uint64_t next_seq) {
+    hashes_.clear();
+    hashes_.insert(hashes.begin(), hashes.end());
+    next_seq_ = next_seq;
+}
+
+size_t KvEventIndex::match_length(std::span<const BlockHash> request) const {
+    size_t n = 0;
+    while (n < request.size() && contains(request[n])) ++n;
+    return n;
+}
+
 void KvEventJsonWriter::operator()(const KvEvent& e) const {
     *out_ << to_json_line(e, source_) << '\n';
     out_->flush();

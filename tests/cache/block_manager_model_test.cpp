@@ -48,6 +48,7 @@ class Model {
             for (auto& t : b) t = tok(rng_);
         }
         m_.subscribe([this](const KvEvent& e) { events_.push_back(e); });
+        m_.subscribe([this](const KvEvent& e) { consumer_.apply(e); });
     }
 
     void step() {
@@ -224,7 +225,10 @@ class Model {
         const bool hash_mode = pick(0, 4) == 0;
         const SeqId id = next_id_++;
         const auto chain = hashes_of(tokens, extra);
-        const size_t hits = ref_match(chain);
+        // Sometimes cap the shared prefix (keep the last token computed, an agreed prefix...).
+        const int64_t cap = pick(0, 4) == 0 ? pick(0, static_cast<int>(ref_match(chain))) : -1;
+        const size_t hits =
+            cap >= 0 ? std::min(ref_match(chain), static_cast<size_t>(cap)) : ref_match(chain);
         const int64_t total = m_.blocks_for_tokens(static_cast<int64_t>(tokens.size()));
         int64_t hit_cached = 0;
         for (size_t i = 0; i < hits; ++i)
@@ -234,8 +238,9 @@ class Model {
         const Outcome want = total > p_.num_blocks ? Outcome::kTooLarge
                              : need > available    ? Outcome::kOutOfBlocks
                                                    : Outcome::kOk;
-        ASSERT_EQ(hash_mode ? m_.can_allocate_hashes(chain, static_cast<int64_t>(tokens.size()))
-                            : m_.can_allocate(tokens, extra),
+        ASSERT_EQ(hash_mode
+                      ? m_.can_allocate_hashes(chain, static_cast<int64_t>(tokens.size()), cap)
+                      : m_.can_allocate(tokens, extra, cap),
                   want == Outcome::kOk);
         const auto before = m_.metrics();
         AllocResult r;
@@ -244,9 +249,9 @@ class Model {
                 auto h = chain;
                 if (tokens.size() % static_cast<size_t>(p_.block_size) != 0 && pick(0, 1))
                     h.push_back(BlockHash{12345, 678});  // a partial block's hash id is ignored
-                r = m_.allocate_with_hashes(id, h, static_cast<int64_t>(tokens.size()));
+                r = m_.allocate_with_hashes(id, h, static_cast<int64_t>(tokens.size()), cap);
             } else {
-                r = m_.allocate(id, tokens, extra);
+                r = m_.allocate(id, tokens, extra, cap);
             }
         } catch (const OutOfBlocksError&) {
             ASSERT_EQ(want, Outcome::kOutOfBlocks);
@@ -260,7 +265,7 @@ class Model {
         }
         ASSERT_EQ(want, Outcome::kOk);
         ASSERT_EQ(r.cached_tokens, static_cast<int64_t>(hits) * p_.block_size);
-        ASSERT_EQ(r.new_blocks, need);
+        ASSERT_EQ(r.new_blocks, total - static_cast<int64_t>(hits));
         hits_seen_ += static_cast<int64_t>(hits);
         const std::vector<BlockId> table(m_.block_table(id).begin(), m_.block_table(id).end());
         ASSERT_EQ(static_cast<int64_t>(table.size()), total);
@@ -461,6 +466,20 @@ class Model {
 
     void compare() {
         m_.check_invariants();
+        // Consumers of the event feed (one from the start, one that joined late from a snapshot)
+        // hold exactly the manager's index.
+        if (!late_ && pick(0, 199) == 0) {
+            late_.emplace();
+            late_->sync(m_.registered_hashes(), m_.next_event_seq());
+            m_.subscribe([this](const KvEvent& e) { late_->apply(e); });
+        }
+        const auto registered = m_.registered_hashes();
+        ASSERT_EQ(consumer_.size(), registered.size());
+        for (const BlockHash& h : registered) ASSERT_TRUE(consumer_.contains(h));
+        if (late_) {
+            ASSERT_EQ(late_->size(), registered.size());
+            for (const BlockHash& h : registered) ASSERT_TRUE(late_->contains(h));
+        }
         int64_t used = 0, cached = 0, free = 0;
         for (size_t b = 0; b < ref_.size(); ++b) {
             const auto id = static_cast<BlockId>(b);
@@ -505,6 +524,8 @@ class Model {
     std::vector<std::vector<int32_t>> content_;
     std::vector<std::vector<std::byte>> content_extra_;
     std::vector<KvEvent> events_;
+    KvEventIndex consumer_;
+    std::optional<KvEventIndex> late_;
     uint64_t next_event_ = 0;
     SeqId next_id_ = 1;
     int32_t next_unknown_ = -1000000;

@@ -192,6 +192,52 @@ TEST(BlockManager, AppendThenStoredEventChainsFromTheParent) {
     EXPECT_EQ(got[1].parent_hash, h[0]);
 }
 
+TEST(BlockManager, MaxCachedBlocksCapsTheSharedPrefix) {
+    auto m = make(16);
+    const auto t = iota_tokens(12);  // 3 full blocks
+    m.allocate(1, t);
+    m.free(1);
+    // Keep the last token computed: at most (12 - 1) / 4 = 2 blocks shared.
+    const auto r = m.allocate(2, t, {}, (12 - 1) / 4);
+    EXPECT_EQ(r.cached_blocks, 2);
+    EXPECT_EQ(r.new_blocks, 1);
+    // Block 2 holds the same tokens as the cached one but is a private copy: not registered.
+    EXPECT_FALSE(m.registered_hash(m.block_table(2)[2]).has_value());
+    EXPECT_EQ(m.allocate_with_hashes(3, hash_token_blocks(t, 4), 12, 0).cached_blocks, 0);
+    EXPECT_TRUE(m.can_allocate(t, {}, 1));
+    m.check_invariants();
+}
+
+TEST(KvEventIndex, FollowsTheFeedAndDetectsGaps) {
+    auto m = make(4);
+    KvEventIndex idx;
+    m.subscribe([&](const KvEvent& e) { idx.apply(e); });
+    const auto a = iota_tokens(8);
+    m.allocate(1, a);
+    const auto ha = hash_token_blocks(a, 4);
+    EXPECT_EQ(idx.size(), 2u);
+    EXPECT_EQ(idx.match_length(ha), 2u);
+    m.free(1);
+    m.allocate(2, iota_tokens(12, 50));  // evicts a's tail
+    EXPECT_EQ(idx.match_length(ha), 1u);
+    EXPECT_EQ(idx.next_seq(), m.next_event_seq());
+    // A late joiner starts from a snapshot.
+    KvEventIndex late;
+    late.sync(m.registered_hashes(), m.next_event_seq());
+    m.subscribe([&](const KvEvent& e) { late.apply(e); });
+    m.clear_cache();
+    EXPECT_EQ(idx.size(), 0u);
+    EXPECT_EQ(late.size(), 0u);
+    // Lost and replayed events are refused.
+    KvEvent e;
+    e.seq = *idx.next_seq() + 1;
+    EXPECT_THROW(idx.apply(e), Error);
+    e.seq = *idx.next_seq() - 1;
+    EXPECT_THROW(idx.apply(e), Error);
+    e.seq = *idx.next_seq();
+    EXPECT_NO_THROW(idx.apply(e));
+}
+
 TEST(BlockManager, BadInputIsAClearErrorAndChangesNothing) {
     EXPECT_THROW(BlockManager({8, 0, true}), Error);
     EXPECT_THROW(BlockManager({0, 16, true}), Error);

@@ -74,7 +74,7 @@ struct PrefixMatch {
 struct AllocResult {
     int64_t cached_tokens = 0;  // leading tokens whose KV is already in shared blocks (skip them)
     int64_t cached_blocks = 0;  // = cached_tokens / block_size
-    int64_t new_blocks = 0;     // blocks taken from the free or evictable pool
+    int64_t new_blocks = 0;     // fresh blocks (not shared): the rest of the sequence
 };
 
 class BlockManager {
@@ -102,18 +102,22 @@ class BlockManager {
     // New sequence `seq` holding `tokens`: shares the longest cached prefix, allocates the rest,
     // registers its new full blocks in the prefix index. Throws Error when seq exists or the
     // request needs more blocks than the pool has, OutOfBlocksError when they are not available
-    // now.
+    // now. max_cached_blocks >= 0 caps the shared prefix (e.g. (len - 1) / block_size, so that the
+    // last prompt token is computed and gives logits; or an agreed prefix across ranks); blocks
+    // past the cap are allocated fresh even when cached. -1: no cap.
     AllocResult allocate(SeqId seq, std::span<const int32_t> tokens,
-                         std::span<const std::byte> extra_keys = {});
+                         std::span<const std::byte> extra_keys = {},
+                         int64_t max_cached_blocks = -1);
     // The same with the caller's chained block hashes instead of token ids (e.g. a trace's hash
     // ids). block_hashes holds one hash per full block of num_tokens (a hash for a trailing partial
     // block may be included and is ignored). Later appends to this sequence are never hashed.
     AllocResult allocate_with_hashes(SeqId seq, std::span<const BlockHash> block_hashes,
-                                     int64_t num_tokens);
+                                     int64_t num_tokens, int64_t max_cached_blocks = -1);
     // Whether allocate / allocate_with_hashes would succeed now.
-    bool can_allocate(std::span<const int32_t> tokens,
-                      std::span<const std::byte> extra_keys = {}) const;
-    bool can_allocate_hashes(std::span<const BlockHash> block_hashes, int64_t num_tokens) const;
+    bool can_allocate(std::span<const int32_t> tokens, std::span<const std::byte> extra_keys = {},
+                      int64_t max_cached_blocks = -1) const;
+    bool can_allocate_hashes(std::span<const BlockHash> block_hashes, int64_t num_tokens,
+                             int64_t max_cached_blocks = -1) const;
 
     // Appends tokens (e.g. decode output) to a sequence; a block that becomes full is hashed and
     // registered when the sequence's token ids are all known. Throws Error for an unknown sequence,
@@ -140,7 +144,9 @@ class BlockManager {
     void clear_cache();
 
     // ---- events and metrics ----
-    int subscribe(KvEventCallback callback);  // returns an id for unsubscribe
+    // Callbacks run synchronously at the end of the operation that caused the events; they may
+    // query the manager but must not modify it. Returns an id for unsubscribe.
+    int subscribe(KvEventCallback callback);
     void unsubscribe(int subscription_id);
     uint64_t next_event_seq() const { return next_event_seq_; }
     CacheMetrics metrics() const;
@@ -152,6 +158,9 @@ class BlockManager {
     std::optional<BlockHash> registered_hash(BlockId b) const;
     // Cached blocks, least recently used first (the eviction order).
     std::vector<BlockId> eviction_order() const;
+    // Every hash in the prefix index (used or cached blocks), in block id order: with
+    // next_event_seq(), the state a subscriber that joins late starts from (KvEventIndex::sync).
+    std::vector<BlockHash> registered_hashes() const;
     // Checks every structural invariant (states partition the pool, reference counts equal the
     // block tables' references, the index and LRU agree, parents of registered blocks are
     // registered); throws InternalError naming the first violation.
@@ -202,12 +211,15 @@ class BlockManager {
 
     const Seq& seq_or_throw(SeqId seq) const;
     Seq& seq_or_throw(SeqId seq);
-    // The blocks of the leading hashes registered in the index, into `hits`.
-    void match(std::span<const BlockHash> hashes, std::vector<BlockId>& hits) const;
+    // The blocks of the leading hashes registered in the index, at most max_hits (-1: any), into
+    // `hits`.
+    void match(std::span<const BlockHash> hashes, int64_t max_hits,
+               std::vector<BlockId>& hits) const;
     // Blocks an allocation of num_tokens sharing `hits` takes from free + cached; throws Error
     // when the pool is too small for it.
     int64_t blocks_needed(int64_t num_tokens, std::span<const BlockId> hits) const;
-    AllocResult allocate_impl(SeqId seq, std::span<const BlockHash> hashes, int64_t num_tokens);
+    AllocResult allocate_impl(SeqId seq, std::span<const BlockHash> hashes, int64_t num_tokens,
+                              int64_t max_cached_blocks);
     BlockId take_block();  // from the free list, else evicts the LRU cached block
     void release_block(BlockId b);
     // Registers the sequence's full blocks [from, hashes.size()) where the chain allows.

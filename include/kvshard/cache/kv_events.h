@@ -14,8 +14,10 @@
 #include <functional>
 #include <iosfwd>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -48,6 +50,29 @@ std::string to_json_line(const KvEvent& e, std::string_view source = {});
 // Parses what to_json_line writes (the "source" field is ignored); throws Error on a malformed
 // line.
 KvEvent kv_event_from_json(std::string_view line);
+
+// A consumer's copy of one manager's set of findable block hashes, kept exact by applying the
+// manager's events in order (what a cache-aware router keeps per replica). Insert on BlockStored,
+// erase on BlockRemoved, clear on AllCleared.
+class KvEventIndex {
+  public:
+    // Applies one event. The first event applied (or sync()) fixes where the feed starts; after
+    // that, an event whose sequence number is not the next one throws Error naming both (a lost
+    // or replayed event: the copy can no longer be trusted; sync() again).
+    void apply(const KvEvent& e);
+    // Starts from a snapshot: BlockManager::registered_hashes() and next_event_seq().
+    void sync(std::span<const BlockHash> hashes, uint64_t next_seq);
+    bool contains(const BlockHash& h) const { return hashes_.count(h) != 0; }
+    // How many leading hashes of a request are present: the blocks it would hit.
+    size_t match_length(std::span<const BlockHash> request) const;
+    size_t size() const { return hashes_.size(); }
+    // Sequence number the next event must carry; nullopt before the first event or sync.
+    std::optional<uint64_t> next_seq() const { return next_seq_; }
+
+  private:
+    std::unordered_set<BlockHash, BlockHashHasher> hashes_;
+    std::optional<uint64_t> next_seq_;
+};
 
 // Subscriber that writes one JSON line per event to a stream (flushes after each line).
 class KvEventJsonWriter {
