@@ -65,3 +65,39 @@ TEST(CpCli, BadCpFlagsExitTwo) {
 }
 
 }  // namespace
+
+namespace {
+TEST(CpPlanCli, JsonChoiceBytesAndReuse) {
+    const Result r = run_cli(
+        "cp-plan --model llama-3.1-70b --tp 8 --cp 4 --cp-scheme interleave --cp-interleave 16 "
+        "--cached 128000 --new 1000 --reuse-from 8 --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["choice"]["mode"], "pass-q");
+    EXPECT_LT(j["choice"]["pass_q_bytes"].get<int64_t>(),
+              j["choice"]["pass_kv_bytes"].get<int64_t>());
+    ASSERT_EQ(j["ranks"].size(), 32u);
+    int64_t kv = 0, tokens = 0;
+    for (const auto& rk : j["ranks"]) {
+        kv += rk["pass_kv_bytes"].get<int64_t>();
+        if (rk["tp"] == 0) tokens += rk["tokens"].get<int64_t>();
+    }
+    EXPECT_EQ(kv, j["choice"]["pass_kv_bytes"].get<int64_t>());
+    EXPECT_EQ(tokens, 129000);
+    EXPECT_EQ(j["reuse"]["blocks"], 8000);
+    EXPECT_EQ(j["reuse"]["kept"], 4000);  // blocks b with b % 8 == b % 4
+}
+
+TEST(CpPlanCli, FullPrefillPassesKvAndBadInputExitsTwo) {
+    const Result r = run_cli("cp-plan --model tiny --cp 2 --new 64");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("prefill: pass-kv"), std::string::npos) << r.out;
+    for (const char* args :
+         {"cp-plan --model tiny --cp 2 --new 0", "cp-plan --model tiny --cp 2 --cached -1",
+          "cp-plan --model tiny --cp 2 --reuse-from -2"}) {
+        const Result e = run_cli(args);
+        EXPECT_EQ(e.status, 2) << args << "\n" << e.out;
+        EXPECT_NE(e.out.find("kvshard: error:"), std::string::npos) << e.out;
+    }
+}
+}  // namespace

@@ -85,3 +85,18 @@ TEST(RunCli, BadInputExitsTwoWithAMessage) {
 }
 
 }  // namespace
+
+namespace {
+
+// Replicas without prompts still take part in every step (the EP all-to-alls span the replicas).
+TEST(RunCli, ReplicasWithoutPromptsKeepStep) {
+    const Result r = run_cli("run --model tiny-moe --dp 4 --ep 4 --prompts 2 --gen 6 --verify --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_TRUE(j["verify"]["tokens_match"].get<bool>());
+    int empty = 0;
+    for (const auto& rk : j["ranks"]) empty += rk["kv_tokens"].get<int64_t>() == 0;
+    EXPECT_EQ(empty, 2);
+}
+
+}  // namespace

@@ -397,7 +397,7 @@ TEST(TransferPlan, PropertyRandomLayoutPairs) {
     const std::vector<ModelSpec> models = {catalog_model("tiny"), catalog_model("tiny-mla"),
                                            llama_mini(5), llama_mini(3, 1, 8) /* MQA */,
                                            llama_mini(3, 32, 4) /* MHA */};
-    const int kCases = 60;
+    const int kCases = 40;
     for (int i = 0; i < kCases; ++i) {
         const ModelSpec& m = models[rng() % models.size()];
         Case c;
