@@ -162,6 +162,7 @@ struct TransferSender::Impl {
         int dst = 0;
         TransferHeader header;
         StagingPool::Buffer payload;
+        std::span<const std::byte> direct;  // zero copy: the payload is this run of the pool
         Request header_req, payload_req;
     };
     std::list<InFlight> in_flight;
@@ -209,9 +210,10 @@ struct TransferSender::Impl {
         auto& b = in_flight.back();
         b.header_req = world.isend(std::as_bytes(std::span<const TransferHeader, 1>(&b.header, 1)),
                                    dest, transfer_tag(request_id, kHeaderKind));
-        if (!b.payload.empty())
-            b.payload_req = world.isend(std::span<const std::byte>(b.payload), dest,
-                                        transfer_tag(request_id, kPayloadKind));
+        const std::span<const std::byte> data =
+            b.direct.empty() ? std::span<const std::byte>(b.payload) : b.direct;
+        if (!data.empty())
+            b.payload_req = world.isend(data, dest, transfer_tag(request_id, kPayloadKind));
     }
 
     bool send_next() {
@@ -243,6 +245,26 @@ struct TransferSender::Impl {
         if (msg.layer_end > ready_end) return false;
         if (!in_flight.empty() && staged + msg.bytes > opt.staging_bytes)
             return false;  // back-pressure
+        if (idx != opt.faults.corrupt_message) {
+            const int64_t off = contiguous_payload_offset(*plan, msg, mode, true, pool);
+            if (off >= 0) {  // zero copy: send straight from the pool
+                const auto tp = Clock::now();
+                f.direct = std::span<const std::byte>(pool.arena().data() + off,
+                                                      static_cast<size_t>(msg.bytes));
+                f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
+                f.header.payload_xxh3 = XXH3_64bits(f.direct.data(), f.direct.size());
+                seal_header(f.header);
+                result.pack_seconds += seconds_since(tp);
+                post(std::move(f), dest);
+                result.bytes += msg.bytes;
+                ++result.messages;
+                ++result.zero_copy_messages;
+                if (result.first_send_s < 0) result.first_send_s = seconds_since(t0);
+                result.last_send_s = seconds_since(t0);
+                ++next;
+                return true;
+            }
+        }
         // A batch: this and the following messages of the same layers (to other destinations),
         // packed in one pass over the pages, as far as staging allows.
         size_t end = next + 1;
@@ -428,6 +450,7 @@ struct TransferReceiver::Impl {
         bool header_posted = false;
         bool have_header = false;  // header arrived, payload not yet received
         StagingPool::Buffer payload;
+        std::span<std::byte> direct;  // zero copy: receiving straight into this run of the pool
         Request payload_req;
         bool payload_posted = false;
     };
@@ -511,26 +534,49 @@ struct TransferReceiver::Impl {
             const int idx = s.messages[s.next];
             const TransferMessage& msg = plan->messages[idx];
             if (!s.payload_posted) {
-                if (staged > 0 && staged + msg.bytes > opt.staging_bytes) flush_pending();
-                if (staged > 0 && staged + msg.bytes > opt.staging_bytes)
-                    return moved;  // back-pressure
-                s.payload = staging->acquire(static_cast<size_t>(msg.bytes));
-                staged += msg.bytes;
-                result.peak_staging = std::max(result.peak_staging, staged);
-                s.payload_req = world.irecv(std::span<std::byte>(s.payload), src_world(s),
-                                            transfer_tag(request_id, kPayloadKind));
+                const int64_t off = contiguous_payload_offset(*plan, msg, mode, false, pool);
+                if (off >= 0) {
+                    s.direct = std::span<std::byte>(pool.arena().data() + off,
+                                                    static_cast<size_t>(msg.bytes));
+                    s.payload_req =
+                        world.irecv(s.direct, src_world(s), transfer_tag(request_id, kPayloadKind));
+                } else {
+                    if (staged > 0 && staged + msg.bytes > opt.staging_bytes) flush_pending();
+                    if (staged > 0 && staged + msg.bytes > opt.staging_bytes)
+                        return moved;  // back-pressure
+                    s.payload = staging->acquire(static_cast<size_t>(msg.bytes));
+                    staged += msg.bytes;
+                    result.peak_staging = std::max(result.peak_staging, staged);
+                    s.payload_req = world.irecv(std::span<std::byte>(s.payload), src_world(s),
+                                                transfer_tag(request_id, kPayloadKind));
+                }
                 s.payload_posted = true;
                 moved = true;
             }
             if (!s.payload_req.test()) return moved;
             const auto tu = Clock::now();
-            const uint64_t sum = XXH3_64bits(s.payload.data(), s.payload.size());
+            const std::span<const std::byte> got = s.direct.empty()
+                                                       ? std::span<const std::byte>(s.payload)
+                                                       : std::span<const std::byte>(s.direct);
+            const uint64_t sum = XXH3_64bits(got.data(), got.size());
             if (sum != s.header.payload_xxh3) {
                 set_status(TransferStatus::kChecksumMismatch,
                            detail::concat("destination rank ", dst_rank, ": message ", idx,
                                           " from source rank ", s.rank, " failed its checksum"));
             }
-            if (result.status == TransferStatus::kOk) {
+            if (!s.direct.empty()) {  // already in place
+                const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
+                if (result.status == TransferStatus::kOk) {
+                    result.bytes += msg.bytes;
+                    ++result.messages;
+                    ++result.zero_copy_messages;
+                }
+                --expected[key];
+                auto it = pending.find(key);
+                if (it != pending.end() &&
+                    static_cast<int>(it->second.messages.size()) == expected[key])
+                    unpack_pending(key);
+            } else if (result.status == TransferStatus::kOk) {
                 const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
                 Pending& pd = pending[key];
                 pd.messages.push_back(idx);
@@ -541,6 +587,7 @@ struct TransferReceiver::Impl {
             }
             result.pack_seconds += seconds_since(tu);
             s.payload = {};
+            s.direct = {};
             s.payload_posted = false;
             s.have_header = false;
             s.header_posted = false;

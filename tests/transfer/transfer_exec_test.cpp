@@ -235,3 +235,96 @@ TEST(TransferExec, HeaderRoundTrip) {
 
 }  // namespace
 }  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// The executor (batched pack, pending batched unpack, small staging) on random layout pairs.
+TEST(TransferExec, RandomPairsOverThreads) {
+    std::mt19937_64 rng(777);
+    const std::vector<ModelSpec> models = {catalog_model("tiny"), catalog_model("tiny-mla"),
+                                           testing::llama_mini(5)};
+    const std::vector<std::string> layouts = {"tp=1",
+                                              "tp=2",
+                                              "tp=4",
+                                              "tp=8",
+                                              "pp=2,tp=2",
+                                              "pp=3",
+                                              "cp=2,tp=2",
+                                              "cp=3,cp_scheme=zigzag",
+                                              "cp=2,pp=2,cp_scheme=interleave,cp_interleave=4"};
+    int ran = 0;
+    for (int i = 0; i < 12; ++i) {
+        const ModelSpec& m = models[rng() % models.size()];
+        Pair p{m, layouts[rng() % layouts.size()], layouts[rng() % layouts.size()],
+               1 + static_cast<int64_t>(rng() % 120)};
+        const std::vector<int> sizes = {1, 4, 16};
+        p.bs_from = sizes[rng() % sizes.size()];
+        p.bs_to = sizes[rng() % sizes.size()];
+        p.order_from = rng() % 2 ? PageOrder::kHnd : PageOrder::kNhd;
+        p.order_to = rng() % 2 ? PageOrder::kHnd : PageOrder::kNhd;
+        if (parse_parallel_config(p.from).pp > m.num_layers ||
+            parse_parallel_config(p.to).pp > m.num_layers)
+            continue;
+        SCOPED_TRACE(m.name + " " + p.from + " -> " + p.to + " tokens " + std::to_string(p.tokens));
+        XferRequest r =
+            make_request(p, static_cast<int>(rng() % 3), 50 + i,
+                         rng() % 2 ? TransferMode::kPreSend : TransferMode::kPostReceive);
+        int64_t largest = 0;
+        for (const auto& msg : r.plan->messages) largest = std::max(largest, msg.bytes);
+        r.opt.staging_bytes = rng() % 2 ? largest : (int64_t{1} << 30);
+        run_requests({&r});
+        expect_all_ok(r, p.tokens);
+        ++ran;
+        if (::testing::Test::HasFailure()) break;
+    }
+    EXPECT_GE(ran, 8);
+}
+
+}  // namespace
+}  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// Same layout on both sides, blocks in order, pools exactly as large as the request: every
+// per-layer message is one run of both pools, so it goes without any staging copy, and still lands
+// exactly.
+TEST(TransferExec, ZeroCopyWhenPayloadIsOneRun) {
+    Pair p{testing::llama_mini(), "tp=2,pp=2", "tp=2,pp=2", 64};
+    XferRequest r;
+    r.plan = make_plan(p, 1, /*shuffle=*/0);
+    r.id = 90;
+    r.opt.mode = TransferMode::kPostReceive;
+    r.src = testing::make_source(r.plan->src, p.tokens);
+    r.dst = testing::make_destination(r.plan->dst);
+    for (const auto& m : r.plan->messages) {
+        EXPECT_GE(contiguous_payload_offset(*r.plan, m, TransferMode::kPostReceive, true,
+                                            *r.src.pools[m.src_rank]),
+                  0);
+        EXPECT_GE(contiguous_payload_offset(*r.plan, m, TransferMode::kPostReceive, false,
+                                            *r.dst.pools[m.dst_rank]),
+                  0);
+    }
+    run_requests({&r});
+    expect_all_ok(r, p.tokens);
+    for (const auto& s : r.out.src) {
+        EXPECT_EQ(s.zero_copy_messages, s.messages);
+        EXPECT_EQ(s.peak_staging, 0);
+    }
+    for (const auto& d : r.out.dst) EXPECT_EQ(d.zero_copy_messages, d.messages);
+    // A reshape (TP 2 -> 4) is not one run on the source: it is packed.
+    Pair q{testing::llama_mini(), "tp=2", "tp=4", 64};
+    XferRequest t;
+    t.plan = make_plan(q, 1, 0);
+    t.id = 91;
+    t.opt.mode = TransferMode::kPostReceive;
+    t.src = testing::make_source(t.plan->src, q.tokens);
+    t.dst = testing::make_destination(t.plan->dst);
+    run_requests({&t});
+    expect_all_ok(t, q.tokens);
+    for (const auto& s : t.out.src) EXPECT_EQ(s.zero_copy_messages, 0);
+}
+
+}  // namespace
+}  // namespace kvshard

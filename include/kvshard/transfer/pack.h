@@ -51,6 +51,12 @@ void pack_message(const TransferPlan& plan, const TransferMessage& msg, Transfer
 void unpack_message(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
                     std::span<const std::byte> in, BlockPool& pool);
 
+// The pool byte offset of msg's payload when, on that side (source_side: the source rank's pool),
+// the payload in mode's wire order is one contiguous run of the pool, so that it can be sent from
+// or received into the pool itself with no staging copy; -1 otherwise. Same checks as pack_message.
+int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessage& msg,
+                                  TransferMode mode, bool source_side, const BlockPool& pool);
+
 // Batches: several messages of one source rank (pack) or one destination rank (unpack) that share
 // their layer range, in one pass interleaved by (layer, K/V, piece): messages that differ only by
 // heads (a TP reshape) then touch each page once, in address order. Same bytes as one call per

@@ -139,11 +139,12 @@ struct TransferResult {
     std::string error;  // empty when ok
     int64_t bytes = 0;  // payload bytes sent (sender) or received and unpacked (receiver)
     int messages = 0;
-    double seconds = 0;        // from construction to done
-    double pack_seconds = 0;   // sender: packing + checksums; receiver: checks + unpacking
-    double first_send_s = -1;  // sender: when the first message went out, from construction
-    double last_send_s = -1;   // sender: when the last message went out
-    int64_t peak_staging = 0;  // most payload bytes held at once
+    int zero_copy_messages = 0;  // sent from / received into the pool itself (no staging copy)
+    double seconds = 0;          // from construction to done
+    double pack_seconds = 0;     // sender: packing + checksums; receiver: checks + unpacking
+    double first_send_s = -1;    // sender: when the first message went out, from construction
+    double last_send_s = -1;     // sender: when the last message went out
+    int64_t peak_staging = 0;    // most payload bytes held at once
     bool ok() const { return status == TransferStatus::kOk; }
 };
 
