@@ -47,6 +47,9 @@ class ProgressBar {
     explicit ProgressBar(std::string label) : label_(std::move(label)), on_(isatty(2) != 0) {}
     void operator()(int64_t done, int64_t total) {
         if (!on_ || total <= 0) return;
+        const int percent = static_cast<int>(done * 100 / total);
+        if (percent == last_percent_ && done != total) return;  // redraw only when it moves
+        last_percent_ = percent;
         const int width = 30;
         const int fill = static_cast<int>(done * width / total);
         std::fprintf(stderr, "\r%-13s [%s%s] %3d%% %lld/%lld", label_.c_str(),
@@ -60,6 +63,7 @@ class ProgressBar {
   private:
     std::string label_;
     bool on_;
+    int last_percent_ = -1;
 };
 
 void run(const SimulateFlags& f) {
