@@ -34,8 +34,10 @@ ModelSpec dense(std::string name, int layers, int hidden, int heads, int kv_head
 // Published configs (../shared/reference/models.md, from each model's config.json).
 const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() {
     static const std::map<std::string, std::function<ModelSpec()>, std::less<>> kCatalog = {
-        {"llama-3.1-8b", [] { return dense("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, 500000); }},
-        {"llama-3.1-70b", [] { return dense("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, 500000); }},
+        {"llama-3.1-8b",
+         [] { return dense("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, 500000); }},
+        {"llama-3.1-70b",
+         [] { return dense("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, 500000); }},
         {"llama-3.1-405b",
          [] { return dense("llama-3.1-405b", 126, 16384, 128, 8, 128, 53248, 128256, 500000); }},
         {"llama-65b",
@@ -53,26 +55,38 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"qwen3-235b-a22b",
          [] {
              auto m = dense("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 12288, 151936, 1000000);
-             m.moe = {.num_experts = 128, .experts_per_token = 8, .shared_experts = 0,
-                      .expert_intermediate = 1536, .first_dense_layers = 0};
+             m.moe = {.num_experts = 128,
+                      .experts_per_token = 8,
+                      .shared_experts = 0,
+                      .expert_intermediate = 1536,
+                      .first_dense_layers = 0};
              m.rms_norm_eps = 1e-6;
              return m;
          }},
         {"mixtral-8x7b",
          [] {
              auto m = dense("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, 1000000);
-             m.moe = {.num_experts = 8, .experts_per_token = 2, .shared_experts = 0,
-                      .expert_intermediate = 14336, .first_dense_layers = 0};
+             m.moe = {.num_experts = 8,
+                      .experts_per_token = 2,
+                      .shared_experts = 0,
+                      .expert_intermediate = 14336,
+                      .first_dense_layers = 0};
              return m;
          }},
         {"deepseek-v3",
          [] {
              auto m = dense("deepseek-v3", 61, 7168, 128, 128, 192, 18432, 129280, 10000);
              m.attention = AttentionKind::kMla;
-             m.mla = {.kv_lora_rank = 512, .qk_rope_head_dim = 64, .qk_nope_head_dim = 128,
-                      .v_head_dim = 128, .q_lora_rank = 1536};
-             m.moe = {.num_experts = 256, .experts_per_token = 8, .shared_experts = 1,
-                      .expert_intermediate = 2048, .first_dense_layers = 3};
+             m.mla = {.kv_lora_rank = 512,
+                      .qk_rope_head_dim = 64,
+                      .qk_nope_head_dim = 128,
+                      .v_head_dim = 128,
+                      .q_lora_rank = 1536};
+             m.moe = {.num_experts = 256,
+                      .experts_per_token = 8,
+                      .shared_experts = 1,
+                      .expert_intermediate = 2048,
+                      .first_dense_layers = 3};
              m.rms_norm_eps = 1e-6;
              return m;
          }},
@@ -87,8 +101,11 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"tiny-moe",
          [] {
              auto m = dense("tiny-moe", 4, 64, 8, 4, 8, 128, 256, 10000);
-             m.moe = {.num_experts = 8, .experts_per_token = 2, .shared_experts = 0,
-                      .expert_intermediate = 64, .first_dense_layers = 0};
+             m.moe = {.num_experts = 8,
+                      .experts_per_token = 2,
+                      .shared_experts = 0,
+                      .expert_intermediate = 64,
+                      .first_dense_layers = 0};
              m.kv_dtype = m.weight_dtype = DType::kFp32;
              return m;
          }},
@@ -96,8 +113,11 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
          [] {
              auto m = dense("tiny-mla", 2, 64, 8, 8, 16, 128, 256, 10000);
              m.attention = AttentionKind::kMla;
-             m.mla = {.kv_lora_rank = 32, .qk_rope_head_dim = 8, .qk_nope_head_dim = 8,
-                      .v_head_dim = 8, .q_lora_rank = 0};
+             m.mla = {.kv_lora_rank = 32,
+                      .qk_rope_head_dim = 8,
+                      .qk_nope_head_dim = 8,
+                      .v_head_dim = 8,
+                      .q_lora_rank = 0};
              m.kv_dtype = m.weight_dtype = DType::kFp32;
              return m;
          }},
@@ -121,7 +141,7 @@ std::string known_names() {
 // ---- Hugging Face config.json --------------------------------------------------------------
 
 class HfFields {
-public:
+  public:
     HfFields(const nlohmann::json& j, std::string file) : j_(j), file_(std::move(file)) {}
 
     bool has(const char* key) const { return j_.contains(key) && !j_.at(key).is_null(); }
@@ -145,30 +165,33 @@ public:
         if (!has(key)) return fallback;
         const auto& v = j_.at(key);
         if (!v.is_number())
-            throw Error(detail::concat(file_, ": field '", key, "' must be a number, got ", v.dump()));
+            throw Error(
+                detail::concat(file_, ": field '", key, "' must be a number, got ", v.dump()));
         return v.get<double>();
     }
     bool bool_or(const char* key, bool fallback) const {
         if (!has(key)) return fallback;
         const auto& v = j_.at(key);
         if (!v.is_boolean())
-            throw Error(detail::concat(file_, ": field '", key, "' must be true or false, got ", v.dump()));
+            throw Error(
+                detail::concat(file_, ": field '", key, "' must be true or false, got ", v.dump()));
         return v.get<bool>();
     }
     std::string string_or(const char* key, std::string fallback) const {
         if (!has(key)) return fallback;
         const auto& v = j_.at(key);
         if (!v.is_string())
-            throw Error(detail::concat(file_, ": field '", key, "' must be a string, got ", v.dump()));
+            throw Error(
+                detail::concat(file_, ": field '", key, "' must be a string, got ", v.dump()));
         return v.get<std::string>();
     }
 
-private:
+  private:
     int positive_int_value(const char* key) const {
         const auto& v = j_.at(key);
         if (!v.is_number_integer() || v.get<int64_t>() <= 0 || v.get<int64_t>() > (1LL << 31) - 1)
-            throw Error(detail::concat(file_, ": field '", key, "' must be a positive integer, got ",
-                                       v.dump()));
+            throw Error(detail::concat(file_, ": field '", key,
+                                       "' must be a positive integer, got ", v.dump()));
         return v.get<int>();
     }
     const nlohmann::json& j_;
@@ -188,8 +211,9 @@ bool in_catalog(std::string_view name) { return catalog().find(name) != catalog(
 ModelSpec catalog_model(std::string_view name) {
     auto it = catalog().find(name);
     if (it == catalog().end())
-        throw Error(detail::concat("unknown model '", name, "': expected one of ", known_names(),
-                                   ", a path to a Hugging Face config.json, or a directory holding one"));
+        throw Error(
+            detail::concat("unknown model '", name, "': expected one of ", known_names(),
+                           ", a path to a Hugging Face config.json, or a directory holding one"));
     ModelSpec m = it->second();
     m.validate();
     return m;
@@ -202,7 +226,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     } catch (const nlohmann::json::exception& e) {
         throw Error(detail::concat(file, ": not valid JSON (", e.what(), ")"));
     }
-    if (!j.is_object()) throw Error(detail::concat(file, ": expected a JSON object at the top level"));
+    if (!j.is_object())
+        throw Error(detail::concat(file, ": expected a JSON object at the top level"));
     HfFields f(j, file);
 
     ModelSpec m;
@@ -216,7 +241,11 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     m.rms_norm_eps = f.number_or("rms_norm_eps", 1e-6);
     m.tie_embeddings = f.bool_or("tie_word_embeddings", false);
     const std::string torch_dtype = f.string_or("torch_dtype", "bfloat16");
-    m.weight_dtype = parse_dtype(torch_dtype);
+    try {
+        m.weight_dtype = parse_dtype(torch_dtype);
+    } catch (const Error& e) {
+        throw Error(detail::concat(file, ": field 'torch_dtype': ", e.what()));
+    }
     m.kv_dtype = m.weight_dtype;
 
     if (f.has("kv_lora_rank")) {  // DeepSeek-V2/V3 multi-head latent attention
@@ -230,12 +259,14 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.head_dim = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim;
     } else {
         if (m.hidden % m.num_heads != 0 && !f.has("head_dim"))
-            throw Error(detail::concat(file, ": field 'head_dim' is missing and hidden_size (", m.hidden,
-                                       ") is not divisible by num_attention_heads (", m.num_heads, ")"));
+            throw Error(detail::concat(file, ": field 'head_dim' is missing and hidden_size (",
+                                       m.hidden, ") is not divisible by num_attention_heads (",
+                                       m.num_heads, ")"));
         m.head_dim = f.positive_int_or("head_dim", m.hidden / m.num_heads);
         if (m.num_heads % m.num_kv_heads != 0)
             throw Error(detail::concat(file, ": num_attention_heads (", m.num_heads,
-                                       ") must be a multiple of num_key_value_heads (", m.num_kv_heads, ")"));
+                                       ") must be a multiple of num_key_value_heads (",
+                                       m.num_kv_heads, ")"));
         m.attention = m.num_kv_heads == m.num_heads ? AttentionKind::kMha
                       : m.num_kv_heads == 1         ? AttentionKind::kMqa
                                                     : AttentionKind::kGqa;
@@ -257,8 +288,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
     }
     const bool needs_dense = !m.moe.enabled() || m.moe.first_dense_layers > 0;
-    m.intermediate = needs_dense ? f.positive_int("intermediate_size")
-                                 : f.positive_int_or("intermediate_size", m.moe.expert_intermediate);
+    m.intermediate = needs_dense
+                         ? f.positive_int("intermediate_size")
+                         : f.positive_int_or("intermediate_size", m.moe.expert_intermediate);
     try {
         m.validate();
     } catch (const Error& e) {
@@ -269,7 +301,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
 
 ModelSpec load_hf_config(const std::string& path) {
     std::ifstream in(path);
-    if (!in) throw Error(detail::concat("cannot open '", path, "': expected a Hugging Face config.json"));
+    if (!in)
+        throw Error(
+            detail::concat("cannot open '", path, "': expected a Hugging Face config.json"));
     std::stringstream ss;
     ss << in.rdbuf();
     ModelSpec m = parse_hf_config(ss.str(), path);
@@ -287,8 +321,9 @@ ModelSpec resolve_model(const std::string& name_or_path) {
     if (fs::is_directory(name_or_path, ec)) {
         auto cfg = fs::path(name_or_path) / "config.json";
         if (!fs::exists(cfg, ec))
-            throw Error(detail::concat("directory '", name_or_path,
-                                       "' has no config.json: expected a Hugging Face model directory"));
+            throw Error(
+                detail::concat("directory '", name_or_path,
+                               "' has no config.json: expected a Hugging Face model directory"));
         return load_hf_config(cfg.string());
     }
     if (fs::is_regular_file(name_or_path, ec)) return load_hf_config(name_or_path);

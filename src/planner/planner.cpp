@@ -137,34 +137,39 @@ std::vector<ParallelConfig> enumerate_configs(const ModelSpec& m, int gpus, CpSc
     return out;
 }
 
+PlanEntry evaluate_config(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r,
+                          const ParallelConfig& p) {
+    r.validate();
+    validate(m, p);
+    validate_world(p, r.gpus);
+    CapacityOptions cap_opt = r.capacity;
+    cap_opt.context_tokens = r.context_tokens;
+    PlanEntry e;
+    e.parallel = p;
+    e.capacity = compute_capacity(m, p, hw, cap_opt);
+    e.fits = e.capacity.fits;
+    if (e.fits && r.batch > e.capacity.requests_per_replica) {
+        e.fits = false;
+        e.capacity.why_not = detail::concat("a batch of ", r.batch, " requests of ",
+                                            r.context_tokens, " tokens needs more KV than fits (",
+                                            e.capacity.requests_per_replica, " per replica)");
+    }
+    e.batch = r.batch > 0 ? r.batch
+                          : std::clamp<int64_t>(e.capacity.requests_per_replica, 1, r.max_batch);
+    Workload w;
+    w.prompt_tokens = r.context_tokens;
+    w.context_tokens = r.context_tokens;
+    w.batch = e.batch;
+    e.cost = estimate_cost(m, p, hw, w, r.cost);
+    return e;
+}
+
 std::vector<PlanEntry> plan(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r) {
     r.validate();
     hw.validate();
     std::vector<PlanEntry> entries;
-    CapacityOptions cap_opt = r.capacity;
-    cap_opt.context_tokens = r.context_tokens;
-    for (const ParallelConfig& p : enumerate_configs(m, r.gpus, r.cp_scheme)) {
-        PlanEntry e;
-        e.parallel = p;
-        e.capacity = compute_capacity(m, p, hw, cap_opt);
-        e.fits = e.capacity.fits;
-        if (e.fits && r.batch > e.capacity.requests_per_replica) {
-            e.fits = false;
-            e.capacity.why_not =
-                detail::concat("a batch of ", r.batch, " requests of ", r.context_tokens,
-                               " tokens needs more KV than fits (", e.capacity.requests_per_replica,
-                               " per replica)");
-        }
-        e.batch = r.batch > 0
-                      ? r.batch
-                      : std::clamp<int64_t>(e.capacity.requests_per_replica, 1, r.max_batch);
-        Workload w;
-        w.prompt_tokens = r.context_tokens;
-        w.context_tokens = r.context_tokens;
-        w.batch = e.batch;
-        e.cost = estimate_cost(m, p, hw, w, r.cost);
-        entries.push_back(std::move(e));
-    }
+    for (const ParallelConfig& p : enumerate_configs(m, r.gpus, r.cp_scheme))
+        entries.push_back(evaluate_config(m, hw, r, p));
     auto key = [&](const PlanEntry& e) {
         switch (r.objective) {
             case Objective::kTtft:
@@ -236,15 +241,15 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
         configs.push_back(std::move(j));
     }
     nlohmann::ordered_json out = {{"model", m.name},
-                          {"hardware", hw.name},
-                          {"gpus", r.gpus},
-                          {"context", r.context_tokens},
-                          {"batch", r.batch},
-                          {"objective", objective_name(r.objective)},
-                          {"mem_util", r.capacity.mem_util},
-                          {"activation_reserve_bytes", r.capacity.activation_reserve_bytes},
-                          {"block_size", r.capacity.block_size},
-                          {"configs", configs}};
+                                  {"hardware", hw.name},
+                                  {"gpus", r.gpus},
+                                  {"context", r.context_tokens},
+                                  {"batch", r.batch},
+                                  {"objective", objective_name(r.objective)},
+                                  {"mem_util", r.capacity.mem_util},
+                                  {"activation_reserve_bytes", r.capacity.activation_reserve_bytes},
+                                  {"block_size", r.capacity.block_size},
+                                  {"configs", configs}};
     return out.dump(2);
 }
 

@@ -152,3 +152,44 @@ TEST(Cli, PlanMustShowJsonAndSvg) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Cli, PlanHardwareFromJsonFile) {
+    // 40 GiB A100s: llama-3.1-70b no longer fits on 2 GPUs.
+    const auto hw = temp_file("kvshard_cli_a100_40g.json",
+                              R"({"base": "a100-80g", "name": "a100-40g", "memory_gib": 40})");
+    const Result small =
+        kvshard("plan --model llama-3.1-70b --gpus 2 --context 4096 --json --hardware " + hw);
+    ASSERT_EQ(small.status, 0) << small.out;
+    const auto j = nlohmann::json::parse(small.out);
+    EXPECT_EQ(j["hardware"], "a100-40g");
+    for (const auto& c : j["configs"]) EXPECT_FALSE(c["fits"].get<bool>());
+    const Result big =
+        kvshard("plan --model llama-3.1-70b --gpus 2 --context 4096 --json --hardware a100-80g");
+    ASSERT_EQ(big.status, 0) << big.out;
+    EXPECT_TRUE(nlohmann::json::parse(big.out)["configs"][0]["fits"].get<bool>());
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Cli, PlanExplainOneConfiguration) {
+    const std::string base =
+        "plan --model llama-3.1-405b --hardware h100-sxm --gpus 16 --context 131072 ";
+    const Result t = kvshard(base + "--explain tp=8,pp=2");
+    ASSERT_EQ(t.status, 0) << t.out;
+    EXPECT_NE(t.out.find("[63,126)"), std::string::npos) << t.out;
+    EXPECT_NE(t.out.find("TTFT"), std::string::npos);
+    const Result j = kvshard(base + "--explain tp=8,pp=2 --json");
+    ASSERT_EQ(j.status, 0) << j.out;
+    const auto c = nlohmann::json::parse(j.out)["configs"];
+    ASSERT_EQ(c.size(), 1u);
+    EXPECT_EQ(c[0]["kv_tokens_per_gpu"], 757264);
+    expect_usage_error(base + "--explain tp=8,pp=4", "but 16 GPUs were given");
+    expect_usage_error(base + "--explain tp=3,pp=2", "tp=3 does not divide");
+    expect_usage_error(base + "--explain tq=8", "unknown key 'tq'");
+}
+
+}  // namespace

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <string>
 
 #include "kvshard/comm/mpi.h"
 
@@ -13,17 +14,22 @@ namespace {
 class FailurePrinter : public testing::EmptyTestEventListener {
   public:
     explicit FailurePrinter(int rank) : rank_(rank) {}
+    // The test's name is remembered here: OnTestPartResult runs while GoogleTest holds the lock
+    // that UnitTest::current_test_info() takes, so asking for it there deadlocks.
+    void OnTestStart(const testing::TestInfo& info) override {
+        current_ = std::string(info.test_suite_name()) + "." + info.name();
+    }
     void OnTestPartResult(const testing::TestPartResult& r) override {
         if (!r.failed()) return;
-        const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-        std::fprintf(stderr, "[rank %d] FAILED %s.%s at %s:%d\n%s\n", rank_,
-                     info ? info->test_suite_name() : "?", info ? info->name() : "?",
-                     r.file_name() ? r.file_name() : "?", r.line_number(), r.message());
+        std::fprintf(stderr, "[rank %d] FAILED %s at %s:%d\n%s\n", rank_,
+                     current_.empty() ? "?" : current_.c_str(), r.file_name() ? r.file_name() : "?",
+                     r.line_number(), r.message());
         std::fflush(stderr);
     }
 
   private:
     int rank_;
+    std::string current_;
 };
 
 }  // namespace

@@ -27,6 +27,7 @@ struct PlanFlags {
     int top = 0;
     bool json = false;
     std::string svg;
+    std::string explain;  // "tp=8,pp=2": detail one configuration instead of ranking
 };
 
 std::string gib(double b) { return fmt::format("{:.1f}", b / (1 << 30)); }
@@ -49,6 +50,79 @@ std::string mib(double b) {
     return fmt::format("{:.1f}M", b / (1 << 20));
 }
 
+std::string secs_bytes(double s, double bytes) {
+    return bytes > 0 ? fmt::format("{} ({})", seconds(s), mib(bytes)) : seconds(s);
+}
+
+void print_phase(const char* title, const PhaseCost& ph, int pp, const char* pp_note) {
+    fmt::print(
+        "{}: {}{}\n", title, seconds(ph.total_s),
+        pp > 1 ? fmt::format(" (times below: sums over the {} stages; {})", pp, pp_note) : "");
+    fmt::print("  roofline {} (compute {}, of it attention {}; memory {})\n",
+               seconds(ph.roofline_s), seconds(ph.compute_s), seconds(ph.attention_compute_s),
+               seconds(ph.memory_s));
+    fmt::print("  exposed communication, bytes one GPU sends: TP {}, PP {}, CP {}, EP {}\n",
+               secs_bytes(ph.tp_s, ph.tp_bytes), secs_bytes(ph.pp_s, ph.pp_bytes),
+               secs_bytes(ph.cp_s, ph.cp_bytes), secs_bytes(ph.ep_s, ph.ep_bytes));
+    if (ph.pp_bubble_s > 0) fmt::print("  pipeline bubble {}\n", seconds(ph.pp_bubble_s));
+}
+
+// --explain: one configuration in detail (per-stage memory, capacity, both phases).
+void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, const PlanFlags& f) {
+    ParallelConfig p = parse_parallel_config(f.explain);
+    if (p.cp > 1 && f.explain.find("cp_scheme") == std::string::npos) p.cp_scheme = r.cp_scheme;
+    const PlanEntry e = evaluate_config(m, hw, r, p);
+    if (f.json) {
+        print_json(plan_to_json(m, hw, r, {e}));
+        return;
+    }
+    const auto& c = e.capacity;
+    const auto& k = e.cost;
+    fmt::print("{}, {} on {} x {}, context {} tokens, batch {} per replica\n\n", m.name,
+               p.to_string(), r.gpus, hw.name, r.context_tokens, e.batch);
+    const KvLayout l = make_layout(m, p);
+    fmt::print("{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9}\n", "stage",
+               "layers", "attn GiB", "MLP GiB", "expert", "embed", "LM head", "norms", "total",
+               "KV B/tok", "KV tok");
+    for (int s = 0; s < p.pp; ++s) {
+        const auto& rc = c.ranks[rank_of(p, 0, s, 0, 0)];
+        const auto& w = rc.weights;
+        const auto& rk = l.ranks[rc.rank];
+        fmt::print("{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9}\n", s,
+                   fmt::format("[{},{})", rk.layer_begin, rk.layer_end), gib(w.attention),
+                   gib(w.dense_mlp), gib(w.experts), gib(w.embedding), gib(w.lm_head),
+                   fmt::format("{:.3f}", w.norms / double(1 << 30)), gib(w.total()),
+                   rc.kv_bytes_per_token, tokens(rc.kv_tokens));
+    }
+    fmt::print(
+        "\nKV tokens per GPU {} (limiting rank {}), longest request {} tokens, {} requests of {} "
+        "per replica, {} in all: {}\n\n",
+        c.kv_tokens_per_gpu, c.limiting_rank, c.max_context, c.requests_per_replica,
+        r.context_tokens, c.max_concurrency, e.fits ? "fits" : "does not fit: " + c.why_not);
+    print_phase(fmt::format("Prefill of {} tokens, TTFT", r.context_tokens).c_str(), k.prefill,
+                p.pp, "prefill chunks overlap them");
+    if (p.cp > 1)
+        fmt::print("  CP: pass-KV {} over the ring ({}), pass-Q {}; chose {}\n",
+                   secs_bytes(k.cp_prefill.pass_kv_s, k.cp_prefill.pass_kv_bytes),
+                   k.cp_prefill.pass_kv_hidden ? "hidden under attention" : "not hidden",
+                   secs_bytes(k.cp_prefill.pass_q_s, k.cp_prefill.pass_q_bytes),
+                   cp_prefill_policy_name(k.cp_prefill.chosen));
+    print_phase(
+        fmt::format("Decode step of {} requests at {} tokens, TPOT", e.batch, r.context_tokens)
+            .c_str(),
+        k.decode, p.pp, "one micro-batch crosses them in turn");
+    if (p.cp > 1)
+        fmt::print("  CP merge: all-gather {}, all-to-all {}; chose {}\n",
+                   secs_bytes(k.cp_decode.all_gather_s, k.cp_decode.all_gather_bytes),
+                   secs_bytes(k.cp_decode.all_to_all_s, k.cp_decode.all_to_all_bytes),
+                   cp_merge_policy_name(k.cp_decode.chosen));
+    if (p.ep > 1)
+        fmt::print("  EP leaves {:.0f}% of the link time of a decode step for KV transfer\n",
+                   100 * k.ep_link_share_for_kv);
+    fmt::print("Decode throughput {:.0f} tokens/s over {} replica(s)\n", k.decode_tokens_per_s,
+               p.dp);
+}
+
 void run(const PlanFlags& f) {
     const ModelSpec m = load_model(f.model);
     const HardwareSpec hw = load_hardware(f.hardware);
@@ -64,6 +138,10 @@ void run(const PlanFlags& f) {
     r.cost.cp_decode_merge = parse_cp_merge_policy(f.cp_decode_merge);
     r.cost.pp_prefill_chunks = f.pp_chunks;
     require(f.top >= 0, "--top must be >= 0 (0: all), got ", f.top);
+    if (!f.explain.empty()) {
+        explain(m, hw, r, f);
+        return;
+    }
     const auto entries = plan(m, hw, r);
 
     if (!f.svg.empty()) {
@@ -165,6 +243,10 @@ void setup(CLI::App& app) {
         ->capture_default_str();
     sub->add_flag("--json", f->json, "print JSON instead of a table");
     sub->add_option("--svg", f->svg, "also write a TTFT-vs-TPOT chart to this SVG file");
+    sub->add_option(
+        "--explain", f->explain,
+        "detail one configuration instead of ranking, e.g. \"tp=8,pp=2\" (memory per stage, "
+        "capacity, time and bytes per phase)");
     sub->callback([f] { run(*f); });
 }
 

@@ -40,6 +40,11 @@ struct PlanEntry {
 // divisors of the expert count that divide dp*cp*tp (1 only for dense models). In a fixed order.
 std::vector<ParallelConfig> enumerate_configs(const ModelSpec& m, int gpus, CpScheme cp_scheme);
 
+// Sizes and costs one configuration for the request (its world size must equal r.gpus): what plan()
+// does for each enumerated configuration.
+PlanEntry evaluate_config(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r,
+                          const ParallelConfig& p);
+
 // Fitting entries first, best first by the objective (ties: fewer GPUs per model instance first,
 // then larger KV capacity); then the rest in enumeration order.
 std::vector<PlanEntry> plan(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r);
