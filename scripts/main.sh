@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh >/dev/null
-./build/kvshard plan --model llama-3.1-405b --hardware h100-sxm --gpus 16 --context 131072
+./build/kvshard run --model tiny --prefill tp=8 --decode tp=4 --prompts 4 --prompt-len 64 --gen 16 --verify
