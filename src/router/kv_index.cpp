@@ -24,6 +24,7 @@ KvIndex::KvIndex(int num_replicas, KvIndexMode mode, double ttl_s)
     require(mode == KvIndexMode::kExact || ttl_s > 0,
             "KV index: approximate mode needs ttl_s > 0, got ", ttl_s);
     counts_.assign(static_cast<size_t>(num_replicas), 0);
+    next_seq_.assign(static_cast<size_t>(num_replicas), -1);
     if (mode == KvIndexMode::kApproximate) expiry_of_.resize(static_cast<size_t>(num_replicas));
 }
 
@@ -68,10 +69,17 @@ void KvIndex::all_cleared(int replica) {
         it = it->second == 0 ? masks_.erase(it) : std::next(it);
     }
     counts_[static_cast<size_t>(replica)] = 0;
+    next_seq_[static_cast<size_t>(replica)] = -1;
     if (mode_ == KvIndexMode::kApproximate) expiry_of_[static_cast<size_t>(replica)].clear();
 }
 
 void KvIndex::apply(int replica, const KvEvent& event) {
+    check_replica(replica);
+    int64_t& next = next_seq_[static_cast<size_t>(replica)];
+    require(next < 0 || event.seq == static_cast<uint64_t>(next), "KV index: replica ", replica,
+            " sent event ", event.seq, " but event ", next,
+            " was expected (lost or replayed events; clear and resubscribe)");
+    next = static_cast<int64_t>(event.seq) + 1;
     switch (event.kind) {
         case KvEventKind::kBlockStored:
             block_stored(replica, event.block_hashes);

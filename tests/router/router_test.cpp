@@ -390,5 +390,23 @@ TEST(KvIndex, FollowsABlockManagerThroughEvictions) {
     EXPECT_EQ(idx.num_blocks(1), 0);
 }
 
+TEST(KvIndex, ALostEventIsAnError) {
+    KvIndex idx(2);
+    KvEvent e;
+    e.kind = KvEventKind::kBlockStored;
+    e.block_hashes = chain({1});
+    e.seq = 7;
+    idx.apply(0, e);  // the first event fixes the start
+    e.seq = 8;
+    idx.apply(0, e);
+    e.seq = 10;  // 9 was lost
+    EXPECT_THROW(idx.apply(0, e), Error);
+    e.seq = 3;
+    idx.apply(1, e);     // replicas count apart
+    idx.all_cleared(0);  // resynchronise: the next event starts the feed again
+    idx.apply(0, e);
+    EXPECT_EQ(idx.num_blocks(0), 1);
+}
+
 }  // namespace
 }  // namespace kvshard

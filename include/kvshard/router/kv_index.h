@@ -46,7 +46,10 @@ class KvIndex {
     void block_stored(int replica, std::span<const BlockHash> hashes);
     void block_removed(int replica, std::span<const BlockHash> hashes);
     void all_cleared(int replica);
-    // Any of the three, as published by a BlockManager (kvshard/cache/kv_events.h).
+    // Any of the three, as published by a BlockManager (kvshard/cache/kv_events.h). The first event
+    // of a replica fixes where its feed starts; after that an event whose sequence number is not
+    // the next one throws Error naming both (a lost or replayed event: that replica's part of the
+    // index can no longer be trusted; all_cleared() it and resubscribe).
     void apply(int replica, const KvEvent& event);
 
     // Approximate mode: `replica` was sent a request with these blocks at time now_s; they count as
@@ -79,8 +82,9 @@ class KvIndex {
     KvIndexMode mode_;
     double ttl_s_;
     std::unordered_map<BlockHash, uint64_t, BlockHashHasher>
-        masks_;                    // hash -> bit r set when replica r holds it
-    std::vector<int64_t> counts_;  // blocks per replica
+        masks_;                      // hash -> bit r set when replica r holds it
+    std::vector<int64_t> counts_;    // blocks per replica
+    std::vector<int64_t> next_seq_;  // next event number per replica; -1 before its first event
     // Approximate mode: latest expiry per (replica, hash) and a FIFO of expiries (non-decreasing
     // because time only moves forward); a popped entry clears its bit only if not refreshed since.
     std::vector<std::unordered_map<BlockHash, double, BlockHashHasher>> expiry_of_;  // [replica]
