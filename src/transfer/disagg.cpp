@@ -9,6 +9,7 @@
 #include "kvshard/comm/communicator.h"
 #include "kvshard/comm/groups.h"
 #include "kvshard/common/error.h"
+#include "kvshard/exec/cp_session.h"
 #include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/transfer/transfer_exec.h"
@@ -123,10 +124,21 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     require(
         prefill.dp == 1 && decode.dp == 1,
         "disaggregated runs serve one replica on each side: use dp=1 for --prefill and --decode");
-    require(
-        prefill.cp == 1 && decode.cp == 1,
-        "the disaggregated run executes the reference model without context parallelism: use cp=1 "
-        "(kvshard transfer-plan plans transfers between CP layouts)");
+    require(decode.cp == 1,
+            "decode with cp > 1 is not supported in disaggregated runs: use cp=1 on the decode "
+            "side (kvshard transfer-plan plans transfers into CP layouts)");
+    // A prefill side with cp > 1 runs the CP executor (CpSession: ring-attention prefill on a
+    // cp x tp grid, one prompt after another). It has no per-layer hook, so its KV is sent after
+    // the prefill, not layer by layer.
+    const bool cp_prefill = prefill.cp > 1;
+    if (cp_prefill) {
+        require(prefill.pp == 1 && prefill.ep == 1,
+                "a prefill side with cp > 1 runs context parallelism on a cp x tp grid: use pp=1 "
+                "and ep=1 with it, got --prefill ",
+                prefill.to_string());
+        require(opt.prefill_order == PageOrder::kHnd,
+                "a prefill side with cp > 1 stores HND pages: use --prefill-order hnd with it");
+    }
     require(!m.is_mla(), m.name, " uses MLA, which the reference model does not run");
     const KvLayout lp = make_layout(m, prefill);
     const KvLayout ld = make_layout(m, decode);
@@ -156,20 +168,29 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     int64_t prefill_blocks = 0, decode_blocks = 0;
     const auto ptables = consecutive_tables(prompt_len, opt.prefill_block_size, prefill_blocks);
     const auto dtables = consecutive_tables(decode_len, opt.decode_block_size, decode_blocks);
+    const bool streamed = opt.stream_layers && !cp_prefill;
     std::vector<std::shared_ptr<const TransferPlan>> plans;
-    for (int i = 0; i < n; ++i) {
-        TransferEndpoint src{.layout = lp,
-                             .dp = 0,
-                             .block_size = opt.prefill_block_size,
-                             .order = opt.prefill_order,
-                             .block_tables = {ptables[i]}};
-        TransferEndpoint dst{.layout = ld,
-                             .dp = 0,
-                             .block_size = opt.decode_block_size,
-                             .order = opt.decode_order,
-                             .block_tables = {dtables[i]}};
-        plans.push_back(std::make_shared<const TransferPlan>(make_transfer_plan(
-            src, dst, prompt_len[i], {.layers_per_group = opt.stream_layers ? 1 : 0})));
+    // src_tables[i][c]: request i's blocks on prefill CP rank c.
+    auto make_plans = [&](const std::vector<std::vector<std::vector<int32_t>>>& src_tables) {
+        for (int i = 0; i < n; ++i) {
+            TransferEndpoint src{.layout = lp,
+                                 .dp = 0,
+                                 .block_size = opt.prefill_block_size,
+                                 .order = opt.prefill_order,
+                                 .block_tables = src_tables[i]};
+            TransferEndpoint dst{.layout = ld,
+                                 .dp = 0,
+                                 .block_size = opt.decode_block_size,
+                                 .order = opt.decode_order,
+                                 .block_tables = {dtables[i]}};
+            plans.push_back(std::make_shared<const TransferPlan>(make_transfer_plan(
+                src, dst, prompt_len[i], {.layers_per_group = streamed ? 1 : 0})));
+        }
+    };
+    if (!cp_prefill) {  // the plain executor's blocks are known now; CP's after its prefill
+        std::vector<std::vector<std::vector<int32_t>>> st;
+        for (int i = 0; i < n; ++i) st.push_back({ptables[i]});
+        make_plans(st);
     }
     TransferExecOptions xo;
     xo.mode = opt.mode;
@@ -189,44 +210,110 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     const int local = is_prefill ? me : me - P;
     const RankCoord c = mine.ranks[local].coord;
     const ParallelGroups g = make_groups(*group, pc);
-    RankModel model(load_weights(m, weight_shard(mine, local), weights),
-                    is_prefill ? prefill_blocks : decode_blocks,
-                    is_prefill ? opt.prefill_block_size : opt.decode_block_size,
-                    rank_comms(*group, g, pc, c),
-                    is_prefill ? opt.prefill_order : opt.decode_order);
+    std::unique_ptr<RankModel> plain;
+    std::unique_ptr<CpDevice> cp_device;
+    std::unique_ptr<CpSession> cp_session;
+    if (is_prefill && cp_prefill) {
+        CpOptions co;
+        co.block_size = opt.prefill_block_size;
+        co.num_blocks = prefill_blocks + 1;  // every prompt whole fits; a CP rank holds a part
+        co.prefix_cache = false;
+        cp_device = std::make_unique<CpDevice>(m, prefill.tp, c.tp, weights, co);
+        cp_session = std::make_unique<CpSession>(*cp_device, *group, prefill, co);
+    } else {
+        plain = std::make_unique<RankModel>(
+            load_weights(m, weight_shard(mine, local), weights),
+            is_prefill ? prefill_blocks : decode_blocks,
+            is_prefill ? opt.prefill_block_size : opt.decode_block_size,
+            rank_comms(*group, g, pc, c), is_prefill ? opt.prefill_order : opt.decode_order);
+    }
+    RankModel& model = plain ? *plain : cp_device->model();
     xo.staging_pool = StagingPool::create();  // this rank's, shared by its requests
     world.barrier();
     const auto t0 = Clock::now();
     RankTimes times;
     Writer w;
 
+    // CP prefill: after it, every world rank learns each prefill CP rank's block tables (from its
+    // tp index 0; the other TP ranks of that CP index hold the same) and builds the plans.
+    auto share_cp_tables = [&]() {
+        Writer tw;
+        if (cp_session)
+            for (int i = 0; i < n; ++i) {
+                const auto id = static_cast<SeqId>(i);
+                std::vector<int32_t> t;
+                if (cp_device->blocks().contains(id)) {
+                    const auto span = cp_device->blocks().block_table(id);
+                    t.assign(span.begin(), span.end());
+                }
+                tw.put_vec(t);
+            }
+        const auto blobs = world.all_gather_blobs(tw.bytes());
+        std::vector<std::vector<std::vector<int32_t>>> st(
+            static_cast<size_t>(n), std::vector<std::vector<int32_t>>(prefill.cp));
+        for (int cpr = 0; cpr < prefill.cp; ++cpr)
+            for (int t = 0; t < prefill.tp; ++t) {
+                Reader rd(blobs[rank_of(prefill, 0, 0, cpr, t)]);
+                for (int i = 0; i < n; ++i) {
+                    auto table = rd.get_vec<int32_t>();
+                    if (t == 0)
+                        st[i][cpr] = std::move(table);
+                    else
+                        KVSHARD_CHECK(table == st[i][cpr], "prefill cp rank ", cpr, " tp ", t,
+                                      " holds request ", i, " in other blocks than tp 0");
+                }
+            }
+        make_plans(st);
+    };
+
     if (is_prefill) {
         std::vector<std::unique_ptr<TransferSender>> senders;
-        const double senders_at = since(t0);
-        for (int i = 0; i < n; ++i) {
-            TransferExecOptions o = xo;
-            if (i == opt.corrupt_request) o.faults.corrupt_message = 0;
-            senders.push_back(std::make_unique<TransferSender>(
-                world, plans[i], static_cast<uint64_t>(i), me, model.pool(), o));
-        }
-        model.set_attention([&](const AttentionCall& call) {
-            default_attention(call);  // writes this layer's KV, then attends
-            for (auto& s : senders) {
-                s->layer_ready(call.layer);
-                s->progress();
+        double senders_at = 0;
+        auto make_senders = [&]() {
+            senders_at = since(t0);
+            for (int i = 0; i < n; ++i) {
+                TransferExecOptions o = xo;
+                if (i == opt.corrupt_request) o.faults.corrupt_message = 0;
+                senders.push_back(std::make_unique<TransferSender>(
+                    world, plans[i], static_cast<uint64_t>(i), me, model.pool(), o));
             }
-        });
-        ForwardBatch fb;
-        for (int i = 0; i < n; ++i) {
-            for (int64_t t = 0; t < prompt_len[i]; ++t) {
-                fb.token_ids.push_back(prompts[i][t]);
-                fb.slots.push_back(t);
+        };
+        std::vector<float> logits;
+        if (cp_prefill) {
+            // One prompt after another (CpSession serves one sequence per prefill call); the
+            // logits of its last token come back on every CP rank.
+            logits.resize(static_cast<size_t>(n) * m.vocab);
+            for (int i = 0; i < n; ++i) {
+                const std::vector<float> lg =
+                    cp_session->prefill(static_cast<SeqId>(i), prompts[i]);
+                KVSHARD_CHECK(static_cast<int64_t>(lg.size()) == m.vocab, "CP prefill gave ",
+                              lg.size(), " logits, expected ", m.vocab);
+                std::copy(lg.begin(), lg.end(), logits.begin() + int64_t{i} * m.vocab);
             }
-            fb.queries.add_sequence(prompt_len[i], 0);
-            fb.kv.add_sequence(ptables[i], prompt_len[i], opt.prefill_block_size);
+            times.prefill_end = since(t0);
+            share_cp_tables();
+            make_senders();
+        } else {
+            make_senders();
+            model.set_attention([&](const AttentionCall& call) {
+                default_attention(call);  // writes this layer's KV, then attends
+                for (auto& s : senders) {
+                    s->layer_ready(call.layer);
+                    s->progress();
+                }
+            });
+            ForwardBatch fb;
+            for (int i = 0; i < n; ++i) {
+                for (int64_t t = 0; t < prompt_len[i]; ++t) {
+                    fb.token_ids.push_back(prompts[i][t]);
+                    fb.slots.push_back(t);
+                }
+                fb.queries.add_sequence(prompt_len[i], 0);
+                fb.kv.add_sequence(ptables[i], prompt_len[i], opt.prefill_block_size);
+            }
+            logits = model.forward(fb);
+            times.prefill_end = since(t0);
         }
-        const std::vector<float> logits = model.forward(fb);
-        times.prefill_end = since(t0);
         for (auto& s : senders) s->all_layers_ready();
         // Finish every transfer before anything blocking: the decode ranks need our sends to finish
         // theirs.
@@ -259,6 +346,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         w.put<int32_t>(0);  // no per-request results
     } else {
         const int d = local;
+        if (cp_prefill) share_cp_tables();
         std::vector<std::unique_ptr<TransferReceiver>> receivers;
         for (int i = 0; i < n; ++i)
             receivers.push_back(std::make_unique<TransferReceiver>(
@@ -381,6 +469,10 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     rep.transfer_seconds = std::max(0.0, rep.transfer_end_s - rep.transfer_start_s);
     rep.overlap_seconds =
         std::max(0.0, std::min(rep.prefill_seconds, rep.transfer_end_s) - rep.transfer_start_s);
+    // A CP prefill sends only after the all-gather of block tables, which every prefill rank joins
+    // after its prefill: no overlap by construction (the formula above could show a few
+    // microseconds of barrier skew between the ranks' clocks).
+    if (cp_prefill) rep.overlap_seconds = 0;
     for (int i = 0; i < n; ++i) {
         if (failed_flags[i] && rep.errors[i].empty()) rep.errors[i] = "failed";
         rep.min_bytes += plans[i]->min_bytes;
@@ -390,6 +482,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
                                       prefill_logits.begin() + int64_t{i + 1} * m.vocab);
     }
     rep.mode = std::string(transfer_mode_name(resolve_mode(*plans[0], opt.mode)));
+    rep.streamed = streamed;
     return rep;
 }
 

@@ -76,6 +76,13 @@ TEST_P(DisaggEndToEnd, TokensMatchUnshardedModel) {
     }
     EXPECT_EQ(r.transfer_bytes, r.min_bytes);
     EXPECT_GT(r.messages, 0);
+    if (parse_parallel_config(c.prefill).cp > 1) {
+        // The CP prefill has no per-layer hook: the KV goes after the prefill, with no overlap.
+        EXPECT_FALSE(r.streamed);
+        EXPECT_EQ(r.overlap_seconds, 0.0);
+    } else {
+        EXPECT_EQ(r.streamed, c.stream);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -87,7 +94,13 @@ INSTANTIATE_TEST_SUITE_P(
         DisaggCase{"tiny", "tp=1", "tp=2,pp=2", 8, 8, PageOrder::kNhd, PageOrder::kHnd,
                    TransferMode::kPostReceive},
         DisaggCase{"tiny-moe", "tp=2,ep=2", "tp=4", 16, 16, PageOrder::kHnd, PageOrder::kHnd,
-                   TransferMode::kPreSend, false}),
+                   TransferMode::kPreSend, false},
+        // Context-parallel prefill (ring attention), each CP rank's KV sent to the decode group.
+        DisaggCase{"tiny", "cp=2,tp=2", "tp=4"},
+        DisaggCase{"tiny", "cp=4,cp_scheme=zigzag", "tp=2,pp=2", 16, 4, PageOrder::kHnd,
+                   PageOrder::kNhd},
+        DisaggCase{"tiny", "cp=2,cp_scheme=interleave,cp_interleave=4", "pp=2", 4, 16,
+                   PageOrder::kHnd, PageOrder::kHnd, TransferMode::kPostReceive}),
     [](const auto& info) { return "pair" + std::to_string(info.index); });
 
 TEST(DisaggFailure, CorruptRequestFailsAloneOthersDecode) {
@@ -116,7 +129,19 @@ TEST(DisaggFailure, RejectsUnsupportedLayouts) {
         EXPECT_THROW(disagg_generate(m, parse_parallel_config("tp=2"),
                                      parse_parallel_config("tp=2"), *src, prompts, {}, world),
                      Error);  // 2 + 2 ranks needed, 3 given
-        EXPECT_THROW(disagg_generate(m, parse_parallel_config("cp=2"),
+        try {
+            disagg_generate(m, parse_parallel_config("tp=1"), parse_parallel_config("cp=2"), *src,
+                            prompts, {}, world);
+            ADD_FAILURE() << "decode cp=2 accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("decode with cp > 1 is not supported in "
+                                                 "disaggregated runs: use cp=1 on the decode side"),
+                      std::string::npos)
+                << e.what();
+        }
+    });
+    run_threads(5, [&](Communicator& world) {  // CP prefill runs with pp=1
+        EXPECT_THROW(disagg_generate(m, parse_parallel_config("cp=2,pp=2"),
                                      parse_parallel_config("tp=1"), *src, prompts, {}, world),
                      Error);
     });
