@@ -203,7 +203,11 @@ BENCHMARK(BM_Sgemm)->Arg(1024)->Unit(benchmark::kMillisecond)->MinTime(0.5);
 BENCHMARK(BM_PrefillAttention)->Arg(512)->Arg(2048)->Unit(benchmark::kMillisecond)->MinTime(0.5);
 // KV of the decode case: 8 sequences x 4096 tokens x 4 heads x 64 x K,V x 4 B = 64 MiB
 BENCHMARK(BM_StreamRead)->Arg(int64_t{64} << 20)->Unit(benchmark::kMillisecond)->MinTime(0.5);
-BENCHMARK(BM_DecodeAttention)->Args({8, 4096})->Args({1, 256})->Unit(benchmark::kMillisecond)->MinTime(0.5);
+BENCHMARK(BM_DecodeAttention)
+    ->Args({8, 4096})
+    ->Args({1, 256})
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
 BENCHMARK(BM_ModelPrefill)
     ->Args({1, 512})
     ->Args({4, 128})

@@ -47,10 +47,12 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
 
     const auto valid_tp = valid_tp_sizes(m);
     if (m.num_heads % p.tp != 0)
-        throw Error(detail::concat("tp=", p.tp, " does not divide the ", m.num_heads, " query heads of ",
-                                   m.name, ": valid tp sizes are ", join(valid_tp)));
+        throw Error(detail::concat("tp=", p.tp, " does not divide the ", m.num_heads,
+                                   " query heads of ", m.name, ": valid tp sizes are ",
+                                   join(valid_tp)));
     if (!m.is_mla() && m.num_kv_heads % p.tp != 0 && p.tp % m.num_kv_heads != 0)
-        throw Error(detail::concat("tp=", p.tp, " and the ", m.num_kv_heads, " KV heads of ", m.name,
+        throw Error(detail::concat("tp=", p.tp, " and the ", m.num_kv_heads, " KV heads of ",
+                                   m.name,
                                    " do not divide one another, so heads can be neither split nor "
                                    "replicated evenly: valid tp sizes are ",
                                    join(valid_tp)));
@@ -60,28 +62,32 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
                                    m.name, ": pp must be at most ", m.num_layers));
     if (!p.pp_layers.empty()) {
         if (static_cast<int>(p.pp_layers.size()) != p.pp)
-            throw Error(detail::concat("pp_layers lists ", p.pp_layers.size(), " stages but pp=", p.pp,
-                                       ": give one layer count per stage"));
+            throw Error(detail::concat("pp_layers lists ", p.pp_layers.size(), " stages but pp=",
+                                       p.pp, ": give one layer count per stage"));
         for (int n : p.pp_layers)
             require(n >= 1, "pp_layers: every stage needs at least one layer, got ", n);
         const int sum = std::accumulate(p.pp_layers.begin(), p.pp_layers.end(), 0);
         if (sum != m.num_layers)
-            throw Error(detail::concat("pp_layers sums to ", sum, " but ", m.name, " has ", m.num_layers,
-                                       " layers: the counts must add up to ", m.num_layers));
+            throw Error(detail::concat("pp_layers sums to ", sum, " but ", m.name, " has ",
+                                       m.num_layers, " layers: the counts must add up to ",
+                                       m.num_layers));
     }
 
     if (p.ep > 1) {
         if (!m.moe.enabled())
-            throw Error(detail::concat("ep=", p.ep, " on ", m.name,
-                                       ", a dense model with no experts: use ep=1 (or a MoE model)"));
+            throw Error(
+                detail::concat("ep=", p.ep, " on ", m.name,
+                               ", a dense model with no experts: use ep=1 (or a MoE model)"));
         if (m.moe.num_experts % p.ep != 0)
             throw Error(detail::concat("ep=", p.ep, " does not divide the ", m.moe.num_experts,
                                        " experts of ", m.name, ": valid ep sizes are divisors of ",
-                                       m.moe.num_experts, " that divide dp*cp*tp=", p.stage_size()));
+                                       m.moe.num_experts,
+                                       " that divide dp*cp*tp=", p.stage_size()));
         if (p.stage_size() % p.ep != 0)
-            throw Error(detail::concat("ep=", p.ep, " does not divide the dp*cp*tp=", p.stage_size(),
-                                       " ranks of a pipeline stage: EP spreads experts over those ranks, "
-                                       "so ep must divide dp*cp*tp"));
+            throw Error(
+                detail::concat("ep=", p.ep, " does not divide the dp*cp*tp=", p.stage_size(),
+                               " ranks of a pipeline stage: EP spreads experts over those ranks, "
+                               "so ep must divide dp*cp*tp"));
     }
 }
 
@@ -150,10 +156,9 @@ KvLayout make_layout(const ModelSpec& m, const ParallelConfig& p) {
             rk.expert_begin = c.ep * experts_per_rank;
             rk.expert_end = rk.expert_begin + experts_per_rank;
         }
-        rk.kv_bytes_per_token =
-            int64_t{rk.num_layers()} * e *
-            (m.is_mla() ? int64_t{m.mla.kv_lora_rank} + m.mla.qk_rope_head_dim
-                        : 2 * int64_t{heads_per_rank} * m.head_dim);
+        rk.kv_bytes_per_token = int64_t{rk.num_layers()} * e *
+                                (m.is_mla() ? int64_t{m.mla.kv_lora_rank} + m.mla.qk_rope_head_dim
+                                            : 2 * int64_t{heads_per_rank} * m.head_dim);
     }
     return l;
 }
@@ -195,8 +200,10 @@ std::vector<TokenRange> cp_token_ranges(const ParallelConfig& p, int cp_rank, in
     std::vector<TokenRange> out;
     auto add = [&](int64_t b, int64_t e) {
         if (e <= b) return;
-        if (!out.empty() && out.back().end == b) out.back().end = e;
-        else out.push_back({b, e});
+        if (!out.empty() && out.back().end == b)
+            out.back().end = e;
+        else
+            out.push_back({b, e});
     };
     switch (p.cp_scheme) {
         case CpScheme::kContiguous:
@@ -205,7 +212,8 @@ std::vector<TokenRange> cp_token_ranges(const ParallelConfig& p, int cp_rank, in
         case CpScheme::kZigzag: {
             const int chunks = 2 * p.cp;
             const int second = chunks - 1 - cp_rank;
-            add(part_boundary(seq_len, chunks, cp_rank), part_boundary(seq_len, chunks, cp_rank + 1));
+            add(part_boundary(seq_len, chunks, cp_rank),
+                part_boundary(seq_len, chunks, cp_rank + 1));
             add(part_boundary(seq_len, chunks, second), part_boundary(seq_len, chunks, second + 1));
             break;
         }
@@ -225,7 +233,8 @@ std::string cp_token_rule(const ParallelConfig& p, int cp_rank) {
         case CpScheme::kContiguous:
             return detail::concat("segment ", cp_rank, " of ", p.cp);
         case CpScheme::kZigzag:
-            return detail::concat("chunks ", cp_rank, "+", 2 * p.cp - 1 - cp_rank, " of ", 2 * p.cp);
+            return detail::concat("chunks ", cp_rank, "+", 2 * p.cp - 1 - cp_rank, " of ",
+                                  2 * p.cp);
         case CpScheme::kInterleave:
             if (p.cp_interleave == 1) return detail::concat("t%", p.cp, "==", cp_rank);
             return detail::concat("(t/", p.cp_interleave, ")%", p.cp, "==", cp_rank);

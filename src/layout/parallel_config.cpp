@@ -10,9 +10,12 @@ namespace kvshard {
 
 std::string_view cp_scheme_name(CpScheme s) {
     switch (s) {
-        case CpScheme::kContiguous: return "contiguous";
-        case CpScheme::kZigzag: return "zigzag";
-        case CpScheme::kInterleave: return "interleave";
+        case CpScheme::kContiguous:
+            return "contiguous";
+        case CpScheme::kZigzag:
+            return "zigzag";
+        case CpScheme::kInterleave:
+            return "interleave";
     }
     return "?";
 }
@@ -21,18 +24,21 @@ CpScheme parse_cp_scheme(std::string_view s) {
     if (s == "contiguous") return CpScheme::kContiguous;
     if (s == "zigzag") return CpScheme::kZigzag;
     if (s == "interleave") return CpScheme::kInterleave;
-    throw Error(detail::concat("unknown CP scheme '", s, "': expected contiguous, zigzag or interleave"));
+    throw Error(
+        detail::concat("unknown CP scheme '", s, "': expected contiguous, zigzag or interleave"));
 }
 
 std::string ParallelConfig::to_string() const {
     std::string s = detail::concat("dp=", dp, " pp=", pp, " cp=", cp, " tp=", tp, " ep=", ep);
     if (cp > 1) {
         s += detail::concat(" cp_scheme=", cp_scheme_name(cp_scheme));
-        if (cp_scheme == CpScheme::kInterleave) s += detail::concat(" cp_interleave=", cp_interleave);
+        if (cp_scheme == CpScheme::kInterleave)
+            s += detail::concat(" cp_interleave=", cp_interleave);
     }
     if (!pp_layers.empty()) {
         s += " pp_layers=";
-        for (size_t i = 0; i < pp_layers.size(); ++i) s += (i ? "/" : "") + std::to_string(pp_layers[i]);
+        for (size_t i = 0; i < pp_layers.size(); ++i)
+            s += (i ? "/" : "") + std::to_string(pp_layers[i]);
     }
     return s;
 }
@@ -61,13 +67,20 @@ ParallelConfig parse_parallel_config(std::string_view text) {
                                        "' is not key=value (e.g. tp=8,pp=2,cp=4,dp=1,ep=1)"));
         auto key = item.substr(0, eq);
         auto val = item.substr(eq + 1);
-        if (key == "tp") p.tp = parse_int(key, val);
-        else if (key == "pp") p.pp = parse_int(key, val);
-        else if (key == "cp" || key == "sp") p.cp = parse_int(key, val);
-        else if (key == "dp") p.dp = parse_int(key, val);
-        else if (key == "ep") p.ep = parse_int(key, val);
-        else if (key == "cp_scheme" || key == "cp-scheme") p.cp_scheme = parse_cp_scheme(val);
-        else if (key == "cp_interleave" || key == "cp-interleave") p.cp_interleave = parse_int(key, val);
+        if (key == "tp")
+            p.tp = parse_int(key, val);
+        else if (key == "pp")
+            p.pp = parse_int(key, val);
+        else if (key == "cp" || key == "sp")
+            p.cp = parse_int(key, val);
+        else if (key == "dp")
+            p.dp = parse_int(key, val);
+        else if (key == "ep")
+            p.ep = parse_int(key, val);
+        else if (key == "cp_scheme" || key == "cp-scheme")
+            p.cp_scheme = parse_cp_scheme(val);
+        else if (key == "cp_interleave" || key == "cp-interleave")
+            p.cp_interleave = parse_int(key, val);
         else if (key == "pp_layers" || key == "pp-layers") {
             p.pp_layers.clear();
             size_t a = 0;
@@ -78,22 +91,30 @@ ParallelConfig parse_parallel_config(std::string_view text) {
                 a = b + 1;
             }
         } else {
-            throw Error(detail::concat("parallel config: unknown key '", key,
-                                       "': expected tp, pp, cp, dp, ep, cp_scheme, cp_interleave or pp_layers"));
+            throw Error(detail::concat(
+                "parallel config: unknown key '", key,
+                "': expected tp, pp, cp, dp, ep, cp_scheme, cp_interleave or pp_layers"));
         }
     }
     return p;
 }
 
 std::string to_json(const ParallelConfig& p) {
-    nlohmann::json j = {{"dp", p.dp}, {"pp", p.pp}, {"cp", p.cp}, {"tp", p.tp}, {"ep", p.ep},
-                        {"cp_scheme", cp_scheme_name(p.cp_scheme)}, {"cp_interleave", p.cp_interleave},
-                        {"pp_layers", p.pp_layers}, {"world_size", p.world_size()}};
+    nlohmann::json j = {{"dp", p.dp},
+                        {"pp", p.pp},
+                        {"cp", p.cp},
+                        {"tp", p.tp},
+                        {"ep", p.ep},
+                        {"cp_scheme", cp_scheme_name(p.cp_scheme)},
+                        {"cp_interleave", p.cp_interleave},
+                        {"pp_layers", p.pp_layers},
+                        {"world_size", p.world_size()}};
     return j.dump();
 }
 
 RankCoord rank_coord(const ParallelConfig& p, int rank) {
-    KVSHARD_CHECK(rank >= 0 && rank < p.world_size(), "rank ", rank, " out of world ", p.world_size());
+    KVSHARD_CHECK(rank >= 0 && rank < p.world_size(), "rank ", rank, " out of world ",
+                  p.world_size());
     RankCoord c;
     c.rank = rank;
     int r = rank;

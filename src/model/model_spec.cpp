@@ -8,10 +8,14 @@ namespace kvshard {
 
 std::string_view attention_kind_name(AttentionKind k) {
     switch (k) {
-        case AttentionKind::kMha: return "MHA";
-        case AttentionKind::kGqa: return "GQA";
-        case AttentionKind::kMqa: return "MQA";
-        case AttentionKind::kMla: return "MLA";
+        case AttentionKind::kMha:
+            return "MHA";
+        case AttentionKind::kGqa:
+            return "GQA";
+        case AttentionKind::kMqa:
+            return "MQA";
+        case AttentionKind::kMla:
+            return "MLA";
     }
     return "?";
 }
@@ -41,12 +45,13 @@ int64_t ModelSpec::attention_params_per_layer() const {
                               ? h * mla.q_lora_rank + int64_t{mla.q_lora_rank} * num_heads * qk_dim
                               : h * num_heads * qk_dim;
         const int64_t kv_a = h * (int64_t{mla.kv_lora_rank} + mla.qk_rope_head_dim);
-        const int64_t kv_b =
-            int64_t{mla.kv_lora_rank} * num_heads * (int64_t{mla.qk_nope_head_dim} + mla.v_head_dim);
+        const int64_t kv_b = int64_t{mla.kv_lora_rank} * num_heads *
+                             (int64_t{mla.qk_nope_head_dim} + mla.v_head_dim);
         const int64_t o = int64_t{num_heads} * mla.v_head_dim * h;
         return q + kv_a + kv_b + o;
     }
-    return h * num_heads * head_dim + 2 * h * num_kv_heads * head_dim + int64_t{num_heads} * head_dim * h;
+    return h * num_heads * head_dim + 2 * h * num_kv_heads * head_dim +
+           int64_t{num_heads} * head_dim * h;
 }
 
 int64_t ModelSpec::dense_mlp_params_per_layer() const { return 3 * int64_t{hidden} * intermediate; }
@@ -72,8 +77,9 @@ int64_t ModelSpec::total_params() const {
 
 int64_t ModelSpec::active_params_per_token() const {
     const int moe_layers = num_moe_layers();
-    const int64_t active_moe = (int64_t{moe.experts_per_token} + moe.shared_experts) * expert_params() +
-                               int64_t{hidden} * moe.num_experts;
+    const int64_t active_moe =
+        (int64_t{moe.experts_per_token} + moe.shared_experts) * expert_params() +
+        int64_t{hidden} * moe.num_experts;
     return num_layers * attention_params_per_layer() +
            (num_layers - moe_layers) * dense_mlp_params_per_layer() + moe_layers * active_moe +
            int64_t{vocab} * hidden;  // LM head (tied or not, it is a matmul)
@@ -90,7 +96,8 @@ void ModelSpec::validate() const {
     if (is_mla()) {
         positive(mla.kv_lora_rank, "mla.kv_lora_rank");
         require(mla.qk_rope_head_dim >= 0, "model '", name, "': mla.qk_rope_head_dim must be >= 0");
-        positive(mla.qk_nope_head_dim + mla.qk_rope_head_dim, "mla.qk_nope_head_dim + qk_rope_head_dim");
+        positive(mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+                 "mla.qk_nope_head_dim + qk_rope_head_dim");
         positive(mla.v_head_dim, "mla.v_head_dim");
     } else {
         positive(num_kv_heads, "num_kv_heads");

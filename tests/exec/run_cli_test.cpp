@@ -90,7 +90,8 @@ namespace {
 
 // Replicas without prompts still take part in every step (the EP all-to-alls span the replicas).
 TEST(RunCli, ReplicasWithoutPromptsKeepStep) {
-    const Result r = run_cli("run --model tiny-moe --dp 4 --ep 4 --prompts 2 --gen 6 --verify --json");
+    const Result r =
+        run_cli("run --model tiny-moe --dp 4 --ep 4 --prompts 2 --gen 6 --verify --json");
     ASSERT_EQ(r.status, 0) << r.out;
     const auto j = nlohmann::json::parse(r.out);
     EXPECT_TRUE(j["verify"]["tokens_match"].get<bool>());

@@ -24,7 +24,8 @@ bool register_command(std::string name, CommandSetup setup);
 
 #define KVSHARD_CLI_CONCAT2(a, b) a##b
 #define KVSHARD_CLI_CONCAT(a, b) KVSHARD_CLI_CONCAT2(a, b)
-// KVSHARD_COMMAND("layout", setup_fn): setup_fn(CLI::App& app) adds the subcommand and its callback.
-#define KVSHARD_COMMAND(name, fn)                                          \
+// KVSHARD_COMMAND("layout", setup_fn): setup_fn(CLI::App& app) adds the subcommand and its
+// callback.
+#define KVSHARD_COMMAND(name, fn)                                                   \
     [[maybe_unused]] static const bool KVSHARD_CLI_CONCAT(kvshard_cmd_, __LINE__) = \
         ::kvshard::cli::register_command(name, fn)

@@ -4,10 +4,10 @@
 // Byte layout (docs/cache.md). The arena is layer-major:
 //   arena = [local_layer][kv_factor][num_blocks] pages, page = page_bytes() bytes,
 //   page(l, kv, b) starts at ((l * kv_factor + kv) * num_blocks + b) * page_bytes().
-// kv = 0 is K, kv = 1 is V; MLA has kv_factor 1 (the latent, "head" count 1, head_dim = latent dim).
-// Inside a page (one layer, K or V, one block):
-//   HND: [num_heads][block_size][head_dim]  (default: a contiguous range of heads is contiguous bytes)
-//   NHD: [block_size][num_heads][head_dim]
+// kv = 0 is K, kv = 1 is V; MLA has kv_factor 1 (the latent, "head" count 1, head_dim = latent
+// dim). Inside a page (one layer, K or V, one block):
+//   HND: [num_heads][block_size][head_dim]  (default: a contiguous range of heads is contiguous
+//   bytes) NHD: [block_size][num_heads][head_dim]
 // A block id means the same tokens on every rank of a TP x PP group; each rank stores only its own
 // heads and layers, so the pools of one group differ in geometry but share block ids.
 #include <cstddef>
@@ -38,7 +38,9 @@ struct PageGeometry {
     // Bytes one block occupies over all layers and K/V.
     int64_t block_bytes() const { return page_bytes() * num_layers * kv_factor; }
     // Bytes one token occupies over all layers and K/V (= the layout's kv_bytes_per_token).
-    int64_t bytes_per_token() const { return int64_t{num_layers} * kv_factor * num_heads * head_dim * elem_size(); }
+    int64_t bytes_per_token() const {
+        return int64_t{num_layers} * kv_factor * num_heads * head_dim * elem_size();
+    }
     // Element index of (head, token-in-block, dim) inside a page.
     int64_t elem_in_page(int head, int token, int dim) const {
         return order == PageOrder::kHnd ? (int64_t{head} * block_size + token) * head_dim + dim
@@ -48,32 +50,40 @@ struct PageGeometry {
 };
 
 class BlockPool {
-public:
+  public:
     // Throws Error when num_blocks < 1 or the geometry is empty.
     BlockPool(PageGeometry geometry, int64_t num_blocks);
-    // Sized from a memory budget: floor(budget_bytes / block_bytes) blocks; Error if not even one fits.
+    // Sized from a memory budget: floor(budget_bytes / block_bytes) blocks; Error if not even one
+    // fits.
     static BlockPool from_budget(PageGeometry geometry, int64_t budget_bytes);
 
     const PageGeometry& geometry() const { return geometry_; }
     int64_t num_blocks() const { return num_blocks_; }
     int64_t arena_bytes() const { return num_blocks_ * geometry_.block_bytes(); }
 
-    std::byte* page(int layer, int kv, int64_t block) { return arena_.get() + page_offset(layer, kv, block); }
+    std::byte* page(int layer, int kv, int64_t block) {
+        return arena_.get() + page_offset(layer, kv, block);
+    }
     const std::byte* page(int layer, int kv, int64_t block) const {
         return arena_.get() + page_offset(layer, kv, block);
     }
     // fp32 pools only (the reference model computes in fp32).
-    float* page_f32(int layer, int kv, int64_t block) { return reinterpret_cast<float*>(page(layer, kv, block)); }
+    float* page_f32(int layer, int kv, int64_t block) {
+        return reinterpret_cast<float*>(page(layer, kv, block));
+    }
     const float* page_f32(int layer, int kv, int64_t block) const {
         return reinterpret_cast<const float*>(page(layer, kv, block));
     }
     int64_t page_offset(int layer, int kv, int64_t block) const {
-        return ((int64_t{layer} * geometry_.kv_factor + kv) * num_blocks_ + block) * geometry_.page_bytes();
+        return ((int64_t{layer} * geometry_.kv_factor + kv) * num_blocks_ + block) *
+               geometry_.page_bytes();
     }
     std::span<std::byte> arena() { return {arena_.get(), static_cast<size_t>(arena_bytes())}; }
-    std::span<const std::byte> arena() const { return {arena_.get(), static_cast<size_t>(arena_bytes())}; }
+    std::span<const std::byte> arena() const {
+        return {arena_.get(), static_cast<size_t>(arena_bytes())};
+    }
 
-private:
+  private:
     PageGeometry geometry_;
     int64_t num_blocks_;
     std::unique_ptr<std::byte[]> arena_;

@@ -28,8 +28,8 @@ struct ParallelConfig {
     int tp = 1;
     int ep = 1;
     CpScheme cp_scheme = CpScheme::kContiguous;
-    int cp_interleave = 1;        // tokens per round-robin unit under kInterleave
-    std::vector<int> pp_layers;   // explicit layers per stage; empty: as even as possible
+    int cp_interleave = 1;       // tokens per round-robin unit under kInterleave
+    std::vector<int> pp_layers;  // explicit layers per stage; empty: as even as possible
 
     int world_size() const { return dp * pp * cp * tp; }
     int stage_size() const { return dp * cp * tp; }  // ranks of one pipeline stage

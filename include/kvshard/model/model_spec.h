@@ -58,18 +58,19 @@ struct ModelSpec {
     bool is_moe_layer(int layer) const { return moe.enabled() && layer >= moe.first_dense_layers; }
     int num_moe_layers() const;
 
-    // Elements of KV per token per layer for the whole model (all heads): 2*H_kv*d, or the MLA latent.
+    // Elements of KV per token per layer for the whole model (all heads): 2*H_kv*d, or the MLA
+    // latent.
     int64_t kv_elems_per_token_per_layer() const;
 
     // Parameter counts (elements), used for weight memory and FLOPs.
     int64_t attention_params_per_layer() const;
-    int64_t dense_mlp_params_per_layer() const;   // 3 * hidden * intermediate (SwiGLU)
-    int64_t expert_params() const;                // one routed expert: 3 * hidden * expert_intermediate
-    int64_t moe_params_per_layer() const;         // all routed + shared experts + router
-    int64_t embedding_params() const;             // vocab * hidden
-    int64_t lm_head_params() const;               // 0 when tied
+    int64_t dense_mlp_params_per_layer() const;  // 3 * hidden * intermediate (SwiGLU)
+    int64_t expert_params() const;         // one routed expert: 3 * hidden * expert_intermediate
+    int64_t moe_params_per_layer() const;  // all routed + shared experts + router
+    int64_t embedding_params() const;      // vocab * hidden
+    int64_t lm_head_params() const;        // 0 when tied
     int64_t total_params() const;
-    int64_t active_params_per_token() const;      // what one token multiplies through (top-k experts)
+    int64_t active_params_per_token() const;  // what one token multiplies through (top-k experts)
 
     // Throws kvshard::Error naming the first bad field.
     void validate() const;
