@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 
+#include "common/byte_buffer.h"
 #include "exec/collectives.h"
 #include "kvshard/cache/block_manager.h"
 #include "kvshard/common/error.h"
@@ -19,52 +20,6 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
 }
-
-// A flat byte buffer for the report exchange.
-class Writer {
-  public:
-    template <typename T>
-    void put(const T& v) {
-        const auto* p = reinterpret_cast<const std::byte*>(&v);
-        buf_.insert(buf_.end(), p, p + sizeof(T));
-    }
-    template <typename T>
-    void put_vec(const std::vector<T>& v) {
-        put<int64_t>(int64_t(v.size()));
-        const auto* p = reinterpret_cast<const std::byte*>(v.data());
-        buf_.insert(buf_.end(), p, p + v.size() * sizeof(T));
-    }
-    const std::vector<std::byte>& bytes() const { return buf_; }
-
-  private:
-    std::vector<std::byte> buf_;
-};
-
-class Reader {
-  public:
-    explicit Reader(const std::vector<std::byte>& b) : b_(b) {}
-    template <typename T>
-    T get() {
-        KVSHARD_CHECK(pos_ + sizeof(T) <= b_.size(), "report buffer underrun");
-        T v;
-        std::memcpy(&v, b_.data() + pos_, sizeof(T));
-        pos_ += sizeof(T);
-        return v;
-    }
-    template <typename T>
-    std::vector<T> get_vec() {
-        const auto n = size_t(get<int64_t>());
-        KVSHARD_CHECK(pos_ + n * sizeof(T) <= b_.size(), "report buffer underrun");
-        std::vector<T> v(n);
-        std::memcpy(v.data(), b_.data() + pos_, n * sizeof(T));
-        pos_ += n * sizeof(T);
-        return v;
-    }
-
-  private:
-    const std::vector<std::byte>& b_;
-    size_t pos_ = 0;
-};
 
 // Distinct tokens held in the blocks of the given sequences (shared prefix blocks count once).
 template <typename Tables>
@@ -250,7 +205,7 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
 
     // Gather every rank's report; the last stage's first TP rank of each replica brings the
     // results.
-    Writer w;
+    ByteWriter w;
     w.put(rep);
     const bool brings_results = last_stage && c.tp == 0 && c.cp == 0;
     w.put<int64_t>(brings_results ? batch : 0);
@@ -269,7 +224,7 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     report.tokens.resize(prompts.size());
     report.last_logits.resize(prompts.size());
     for (const auto& blob : blobs) {
-        Reader rd(blob);
+        ByteReader rd(blob);
         const auto rr = rd.get<RankReport>();
         const auto n = rd.get<int64_t>();
         const auto comp = rd.get<int64_t>();

@@ -6,6 +6,7 @@
 #include <memory>
 #include <thread>
 
+#include "common/byte_buffer.h"
 #include "kvshard/comm/communicator.h"
 #include "kvshard/comm/groups.h"
 #include "kvshard/common/error.h"
@@ -26,56 +27,6 @@ constexpr int kTagDecodeTokens = 0x7A002;  // decode last stage -> earlier decod
 double since(Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
 }
-
-class Writer {
-  public:
-    template <typename T>
-    void put(const T& v) {
-        const auto* p = reinterpret_cast<const std::byte*>(&v);
-        buf_.insert(buf_.end(), p, p + sizeof(T));
-    }
-    template <typename T>
-    void put_vec(const std::vector<T>& v) {
-        put<int64_t>(static_cast<int64_t>(v.size()));
-        const auto* p = reinterpret_cast<const std::byte*>(v.data());
-        buf_.insert(buf_.end(), p, p + v.size() * sizeof(T));
-    }
-    void put_str(const std::string& s) { put_vec(std::vector<char>(s.begin(), s.end())); }
-    const std::vector<std::byte>& bytes() const { return buf_; }
-
-  private:
-    std::vector<std::byte> buf_;
-};
-
-class Reader {
-  public:
-    explicit Reader(const std::vector<std::byte>& b) : b_(b) {}
-    template <typename T>
-    T get() {
-        KVSHARD_CHECK(pos_ + sizeof(T) <= b_.size(), "report buffer underrun");
-        T v;
-        std::memcpy(&v, b_.data() + pos_, sizeof(T));
-        pos_ += sizeof(T);
-        return v;
-    }
-    template <typename T>
-    std::vector<T> get_vec() {
-        const auto n = static_cast<size_t>(get<int64_t>());
-        KVSHARD_CHECK(pos_ + n * sizeof(T) <= b_.size(), "report buffer underrun");
-        std::vector<T> v(n);
-        if (n) std::memcpy(v.data(), b_.data() + pos_, n * sizeof(T));
-        pos_ += n * sizeof(T);
-        return v;
-    }
-    std::string get_str() {
-        const auto v = get_vec<char>();
-        return {v.begin(), v.end()};
-    }
-
-  private:
-    const std::vector<std::byte>& b_;
-    size_t pos_ = 0;
-};
 
 // Blocks of each request: request i uses [base[i], base[i] + count(i)).
 std::vector<std::vector<int32_t>> consecutive_tables(const std::vector<int64_t>& tokens,
@@ -232,12 +183,12 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     world.barrier();
     const auto t0 = Clock::now();
     RankTimes times;
-    Writer w;
+    ByteWriter w;
 
     // CP prefill: after it, every world rank learns each prefill CP rank's block tables (from its
     // tp index 0; the other TP ranks of that CP index hold the same) and builds the plans.
     auto share_cp_tables = [&]() {
-        Writer tw;
+        ByteWriter tw;
         if (cp_session)
             for (int i = 0; i < n; ++i) {
                 const auto id = static_cast<SeqId>(i);
@@ -253,7 +204,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
             static_cast<size_t>(n), std::vector<std::vector<int32_t>>(prefill.cp));
         for (int cpr = 0; cpr < prefill.cp; ++cpr)
             for (int t = 0; t < prefill.tp; ++t) {
-                Reader rd(blobs[rank_of(prefill, 0, 0, cpr, t)]);
+                ByteReader rd(blobs[rank_of(prefill, 0, 0, cpr, t)]);
                 for (int i = 0; i < n; ++i) {
                     auto table = rd.get_vec<int32_t>();
                     if (t == 0)
@@ -440,7 +391,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     std::vector<int32_t> failed_flags(static_cast<size_t>(n), 0);
     rep.transfer_start_s = -1;
     for (int r = 0; r < static_cast<int>(blobs.size()); ++r) {
-        Reader rd(blobs[r]);
+        ByteReader rd(blobs[r]);
         const auto t = rd.get<RankTimes>();
         if (rd.get<int32_t>()) prefill_logits = rd.get_vec<float>();
         if (rd.get<int32_t>())
