@@ -1,6 +1,8 @@
 // `kvshard run --cp ...` end to end on the threads backend (the MPI one: tests/multi_rank).
 #include <gtest/gtest.h>
+
 #include <sys/wait.h>
+#include "cli_runner.h"
 
 #include <array>
 #include <cstdio>
@@ -9,23 +11,8 @@
 
 namespace {
 
-struct Result {
-    int status = -1;
-    std::string out;
-};
-
-Result run_cli(const std::string& args) {
-    const std::string cmd = std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1";
-    Result r;
-    FILE* pipe = popen(cmd.c_str(), "r");
-    if (!pipe) return r;
-    std::array<char, 4096> buf;
-    size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
-    const int st = pclose(pipe);
-    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    return r;
-}
+using Result = kvshard::test::CliResult;
+using kvshard::test::run_cli;
 
 TEST(CpCli, RunCp4ZigzagVerifies) {
     const Result r = run_cli(

@@ -1,6 +1,8 @@
 // `kvshard run` end to end: JSON fields, verification, per-rank KV bytes, .npy dump, and errors.
 #include <gtest/gtest.h>
+
 #include <sys/wait.h>
+#include "cli_runner.h"
 
 #include <array>
 #include <cstdio>
@@ -12,23 +14,8 @@
 
 namespace {
 
-struct Result {
-    int status = -1;
-    std::string out;
-};
-
-Result run_cli(const std::string& args) {
-    const std::string cmd = std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1";
-    Result r;
-    FILE* pipe = popen(cmd.c_str(), "r");
-    if (!pipe) return r;
-    std::array<char, 4096> buf;
-    size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
-    const int st = pclose(pipe);
-    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    return r;
-}
+using Result = kvshard::test::CliResult;
+using kvshard::test::run_cli;
 
 TEST(RunCli, JsonReportsVerifyAndKvBytesPerRank) {
     const Result r = run_cli(

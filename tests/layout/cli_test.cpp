@@ -1,6 +1,8 @@
 // The CLI on bad input: "kvshard: error: ..." on stderr and exit status 2, never a crash.
 #include <gtest/gtest.h>
+
 #include <sys/wait.h>
+#include "cli_runner.h"
 
 #include <cstdio>
 #include <fstream>
@@ -10,23 +12,8 @@
 
 namespace {
 
-struct Result {
-    int status = -1;
-    std::string out;  // stdout and stderr together
-};
-
-Result kvshard(const std::string& args) {
-    Result r;
-    const std::string cmd = std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1";
-    FILE* f = popen(cmd.c_str(), "r");
-    if (!f) return r;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, f)) > 0) r.out.append(buf, n);
-    const int st = pclose(f);
-    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    return r;
-}
+using Result = kvshard::test::CliResult;
+Result kvshard(const std::string& args) { return kvshard::test::run_cli(args); }
 
 std::string temp_file(const std::string& name, const std::string& text) {
     const std::string path = testing::TempDir() + name;

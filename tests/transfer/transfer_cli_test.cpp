@@ -1,6 +1,8 @@
 // kvshard transfer-plan: JSON fields, the seed example, and clear errors.
 #include <gtest/gtest.h>
 
+#include "cli_runner.h"
+
 #include <array>
 #include <cstdio>
 #include <string>
@@ -9,23 +11,8 @@
 
 namespace {
 
-struct CliResult {
-    int status = 0;
-    std::string out;
-};
-
-CliResult run_cli(const std::string& args) {
-    const std::string cmd = std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1";
-    CliResult r;
-    FILE* p = popen(cmd.c_str(), "r");
-    if (!p) return {-1, ""};
-    std::array<char, 4096> buf{};
-    size_t n = 0;
-    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-    const int st = pclose(p);
-    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    return r;
-}
+using kvshard::test::CliResult;
+using kvshard::test::run_cli;
 
 TEST(TransferPlanCli, JsonSeedExample) {
     const auto r =
