@@ -355,9 +355,7 @@ bool BlockManager::can_append(SeqId seq, int64_t count) const {
     return more <= num_available_blocks();
 }
 
-void BlockManager::append(SeqId seq, std::span<const int32_t> tokens) {
-    Seq& s = seq_or_throw(seq);
-    const auto count = static_cast<int64_t>(tokens.size());
+void BlockManager::grow(SeqId seq, Seq& s, int64_t count) {
     const int64_t total = blocks_for_tokens(s.num_tokens + count);
     if (total > config_.num_blocks)
         throw Error(detail::concat("appending ", count, " tokens to sequence ", seq, " (",
@@ -376,6 +374,12 @@ void BlockManager::append(SeqId seq, std::span<const int32_t> tokens) {
         s.blocks.push_back(b);
     }
     s.num_tokens += count;
+}
+
+void BlockManager::append(SeqId seq, std::span<const int32_t> tokens) {
+    Seq& s = seq_or_throw(seq);
+    const auto count = static_cast<int64_t>(tokens.size());
+    grow(seq, s, count);
     if (s.hashable) {
         const size_t bs = static_cast<size_t>(config_.block_size);
         const size_t first_new = s.hashes.size();
@@ -407,24 +411,7 @@ void BlockManager::append(SeqId seq, std::span<const int32_t> tokens) {
 void BlockManager::append_tokens(SeqId seq, int64_t count) {
     Seq& s = seq_or_throw(seq);
     require(count >= 0, "cannot append ", count, " tokens");
-    const int64_t total = blocks_for_tokens(s.num_tokens + count);
-    if (total > config_.num_blocks)
-        throw Error(detail::concat("appending ", count, " tokens to sequence ", seq, " (",
-                                   s.num_tokens, " tokens) needs ", total,
-                                   " blocks but the whole pool has ", config_.num_blocks));
-    const int64_t more = total - static_cast<int64_t>(s.blocks.size());
-    if (more > num_available_blocks())
-        throw OutOfBlocksError(detail::concat(
-            "appending ", count, " tokens to sequence ", seq, " needs ", more,
-            " more blocks but only ", num_available_blocks(), " are free or evictable now"));
-    begin_op();
-    for (int64_t i = 0; i < more; ++i) {
-        const BlockId b = take_block();
-        blocks_[static_cast<size_t>(b)].ref = 1;
-        ++num_used_;
-        s.blocks.push_back(b);
-    }
-    s.num_tokens += count;
+    grow(seq, s, count);
     if (count > 0) {
         s.hashable = false;
         s.tail.clear();

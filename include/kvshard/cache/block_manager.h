@@ -221,6 +221,9 @@ class BlockManager {
     AllocResult allocate_impl(SeqId seq, std::span<const BlockHash> hashes, int64_t num_tokens,
                               int64_t max_cached_blocks);
     BlockId take_block();  // from the free list, else evicts the LRU cached block
+    // Appends count tokens' worth of fresh blocks to s (checks pool size and availability first,
+    // changing nothing on error), then opens the event batch (begin_op).
+    void grow(SeqId seq, Seq& s, int64_t count);
     void release_block(BlockId b);
     // Registers the sequence's full blocks [from, hashes.size()) where the chain allows.
     void register_blocks(Seq& s, size_t from);
