@@ -62,10 +62,10 @@ class BlockPool {
     int64_t arena_bytes() const { return num_blocks_ * geometry_.block_bytes(); }
 
     std::byte* page(int layer, int kv, int64_t block) {
-        return arena_.get() + page_offset(layer, kv, block);
+        return arena_ + page_offset(layer, kv, block);
     }
     const std::byte* page(int layer, int kv, int64_t block) const {
-        return arena_.get() + page_offset(layer, kv, block);
+        return arena_ + page_offset(layer, kv, block);
     }
     // fp32 pools only (the reference model computes in fp32).
     float* page_f32(int layer, int kv, int64_t block) {
@@ -78,15 +78,16 @@ class BlockPool {
         return ((int64_t{layer} * geometry_.kv_factor + kv) * num_blocks_ + block) *
                geometry_.page_bytes();
     }
-    std::span<std::byte> arena() { return {arena_.get(), static_cast<size_t>(arena_bytes())}; }
+    std::span<std::byte> arena() { return {arena_, static_cast<size_t>(arena_bytes())}; }
     std::span<const std::byte> arena() const {
-        return {arena_.get(), static_cast<size_t>(arena_bytes())};
+        return {arena_, static_cast<size_t>(arena_bytes())};
     }
 
   private:
     PageGeometry geometry_;
     int64_t num_blocks_;
-    std::unique_ptr<std::byte[]> arena_;
+    std::unique_ptr<std::byte[]> storage_;  // arena_bytes() + 63 bytes, zeroed
+    std::byte* arena_ = nullptr;            // storage_ rounded up to a 64-byte cache line
 };
 
 // The page geometry of `rank` in a layout: its layers, its KV heads (MLA: one latent of
