@@ -8,6 +8,8 @@
 // dim). Inside a page (one layer, K or V, one block):
 //   HND: [num_heads][block_size][head_dim]  (default: a contiguous range of heads is contiguous
 //   bytes) NHD: [block_size][num_heads][head_dim]
+// The arena starts on a kArenaAlign (4 KiB) boundary, so a page is aligned to the largest power of
+// two dividing both page_bytes() and 4 KiB (SIMD kernels read it with aligned cache lines).
 // A block id means the same tokens on every rank of a TP x PP group; each rank stores only its own
 // heads and layers, so the pools of one group differ in geometry but share block ids.
 #include <cstddef>
@@ -51,6 +53,8 @@ struct PageGeometry {
 
 class BlockPool {
   public:
+    static constexpr size_t kArenaAlign = 4096;
+
     // Throws Error when num_blocks < 1 or the geometry is empty.
     BlockPool(PageGeometry geometry, int64_t num_blocks);
     // Sized from a memory budget: floor(budget_bytes / block_bytes) blocks; Error if not even one
@@ -86,7 +90,10 @@ class BlockPool {
   private:
     PageGeometry geometry_;
     int64_t num_blocks_;
-    std::unique_ptr<std::byte[]> arena_;
+    struct ArenaDelete {
+        void operator()(std::byte* p) const noexcept;
+    };
+    std::unique_ptr<std::byte[], ArenaDelete> arena_;
 };
 
 // The page geometry of `rank` in a layout: its layers, its KV heads (MLA: one latent of
