@@ -52,7 +52,7 @@ void cp_partial_attention(const CpAttnShape& s, const float* q, std::span<const 
                     const int nv = static_cast<int>(std::min<int64_t>(64, nvis - j0));
                     V.attend_keys(q + row0 * d, group, d, k + j0 * kv_stride + int64_t{kh} * d,
                                   v + j0 * kv_stride + int64_t{kh} * d, nv, kv_stride, d, s.scale,
-                                  m.data(), l.data(), o);
+                                  m.data(), l.data(), o, {});
                 }
                 for (int g = 0; g < group; ++g) {
                     float* og = o + int64_t{g} * d;
