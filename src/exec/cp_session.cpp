@@ -300,6 +300,21 @@ std::vector<float> CpSession::prefill(SeqId seq, std::span<const int32_t> tokens
     return run(s, seq, std::move(rows), false);
 }
 
+void CpSession::adopt(SeqId seq, std::span<const int32_t> tokens) {
+    require(serving_, "a lending rank serves no sequence");
+    require(!tokens.empty(), "an adopted sequence needs at least one token");
+    require(!seqs_.contains(seq), "sequence ", seq, " is already served here");
+    Seq s;
+    s.map = CpTokenMap(p_.cp);
+    s.tokens.assign(tokens.begin(), tokens.end());
+    s.map.append(static_cast<int64_t>(tokens.size()), p_.cp_scheme, p_.cp_interleave);
+    s.local_pos = s.map.positions(coord_.cp);
+    BlockManager& bm = dev_.blocks();
+    bm.allocate_with_hashes(seq, {}, 0);  // never hashed: an empty sequence, then its tokens
+    bm.append_tokens(seq, static_cast<int64_t>(s.local_pos.size()));
+    seqs_.emplace(seq, std::move(s));
+}
+
 std::vector<float> CpSession::decode(SeqId seq, int32_t token) {
     require(serving_, "a lending rank does not decode");
     last_ = {};

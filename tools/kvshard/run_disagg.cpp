@@ -47,8 +47,10 @@ void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
         "--prefill", f.prefill,
         "disaggregated run: the prefill group's layout, e.g. tp=8, tp=4,pp=2 or cp=2,tp=2 (cp > 1: "
         "context-parallel prefill with pp=1, KV sent after prefill) (with --decode)");
-    sub->add_option("--decode", f.decode,
-                    "disaggregated run: the decode group's layout, e.g. tp=4 (cp=1)");
+    sub->add_option(
+        "--decode", f.decode,
+        "disaggregated run: the decode group's layout, e.g. tp=4, tp=2,pp=2 or cp=2,tp=2 "
+        "(cp > 1: context-parallel decode with pp=1)");
     sub->add_option("--decode-block-size", f.decode_block_size,
                     "disaggregated run: decode block size (default: --block-size)");
     sub->add_option("--prefill-order", f.prefill_order,

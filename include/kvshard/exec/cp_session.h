@@ -84,6 +84,12 @@ class CpSession {
     // [vocab] logits of the last token on every serving rank; empty on lending ranks. Collective
     // over the world for a new sequence with prefix caching on, else over the serving ranks.
     std::vector<float> prefill(SeqId seq, std::span<const int32_t> tokens);
+    // Takes in a new sequence whose KV is computed elsewhere (a disaggregated prefill): builds
+    // its token map for `tokens`, allocates this rank's blocks for the positions it holds (not
+    // hashed) and computes nothing. The caller writes their KV (device().blocks().block_table(seq),
+    // local token j in block j / block_size, slot j % block_size) before decode(). Serving ranks
+    // only; not collective.
+    void adopt(SeqId seq, std::span<const int32_t> tokens);
     // Feeds one token (usually the last greedy one) to `seq`; returns the [vocab] logits.
     std::vector<float> decode(SeqId seq, int32_t token);
     // Releases the sequence; its hashed blocks stay in the device's prefix cache.

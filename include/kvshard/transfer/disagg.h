@@ -8,8 +8,7 @@
 // it (layer-wise streaming, TransferSender), so the transfer overlaps the rest of prefill. The
 // first greedy token goes from the prefill group's last stage to the decode group, which decodes
 // the other max_new_tokens - 1 tokens. A request whose transfer fails is reported and not decoded;
-// the others go on. A prefill side with cp > 1 prefills with the CP executor and sends each CP
-// rank's KV after the prefill (see disagg_generate).
+// the others go on. A side with cp > 1 runs the CP executor (see disagg_generate).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -56,10 +55,12 @@ struct DisaggReport {
 };
 
 // Collective over `world` (size prefill.world_size() + decode.world_size()); every rank returns the
-// whole report. dp must be 1 on both sides, and cp 1 on the decode side (Error otherwise). A
-// prefill side with cp > 1 (pp = ep = 1, HND pages) prefills with the CP executor (CpSession,
-// ring attention), one prompt after another; having no per-layer hook, it sends the KV after the
-// prefill (report.streamed false, no overlap). The model computes with an fp32 KV cache whatever
+// whole report. dp must be 1 on both sides (Error otherwise). A side with cp > 1 (pp = ep = 1, HND
+// pages) runs the CP executor (CpSession): a CP prefill side prefills with ring attention, one
+// prompt after another, and having no per-layer hook sends the KV after the prefill
+// (report.streamed false, no overlap); a CP decode side takes each request in before the transfer
+// (CpSession::adopt: its blocks for the positions its CP scheme gives it) and decodes with merged
+// partial attention, one request after another. The model computes with an fp32 KV cache whatever
 // m.kv_dtype says, as generate() does.
 DisaggReport disagg_generate(const ModelSpec& m, const ParallelConfig& prefill,
                              const ParallelConfig& decode, const TensorSource& weights,
