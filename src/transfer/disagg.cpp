@@ -76,8 +76,8 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         prefill.dp == 1 && decode.dp == 1,
         "disaggregated runs serve one replica on each side: use dp=1 for --prefill and --decode");
     // A prefill side with cp > 1 runs the CP executor (CpSession: ring-attention prefill on a
-    // cp x tp grid, one prompt after another). It has no per-layer hook, so its KV is sent after
-    // the prefill, not layer by layer.
+    // cp x tp grid, one prompt after another). Its blocks are reserved for every request before
+    // the start, so the plans are known and each layer is sent as its attention finishes.
     const bool cp_prefill = prefill.cp > 1;
     if (cp_prefill) {
         require(prefill.pp == 1 && prefill.ep == 1,
@@ -127,7 +127,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     int64_t prefill_blocks = 0, decode_blocks = 0;
     const auto ptables = consecutive_tables(prompt_len, opt.prefill_block_size, prefill_blocks);
     const auto dtables = consecutive_tables(decode_len, opt.decode_block_size, decode_blocks);
-    const bool streamed = opt.stream_layers && !cp_prefill;
+    const bool streamed = opt.stream_layers;
     std::vector<std::shared_ptr<const TransferPlan>> plans;
     // src_tables[i][c] / dst_tables[i][c]: request i's blocks on prefill / decode CP rank c.
     using Tables = std::vector<std::vector<std::vector<int32_t>>>;
@@ -184,8 +184,12 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         co.prefix_cache = false;
         cp_device = std::make_unique<CpDevice>(m, pc.tp, c.tp, weights, co);
         cp_session = std::make_unique<CpSession>(*cp_device, *group, pc, co);
-        if (!is_prefill)
-            for (int i = 0; i < n; ++i) cp_session->adopt(static_cast<SeqId>(i), prompts[i]);
+        for (int i = 0; i < n; ++i) {
+            if (is_prefill)
+                cp_session->reserve(static_cast<SeqId>(i), prompts[i]);
+            else
+                cp_session->adopt(static_cast<SeqId>(i), prompts[i]);
+        }
     } else {
         plain = std::make_unique<RankModel>(
             load_weights(m, weight_shard(mine, local), weights),
@@ -196,9 +200,9 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     RankModel& model = plain ? *plain : cp_device->model();
     xo.staging_pool = StagingPool::create();  // this rank's, shared by its requests
 
-    // The CP executors' block tables: every world rank learns each CP rank's tables (from its tp
-    // index 0; the other TP ranks of that CP index hold the same) and builds the plans. With a CP
-    // prefill side this happens after its prefill, else before the start.
+    // The CP executors' block tables (reserved or adopted above): every world rank learns each CP
+    // rank's tables (from its tp index 0; the other TP ranks of that CP index hold the same) and
+    // builds the plans, before the start.
     auto share_cp_tables = [&]() {
         ByteWriter tw;
         if (cp_session)
@@ -241,7 +245,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         }
         make_plans(st, dt);
     };
-    if (cp_decode && !cp_prefill) share_cp_tables();  // before the start: prefill streams
+    if (cp_prefill || cp_decode) share_cp_tables();
     world.barrier();
     const auto t0 = Clock::now();
     RankTimes times;
@@ -263,17 +267,20 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         if (cp_prefill) {
             // One prompt after another (CpSession serves one sequence per prefill call); the
             // logits of its last token come back on every CP rank.
+            make_senders();
+            cp_session->set_layer_hook([&](SeqId seq, int layer) {
+                senders[static_cast<size_t>(seq)]->layer_ready(layer);
+                for (auto& s : senders) s->progress();
+            });
             logits.resize(static_cast<size_t>(n) * m.vocab);
             for (int i = 0; i < n; ++i) {
-                const std::vector<float> lg =
-                    cp_session->prefill(static_cast<SeqId>(i), prompts[i]);
+                const std::vector<float> lg = cp_session->prefill_reserved(static_cast<SeqId>(i));
                 KVSHARD_CHECK(static_cast<int64_t>(lg.size()) == m.vocab, "CP prefill gave ",
                               lg.size(), " logits, expected ", m.vocab);
                 std::copy(lg.begin(), lg.end(), logits.begin() + int64_t{i} * m.vocab);
             }
             times.prefill_end = since(t0);
-            share_cp_tables();
-            make_senders();
+            cp_session->set_layer_hook({});
         } else {
             make_senders();
             model.set_attention([&](const AttentionCall& call) {
@@ -327,7 +334,6 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         w.put<int32_t>(0);  // no per-request results
     } else {
         const int d = local;
-        if (cp_prefill) share_cp_tables();
         std::vector<std::unique_ptr<TransferReceiver>> receivers;
         for (int i = 0; i < n; ++i)
             receivers.push_back(std::make_unique<TransferReceiver>(
@@ -460,10 +466,6 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     rep.transfer_seconds = std::max(0.0, rep.transfer_end_s - rep.transfer_start_s);
     rep.overlap_seconds =
         std::max(0.0, std::min(rep.prefill_seconds, rep.transfer_end_s) - rep.transfer_start_s);
-    // A CP prefill sends only after the all-gather of block tables, which every prefill rank joins
-    // after its prefill: no overlap by construction (the formula above could show a few
-    // microseconds of barrier skew between the ranks' clocks).
-    if (cp_prefill) rep.overlap_seconds = 0;
     for (int i = 0; i < n; ++i) {
         if (failed_flags[i] && rep.errors[i].empty()) rep.errors[i] = "failed";
         rep.min_bytes += plans[i]->min_bytes;

@@ -60,8 +60,8 @@ TEST(TransferPlanCli, TableAndErrors) {
     EXPECT_NE(help.out.find("--block-size-to"), std::string::npos);
 }
 
-// kvshard run with a context-parallel prefill side: ring-attention prefill, each CP rank's KV sent
-// to the decode group after the prefill, tokens identical to the unsharded model.
+// kvshard run with a context-parallel prefill side: ring-attention prefill, each CP rank's KV
+// streamed to the decode group layer by layer, tokens identical to the unsharded model.
 TEST(DisaggRunCli, CpPrefillVerifies) {
     const auto r = run_cli(
         "run --model tiny --prefill cp=2,tp=2 --decode tp=4 --prompts 2 --prompt-len 20 --gen 4 "
@@ -71,7 +71,7 @@ TEST(DisaggRunCli, CpPrefillVerifies) {
     EXPECT_EQ(j["verify"]["tokens_match"], true);
     EXPECT_EQ(j["failed_requests"], 0);
     EXPECT_EQ(j["prefill"]["ranks"], 4);
-    EXPECT_EQ(j["transfer"]["streamed"], false);
+    EXPECT_EQ(j["transfer"]["streamed"], true);
     EXPECT_EQ(j["transfer"]["bytes"], j["transfer"]["min_bytes"]);
     EXPECT_GT(j["transfer"]["bytes"].get<int64_t>(), 0);
 
@@ -79,7 +79,7 @@ TEST(DisaggRunCli, CpPrefillVerifies) {
         "run --model tiny --prefill cp=4,cp_scheme=zigzag --decode tp=2,pp=2 --prompts 1 "
         "--prompt-len 19 --gen 3 --verify");
     ASSERT_EQ(text.status, 0) << text.out;
-    EXPECT_NE(text.out.find("no per-layer hook"), std::string::npos) << text.out;
+    EXPECT_NE(text.out.find("layer by layer"), std::string::npos) << text.out;
     EXPECT_NE(text.out.find("identical"), std::string::npos) << text.out;
 }
 

@@ -44,9 +44,8 @@ struct DisaggReport {
     int64_t transfer_bytes = 0;  // payload bytes received over all requests
     int64_t min_bytes = 0;       // what the decode layout needs for every request
     int64_t messages = 0;
-    std::string mode;  // the resolved transfer mode of the first request
-    bool streamed =
-        false;  // sent layer by layer (false: after prefill; always so with prefill cp > 1)
+    std::string mode;            // the resolved transfer mode of the first request
+    bool streamed = false;       // sent layer by layer (false: after prefill)
     double prefill_seconds = 0;  // from the common start to the end of the slowest prefill rank
     double transfer_start_s = 0, transfer_end_s = 0;  // first message sent, last message landed
     double transfer_seconds = 0;                      // transfer_end_s - transfer_start_s
@@ -56,12 +55,12 @@ struct DisaggReport {
 
 // Collective over `world` (size prefill.world_size() + decode.world_size()); every rank returns the
 // whole report. dp must be 1 on both sides (Error otherwise). A side with cp > 1 (pp = ep = 1, HND
-// pages) runs the CP executor (CpSession): a CP prefill side prefills with ring attention, one
-// prompt after another, and having no per-layer hook sends the KV after the prefill
-// (report.streamed false, no overlap); a CP decode side takes each request in before the transfer
+// pages) runs the CP executor (CpSession), one request after another: a CP prefill side reserves
+// every request's blocks before the start (CpSession::reserve) and streams each layer from the
+// session's layer hook; a CP decode side takes each request in before the transfer
 // (CpSession::adopt: its blocks for the positions its CP scheme gives it) and decodes with merged
-// partial attention, one request after another. The model computes with an fp32 KV cache whatever
-// m.kv_dtype says, as generate() does.
+// partial attention. The model computes with an fp32 KV cache whatever m.kv_dtype says, as
+// generate() does.
 DisaggReport disagg_generate(const ModelSpec& m, const ParallelConfig& prefill,
                              const ParallelConfig& decode, const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,
