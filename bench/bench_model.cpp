@@ -1,14 +1,17 @@
 // bench_model: the reference model and its attention kernels next to their ceilings, one thread.
-//   Sgemm            OpenBLAS sgemm 1024^3: the compute ceiling (GFLOP/s)
-//   PrefillAttention causal prefill over paged KV (small-100m heads): GFLOP/s and its ratio to
-//   Sgemm StreamRead       a plain read pass over a buffer as large as the decode KV: the bandwidth
-//   ceiling DecodeAttention  one decode step over that KV: GB/s of K and V read and its ratio to
-//   StreamRead ModelPrefill / ModelDecode  small-100m unsharded: tokens per second
+//   Sgemm             OpenBLAS sgemm 1024^3: the compute ceiling (GFLOP/s)
+//   PrefillAttention  causal prefill over paged KV (small-100m heads): GFLOP/s, ratio to Sgemm
+//   StreamRead        a plain read pass over a buffer as large as the decode KV: the bandwidth
+//                     ceiling
+//   DecodeAttention   one decode step over that KV: GB/s of K and V read, ratio to StreamRead
+//                     (blocks in order or scattered over the pool; HND or NHD pages)
+//   ModelPrefill / ModelDecode  small-100m unsharded: tokens per second
 // Ratios are computed against the ceilings measured earlier in the same run (benchmarks run in
 // registration order). Run: build/bench/bench_model [--benchmark_filter=...]
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <numeric>
@@ -54,16 +57,20 @@ struct Paged {
     PagedKv kv;
 };
 
-// batch sequences of len tokens each in one layer, blocks in order.
-Paged make_paged(int batch, int64_t len) {
+// batch sequences of len tokens each in one layer; blocks in order, or (scattered) a random
+// permutation of the pool's blocks, as a long-running pool hands them out.
+Paged make_paged(int batch, int64_t len, bool scattered = false, bool nhd = false) {
     PageGeometry g{.num_layers = 1,
                    .kv_factor = 2,
                    .num_heads = kKvHeads,
                    .block_size = kBlock,
                    .head_dim = kHeadDim,
                    .dtype = DType::kFp32,
-                   .order = PageOrder::kHnd};
+                   .order = nhd ? PageOrder::kNhd : PageOrder::kHnd};
     const int64_t per_seq = (len + kBlock - 1) / kBlock;
+    std::vector<int32_t> ids(static_cast<size_t>(per_seq * batch));
+    std::iota(ids.begin(), ids.end(), 0);
+    if (scattered) std::shuffle(ids.begin(), ids.end(), std::mt19937(7));
     Paged p;
     p.pool = std::make_unique<BlockPool>(g, per_seq * batch);
     std::mt19937 rng(3);
@@ -71,9 +78,8 @@ Paged make_paged(int batch, int64_t len) {
     float* base = reinterpret_cast<float*>(p.pool->arena().data());
     for (size_t i = 0; i < p.pool->arena().size() / 4; ++i) base[i] = u(rng);
     for (int s = 0; s < batch; ++s) {
-        std::vector<int32_t> blocks(static_cast<size_t>(per_seq));
-        std::iota(blocks.begin(), blocks.end(), int32_t(s * per_seq));
-        p.kv.add_sequence(blocks, len, kBlock);
+        const auto first = ids.begin() + s * per_seq;
+        p.kv.add_sequence(std::vector<int32_t>(first, first + per_seq), len, kBlock);
     }
     return p;
 }
@@ -117,7 +123,7 @@ void BM_StreamRead(benchmark::State& state) {
 void BM_DecodeAttention(benchmark::State& state) {
     const int batch = int(state.range(0));
     const int64_t len = state.range(1);
-    Paged p = make_paged(batch, len);
+    Paged p = make_paged(batch, len, state.range(2) != 0, state.range(3) != 0);
     QueryBatch qb;
     for (int s = 0; s < batch; ++s) qb.add_sequence(1, len - 1);
     std::vector<float> q(size_t(batch * kQHeads * kHeadDim)), out(q.size());
@@ -203,9 +209,13 @@ BENCHMARK(BM_Sgemm)->Arg(1024)->Unit(benchmark::kMillisecond)->MinTime(0.5);
 BENCHMARK(BM_PrefillAttention)->Arg(512)->Arg(2048)->Unit(benchmark::kMillisecond)->MinTime(0.5);
 // KV of the decode case: 8 sequences x 4096 tokens x 4 heads x 64 x K,V x 4 B = 64 MiB
 BENCHMARK(BM_StreamRead)->Arg(int64_t{64} << 20)->Unit(benchmark::kMillisecond)->MinTime(0.5);
+// Args: batch, tokens per sequence, scattered blocks (0/1), NHD pages (0/1).
 BENCHMARK(BM_DecodeAttention)
-    ->Args({8, 4096})
-    ->Args({1, 256})
+    ->ArgNames({"batch", "len", "scattered", "nhd"})
+    ->Args({8, 4096, 0, 0})
+    ->Args({8, 4096, 1, 0})
+    ->Args({8, 4096, 1, 1})
+    ->Args({1, 256, 0, 0})
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.5);
 BENCHMARK(BM_ModelPrefill)

@@ -42,7 +42,7 @@ float exp_sub_sum_generic(float* x, int n, float m) {
 
 void attend_keys_generic(const float* q, int rows, int64_t q_stride, const float* k, const float* v,
                          int nv, int64_t kv_stride, int d, float scale, float* m, float* l,
-                         float* o) {
+                         float* o, Ops::Prefetch /*pf*/) {
     float s[64];
     for (int r = 0; r < rows; ++r) {
         const float* qr = q + r * q_stride;
@@ -170,11 +170,25 @@ KVSHARD_AVX2 inline __m256 hsum8(const __m256* a) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Issues a prefetch request list a little at a time: `per_step` lines from each stream per step().
+struct Spread {
+    const char* a;
+    const char* b;
+    int left, per_step;
+    void step() {
+        for (int i = 0; i < per_step && left > 0; ++i, --left, a += 64, b += 64) {
+            __builtin_prefetch(a, 0, 2);
+            if (b) __builtin_prefetch(b, 0, 2);
+        }
+    }
+};
+
 // o[r] += sum_j p[r][j] v_j for NR rows (p rows 64 apart), 4 vectors of o at a time (d % 32 == 0),
 // or one at a time otherwise.
-template <int NR>
-KVSHARD_AVX2 void accumulate_v(const float* p, const float* v, int nv, int64_t kv_stride, int d,
-                               float* o) {
+template <int NR, int ND>
+KVSHARD_AVX2 void accumulate_v(const float* p, const float* v, int nv, int64_t kv_stride, int d_rt,
+                               float* o, Spread& pf) {
+    const int d = ND > 0 ? 8 * ND : d_rt;
     const int nd = d / 8;
     const int step = nd % 4 == 0 ? 4 : 1;
     for (int x0 = 0; x0 < nd; x0 += step) {
@@ -184,6 +198,7 @@ KVSHARD_AVX2 void accumulate_v(const float* p, const float* v, int nv, int64_t k
                 for (int t = 0; t < 4; ++t)
                     acc[r][t] = _mm256_loadu_ps(o + int64_t{r} * d + 8 * (x0 + t));
             for (int j = 0; j < nv; ++j) {
+                pf.step();
                 const float* vj = v + j * kv_stride + 8 * x0;
                 __m256 pj[NR];
                 for (int r = 0; r < NR; ++r) pj[r] = _mm256_broadcast_ss(p + r * 64 + j);
@@ -199,6 +214,7 @@ KVSHARD_AVX2 void accumulate_v(const float* p, const float* v, int nv, int64_t k
             __m256 acc[NR];
             for (int r = 0; r < NR; ++r) acc[r] = _mm256_loadu_ps(o + int64_t{r} * d + 8 * x0);
             for (int j = 0; j < nv; ++j) {
+                pf.step();
                 const __m256 vt = _mm256_loadu_ps(v + j * kv_stride + 8 * x0);
                 for (int r = 0; r < NR; ++r)
                     acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * 64 + j), vt, acc[r]);
@@ -208,14 +224,20 @@ KVSHARD_AVX2 void accumulate_v(const float* p, const float* v, int nv, int64_t k
     }
 }
 
-KVSHARD_AVX2 void attend_keys_avx2(const float* q, int rows, int64_t q_stride, const float* k,
-                                   const float* v, int nv, int64_t kv_stride, int d, float scale,
-                                   float* m, float* l, float* o) {
-    constexpr int kMaxRows = 16;
-    if (d % 8 != 0 || rows > kMaxRows) {
-        attend_keys_generic(q, rows, q_stride, k, v, nv, kv_stride, d, scale, m, l, o);
-        return;
-    }
+constexpr int kMaxRows = 16;
+
+// The AVX2 step for d = 8 * ND (ND > 0: unrolled for that head size; 0: any multiple of 8).
+template <int ND>
+KVSHARD_AVX2 void attend_keys_avx2_d(const float* q, int rows, int64_t q_stride, const float* k,
+                                     const float* v, int nv, int64_t kv_stride, int d_rt,
+                                     float scale, float* m, float* l, float* o, Ops::Prefetch pfr) {
+    const int d = ND > 0 ? 8 * ND : d_rt;
+    // V-loop steps: one per key per 4-vector (or 1-vector) column pass per row group.
+    const int passes = (d / 8) % 4 == 0 ? d / 32 : d / 8;
+    const int groups = rows / 3 + (rows % 3) / 2 + (rows % 3) % 2;
+    const int steps = std::max(1, passes * nv * groups + rows * (nv / 8) * (d / 8));
+    Spread pf{static_cast<const char*>(pfr.a), static_cast<const char*>(pfr.b),
+              pfr.a ? pfr.lines : 0, (pfr.lines + steps - 1) / steps};
     alignas(32) float s[kMaxRows][64];
     const int nd = d / 8;
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -227,6 +249,7 @@ KVSHARD_AVX2 void attend_keys_avx2(const float* q, int rows, int64_t q_stride, c
             __m256 acc[8];
             for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
             for (int x = 0; x < nd; ++x) {
+                pf.step();
                 const __m256 qx = _mm256_loadu_ps(qr + 8 * x);
                 for (int t = 0; t < 8; ++t)
                     acc[t] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + (j + t) * kv_stride + 8 * x),
@@ -250,11 +273,24 @@ KVSHARD_AVX2 void attend_keys_avx2(const float* q, int rows, int64_t q_stride, c
     int r0 = 0;
     {
         for (; r0 + 3 <= rows; r0 += 3)
-            accumulate_v<3>(&s[r0][0], v, nv, kv_stride, d, o + int64_t{r0} * d);
+            accumulate_v<3, ND>(&s[r0][0], v, nv, kv_stride, d, o + int64_t{r0} * d, pf);
         for (; r0 + 2 <= rows; r0 += 2)
-            accumulate_v<2>(&s[r0][0], v, nv, kv_stride, d, o + int64_t{r0} * d);
+            accumulate_v<2, ND>(&s[r0][0], v, nv, kv_stride, d, o + int64_t{r0} * d, pf);
     }
-    for (; r0 < rows; ++r0) accumulate_v<1>(&s[r0][0], v, nv, kv_stride, d, o + int64_t{r0} * d);
+    for (; r0 < rows; ++r0)
+        accumulate_v<1, ND>(&s[r0][0], v, nv, kv_stride, d, o + int64_t{r0} * d, pf);
+}
+KVSHARD_AVX2 void attend_keys_avx2(const float* q, int rows, int64_t q_stride, const float* k,
+                                   const float* v, int nv, int64_t kv_stride, int d, float scale,
+                                   float* m, float* l, float* o, Ops::Prefetch pf) {
+    if (d % 8 != 0 || rows > kMaxRows)
+        attend_keys_generic(q, rows, q_stride, k, v, nv, kv_stride, d, scale, m, l, o, pf);
+    else if (d == 64)
+        attend_keys_avx2_d<8>(q, rows, q_stride, k, v, nv, kv_stride, d, scale, m, l, o, pf);
+    else if (d == 128)
+        attend_keys_avx2_d<16>(q, rows, q_stride, k, v, nv, kv_stride, d, scale, m, l, o, pf);
+    else
+        attend_keys_avx2_d<0>(q, rows, q_stride, k, v, nv, kv_stride, d, scale, m, l, o, pf);
 }
 #endif
 

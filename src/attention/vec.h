@@ -16,9 +16,16 @@ struct Ops {
     //   m_r' = max(m_r, max_j s_j), l_r = l_r e^(m_r - m_r') + sum_j e^(s_j - m_r'),
     //   o_r = o_r e^(m_r - m_r') + sum_j e^(s_j - m_r') v_j.
     // q: rows x d (stride q_stride); k, v: nv keys of d (stride kv_stride); o: rows x d; nv <= 64.
+    // pf: optional prefetch of the next data, spread over the work: pf.lines cache lines from
+    // each of pf.a and pf.b (null: none).
+    struct Prefetch {
+        const void* a = nullptr;
+        const void* b = nullptr;
+        int lines = 0;
+    };
     void (*attend_keys)(const float* q, int rows, int64_t q_stride, const float* k, const float* v,
-                        int nv, int64_t kv_stride, int d, float scale, float* m, float* l,
-                        float* o);
+                        int nv, int64_t kv_stride, int d, float scale, float* m, float* l, float* o,
+                        Prefetch pf);
     const char* name;
 };
 

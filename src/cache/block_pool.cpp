@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <new>
 
 #include "kvshard/common/error.h"
 #include "kvshard/layout/kv_layout.h"
@@ -18,10 +19,13 @@ BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks)
                 (geometry_.kv_factor == 1 || geometry_.kv_factor == 2),
             "page geometry needs at least one layer, head and element and kv_factor 1 or 2");
     require(num_blocks_ >= 1, "a block pool needs at least one block, got ", num_blocks_);
-    // Cache-line aligned, so that runs at multiples of 64 bytes into pages (whole head_dim vectors
-    // of usual sizes) cover whole lines (copies with non-temporal stores, vector loads).
-    storage_ = std::make_unique<std::byte[]>(static_cast<size_t>(arena_bytes()) + 63);  // zeroed
-    arena_ = storage_.get() + (64 - reinterpret_cast<uintptr_t>(storage_.get()) % 64) % 64;
+    const auto bytes = static_cast<size_t>(arena_bytes());
+    arena_.reset(static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{kArenaAlign})));
+    std::memset(arena_.get(), 0, bytes);
+}
+
+void BlockPool::ArenaDelete::operator()(std::byte* p) const noexcept {
+    ::operator delete[](p, std::align_val_t{kArenaAlign});
 }
 
 BlockPool BlockPool::from_budget(PageGeometry geometry, int64_t budget_bytes) {

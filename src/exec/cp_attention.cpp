@@ -34,37 +34,54 @@ void cp_partial_attention(const CpAttnShape& s, const float* q, std::span<const 
     const int64_t nk = static_cast<int64_t>(kv_pos.size());
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     if (group <= 16 && std::is_sorted(kv_pos.begin(), kv_pos.end())) {
-        // Keys in ascending position (every shard of the ring): the keys a query sees are a prefix,
-        // run through the vectorised online-softmax step 64 keys at a time.
+        // Keys in ascending position (every shard of the ring): the keys a query sees are a prefix.
+        // It is walked in tiles of `tile` tokens, every KV head of a tile in turn (a tile of K, and
+        // one of V, is contiguous bytes), through the vectorised online-softmax step. One query row
+        // (decode) streams K and V from memory once: 16-key tiles, and each step prefetches into
+        // L2 its share of the tile two further on. Many rows (prefill) find the keys in cache:
+        // 64-key tiles (fewer softmax rescales), no prefetch.
+        const int64_t tile = nq > 1 ? 64 : 16, ahead_tiles = nq > 1 ? 1 : 2;
         const vec::Ops& V = vec::ops();
         const int64_t kv_stride = int64_t{hkv} * d;
-        std::vector<float> m(group), l(group);
+        const int64_t tile_bytes = tile * kv_stride * static_cast<int64_t>(sizeof(float));
+        const int slice_lines = static_cast<int>(tile_bytes / hkv / 64);
+        std::vector<float> m(hq), l(hq);
         for (int64_t i = 0; i < nq; ++i) {
             const int64_t nvis =
                 std::upper_bound(kv_pos.begin(), kv_pos.end(), q_pos[i]) - kv_pos.begin();
-            for (int kh = 0; kh < hkv; ++kh) {
-                const int64_t row0 = i * hq + int64_t{kh} * group;
-                float* o = out + row0 * d;
-                std::fill(o, o + int64_t{group} * d, 0.0f);
-                std::fill(m.begin(), m.end(), kNegInf);
-                std::fill(l.begin(), l.end(), 0.0f);
-                for (int64_t j0 = 0; j0 < nvis; j0 += 64) {
-                    const int nv = static_cast<int>(std::min<int64_t>(64, nvis - j0));
-                    V.attend_keys(q + row0 * d, group, d, k + j0 * kv_stride + int64_t{kh} * d,
-                                  v + j0 * kv_stride + int64_t{kh} * d, nv, kv_stride, d, s.scale,
-                                  m.data(), l.data(), o);
-                }
-                for (int g = 0; g < group; ++g) {
-                    float* og = o + int64_t{g} * d;
-                    if (nvis == 0) {  // no visible key: weight 0 in any merge
-                        std::fill(og, og + d, 0.0f);
-                        lse[row0 + g] = kNegInf;
-                        continue;
+            float* o = out + i * hq * d;
+            std::fill(o, o + int64_t{hq} * d, 0.0f);
+            std::fill(m.begin(), m.end(), kNegInf);
+            std::fill(l.begin(), l.end(), 0.0f);
+            for (int64_t j0 = 0; j0 < nvis; j0 += tile) {
+                const int nv = static_cast<int>(std::min<int64_t>(tile, nvis - j0));
+                const int64_t ahead = j0 + ahead_tiles * tile;
+                for (int kh = 0; kh < hkv; ++kh) {
+                    vec::Ops::Prefetch pf;
+                    if (nq == 1 && ahead + tile <= nvis) {
+                        const int64_t off =
+                            ahead * kv_stride * static_cast<int64_t>(sizeof(float)) +
+                            kh * (tile_bytes / hkv);
+                        pf = {reinterpret_cast<const char*>(k) + off,
+                              reinterpret_cast<const char*>(v) + off, slice_lines};
                     }
-                    const float inv = 1.0f / l[g];
-                    for (int x = 0; x < d; ++x) og[x] *= inv;
-                    lse[row0 + g] = m[g] + std::log(l[g]);
+                    const int64_t row0 = int64_t{kh} * group;
+                    V.attend_keys(q + (i * hq + row0) * d, group, d,
+                                  k + j0 * kv_stride + int64_t{kh} * d,
+                                  v + j0 * kv_stride + int64_t{kh} * d, nv, kv_stride, d, s.scale,
+                                  m.data() + row0, l.data() + row0, o + row0 * d, pf);
                 }
+            }
+            for (int h = 0; h < hq; ++h) {
+                float* oh = o + int64_t{h} * d;
+                if (nvis == 0) {  // no visible key: weight 0 in any merge
+                    std::fill(oh, oh + d, 0.0f);
+                    lse[i * hq + h] = kNegInf;
+                    continue;
+                }
+                const float inv = 1.0f / l[h];
+                for (int x = 0; x < d; ++x) oh[x] *= inv;
+                lse[i * hq + h] = m[h] + std::log(l[h]);
             }
         }
         return;

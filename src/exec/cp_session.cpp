@@ -232,7 +232,14 @@ int64_t CpSession::discover_and_move(std::span<const int32_t> tokens) {
 }
 
 std::vector<float> CpSession::prefill(SeqId seq, std::span<const int32_t> tokens) {
+    if (!reserve(seq, tokens)) return {};
+    return prefill_reserved(seq);
+}
+
+bool CpSession::reserve(SeqId seq, std::span<const int32_t> tokens) {
     require(!tokens.empty(), "a prefill needs at least one token");
+    require(!seqs_.contains(seq) || !seqs_.at(seq).has_pending, "sequence ", seq,
+            " already has a prefill reserved");
     last_ = {};
     const bool is_new = !seqs_.contains(seq);
     const int B = opt_.block_size;
@@ -242,7 +249,7 @@ std::vector<float> CpSession::prefill(SeqId seq, std::span<const int32_t> tokens
     all.insert(all.end(), tokens.begin(), tokens.end());
     int64_t K = 0;
     if (is_new && prefix_cache_active()) K = discover_and_move(all);
-    if (!serving_) return {};
+    if (!serving_) return false;
 
     if (is_new) {
         Seq s;
@@ -297,7 +304,37 @@ std::vector<float> CpSession::prefill(SeqId seq, std::span<const int32_t> tokens
     // The mode: given, else the cheaper in bytes for `stored` cached and the new tokens.
     last_.mode = opt_.prefill_mode ? *opt_.prefill_mode
                                    : choose_cp_prefill(layout_, stored, len - stored).mode;
+    s.pending_stats = last_;
+    s.pending = std::move(rows);
+    s.has_pending = true;
+    return true;
+}
+
+std::vector<float> CpSession::prefill_reserved(SeqId seq) {
+    require(serving_, "a lending rank does not prefill");
+    require(seqs_.contains(seq) && seqs_.at(seq).has_pending, "sequence ", seq,
+            " has no prefill reserved");
+    Seq& s = seqs_.at(seq);
+    last_ = s.pending_stats;
+    std::vector<int64_t> rows = std::move(s.pending);
+    s.pending.clear();
+    s.has_pending = false;
     return run(s, seq, std::move(rows), false);
+}
+
+void CpSession::adopt(SeqId seq, std::span<const int32_t> tokens) {
+    require(serving_, "a lending rank serves no sequence");
+    require(!tokens.empty(), "an adopted sequence needs at least one token");
+    require(!seqs_.contains(seq), "sequence ", seq, " is already served here");
+    Seq s;
+    s.map = CpTokenMap(p_.cp);
+    s.tokens.assign(tokens.begin(), tokens.end());
+    s.map.append(static_cast<int64_t>(tokens.size()), p_.cp_scheme, p_.cp_interleave);
+    s.local_pos = s.map.positions(coord_.cp);
+    BlockManager& bm = dev_.blocks();
+    bm.allocate_with_hashes(seq, {}, 0);  // never hashed: an empty sequence, then its tokens
+    bm.append_tokens(seq, static_cast<int64_t>(s.local_pos.size()));
+    seqs_.emplace(seq, std::move(s));
 }
 
 std::vector<float> CpSession::decode(SeqId seq, int32_t token) {
@@ -358,6 +395,7 @@ std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, 
             pack_kv(*call.pool, call.local_layer, table, n_local, k.data(), v.data());
             cp_prefill_attention(cpc, mode, shape, map, stored_before, call.q, k.data(), v.data(),
                                  call.out, &stats);
+            if (layer_hook_) layer_hook_(seq, call.layer);
         } else {
             const int64_t n = call.batch->rows();
             std::vector<float> part(n * ap.num_q_heads * ap.head_dim),

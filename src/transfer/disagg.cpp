@@ -75,12 +75,9 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     require(
         prefill.dp == 1 && decode.dp == 1,
         "disaggregated runs serve one replica on each side: use dp=1 for --prefill and --decode");
-    require(decode.cp == 1,
-            "decode with cp > 1 is not supported in disaggregated runs: use cp=1 on the decode "
-            "side (kvshard transfer-plan plans transfers into CP layouts)");
     // A prefill side with cp > 1 runs the CP executor (CpSession: ring-attention prefill on a
-    // cp x tp grid, one prompt after another). It has no per-layer hook, so its KV is sent after
-    // the prefill, not layer by layer.
+    // cp x tp grid, one prompt after another). Its blocks are reserved for every request before
+    // the start, so the plans are known and each layer is sent as its attention finishes.
     const bool cp_prefill = prefill.cp > 1;
     if (cp_prefill) {
         require(prefill.pp == 1 && prefill.ep == 1,
@@ -89,6 +86,17 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
                 prefill.to_string());
         require(opt.prefill_order == PageOrder::kHnd,
                 "a prefill side with cp > 1 stores HND pages: use --prefill-order hnd with it");
+    }
+    // A decode side with cp > 1 decodes with the CP executor too (merged partial attention); its
+    // blocks are allocated when it takes the requests in (CpSession::adopt), before the transfer.
+    const bool cp_decode = decode.cp > 1;
+    if (cp_decode) {
+        require(decode.pp == 1 && decode.ep == 1,
+                "a decode side with cp > 1 runs context parallelism on a cp x tp grid: use pp=1 "
+                "and ep=1 with it, got --decode ",
+                decode.to_string());
+        require(opt.decode_order == PageOrder::kHnd,
+                "a decode side with cp > 1 stores HND pages: use --decode-order hnd with it");
     }
     require(!m.is_mla(), m.name, " uses MLA, which the reference model does not run");
     const KvLayout lp = make_layout(m, prefill);
@@ -119,10 +127,11 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     int64_t prefill_blocks = 0, decode_blocks = 0;
     const auto ptables = consecutive_tables(prompt_len, opt.prefill_block_size, prefill_blocks);
     const auto dtables = consecutive_tables(decode_len, opt.decode_block_size, decode_blocks);
-    const bool streamed = opt.stream_layers && !cp_prefill;
+    const bool streamed = opt.stream_layers;
     std::vector<std::shared_ptr<const TransferPlan>> plans;
-    // src_tables[i][c]: request i's blocks on prefill CP rank c.
-    auto make_plans = [&](const std::vector<std::vector<std::vector<int32_t>>>& src_tables) {
+    // src_tables[i][c] / dst_tables[i][c]: request i's blocks on prefill / decode CP rank c.
+    using Tables = std::vector<std::vector<std::vector<int32_t>>>;
+    auto make_plans = [&](const Tables& src_tables, const Tables& dst_tables) {
         for (int i = 0; i < n; ++i) {
             TransferEndpoint src{.layout = lp,
                                  .dp = 0,
@@ -133,15 +142,18 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
                                  .dp = 0,
                                  .block_size = opt.decode_block_size,
                                  .order = opt.decode_order,
-                                 .block_tables = {dtables[i]}};
+                                 .block_tables = dst_tables[i]};
             plans.push_back(std::make_shared<const TransferPlan>(make_transfer_plan(
                 src, dst, prompt_len[i], {.layers_per_group = streamed ? 1 : 0})));
         }
     };
-    if (!cp_prefill) {  // the plain executor's blocks are known now; CP's after its prefill
-        std::vector<std::vector<std::vector<int32_t>>> st;
-        for (int i = 0; i < n; ++i) st.push_back({ptables[i]});
-        make_plans(st);
+    if (!cp_prefill && !cp_decode) {  // the plain executors' blocks are known now
+        Tables st, dt;
+        for (int i = 0; i < n; ++i) {
+            st.push_back({ptables[i]});
+            dt.push_back({dtables[i]});
+        }
+        make_plans(st, dt);
     }
     TransferExecOptions xo;
     xo.mode = opt.mode;
@@ -164,13 +176,20 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     std::unique_ptr<RankModel> plain;
     std::unique_ptr<CpDevice> cp_device;
     std::unique_ptr<CpSession> cp_session;
-    if (is_prefill && cp_prefill) {
+    if (is_prefill ? cp_prefill : cp_decode) {
         CpOptions co;
-        co.block_size = opt.prefill_block_size;
-        co.num_blocks = prefill_blocks + 1;  // every prompt whole fits; a CP rank holds a part
+        co.block_size = is_prefill ? opt.prefill_block_size : opt.decode_block_size;
+        // every request whole fits; a CP rank holds a part
+        co.num_blocks = (is_prefill ? prefill_blocks : decode_blocks) + 1;
         co.prefix_cache = false;
-        cp_device = std::make_unique<CpDevice>(m, prefill.tp, c.tp, weights, co);
-        cp_session = std::make_unique<CpSession>(*cp_device, *group, prefill, co);
+        cp_device = std::make_unique<CpDevice>(m, pc.tp, c.tp, weights, co);
+        cp_session = std::make_unique<CpSession>(*cp_device, *group, pc, co);
+        for (int i = 0; i < n; ++i) {
+            if (is_prefill)
+                cp_session->reserve(static_cast<SeqId>(i), prompts[i]);
+            else
+                cp_session->adopt(static_cast<SeqId>(i), prompts[i]);
+        }
     } else {
         plain = std::make_unique<RankModel>(
             load_weights(m, weight_shard(mine, local), weights),
@@ -180,13 +199,10 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     }
     RankModel& model = plain ? *plain : cp_device->model();
     xo.staging_pool = StagingPool::create();  // this rank's, shared by its requests
-    world.barrier();
-    const auto t0 = Clock::now();
-    RankTimes times;
-    ByteWriter w;
 
-    // CP prefill: after it, every world rank learns each prefill CP rank's block tables (from its
-    // tp index 0; the other TP ranks of that CP index hold the same) and builds the plans.
+    // The CP executors' block tables (reserved or adopted above): every world rank learns each CP
+    // rank's tables (from its tp index 0; the other TP ranks of that CP index hold the same) and
+    // builds the plans, before the start.
     auto share_cp_tables = [&]() {
         ByteWriter tw;
         if (cp_session)
@@ -200,22 +216,40 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
                 tw.put_vec(t);
             }
         const auto blobs = world.all_gather_blobs(tw.bytes());
-        std::vector<std::vector<std::vector<int32_t>>> st(
-            static_cast<size_t>(n), std::vector<std::vector<int32_t>>(prefill.cp));
-        for (int cpr = 0; cpr < prefill.cp; ++cpr)
-            for (int t = 0; t < prefill.tp; ++t) {
-                ByteReader rd(blobs[rank_of(prefill, 0, 0, cpr, t)]);
-                for (int i = 0; i < n; ++i) {
-                    auto table = rd.get_vec<int32_t>();
-                    if (t == 0)
-                        st[i][cpr] = std::move(table);
-                    else
-                        KVSHARD_CHECK(table == st[i][cpr], "prefill cp rank ", cpr, " tp ", t,
-                                      " holds request ", i, " in other blocks than tp 0");
+        auto side = [&](const ParallelConfig& pcfg, int base, const char* what) {
+            Tables tables(static_cast<size_t>(n), std::vector<std::vector<int32_t>>(pcfg.cp));
+            for (int cpr = 0; cpr < pcfg.cp; ++cpr)
+                for (int t = 0; t < pcfg.tp; ++t) {
+                    ByteReader rd(blobs[base + rank_of(pcfg, 0, 0, cpr, t)]);
+                    for (int i = 0; i < n; ++i) {
+                        auto table = rd.get_vec<int32_t>();
+                        if (t == 0)
+                            tables[i][cpr] = std::move(table);
+                        else
+                            KVSHARD_CHECK(table == tables[i][cpr], what, " cp rank ", cpr, " tp ",
+                                          t, " holds request ", i, " in other blocks than tp 0");
+                    }
                 }
-            }
-        make_plans(st);
+            return tables;
+        };
+        Tables st, dt;
+        if (cp_prefill) {
+            st = side(prefill, 0, "prefill");
+        } else {
+            for (int i = 0; i < n; ++i) st.push_back({ptables[i]});
+        }
+        if (cp_decode) {
+            dt = side(decode, P, "decode");
+        } else {
+            for (int i = 0; i < n; ++i) dt.push_back({dtables[i]});
+        }
+        make_plans(st, dt);
     };
+    if (cp_prefill || cp_decode) share_cp_tables();
+    world.barrier();
+    const auto t0 = Clock::now();
+    RankTimes times;
+    ByteWriter w;
 
     if (is_prefill) {
         std::vector<std::unique_ptr<TransferSender>> senders;
@@ -233,17 +267,20 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         if (cp_prefill) {
             // One prompt after another (CpSession serves one sequence per prefill call); the
             // logits of its last token come back on every CP rank.
+            make_senders();
+            cp_session->set_layer_hook([&](SeqId seq, int layer) {
+                senders[static_cast<size_t>(seq)]->layer_ready(layer);
+                for (auto& s : senders) s->progress();
+            });
             logits.resize(static_cast<size_t>(n) * m.vocab);
             for (int i = 0; i < n; ++i) {
-                const std::vector<float> lg =
-                    cp_session->prefill(static_cast<SeqId>(i), prompts[i]);
+                const std::vector<float> lg = cp_session->prefill_reserved(static_cast<SeqId>(i));
                 KVSHARD_CHECK(static_cast<int64_t>(lg.size()) == m.vocab, "CP prefill gave ",
                               lg.size(), " logits, expected ", m.vocab);
                 std::copy(lg.begin(), lg.end(), logits.begin() + int64_t{i} * m.vocab);
             }
             times.prefill_end = since(t0);
-            share_cp_tables();
-            make_senders();
+            cp_session->set_layer_hook({});
         } else {
             make_senders();
             model.set_attention([&](const AttentionCall& call) {
@@ -297,7 +334,6 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         w.put<int32_t>(0);  // no per-request results
     } else {
         const int d = local;
-        if (cp_prefill) share_cp_tables();
         std::vector<std::unique_ptr<TransferReceiver>> receivers;
         for (int i = 0; i < n; ++i)
             receivers.push_back(std::make_unique<TransferReceiver>(
@@ -331,9 +367,19 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
                 active.push_back(i);
             }
         const bool last_stage = c.pp == decode.pp - 1;
-        std::vector<float> logits;
+        std::vector<std::vector<float>> last(static_cast<size_t>(n));  // per request, last step
         const auto td = Clock::now();
-        for (int step = 1; step < gen && !active.empty(); ++step) {
+        if (cp_decode) {
+            // CpSession decodes one sequence per collective step; every CP rank gets the logits.
+            for (int i = 0; i < n; ++i)
+                if (failed[i]) cp_session->release(static_cast<SeqId>(i));
+            for (int step = 1; step < gen; ++step)
+                for (int i : active) {
+                    last[i] = cp_session->decode(static_cast<SeqId>(i), out[i].back());
+                    out[i].push_back(argmax(last[i]));
+                }
+        }
+        for (int step = 1; step < gen && !active.empty() && !cp_decode; ++step) {
             ForwardBatch fb;
             for (int i : active) {
                 const int64_t pos = prompt_len[i] + step - 1;
@@ -346,7 +392,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
                     std::vector<int32_t>(dtables[i].begin(), dtables[i].begin() + blocks), pos + 1,
                     opt.decode_block_size);
             }
-            logits = model.forward(fb);
+            const std::vector<float> logits = model.forward(fb);
             std::vector<int32_t> toks(active.size(), 0);
             if (last_stage) {
                 for (size_t k = 0; k < active.size(); ++k)
@@ -359,25 +405,25 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
                 group->recv(std::span<int32_t>(toks), rank_of(decode, 0, decode.pp - 1, 0, c.tp),
                             kTagDecodeTokens);
             }
-            for (size_t k = 0; k < active.size(); ++k) out[active[k]].push_back(toks[k]);
+            for (size_t k = 0; k < active.size(); ++k) {
+                out[active[k]].push_back(toks[k]);
+                if (last_stage)
+                    last[active[k]].assign(logits.begin() + static_cast<int64_t>(k) * m.vocab,
+                                           logits.begin() + static_cast<int64_t>(k + 1) * m.vocab);
+            }
         }
         times.decode_seconds = since(td);
         w.put(times);
         w.put<int32_t>(0);  // no prefill logits
         w.put<int32_t>(1);
         for (int i = 0; i < n; ++i) w.put_str(errors[i]);
-        const bool brings = last_stage && c.tp == 0;
+        const bool brings = last_stage && c.tp == 0 && c.cp == 0;
         w.put<int32_t>(brings ? 1 : 0);
         if (brings) {
             for (int i = 0; i < n; ++i) {
                 w.put_vec(out[i]);
                 w.put<int32_t>(failed[i]);
-                std::vector<float> lg;
-                if (gen > 1 && !failed[i]) {
-                    const auto k = std::find(active.begin(), active.end(), i) - active.begin();
-                    lg.assign(logits.begin() + k * m.vocab, logits.begin() + (k + 1) * m.vocab);
-                }
-                w.put_vec(lg);
+                w.put_vec(last[i]);  // empty when gen == 1 or the request failed
             }
         }
     }
@@ -420,10 +466,6 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     rep.transfer_seconds = std::max(0.0, rep.transfer_end_s - rep.transfer_start_s);
     rep.overlap_seconds =
         std::max(0.0, std::min(rep.prefill_seconds, rep.transfer_end_s) - rep.transfer_start_s);
-    // A CP prefill sends only after the all-gather of block tables, which every prefill rank joins
-    // after its prefill: no overlap by construction (the formula above could show a few
-    // microseconds of barrier skew between the ranks' clocks).
-    if (cp_prefill) rep.overlap_seconds = 0;
     for (int i = 0; i < n; ++i) {
         if (failed_flags[i] && rep.errors[i].empty()) rep.errors[i] = "failed";
         rep.min_bytes += plans[i]->min_bytes;

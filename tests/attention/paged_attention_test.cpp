@@ -98,6 +98,9 @@ TEST_P(PagedAttentionTest, MatchesReference) {
     const std::vector<Case> cases = {
         // decode: one row per sequence over various cached lengths (streaming path)
         {nq, nkv, 16, 16, order, {0, 1, 15, 16, 17, 100}, {1, 1, 1, 1, 1, 1}},
+        // decode at the head sizes with unrolled kernels (64, 128), over many blocks (prefetch)
+        {nq, nkv, 64, 16, order, {0, 33, 300}, {1, 1, 1}},
+        {nq, nkv, 128, 16, order, {5, 64}, {1, 1}},
         // prefill from scratch and with a cached prefix (GEMM path), lengths across block and tile
         // edges
         {nq, nkv, 16, 16, order, {0, 120, 7}, {40, 160, 129}},

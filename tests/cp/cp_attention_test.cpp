@@ -110,19 +110,34 @@ TEST(CpAttention, RingWalkEqualsUnshardedForEverySchemeWithAndWithoutCachedPrefi
 
 namespace kvshard {
 namespace {
-// The vectorised path (ascending keys) and the general one (any order) agree.
+// The vectorised path (ascending keys) and the general one (any order) agree: several query rows
+// (prefill tiles), and one row over many keys (decode: 16-key tiles with prefetch ahead), at a
+// small head size and at 128 (the unrolled kernel).
 TEST(CpAttention, AscendingAndShuffledKeysGiveTheSameResult) {
-    auto x = make_data(150, 4, 2, 16, 3);
-    std::vector<int64_t> qp = {3, 70, 149}, kp(150);
-    for (int64_t i = 0; i < 150; ++i) kp[i] = i;
-    const auto q = gather(x.q, qp, 4 * 16);
-    std::vector<float> a(3 * 4 * 16), al(3 * 4), b(a.size()), bl(al.size());
-    cp_partial_attention(x.shape, q.data(), qp, x.k.data(), x.v.data(), kp, a.data(), al.data());
-    std::vector<int64_t> perm(kp.rbegin(), kp.rend());  // descending: the general path
-    const auto k = gather(x.k, perm, 2 * 16), v = gather(x.v, perm, 2 * 16);
-    cp_partial_attention(x.shape, q.data(), qp, k.data(), v.data(), perm, b.data(), bl.data());
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5f * (1 + std::abs(b[i])));
-    for (size_t i = 0; i < al.size(); ++i) EXPECT_NEAR(al[i], bl[i], 1e-4f);
+    struct Case {
+        int64_t n;
+        int hq, hkv, d;
+        std::vector<int64_t> qp;
+    };
+    for (const Case& c : {Case{150, 4, 2, 16, {3, 70, 149}}, Case{300, 8, 2, 128, {299}},
+                          Case{75, 4, 4, 128, {60}}}) {
+        auto x = make_data(c.n, c.hq, c.hkv, c.d, 3);
+        std::vector<int64_t> kp(static_cast<size_t>(c.n));
+        for (int64_t i = 0; i < c.n; ++i) kp[i] = i;
+        const int qrow = c.hq * c.d, kvrow = c.hkv * c.d;
+        const auto q = gather(x.q, c.qp, qrow);
+        const size_t nq = c.qp.size();
+        std::vector<float> a(nq * qrow), al(nq * c.hq), b(a.size()), bl(al.size());
+        cp_partial_attention(x.shape, q.data(), c.qp, x.k.data(), x.v.data(), kp, a.data(),
+                             al.data());
+        std::vector<int64_t> perm(kp.rbegin(), kp.rend());  // descending: the general path
+        const auto k = gather(x.k, perm, kvrow), v = gather(x.v, perm, kvrow);
+        cp_partial_attention(x.shape, q.data(), c.qp, k.data(), v.data(), perm, b.data(),
+                             bl.data());
+        for (size_t i = 0; i < a.size(); ++i)
+            EXPECT_NEAR(a[i], b[i], 1e-5f * (1 + std::abs(b[i]))) << "n=" << c.n << " d=" << c.d;
+        for (size_t i = 0; i < al.size(); ++i) EXPECT_NEAR(al[i], bl[i], 1e-4f) << "n=" << c.n;
+    }
 }
 }  // namespace
 }  // namespace kvshard

@@ -99,8 +99,10 @@ TEST_P(ShardedTest, MatchesUnsharded) {
     int64_t total = 0;
     for (const auto& r : got.ranks)
         if (r.coord.pp == 0 && r.coord.tp == 0) total += r.kv_tokens;
-    if (p.dp <= 2) EXPECT_EQ(total, ref.ranks[0].kv_tokens);
-    if (p.dp <= 2) EXPECT_EQ(got.prefix_hit_tokens, ref.prefix_hit_tokens);
+    if (p.dp <= 2) {
+        EXPECT_EQ(total, ref.ranks[0].kv_tokens);
+        EXPECT_EQ(got.prefix_hit_tokens, ref.prefix_hit_tokens);
+    }
     EXPECT_EQ(ref.prefix_hit_tokens, 8 + 16);
 }
 

@@ -33,6 +33,10 @@ struct DisaggCase {
     bool stream = true;
 };
 
+void PrintTo(const DisaggCase& c, std::ostream* os) {
+    *os << c.model << " " << c.prefill << " -> " << c.decode;
+}
+
 DisaggReport run_case(const DisaggCase& c, const std::vector<std::vector<int32_t>>& prompts,
                       const TensorSource& src, int gen, int corrupt = -1) {
     const ModelSpec m = catalog_model(c.model);
@@ -76,12 +80,11 @@ TEST_P(DisaggEndToEnd, TokensMatchUnshardedModel) {
     }
     EXPECT_EQ(r.transfer_bytes, r.min_bytes);
     EXPECT_GT(r.messages, 0);
-    if (parse_parallel_config(c.prefill).cp > 1) {
-        // The CP prefill has no per-layer hook: the KV goes after the prefill, with no overlap.
-        EXPECT_FALSE(r.streamed);
-        EXPECT_EQ(r.overlap_seconds, 0.0);
-    } else {
-        EXPECT_EQ(r.streamed, c.stream);
+    EXPECT_EQ(r.streamed, c.stream);
+    // Streamed: the first message leaves before the prefill ends (every layer but the last is
+    // sent while later layers compute), CP prefill sides included.
+    if (c.stream) {
+        EXPECT_LT(r.transfer_start_s, r.prefill_seconds);
     }
 }
 
@@ -95,12 +98,21 @@ INSTANTIATE_TEST_SUITE_P(
                    TransferMode::kPostReceive},
         DisaggCase{"tiny-moe", "tp=2,ep=2", "tp=4", 16, 16, PageOrder::kHnd, PageOrder::kHnd,
                    TransferMode::kPreSend, false},
-        // Context-parallel prefill (ring attention), each CP rank's KV sent to the decode group.
+        // Context-parallel prefill (ring attention), each CP rank's KV streamed to the decode
+        // group layer by layer.
         DisaggCase{"tiny", "cp=2,tp=2", "tp=4"},
         DisaggCase{"tiny", "cp=4,cp_scheme=zigzag", "tp=2,pp=2", 16, 4, PageOrder::kHnd,
                    PageOrder::kNhd},
         DisaggCase{"tiny", "cp=2,cp_scheme=interleave,cp_interleave=4", "pp=2", 4, 16,
-                   PageOrder::kHnd, PageOrder::kHnd, TransferMode::kPostReceive}),
+                   PageOrder::kHnd, PageOrder::kHnd, TransferMode::kPostReceive},
+        // Context-parallel decode (merged partial attention): the KV lands on the CP ranks that
+        // the decode side's scheme gives each token, streamed layer by layer from a plain prefill.
+        DisaggCase{"tiny", "tp=4", "cp=2,tp=2"},
+        DisaggCase{"tiny", "tp=2,pp=2", "cp=4,cp_scheme=zigzag", 8, 16, PageOrder::kNhd,
+                   PageOrder::kHnd, TransferMode::kPostReceive},
+        // CP on both sides, different sizes, schemes and block sizes.
+        DisaggCase{"tiny", "cp=2,cp_scheme=zigzag", "cp=3,cp_scheme=interleave,cp_interleave=4", 16,
+                   4}),
     [](const auto& info) { return "pair" + std::to_string(info.index); });
 
 TEST(DisaggFailure, CorruptRequestFailsAloneOthersDecode) {
@@ -129,16 +141,25 @@ TEST(DisaggFailure, RejectsUnsupportedLayouts) {
         EXPECT_THROW(disagg_generate(m, parse_parallel_config("tp=2"),
                                      parse_parallel_config("tp=2"), *src, prompts, {}, world),
                      Error);  // 2 + 2 ranks needed, 3 given
+    });
+    run_threads(5, [&](Communicator& world) {  // CP decode runs with pp=1 and HND pages
         try {
-            disagg_generate(m, parse_parallel_config("tp=1"), parse_parallel_config("cp=2"), *src,
-                            prompts, {}, world);
-            ADD_FAILURE() << "decode cp=2 accepted";
+            disagg_generate(m, parse_parallel_config("tp=1"), parse_parallel_config("cp=2,pp=2"),
+                            *src, prompts, {}, world);
+            ADD_FAILURE() << "decode cp=2,pp=2 accepted";
         } catch (const Error& e) {
-            EXPECT_NE(std::string(e.what()).find("decode with cp > 1 is not supported in "
-                                                 "disaggregated runs: use cp=1 on the decode side"),
+            EXPECT_NE(std::string(e.what()).find("a decode side with cp > 1 runs context "
+                                                 "parallelism on a cp x tp grid: use pp=1"),
                       std::string::npos)
                 << e.what();
         }
+    });
+    run_threads(3, [&](Communicator& world) {
+        DisaggOptions o;
+        o.decode_order = PageOrder::kNhd;
+        EXPECT_THROW(disagg_generate(m, parse_parallel_config("tp=1"),
+                                     parse_parallel_config("cp=2"), *src, prompts, o, world),
+                     Error);
     });
     run_threads(5, [&](Communicator& world) {  // CP prefill runs with pp=1
         EXPECT_THROW(disagg_generate(m, parse_parallel_config("cp=2,pp=2"),

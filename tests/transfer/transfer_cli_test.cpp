@@ -60,8 +60,8 @@ TEST(TransferPlanCli, TableAndErrors) {
     EXPECT_NE(help.out.find("--block-size-to"), std::string::npos);
 }
 
-// kvshard run with a context-parallel prefill side: ring-attention prefill, each CP rank's KV sent
-// to the decode group after the prefill, tokens identical to the unsharded model.
+// kvshard run with a context-parallel prefill side: ring-attention prefill, each CP rank's KV
+// streamed to the decode group layer by layer, tokens identical to the unsharded model.
 TEST(DisaggRunCli, CpPrefillVerifies) {
     const auto r = run_cli(
         "run --model tiny --prefill cp=2,tp=2 --decode tp=4 --prompts 2 --prompt-len 20 --gen 4 "
@@ -71,7 +71,7 @@ TEST(DisaggRunCli, CpPrefillVerifies) {
     EXPECT_EQ(j["verify"]["tokens_match"], true);
     EXPECT_EQ(j["failed_requests"], 0);
     EXPECT_EQ(j["prefill"]["ranks"], 4);
-    EXPECT_EQ(j["transfer"]["streamed"], false);
+    EXPECT_EQ(j["transfer"]["streamed"], true);
     EXPECT_EQ(j["transfer"]["bytes"], j["transfer"]["min_bytes"]);
     EXPECT_GT(j["transfer"]["bytes"].get<int64_t>(), 0);
 
@@ -79,17 +79,31 @@ TEST(DisaggRunCli, CpPrefillVerifies) {
         "run --model tiny --prefill cp=4,cp_scheme=zigzag --decode tp=2,pp=2 --prompts 1 "
         "--prompt-len 19 --gen 3 --verify");
     ASSERT_EQ(text.status, 0) << text.out;
-    EXPECT_NE(text.out.find("no per-layer hook"), std::string::npos) << text.out;
+    EXPECT_NE(text.out.find("layer by layer"), std::string::npos) << text.out;
     EXPECT_NE(text.out.find("identical"), std::string::npos) << text.out;
 }
 
-TEST(DisaggRunCli, DecodeCpRejected) {
-    const auto r = run_cli("run --model tiny --prefill tp=2 --decode cp=2 --prompts 1 --gen 2");
-    EXPECT_EQ(r.status, 2) << r.out;
-    EXPECT_NE(r.out.find("kvshard: error: decode with cp > 1 is not supported in disaggregated "
-                         "runs: use cp=1 on the decode side"),
+// A context-parallel decode side: the KV lands on the CP ranks its scheme names, decode merges the
+// ranks' partial attention; a CP decode side with pp > 1 is refused (exit 2, says what would work).
+TEST(DisaggRunCli, CpDecodeVerifiesAndPpIsRefused) {
+    const auto r = run_cli(
+        "run --model tiny --prefill tp=2 --decode cp=2,tp=2 --prompts 2 --prompt-len 20 --gen 4 "
+        "--verify --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["verify"]["tokens_match"], true);
+    EXPECT_EQ(j["failed_requests"], 0);
+    EXPECT_EQ(j["decode"]["ranks"], 4);
+    EXPECT_EQ(j["transfer"]["streamed"], true);
+    EXPECT_EQ(j["transfer"]["bytes"], j["transfer"]["min_bytes"]);
+
+    const auto bad =
+        run_cli("run --model tiny --prefill tp=2 --decode cp=2,pp=2 --prompts 1 --gen 2");
+    EXPECT_EQ(bad.status, 2) << bad.out;
+    EXPECT_NE(bad.out.find("kvshard: error: a decode side with cp > 1 runs context parallelism on "
+                           "a cp x tp grid: use pp=1"),
               std::string::npos)
-        << r.out;
+        << bad.out;
 }
 
 }  // namespace

@@ -46,9 +46,11 @@ void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
     sub->add_option(
         "--prefill", f.prefill,
         "disaggregated run: the prefill group's layout, e.g. tp=8, tp=4,pp=2 or cp=2,tp=2 (cp > 1: "
-        "context-parallel prefill with pp=1, KV sent after prefill) (with --decode)");
-    sub->add_option("--decode", f.decode,
-                    "disaggregated run: the decode group's layout, e.g. tp=4 (cp=1)");
+        "context-parallel prefill with pp=1) (with --decode)");
+    sub->add_option(
+        "--decode", f.decode,
+        "disaggregated run: the decode group's layout, e.g. tp=4, tp=2,pp=2 or cp=2,tp=2 "
+        "(cp > 1: context-parallel decode with pp=1)");
     sub->add_option("--decode-block-size", f.decode_block_size,
                     "disaggregated run: decode block size (default: --block-size)");
     sub->add_option("--prefill-order", f.prefill_order,
@@ -150,11 +152,8 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                 "transfer: {} in {} messages (minimum {}), mode {}, {}; {:.2f} ms, {:.2f} ms of it "
                 "overlapping prefill ({:.0f}%)\n",
                 bytes_text(r.transfer_bytes), r.messages, bytes_text(r.min_bytes), r.mode,
-                r.streamed ? "layer by layer"
-                : pp.cp > 1 && opt.stream_layers
-                    ? "after prefill (the CP prefill has no per-layer hook, so no overlap)"
-                    : "after prefill",
-                r.transfer_seconds * 1e3, r.overlap_seconds * 1e3, overlap_fraction * 100);
+                r.streamed ? "layer by layer" : "after prefill", r.transfer_seconds * 1e3,
+                r.overlap_seconds * 1e3, overlap_fraction * 100);
             fmt::print("decode: {:.2f} ms\n", r.decode_seconds * 1e3);
             for (size_t i = 0; i < in.prompts.size(); ++i)
                 if (!r.errors[i].empty()) fmt::print("request {} failed: {}\n", i, r.errors[i]);

@@ -8,6 +8,8 @@
 // dim). Inside a page (one layer, K or V, one block):
 //   HND: [num_heads][block_size][head_dim]  (default: a contiguous range of heads is contiguous
 //   bytes) NHD: [block_size][num_heads][head_dim]
+// The arena starts on a kArenaAlign (4 KiB) boundary, so a page is aligned to the largest power of
+// two dividing both page_bytes() and 4 KiB (SIMD kernels read it with aligned cache lines).
 // A block id means the same tokens on every rank of a TP x PP group; each rank stores only its own
 // heads and layers, so the pools of one group differ in geometry but share block ids.
 #include <cstddef>
@@ -51,6 +53,8 @@ struct PageGeometry {
 
 class BlockPool {
   public:
+    static constexpr size_t kArenaAlign = 4096;
+
     // Throws Error when num_blocks < 1 or the geometry is empty.
     BlockPool(PageGeometry geometry, int64_t num_blocks);
     // Sized from a memory budget: floor(budget_bytes / block_bytes) blocks; Error if not even one
@@ -62,10 +66,10 @@ class BlockPool {
     int64_t arena_bytes() const { return num_blocks_ * geometry_.block_bytes(); }
 
     std::byte* page(int layer, int kv, int64_t block) {
-        return arena_ + page_offset(layer, kv, block);
+        return arena_.get() + page_offset(layer, kv, block);
     }
     const std::byte* page(int layer, int kv, int64_t block) const {
-        return arena_ + page_offset(layer, kv, block);
+        return arena_.get() + page_offset(layer, kv, block);
     }
     // fp32 pools only (the reference model computes in fp32).
     float* page_f32(int layer, int kv, int64_t block) {
@@ -78,16 +82,18 @@ class BlockPool {
         return ((int64_t{layer} * geometry_.kv_factor + kv) * num_blocks_ + block) *
                geometry_.page_bytes();
     }
-    std::span<std::byte> arena() { return {arena_, static_cast<size_t>(arena_bytes())}; }
+    std::span<std::byte> arena() { return {arena_.get(), static_cast<size_t>(arena_bytes())}; }
     std::span<const std::byte> arena() const {
-        return {arena_, static_cast<size_t>(arena_bytes())};
+        return {arena_.get(), static_cast<size_t>(arena_bytes())};
     }
 
   private:
     PageGeometry geometry_;
     int64_t num_blocks_;
-    std::unique_ptr<std::byte[]> storage_;  // arena_bytes() + 63 bytes, zeroed
-    std::byte* arena_ = nullptr;            // storage_ rounded up to a 64-byte cache line
+    struct ArenaDelete {
+        void operator()(std::byte* p) const noexcept;
+    };
+    std::unique_ptr<std::byte[], ArenaDelete> arena_;
 };
 
 // The page geometry of `rank` in a layout: its layers, its KV heads (MLA: one latent of

@@ -6,6 +6,7 @@
 // A CpDevice is what outlives a request and a CP size: one device's weight slice (its TP index),
 // KV pool and BlockManager. A CpSession is one collective run over a world of devices.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -84,6 +85,22 @@ class CpSession {
     // [vocab] logits of the last token on every serving rank; empty on lending ranks. Collective
     // over the world for a new sequence with prefix caching on, else over the serving ranks.
     std::vector<float> prefill(SeqId seq, std::span<const int32_t> tokens);
+    // prefill() in two halves: reserve() does everything before the model runs (the prefix-cache
+    // lookup and block moves, the token map, this rank's blocks: block_table(seq) is final after
+    // it) and returns whether this rank serves; prefill_reserved() runs the model (collective over
+    // the serving ranks). One reservation per sequence at a time.
+    bool reserve(SeqId seq, std::span<const int32_t> tokens);
+    std::vector<float> prefill_reserved(SeqId seq);
+    // Called on every serving rank after each layer's prefill attention, once that layer's KV of
+    // the sequence is in the pool (e.g. to send it on). Empty: none.
+    using LayerHook = std::function<void(SeqId seq, int layer)>;
+    void set_layer_hook(LayerHook hook) { layer_hook_ = std::move(hook); }
+    // Takes in a new sequence whose KV is computed elsewhere (a disaggregated prefill): builds
+    // its token map for `tokens`, allocates this rank's blocks for the positions it holds (not
+    // hashed) and computes nothing. The caller writes their KV (device().blocks().block_table(seq),
+    // local token j in block j / block_size, slot j % block_size) before decode(). Serving ranks
+    // only; not collective.
+    void adopt(SeqId seq, std::span<const int32_t> tokens);
     // Feeds one token (usually the last greedy one) to `seq`; returns the [vocab] logits.
     std::vector<float> decode(SeqId seq, int32_t token);
     // Releases the sequence; its hashed blocks stay in the device's prefix cache.
@@ -100,6 +117,10 @@ class CpSession {
         std::vector<int32_t> tokens;
         CpTokenMap map;
         std::vector<int64_t> local_pos;  // ascending positions stored here, slot i = local_pos[i]
+        // A reserved prefill (reserve -> prefill_reserved): its rows on this rank and step stats.
+        bool has_pending = false;
+        std::vector<int64_t> pending;
+        CpStepStats pending_stats;
     };
     // Finds the longest prefix cached on the world's devices, moves the blocks that are not on
     // their owner, and returns the number of global blocks found.
@@ -119,6 +140,7 @@ class CpSession {
     CpStepStats last_;
     CpCommStats total_;
     int64_t next_tmp_seq_ = -1;
+    LayerHook layer_hook_;
 };
 
 // Prefill + greedy decode of each prompt in turn under CP: generate()'s path for cp > 1, with the

@@ -8,8 +8,7 @@
 // it (layer-wise streaming, TransferSender), so the transfer overlaps the rest of prefill. The
 // first greedy token goes from the prefill group's last stage to the decode group, which decodes
 // the other max_new_tokens - 1 tokens. A request whose transfer fails is reported and not decoded;
-// the others go on. A prefill side with cp > 1 prefills with the CP executor and sends each CP
-// rank's KV after the prefill (see disagg_generate).
+// the others go on. A side with cp > 1 runs the CP executor (see disagg_generate).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -45,9 +44,8 @@ struct DisaggReport {
     int64_t transfer_bytes = 0;  // payload bytes received over all requests
     int64_t min_bytes = 0;       // what the decode layout needs for every request
     int64_t messages = 0;
-    std::string mode;  // the resolved transfer mode of the first request
-    bool streamed =
-        false;  // sent layer by layer (false: after prefill; always so with prefill cp > 1)
+    std::string mode;            // the resolved transfer mode of the first request
+    bool streamed = false;       // sent layer by layer (false: after prefill)
     double prefill_seconds = 0;  // from the common start to the end of the slowest prefill rank
     double transfer_start_s = 0, transfer_end_s = 0;  // first message sent, last message landed
     double transfer_seconds = 0;                      // transfer_end_s - transfer_start_s
@@ -56,11 +54,13 @@ struct DisaggReport {
 };
 
 // Collective over `world` (size prefill.world_size() + decode.world_size()); every rank returns the
-// whole report. dp must be 1 on both sides, and cp 1 on the decode side (Error otherwise). A
-// prefill side with cp > 1 (pp = ep = 1, HND pages) prefills with the CP executor (CpSession,
-// ring attention), one prompt after another; having no per-layer hook, it sends the KV after the
-// prefill (report.streamed false, no overlap). The model computes with an fp32 KV cache whatever
-// m.kv_dtype says, as generate() does.
+// whole report. dp must be 1 on both sides (Error otherwise). A side with cp > 1 (pp = ep = 1, HND
+// pages) runs the CP executor (CpSession), one request after another: a CP prefill side reserves
+// every request's blocks before the start (CpSession::reserve) and streams each layer from the
+// session's layer hook; a CP decode side takes each request in before the transfer
+// (CpSession::adopt: its blocks for the positions its CP scheme gives it) and decodes with merged
+// partial attention. The model computes with an fp32 KV cache whatever m.kv_dtype says, as
+// generate() does.
 DisaggReport disagg_generate(const ModelSpec& m, const ParallelConfig& prefill,
                              const ParallelConfig& decode, const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,
