@@ -248,14 +248,23 @@ struct TransferSender::Impl {
         if (idx != opt.faults.corrupt_message) {
             const int64_t off = contiguous_payload_offset(*plan, msg, mode, true, pool);
             if (off >= 0) {  // zero copy: send straight from the pool
-                const auto tp = Clock::now();
+                // The payload is posted before its header: the checksum pass over the pool then
+                // runs while MPI moves the payload (the receiver posts the receive of a zero-copy
+                // payload without waiting for its header, and a staged one after it; either way
+                // each side's operations stay in message order per tag).
                 f.direct = std::span<const std::byte>(pool.arena().data() + off,
                                                       static_cast<size_t>(msg.bytes));
                 f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
-                f.header.payload_xxh3 = XXH3_64bits(f.direct.data(), f.direct.size());
-                seal_header(f.header);
+                in_flight.push_back(std::move(f));
+                InFlight& b = in_flight.back();
+                b.payload_req = world.isend(b.direct, dest, transfer_tag(request_id, kPayloadKind));
+                const auto tp = Clock::now();
+                b.header.payload_xxh3 = XXH3_64bits(b.direct.data(), b.direct.size());
+                seal_header(b.header);
                 result.pack_seconds += seconds_since(tp);
-                post(std::move(f), dest);
+                b.header_req =
+                    world.isend(std::as_bytes(std::span<const TransferHeader, 1>(&b.header, 1)),
+                                dest, transfer_tag(request_id, kHeaderKind));
                 result.bytes += msg.bytes;
                 ++result.messages;
                 ++result.zero_copy_messages;
@@ -515,6 +524,18 @@ struct TransferReceiver::Impl {
                                 src_world(s), transfer_tag(request_id, kHeaderKind));
                 s.header_posted = true;
                 moved = true;
+                // A payload received straight into the pool needs no staging: post its receive
+                // now, so that a sender that posts it before the header (zero copy on its side)
+                // moves it while checksumming.
+                const TransferMessage& msg = plan->messages[s.messages[s.next]];
+                const int64_t off = contiguous_payload_offset(*plan, msg, mode, false, pool);
+                if (off >= 0) {
+                    s.direct = std::span<std::byte>(pool.arena().data() + off,
+                                                    static_cast<size_t>(msg.bytes));
+                    s.payload_req =
+                        world.irecv(s.direct, src_world(s), transfer_tag(request_id, kPayloadKind));
+                    s.payload_posted = true;
+                }
             }
             if (!s.have_header) {
                 if (!s.header_req.test()) return moved;
@@ -527,12 +548,18 @@ struct TransferReceiver::Impl {
                                detail::concat("destination rank ", dst_rank, " from source rank ",
                                               s.rank, ": ", bad));
                     // Unknown framing from here on: stop listening to this source.
+                    s.payload_req = Request();  // cancels a payload receive posted ahead
+                    s.direct = {};
+                    s.payload_posted = false;
                     s.next = s.messages.size();
                     return moved;
                 }
                 if (s.header.status != static_cast<uint32_t>(TransferStatus::kOk)) {
                     set_status(TransferStatus::kSourceAborted,
                                detail::concat("source rank ", s.rank, " aborted the request"));
+                    s.payload_req = Request();  // no payload follows an aborted header
+                    s.direct = {};
+                    s.payload_posted = false;
                     s.have_header = false;
                     s.header_posted = false;
                     ++s.next;
@@ -541,23 +568,15 @@ struct TransferReceiver::Impl {
             }
             const int idx = s.messages[s.next];
             const TransferMessage& msg = plan->messages[idx];
-            if (!s.payload_posted) {
-                const int64_t off = contiguous_payload_offset(*plan, msg, mode, false, pool);
-                if (off >= 0) {
-                    s.direct = std::span<std::byte>(pool.arena().data() + off,
-                                                    static_cast<size_t>(msg.bytes));
-                    s.payload_req =
-                        world.irecv(s.direct, src_world(s), transfer_tag(request_id, kPayloadKind));
-                } else {
-                    if (staged > 0 && staged + msg.bytes > opt.staging_bytes) flush_pending();
-                    if (staged > 0 && staged + msg.bytes > opt.staging_bytes)
-                        return moved;  // back-pressure
-                    s.payload = staging->acquire(static_cast<size_t>(msg.bytes));
-                    staged += msg.bytes;
-                    result.peak_staging = std::max(result.peak_staging, staged);
-                    s.payload_req = world.irecv(std::span<std::byte>(s.payload), src_world(s),
-                                                transfer_tag(request_id, kPayloadKind));
-                }
+            if (!s.payload_posted) {  // staged (a zero-copy receive was posted with the header)
+                if (staged > 0 && staged + msg.bytes > opt.staging_bytes) flush_pending();
+                if (staged > 0 && staged + msg.bytes > opt.staging_bytes)
+                    return moved;  // back-pressure
+                s.payload = staging->acquire(static_cast<size_t>(msg.bytes));
+                staged += msg.bytes;
+                result.peak_staging = std::max(result.peak_staging, staged);
+                s.payload_req = world.irecv(std::span<std::byte>(s.payload), src_world(s),
+                                            transfer_tag(request_id, kPayloadKind));
                 s.payload_posted = true;
                 moved = true;
             }
