@@ -155,17 +155,31 @@ class RunCopier {
 
     // msg: the run's message in the batch (for its hash).
     void add(std::byte* dst, const std::byte* src, int64_t len, size_t msg) {
-        Run& r = ring_[(head_ + count_) % kRing];
         const Run* prev = count_ > 0 ? &ring_[(head_ + count_ - 1) % kRing] : &last_;
-        r = Run{dst, src, len, msg, !(prev->len > 0 && prev->src + prev->len == src)};
+        const Run r{dst, src, len, msg, !(prev->len > 0 && prev->src + prev->len == src)};
+        if (count_ == 0 && len < kPrefetchMinRun) {  // short runs: nothing to prefetch, copy now
+            copy_run(r, nullptr);
+            return;
+        }
+        ring_[(head_ + count_) % kRing] = r;
         ++count_;
-        if (count_ > kAhead) copy_front(&r);
+        if (count_ > kAhead) {
+            const Run front = ring_[head_];
+            head_ = (head_ + 1) % kRing;
+            --count_;
+            copy_run(front, &ring_[(head_ + count_ - 1) % kRing]);
+        }
     }
 
     // Copies what is still queued and finishes the hashes (and orders the non-temporal stores
     // before whatever the caller does next, e.g. handing the buffer to another thread).
     void finish(std::span<uint64_t> hashes) {
-        while (count_ > 0) copy_front(nullptr);
+        while (count_ > 0) {
+            const Run front = ring_[head_];
+            head_ = (head_ + 1) % kRing;
+            --count_;
+            copy_run(front, nullptr);
+        }
         for (size_t m = 0; m < hashes_.size(); ++m) {
             flush_hash(hashes_[m]);
             if (m < hashes.size()) hashes[m] = XXH3_64bits_digest(&hashes_[m].state);
@@ -188,17 +202,14 @@ class RunCopier {
         const std::byte* pending = nullptr;  // wire bytes copied but not hashed yet
         int64_t pending_len = 0;
     };
-    static constexpr int kAhead = 2, kRing = kAhead + 1;
+    static constexpr int kAhead = 2, kRing = 4;       // kRing > kAhead, a power of 2
     static constexpr int64_t kStep = 512;             // bytes copied between prefetch batches
     static constexpr int64_t kPrefetchBytes = 16384;  // at most this much of one run
     static constexpr int64_t kPrefetchMinRun = 1024;  // shorter runs: left to the hardware
     static constexpr int64_t kHashChunk = 8192;
 
-    // Copies the oldest queued run; prefetches ahead's source lines, spread over the copy.
-    void copy_front(const Run* ahead) {
-        const Run r = ring_[head_];
-        head_ = (head_ + 1) % kRing;
-        --count_;
+    // Copies r; prefetches ahead's source lines, spread over the copy.
+    void copy_run(const Run& r, const Run* ahead) {
         if (ahead == nullptr || !ahead->src_jumps || ahead->len < kPrefetchMinRun) {
             copy(r.dst, r.src, r.len);
         } else {
@@ -240,7 +251,7 @@ class RunCopier {
         if (stream_ && len >= 128) {
             const int64_t head =
                 std::min<int64_t>(len, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
-            plain_copy(dst, src, head);
+            if (head > 0) plain_copy(dst, src, head);
             dst += head;
             src += head;
             len -= head;
@@ -255,7 +266,7 @@ class RunCopier {
                 _mm_stream_si128(d + 2, c);
                 _mm_stream_si128(d + 3, e);
             }
-            plain_copy(dst + body, src + body, len - body);
+            if (len > body) plain_copy(dst + body, src + body, len - body);
             return;
         }
 #endif
