@@ -105,16 +105,8 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     require(world.size() == P + D, "the run has ", world.size(), " ranks but prefill ",
             prefill.to_string(), " + decode ", decode.to_string(), " need ", P, " + ", D, " = ",
             P + D);
-    require(opt.max_new_tokens >= 1, "the number of tokens to generate must be at least 1, got ",
-            opt.max_new_tokens);
     require(!prompts.empty(), "give at least one prompt");
-    for (size_t i = 0; i < prompts.size(); ++i) {
-        require(!prompts[i].empty(), "prompt ", i,
-                " is empty: every prompt needs at least one token");
-        for (int32_t t : prompts[i])
-            require(t >= 0 && t < m.vocab, "prompt ", i, " holds token id ", t,
-                    " outside the vocabulary [0, ", m.vocab, ")");
-    }
+    check_prompts(prompts, m.vocab, opt.max_new_tokens);
     const int n = static_cast<int>(prompts.size());
     const int gen = opt.max_new_tokens;
 
