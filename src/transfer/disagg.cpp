@@ -174,6 +174,8 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         // every request whole fits; a CP rank holds a part
         co.num_blocks = (is_prefill ? prefill_blocks : decode_blocks) + 1;
         co.prefix_cache = false;
+        co.prefill_mode = opt.cp_prefill_mode;
+        co.decode_merge = opt.cp_decode_merge;
         cp_device = std::make_unique<CpDevice>(m, pc.tp, c.tp, weights, co);
         cp_session = std::make_unique<CpSession>(*cp_device, *group, pc, co);
         for (int i = 0; i < n; ++i) {
