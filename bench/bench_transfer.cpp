@@ -7,6 +7,7 @@
 #include <benchmark/benchmark.h>
 
 #include <time.h>
+#include <xxhash.h>
 
 #include <chrono>
 #include <cstring>
@@ -32,7 +33,8 @@ struct Setup {
     TransferPlan plan;
     std::unique_ptr<BlockPool> src_pool, dst_pool;
     std::vector<const TransferMessage*> msgs;  // one message, or a batch (all of one rank's)
-    std::vector<std::vector<std::byte>> wires;
+    std::vector<std::unique_ptr<std::byte[]>> wire_storage;
+    std::vector<std::span<std::byte>> wires;  // 64-byte aligned, like the executor's staging
     std::vector<std::span<std::byte>> outs;
     std::vector<std::span<const std::byte>> ins;
     std::vector<std::byte> copy_src, copy_dst;
@@ -71,7 +73,12 @@ std::unique_ptr<Setup> make_setup(Batch batch, const std::string& from, const st
     auto a = s->src_pool->arena();
     for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<std::byte>(i * 131 + 7);
     for (const auto* m : s->msgs) {
-        s->wires.emplace_back(static_cast<size_t>(m->bytes), std::byte{1});
+        const auto n = static_cast<size_t>(m->bytes);
+        s->wire_storage.push_back(std::make_unique<std::byte[]>(n + 63));
+        std::byte* p = s->wire_storage.back().get();
+        p += (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+        s->wires.emplace_back(p, n);
+        std::fill(s->wires.back().begin(), s->wires.back().end(), std::byte{1});
         s->bytes += m->bytes;
     }
     for (auto& w : s->wires) {
@@ -83,7 +90,7 @@ std::unique_ptr<Setup> make_setup(Batch batch, const std::string& from, const st
     return s;
 }
 
-void run(benchmark::State& state, bool pack, bool batched, TransferMode mode,
+void run(benchmark::State& state, bool pack, bool batched, bool hash, TransferMode mode,
          const std::string& from, const std::string& to, int bs_from, int bs_to, PageOrder of,
          PageOrder ot) {
     const int64_t tokens = state.range(0);
@@ -93,21 +100,35 @@ void run(benchmark::State& state, bool pack, bool batched, TransferMode mode,
         for (size_t m = 0; m < s->msgs.size(); ++m)
             std::fill(s->wires[m].begin(), s->wires[m].end(),
                       std::byte{static_cast<unsigned char>(m + 5)});
-    double t_op = 0, t_copy = 0;
+    double t_op = 0, t_copy = 0, t_two_pass = 0;
+    std::vector<uint64_t> sums(hash ? s->msgs.size() : 0);
+    uint64_t sink = 0;
     for (auto _ : state) {
         const double t0 = thread_seconds();
         if (pack)
-            pack_messages(s->plan, s->msgs, mode, *s->src_pool, s->outs);
+            pack_messages(s->plan, s->msgs, mode, *s->src_pool, s->outs, sums);
         else
-            unpack_messages(s->plan, s->msgs, mode, s->ins, *s->dst_pool);
+            unpack_messages(s->plan, s->msgs, mode, s->ins, *s->dst_pool, sums);
         const double t1 = thread_seconds();
         std::memcpy(s->copy_dst.data(), s->copy_src.data(), s->copy_dst.size());
         benchmark::ClobberMemory();
         const double t2 = thread_seconds();
+        if (hash) {  // the unfused way on plain buffers: memcpy, then XXH3 over the copy
+            std::memcpy(s->copy_dst.data(), s->copy_src.data(), s->copy_dst.size());
+            sink += XXH3_64bits(s->copy_dst.data(), s->copy_dst.size());
+            t_two_pass += thread_seconds() - t2;
+        }
         const double op = t1 - t0;
         t_op += op;
         t_copy += t2 - t1;
         state.SetIterationTime(op);
+    }
+    benchmark::DoNotOptimize(sink);
+    if (hash) {
+        state.counters["memcpy_xxh3_GBps"] = static_cast<double>(s->bytes) *
+                                             static_cast<double>(state.iterations()) / t_two_pass /
+                                             1e9;
+        state.counters["ratio_vs_memcpy_xxh3"] = t_two_pass / t_op;
     }
     const double bytes = static_cast<double>(s->bytes) * static_cast<double>(state.iterations());
     state.counters["MiB"] = static_cast<double>(s->bytes) / 1048576.0;
@@ -125,11 +146,11 @@ constexpr auto kN = PageOrder::kNhd;
 constexpr auto kPre = TransferMode::kPreSend;
 constexpr auto kPost = TransferMode::kPostReceive;
 
-#define KVSHARD_TRANSFER_BENCH(name, pack, batched, mode, from, to, bsf, bst, of, ot) \
-    BENCHMARK_CAPTURE(run, name, pack, batched, mode, from, to, bsf, bst, of, ot)     \
-        ->Arg(4096)                                                                   \
-        ->UseManualTime()                                                             \
-        ->Unit(benchmark::kMillisecond)                                               \
+#define KVSHARD_TRANSFER_BENCH(name, pack, batched, mode, from, to, bsf, bst, of, ot)    \
+    BENCHMARK_CAPTURE(run, name, pack, batched, false, mode, from, to, bsf, bst, of, ot) \
+        ->Arg(4096)                                                                      \
+        ->UseManualTime()                                                                \
+        ->Unit(benchmark::kMillisecond)                                                  \
         ->MinTime(0.5)
 
 // The seed's example: TP=8 -> TP=4, block 16, HND. One message = one head, all layers, all tokens.
@@ -157,6 +178,23 @@ KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_nhd_batched, false, true, kPre, "tp=8", "t
 KVSHARD_TRANSFER_BENCH(pack_hnd_to_nhd_presend, true, false, kPre, "tp=2", "tp=2", 16, 16, kH, kN);
 KVSHARD_TRANSFER_BENCH(unpack_hnd_to_nhd_presend, false, false, kPre, "tp=2", "tp=2", 16, 16, kH,
                        kN);
+
+// Fused checksum: pack (unpack) computing each payload's XXH3_64 while copying, as the executor
+// does; next to memcpy alone and to memcpy followed by an XXH3 pass (the unfused way).
+#define KVSHARD_TRANSFER_HASH_BENCH(name, pack, batched, mode, from, to, bsf, bst, of, ot) \
+    BENCHMARK_CAPTURE(run, name, pack, batched, true, mode, from, to, bsf, bst, of, ot)    \
+        ->Arg(4096)                                                                        \
+        ->UseManualTime()                                                                  \
+        ->Unit(benchmark::kMillisecond)                                                    \
+        ->MinTime(0.5)
+KVSHARD_TRANSFER_HASH_BENCH(pack_xxh3_tp8_tp4_presend, true, false, kPre, "tp=8", "tp=4", 16, 16,
+                            kH, kH);
+KVSHARD_TRANSFER_HASH_BENCH(unpack_xxh3_tp8_tp4_presend, false, false, kPre, "tp=8", "tp=4", 16, 16,
+                            kH, kH);
+KVSHARD_TRANSFER_HASH_BENCH(pack_xxh3_tp2_tp8_batched, true, true, kPre, "tp=2", "tp=8", 16, 16, kH,
+                            kH);
+KVSHARD_TRANSFER_HASH_BENCH(unpack_xxh3_tp8_tp4_nhd, false, false, kPre, "tp=8", "tp=4", 16, 16, kN,
+                            kN);
 
 }  // namespace
 }  // namespace kvshard

@@ -3,11 +3,13 @@
 //   mpirun -np P+D bench_transfer_mpi [--model llama-3.1-8b] [--from tp=2] [--to tp=1] [--tokens
 //   1024]
 //                                     [--reps 5] [--layers-per-message 1] [--mode auto]
+//                                     [--bs-from 16] [--bs-to 16] [--order-from hnd] [--order-to
+//                                     hnd]
 //
 // Ranks [0, P) hold the source layout, [P, P+D) the destination layout. Each repetition times
-// (1) the transfer: TransferSender/TransferReceiver on every rank (pack, XXH3, send, verify,
-// unpack), (2) the ceiling: for every (source, destination) pair of the plan, one MPI message of
-// exactly the
+// (1) the transfer: TransferSender/TransferReceiver on every rank (pack with XXH3, send, unpack
+// verifying XXH3), (2) the ceiling: for every (source, destination) pair of the plan, one MPI
+// message of exactly the
 //     bytes the plan moves between them, sent with isend/irecv from/to plain buffers.
 // Both are timed from a barrier to a barrier; the figure is the median over repetitions. Rank 0
 // prints one JSON line: {"transfer_GBps", "mpi_GBps", "ratio", ...}, ratio = mpi time / transfer
@@ -35,7 +37,16 @@ struct Args {
     int64_t tokens = 1024;
     int reps = 5;
     int layers_per_message = 1;
+    int bs_from = 16, bs_to = 16;
+    PageOrder order_from = PageOrder::kHnd, order_to = PageOrder::kHnd;
 };
+
+PageOrder parse_order(const std::string& s) {
+    if (s == "hnd") return PageOrder::kHnd;
+    if (s == "nhd") return PageOrder::kNhd;
+    std::fprintf(stderr, "bench_transfer_mpi: page order must be hnd or nhd, got %s\n", s.c_str());
+    std::exit(2);
+}
 
 Args parse(int argc, char** argv) {
     Args a;
@@ -55,6 +66,14 @@ Args parse(int argc, char** argv) {
             a.layers_per_message = std::stoi(v);
         else if (k == "--mode")
             a.mode = v;
+        else if (k == "--bs-from")
+            a.bs_from = std::stoi(v);
+        else if (k == "--bs-to")
+            a.bs_to = std::stoi(v);
+        else if (k == "--order-from")
+            a.order_from = parse_order(v);
+        else if (k == "--order-to")
+            a.order_to = parse_order(v);
         else {
             std::fprintf(stderr, "bench_transfer_mpi: unknown flag %s\n", k.c_str());
             std::exit(2);
@@ -82,14 +101,17 @@ int main(int argc, char** argv) {
     const int me = world->rank();
 
     const ModelSpec m = catalog_model(a.model);
-    auto endpoint = [&](const std::string& par) {
+    auto endpoint = [&](const std::string& par, int bs, PageOrder order) {
         TransferEndpoint e;
         e.layout = make_layout(m, parse_parallel_config(par));
+        e.block_size = bs;
+        e.order = order;
         e.block_tables = sequential_block_tables(e.layout, e.block_size, a.tokens);
         return e;
     };
     auto plan = std::make_shared<const TransferPlan>(make_transfer_plan(
-        endpoint(a.from), endpoint(a.to), a.tokens, {.layers_per_group = a.layers_per_message}));
+        endpoint(a.from, a.bs_from, a.order_from), endpoint(a.to, a.bs_to, a.order_to), a.tokens,
+        {.layers_per_group = a.layers_per_message}));
     const int P = plan->src.layout.world_size(), D = plan->dst.layout.world_size();
     if (world->size() != P + D) {
         if (me == 0)
@@ -171,11 +193,14 @@ int main(int argc, char** argv) {
         std::printf(
             "{\"model\": \"%s\", \"from\": \"%s\", \"to\": \"%s\", \"tokens\": %lld, \"messages\": "
             "%zu, "
-            "\"bytes\": %lld, \"mode\": \"%s\", \"transfer_s\": %.6f, \"mpi_s\": %.6f, "
+            "\"bytes\": %lld, \"block_size\": \"%d->%d\", \"order\": \"%s->%s\", \"mode\": \"%s\", "
+            "\"transfer_s\": %.6f, \"mpi_s\": %.6f, "
             "\"transfer_GBps\": %.3f, "
             "\"mpi_GBps\": %.3f, \"ratio\": %.3f}\n",
             a.model.c_str(), a.from.c_str(), a.to.c_str(), static_cast<long long>(a.tokens),
-            plan->messages.size(), static_cast<long long>(plan->bytes),
+            plan->messages.size(), static_cast<long long>(plan->bytes), a.bs_from, a.bs_to,
+            a.order_from == PageOrder::kHnd ? "hnd" : "nhd",
+            a.order_to == PageOrder::kHnd ? "hnd" : "nhd",
             std::string(transfer_mode_name(resolve_mode(*plan, xo.mode))).c_str(), tt, tm, gb / tt,
             gb / tm, tm / tt);
     }

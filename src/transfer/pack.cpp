@@ -1,7 +1,15 @@
 #include "kvshard/transfer/pack.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+// Inline XXH3: the streaming state lives on the stack and short updates need no call.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include "kvshard/common/error.h"
 
@@ -115,32 +123,150 @@ void walk_message(const TransferPlan& plan, const TransferMessage& msg, bool sou
                   num_blocks, layer_count, kv_count, sink);
 }
 
-// memcpy one run behind: before copying run i it prefetches the start of run i + 1 in both buffers,
-// so that short strided runs (a head's slots in a page) do not each start cold.
-class PrefetchingCopier {
+// memcpy through a call: with a length GCC can bound (a step of a run) it would otherwise inline
+// the copy as `rep movsq`, which starts slowly for the few hundred bytes of one step.
+[[gnu::noinline]] void plain_copy(std::byte* dst, const std::byte* src, int64_t len) {
+    std::memcpy(dst, src, static_cast<size_t>(len));
+}
+
+// Copies the runs of a walk, kAhead runs behind the walk, so that while run i is copied the source
+// lines of run i + kAhead are prefetched into L2 (prefetcht1), a few lines per step of the copy:
+// the hardware prefetchers do not cross 4 KiB pages, so a run that does not continue the previous
+// one in the source would otherwise start cold. Runs that continue the previous one in the source,
+// and runs under kPrefetchMinRun bytes (several short streams in one page, e.g. a transpose), are
+// left to the hardware prefetchers; at most kPrefetchBytes of one run are prefetched.
+//
+// stream_stores: the destination is written with non-temporal stores (whole 64-byte lines; partial
+// lines at a run's ends with ordinary stores), which skip reading each destination line before it
+// is written: the copy then reads only its source. Pack writes a staging buffer that MPI or the
+// receiver reads next, unpack the pool that decode reads later; neither is re-read by this core.
+//
+// With hashing on, each message's payload is hashed (XXH3_64, seed 0) while it is copied: after a
+// run is copied its source bytes (the message's wire bytes, pack reading them from the pool), still
+// in L1, are fed to that message's streaming state; runs of one message that continue each other in
+// the source are fed as one piece of up to kHashChunk bytes. Walks visit each message's wire bytes
+// in increasing order, so this is XXH3_64bits of the payload.
+class RunCopier {
   public:
-    void add(std::byte* dst, const std::byte* src, int64_t len) {
-        const int64_t ahead = std::min<int64_t>(len, kPrefetchBytes);
-        for (int64_t o = 0; o < ahead; o += 64) {
-            __builtin_prefetch(src + o, 0);
-            __builtin_prefetch(dst + o, 1);
+    RunCopier(bool stream_stores, size_t hashed_messages)
+        : stream_(stream_stores), hashes_(hashed_messages) {
+        for (auto& h : hashes_) XXH3_64bits_reset(&h.state);
+    }
+
+    // msg: the run's message in the batch (for its hash).
+    void add(std::byte* dst, const std::byte* src, int64_t len, size_t msg) {
+        Run& r = ring_[(head_ + count_) % kRing];
+        const Run* prev = count_ > 0 ? &ring_[(head_ + count_ - 1) % kRing] : &last_;
+        r = Run{dst, src, len, msg, !(prev->len > 0 && prev->src + prev->len == src)};
+        ++count_;
+        if (count_ > kAhead) copy_front(&r);
+    }
+
+    // Copies what is still queued and finishes the hashes (and orders the non-temporal stores
+    // before whatever the caller does next, e.g. handing the buffer to another thread).
+    void finish(std::span<uint64_t> hashes) {
+        while (count_ > 0) copy_front(nullptr);
+        for (size_t m = 0; m < hashes_.size(); ++m) {
+            flush_hash(hashes_[m]);
+            if (m < hashes.size()) hashes[m] = XXH3_64bits_digest(&hashes_[m].state);
         }
-        flush();
-        dst_ = dst;
-        src_ = src;
-        len_ = len;
+#if defined(__SSE2__)
+        if (stream_) _mm_sfence();
+#endif
     }
-    void flush() {
-        if (len_ > 0) std::memcpy(dst_, src_, static_cast<size_t>(len_));
-        len_ = 0;
-    }
-    ~PrefetchingCopier() { flush(); }
 
   private:
-    static constexpr int64_t kPrefetchBytes = 1024;
-    std::byte* dst_ = nullptr;
-    const std::byte* src_ = nullptr;
-    int64_t len_ = 0;
+    struct Run {
+        std::byte* dst = nullptr;
+        const std::byte* src = nullptr;
+        int64_t len = 0;
+        size_t msg = 0;
+        bool src_jumps = false;  // does not continue the previous run in the source
+    };
+    struct Hash {
+        XXH3_state_t state;
+        const std::byte* pending = nullptr;  // wire bytes copied but not hashed yet
+        int64_t pending_len = 0;
+    };
+    static constexpr int kAhead = 2, kRing = kAhead + 1;
+    static constexpr int64_t kStep = 512;             // bytes copied between prefetch batches
+    static constexpr int64_t kPrefetchBytes = 16384;  // at most this much of one run
+    static constexpr int64_t kPrefetchMinRun = 1024;  // shorter runs: left to the hardware
+    static constexpr int64_t kHashChunk = 8192;
+
+    // Copies the oldest queued run; prefetches ahead's source lines, spread over the copy.
+    void copy_front(const Run* ahead) {
+        const Run r = ring_[head_];
+        head_ = (head_ + 1) % kRing;
+        --count_;
+        if (ahead == nullptr || !ahead->src_jumps || ahead->len < kPrefetchMinRun) {
+            copy(r.dst, r.src, r.len);
+        } else {
+            const std::byte* pf = ahead->src;
+            const int64_t pf_lines = (std::min(ahead->len, kPrefetchBytes) + 63) / 64;
+            const int64_t steps = std::max<int64_t>(1, (r.len + kStep - 1) / kStep);
+            const int64_t per_step = (pf_lines + steps - 1) / steps;
+            int64_t line = 0;
+            for (int64_t off = 0; off < r.len; off += kStep) {
+                for (int64_t j = 0; j < per_step && line < pf_lines; ++j, ++line)
+                    __builtin_prefetch(pf + line * 64, 0, 2);
+                copy(r.dst + off, r.src + off, std::min(kStep, r.len - off));
+            }
+            for (; line < pf_lines; ++line) __builtin_prefetch(pf + line * 64, 0, 2);
+        }
+        last_ = r;
+        if (!hashes_.empty()) {
+            Hash& h = hashes_[r.msg];
+            const std::byte* wire = r.src;  // the same bytes as the wire's, and in L1
+            if (h.pending_len > 0 && h.pending + h.pending_len == wire &&
+                h.pending_len + r.len <= kHashChunk) {
+                h.pending_len += r.len;
+            } else {
+                flush_hash(h);
+                h.pending = wire;
+                h.pending_len = r.len;
+            }
+        }
+    }
+
+    static void flush_hash(Hash& h) {
+        if (h.pending_len > 0)
+            XXH3_64bits_update(&h.state, h.pending, static_cast<size_t>(h.pending_len));
+        h.pending_len = 0;
+    }
+
+    void copy(std::byte* dst, const std::byte* src, int64_t len) const {
+#if defined(__SSE2__)
+        if (stream_ && len >= 128) {
+            const int64_t head =
+                std::min<int64_t>(len, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
+            plain_copy(dst, src, head);
+            dst += head;
+            src += head;
+            len -= head;
+            const int64_t body = len & ~int64_t{63};
+            for (int64_t o = 0; o < body; o += 64) {
+                const auto* s = reinterpret_cast<const __m128i*>(src + o);
+                auto* d = reinterpret_cast<__m128i*>(dst + o);
+                const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1),
+                              c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+                _mm_stream_si128(d, a);
+                _mm_stream_si128(d + 1, b);
+                _mm_stream_si128(d + 2, c);
+                _mm_stream_si128(d + 3, e);
+            }
+            plain_copy(dst + body, src + body, len - body);
+            return;
+        }
+#endif
+        plain_copy(dst, src, len);
+    }
+
+    bool stream_;
+    std::vector<Hash> hashes_;
+    Run ring_[kRing];
+    int head_ = 0, count_ = 0;
+    Run last_;
 };
 
 void check_pool(const TransferPlan& plan, const TransferMessage& msg, bool source_side,
@@ -249,9 +375,10 @@ void unpack_message(const TransferPlan& plan, const TransferMessage& msg, Transf
 
 void pack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
                    TransferMode mode, const BlockPool& pool,
-                   std::span<const std::span<std::byte>> outs) {
+                   std::span<const std::span<std::byte>> outs, std::span<uint64_t> xxh3) {
     require(mode != TransferMode::kAuto, "pack_messages needs a resolved mode (call resolve_mode)");
     require(msgs.size() == outs.size() && !msgs.empty(), "pack_messages: one buffer per message");
+    require(xxh3.empty() || xxh3.size() == msgs.size(), "pack_messages: one hash per message");
     for (size_t m = 0; m < msgs.size(); ++m) {
         check_pool(plan, *msgs[m], true, pool, static_cast<int64_t>(outs[m].size()));
         require(msgs[m]->src_rank == msgs[0]->src_rank &&
@@ -260,23 +387,25 @@ void pack_messages(const TransferPlan& plan, std::span<const TransferMessage* co
                 "pack_messages: a batch is one source rank's messages of one layer range");
     }
     const std::byte* base = pool.arena().data();
-    PrefetchingCopier copier;
+    // Non-temporal stores into the staging buffers too: reading the source (a slice of each page)
+    // is then the only read stream. The hash reads the source pieces (the same bytes, in L1).
+    RunCopier copier(true, xxh3.size());
     auto copy = [base, outs, &copier](int64_t pool_off, int64_t wire_off, int64_t len) {
-        copier.add(
-            outs[static_cast<size_t>(wire_off >> kWireShift)].data() + (wire_off & kWireMask),
-            base + pool_off, len);
+        const auto m = static_cast<size_t>(wire_off >> kWireShift);
+        copier.add(outs[m].data() + (wire_off & kWireMask), base + pool_off, len, m);
     };
     walk_messages(plan, msgs, true, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
                   msgs[0]->num_layers(), plan.kv_factor, copy);
-    copier.flush();
+    copier.finish(xxh3);
 }
 
 void unpack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
                      TransferMode mode, std::span<const std::span<const std::byte>> ins,
-                     BlockPool& pool) {
+                     BlockPool& pool, std::span<uint64_t> xxh3) {
     require(mode != TransferMode::kAuto,
             "unpack_messages needs a resolved mode (call resolve_mode)");
     require(msgs.size() == ins.size() && !msgs.empty(), "unpack_messages: one buffer per message");
+    require(xxh3.empty() || xxh3.size() == msgs.size(), "unpack_messages: one hash per message");
     for (size_t m = 0; m < msgs.size(); ++m) {
         check_pool(plan, *msgs[m], false, pool, static_cast<int64_t>(ins[m].size()));
         require(msgs[m]->dst_rank == msgs[0]->dst_rank &&
@@ -285,15 +414,14 @@ void unpack_messages(const TransferPlan& plan, std::span<const TransferMessage* 
                 "unpack_messages: a batch is one destination rank's messages of one layer range");
     }
     std::byte* base = pool.arena().data();
-    PrefetchingCopier copier;
+    RunCopier copier(true, xxh3.size());
     auto copy = [base, ins, &copier](int64_t pool_off, int64_t wire_off, int64_t len) {
-        copier.add(base + pool_off,
-                   ins[static_cast<size_t>(wire_off >> kWireShift)].data() + (wire_off & kWireMask),
-                   len);
+        const auto m = static_cast<size_t>(wire_off >> kWireShift);
+        copier.add(base + pool_off, ins[m].data() + (wire_off & kWireMask), len, m);
     };
     walk_messages(plan, msgs, false, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
                   msgs[0]->num_layers(), plan.kv_factor, copy);
-    copier.flush();
+    copier.finish(xxh3);
 }
 
 }  // namespace kvshard

@@ -57,7 +57,7 @@ StagingPool::Buffer StagingPool::acquire(size_t size) {
         }
     }
     b.capacity_ = std::max<size_t>(size, 1);
-    b.data_.reset(new std::byte[b.capacity_]);  // default-initialized: no zero fill
+    b.data_.reset(new std::byte[b.capacity_ + 63]);  // default-initialized: no zero fill
     return b;
 }
 
@@ -299,10 +299,11 @@ struct TransferSender::Impl {
             msgs.push_back(&m);
         }
         for (auto& b : batch) outs.emplace_back(b.payload);
-        pack_messages(*plan, msgs, mode, pool, outs);
+        std::vector<uint64_t> sums(batch.size());
+        pack_messages(*plan, msgs, mode, pool, outs, sums);  // checksums computed while packing
         for (size_t k = 0; k < batch.size(); ++k) {
             InFlight& b = batch[k];
-            b.header.payload_xxh3 = XXH3_64bits(b.payload.data(), b.payload.size());
+            b.header.payload_xxh3 = sums[k];
             seal_header(b.header);
             if (mine[next + k] == opt.faults.corrupt_message && !b.payload.empty())
                 b.payload[b.payload.size() / 2] ^= std::byte{0x5A};
@@ -463,6 +464,7 @@ struct TransferReceiver::Impl {
     struct Pending {
         std::vector<int> messages;
         std::vector<StagingPool::Buffer> payloads;
+        std::vector<uint64_t> sums;  // the headers' payload_xxh3
     };
     std::map<std::pair<int, int>, Pending> pending;
     std::map<std::pair<int, int>, int> expected;  // messages to me per layer range
@@ -496,6 +498,12 @@ struct TransferReceiver::Impl {
     }
 
     int src_world(const Source& s) const { return opt.src_world_base + s.rank; }
+
+    void checksum_failed(int message, int src) {
+        set_status(TransferStatus::kChecksumMismatch,
+                   detail::concat("destination rank ", dst_rank, ": message ", message,
+                                  " from source rank ", src, " failed its checksum"));
+    }
 
     bool step_source(Source& s) {
         bool moved = false;
@@ -555,16 +563,9 @@ struct TransferReceiver::Impl {
             }
             if (!s.payload_req.test()) return moved;
             const auto tu = Clock::now();
-            const std::span<const std::byte> got = s.direct.empty()
-                                                       ? std::span<const std::byte>(s.payload)
-                                                       : std::span<const std::byte>(s.direct);
-            const uint64_t sum = XXH3_64bits(got.data(), got.size());
-            if (sum != s.header.payload_xxh3) {
-                set_status(TransferStatus::kChecksumMismatch,
-                           detail::concat("destination rank ", dst_rank, ": message ", idx,
-                                          " from source rank ", s.rank, " failed its checksum"));
-            }
-            if (!s.direct.empty()) {  // already in place
+            if (!s.direct.empty()) {  // already in place: verify now
+                if (XXH3_64bits(s.direct.data(), s.direct.size()) != s.header.payload_xxh3)
+                    checksum_failed(idx, s.rank);
                 const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
                 if (result.status == TransferStatus::kOk) {
                     result.bytes += msg.bytes;
@@ -578,9 +579,10 @@ struct TransferReceiver::Impl {
                     unpack_pending(key);
             } else if (result.status == TransferStatus::kOk) {
                 const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
-                Pending& pd = pending[key];
+                Pending& pd = pending[key];  // verified while it is unpacked
                 pd.messages.push_back(idx);
                 pd.payloads.push_back(std::move(s.payload));
+                pd.sums.push_back(s.header.payload_xxh3);
                 if (static_cast<int>(pd.messages.size()) == expected[key]) unpack_pending(key);
             } else {
                 staged -= msg.bytes;  // discarded
@@ -607,7 +609,15 @@ struct TransferReceiver::Impl {
             ins.emplace_back(pd.payloads[k]);
         }
         const auto tu = Clock::now();
-        if (result.status == TransferStatus::kOk) unpack_messages(*plan, msgs, mode, ins, pool);
+        if (result.status == TransferStatus::kOk) {
+            // The checksums are computed while unpacking (one pass over the payloads). A corrupt
+            // payload has then been written into this request's blocks, which it fails (the
+            // caller frees them), as with a payload received straight into the pool.
+            std::vector<uint64_t> sums(msgs.size());
+            unpack_messages(*plan, msgs, mode, ins, pool, sums);
+            for (size_t k = 0; k < msgs.size(); ++k)
+                if (sums[k] != pd.sums[k]) checksum_failed(pd.messages[k], msgs[k]->src_rank);
+        }
         result.pack_seconds += seconds_since(tu);
         for (const auto* m : msgs) {
             staged -= m->bytes;

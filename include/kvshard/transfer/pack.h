@@ -61,11 +61,16 @@ int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessag
 // their layer range, in one pass interleaved by (layer, K/V, piece): messages that differ only by
 // heads (a TP reshape) then touch each page once, in address order. Same bytes as one call per
 // message.
+// xxh3: empty, or one entry per message that receives XXH3_64bits(payload) (seed 0) of the payload
+// written (pack) or read (unpack), computed while copying, each piece hashed right after it is
+// copied (no second pass over the payload). Unpack writes the pool before the caller can compare
+// the hash: on a mismatch the message's destination blocks hold the corrupt bytes (they belong to
+// that request only, which fails).
 void pack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
                    TransferMode mode, const BlockPool& pool,
-                   std::span<const std::span<std::byte>> outs);
+                   std::span<const std::span<std::byte>> outs, std::span<uint64_t> xxh3 = {});
 void unpack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
                      TransferMode mode, std::span<const std::span<const std::byte>> ins,
-                     BlockPool& pool);
+                     BlockPool& pool, std::span<uint64_t> xxh3 = {});
 
 }  // namespace kvshard

@@ -83,7 +83,7 @@ struct TransferFaults {
 
 // Payload buffers reused across messages and requests: no zero fill, and no page faults once warm
 // (a fresh 4 MiB allocation per message costs a page fault per 4 KiB). A Buffer returns its memory
-// to the pool when destroyed. Thread-safe.
+// to the pool when destroyed. Buffers start on a 64-byte boundary (a cache line). Thread-safe.
 class StagingPool : public std::enable_shared_from_this<StagingPool> {
   public:
     class Buffer {
@@ -92,17 +92,21 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
         Buffer(Buffer&&) noexcept = default;
         Buffer& operator=(Buffer&& o) noexcept;
         ~Buffer();
-        std::byte* data() { return data_.get(); }
-        const std::byte* data() const { return data_.get(); }
+        std::byte* data() { return line_aligned(data_.get()); }
+        const std::byte* data() const { return line_aligned(data_.get()); }
         size_t size() const { return size_; }
         bool empty() const { return size_ == 0; }
-        std::byte& operator[](size_t i) { return data_[i]; }
-        operator std::span<std::byte>() { return {data_.get(), size_}; }
-        operator std::span<const std::byte>() const { return {data_.get(), size_}; }
+        std::byte& operator[](size_t i) { return data()[i]; }
+        operator std::span<std::byte>() { return {data(), size_}; }
+        operator std::span<const std::byte>() const { return {data(), size_}; }
 
       private:
         friend class StagingPool;
         void reset();
+        // data_ holds capacity_ + 63 bytes; the buffer starts at its first 64-byte boundary.
+        static std::byte* line_aligned(std::byte* p) {
+            return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+        }
         std::shared_ptr<StagingPool> pool_;
         std::unique_ptr<std::byte[]> data_;
         size_t capacity_ = 0, size_ = 0;
