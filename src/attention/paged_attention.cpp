@@ -141,11 +141,17 @@ void attend_streaming(const PageView& pv, const AttentionParams& p, int seq, int
             }
             for (int64_t t = 0; t < nrows; ++t) {
                 const int nv = int(std::clamp<int64_t>(vis[size_t(t)] - j0, 0, bs));
-                if (nv == 0) continue;
                 const int64_t row = t * nq + kh * group;
-                V.attend_keys(q + ((r0 + t) * int64_t{nq} + kh * group) * d, group, d, kb, vb, nv,
-                              pv.token_stride, d, p.scale, ws.m.data() + row, ws.l.data() + row,
-                              ws.o.data() + row * d, t == 0 ? pf : vec::Ops::Prefetch{});
+                // At most kStepKeys keys per step (blocks may be larger); the first step of the
+                // block's work carries the prefetch.
+                for (int c0 = 0; c0 < nv; c0 += vec::kStepKeys) {
+                    const int64_t off = int64_t{c0} * pv.token_stride;
+                    V.attend_keys(q + ((r0 + t) * int64_t{nq} + kh * group) * d, group, d, kb + off,
+                                  vb + off, std::min(vec::kStepKeys, nv - c0), pv.token_stride, d,
+                                  p.scale, ws.m.data() + row, ws.l.data() + row,
+                                  ws.o.data() + row * d, pf);
+                    pf = {};
+                }
             }
         }
     }

@@ -1,5 +1,7 @@
 #include "attention/vec.h"
 
+#include "kvshard/common/error.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -43,7 +45,9 @@ float exp_sub_sum_generic(float* x, int n, float m) {
 void attend_keys_generic(const float* q, int rows, int64_t q_stride, const float* k, const float* v,
                          int nv, int64_t kv_stride, int d, float scale, float* m, float* l,
                          float* o, Ops::Prefetch /*pf*/) {
-    float s[64];
+    KVSHARD_CHECK(nv >= 1 && nv <= kStepKeys, "attend_keys takes 1 to ", kStepKeys, " keys, got ",
+                  nv);
+    float s[kStepKeys];
     for (int r = 0; r < rows; ++r) {
         const float* qr = q + r * q_stride;
         for (int j = 0; j < nv; ++j) s[j] = dot_generic(qr, k + j * kv_stride, d) * scale;
@@ -183,8 +187,8 @@ struct Spread {
     }
 };
 
-// o[r] += sum_j p[r][j] v_j for NR rows (p rows 64 apart), 4 vectors of o at a time (d % 32 == 0),
-// or one at a time otherwise.
+// o[r] += sum_j p[r][j] v_j for NR rows (p rows kStepKeys apart), 4 vectors of o at a time (d % 32
+// == 0), or one at a time otherwise.
 template <int NR, int ND>
 KVSHARD_AVX2 void accumulate_v(const float* p, const float* v, int nv, int64_t kv_stride, int d_rt,
                                float* o, Spread& pf) {
@@ -201,7 +205,7 @@ KVSHARD_AVX2 void accumulate_v(const float* p, const float* v, int nv, int64_t k
                 pf.step();
                 const float* vj = v + j * kv_stride + 8 * x0;
                 __m256 pj[NR];
-                for (int r = 0; r < NR; ++r) pj[r] = _mm256_broadcast_ss(p + r * 64 + j);
+                for (int r = 0; r < NR; ++r) pj[r] = _mm256_broadcast_ss(p + r * kStepKeys + j);
                 for (int t = 0; t < 4; ++t) {
                     const __m256 vt = _mm256_loadu_ps(vj + 8 * t);
                     for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_fmadd_ps(pj[r], vt, acc[r][t]);
@@ -217,7 +221,8 @@ KVSHARD_AVX2 void accumulate_v(const float* p, const float* v, int nv, int64_t k
                 pf.step();
                 const __m256 vt = _mm256_loadu_ps(v + j * kv_stride + 8 * x0);
                 for (int r = 0; r < NR; ++r)
-                    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * 64 + j), vt, acc[r]);
+                    acc[r] =
+                        _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * kStepKeys + j), vt, acc[r]);
             }
             for (int r = 0; r < NR; ++r) _mm256_storeu_ps(o + int64_t{r} * d + 8 * x0, acc[r]);
         }
@@ -238,7 +243,7 @@ KVSHARD_AVX2 void attend_keys_avx2_d(const float* q, int rows, int64_t q_stride,
     const int steps = std::max(1, passes * nv * groups + rows * (nv / 8) * (d / 8));
     Spread pf{static_cast<const char*>(pfr.a), static_cast<const char*>(pfr.b),
               pfr.a ? pfr.lines : 0, (pfr.lines + steps - 1) / steps};
-    alignas(32) float s[kMaxRows][64];
+    alignas(32) float s[kMaxRows][kStepKeys];
     const int nd = d / 8;
     const __m256 vscale = _mm256_set1_ps(scale);
     // Scores, 8 keys at a time: 8 independent accumulators, one transpose-sum.
@@ -283,6 +288,8 @@ KVSHARD_AVX2 void attend_keys_avx2_d(const float* q, int rows, int64_t q_stride,
 KVSHARD_AVX2 void attend_keys_avx2(const float* q, int rows, int64_t q_stride, const float* k,
                                    const float* v, int nv, int64_t kv_stride, int d, float scale,
                                    float* m, float* l, float* o, Ops::Prefetch pf) {
+    KVSHARD_CHECK(nv >= 1 && nv <= kStepKeys, "attend_keys takes 1 to ", kStepKeys, " keys, got ",
+                  nv);
     if (d % 8 != 0 || rows > kMaxRows)
         attend_keys_generic(q, rows, q_stride, k, v, nv, kv_stride, d, scale, m, l, o, pf);
     else if (d == 64)

@@ -5,6 +5,8 @@
 
 namespace kvshard::vec {
 
+constexpr int kStepKeys = 64;  // the most keys one attend_keys step takes
+
 struct Ops {
     float (*dot)(const float* a, const float* b, int n);
     void (*axpy)(float* y, float a, const float* x, int n);  // y += a * x
@@ -15,7 +17,8 @@ struct Ops {
     // Online-softmax step of `rows` query rows over nv keys: s_j = scale * q_r . k_j, then
     //   m_r' = max(m_r, max_j s_j), l_r = l_r e^(m_r - m_r') + sum_j e^(s_j - m_r'),
     //   o_r = o_r e^(m_r - m_r') + sum_j e^(s_j - m_r') v_j.
-    // q: rows x d (stride q_stride); k, v: nv keys of d (stride kv_stride); o: rows x d; nv <= 64.
+    // q: rows x d (stride q_stride); k, v: nv keys of d (stride kv_stride); o: rows x d;
+    // 1 <= nv <= kStepKeys.
     // pf: optional prefetch of the next data, spread over the work: pf.lines cache lines from
     // each of pf.a and pf.b (null: none).
     struct Prefetch {

@@ -427,16 +427,8 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,
                              const GenerationOptions& opt, Communicator* world) {
-    require(opt.max_new_tokens >= 1, "the number of tokens to generate must be at least 1, got ",
-            opt.max_new_tokens);
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-        require(!prompts[i].empty(), "prompt ", i,
-                " is empty: every prompt needs at least one token");
-        for (int32_t t : prompts[i])
-            require(t >= 0 && t < m.vocab, "prompt ", i, " holds token id ", t,
-                    " outside the vocabulary [0, ", m.vocab, ")");
-    }
+    check_prompts(prompts, m.vocab, opt.max_new_tokens);
     require(!m.is_mla(), m.name, ": context parallelism runs GQA/MHA models here, not MLA");
     auto body = [&](Communicator& w) {
         require(w.size() == p.world_size(), "the run has ", w.size(), " ranks but ", p.to_string(),

@@ -62,6 +62,19 @@ WeightShard weight_shard(const KvLayout& layout, int rank) {
     return s;
 }
 
+void check_prompts(const std::vector<std::vector<int32_t>>& prompts, int vocab,
+                   int max_new_tokens) {
+    require(max_new_tokens >= 1, "the number of tokens to generate must be at least 1, got ",
+            max_new_tokens);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        require(!prompts[i].empty(), "prompt ", i,
+                " is empty: every prompt needs at least one token");
+        for (int32_t t : prompts[i])
+            require(t >= 0 && t < vocab, "prompt ", i, " holds token id ", t,
+                    " outside the vocabulary [0, ", vocab, ")");
+    }
+}
+
 double relative_l2(const std::vector<float>& a, const std::vector<float>& b) {
     KVSHARD_CHECK(a.size() == b.size(), "relative_l2 of vectors of ", a.size(), " and ", b.size(),
                   " elements");
@@ -85,16 +98,8 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     const int world_size = coll::size(world), rank = coll::rank(world);
     require(world_size == p.world_size(), "the run has ", world_size, " ranks but ", p.to_string(),
             " needs dp*pp*cp*tp = ", p.world_size());
-    require(opt.max_new_tokens >= 1, "the number of tokens to generate must be at least 1, got ",
-            opt.max_new_tokens);
+    check_prompts(prompts, m.vocab, opt.max_new_tokens);
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-        require(!prompts[i].empty(), "prompt ", i,
-                " is empty: every prompt needs at least one token");
-        for (int32_t t : prompts[i])
-            require(t >= 0 && t < m.vocab, "prompt ", i, " holds token id ", t,
-                    " outside the vocabulary [0, ", m.vocab, ")");
-    }
     const RankKv& me = layout.ranks[size_t(rank)];
     const RankCoord c = me.coord;
 

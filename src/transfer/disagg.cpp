@@ -4,7 +4,10 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
+
+#include <unistd.h>
 
 #include "common/byte_buffer.h"
 #include "kvshard/comm/communicator.h"
@@ -23,6 +26,12 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kTagFirstTokens = 0x7A001;   // prefill last stage -> every decode rank
 constexpr int kTagDecodeTokens = 0x7A002;  // decode last stage -> earlier decode stages
+
+uint64_t host_hash() {
+    char name[256] = {};
+    gethostname(name, sizeof(name) - 1);
+    return std::hash<std::string>{}(name);
+}
 
 double since(Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -55,7 +64,12 @@ RankComms rank_comms(Communicator& group, const ParallelGroups& g, const Paralle
 }
 
 // What each rank contributes to the report.
+// Times are seconds from the rank's own start (after the common barrier). On one host the ranks'
+// starts are put on one clock (steady_clock is system-wide there): a rank that is scheduled late
+// after the barrier would otherwise see a transfer that began before its start as ending before it.
 struct RankTimes {
+    double start_abs = 0;       // the rank's start on the steady clock
+    uint64_t host = 0;          // hash of the host name
     double prefill_end = -1;    // prefill ranks: forward done
     double first_send = -1;     // prefill ranks: first message out
     double transfer_done = -1;  // decode ranks: every request's transfer finished
@@ -105,16 +119,8 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     require(world.size() == P + D, "the run has ", world.size(), " ranks but prefill ",
             prefill.to_string(), " + decode ", decode.to_string(), " need ", P, " + ", D, " = ",
             P + D);
-    require(opt.max_new_tokens >= 1, "the number of tokens to generate must be at least 1, got ",
-            opt.max_new_tokens);
     require(!prompts.empty(), "give at least one prompt");
-    for (size_t i = 0; i < prompts.size(); ++i) {
-        require(!prompts[i].empty(), "prompt ", i,
-                " is empty: every prompt needs at least one token");
-        for (int32_t t : prompts[i])
-            require(t >= 0 && t < m.vocab, "prompt ", i, " holds token id ", t,
-                    " outside the vocabulary [0, ", m.vocab, ")");
-    }
+    check_prompts(prompts, m.vocab, opt.max_new_tokens);
     const int n = static_cast<int>(prompts.size());
     const int gen = opt.max_new_tokens;
 
@@ -182,6 +188,8 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         // every request whole fits; a CP rank holds a part
         co.num_blocks = (is_prefill ? prefill_blocks : decode_blocks) + 1;
         co.prefix_cache = false;
+        co.prefill_mode = opt.cp_prefill_mode;
+        co.decode_merge = opt.cp_decode_merge;
         cp_device = std::make_unique<CpDevice>(m, pc.tp, c.tp, weights, co);
         cp_session = std::make_unique<CpSession>(*cp_device, *group, pc, co);
         for (int i = 0; i < n; ++i) {
@@ -249,6 +257,8 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     world.barrier();
     const auto t0 = Clock::now();
     RankTimes times;
+    times.start_abs = std::chrono::duration<double>(t0.time_since_epoch()).count();
+    times.host = host_hash();
     ByteWriter w;
 
     if (is_prefill) {
@@ -436,9 +446,23 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     std::vector<float> prefill_logits;
     std::vector<int32_t> failed_flags(static_cast<size_t>(n), 0);
     rep.transfer_start_s = -1;
+    // One host: shift every rank's times onto the earliest start.
+    double first_start = 0;
+    bool one_host = true;
     for (int r = 0; r < static_cast<int>(blobs.size()); ++r) {
         ByteReader rd(blobs[r]);
         const auto t = rd.get<RankTimes>();
+        first_start = r == 0 ? t.start_abs : std::min(first_start, t.start_abs);
+        one_host = one_host && t.host == ByteReader(blobs[0]).get<RankTimes>().host;
+    }
+    for (int r = 0; r < static_cast<int>(blobs.size()); ++r) {
+        ByteReader rd(blobs[r]);
+        auto t = rd.get<RankTimes>();
+        if (one_host) {
+            const double shift = t.start_abs - first_start;
+            for (double* x : {&t.prefill_end, &t.first_send, &t.transfer_done})
+                if (*x >= 0) *x += shift;
+        }
         if (rd.get<int32_t>()) prefill_logits = rd.get_vec<float>();
         if (rd.get<int32_t>())
             for (int i = 0; i < n; ++i) {

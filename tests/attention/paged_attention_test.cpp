@@ -101,6 +101,10 @@ TEST_P(PagedAttentionTest, MatchesReference) {
         // decode at the head sizes with unrolled kernels (64, 128), over many blocks (prefetch)
         {nq, nkv, 64, 16, order, {0, 33, 300}, {1, 1, 1}},
         {nq, nkv, 128, 16, order, {5, 64}, {1, 1}},
+        // blocks larger than one kernel step (64 keys), other head sizes
+        {nq, nkv, 64, 128, order, {0, 200}, {1, 1}},
+        {nq, nkv, 40, 80, order, {3, 150}, {1, 2}},
+        {nq, nkv, 24, 256, order, {300}, {1}},
         // prefill from scratch and with a cached prefix (GEMM path), lengths across block and tile
         // edges
         {nq, nkv, 16, 16, order, {0, 120, 7}, {40, 160, 129}},

@@ -69,6 +69,13 @@ TEST(RunCli, BadInputExitsTwoWithAMessage) {
     EXPECT_NE(r.out.find("outside the vocabulary"), std::string::npos) << r.out;
     r = run_cli("run --model tiny --prompt-len 4 --shared-prefix 5");
     EXPECT_EQ(r.status, 2);
+    // More KV than the machine has memory: refused up front, naming the flags to lower.
+    r = run_cli("run --model tiny --prompt-len 1 --gen 2147483647");
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.out.find("lower --gen, --prompt-len or --prompts"), std::string::npos) << r.out;
+    r = run_cli("run --model tiny --prefill tp=1 --decode tp=1 --staging-mib 9000000000000");
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.out.find("--staging-mib must be between 1 and"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -61,9 +61,10 @@ TEST(Plan, MustShow405bOn16H100At128k) {
     EXPECT_GE(fitting, 1);
     // Best first by throughput among the fitting ones; the non-fitting come last.
     for (size_t i = 1; i < entries.size(); ++i) {
-        if (entries[i].fits)
+        if (entries[i].fits) {
             EXPECT_GE(entries[i - 1].cost.decode_tokens_per_s, entries[i].cost.decode_tokens_per_s);
-        if (entries[i].fits) EXPECT_TRUE(entries[i - 1].fits);
+            EXPECT_TRUE(entries[i - 1].fits);
+        }
     }
 }
 

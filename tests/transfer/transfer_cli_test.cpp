@@ -106,4 +106,33 @@ TEST(DisaggRunCli, CpDecodeVerifiesAndPpIsRefused) {
         << bad.out;
 }
 
+// The flags of `kvshard run` that a disaggregated run uses reach it (the CP modes, --dump-logits),
+// and the single-group layout flags are refused rather than ignored.
+TEST(DisaggRunCli, RunFlagsAreUsedOrRefused) {
+    const std::string npy = ::testing::TempDir() + "kvshard_disagg_logits.npy";
+    const auto ok = run_cli(
+        "run --model tiny --prefill cp=2 --decode cp=2,tp=2 --cp-prefill pass-q --cp-decode-merge "
+        "all-to-all --prompts 2 --prompt-len 20 --gen 3 --verify --dump-logits " +
+        npy);
+    ASSERT_EQ(ok.status, 0) << ok.out;
+    std::FILE* f = std::fopen(npy.c_str(), "rb");
+    ASSERT_NE(f, nullptr);
+    std::array<char, 128> head{};
+    const size_t got = std::fread(head.data(), 1, head.size(), f);
+    std::fclose(f);
+    ASSERT_EQ(got, head.size());
+    EXPECT_NE(std::string(head.data(), head.size()).find("'shape': (2, 256)"), std::string::npos);
+
+    const auto bad_merge = run_cli(
+        "run --model tiny --prefill tp=1 --decode cp=2 --cp-decode-merge bogus --prompts 1");
+    EXPECT_EQ(bad_merge.status, 2) << bad_merge.out;
+    EXPECT_NE(bad_merge.out.find("valid merges are all-gather"), std::string::npos)
+        << bad_merge.out;
+    const auto both = run_cli("run --model tiny --prefill tp=1 --decode tp=1 --tp 2 --prompts 1");
+    EXPECT_EQ(both.status, 2) << both.out;
+    EXPECT_NE(both.out.find("a disaggregated run takes both layouts from --prefill and --decode"),
+              std::string::npos)
+        << both.out;
+}
+
 }  // namespace

@@ -3,6 +3,7 @@
 // unsharded run.
 #include <fmt/format.h>
 
+#include <unistd.h>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include "kvshard/common/error.h"
 #include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
+#include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/model/safetensors.h"
 #include "options.h"
@@ -98,25 +100,6 @@ std::vector<std::vector<int32_t>> make_prompts(const RunFlags& f, int vocab) {
         out.push_back(pr);
     }
     return out;
-}
-
-// numpy .npy v1.0, little-endian float32, C order.
-void write_npy(const std::string& path, const std::vector<float>& data, int64_t rows,
-               int64_t cols) {
-    std::string header =
-        fmt::format("{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {}), }}", rows, cols);
-    while ((10 + header.size() + 1) % 64 != 0) header += ' ';
-    header += '\n';
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    require(bool(out), "--dump-logits: cannot write '", path, "'");
-    out.write("\x93NUMPY\x01\x00", 8);
-    const uint16_t len = uint16_t(header.size());
-    const char len_bytes[2] = {char(len & 0xff), char(len >> 8)};
-    out.write(len_bytes, 2);
-    out.write(header.data(), std::streamsize(header.size()));
-    out.write(reinterpret_cast<const char*>(data.data()),
-              std::streamsize(data.size() * sizeof(float)));
-    require(bool(out), "--dump-logits: write to '", path, "' failed");
 }
 
 bool dir_has_safetensors(const std::string& path) {
@@ -230,6 +213,24 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
             v->max_rel_err, v->tokens_match ? "identical" : "DIFFER");
 }
 
+// The run keeps every prompt's KV (prompt + generated tokens) in fp32 pools on this machine, at
+// least once (the unsharded --verify reference alone); refuse up front what cannot fit in memory
+// rather than fail in an allocation.
+void check_kv_fits(const ModelSpec& spec, const std::vector<std::vector<int32_t>>& prompts,
+                   int gen) {
+    ModelSpec m = spec;
+    m.kv_dtype = DType::kFp32;
+    const double per_token = double(make_layout(m, ParallelConfig{}).ranks[0].kv_bytes_per_token);
+    double tokens = 0;
+    for (const auto& p : prompts) tokens += double(p.size()) + gen;
+    const double need = tokens * per_token;
+    const double have = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+    require(need <= have, "the prompts and --gen ", gen, " need ", fmt::format("{:.0f}", tokens),
+            " tokens of fp32 KV, ", fmt::format("{:.1f}", need / double(1 << 30)),
+            " GiB, more than this machine's ", fmt::format("{:.1f}", have / double(1 << 30)),
+            " GiB of memory: lower --gen, --prompt-len or --prompts");
+}
+
 void run(const RunFlags& f) {
     ModelSpec m = load_model(f.model);
     const ParallelConfig p = to_parallel_config(f.parallel);
@@ -240,6 +241,7 @@ void run(const RunFlags& f) {
     require(f.block_size >= 1, "--block-size must be at least 1, got ", f.block_size);
     const Backend backend = parse_backend(f.backend);
     const auto prompts = make_prompts(f, m.vocab);
+    check_kv_fits(m, prompts, f.gen);
 
     std::unique_ptr<TensorSource> source;
     std::string weights_from;
@@ -250,9 +252,18 @@ void run(const RunFlags& f) {
         source = random_tensor_source(f.seed);
         weights_from = fmt::format("seed {}", f.seed);
     }
+    std::optional<CpPrefillMode> cp_prefill_mode;
+    if (f.cp_prefill != "auto") cp_prefill_mode = parse_cp_prefill_mode(f.cp_prefill);
+    const CpDecodeMerge cp_decode_merge = parse_cp_decode_merge(f.cp_decode_merge);
     if (f.disagg.enabled()) {
-        const int status = run_disagg(f.disagg, {m, source.get(), weights_from, prompts, f.gen,
-                                                 f.block_size, backend, f.verify, f.json});
+        require(p == ParallelConfig{},
+                "--tp/--pp/--cp/--dp/--ep/--cp-scheme describe a single-group run (got ",
+                p.to_string(),
+                "); a disaggregated run takes both layouts from --prefill and --decode, e.g. "
+                "--prefill tp=8 --decode cp=2,tp=2,cp_scheme=zigzag");
+        const int status = run_disagg(
+            f.disagg, {m, source.get(), weights_from, prompts, f.gen, f.block_size, backend,
+                       f.verify, f.json, f.dump_logits, cp_prefill_mode, cp_decode_merge});
         if (status != 0) {
             std::fprintf(stderr, "kvshard: run: verification failed or a request failed\n");
             std::fflush(stderr);
@@ -264,8 +275,8 @@ void run(const RunFlags& f) {
     opt.max_new_tokens = f.gen;
     opt.block_size = f.block_size;
     opt.prefix_cache = !f.no_prefix_cache;
-    if (f.cp_prefill != "auto") opt.cp_prefill_mode = parse_cp_prefill_mode(f.cp_prefill);
-    opt.cp_decode_merge = parse_cp_decode_merge(f.cp_decode_merge);
+    opt.cp_prefill_mode = cp_prefill_mode;
+    opt.cp_decode_merge = cp_decode_merge;
     set_compute_threads(1);
 
     bool failed = false;
@@ -274,7 +285,9 @@ void run(const RunFlags& f) {
         if (world.rank() != 0) return;
         std::optional<Verify> v;
         if (f.verify) {
-            const GenerationReport ref = generate(m, ParallelConfig{}, *source, prompts, opt);
+            const GenerationReport ref =
+                generate(m, ParallelConfig{}, *source, prompts,
+                         verify_options(opt.max_new_tokens, opt.block_size));
             v.emplace();
             for (size_t i = 0; i < prompts.size(); ++i) {
                 v->max_rel_err =
@@ -339,8 +352,8 @@ void setup(CLI::App& app) {
         ->capture_default_str();
     sub->add_flag(
         "--verify", f->verify,
-        "also run the model unsharded and compare: last-step logits within 1e-4 relative L2 and "
-        "identical tokens (exit 1 otherwise)");
+        "also run the model unsharded (one rank, another block size, no prefix cache) and compare: "
+        "last-step logits within 1e-4 relative L2 and identical tokens (exit 1 otherwise)");
     sub->add_flag("--json", f->json, "print JSON");
     sub->add_option("--dump-logits", f->dump_logits,
                     "write the last step's logits [prompts][vocab] to FILE.npy");

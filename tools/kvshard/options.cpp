@@ -1,6 +1,10 @@
 #include "options.h"
 
+#include <fmt/format.h>
+
+#include <cstdint>
 #include <cstdio>
+#include <fstream>
 
 #include "kvshard/common/error.h"
 #include "kvshard/model/catalog.h"
@@ -92,5 +96,32 @@ CapacityOptions HardwareFlags::capacity_options() const {
 HardwareSpec load_hardware(const HardwareFlags& f) { return resolve_hardware(f.hardware); }
 
 void print_json(const std::string& json_text) { std::printf("%s\n", json_text.c_str()); }
+
+// numpy .npy v1.0, little-endian float32, C order.
+void write_npy(const std::string& path, const std::vector<float>& data, int64_t rows,
+               int64_t cols) {
+    std::string header =
+        fmt::format("{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {}), }}", rows, cols);
+    while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+    header += '\n';
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    require(bool(out), "--dump-logits: cannot write '", path, "'");
+    out.write("\x93NUMPY\x01\x00", 8);
+    const uint16_t len = uint16_t(header.size());
+    const char len_bytes[2] = {char(len & 0xff), char(len >> 8)};
+    out.write(len_bytes, 2);
+    out.write(header.data(), std::streamsize(header.size()));
+    out.write(reinterpret_cast<const char*>(data.data()),
+              std::streamsize(data.size() * sizeof(float)));
+    require(bool(out), "--dump-logits: write to '", path, "' failed");
+}
+
+GenerationOptions verify_options(int max_new_tokens, int run_block_size) {
+    GenerationOptions o;
+    o.max_new_tokens = max_new_tokens;
+    o.block_size = run_block_size == 16 ? 32 : 16;
+    o.prefix_cache = false;
+    return o;
+}
 
 }  // namespace kvshard::cli

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "kvshard/comm/launch.h"
@@ -73,8 +74,10 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     const ModelSpec& m = in.model;
     const ParallelConfig pp = parse_side("--prefill", f.prefill, m);
     const ParallelConfig pd = parse_side("--decode", f.decode, m);
-    require(f.staging_mib >= 1, "--staging-mib must be at least 1, got ", f.staging_mib);
-    require(f.decode_block_size >= 0, "--decode-block-size must be positive, got ",
+    require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
+            "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
+    require(f.decode_block_size >= 0,
+            "--decode-block-size must be at least 1 (or 0: the same as --block-size), got ",
             f.decode_block_size);
     DisaggOptions opt;
     opt.max_new_tokens = in.gen;
@@ -83,6 +86,8 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     opt.prefill_order = parse_order("--prefill-order", f.prefill_order);
     opt.decode_order = parse_order("--decode-order", f.decode_order);
     opt.mode = parse_transfer_mode(f.transfer_mode);
+    opt.cp_prefill_mode = in.cp_prefill_mode;
+    opt.cp_decode_merge = in.cp_decode_merge;
     opt.stream_layers = !f.no_stream;
     opt.staging_bytes = f.staging_mib << 20;
     set_compute_threads(1);
@@ -94,10 +99,8 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
         double max_err = 0;
         bool match = true;
         if (in.verify) {
-            GenerationOptions go;
-            go.max_new_tokens = in.gen;
-            go.block_size = in.block_size;
-            const GenerationReport ref = generate(m, ParallelConfig{}, *in.weights, in.prompts, go);
+            const GenerationReport ref = generate(m, ParallelConfig{}, *in.weights, in.prompts,
+                                                  verify_options(in.gen, in.block_size));
             for (size_t i = 0; i < in.prompts.size(); ++i) {
                 if (!r.errors[i].empty()) continue;
                 max_err = std::max(max_err, relative_l2(r.last_logits[i], ref.last_logits[i]));
@@ -106,6 +109,17 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
             if (!match || max_err > 1e-4) status = 1;
         }
         if (r.failed_requests > 0) status = 1;
+        if (!in.dump_logits.empty()) {
+            std::vector<float> all;
+            for (const auto& l : r.last_logits) {
+                if (l.empty())  // a failed request
+                    all.insert(all.end(), static_cast<size_t>(m.vocab),
+                               std::numeric_limits<float>::quiet_NaN());
+                else
+                    all.insert(all.end(), l.begin(), l.end());
+            }
+            write_npy(in.dump_logits, all, static_cast<int64_t>(in.prompts.size()), m.vocab);
+        }
         const double overlap_fraction =
             r.transfer_seconds > 0 ? r.overlap_seconds / r.transfer_seconds : 0;
         if (in.json) {

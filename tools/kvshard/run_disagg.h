@@ -1,12 +1,14 @@
 #pragma once
 // kvshard run --prefill LAYOUT --decode LAYOUT: the disaggregated run (prefill group, KV transfer,
 // decode group), called from cmd_run.cpp. The work is kvshard::disagg_generate.
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 
 #include "kvshard/comm/communicator.h"
+#include "kvshard/exec/cp_plan.h"
 #include "kvshard/model/model_spec.h"
 #include "kvshard/model/weights.h"
 
@@ -37,6 +39,9 @@ struct DisaggRunInput {
     Backend backend = Backend::kThreads;
     bool verify = false;
     bool json = false;
+    std::string dump_logits;  // .npy of the last step's logits; a failed request's row is NaN
+    std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side's mode; empty: automatic
+    CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;  // a CP decode side's merge
 };
 
 // Runs it and prints the report from world rank 0. Returns the process exit status: 0, or 1 when

@@ -62,6 +62,9 @@ GenerationReport generate(const ModelSpec& m, const ParallelConfig& p, const Ten
                           const std::vector<std::vector<int32_t>>& prompts,
                           const GenerationOptions& options, Communicator* world = nullptr);
 
+// Error unless max_new_tokens >= 1 and every prompt is non-empty with token ids in [0, vocab).
+void check_prompts(const std::vector<std::vector<int32_t>>& prompts, int vocab, int max_new_tokens);
+
 // The relative L2 distance ||a - b|| / ||b|| (0 when both are zero).
 double relative_l2(const std::vector<float>& a, const std::vector<float>& b);
 

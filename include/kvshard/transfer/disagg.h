@@ -10,10 +10,12 @@
 // the other max_new_tokens - 1 tokens. A request whose transfer fails is reported and not decoded;
 // the others go on. A side with cp > 1 runs the CP executor (see disagg_generate).
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kvshard/cache/block_pool.h"
+#include "kvshard/exec/cp_plan.h"
 #include "kvshard/layout/parallel_config.h"
 #include "kvshard/model/model_spec.h"
 #include "kvshard/model/weights.h"
@@ -34,6 +36,8 @@ struct DisaggOptions {
     int64_t staging_bytes = int64_t{64} << 20;
     double timeout_s = 60.0;
     int corrupt_request = -1;  // test hook: corrupt one payload of this request (prompt index)
+    std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side: empty = automatic
+    CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;  // a CP decode side
 };
 
 struct DisaggReport {
