@@ -350,7 +350,11 @@ TransferMode resolve_mode(const TransferPlan& plan, TransferMode mode) {
     if (mode != TransferMode::kAuto) return mode;
     const int64_t pre = count_copies(plan, TransferMode::kPreSend).total();
     const int64_t post = count_copies(plan, TransferMode::kPostReceive).total();
-    return post < pre ? TransferMode::kPostReceive : TransferMode::kPreSend;
+    if (post != pre) return post < pre ? TransferMode::kPostReceive : TransferMode::kPreSend;
+    // A tie between different page orders: transpose in the receiver's unpack, which measured
+    // faster than the same transpose in the sender's pack (BENCHMARKS.md "transfer": HND -> NHD
+    // unpack 1.26 vs pack 0.81 of memcpy).
+    return plan.src.order != plan.dst.order ? TransferMode::kPostReceive : TransferMode::kPreSend;
 }
 
 int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessage& msg,

@@ -353,7 +353,8 @@ TEST(TransferPlan, AutoModePicksFewerCopies) {
     const auto pre = count_copies(plan, TransferMode::kPreSend).total();
     const auto post = count_copies(plan, TransferMode::kPostReceive).total();
     const auto chosen = resolve_mode(plan, TransferMode::kAuto);
-    EXPECT_EQ(chosen, post < pre ? TransferMode::kPostReceive : TransferMode::kPreSend);
+    // (A tie between different page orders goes to post-receive: the transpose in the unpack.)
+    EXPECT_EQ(chosen, post <= pre ? TransferMode::kPostReceive : TransferMode::kPreSend);
     // Same page order on both sides with full blocks: every message is one run per (layer, kv,
     // piece).
     Case same{.model = llama_mini(), .from = "tp=4", .to = "tp=4", .tokens = 64};
