@@ -178,6 +178,11 @@ KVSHARD_TRANSFER_BENCH(unpack_tp8_tp4_nhd_batched, false, true, kPre, "tp=8", "t
 KVSHARD_TRANSFER_BENCH(pack_hnd_to_nhd_presend, true, false, kPre, "tp=2", "tp=2", 16, 16, kH, kN);
 KVSHARD_TRANSFER_BENCH(unpack_hnd_to_nhd_presend, false, false, kPre, "tp=2", "tp=2", 16, 16, kH,
                        kN);
+// The same pair in post-receive mode: the wire follows the source (HND), the unpack transposes.
+KVSHARD_TRANSFER_BENCH(pack_hnd_to_nhd_postrecv, true, false, kPost, "tp=2", "tp=2", 16, 16, kH,
+                       kN);
+KVSHARD_TRANSFER_BENCH(unpack_hnd_to_nhd_postrecv, false, false, kPost, "tp=2", "tp=2", 16, 16, kH,
+                       kN);
 
 // Fused checksum: pack (unpack) computing each payload's XXH3_64 while copying, as the executor
 // does; next to memcpy alone and to memcpy followed by an XXH3 pass (the unfused way).

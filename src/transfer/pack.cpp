@@ -351,9 +351,9 @@ TransferMode resolve_mode(const TransferPlan& plan, TransferMode mode) {
     const int64_t pre = count_copies(plan, TransferMode::kPreSend).total();
     const int64_t post = count_copies(plan, TransferMode::kPostReceive).total();
     if (post != pre) return post < pre ? TransferMode::kPostReceive : TransferMode::kPreSend;
-    // A tie between different page orders: transpose in the receiver's unpack, which measured
-    // faster than the same transpose in the sender's pack (BENCHMARKS.md "transfer": HND -> NHD
-    // unpack 1.26 vs pack 0.81 of memcpy).
+    // A tie between different page orders: transpose in the receiver's unpack (a scatter of
+    // head_dim vectors), which measured faster than the same transpose in the sender's pack (a
+    // gather): BENCHMARKS.md "transfer", HND -> NHD, 1.32 vs 0.81 of memcpy.
     return plan.src.order != plan.dst.order ? TransferMode::kPostReceive : TransferMode::kPreSend;
 }
 
