@@ -136,6 +136,31 @@ TEST(DisaggFailure, CorruptRequestFailsAloneOthersDecode) {
     }
 }
 
+// The same with a context-parallel side: the CP executor releases the failed request's blocks and
+// decodes the others (every CP rank agrees on which), and nothing hangs.
+TEST(DisaggFailure, CorruptRequestFailsAloneWithCpSides) {
+    set_compute_threads(1);
+    const ModelSpec m = catalog_model("tiny");
+    const auto prompts = prompts_for(m, 3, 21);
+    const auto src = random_tensor_source(5);
+    GenerationOptions go;
+    go.max_new_tokens = 4;
+    const GenerationReport ref = generate(m, ParallelConfig{}, *src, prompts, go);
+    for (const DisaggCase& c :
+         {DisaggCase{"tiny", "tp=2", "cp=2,tp=2"}, DisaggCase{"tiny", "cp=2", "tp=1"},
+          DisaggCase{"tiny", "cp=2,cp_scheme=zigzag", "cp=3", 16, 4}}) {
+        const DisaggReport r = run_case(c, prompts, *src, 4, /*corrupt=*/2);
+        EXPECT_EQ(r.failed_requests, 1) << c.prefill << " -> " << c.decode;
+        EXPECT_NE(r.errors[2].find("checksum"), std::string::npos) << r.errors[2];
+        EXPECT_TRUE(r.tokens[2].empty());
+        for (int i : {0, 1}) {
+            EXPECT_EQ(r.errors[i], "");
+            EXPECT_EQ(r.tokens[i], ref.tokens[i])
+                << c.prefill << " -> " << c.decode << " prompt " << i;
+        }
+    }
+}
+
 TEST(DisaggFailure, RejectsUnsupportedLayouts) {
     const ModelSpec m = catalog_model("tiny");
     const auto src = random_tensor_source(1);
