@@ -255,7 +255,7 @@ void paged_attention(const BlockPool& pool, int layer, const PagedKv& kv, const 
         const int32_t r0 = qb.q_indptr[i], r1 = qb.q_indptr[i + 1];
         if (r1 == r0) continue;
         visible_counts(qb, kv, i, pv.block_size, p.causal, ws.vis);
-        const std::vector<int64_t> vis = ws.vis;
+        const std::vector<int64_t>& vis = ws.vis;  // the kernels do not touch ws.vis
         if (int64_t(r1 - r0) * group >= kGemmMinRows) {
             for (int kh = 0; kh < p.num_kv_heads; ++kh)
                 attend_gemm(pv, p, i, kh, r0, r1, vis, q, out, lse, ws);

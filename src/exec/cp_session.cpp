@@ -238,7 +238,7 @@ std::vector<float> CpSession::prefill(SeqId seq, std::span<const int32_t> tokens
 
 bool CpSession::reserve(SeqId seq, std::span<const int32_t> tokens) {
     require(!tokens.empty(), "a prefill needs at least one token");
-    require(!seqs_.contains(seq) || !seqs_.at(seq).has_pending, "sequence ", seq,
+    require(!seqs_.contains(seq) || !seqs_.at(seq).reserved, "sequence ", seq,
             " already has a prefill reserved");
     last_ = {};
     const bool is_new = !seqs_.contains(seq);
@@ -304,21 +304,18 @@ bool CpSession::reserve(SeqId seq, std::span<const int32_t> tokens) {
     // The mode: given, else the cheaper in bytes for `stored` cached and the new tokens.
     last_.mode = opt_.prefill_mode ? *opt_.prefill_mode
                                    : choose_cp_prefill(layout_, stored, len - stored).mode;
-    s.pending_stats = last_;
-    s.pending = std::move(rows);
-    s.has_pending = true;
+    s.reserved = Seq::Reserved{std::move(rows), last_};
     return true;
 }
 
 std::vector<float> CpSession::prefill_reserved(SeqId seq) {
     require(serving_, "a lending rank does not prefill");
-    require(seqs_.contains(seq) && seqs_.at(seq).has_pending, "sequence ", seq,
+    require(seqs_.contains(seq) && seqs_.at(seq).reserved, "sequence ", seq,
             " has no prefill reserved");
     Seq& s = seqs_.at(seq);
-    last_ = s.pending_stats;
-    std::vector<int64_t> rows = std::move(s.pending);
-    s.pending.clear();
-    s.has_pending = false;
+    last_ = s.reserved->stats;
+    std::vector<int64_t> rows = std::move(s.reserved->rows);
+    s.reserved.reset();
     return run(s, seq, std::move(rows), false);
 }
 

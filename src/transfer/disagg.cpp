@@ -89,29 +89,23 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     require(
         prefill.dp == 1 && decode.dp == 1,
         "disaggregated runs serve one replica on each side: use dp=1 for --prefill and --decode");
-    // A prefill side with cp > 1 runs the CP executor (CpSession: ring-attention prefill on a
-    // cp x tp grid, one prompt after another). Its blocks are reserved for every request before
-    // the start, so the plans are known and each layer is sent as its attention finishes.
-    const bool cp_prefill = prefill.cp > 1;
-    if (cp_prefill) {
-        require(prefill.pp == 1 && prefill.ep == 1,
-                "a prefill side with cp > 1 runs context parallelism on a cp x tp grid: use pp=1 "
-                "and ep=1 with it, got --prefill ",
-                prefill.to_string());
-        require(opt.prefill_order == PageOrder::kHnd,
-                "a prefill side with cp > 1 stores HND pages: use --prefill-order hnd with it");
-    }
-    // A decode side with cp > 1 decodes with the CP executor too (merged partial attention); its
-    // blocks are allocated when it takes the requests in (CpSession::adopt), before the transfer.
-    const bool cp_decode = decode.cp > 1;
-    if (cp_decode) {
-        require(decode.pp == 1 && decode.ep == 1,
-                "a decode side with cp > 1 runs context parallelism on a cp x tp grid: use pp=1 "
-                "and ep=1 with it, got --decode ",
-                decode.to_string());
-        require(opt.decode_order == PageOrder::kHnd,
-                "a decode side with cp > 1 stores HND pages: use --decode-order hnd with it");
-    }
+    // A side with cp > 1 runs the CP executor (CpSession) on a cp x tp grid, one request after
+    // another. A CP prefill side reserves every request's blocks before the start, so the plans are
+    // known and each layer is sent as its ring attention finishes; a CP decode side allocates its
+    // blocks when it takes the requests in (CpSession::adopt), before the transfer, and decodes
+    // with merged partial attention.
+    auto check_cp_side = [](const char* side, const ParallelConfig& p, PageOrder order) {
+        if (p.cp == 1) return;
+        require(p.pp == 1 && p.ep == 1, "a ", side,
+                " side with cp > 1 runs context parallelism on a cp x tp grid: use pp=1 and ep=1 "
+                "with it, got --",
+                side, " ", p.to_string());
+        require(order == PageOrder::kHnd, "a ", side, " side with cp > 1 stores HND pages: use --",
+                side, "-order hnd with it");
+    };
+    check_cp_side("prefill", prefill, opt.prefill_order);
+    check_cp_side("decode", decode, opt.decode_order);
+    const bool cp_prefill = prefill.cp > 1, cp_decode = decode.cp > 1;
     require(!m.is_mla(), m.name, " uses MLA, which the reference model does not run");
     const KvLayout lp = make_layout(m, prefill);
     const KvLayout ld = make_layout(m, decode);
@@ -447,13 +441,13 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     std::vector<int32_t> failed_flags(static_cast<size_t>(n), 0);
     rep.transfer_start_s = -1;
     // One host: shift every rank's times onto the earliest start.
+    const uint64_t host0 = ByteReader(blobs[0]).get<RankTimes>().host;
     double first_start = 0;
     bool one_host = true;
     for (int r = 0; r < static_cast<int>(blobs.size()); ++r) {
-        ByteReader rd(blobs[r]);
-        const auto t = rd.get<RankTimes>();
+        const auto t = ByteReader(blobs[r]).get<RankTimes>();
         first_start = r == 0 ? t.start_abs : std::min(first_start, t.start_abs);
-        one_host = one_host && t.host == ByteReader(blobs[0]).get<RankTimes>().host;
+        one_host = one_host && t.host == host0;
     }
     for (int r = 0; r < static_cast<int>(blobs.size()); ++r) {
         ByteReader rd(blobs[r]);

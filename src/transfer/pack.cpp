@@ -297,6 +297,27 @@ void check_pool(const TransferPlan& plan, const TransferMessage& msg, bool sourc
     }
 }
 
+// The arguments of pack_messages / unpack_messages (fn): a resolved mode, one buffer (of the
+// message's size) and at most one hash per message, all of one rank (source side: the source rank)
+// and one layer range.
+template <typename Buffers>
+void check_batch(const char* fn, const TransferPlan& plan,
+                 std::span<const TransferMessage* const> msgs, bool source_side, TransferMode mode,
+                 const BlockPool& pool, const Buffers& buffers, std::span<uint64_t> xxh3) {
+    require(mode != TransferMode::kAuto, fn, " needs a resolved mode (call resolve_mode)");
+    require(msgs.size() == buffers.size() && !msgs.empty(), fn, ": one buffer per message");
+    require(xxh3.empty() || xxh3.size() == msgs.size(), fn, ": one hash per message");
+    for (size_t m = 0; m < msgs.size(); ++m) {
+        check_pool(plan, *msgs[m], source_side, pool, static_cast<int64_t>(buffers[m].size()));
+        const int rank = source_side ? msgs[m]->src_rank : msgs[m]->dst_rank;
+        const int rank0 = source_side ? msgs[0]->src_rank : msgs[0]->dst_rank;
+        require(rank == rank0 && msgs[m]->layer_begin == msgs[0]->layer_begin &&
+                    msgs[m]->layer_end == msgs[0]->layer_end,
+                fn, ": a batch is one ", source_side ? "source" : "destination",
+                " rank's messages of one layer range");
+    }
+}
+
 }  // namespace
 
 std::string_view transfer_mode_name(TransferMode m) {
@@ -391,16 +412,7 @@ void unpack_message(const TransferPlan& plan, const TransferMessage& msg, Transf
 void pack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
                    TransferMode mode, const BlockPool& pool,
                    std::span<const std::span<std::byte>> outs, std::span<uint64_t> xxh3) {
-    require(mode != TransferMode::kAuto, "pack_messages needs a resolved mode (call resolve_mode)");
-    require(msgs.size() == outs.size() && !msgs.empty(), "pack_messages: one buffer per message");
-    require(xxh3.empty() || xxh3.size() == msgs.size(), "pack_messages: one hash per message");
-    for (size_t m = 0; m < msgs.size(); ++m) {
-        check_pool(plan, *msgs[m], true, pool, static_cast<int64_t>(outs[m].size()));
-        require(msgs[m]->src_rank == msgs[0]->src_rank &&
-                    msgs[m]->layer_begin == msgs[0]->layer_begin &&
-                    msgs[m]->layer_end == msgs[0]->layer_end,
-                "pack_messages: a batch is one source rank's messages of one layer range");
-    }
+    check_batch("pack_messages", plan, msgs, true, mode, pool, outs, xxh3);
     const std::byte* base = pool.arena().data();
     // Non-temporal stores into the staging buffers too: reading the source (a slice of each page)
     // is then the only read stream. The hash reads the source pieces (the same bytes, in L1).
@@ -417,17 +429,7 @@ void pack_messages(const TransferPlan& plan, std::span<const TransferMessage* co
 void unpack_messages(const TransferPlan& plan, std::span<const TransferMessage* const> msgs,
                      TransferMode mode, std::span<const std::span<const std::byte>> ins,
                      BlockPool& pool, std::span<uint64_t> xxh3) {
-    require(mode != TransferMode::kAuto,
-            "unpack_messages needs a resolved mode (call resolve_mode)");
-    require(msgs.size() == ins.size() && !msgs.empty(), "unpack_messages: one buffer per message");
-    require(xxh3.empty() || xxh3.size() == msgs.size(), "unpack_messages: one hash per message");
-    for (size_t m = 0; m < msgs.size(); ++m) {
-        check_pool(plan, *msgs[m], false, pool, static_cast<int64_t>(ins[m].size()));
-        require(msgs[m]->dst_rank == msgs[0]->dst_rank &&
-                    msgs[m]->layer_begin == msgs[0]->layer_begin &&
-                    msgs[m]->layer_end == msgs[0]->layer_end,
-                "unpack_messages: a batch is one destination rank's messages of one layer range");
-    }
+    check_batch("unpack_messages", plan, msgs, false, mode, pool, ins, xxh3);
     std::byte* base = pool.arena().data();
     RunCopier copier(true, xxh3.size());
     auto copy = [base, ins, &copier](int64_t pool_off, int64_t wire_off, int64_t len) {

@@ -118,9 +118,11 @@ class CpSession {
         CpTokenMap map;
         std::vector<int64_t> local_pos;  // ascending positions stored here, slot i = local_pos[i]
         // A reserved prefill (reserve -> prefill_reserved): its rows on this rank and step stats.
-        bool has_pending = false;
-        std::vector<int64_t> pending;
-        CpStepStats pending_stats;
+        struct Reserved {
+            std::vector<int64_t> rows;
+            CpStepStats stats;
+        };
+        std::optional<Reserved> reserved;
     };
     // Finds the longest prefix cached on the world's devices, moves the blocks that are not on
     // their owner, and returns the number of global blocks found.
