@@ -4,7 +4,8 @@
 //   1024]
 //                                     [--reps 5] [--layers-per-message 1] [--mode auto]
 //                                     [--bs-from 16] [--bs-to 16] [--order-from hnd] [--order-to
-//                                     hnd]
+//                                     hnd] [--offload-check-bytes 1048576]
+//                                     [--sender-sleep-us 0]
 //
 // Ranks [0, P) hold the source layout, [P, P+D) the destination layout. Each repetition times
 // (1) the transfer: TransferSender/TransferReceiver on every rank (pack with XXH3, send, unpack
@@ -38,6 +39,8 @@ struct Args {
     int reps = 5;
     int layers_per_message = 1;
     int bs_from = 16, bs_to = 16;
+    int64_t offload_check_bytes = TransferExecOptions{}.offload_check_bytes;
+    int sender_sleep_us = TransferExecOptions{}.sender_idle_sleep_us;
     PageOrder order_from = PageOrder::kHnd, order_to = PageOrder::kHnd;
 };
 
@@ -72,6 +75,10 @@ Args parse(int argc, char** argv) {
             a.bs_to = std::stoi(v);
         else if (k == "--order-from")
             a.order_from = parse_order(v);
+        else if (k == "--offload-check-bytes")
+            a.offload_check_bytes = std::stoll(v);
+        else if (k == "--sender-sleep-us")
+            a.sender_sleep_us = std::stoi(v);
         else if (k == "--order-to")
             a.order_to = parse_order(v);
         else {
@@ -133,6 +140,8 @@ int main(int argc, char** argv) {
     xo.dst_world_base = P;
     xo.staging_bytes = int64_t{256} << 20;
     xo.staging_pool = StagingPool::create();  // reused across repetitions, as a server reuses it
+    xo.offload_check_bytes = a.offload_check_bytes;
+    xo.sender_idle_sleep_us = a.sender_sleep_us;
 
     // The ceiling: one message per (src, dst) pair of the plan, of the bytes the plan moves.
     std::map<std::pair<int, int>, int64_t> pair_bytes;
@@ -142,7 +151,7 @@ int main(int argc, char** argv) {
         if ((src_side && pr.first == local) || (!src_side && pr.second == local))
             raw_bufs.emplace_back(static_cast<size_t>(b), std::byte{1});
 
-    std::vector<double> t_transfer, t_mpi;
+    std::vector<double> t_transfer, t_mpi, t_mpi_msgs;
     for (int rep = 0; rep < a.reps + 1; ++rep) {  // the first round warms up
         world->barrier();
         double t0 = now();
@@ -186,6 +195,34 @@ int main(int argc, char** argv) {
         world->barrier();
         t1 = now();
         if (rep > 0) t_mpi.push_back(t1 - t0);
+
+        // The same bytes as the plan's messages (one MPI message each, all posted at once), from/to
+        // the same plain buffers: what the message count alone costs plain MPI.
+        world->barrier();
+        t0 = now();
+        reqs.clear();
+        std::map<std::pair<int, int>, int64_t> offset;
+        k = 0;
+        std::map<std::pair<int, int>, size_t> buf_of;
+        for (const auto& [pr, b] : pair_bytes)
+            if ((src_side && pr.first == local) || (!src_side && pr.second == local))
+                buf_of[pr] = k++;
+        for (const auto& msg : plan->messages) {
+            const std::pair<int, int> pr{msg.src_rank, msg.dst_rank};
+            const bool mine = src_side ? pr.first == local : pr.second == local;
+            if (!mine) continue;
+            std::byte* p = raw_bufs[buf_of[pr]].data() + offset[pr];
+            offset[pr] += msg.bytes;
+            const size_t n = static_cast<size_t>(msg.bytes);
+            if (src_side)
+                reqs.push_back(world->isend(std::span<const std::byte>(p, n), P + pr.second, 78));
+            else
+                reqs.push_back(world->irecv(std::span<std::byte>(p, n), pr.first, 78));
+        }
+        wait_all(reqs);
+        world->barrier();
+        t1 = now();
+        if (rep > 0) t_mpi_msgs.push_back(t1 - t0);
     }
     if (me == 0) {
         const double tt = median(t_transfer), tm = median(t_mpi);
@@ -194,15 +231,18 @@ int main(int argc, char** argv) {
             "{\"model\": \"%s\", \"from\": \"%s\", \"to\": \"%s\", \"tokens\": %lld, \"messages\": "
             "%zu, "
             "\"bytes\": %lld, \"block_size\": \"%d->%d\", \"order\": \"%s->%s\", \"mode\": \"%s\", "
-            "\"transfer_s\": %.6f, \"mpi_s\": %.6f, "
+            "\"offload_check_bytes\": %lld, \"sender_sleep_us\": %d, \"transfer_s\": %.6f, "
+            "\"mpi_s\": %.6f, "
             "\"transfer_GBps\": %.3f, "
-            "\"mpi_GBps\": %.3f, \"ratio\": %.3f}\n",
+            "\"mpi_GBps\": %.3f, \"ratio\": %.3f, \"mpi_per_message_s\": %.6f, "
+            "\"ratio_per_message\": %.3f}\n",
             a.model.c_str(), a.from.c_str(), a.to.c_str(), static_cast<long long>(a.tokens),
             plan->messages.size(), static_cast<long long>(plan->bytes), a.bs_from, a.bs_to,
             a.order_from == PageOrder::kHnd ? "hnd" : "nhd",
             a.order_to == PageOrder::kHnd ? "hnd" : "nhd",
-            std::string(transfer_mode_name(resolve_mode(*plan, xo.mode))).c_str(), tt, tm, gb / tt,
-            gb / tm, tm / tt);
+            std::string(transfer_mode_name(resolve_mode(*plan, xo.mode))).c_str(),
+            static_cast<long long>(a.offload_check_bytes), a.sender_sleep_us, tt, tm, gb / tt,
+            gb / tm, tm / tt, median(t_mpi_msgs), median(t_mpi_msgs) / tt);
     }
     return 0;
 }

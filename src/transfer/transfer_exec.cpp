@@ -3,9 +3,12 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <list>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "kvshard/common/error.h"
@@ -28,12 +31,90 @@ uint64_t header_hash(const TransferHeader& h) {
 }
 
 // Between polls: spin while things move, sleep once idle for a while (the cores may be shared).
-void idle(double idle_seconds) {
-    if (idle_seconds < 0.05)
+void idle(double idle_seconds, int sleep_us = 0) {
+    if (sleep_us > 0)
+        std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    else if (idle_seconds < 0.05)
         std::this_thread::yield();
     else
         std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
+
+// Checks payloads that landed in the pool, on a thread of its own: the receiver's thread goes on
+// receiving meanwhile (with a single-copy transport, MPI's copy runs inside its calls), so the
+// check overlaps the next payload's copy instead of following it.
+class CheckWorker {
+  public:
+    struct Job {
+        std::span<const std::byte> data;
+        uint64_t want = 0;
+        int message = 0;
+        bool ok = false;
+    };
+    CheckWorker() : thread_([this] { run(); }) {}
+    ~CheckWorker() {
+        {
+            std::lock_guard lk(mu_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        thread_.join();
+    }
+    CheckWorker(const CheckWorker&) = delete;
+    CheckWorker& operator=(const CheckWorker&) = delete;
+
+    void submit(const Job& j) {
+        {
+            std::lock_guard lk(mu_);
+            todo_.push_back(j);
+            ++outstanding_;
+        }
+        cv_.notify_all();
+    }
+    // The finished jobs since the last call.
+    std::vector<Job> take_done() {
+        std::lock_guard lk(mu_);
+        std::vector<Job> out;
+        out.swap(done_);
+        outstanding_ -= static_cast<int>(out.size());
+        return out;
+    }
+    int outstanding() {
+        std::lock_guard lk(mu_);
+        return outstanding_;
+    }
+    // Blocks until every submitted job is finished (their results stay for take_done).
+    void drain() {
+        std::unique_lock lk(mu_);
+        cv_.wait(lk, [this] { return todo_.empty() && !busy_; });
+    }
+
+  private:
+    void run() {
+        std::unique_lock lk(mu_);
+        for (;;) {
+            cv_.wait(lk, [this] { return stop_ || !todo_.empty(); });
+            if (todo_.empty()) return;  // stopping
+            Job j = todo_.front();
+            todo_.pop_front();
+            busy_ = true;
+            lk.unlock();
+            j.ok = XXH3_64bits(j.data.data(), j.data.size()) == j.want;
+            lk.lock();
+            busy_ = false;
+            done_.push_back(j);
+            cv_.notify_all();  // a drain() may wait
+        }
+    }
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<Job> todo_;
+    std::vector<Job> done_;
+    int outstanding_ = 0;  // submitted, not yet taken
+    bool busy_ = false;
+    bool stop_ = false;
+    std::thread thread_;
+};
 
 }  // namespace
 
@@ -430,11 +511,15 @@ bool TransferSender::progress() {
 }
 
 TransferResult TransferSender::finish() {
-    while (!progress()) idle(idle_seconds());
+    while (!progress()) idle(idle_seconds(), idle_sleep_us());
     return impl_->result;
 }
 
 double TransferSender::idle_seconds() const { return seconds_since(impl_->last_progress); }
+
+int TransferSender::idle_sleep_us() const {
+    return impl_->next >= impl_->mine.size() ? impl_->opt.sender_idle_sleep_us : 0;
+}
 
 // ---- receiver --------------------------------------------------------------------------------
 
@@ -479,6 +564,7 @@ struct TransferReceiver::Impl {
     std::map<std::pair<int, int>, int> expected;  // messages to me per layer range
     std::vector<TransferAck> acks;
     std::vector<Request> ack_reqs;
+    std::unique_ptr<CheckWorker> checker;  // started by the first payload it takes
 
     Impl(Communicator& w, std::shared_ptr<const TransferPlan> p, uint64_t rid, int r, BlockPool& pl,
          TransferExecOptions o)
@@ -582,20 +668,15 @@ struct TransferReceiver::Impl {
             }
             if (!s.payload_req.test()) return moved;
             const auto tu = Clock::now();
-            if (!s.direct.empty()) {  // already in place: verify now
-                if (XXH3_64bits(s.direct.data(), s.direct.size()) != s.header.payload_xxh3)
-                    checksum_failed(idx, s.rank);
-                const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
-                if (result.status == TransferStatus::kOk) {
-                    result.bytes += msg.bytes;
-                    ++result.messages;
-                    ++result.zero_copy_messages;
+            if (!s.direct.empty()) {  // already in place: check it here or on the worker
+                if (opt.offload_check_bytes >= 0 && msg.bytes >= opt.offload_check_bytes) {
+                    if (!checker) checker = std::make_unique<CheckWorker>();
+                    checker->submit({s.direct, s.header.payload_xxh3, idx, false});
+                } else {
+                    if (XXH3_64bits(s.direct.data(), s.direct.size()) != s.header.payload_xxh3)
+                        checksum_failed(idx, s.rank);
+                    landed(idx);
                 }
-                --expected[key];
-                auto it = pending.find(key);
-                if (it != pending.end() &&
-                    static_cast<int>(it->second.messages.size()) == expected[key])
-                    unpack_pending(key);
             } else if (result.status == TransferStatus::kOk) {
                 const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
                 Pending& pd = pending[key];  // verified while it is unpacked
@@ -615,6 +696,32 @@ struct TransferReceiver::Impl {
             ++s.next;
             moved = true;
         }
+    }
+
+    // A payload received straight into the pool has been checked.
+    void landed(int idx) {
+        const TransferMessage& msg = plan->messages[idx];
+        const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
+        if (result.status == TransferStatus::kOk) {
+            result.bytes += msg.bytes;
+            ++result.messages;
+            ++result.zero_copy_messages;
+        }
+        --expected[key];
+        auto it = pending.find(key);
+        if (it != pending.end() && static_cast<int>(it->second.messages.size()) == expected[key])
+            unpack_pending(key);
+    }
+
+    // Takes the worker's finished checks; true when there were some.
+    bool take_checked() {
+        if (!checker) return false;
+        const auto done = checker->take_done();
+        for (const auto& j : done) {
+            if (!j.ok) checksum_failed(j.message, plan->messages[j.message].src_rank);
+            landed(j.message);
+        }
+        return !done.empty();
     }
 
     void unpack_pending(const std::pair<int, int>& key) {
@@ -670,9 +777,11 @@ struct TransferReceiver::Impl {
     bool step() {
         bool moved = false;
         for (auto& s : sources) moved |= step_source(s);
-        const bool all_in = std::all_of(sources.begin(), sources.end(), [](const Source& s) {
-            return s.next >= s.messages.size();
-        });
+        moved |= take_checked();
+        const bool all_in =
+            std::all_of(sources.begin(), sources.end(),
+                        [](const Source& s) { return s.next >= s.messages.size(); }) &&
+            (!checker || checker->outstanding() == 0);
         if (all_in && !acks_sent) {
             send_acks();
             moved = true;
@@ -696,6 +805,10 @@ struct TransferReceiver::Impl {
         for (auto& s : sources) {  // cancel what never came
             s.header_req = Request();
             s.payload_req = Request();
+        }
+        if (checker) {  // what landed is checked before the caller may free its blocks
+            checker->drain();
+            take_checked();
         }
         // Tell the sources (a live but slow one stops; a dead one never matches: cancelled below).
         if (!acks_sent) send_acks();
@@ -744,16 +857,21 @@ void progress_until_done(std::span<TransferSender* const> senders,
     for (;;) {
         bool all = true;
         double least_idle = 1e9;
+        int sleep_us = 1 << 30;  // the least any sender asks for; 0 when a receiver polls too
         for (auto* s : senders) {
             all &= s->progress();
-            if (!s->done()) least_idle = std::min(least_idle, s->idle_seconds());
+            if (s->done()) continue;
+            least_idle = std::min(least_idle, s->idle_seconds());
+            sleep_us = std::min(sleep_us, s->idle_sleep_us());
         }
         for (auto* r : receivers) {
             all &= r->progress();
-            if (!r->done()) least_idle = std::min(least_idle, r->idle_seconds());
+            if (r->done()) continue;
+            least_idle = std::min(least_idle, r->idle_seconds());
+            sleep_us = 0;
         }
         if (all) return;
-        idle(least_idle);
+        idle(least_idle, sleep_us);
     }
 }
 

@@ -104,6 +104,41 @@ TEST_P(TransferMpiTest, StreamedTransferIsExact) {
     }
 }
 
+// Same layout on both sides, blocks in order: every payload goes straight from the source pool to
+// the destination pool, and the receivers check them on their worker threads (any size here)
+// while senders sleep between polls once all is posted. A corrupt request fails alone.
+TEST(TransferMpiZeroCopy, CheckedOnWorkerThread) {
+    const ModelSpec m = testing::llama_mini(5);
+    auto src_ep = testing::make_endpoint(m, "pp=3", 16, PageOrder::kHnd, 64);
+    auto dst_ep = testing::make_endpoint(m, "pp=3", 16, PageOrder::kHnd, 64);
+    if (world().size() != 6) GTEST_SKIP() << "needs 6 processes";
+    auto plan = std::make_shared<TransferPlan>(
+        make_transfer_plan(src_ep, dst_ep, 64, {.layers_per_group = 1}));
+    auto src = testing::make_source(plan->src, 64);
+    auto dst = testing::make_destination(plan->dst);
+    TransferExecOptions good;
+    good.dst_world_base = 3;
+    good.offload_check_bytes = 0;
+    good.sender_idle_sleep_us = 50;
+    TransferExecOptions bad = good;
+    bad.faults.corrupt_message = 1;
+    const auto res = run_here(plan, src, dst, {good, bad});
+    const int me = world().rank();
+    EXPECT_TRUE(res[0].ok()) << res[0].error;
+    EXPECT_EQ(res[0].zero_copy_messages, res[0].messages);
+    if (me >= 3) {
+        const int d = me - 3;
+        const auto want = testing::expected_pool(plan->dst, d, 64, *dst.pools[d]);
+        const auto* got = reinterpret_cast<const uint32_t*>(dst.pools[d]->arena().data());
+        int64_t wrong = 0;
+        for (size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
+        EXPECT_EQ(wrong, 0) << "destination rank " << d;
+        if (d == plan->messages[1].dst_rank) {
+            EXPECT_EQ(res[1].status, TransferStatus::kChecksumMismatch) << res[1].error;
+        }
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Pairs, TransferMpiTest,
                          ::testing::Values(MpiPair{"tp=2", "tp=1", 70, 16, 64},   // 3 processes
                                            MpiPair{"tp=4", "tp=2", 100, 16, 16},  // 6

@@ -214,6 +214,71 @@ TEST(TransferExec, HungSourceTimesOut) {
     expect_all_ok(good, p.tokens);
 }
 
+// Payloads received straight into the pool are checked on the receiver's worker thread (every
+// size here), and senders sleep between polls once everything is posted.
+XferRequest zero_copy_request(const Pair& p, uint64_t id, TransferMode mode = TransferMode::kAuto) {
+    XferRequest r;
+    r.plan = make_plan(p, 1);  // blocks in order: each layer's run of a rank is contiguous
+    r.id = id;
+    r.opt.mode = mode;
+    r.opt.offload_check_bytes = 0;
+    r.opt.sender_idle_sleep_us = 50;
+    r.src = testing::make_source(r.plan->src, p.tokens);
+    r.dst = testing::make_destination(r.plan->dst);
+    return r;
+}
+
+int zero_copy_received(const XferRequest& r) {
+    int n = 0;
+    for (const auto& d : r.out.dst) n += d.zero_copy_messages;
+    return n;
+}
+
+TEST(TransferExec, ZeroCopyPayloadsCheckedOnWorkerThread) {
+    const std::vector<Pair> pairs = {
+        {llama_mini(), "tp=2", "tp=2", 96},
+        {llama_mini(6), "tp=2,pp=2", "tp=2,pp=2", 64},
+        {llama_mini(), "tp=1", "tp=1", 64, 16, 16, PageOrder::kNhd, PageOrder::kNhd},
+    };
+    for (const auto& p : pairs)
+        for (TransferMode mode : {TransferMode::kPreSend, TransferMode::kPostReceive}) {
+            SCOPED_TRACE(p.from + " -> " + p.to + " " + std::string(transfer_mode_name(mode)));
+            XferRequest r = zero_copy_request(p, 61, mode);
+            run_requests({&r});
+            expect_all_ok(r, p.tokens);
+            EXPECT_EQ(zero_copy_received(r), static_cast<int>(r.plan->messages.size()));
+        }
+}
+
+TEST(TransferExec, WorkerThreadCheckFailsOnlyThatRequest) {
+    Pair p{llama_mini(), "tp=2", "tp=2", 64};
+    XferRequest bad = zero_copy_request(p, 62);
+    XferRequest good = zero_copy_request(p, 63);
+    const int corrupt = 3;
+    bad.opt.faults.corrupt_message = corrupt;
+    const TransferMessage& m = bad.plan->messages[corrupt];
+    run_requests({&bad, &good});
+    EXPECT_EQ(bad.out.dst[m.dst_rank].status, TransferStatus::kChecksumMismatch)
+        << bad.out.dst[m.dst_rank].error;
+    EXPECT_EQ(bad.out.src[m.src_rank].status, TransferStatus::kPeerFailed)
+        << bad.out.src[m.src_rank].error;
+    expect_all_ok(good, p.tokens);
+    EXPECT_GT(zero_copy_received(good), 0);
+}
+
+TEST(TransferExec, TimeoutWaitsForWorkerChecks) {
+    Pair p{llama_mini(), "tp=2", "tp=2", 64};
+    XferRequest bad = zero_copy_request(p, 64);
+    bad.opt.timeout_s = 0.3;
+    bad.opt.faults.stall_after = 2;  // each source sends two messages, then hangs
+    run_requests({&bad});
+    for (const auto& d : bad.out.dst) {
+        EXPECT_EQ(d.status, TransferStatus::kTimeout) << d.error;
+        EXPECT_EQ(d.zero_copy_messages, 2);  // landed and checked before the timeout
+    }
+    for (const auto& s : bad.out.src) EXPECT_FALSE(s.ok());
+}
+
 TEST(TransferExec, HeaderRoundTrip) {
     Pair p{llama_mini(), "tp=8", "tp=4", 16};
     auto plan = make_plan(p, 0);

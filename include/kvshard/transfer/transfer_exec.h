@@ -133,6 +133,15 @@ struct TransferExecOptions {
     double timeout_s = 30.0;        // without progress
     TransferFaults faults;
     std::shared_ptr<StagingPool> staging_pool;  // null: each sender/receiver makes its own
+    // Receiver: a payload received straight into the pool (zero copy) of at least this many bytes
+    // is checked on a worker thread of the receiver, while its own thread goes on receiving (with
+    // a single-copy transport, MPI's copy runs inside the receiver's calls). < 0: always inline.
+    int64_t offload_check_bytes = int64_t{1} << 20;
+    // Sender: once all its messages are posted, sleep this long between polls instead of spinning.
+    // 0 (default) spins, which any transport that moves bytes inside the sender's MPI calls needs
+    // (TCP, pipelined copies); > 0 frees the sender's core for others when the transport moves
+    // the bytes without the sender (shared memory with a single copy done by the receiver: CMA).
+    int sender_idle_sleep_us = 0;
 };
 
 // Tags of a request: header, payload, ack (request_id modulo 65536 slots above 2^19).
@@ -172,6 +181,9 @@ class TransferSender {
     bool done() const { return done_; }
     TransferResult finish();      // polls until done
     double idle_seconds() const;  // since something last moved
+    // How long to sleep between polls now: options.sender_idle_sleep_us once every message is
+    // posted and only completions are awaited, else 0 (spin).
+    int idle_sleep_us() const;
 
   private:
     struct Impl;
@@ -201,7 +213,8 @@ class TransferReceiver {
 
 // Polls all of them until every one is done. While data moves it spins (MPI progresses large
 // messages only inside its calls, so a sleeping poller would stall them); after 50 ms without
-// progress it sleeps between polls.
+// progress it sleeps between polls. Senders alone, all of them with everything posted and
+// sender_idle_sleep_us > 0, sleep that long between polls.
 void progress_until_done(std::span<TransferSender* const> senders,
                          std::span<TransferReceiver* const> receivers);
 
