@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "kvshard/comm/mpi.h"
+#include "kvshard/common/large_alloc.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/transfer/transfer_exec.h"
 
@@ -146,10 +147,15 @@ int main(int argc, char** argv) {
     // The ceiling: one message per (src, dst) pair of the plan, of the bytes the plan moves.
     std::map<std::pair<int, int>, int64_t> pair_bytes;
     for (const auto& msg : plan->messages) pair_bytes[{msg.src_rank, msg.dst_rank}] += msg.bytes;
-    std::vector<std::vector<std::byte>> raw_bufs;
+    // The same kind of memory as the pools and staging buffers (allocate_large: huge pages).
+    std::vector<std::span<std::byte>> raw_bufs;
+    std::vector<LargeBuffer> raw_mem;
     for (const auto& [pr, b] : pair_bytes)
-        if ((src_side && pr.first == local) || (!src_side && pr.second == local))
-            raw_bufs.emplace_back(static_cast<size_t>(b), std::byte{1});
+        if ((src_side && pr.first == local) || (!src_side && pr.second == local)) {
+            raw_mem.push_back(allocate_large(static_cast<size_t>(b)));
+            raw_bufs.emplace_back(raw_mem.back().get(), static_cast<size_t>(b));
+            std::fill(raw_bufs.back().begin(), raw_bufs.back().end(), std::byte{1});
+        }
 
     std::vector<double> t_transfer, t_mpi, t_mpi_msgs;
     for (int rep = 0; rep < a.reps + 1; ++rep) {  // the first round warms up

@@ -20,12 +20,8 @@ BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks)
             "page geometry needs at least one layer, head and element and kv_factor 1 or 2");
     require(num_blocks_ >= 1, "a block pool needs at least one block, got ", num_blocks_);
     const auto bytes = static_cast<size_t>(arena_bytes());
-    arena_.reset(static_cast<std::byte*>(::operator new[](bytes, std::align_val_t{kArenaAlign})));
+    arena_ = allocate_large(bytes);
     std::memset(arena_.get(), 0, bytes);
-}
-
-void BlockPool::ArenaDelete::operator()(std::byte* p) const noexcept {
-    ::operator delete[](p, std::align_val_t{kArenaAlign});
 }
 
 BlockPool BlockPool::from_budget(PageGeometry geometry, int64_t budget_bytes) {

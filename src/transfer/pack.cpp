@@ -7,11 +7,8 @@
 #include <emmintrin.h>
 #endif
 
-// Inline XXH3: the streaming state lives on the stack and short updates need no call.
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
 #include "kvshard/common/error.h"
+#include "kvshard/common/xxh3.h"
 
 namespace kvshard {
 namespace {
@@ -149,9 +146,7 @@ void walk_message(const TransferPlan& plan, const TransferMessage& msg, bool sou
 class RunCopier {
   public:
     RunCopier(bool stream_stores, size_t hashed_messages)
-        : stream_(stream_stores), hashes_(hashed_messages) {
-        for (auto& h : hashes_) XXH3_64bits_reset(&h.state);
-    }
+        : stream_(stream_stores), hashes_(hashed_messages) {}
 
     // msg: the run's message in the batch (for its hash).
     void add(std::byte* dst, const std::byte* src, int64_t len, size_t msg) {
@@ -182,7 +177,7 @@ class RunCopier {
         }
         for (size_t m = 0; m < hashes_.size(); ++m) {
             flush_hash(hashes_[m]);
-            if (m < hashes.size()) hashes[m] = XXH3_64bits_digest(&hashes_[m].state);
+            if (m < hashes.size()) hashes[m] = hashes_[m].state.digest();
         }
 #if defined(__SSE2__)
         if (stream_) _mm_sfence();
@@ -198,7 +193,7 @@ class RunCopier {
         bool src_jumps = false;  // does not continue the previous run in the source
     };
     struct Hash {
-        XXH3_state_t state;
+        Xxh3Stream state;
         const std::byte* pending = nullptr;  // wire bytes copied but not hashed yet
         int64_t pending_len = 0;
     };
@@ -241,8 +236,7 @@ class RunCopier {
     }
 
     static void flush_hash(Hash& h) {
-        if (h.pending_len > 0)
-            XXH3_64bits_update(&h.state, h.pending, static_cast<size_t>(h.pending_len));
+        if (h.pending_len > 0) h.state.update(h.pending, static_cast<size_t>(h.pending_len));
         h.pending_len = 0;
     }
 

@@ -1,7 +1,5 @@
 #include "kvshard/transfer/transfer_exec.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -12,6 +10,7 @@
 #include <thread>
 
 #include "kvshard/common/error.h"
+#include "kvshard/common/xxh3.h"
 
 namespace kvshard {
 namespace {
@@ -27,7 +26,7 @@ constexpr int kTagSlots = 1 << 16;
 constexpr int kHeaderKind = 0, kPayloadKind = 1, kAckKind = 2;
 
 uint64_t header_hash(const TransferHeader& h) {
-    return XXH3_64bits(&h, offsetof(TransferHeader, header_xxh3));
+    return xxh3_64(&h, offsetof(TransferHeader, header_xxh3));
 }
 
 // Between polls: spin while things move, sleep once idle for a while (the cores may be shared).
@@ -99,7 +98,7 @@ class CheckWorker {
             todo_.pop_front();
             busy_ = true;
             lk.unlock();
-            j.ok = XXH3_64bits(j.data.data(), j.data.size()) == j.want;
+            j.ok = xxh3_64(j.data.data(), j.data.size()) == j.want;
             lk.lock();
             busy_ = false;
             done_.push_back(j);
@@ -138,11 +137,11 @@ StagingPool::Buffer StagingPool::acquire(size_t size) {
         }
     }
     b.capacity_ = std::max<size_t>(size, 1);
-    b.data_.reset(new std::byte[b.capacity_ + 63]);  // default-initialized: no zero fill
+    b.data_ = allocate_large(b.capacity_);  // no zero fill
     return b;
 }
 
-void StagingPool::give_back(std::unique_ptr<std::byte[]> data, size_t capacity) {
+void StagingPool::give_back(LargeBuffer data, size_t capacity) {
     std::lock_guard lk(mu_);
     free_.emplace(capacity, std::move(data));
     kept_ += static_cast<int64_t>(capacity);
@@ -340,7 +339,7 @@ struct TransferSender::Impl {
                 InFlight& b = in_flight.back();
                 b.payload_req = world.isend(b.direct, dest, transfer_tag(request_id, kPayloadKind));
                 const auto tp = Clock::now();
-                b.header.payload_xxh3 = XXH3_64bits(b.direct.data(), b.direct.size());
+                b.header.payload_xxh3 = xxh3_64(b.direct.data(), b.direct.size());
                 seal_header(b.header);
                 result.pack_seconds += seconds_since(tp);
                 b.header_req =
@@ -673,7 +672,7 @@ struct TransferReceiver::Impl {
                     if (!checker) checker = std::make_unique<CheckWorker>();
                     checker->submit({s.direct, s.header.payload_xxh3, idx, false});
                 } else {
-                    if (XXH3_64bits(s.direct.data(), s.direct.size()) != s.header.payload_xxh3)
+                    if (xxh3_64(s.direct.data(), s.direct.size()) != s.header.payload_xxh3)
                         checksum_failed(idx, s.rank);
                     landed(idx);
                 }

@@ -9,7 +9,8 @@
 //   HND: [num_heads][block_size][head_dim]  (default: a contiguous range of heads is contiguous
 //   bytes) NHD: [block_size][num_heads][head_dim]
 // The arena starts on a kArenaAlign (4 KiB) boundary, so a page is aligned to the largest power of
-// two dividing both page_bytes() and 4 KiB (SIMD kernels read it with aligned cache lines).
+// two dividing both page_bytes() and 4 KiB (SIMD kernels read it with aligned cache lines). An
+// arena of 2 MiB or more is 2 MiB-aligned and on transparent huge pages (common/large_alloc.h).
 // A block id means the same tokens on every rank of a TP x PP group; each rank stores only its own
 // heads and layers, so the pools of one group differ in geometry but share block ids.
 #include <cstddef>
@@ -18,6 +19,7 @@
 #include <span>
 
 #include "kvshard/common/dtype.h"
+#include "kvshard/common/large_alloc.h"
 
 namespace kvshard {
 
@@ -90,10 +92,7 @@ class BlockPool {
   private:
     PageGeometry geometry_;
     int64_t num_blocks_;
-    struct ArenaDelete {
-        void operator()(std::byte* p) const noexcept;
-    };
-    std::unique_ptr<std::byte[], ArenaDelete> arena_;
+    LargeBuffer arena_;
 };
 
 // The page geometry of `rank` in a layout: its layers, its KV heads (MLA: one latent of

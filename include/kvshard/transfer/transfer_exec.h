@@ -31,6 +31,7 @@
 
 #include "kvshard/cache/block_pool.h"
 #include "kvshard/comm/communicator.h"
+#include "kvshard/common/large_alloc.h"
 #include "kvshard/transfer/pack.h"
 #include "kvshard/transfer/transfer_plan.h"
 
@@ -83,7 +84,8 @@ struct TransferFaults {
 
 // Payload buffers reused across messages and requests: no zero fill, and no page faults once warm
 // (a fresh 4 MiB allocation per message costs a page fault per 4 KiB). A Buffer returns its memory
-// to the pool when destroyed. Buffers start on a 64-byte boundary (a cache line). Thread-safe.
+// to the pool when destroyed. Buffers are allocate_large memory (4 KiB-aligned; huge pages from
+// 2 MiB up: common/large_alloc.h). Thread-safe.
 class StagingPool : public std::enable_shared_from_this<StagingPool> {
   public:
     class Buffer {
@@ -92,8 +94,8 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
         Buffer(Buffer&&) noexcept = default;
         Buffer& operator=(Buffer&& o) noexcept;
         ~Buffer();
-        std::byte* data() { return line_aligned(data_.get()); }
-        const std::byte* data() const { return line_aligned(data_.get()); }
+        std::byte* data() { return data_.get(); }
+        const std::byte* data() const { return data_.get(); }
         size_t size() const { return size_; }
         bool empty() const { return size_ == 0; }
         std::byte& operator[](size_t i) { return data()[i]; }
@@ -103,12 +105,8 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
       private:
         friend class StagingPool;
         void reset();
-        // data_ holds capacity_ + 63 bytes; the buffer starts at its first 64-byte boundary.
-        static std::byte* line_aligned(std::byte* p) {
-            return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
-        }
         std::shared_ptr<StagingPool> pool_;
-        std::unique_ptr<std::byte[]> data_;
+        LargeBuffer data_;
         size_t capacity_ = 0, size_ = 0;
     };
 
@@ -118,9 +116,9 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
 
   private:
     explicit StagingPool(int64_t keep_bytes) : keep_bytes_(keep_bytes) {}
-    void give_back(std::unique_ptr<std::byte[]> data, size_t capacity);
+    void give_back(LargeBuffer data, size_t capacity);
     std::mutex mu_;
-    std::multimap<size_t, std::unique_ptr<std::byte[]>> free_;  // by capacity
+    std::multimap<size_t, LargeBuffer> free_;  // by capacity
     int64_t kept_ = 0, keep_bytes_;
 };
 
