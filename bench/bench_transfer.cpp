@@ -7,12 +7,14 @@
 #include <benchmark/benchmark.h>
 
 #include <time.h>
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "kvshard/common/large_alloc.h"
 #include "kvshard/common/xxh3.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/transfer/pack.h"
@@ -32,11 +34,13 @@ struct Setup {
     TransferPlan plan;
     std::unique_ptr<BlockPool> src_pool, dst_pool;
     std::vector<const TransferMessage*> msgs;  // one message, or a batch (all of one rank's)
-    std::vector<std::unique_ptr<std::byte[]>> wire_storage;
-    std::vector<std::span<std::byte>> wires;  // 64-byte aligned, like the executor's staging
+    std::vector<LargeBuffer> wire_storage;
+    std::vector<std::span<std::byte>> wires;  // allocate_large, like the executor's staging
     std::vector<std::span<std::byte>> outs;
     std::vector<std::span<const std::byte>> ins;
-    std::vector<std::byte> copy_src, copy_dst;
+    // The memcpy reference: the same kind of memory as the pools and staging buffers (huge pages).
+    LargeBuffer copy_src_mem, copy_dst_mem;
+    std::span<std::byte> copy_src, copy_dst;
     int64_t bytes = 0;
 };
 
@@ -73,10 +77,8 @@ std::unique_ptr<Setup> make_setup(Batch batch, const std::string& from, const st
     for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<std::byte>(i * 131 + 7);
     for (const auto* m : s->msgs) {
         const auto n = static_cast<size_t>(m->bytes);
-        s->wire_storage.push_back(std::make_unique<std::byte[]>(n + 63));
-        std::byte* p = s->wire_storage.back().get();
-        p += (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
-        s->wires.emplace_back(p, n);
+        s->wire_storage.push_back(allocate_large(n));
+        s->wires.emplace_back(s->wire_storage.back().get(), n);
         std::fill(s->wires.back().begin(), s->wires.back().end(), std::byte{1});
         s->bytes += m->bytes;
     }
@@ -84,8 +86,12 @@ std::unique_ptr<Setup> make_setup(Batch batch, const std::string& from, const st
         s->outs.emplace_back(w);
         s->ins.emplace_back(w);
     }
-    s->copy_src.assign(static_cast<size_t>(s->bytes), std::byte{2});
-    s->copy_dst.assign(static_cast<size_t>(s->bytes), std::byte{3});
+    s->copy_src_mem = allocate_large(static_cast<size_t>(s->bytes));
+    s->copy_dst_mem = allocate_large(static_cast<size_t>(s->bytes));
+    s->copy_src = {s->copy_src_mem.get(), static_cast<size_t>(s->bytes)};
+    s->copy_dst = {s->copy_dst_mem.get(), static_cast<size_t>(s->bytes)};
+    std::fill(s->copy_src.begin(), s->copy_src.end(), std::byte{2});
+    std::fill(s->copy_dst.begin(), s->copy_dst.end(), std::byte{3});
     return s;
 }
 
