@@ -1,5 +1,7 @@
 #include "kvshard/transfer/transfer_exec.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -37,6 +39,14 @@ void idle(double idle_seconds, int sleep_us = 0) {
         std::this_thread::yield();
     else
         std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+// How many CPUs this thread may run on (its affinity mask: mpirun binds a rank to one core when
+// there are as many ranks as cores). A worker thread only pays where it can run beside us.
+int usable_cpus() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+    return CPU_COUNT(&set);
 }
 
 // Checks payloads that landed in the pool, on a thread of its own: the receiver's thread goes on
@@ -564,6 +574,8 @@ struct TransferReceiver::Impl {
     std::vector<TransferAck> acks;
     std::vector<Request> ack_reqs;
     std::unique_ptr<CheckWorker> checker;  // started by the first payload it takes
+    // A worker thread checks zero-copy payloads only where it can run beside this thread.
+    const bool offload_checks = opt.offload_check_bytes >= 0 && usable_cpus() > 1;
 
     Impl(Communicator& w, std::shared_ptr<const TransferPlan> p, uint64_t rid, int r, BlockPool& pl,
          TransferExecOptions o)
@@ -668,7 +680,7 @@ struct TransferReceiver::Impl {
             if (!s.payload_req.test()) return moved;
             const auto tu = Clock::now();
             if (!s.direct.empty()) {  // already in place: check it here or on the worker
-                if (opt.offload_check_bytes >= 0 && msg.bytes >= opt.offload_check_bytes) {
+                if (offload_checks && msg.bytes >= opt.offload_check_bytes) {
                     if (!checker) checker = std::make_unique<CheckWorker>();
                     checker->submit({s.direct, s.header.payload_xxh3, idx, false});
                 } else {

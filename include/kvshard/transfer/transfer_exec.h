@@ -133,7 +133,9 @@ struct TransferExecOptions {
     std::shared_ptr<StagingPool> staging_pool;  // null: each sender/receiver makes its own
     // Receiver: a payload received straight into the pool (zero copy) of at least this many bytes
     // is checked on a worker thread of the receiver, while its own thread goes on receiving (with
-    // a single-copy transport, MPI's copy runs inside the receiver's calls). < 0: always inline.
+    // a single-copy transport, MPI's copy runs inside the receiver's calls). Only where the
+    // receiver's thread may run on more than one CPU (on one, the two would take turns: measured
+    // slower). < 0: always inline.
     int64_t offload_check_bytes = int64_t{1} << 20;
     // Sender: once all its messages are posted, sleep this long between polls instead of spinning.
     // 0 (default) spins, which any transport that moves bytes inside the sender's MPI calls needs
