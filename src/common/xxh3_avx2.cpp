@@ -5,16 +5,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-namespace kvshard::detail {
-
-unsigned long long xxh3_avx2_hash(const void* data, size_t len) { return XXH3_64bits(data, len); }
-void xxh3_avx2_reset(void* state) { XXH3_64bits_reset(static_cast<XXH3_state_t*>(state)); }
-void xxh3_avx2_update(void* state, const void* data, size_t len) {
-    XXH3_64bits_update(static_cast<XXH3_state_t*>(state), data, len);
-}
-unsigned long long xxh3_avx2_digest(const void* state) {
-    return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
-}
-
-}  // namespace kvshard::detail
+namespace kvshard::detail::xxh3_avx2 {
+#include "xxh3_impl.inc"
+}  // namespace kvshard::detail::xxh3_avx2
 #endif

@@ -24,6 +24,15 @@ struct MpiPair {
     int bs_from, bs_to;
 };
 
+// Elements of destination rank d's pool that differ from what its layout says it holds.
+int64_t wrong_elements(const TransferPlan& plan, const testing::Side& dst, int d, int64_t tokens) {
+    const auto want = testing::expected_pool(plan.dst, d, tokens, *dst.pools[d]);
+    const auto* got = reinterpret_cast<const uint32_t*>(dst.pools[d]->arena().data());
+    int64_t wrong = 0;
+    for (size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
+    return wrong;
+}
+
 class TransferMpiTest : public ::testing::TestWithParam<MpiPair> {};
 
 // Runs `requests` transfers of the same plan at once on this rank; returns the results by request.
@@ -91,11 +100,7 @@ TEST_P(TransferMpiTest, StreamedTransferIsExact) {
     if (me >= P) {
         const int d = me - P;
         EXPECT_EQ(res[0].bytes, needed_bytes(*plan, d));
-        const auto want = testing::expected_pool(plan->dst, d, c.tokens, *dst.pools[d]);
-        const auto* got = reinterpret_cast<const uint32_t*>(dst.pools[d]->arena().data());
-        int64_t wrong = 0;
-        for (size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
-        EXPECT_EQ(wrong, 0) << "destination rank " << d;
+        EXPECT_EQ(wrong_elements(*plan, dst, d, c.tokens), 0) << "destination rank " << d;
         if (d == plan->messages[0].dst_rank) {
             EXPECT_EQ(res[1].status, TransferStatus::kChecksumMismatch) << res[1].error;
         }
@@ -128,11 +133,7 @@ TEST(TransferMpiZeroCopy, CheckedOnWorkerThread) {
     EXPECT_EQ(res[0].zero_copy_messages, res[0].messages);
     if (me >= 3) {
         const int d = me - 3;
-        const auto want = testing::expected_pool(plan->dst, d, 64, *dst.pools[d]);
-        const auto* got = reinterpret_cast<const uint32_t*>(dst.pools[d]->arena().data());
-        int64_t wrong = 0;
-        for (size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
-        EXPECT_EQ(wrong, 0) << "destination rank " << d;
+        EXPECT_EQ(wrong_elements(*plan, dst, d, 64), 0) << "destination rank " << d;
         if (d == plan->messages[1].dst_rank) {
             EXPECT_EQ(res[1].status, TransferStatus::kChecksumMismatch) << res[1].error;
         }
