@@ -161,6 +161,8 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     xo.dst_world_base = P;
     xo.staging_bytes = opt.staging_bytes;
     xo.timeout_s = opt.timeout_s;
+    xo.sender_idle_sleep_us = opt.sender_idle_sleep_us;
+    xo.offload_check_bytes = opt.offload_check_bytes;
 
     const int me = world.rank();
     const bool is_prefill = me < P;

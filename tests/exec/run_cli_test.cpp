@@ -76,6 +76,13 @@ TEST(RunCli, BadInputExitsTwoWithAMessage) {
     r = run_cli("run --model tiny --prefill tp=1 --decode tp=1 --staging-mib 9000000000000");
     EXPECT_EQ(r.status, 2);
     EXPECT_NE(r.out.find("--staging-mib must be between 1 and"), std::string::npos) << r.out;
+    r = run_cli("run --model tiny --prefill tp=1 --decode tp=1 --sender-sleep-us -5");
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.out.find("--sender-sleep-us must be between 0 (spin) and"), std::string::npos)
+        << r.out;
+    r = run_cli("run --model tiny --prefill tp=1 --decode tp=1 --check-thread-bytes -2");
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.out.find("--check-thread-bytes must be -1 (never)"), std::string::npos) << r.out;
 }
 
 }  // namespace

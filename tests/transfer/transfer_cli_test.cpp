@@ -135,4 +135,17 @@ TEST(DisaggRunCli, RunFlagsAreUsedOrRefused) {
         << both.out;
 }
 
+// The transfer's polling and checking knobs reach it: a sleeping sender and checks on a worker
+// thread for every payload received straight into the pool still give the unsharded tokens.
+TEST(DisaggRunCli, SenderSleepAndCheckThread) {
+    const auto r = run_cli(
+        "run --model tiny --prefill tp=2 --decode tp=2 --sender-sleep-us 50 --check-thread-bytes "
+        "0 --prompts 2 --prompt-len 32 --gen 4 --verify --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["verify"]["tokens_match"], true);
+    EXPECT_EQ(j["failed_requests"], 0);
+    EXPECT_EQ(j["transfer"]["bytes"], j["transfer"]["min_bytes"]);
+}
+
 }  // namespace

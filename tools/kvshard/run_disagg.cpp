@@ -68,6 +68,16 @@ void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
     sub->add_option("--staging-mib", f.staging_mib,
                     "disaggregated run: packed KV in flight per rank (MiB; back-pressure beyond)")
         ->capture_default_str();
+    sub->add_option("--sender-sleep-us", f.sender_sleep_us,
+                    "disaggregated run: a prefill rank with all its KV posted sleeps this long "
+                    "between polls (0: spins; > 0 frees its core where the transport moves the "
+                    "bytes without it, e.g. MPI on one host with CMA)")
+        ->capture_default_str();
+    sub->add_option("--check-thread-bytes", f.check_thread_bytes,
+                    "disaggregated run: a payload received straight into the pool of at least this "
+                    "many bytes is checksummed on a worker thread beside the receive (where the "
+                    "rank may use more than one CPU; -1: never)")
+        ->capture_default_str();
 }
 
 int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
@@ -76,6 +86,12 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     const ParallelConfig pd = parse_side("--decode", f.decode, m);
     require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
             "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
+    require(f.sender_sleep_us >= 0 && f.sender_sleep_us <= 1000000,
+            "--sender-sleep-us must be between 0 (spin) and 1000000 (1 s), got ",
+            f.sender_sleep_us);
+    require(f.check_thread_bytes >= -1,
+            "--check-thread-bytes must be -1 (never) or a byte count >= 0, got ",
+            f.check_thread_bytes);
     require(f.decode_block_size >= 0,
             "--decode-block-size must be at least 1 (or 0: the same as --block-size), got ",
             f.decode_block_size);
@@ -90,6 +106,8 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     opt.cp_decode_merge = in.cp_decode_merge;
     opt.stream_layers = !f.no_stream;
     opt.staging_bytes = f.staging_mib << 20;
+    opt.sender_idle_sleep_us = f.sender_sleep_us;
+    opt.offload_check_bytes = f.check_thread_bytes;
     set_compute_threads(1);
 
     int status = 0;

@@ -11,6 +11,7 @@
 #include "kvshard/exec/cp_plan.h"
 #include "kvshard/model/model_spec.h"
 #include "kvshard/model/weights.h"
+#include "kvshard/transfer/disagg.h"
 
 namespace kvshard::cli {
 
@@ -22,11 +23,13 @@ struct DisaggFlags {
     std::string transfer_mode = "auto";
     bool no_stream = false;
     int64_t staging_mib = 64;
+    int sender_sleep_us = DisaggOptions{}.sender_idle_sleep_us;
+    int64_t check_thread_bytes = DisaggOptions{}.offload_check_bytes;
     bool enabled() const { return !prefill.empty() || !decode.empty(); }
 };
 
 // Adds --prefill, --decode, --decode-block-size, --prefill-order, --decode-order, --transfer-mode,
-// --no-stream, --staging-mib to `kvshard run`.
+// --no-stream, --staging-mib, --sender-sleep-us, --check-thread-bytes to `kvshard run`.
 void add_disagg_options(CLI::App* sub, DisaggFlags& f);
 
 struct DisaggRunInput {

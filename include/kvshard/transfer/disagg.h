@@ -20,6 +20,7 @@
 #include "kvshard/model/model_spec.h"
 #include "kvshard/model/weights.h"
 #include "kvshard/transfer/pack.h"
+#include "kvshard/transfer/transfer_exec.h"
 
 namespace kvshard {
 
@@ -34,6 +35,9 @@ struct DisaggOptions {
     TransferMode mode = TransferMode::kAuto;
     bool stream_layers = true;  // a message per layer, sent as soon as the layer is done
     int64_t staging_bytes = int64_t{64} << 20;
+    // Passed to the transfer (TransferExecOptions, same meaning and defaults).
+    int sender_idle_sleep_us = TransferExecOptions{}.sender_idle_sleep_us;
+    int64_t offload_check_bytes = TransferExecOptions{}.offload_check_bytes;
     double timeout_s = 60.0;
     int corrupt_request = -1;  // test hook: corrupt one payload of this request (prompt index)
     std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side: empty = automatic
