@@ -151,12 +151,15 @@ constexpr auto kN = PageOrder::kNhd;
 constexpr auto kPre = TransferMode::kPreSend;
 constexpr auto kPost = TransferMode::kPostReceive;
 
-#define KVSHARD_TRANSFER_BENCH(name, pack, batched, mode, from, to, bsf, bst, of, ot)    \
-    BENCHMARK_CAPTURE(run, name, pack, batched, false, mode, from, to, bsf, bst, of, ot) \
-        ->Arg(4096)                                                                      \
-        ->UseManualTime()                                                                \
-        ->Unit(benchmark::kMillisecond)                                                  \
+// hash: the pack/unpack computes each payload's checksum too (the *_xxh3_* rows below).
+#define KVSHARD_TRANSFER_CASE(name, pack, batched, hash, mode, from, to, bsf, bst, of, ot) \
+    BENCHMARK_CAPTURE(run, name, pack, batched, hash, mode, from, to, bsf, bst, of, ot)    \
+        ->Arg(4096)                                                                        \
+        ->UseManualTime()                                                                  \
+        ->Unit(benchmark::kMillisecond)                                                    \
         ->MinTime(0.5)
+#define KVSHARD_TRANSFER_BENCH(name, pack, batched, mode, from, to, bsf, bst, of, ot) \
+    KVSHARD_TRANSFER_CASE(name, pack, batched, false, mode, from, to, bsf, bst, of, ot)
 
 // The seed's example: TP=8 -> TP=4, block 16, HND. One message = one head, all layers, all tokens.
 KVSHARD_TRANSFER_BENCH(pack_tp8_tp4_presend, true, false, kPre, "tp=8", "tp=4", 16, 16, kH, kH);
@@ -192,11 +195,7 @@ KVSHARD_TRANSFER_BENCH(unpack_hnd_to_nhd_postrecv, false, false, kPost, "tp=2", 
 // Fused checksum: pack (unpack) computing each payload's XXH3_64 while copying, as the executor
 // does; next to memcpy alone and to memcpy followed by an XXH3 pass (the unfused way).
 #define KVSHARD_TRANSFER_HASH_BENCH(name, pack, batched, mode, from, to, bsf, bst, of, ot) \
-    BENCHMARK_CAPTURE(run, name, pack, batched, true, mode, from, to, bsf, bst, of, ot)    \
-        ->Arg(4096)                                                                        \
-        ->UseManualTime()                                                                  \
-        ->Unit(benchmark::kMillisecond)                                                    \
-        ->MinTime(0.5)
+    KVSHARD_TRANSFER_CASE(name, pack, batched, true, mode, from, to, bsf, bst, of, ot)
 KVSHARD_TRANSFER_HASH_BENCH(pack_xxh3_tp8_tp4_presend, true, false, kPre, "tp=8", "tp=4", 16, 16,
                             kH, kH);
 KVSHARD_TRANSFER_HASH_BENCH(unpack_xxh3_tp8_tp4_presend, false, false, kPre, "tp=8", "tp=4", 16, 16,

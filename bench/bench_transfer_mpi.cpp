@@ -76,12 +76,12 @@ Args parse(int argc, char** argv) {
             a.bs_to = std::stoi(v);
         else if (k == "--order-from")
             a.order_from = parse_order(v);
+        else if (k == "--order-to")
+            a.order_to = parse_order(v);
         else if (k == "--offload-check-bytes")
             a.offload_check_bytes = std::stoll(v);
         else if (k == "--sender-sleep-us")
             a.sender_sleep_us = std::stoi(v);
-        else if (k == "--order-to")
-            a.order_to = parse_order(v);
         else {
             std::fprintf(stderr, "bench_transfer_mpi: unknown flag %s\n", k.c_str());
             std::exit(2);
@@ -147,15 +147,25 @@ int main(int argc, char** argv) {
     // The ceiling: one message per (src, dst) pair of the plan, of the bytes the plan moves.
     std::map<std::pair<int, int>, int64_t> pair_bytes;
     for (const auto& msg : plan->messages) pair_bytes[{msg.src_rank, msg.dst_rank}] += msg.bytes;
-    // The same kind of memory as the pools and staging buffers (allocate_large: huge pages).
-    std::vector<std::span<std::byte>> raw_bufs;
+    // This rank's pairs, each with a buffer of the same kind of memory as the pools and staging
+    // buffers (allocate_large: huge pages).
+    auto mine = [&](const std::pair<int, int>& pr) {
+        return src_side ? pr.first == local : pr.second == local;
+    };
     std::vector<LargeBuffer> raw_mem;
+    std::map<std::pair<int, int>, std::span<std::byte>> raw_bufs;
     for (const auto& [pr, b] : pair_bytes)
-        if ((src_side && pr.first == local) || (!src_side && pr.second == local)) {
+        if (mine(pr)) {
             raw_mem.push_back(allocate_large(static_cast<size_t>(b)));
-            raw_bufs.emplace_back(raw_mem.back().get(), static_cast<size_t>(b));
-            std::fill(raw_bufs.back().begin(), raw_bufs.back().end(), std::byte{1});
+            const std::span<std::byte> buf(raw_mem.back().get(), static_cast<size_t>(b));
+            std::fill(buf.begin(), buf.end(), std::byte{1});
+            raw_bufs[pr] = buf;
         }
+    // A plain send (source side) or receive (destination side) of `buf` to/from the pair's peer.
+    auto post = [&](const std::pair<int, int>& pr, std::span<std::byte> buf, int tag) {
+        return src_side ? world->isend(std::span<const std::byte>(buf), P + pr.second, tag)
+                        : world->irecv(buf, pr.first, tag);
+    };
 
     std::vector<double> t_transfer, t_mpi, t_mpi_msgs;
     for (int rep = 0; rep < a.reps + 1; ++rep) {  // the first round warms up
@@ -189,14 +199,7 @@ int main(int argc, char** argv) {
         world->barrier();
         t0 = now();
         std::vector<Request> reqs;
-        size_t k = 0;
-        for (const auto& [pr, b] : pair_bytes) {
-            if (src_side && pr.first == local)
-                reqs.push_back(
-                    world->isend(std::span<const std::byte>(raw_bufs[k++]), P + pr.second, 77));
-            else if (!src_side && pr.second == local)
-                reqs.push_back(world->irecv(std::span<std::byte>(raw_bufs[k++]), pr.first, 77));
-        }
+        for (const auto& [pr, buf] : raw_bufs) reqs.push_back(post(pr, buf, 77));
         wait_all(reqs);
         world->barrier();
         t1 = now();
@@ -207,23 +210,13 @@ int main(int argc, char** argv) {
         world->barrier();
         t0 = now();
         reqs.clear();
-        std::map<std::pair<int, int>, int64_t> offset;
-        k = 0;
-        std::map<std::pair<int, int>, size_t> buf_of;
-        for (const auto& [pr, b] : pair_bytes)
-            if ((src_side && pr.first == local) || (!src_side && pr.second == local))
-                buf_of[pr] = k++;
+        std::map<std::pair<int, int>, size_t> offset;
         for (const auto& msg : plan->messages) {
             const std::pair<int, int> pr{msg.src_rank, msg.dst_rank};
-            const bool mine = src_side ? pr.first == local : pr.second == local;
-            if (!mine) continue;
-            std::byte* p = raw_bufs[buf_of[pr]].data() + offset[pr];
-            offset[pr] += msg.bytes;
-            const size_t n = static_cast<size_t>(msg.bytes);
-            if (src_side)
-                reqs.push_back(world->isend(std::span<const std::byte>(p, n), P + pr.second, 78));
-            else
-                reqs.push_back(world->irecv(std::span<std::byte>(p, n), pr.first, 78));
+            if (!mine(pr)) continue;
+            const auto n = static_cast<size_t>(msg.bytes);
+            reqs.push_back(post(pr, raw_bufs[pr].subspan(offset[pr], n), 78));
+            offset[pr] += n;
         }
         wait_all(reqs);
         world->barrier();

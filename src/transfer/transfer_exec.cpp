@@ -76,7 +76,6 @@ class CheckWorker {
         {
             std::lock_guard lk(mu_);
             todo_.push_back(j);
-            ++outstanding_;
         }
         cv_.notify_all();
     }
@@ -85,12 +84,12 @@ class CheckWorker {
         std::lock_guard lk(mu_);
         std::vector<Job> out;
         out.swap(done_);
-        outstanding_ -= static_cast<int>(out.size());
         return out;
     }
+    // Submitted and not yet taken.
     int outstanding() {
         std::lock_guard lk(mu_);
-        return outstanding_;
+        return static_cast<int>(todo_.size() + done_.size()) + (busy_ ? 1 : 0);
     }
     // Blocks until every submitted job is finished (their results stay for take_done).
     void drain() {
@@ -119,8 +118,7 @@ class CheckWorker {
     std::condition_variable cv_;
     std::deque<Job> todo_;
     std::vector<Job> done_;
-    int outstanding_ = 0;  // submitted, not yet taken
-    bool busy_ = false;
+    bool busy_ = false;  // a job is being checked
     bool stop_ = false;
     std::thread thread_;
 };

@@ -57,32 +57,28 @@ TEST(RunCli, DumpLogitsWritesNpy) {
     std::filesystem::remove(path);
 }
 
+// `args` exits 2 and its output says `message` (empty: only the exit status is checked).
+void expect_refused(const std::string& args, const std::string& message) {
+    const Result r = run_cli(args);
+    EXPECT_EQ(r.status, 2) << args;
+    if (!message.empty()) {
+        EXPECT_NE(r.out.find(message), std::string::npos) << r.out;
+    }
+}
+
 TEST(RunCli, BadInputExitsTwoWithAMessage) {
-    Result r = run_cli("run --model tiny --tp 3");
-    EXPECT_EQ(r.status, 2);
-    EXPECT_NE(r.out.find("valid tp sizes are 1, 2, 4, 8"), std::string::npos) << r.out;
-    r = run_cli("run --model tiny --ep 2");
-    EXPECT_EQ(r.status, 2);
-    EXPECT_NE(r.out.find("kvshard: error:"), std::string::npos) << r.out;
-    r = run_cli("run --model tiny --prompt-ids 1,300");
-    EXPECT_EQ(r.status, 2);
-    EXPECT_NE(r.out.find("outside the vocabulary"), std::string::npos) << r.out;
-    r = run_cli("run --model tiny --prompt-len 4 --shared-prefix 5");
-    EXPECT_EQ(r.status, 2);
+    expect_refused("run --model tiny --tp 3", "valid tp sizes are 1, 2, 4, 8");
+    expect_refused("run --model tiny --ep 2", "kvshard: error:");
+    expect_refused("run --model tiny --prompt-ids 1,300", "outside the vocabulary");
+    expect_refused("run --model tiny --prompt-len 4 --shared-prefix 5", "");
     // More KV than the machine has memory: refused up front, naming the flags to lower.
-    r = run_cli("run --model tiny --prompt-len 1 --gen 2147483647");
-    EXPECT_EQ(r.status, 2);
-    EXPECT_NE(r.out.find("lower --gen, --prompt-len or --prompts"), std::string::npos) << r.out;
-    r = run_cli("run --model tiny --prefill tp=1 --decode tp=1 --staging-mib 9000000000000");
-    EXPECT_EQ(r.status, 2);
-    EXPECT_NE(r.out.find("--staging-mib must be between 1 and"), std::string::npos) << r.out;
-    r = run_cli("run --model tiny --prefill tp=1 --decode tp=1 --sender-sleep-us -5");
-    EXPECT_EQ(r.status, 2);
-    EXPECT_NE(r.out.find("--sender-sleep-us must be between 0 (spin) and"), std::string::npos)
-        << r.out;
-    r = run_cli("run --model tiny --prefill tp=1 --decode tp=1 --check-thread-bytes -2");
-    EXPECT_EQ(r.status, 2);
-    EXPECT_NE(r.out.find("--check-thread-bytes must be -1 (never)"), std::string::npos) << r.out;
+    expect_refused("run --model tiny --prompt-len 1 --gen 2147483647",
+                   "lower --gen, --prompt-len or --prompts");
+    const std::string disagg = "run --model tiny --prefill tp=1 --decode tp=1 ";
+    expect_refused(disagg + "--staging-mib 9000000000000", "--staging-mib must be between 1 and");
+    expect_refused(disagg + "--sender-sleep-us -5",
+                   "--sender-sleep-us must be between 0 (spin) and");
+    expect_refused(disagg + "--check-thread-bytes -2", "--check-thread-bytes must be -1 (never)");
 }
 
 }  // namespace
