@@ -11,7 +11,7 @@
 
 namespace kvshard {
 
-BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks)
+BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks, PoolMemory memory)
     : geometry_(geometry), num_blocks_(num_blocks) {
     require(geometry_.block_size >= 1, "block size must be at least 1 token, got ",
             geometry_.block_size);
@@ -20,8 +20,14 @@ BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks)
             "page geometry needs at least one layer, head and element and kv_factor 1 or 2");
     require(num_blocks_ >= 1, "a block pool needs at least one block, got ", num_blocks_);
     const auto bytes = static_cast<size_t>(arena_bytes());
-    arena_ = allocate_large(bytes);
-    std::memset(arena_.get(), 0, bytes);
+    if (memory == PoolMemory::kShareable) {
+        shared_ = std::make_unique<SharedArena>(bytes);
+        base_ = shared_->data();
+    } else {
+        private_ = allocate_large(bytes);
+        base_ = private_.get();
+    }
+    std::memset(base_, 0, bytes);  // touches every page now, not in the first request
 }
 
 BlockPool BlockPool::from_budget(PageGeometry geometry, int64_t budget_bytes) {

@@ -139,9 +139,10 @@ void walk_message(const TransferPlan& plan, const TransferMessage& msg, bool sou
 // receiver reads next, unpack the pool that decode reads later; neither is re-read by this core.
 //
 // With hashing on, each message's payload is hashed (XXH3_64, seed 0) while it is copied: after a
-// run is copied its source bytes (the message's wire bytes, pack reading them from the pool), still
-// in L1, are fed to that message's streaming state; runs of one message that continue each other in
-// the source are fed as one piece of up to kHashChunk bytes. Walks visit each message's wire bytes
+// run (a long one: each kHashChunk piece of it) is copied its source bytes (the message's wire
+// bytes: pack and a direct read take them from the source pool), still in L1, are fed to that
+// message's streaming state; runs of one message that continue each other in the source are fed as
+// one piece of up to kHashChunk bytes. Walks visit each message's wire bytes
 // in increasing order, so this is XXH3_64bits of the payload.
 class RunCopier {
   public:
@@ -203,36 +204,45 @@ class RunCopier {
     static constexpr int64_t kPrefetchMinRun = 1024;  // shorter runs: left to the hardware
     static constexpr int64_t kHashChunk = 8192;
 
-    // Copies r; prefetches ahead's source lines, spread over the copy.
+    // Copies r; prefetches ahead's source lines, spread over the copy. With hashing, the run is
+    // copied and hashed piece by piece (at most kHashChunk bytes between a byte's copy and its
+    // hash), so a long run's bytes are hashed from L1, not re-read from memory.
     void copy_run(const Run& r, const Run* ahead) {
-        if (ahead == nullptr || !ahead->src_jumps || ahead->len < kPrefetchMinRun) {
-            copy(r.dst, r.src, r.len);
-        } else {
-            const std::byte* pf = ahead->src;
-            const int64_t pf_lines = (std::min(ahead->len, kPrefetchBytes) + 63) / 64;
-            const int64_t steps = std::max<int64_t>(1, (r.len + kStep - 1) / kStep);
-            const int64_t per_step = (pf_lines + steps - 1) / steps;
-            int64_t line = 0;
-            for (int64_t off = 0; off < r.len; off += kStep) {
-                for (int64_t j = 0; j < per_step && line < pf_lines; ++j, ++line)
-                    __builtin_prefetch(pf + line * 64, 0, 2);
-                copy(r.dst + off, r.src + off, std::min(kStep, r.len - off));
-            }
-            for (; line < pf_lines; ++line) __builtin_prefetch(pf + line * 64, 0, 2);
-        }
+        const bool prefetch = ahead != nullptr && ahead->src_jumps && ahead->len >= kPrefetchMinRun;
+        const bool hashing = !hashes_.empty();
         last_ = r;
-        if (!hashes_.empty()) {
-            Hash& h = hashes_[r.msg];
-            const std::byte* wire = r.src;  // the same bytes as the wire's, and in L1
-            if (h.pending_len > 0 && h.pending + h.pending_len == wire &&
-                h.pending_len + r.len <= kHashChunk) {
-                h.pending_len += r.len;
-            } else {
-                flush_hash(h);
-                h.pending = wire;
-                h.pending_len = r.len;
-            }
+        if (!prefetch && (!hashing || r.len <= kHashChunk)) {
+            copy(r.dst, r.src, r.len);
+            if (hashing) feed(hashes_[r.msg], r.src, r.len);
+            return;
         }
+        const std::byte* pf = prefetch ? ahead->src : nullptr;
+        const int64_t pf_lines = prefetch ? (std::min(ahead->len, kPrefetchBytes) + 63) / 64 : 0;
+        const int64_t step = prefetch ? kStep : kHashChunk;
+        const int64_t steps = std::max<int64_t>(1, (r.len + step - 1) / step);
+        const int64_t per_step = (pf_lines + steps - 1) / steps;
+        int64_t line = 0;
+        for (int64_t off = 0; off < r.len; off += step) {
+            for (int64_t j = 0; j < per_step && line < pf_lines; ++j, ++line)
+                __builtin_prefetch(pf + line * 64, 0, 2);
+            const int64_t n = std::min(step, r.len - off);
+            copy(r.dst + off, r.src + off, n);
+            if (hashing) feed(hashes_[r.msg], r.src + off, n);
+        }
+        for (; line < pf_lines; ++line) __builtin_prefetch(pf + line * 64, 0, 2);
+    }
+
+    // Queues n wire bytes at p (just copied, in L1) for the message's hash: pieces that continue
+    // each other are hashed together, up to kHashChunk bytes.
+    static void feed(Hash& h, const std::byte* p, int64_t n) {
+        if (h.pending_len > 0 && h.pending + h.pending_len == p &&
+            h.pending_len + n <= kHashChunk) {
+            h.pending_len += n;
+            return;
+        }
+        flush_hash(h);
+        h.pending = p;
+        h.pending_len = n;
     }
 
     static void flush_hash(Hash& h) {
@@ -433,6 +443,72 @@ void unpack_messages(const TransferPlan& plan, std::span<const TransferMessage* 
     walk_messages(plan, msgs, false, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
                   msgs[0]->num_layers(), plan.kv_factor, copy);
     copier.finish(xxh3);
+}
+
+uint64_t hash_payload(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
+                      const BlockPool& pool) {
+    require(mode != TransferMode::kAuto, "hash_payload needs a resolved mode (call resolve_mode)");
+    check_pool(plan, msg, true, pool, msg.bytes);
+    const std::byte* base = pool.arena().data();
+    std::vector<std::pair<int64_t, int64_t>> runs;  // (pool offset, length), in wire order
+    auto collect = [&runs](int64_t pool_off, int64_t, int64_t len) {
+        runs.emplace_back(pool_off, len);
+    };
+    walk_message(plan, msg, true, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
+                 msg.num_layers(), plan.kv_factor, collect);
+    // One run (the common zero-copy case): the one-shot function, the same value.
+    if (runs.size() == 1) return xxh3_64(base + runs[0].first, static_cast<size_t>(msg.bytes));
+    Xxh3Stream state;
+    for (const auto& [off, len] : runs) state.update(base + off, static_cast<size_t>(len));
+    return state.digest();
+}
+
+uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
+                     const SourceArena& src, BlockPool& dst) {
+    require(mode != TransferMode::kAuto, "copy_direct needs a resolved mode (call resolve_mode)");
+    const PageGeometry sg =
+        rank_page_geometry(plan.src.layout, msg.src_rank, plan.src.block_size, plan.src.order);
+    require(src.data != nullptr && src.num_blocks >= 1 &&
+                src.bytes >= src.num_blocks * sg.block_bytes(),
+            "the source arena of rank ", msg.src_rank, " (", src.bytes, " bytes) does not hold ",
+            src.num_blocks, " blocks of ", sg.block_bytes(), " bytes");
+    for (const auto& p : msg.pieces)
+        require(p.src_block < src.num_blocks, "block ", p.src_block, " of source rank ",
+                msg.src_rank, " is outside its pool of ", src.num_blocks, " blocks");
+    check_pool(plan, msg, false, dst, msg.bytes);
+    // Both sides' runs, each a partition of the wire bytes [0, msg.bytes) in increasing order;
+    // their intersections are the pool-to-pool copies, visited in wire order.
+    struct WireRun {
+        int64_t pool, wire, len;
+    };
+    std::vector<WireRun> from, to;
+    auto into = [](std::vector<WireRun>& v) {
+        return [&v](int64_t p, int64_t w, int64_t n) { v.push_back({p, w, n}); };
+    };
+    const PageOrder wire = wire_order(plan, mode);
+    auto collect_from = into(from);
+    auto collect_to = into(to);
+    walk_message(plan, msg, true, wire, sg, src.num_blocks, msg.num_layers(), plan.kv_factor,
+                 collect_from);
+    walk_message(plan, msg, false, wire, dst.geometry(), dst.num_blocks(), msg.num_layers(),
+                 plan.kv_factor, collect_to);
+    std::byte* base = dst.arena().data();
+    RunCopier copier(true, 1);
+    int64_t w = 0;
+    for (size_t i = 0, j = 0; i < from.size() && j < to.size();) {
+        const WireRun& a = from[i];
+        const WireRun& b = to[j];
+        const int64_t n = std::min(a.wire + a.len, b.wire + b.len) - w;
+        copier.add(base + b.pool + (w - b.wire), src.data + a.pool + (w - a.wire), n, 0);
+        w += n;
+        if (w == a.wire + a.len) ++i;
+        if (w == b.wire + b.len) ++j;
+    }
+    KVSHARD_CHECK(w == msg.bytes, "the direct copies of a message cover its ", msg.bytes,
+                  " bytes, not ", w);
+    uint64_t h = 0;
+    copier.finish(std::span<uint64_t>(&h, 1));
+    return h;
 }
 
 }  // namespace kvshard

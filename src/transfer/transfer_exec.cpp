@@ -31,6 +31,19 @@ uint64_t header_hash(const TransferHeader& h) {
     return xxh3_64(&h, offsetof(TransferHeader, header_xxh3));
 }
 
+uint64_t hello_hash(const TransferHello& h) {
+    return xxh3_64(&h, offsetof(TransferHello, hello_xxh3));
+}
+
+template <typename T>
+std::span<const std::byte> bytes_of(const T& v) {
+    return std::as_bytes(std::span<const T, 1>(&v, 1));
+}
+template <typename T>
+std::span<std::byte> writable_bytes_of(T& v) {
+    return std::as_writable_bytes(std::span<T, 1>(&v, 1));
+}
+
 // Between polls: spin while things move, sleep once idle for a while (the cores may be shared).
 void idle(double idle_seconds, int sleep_us = 0) {
     if (sleep_us > 0)
@@ -204,6 +217,21 @@ int transfer_tag(uint64_t request_id, int kind) {
 
 void seal_header(TransferHeader& h) { h.header_xxh3 = header_hash(h); }
 
+void seal_hello(TransferHello& h) { h.hello_xxh3 = hello_hash(h); }
+
+std::string check_hello(const TransferHello& h, uint64_t request_id, int src_rank, int dst_rank) {
+    if (h.magic != TransferHello::kMagic || h.version != TransferHeader::kVersion)
+        return detail::concat("not a transfer hello (magic ", h.magic, ", version ", h.version,
+                              "; this side speaks version ", TransferHeader::kVersion, ")");
+    if (h.hello_xxh3 != hello_hash(h)) return "hello checksum mismatch";
+    if (h.request_id != request_id || h.src_rank != static_cast<uint32_t>(src_rank) ||
+        h.dst_rank != static_cast<uint32_t>(dst_rank))
+        return detail::concat("hello for request ", h.request_id, " (", h.src_rank, "->",
+                              h.dst_rank, ") where request ", request_id, " (", src_rank, "->",
+                              dst_rank, ") was expected");
+    return "";
+}
+
 std::string check_header(const TransferHeader& h, const TransferPlan& plan, uint64_t request_id,
                          int message_index) {
     if (h.magic != TransferHeader::kMagic || h.version != TransferHeader::kVersion)
@@ -256,10 +284,21 @@ struct TransferSender::Impl {
     std::list<InFlight> in_flight;
     int64_t staged = 0;
 
-    std::vector<int> dsts;  // distinct destination ranks
-    std::vector<TransferAck> acks;
-    std::vector<Request> ack_reqs;
-    std::vector<char> closed;  // per destination: acked, so it listens no more
+    // Per distinct destination rank: the hello sent, what it replied, the control message being
+    // received (reply, credits, final ack: one at a time, in order), direct-read accounting.
+    struct Peer {
+        int rank = 0;
+        TransferHello hello;
+        Request hello_req;
+        TransferAck ctl;
+        Request ctl_req;
+        bool replied = false;  // it said how it takes my messages (or I offered no choice)
+        bool direct = false;   // it reads my pool in place
+        bool closed = false;   // acked, so it listens no more
+        int announced = 0;     // direct: messages announced to it
+        int credited = 0;      // direct: messages it has read
+    };
+    std::vector<Peer> peers;  // stable: requests point into it
     TransferResult result;
 
     Impl(Communicator& w, std::shared_ptr<const TransferPlan> p, uint64_t rid, int r,
@@ -268,16 +307,36 @@ struct TransferSender::Impl {
         mode = resolve_mode(*plan, opt.mode);
         staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
         mine = plan->messages_from(src_rank);
+        std::vector<int> dsts;
         for (int i : mine) {
             const int d = plan->messages[i].dst_rank;
             if (std::find(dsts.begin(), dsts.end(), d) == dsts.end()) dsts.push_back(d);
         }
-        acks.resize(dsts.size());
-        closed.assign(dsts.size(), 0);
-        for (size_t k = 0; k < dsts.size(); ++k)
-            ack_reqs.push_back(
-                world.irecv(std::as_writable_bytes(std::span<TransferAck, 1>(&acks[k], 1)),
-                            opt.dst_world_base + dsts[k], transfer_tag(request_id, kAckKind)));
+        peers.resize(dsts.size());
+        const SharedArenaId* shared = opt.direct_read ? pool.shared_id() : nullptr;
+        for (size_t k = 0; k < dsts.size(); ++k) {
+            Peer& q = peers[k];
+            q.rank = dsts[k];
+            q.hello.request_id = request_id;
+            q.hello.src_rank = static_cast<uint32_t>(src_rank);
+            q.hello.dst_rank = static_cast<uint32_t>(q.rank);
+            if (shared != nullptr) {
+                q.hello.flags = TransferHello::kShareable;
+                q.hello.pid = shared->pid;
+                q.hello.fd = shared->fd;
+                q.hello.token[0] = shared->token[0];
+                q.hello.token[1] = shared->token[1];
+                q.hello.arena_bytes = shared->bytes;
+                q.hello.num_blocks = pool.num_blocks();
+            }
+            q.replied = shared == nullptr;  // offering nothing, it needs no answer: messages
+            seal_hello(q.hello);
+            const int dest = opt.dst_world_base + q.rank;
+            q.hello_req =
+                world.isend(bytes_of(q.hello), dest, transfer_tag(request_id, kHeaderKind));
+            q.ctl_req =
+                world.irecv(writable_bytes_of(q.ctl), dest, transfer_tag(request_id, kAckKind));
+        }
     }
 
     void set_status(TransferStatus s, const std::string& why) {
@@ -289,8 +348,9 @@ struct TransferSender::Impl {
 
     bool aborting() const { return result.status != TransferStatus::kOk; }
 
-    int dst_index(int dst) const {
-        return static_cast<int>(std::find(dsts.begin(), dsts.end(), dst) - dsts.begin());
+    Peer& peer(int dst) {
+        return *std::find_if(peers.begin(), peers.end(),
+                             [dst](const Peer& q) { return q.rank == dst; });
     }
 
     void post(InFlight&& f, int dest) {
@@ -310,7 +370,8 @@ struct TransferSender::Impl {
             return false;
         const int idx = mine[next];
         const TransferMessage& msg = plan->messages[idx];
-        if (closed[dst_index(msg.dst_rank)]) {  // that destination stopped listening
+        Peer& to = peer(msg.dst_rank);
+        if (to.closed) {  // that destination stopped listening
             ++next;
             return true;
         }
@@ -331,6 +392,28 @@ struct TransferSender::Impl {
             return true;
         }
         if (msg.layer_end > ready_end) return false;
+        if (!to.replied) return false;  // how it takes its messages is not known yet
+        if (to.direct) {
+            if (opt.direct_window > 0 && to.announced - to.credited >= opt.direct_window)
+                return false;  // its reads are behind: keep my checksum pass close to them
+            // Only the header travels; the destination reads the bytes from my pool.
+            const auto tp = Clock::now();
+            f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
+            f.header.payload_xxh3 = hash_payload(*plan, msg, mode, pool);
+            if (idx == opt.faults.corrupt_message) f.header.payload_xxh3 ^= 0x5A;
+            f.header.flags = TransferHeader::kDirect;
+            seal_header(f.header);
+            result.pack_seconds += seconds_since(tp);
+            post(std::move(f), dest);
+            ++to.announced;
+            result.bytes += msg.bytes;
+            ++result.messages;
+            ++result.direct_messages;
+            if (result.first_send_s < 0) result.first_send_s = seconds_since(t0);
+            result.last_send_s = seconds_since(t0);
+            ++next;
+            return true;
+        }
         if (!in_flight.empty() && staged + msg.bytes > opt.staging_bytes)
             return false;  // back-pressure
         if (idx != opt.faults.corrupt_message) {
@@ -369,7 +452,8 @@ struct TransferSender::Impl {
         while (end < mine.size()) {
             const TransferMessage& m2 = plan->messages[mine[end]];
             if (m2.layer_begin != msg.layer_begin || m2.layer_end != msg.layer_end) break;
-            if (closed[dst_index(m2.dst_rank)]) break;
+            const Peer& q = peer(m2.dst_rank);
+            if (q.closed || !q.replied || q.direct) break;
             if (opt.faults.stall_after >= 0 && static_cast<int>(end) >= opt.faults.stall_after)
                 break;
             if (staged + batch_bytes + m2.bytes > opt.staging_bytes) break;
@@ -424,23 +508,41 @@ struct TransferSender::Impl {
     // True when something moved.
     bool step() {
         bool moved = false;
-        // Acks: a destination acks once it listens no more; one that failed fails the request.
-        for (size_t k = 0; k < dsts.size(); ++k) {
-            if (closed[k] || !ack_reqs[k].test()) continue;
-            closed[k] = 1;
-            moved = true;
-            const TransferAck& a = acks[k];
-            if (a.magic != TransferAck::kMagic || a.request_id != request_id)
-                set_status(TransferStatus::kBadHeader,
-                           detail::concat("bad ack from destination rank ", dsts[k]));
-            else if (a.status != static_cast<uint32_t>(TransferStatus::kOk))
-                set_status(
-                    TransferStatus::kPeerFailed,
-                    detail::concat("destination rank ", dsts[k], " failed the request: ",
-                                   transfer_status_name(static_cast<TransferStatus>(a.status))));
+        // Control messages from each destination, in order: the reply to my hello, credits, and
+        // the final ack (it listens no more; one that failed fails the request).
+        for (Peer& q : peers) {
+            while (!q.closed && q.ctl_req.test()) {
+                moved = true;
+                const TransferAck a = q.ctl;
+                if (a.magic != TransferAck::kMagic || a.request_id != request_id) {
+                    set_status(TransferStatus::kBadHeader,
+                               detail::concat("bad ack from destination rank ", q.rank));
+                    q.closed = true;
+                    break;
+                }
+                if (a.kind == TransferAck::kDone) {
+                    q.closed = true;
+                    if (a.status != static_cast<uint32_t>(TransferStatus::kOk))
+                        set_status(
+                            TransferStatus::kPeerFailed,
+                            detail::concat(
+                                "destination rank ", q.rank, " failed the request: ",
+                                transfer_status_name(static_cast<TransferStatus>(a.status))));
+                    break;
+                }
+                if (a.kind == TransferAck::kReply) {
+                    q.replied = true;
+                    q.direct = (a.flags & TransferAck::kDirectRead) != 0 &&
+                               (q.hello.flags & TransferHello::kShareable) != 0;
+                } else if (a.kind == TransferAck::kCredit) {
+                    q.credited = std::max(q.credited, static_cast<int>(a.count));
+                }
+                q.ctl_req = world.irecv(writable_bytes_of(q.ctl), opt.dst_world_base + q.rank,
+                                        transfer_tag(request_id, kAckKind));
+            }
         }
         for (auto it = in_flight.begin(); it != in_flight.end();) {
-            const bool dropped = closed[dst_index(it->dst)] != 0;  // never matched: cancel
+            const bool dropped = peer(it->dst).closed;  // never matched: cancel
             if (!dropped && (!it->header_req.test() ||
                              (it->payload_req.pending() && !it->payload_req.test()))) {
                 ++it;
@@ -456,7 +558,7 @@ struct TransferSender::Impl {
 
     bool finished() const {
         return next >= mine.size() && in_flight.empty() &&
-               std::all_of(closed.begin(), closed.end(), [](char c) { return c != 0; });
+               std::all_of(peers.begin(), peers.end(), [](const Peer& q) { return q.closed; });
     }
 
     void time_out() {
@@ -465,8 +567,11 @@ struct TransferSender::Impl {
                                   " s (", mine.size() - next, " messages unsent, ",
                                   in_flight.size(), " in flight)"));
         in_flight.clear();
-        ack_reqs.clear();
-        closed.assign(dsts.size(), 1);
+        for (Peer& q : peers) {  // cancel what never matched
+            q.hello_req = Request();
+            q.ctl_req = Request();
+            q.closed = true;
+        }
     }
 };
 
@@ -524,6 +629,11 @@ TransferResult TransferSender::finish() {
 
 double TransferSender::idle_seconds() const { return seconds_since(impl_->last_progress); }
 
+bool TransferSender::connected() const {
+    return std::all_of(impl_->peers.begin(), impl_->peers.end(),
+                       [](const Impl::Peer& q) { return q.replied || q.closed; });
+}
+
 int TransferSender::idle_sleep_us() const {
     return impl_->next >= impl_->mine.size() ? impl_->opt.sender_idle_sleep_us : 0;
 }
@@ -542,10 +652,17 @@ struct TransferReceiver::Impl {
     Clock::time_point t0 = Clock::now();
     Clock::time_point last_progress = t0;
 
-    // Per source: its messages to me in order, the next one, and the receive in progress.
+    // Per source: its hello and how its messages come, its messages to me in order, the next one,
+    // and the receive in progress.
     struct Source {
         int rank = 0;
         std::vector<int> messages;
+        TransferHello hello;
+        Request hello_req;
+        bool hello_done = false;
+        bool reads_in_place = false;                  // direct read from its pool
+        std::shared_ptr<const SharedArenaView> view;  // ... mapped here
+        SourceArena arena;
         size_t next = 0;
         TransferHeader header;
         Request header_req;
@@ -569,9 +686,11 @@ struct TransferReceiver::Impl {
     };
     std::map<std::pair<int, int>, Pending> pending;
     std::map<std::pair<int, int>, int> expected;  // messages to me per layer range
-    std::vector<TransferAck> acks;
-    std::vector<Request> ack_reqs;
-    std::unique_ptr<CheckWorker> checker;  // started by the first payload it takes
+    // Control messages to the sources (replies, credits, final acks), kept until sent.
+    std::list<TransferAck> ctl_out;
+    std::list<Request> ctl_reqs;
+    std::shared_ptr<SharedArenaViews> views;  // opt.arena_views, or this receiver's own
+    std::unique_ptr<CheckWorker> checker;     // started by the first payload it takes
     // A worker thread checks zero-copy payloads only where it can run beside this thread.
     const bool offload_checks = opt.offload_check_bytes >= 0 && usable_cpus() > 1;
 
@@ -592,6 +711,9 @@ struct TransferReceiver::Impl {
             }
             it->messages.push_back(i);
         }
+        for (Source& src : sources)
+            src.hello_req = world.irecv(writable_bytes_of(src.hello), src_world(src),
+                                        transfer_tag(request_id, kHeaderKind));
     }
 
     void set_status(TransferStatus s, const std::string& why) {
@@ -603,6 +725,61 @@ struct TransferReceiver::Impl {
 
     int src_world(const Source& s) const { return opt.src_world_base + s.rank; }
 
+    void send_control(const Source& s, uint16_t kind, uint16_t flags, uint32_t count) {
+        forget_sent_controls();
+        TransferAck& a = ctl_out.emplace_back();
+        a.kind = kind;
+        a.flags = flags;
+        a.status = static_cast<uint32_t>(result.status);
+        a.count = count;
+        a.request_id = request_id;
+        ctl_reqs.push_back(
+            world.isend(bytes_of(a), src_world(s), transfer_tag(request_id, kAckKind)));
+    }
+
+    // Drops the control messages that went out; true when none is pending.
+    bool forget_sent_controls() {
+        auto a = ctl_out.begin();
+        for (auto r = ctl_reqs.begin(); r != ctl_reqs.end();) {
+            if (r->test()) {
+                r = ctl_reqs.erase(r);
+                a = ctl_out.erase(a);
+            } else {
+                ++r;
+                ++a;
+            }
+        }
+        return ctl_reqs.empty();
+    }
+
+    // Whether this receiver reads the source's pool in place: it offered it, this side allows
+    // it, its arena maps here and holds every block the plan names.
+    bool accept_direct(Source& s) {
+        const TransferHello& h = s.hello;
+        if (!opt.direct_read || (h.flags & TransferHello::kShareable) == 0) return false;
+        if (!views)
+            views = opt.arena_views ? opt.arena_views : std::make_shared<SharedArenaViews>();
+        SharedArenaId id;
+        id.pid = h.pid;
+        id.fd = h.fd;
+        id.token[0] = h.token[0];
+        id.token[1] = h.token[1];
+        id.bytes = h.arena_bytes;
+        s.view = views->get(id);
+        if (!s.view) return false;  // another host, or no access: messages
+        const PageGeometry g =
+            rank_page_geometry(plan->src.layout, s.rank, plan->src.block_size, plan->src.order);
+        if (h.num_blocks < 1 ||
+            static_cast<uint64_t>(h.num_blocks) * static_cast<uint64_t>(g.block_bytes()) >
+                h.arena_bytes)
+            return false;
+        for (int i : s.messages)
+            for (const auto& p : plan->messages[i].pieces)
+                if (p.src_block >= h.num_blocks) return false;
+        s.arena = {s.view->data(), static_cast<int64_t>(s.view->size()), h.num_blocks};
+        return true;
+    }
+
     void checksum_failed(int message, int src) {
         set_status(TransferStatus::kChecksumMismatch,
                    detail::concat("destination rank ", dst_rank, ": message ", message,
@@ -611,6 +788,22 @@ struct TransferReceiver::Impl {
 
     bool step_source(Source& s) {
         bool moved = false;
+        if (!s.hello_done) {
+            if (s.next >= s.messages.size() || !s.hello_req.test()) return false;
+            s.hello_done = true;
+            moved = true;
+            const std::string bad = check_hello(s.hello, request_id, s.rank, dst_rank);
+            if (!bad.empty()) {
+                set_status(TransferStatus::kBadHeader,
+                           detail::concat("destination rank ", dst_rank, " from source rank ",
+                                          s.rank, ": ", bad));
+                s.next = s.messages.size();  // unknown framing: stop listening to it
+                return moved;
+            }
+            s.reads_in_place = accept_direct(s);
+            send_control(s, TransferAck::kReply, s.reads_in_place ? TransferAck::kDirectRead : 0,
+                         0);
+        }
         for (;;) {
             if (s.next >= s.messages.size()) return moved;
             if (!s.header_posted) {
@@ -623,7 +816,9 @@ struct TransferReceiver::Impl {
                 // now, so that a sender that posts it before the header (zero copy on its side)
                 // moves it while checksumming.
                 const TransferMessage& msg = plan->messages[s.messages[s.next]];
-                const int64_t off = contiguous_payload_offset(*plan, msg, mode, false, pool);
+                const int64_t off = s.reads_in_place
+                                        ? -1
+                                        : contiguous_payload_offset(*plan, msg, mode, false, pool);
                 if (off >= 0) {
                     s.direct = std::span<std::byte>(pool.arena().data() + off,
                                                     static_cast<size_t>(msg.bytes));
@@ -655,6 +850,26 @@ struct TransferReceiver::Impl {
                     s.payload_req = Request();  // no payload follows an aborted header
                     s.direct = {};
                     s.payload_posted = false;
+                    s.have_header = false;
+                    s.header_posted = false;
+                    ++s.next;
+                    continue;
+                }
+                const bool direct = (s.header.flags & TransferHeader::kDirect) != 0;
+                if (direct != s.reads_in_place) {
+                    set_status(TransferStatus::kBadHeader,
+                               detail::concat(
+                                   "destination rank ", dst_rank, " from source rank ", s.rank,
+                                   ": a ", direct ? "direct-read" : "message", " header where ",
+                                   s.reads_in_place ? "direct reads" : "messages", " were agreed"));
+                    s.payload_req = Request();
+                    s.direct = {};
+                    s.payload_posted = false;
+                    s.next = s.messages.size();
+                    return moved;
+                }
+                if (direct) {
+                    read_in_place(s, idx);
                     s.have_header = false;
                     s.header_posted = false;
                     ++s.next;
@@ -707,14 +922,28 @@ struct TransferReceiver::Impl {
         }
     }
 
-    // A payload received straight into the pool has been checked.
-    void landed(int idx) {
+    // Direct read: copies message idx straight from the source's pool into mine, checking the
+    // bytes read against the header's checksum, then credits the source.
+    void read_in_place(Source& s, int idx) {
+        const TransferMessage& msg = plan->messages[idx];
+        const auto tu = Clock::now();
+        if (result.status == TransferStatus::kOk &&
+            copy_direct(*plan, msg, mode, s.arena, pool) != s.header.payload_xxh3)
+            checksum_failed(idx, s.rank);
+        result.pack_seconds += seconds_since(tu);
+        landed(idx, /*direct=*/true);
+        send_control(s, TransferAck::kCredit, 0, static_cast<uint32_t>(s.next + 1));
+    }
+
+    // A message in place in the pool (received straight into it, or read directly) has been
+    // checked.
+    void landed(int idx, bool direct = false) {
         const TransferMessage& msg = plan->messages[idx];
         const std::pair<int, int> key{msg.layer_begin, msg.layer_end};
         if (result.status == TransferStatus::kOk) {
             result.bytes += msg.bytes;
             ++result.messages;
-            ++result.zero_copy_messages;
+            ++(direct ? result.direct_messages : result.zero_copy_messages);
         }
         --expected[key];
         auto it = pending.find(key);
@@ -772,14 +1001,7 @@ struct TransferReceiver::Impl {
 
     void send_acks() {
         flush_pending();
-        acks.assign(sources.size(), TransferAck{});
-        for (size_t k = 0; k < sources.size(); ++k) {
-            acks[k].status = static_cast<uint32_t>(result.status);
-            acks[k].request_id = request_id;
-            ack_reqs.push_back(
-                world.isend(std::as_bytes(std::span<const TransferAck, 1>(&acks[k], 1)),
-                            src_world(sources[k]), transfer_tag(request_id, kAckKind)));
-        }
+        for (const Source& s : sources) send_control(s, TransferAck::kDone, 0, 0);
         acks_sent = true;
     }
 
@@ -798,12 +1020,7 @@ struct TransferReceiver::Impl {
         return moved;
     }
 
-    bool finished() {
-        if (!acks_sent) return false;
-        for (auto& r : ack_reqs)
-            if (r.pending() && !r.test()) return false;
-        return true;
-    }
+    bool finished() { return acks_sent && forget_sent_controls(); }
 
     void time_out() {
         int missing = 0;
@@ -812,6 +1029,7 @@ struct TransferReceiver::Impl {
                    detail::concat("destination rank ", dst_rank, ": no progress for ",
                                   opt.timeout_s, " s, ", missing, " messages missing"));
         for (auto& s : sources) {  // cancel what never came
+            s.hello_req = Request();
             s.header_req = Request();
             s.payload_req = Request();
         }
@@ -821,7 +1039,8 @@ struct TransferReceiver::Impl {
         }
         // Tell the sources (a live but slow one stops; a dead one never matches: cancelled below).
         if (!acks_sent) send_acks();
-        ack_reqs.clear();
+        ctl_reqs.clear();  // cancels what a dead source never matches
+        ctl_out.clear();
     }
 };
 

@@ -53,7 +53,8 @@ struct XferRequest {
     uint64_t id = 1;
     TransferExecOptions opt;
     testing::Side src, dst;
-    int fail_source = -1;  // this source calls fail() after its first layer
+    int fail_source = -1;                  // this source calls fail() after its first layer
+    bool receivers_refuse_direct = false;  // the destinations run with direct_read = false
     Outcome out;
 };
 
@@ -95,9 +96,12 @@ void run_requests(std::vector<XferRequest*> reqs) {
         } else {
             const int d = me - P;
             std::vector<std::unique_ptr<TransferReceiver>> receivers;
-            for (auto* r : reqs)
+            for (auto* r : reqs) {
+                TransferExecOptions o = r->opt;
+                if (r->receivers_refuse_direct) o.direct_read = false;
                 receivers.push_back(std::make_unique<TransferReceiver>(world, r->plan, r->id, d,
-                                                                       *r->dst.pools[d], r->opt));
+                                                                       *r->dst.pools[d], o));
+            }
             bool all = false;
             while (!all) {
                 all = true;
@@ -110,13 +114,15 @@ void run_requests(std::vector<XferRequest*> reqs) {
     });
 }
 
+// memory: kShareable sources let the destinations read their pools in place (direct read).
 XferRequest make_request(const Pair& p, int layers_per_group, uint64_t id,
-                         TransferMode mode = TransferMode::kAuto) {
+                         TransferMode mode = TransferMode::kAuto,
+                         PoolMemory memory = PoolMemory::kPrivate) {
     XferRequest r;
     r.plan = make_plan(p, layers_per_group, id * 11);
     r.id = id;
     r.opt.mode = mode;
-    r.src = testing::make_source(r.plan->src, p.tokens);
+    r.src = testing::make_source(r.plan->src, p.tokens, memory);
     r.dst = testing::make_destination(r.plan->dst);
     return r;
 }
@@ -388,6 +394,176 @@ TEST(TransferExec, ZeroCopyWhenPayloadIsOneRun) {
     run_requests({&t});
     expect_all_ok(t, q.tokens);
     for (const auto& s : t.out.src) EXPECT_EQ(s.zero_copy_messages, 0);
+}
+
+}  // namespace
+}  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// ---- direct read: the destination copies straight from the source pool ----------------------
+
+int direct_sent(const XferRequest& r) {
+    int n = 0;
+    for (const auto& s : r.out.src) n += s.direct_messages;
+    return n;
+}
+int direct_read(const XferRequest& r) {
+    int n = 0;
+    for (const auto& d : r.out.dst) n += d.direct_messages;
+    return n;
+}
+
+XferRequest direct_request(const Pair& p, int layers_per_group, uint64_t id,
+                           TransferMode mode = TransferMode::kAuto) {
+    return make_request(p, layers_per_group, id, mode, PoolMemory::kShareable);
+}
+
+TEST(TransferExecDirect, EveryMessageReadInPlaceAndExact) {
+    const std::vector<Pair> pairs = {
+        {llama_mini(), "tp=8", "tp=4", 100},
+        {llama_mini(), "tp=2", "tp=8", 77},
+        {llama_mini(5), "tp=2,pp=2", "tp=4,pp=3", 70, 16, 64},
+        {llama_mini(), "tp=16", "tp=2", 50, 8, 16, PageOrder::kNhd, PageOrder::kHnd},
+        {catalog_model("tiny-mla"), "tp=8", "tp=2", 40},
+        {llama_mini(), "cp=4,tp=2,cp_scheme=zigzag", "tp=2", 90},
+        {llama_mini(), "tp=1", "tp=1", 64},
+    };
+    for (const auto& p : pairs)
+        for (TransferMode mode : {TransferMode::kPreSend, TransferMode::kPostReceive}) {
+            SCOPED_TRACE(p.model.name + " " + p.from + " -> " + p.to + " " +
+                         std::string(transfer_mode_name(mode)));
+            XferRequest r = direct_request(p, 1, 100, mode);
+            run_requests({&r});
+            expect_all_ok(r, p.tokens);
+            const int n = static_cast<int>(r.plan->messages.size());
+            EXPECT_EQ(direct_sent(r), n);
+            EXPECT_EQ(direct_read(r), n);
+            for (const auto& s : r.out.src) EXPECT_EQ(s.peak_staging, 0);  // no payloads
+            for (const auto& d : r.out.dst) EXPECT_EQ(d.peak_staging, 0);
+        }
+}
+
+// Random layout pairs, block tables shuffled over the pools, any window of credits.
+TEST(TransferExecDirect, RandomPairsAndWindows) {
+    std::mt19937_64 rng(4242);
+    const std::vector<ModelSpec> models = {catalog_model("tiny"), catalog_model("tiny-mla"),
+                                           testing::llama_mini(5)};
+    const std::vector<std::string> layouts = {
+        "tp=1", "tp=2", "tp=4", "pp=2,tp=2", "pp=3", "cp=2,tp=2", "cp=3,cp_scheme=zigzag"};
+    int ran = 0;
+    for (int i = 0; i < 10; ++i) {
+        const ModelSpec& m = models[rng() % models.size()];
+        Pair p{m, layouts[rng() % layouts.size()], layouts[rng() % layouts.size()],
+               1 + static_cast<int64_t>(rng() % 120)};
+        p.bs_from = std::vector<int>{1, 4, 16}[rng() % 3];
+        p.bs_to = std::vector<int>{1, 4, 16}[rng() % 3];
+        p.order_from = rng() % 2 ? PageOrder::kHnd : PageOrder::kNhd;
+        p.order_to = rng() % 2 ? PageOrder::kHnd : PageOrder::kNhd;
+        if (parse_parallel_config(p.from).pp > m.num_layers ||
+            parse_parallel_config(p.to).pp > m.num_layers)
+            continue;
+        XferRequest r =
+            direct_request(p, static_cast<int>(rng() % 3), 120 + i,
+                           rng() % 2 ? TransferMode::kPreSend : TransferMode::kPostReceive);
+        r.opt.direct_window = static_cast<int>(rng() % 4);  // 0: unbounded
+        SCOPED_TRACE(m.name + " " + p.from + " -> " + p.to + " tokens " + std::to_string(p.tokens) +
+                     " window " + std::to_string(r.opt.direct_window));
+        run_requests({&r});
+        expect_all_ok(r, p.tokens);
+        EXPECT_EQ(direct_read(r), static_cast<int>(r.plan->messages.size()));
+        ++ran;
+        if (::testing::Test::HasFailure()) break;
+    }
+    EXPECT_GE(ran, 7);
+}
+
+// Either side may say no: then the bytes travel in messages, as with a private pool.
+TEST(TransferExecDirect, EitherSideCanDeclineIt) {
+    Pair p{llama_mini(), "tp=4", "tp=2", 64};
+    XferRequest off = direct_request(p, 1, 130);
+    off.opt.direct_read = false;
+    XferRequest refused = direct_request(p, 1, 131);
+    refused.receivers_refuse_direct = true;
+    XferRequest on = direct_request(p, 1, 132);
+    run_requests({&off, &refused, &on});
+    for (XferRequest* r : {&off, &refused, &on}) expect_all_ok(*r, p.tokens);
+    EXPECT_EQ(direct_sent(off), 0);
+    EXPECT_EQ(direct_sent(refused), 0);
+    EXPECT_EQ(direct_read(refused), 0);
+    EXPECT_EQ(direct_read(on), static_cast<int>(on.plan->messages.size()));
+}
+
+TEST(TransferExecDirect, ChecksumMismatchFailsOnlyThatRequest) {
+    Pair p{llama_mini(), "tp=8", "tp=4", 48};
+    XferRequest bad = direct_request(p, 1, 141);
+    XferRequest good = direct_request(p, 1, 142);
+    expect_only_corrupt_request_fails(bad, good, 5, p.tokens);
+    EXPECT_EQ(direct_read(good), static_cast<int>(good.plan->messages.size()));
+}
+
+TEST(TransferExecDirect, SourceFailureAbortsThatRequest) {
+    Pair p{llama_mini(), "tp=4,pp=2", "tp=2", 32};
+    XferRequest bad = direct_request(p, 1, 151);
+    XferRequest good = direct_request(p, 0, 152);
+    bad.fail_source = 1;
+    run_requests({&bad, &good});
+    EXPECT_EQ(bad.out.src[1].status, TransferStatus::kSourceAborted);
+    for (const auto& msg : bad.plan->messages)
+        if (msg.src_rank == 1) {
+            EXPECT_FALSE(bad.out.dst[msg.dst_rank].ok());
+        }
+    expect_all_ok(good, p.tokens);
+}
+
+TEST(TransferExecDirect, HungSourceTimesOut) {
+    Pair p{llama_mini(), "tp=4", "tp=2", 32};
+    XferRequest bad = direct_request(p, 1, 161);
+    XferRequest good = direct_request(p, 1, 162);
+    bad.opt.timeout_s = 0.3;
+    bad.opt.faults.stall_after = 1;  // every source announces one message, then hangs
+    run_requests({&bad, &good});
+    for (const auto& d : bad.out.dst) {
+        EXPECT_EQ(d.status, TransferStatus::kTimeout) << d.error;
+        EXPECT_EQ(d.direct_messages, 2);  // one from each of its two sources, before the hang
+    }
+    for (const auto& s : bad.out.src) EXPECT_FALSE(s.ok());
+    expect_all_ok(good, p.tokens);
+}
+
+// Requests that share one cache of mapped source pools (as a server's ranks do) land exactly.
+TEST(TransferExecDirect, SharedViewCacheAcrossRequests) {
+    Pair p{llama_mini(), "tp=2", "tp=1", 64};
+    auto views = std::make_shared<SharedArenaViews>();
+    std::vector<XferRequest> reqs;
+    for (uint64_t id = 170; id < 174; ++id) {
+        reqs.push_back(direct_request(p, 1, id));
+        reqs.back().opt.arena_views = views;
+    }
+    std::vector<XferRequest*> ptrs;
+    for (auto& r : reqs) ptrs.push_back(&r);
+    run_requests(ptrs);
+    for (auto& r : reqs) {
+        expect_all_ok(r, p.tokens);
+        EXPECT_EQ(direct_read(r), static_cast<int>(r.plan->messages.size()));
+    }
+}
+
+TEST(TransferExecDirect, HelloRoundTrip) {
+    TransferHello h;
+    h.request_id = 5;
+    h.src_rank = 1;
+    h.dst_rank = 3;
+    seal_hello(h);
+    EXPECT_EQ(check_hello(h, 5, 1, 3), "");
+    EXPECT_NE(check_hello(h, 6, 1, 3).find("was expected"), std::string::npos);
+    EXPECT_NE(check_hello(h, 5, 2, 3).find("was expected"), std::string::npos);
+    h.num_blocks = 7;
+    EXPECT_EQ(check_hello(h, 5, 1, 3), "hello checksum mismatch");
+    h.version = 1;
+    seal_hello(h);
+    EXPECT_NE(check_hello(h, 5, 1, 3).find("version 1"), std::string::npos);
 }
 
 }  // namespace

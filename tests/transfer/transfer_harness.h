@@ -110,14 +110,17 @@ inline void fill_u32(BlockPool& pool, uint32_t v) {
     std::fill(p, p + a.size() / 4, v);
 }
 
-inline Side make_source(const TransferEndpoint& e, int64_t num_tokens) {
+// memory: kShareable lets a destination read the pools in place (direct read).
+inline Side make_source(const TransferEndpoint& e, int64_t num_tokens,
+                        PoolMemory memory = PoolMemory::kPrivate) {
     Side s;
     s.endpoint = e;
     s.pools.resize(e.layout.world_size());
     for (const auto& r : e.layout.ranks) {
         if (r.coord.dp != e.dp) continue;
         auto pool = std::make_unique<BlockPool>(
-            rank_page_geometry(e.layout, r.coord.rank, e.block_size, e.order), pool_blocks(e));
+            rank_page_geometry(e.layout, r.coord.rank, e.block_size, e.order), pool_blocks(e),
+            memory);
         fill_u32(*pool, kGarbage);
         for_each_token_element(e, r.coord.rank, num_tokens,
                                [&](int layer, int ll, int kv, int head, int lh, int64_t t,

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "kvshard/common/error.h"
+#include "kvshard/common/xxh3.h"
 #include "transfer/transfer_harness.h"
 
 namespace kvshard {
@@ -32,8 +33,26 @@ TransferPlan plan_of(const Case& c) {
     return make_transfer_plan(src, dst, c.tokens, {.layers_per_group = c.layers_per_group});
 }
 
+// Copies every message straight from its source pool (direct read) in `mode`; checks that the hash
+// of the bytes read equals hash_payload on the source and XXH3 of the packed payload.
+testing::Side run_direct(const TransferPlan& plan, TransferMode mode, const testing::Side& src) {
+    auto dst = testing::make_destination(plan.dst);
+    for (const auto& msg : plan.messages) {
+        const BlockPool& from = *src.pools.at(msg.src_rank);
+        const SourceArena arena{from.arena().data(), static_cast<int64_t>(from.arena().size()),
+                                from.num_blocks()};
+        const uint64_t read = copy_direct(plan, msg, mode, arena, *dst.pools.at(msg.dst_rank));
+        std::vector<std::byte> payload(static_cast<size_t>(msg.bytes));
+        pack_message(plan, msg, mode, from, payload);
+        EXPECT_EQ(read, xxh3_64(payload.data(), payload.size()));
+        EXPECT_EQ(read, hash_payload(plan, msg, mode, from));
+    }
+    return dst;
+}
+
 // Runs the plan in both modes and checks every destination pool element by element, that no byte is
-// written twice, that total bytes equal the minimum, and that both modes give identical pools.
+// written twice, that total bytes equal the minimum, and that both modes, and direct reads in
+// both wire orders, give identical pools.
 void check_exact(const Case& c, const TransferPlan& plan) {
     SCOPED_TRACE(c.model.name + " " + c.from + " -> " + c.to +
                  " tokens=" + std::to_string(c.tokens) + " bs " + std::to_string(c.bs_from) + "->" +
@@ -84,6 +103,13 @@ void check_exact(const Case& c, const TransferPlan& plan) {
                                        dst.pools[r]->arena().begin()))
                     << "pre-send and post-receive differ on dst rank " << r;
             }
+        }
+        const auto direct = run_direct(plan, mode, src);
+        for (size_t r = 0; r < direct.pools.size(); ++r) {
+            if (!direct.pools[r]) continue;
+            EXPECT_TRUE(std::equal(first_mode_pools[r].begin(), first_mode_pools[r].end(),
+                                   direct.pools[r]->arena().begin()))
+                << "a direct read differs from pack + unpack on dst rank " << r;
         }
     }
 }
@@ -338,6 +364,42 @@ TEST(TransferPlan, PackRejectsWrongPool) {
     EXPECT_THROW(pack_message(plan, msg, TransferMode::kPreSend, right, short_buf), Error);
     EXPECT_NO_THROW(pack_message(plan, msg, TransferMode::kPreSend, right, buf));
     EXPECT_THROW(parse_transfer_mode("sideways"), Error);
+}
+
+// A direct read checks the source arena it is given against the source rank's geometry and the
+// message's blocks before reading anything.
+TEST(TransferPlan, CopyDirectRejectsWrongArena) {
+    Case c{.model = llama_mini(), .from = "tp=8", .to = "tp=4", .tokens = 40};
+    const auto plan = plan_of(c);
+    const auto& msg = plan.messages.front();  // blocks 0..2 of its source
+    const auto src = testing::make_source(plan.src, c.tokens);
+    auto dst = testing::make_destination(plan.dst);
+    const BlockPool& from = *src.pools[msg.src_rank];
+    BlockPool& to = *dst.pools[msg.dst_rank];
+    const auto bytes = static_cast<int64_t>(from.arena().size());
+    const TransferMode mode = TransferMode::kPreSend;
+    EXPECT_NO_THROW(
+        copy_direct(plan, msg, mode, {from.arena().data(), bytes, from.num_blocks()}, to));
+    try {
+        copy_direct(plan, msg, mode, {from.arena().data(), bytes - 1, from.num_blocks()}, to);
+        FAIL() << "expected an Error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("does not hold"), std::string::npos) << e.what();
+    }
+    try {
+        copy_direct(plan, msg, mode, {from.arena().data(), bytes, 2}, to);
+        FAIL() << "expected an Error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("outside its pool of 2 blocks"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_THROW(copy_direct(plan, msg, TransferMode::kAuto,
+                             {from.arena().data(), bytes, from.num_blocks()}, to),
+                 Error);
+    BlockPool wrong_dst(from.geometry(), to.num_blocks());  // a source rank's geometry
+    EXPECT_THROW(
+        copy_direct(plan, msg, mode, {from.arena().data(), bytes, from.num_blocks()}, wrong_dst),
+        Error);
 }
 
 TEST(TransferPlan, AutoModePicksFewerCopies) {

@@ -9,10 +9,12 @@
 //   HND: [num_heads][block_size][head_dim]  (default: a contiguous range of heads is contiguous
 //   bytes) NHD: [block_size][num_heads][head_dim]
 // The arena starts on a kArenaAlign (4 KiB) boundary, so a page is aligned to the largest power of
-// two dividing both page_bytes() and 4 KiB (SIMD kernels read it with aligned cache lines). An
-// arena of 2 MiB or more is 2 MiB-aligned and on transparent huge pages (common/large_alloc.h).
+// two dividing both page_bytes() and 4 KiB (SIMD kernels read it with aligned cache lines). A
+// private arena of 2 MiB or more is 2 MiB-aligned and on transparent huge pages (large_alloc.h).
 // A block id means the same tokens on every rank of a TP x PP group; each rank stores only its own
 // heads and layers, so the pools of one group differ in geometry but share block ids.
+// A shareable pool (PoolMemory::kShareable) keeps its arena in memory that other processes on the
+// host can map read-only (common/shared_arena.h): a transfer's destination then reads it in place.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -20,12 +22,18 @@
 
 #include "kvshard/common/dtype.h"
 #include "kvshard/common/large_alloc.h"
+#include "kvshard/common/shared_arena.h"
 
 namespace kvshard {
 
 struct KvLayout;
 
 enum class PageOrder { kHnd, kNhd };
+
+// Where a pool's arena lives: private memory (allocate_large: huge pages from 2 MiB up), or
+// shareable memory (SharedArena: other processes on the host may map it read-only; the kernel's
+// shared-memory pages).
+enum class PoolMemory { kPrivate, kShareable };
 
 struct PageGeometry {
     int num_layers = 1;   // layers held by this rank
@@ -58,7 +66,7 @@ class BlockPool {
     static constexpr size_t kArenaAlign = 4096;
 
     // Throws Error when num_blocks < 1 or the geometry is empty.
-    BlockPool(PageGeometry geometry, int64_t num_blocks);
+    BlockPool(PageGeometry geometry, int64_t num_blocks, PoolMemory memory = PoolMemory::kPrivate);
     // Sized from a memory budget: floor(budget_bytes / block_bytes) blocks; Error if not even one
     // fits.
     static BlockPool from_budget(PageGeometry geometry, int64_t budget_bytes);
@@ -68,10 +76,10 @@ class BlockPool {
     int64_t arena_bytes() const { return num_blocks_ * geometry_.block_bytes(); }
 
     std::byte* page(int layer, int kv, int64_t block) {
-        return arena_.get() + page_offset(layer, kv, block);
+        return base_ + page_offset(layer, kv, block);
     }
     const std::byte* page(int layer, int kv, int64_t block) const {
-        return arena_.get() + page_offset(layer, kv, block);
+        return base_ + page_offset(layer, kv, block);
     }
     // fp32 pools only (the reference model computes in fp32).
     float* page_f32(int layer, int kv, int64_t block) {
@@ -84,15 +92,18 @@ class BlockPool {
         return ((int64_t{layer} * geometry_.kv_factor + kv) * num_blocks_ + block) *
                geometry_.page_bytes();
     }
-    std::span<std::byte> arena() { return {arena_.get(), static_cast<size_t>(arena_bytes())}; }
-    std::span<const std::byte> arena() const {
-        return {arena_.get(), static_cast<size_t>(arena_bytes())};
-    }
+    std::span<std::byte> arena() { return {base_, static_cast<size_t>(arena_bytes())}; }
+    std::span<const std::byte> arena() const { return {base_, static_cast<size_t>(arena_bytes())}; }
+    // A shareable pool's arena, for a reader in another process (SharedArenaView::open; its
+    // data() is this arena()); null for a private pool.
+    const SharedArenaId* shared_id() const { return shared_ ? &shared_->id() : nullptr; }
 
   private:
     PageGeometry geometry_;
     int64_t num_blocks_;
-    LargeBuffer arena_;
+    LargeBuffer private_;                  // kPrivate
+    std::unique_ptr<SharedArena> shared_;  // kShareable
+    std::byte* base_ = nullptr;            // the arena, in one or the other
 };
 
 // The page geometry of `rank` in a layout: its layers, its KV heads (MLA: one latent of

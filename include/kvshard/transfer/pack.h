@@ -73,4 +73,28 @@ void unpack_messages(const TransferPlan& plan, std::span<const TransferMessage* 
                      TransferMode mode, std::span<const std::span<const std::byte>> ins,
                      BlockPool& pool, std::span<uint64_t> xxh3 = {});
 
+// Direct read: the destination copies a message's bytes straight from the source rank's pool,
+// mapped into its own process (a shareable pool: common/shared_arena.h), into its pool: one copy,
+// no payload in between (transfer_exec.h).
+//
+// The source pool's arena as the destination sees it.
+struct SourceArena {
+    const std::byte* data = nullptr;
+    int64_t bytes = 0;       // readable bytes from data
+    int64_t num_blocks = 0;  // blocks of the source pool (its pages' offsets depend on it)
+};
+
+// XXH3_64bits (seed 0) of msg's payload in mode's wire order, read from the source rank's pool:
+// the value pack_messages computes, without writing a payload. Same checks as pack_message.
+uint64_t hash_payload(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
+                      const BlockPool& pool);
+
+// Copies msg's bytes from the source arena (source rank msg.src_rank's geometry) into the
+// destination pool, each byte once, visiting them in mode's wire order, and returns XXH3_64bits of
+// the bytes read: hash_payload's value where the arena holds what the source hashed. The
+// destination pool ends up as after pack_message + unpack_message. Error when the arena is too
+// small for its geometry and num_blocks, or a block id of msg is outside either pool.
+uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
+                     const SourceArena& src, BlockPool& dst);
+
 }  // namespace kvshard

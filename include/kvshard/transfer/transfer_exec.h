@@ -9,10 +9,18 @@
 // Each source rank drives a TransferSender, each destination rank a TransferReceiver, one pair of
 // objects per request. Both are poll-driven (progress() never blocks), so one thread can move many
 // requests at once; finish() polls until done. Per request and (source, destination) pair, the
-// messages go in layer-group order on the request's own tags, each as a 64-byte header and then the
-// payload. The sender packs a message as soon as all its layers are ready (layer_ready), keeping at
-// most `staging_bytes` of packed payloads in flight (back-pressure: it packs the next one only when
-// an earlier send completed). The receiver posts a payload receive only while its staging allows.
+// source first sends a hello (which says whether its pool can be read in place) and the
+// destination replies whether it will; then the messages go in layer-group order on the request's
+// own tags. The sender sends a message as soon as all its layers are ready (layer_ready):
+//  - direct read (the source pool is shareable, PoolMemory::kShareable, and the destination, on
+//    the same host, could map it): a 64-byte header with the payload's checksum, and no payload;
+//    the destination copies the bytes straight from the source pool into its own (copy_direct:
+//    one copy) and checks the checksum, then credits the source, which announces at most
+//    `direct_window` messages ahead of those credits;
+//  - messages: the header and then the payload, packed (keeping at most `staging_bytes` of packed
+//    payloads in flight: back-pressure, it packs the next one only when an earlier send completed)
+//    or sent straight from the pool where it is one run of it. The receiver posts a payload
+//    receive only while its staging allows.
 //
 // Failure is per request: a sender-side error (fail()), a checksum or header mismatch, or no
 // progress for `timeout_s` ends that request on both sides with a non-OK status (the receiver
@@ -32,6 +40,7 @@
 #include "kvshard/cache/block_pool.h"
 #include "kvshard/comm/communicator.h"
 #include "kvshard/common/large_alloc.h"
+#include "kvshard/common/shared_arena.h"
 #include "kvshard/transfer/pack.h"
 #include "kvshard/transfer/transfer_plan.h"
 
@@ -50,7 +59,9 @@ std::string_view transfer_status_name(TransferStatus s);
 // Message header on the wire (docs/transfer.md): 64 bytes, native (little-endian) byte order.
 struct TransferHeader {
     static constexpr uint32_t kMagic = 0x4658564B;  // "KVXF"
-    static constexpr uint16_t kVersion = 1;
+    static constexpr uint16_t kVersion = 2;
+    static constexpr uint32_t kDirect =
+        1;  // flags: no payload follows; read it from the source pool
     uint32_t magic = kMagic;
     uint16_t version = kVersion;
     uint16_t mode = 0;  // 0 pre-send, 1 post-receive: the payload's wire order
@@ -62,23 +73,52 @@ struct TransferHeader {
     uint64_t payload_bytes = 0;  // 0 when status != kOk (no payload follows)
     uint64_t payload_xxh3 = 0;   // XXH3_64bits(payload), seed 0
     uint32_t status = 0;         // TransferStatus; kSourceAborted: no payload follows
-    uint32_t reserved = 0;
-    uint64_t header_xxh3 = 0;  // XXH3_64bits of the 56 bytes above
+    uint32_t flags = 0;          // kDirect
+    uint64_t header_xxh3 = 0;    // XXH3_64bits of the 56 bytes above
 };
 static_assert(sizeof(TransferHeader) == 64);
 
-// Sent by each destination rank to each of its sources when it is done with the request.
-struct TransferAck {
-    static constexpr uint32_t kMagic = 0x4B41564B;  // "KVAK"
+// The first message from a source to each of its destinations of a request, on the header tag.
+struct TransferHello {
+    static constexpr uint32_t kMagic = 0x4948564B;  // "KVHI"
+    static constexpr uint16_t kShareable = 1;       // flags: the source pool can be read in place
     uint32_t magic = kMagic;
-    uint32_t status = 0;  // TransferStatus seen by the destination
+    uint16_t version = TransferHeader::kVersion;
+    uint16_t flags = 0;
+    uint64_t request_id = 0;
+    uint32_t src_rank = 0;
+    uint32_t dst_rank = 0;
+    // kShareable: the source pool's SharedArenaId and its block count.
+    int32_t pid = 0;
+    int32_t fd = -1;
+    uint64_t token[2] = {0, 0};
+    uint64_t arena_bytes = 0;
+    int64_t num_blocks = 0;
+    uint64_t hello_xxh3 = 0;  // XXH3_64bits of the 64 bytes above
+};
+static_assert(sizeof(TransferHello) == 72);
+
+// From a destination rank to each of its sources, on the ack tag, in this order: a reply to the
+// hello, a credit after each message it read in place, and a final ack when it is done with the
+// request.
+struct TransferAck {
+    static constexpr uint32_t kMagic = 0x4B41564B;                 // "KVAK"
+    static constexpr uint16_t kDone = 0, kReply = 1, kCredit = 2;  // kind
+    static constexpr uint16_t kDirectRead = 1;  // reply flags: messages come as direct reads
+    uint32_t magic = kMagic;
+    uint16_t kind = kDone;
+    uint16_t flags = 0;
+    uint32_t status = 0;  // kDone: TransferStatus seen by the destination
+    uint32_t count = 0;   // kCredit: messages of this source read so far
     uint64_t request_id = 0;
 };
+static_assert(sizeof(TransferAck) == 24);
 
 // Test hooks that make faults happen on purpose.
 struct TransferFaults {
-    int corrupt_message =
-        -1;  // plan message index whose payload the sender corrupts after checksumming
+    // Plan message index whose payload the sender corrupts after checksumming (a direct read: whose
+    // announced checksum it corrupts, so that the bytes read no longer match it).
+    int corrupt_message = -1;
     int stall_after = -1;  // the sender sends this many messages, then nothing more (a hung peer)
 };
 
@@ -142,9 +182,21 @@ struct TransferExecOptions {
     // (TCP, pipelined copies); > 0 frees the sender's core for others when the transport moves
     // the bytes without the sender (shared memory with a single copy done by the receiver: CMA).
     int sender_idle_sleep_us = 0;
+    // Direct read (pack.h, copy_direct): where the source pool is shareable and the destination
+    // can map it (the same host), the destination copies each message straight from the source
+    // pool and only headers travel. Both sides must allow it; false: always messages.
+    bool direct_read = true;
+    // Direct read: messages a source announces to one destination ahead of the destination's
+    // credits. Its checksum pass then reads what the destination reads next: a bound keeps those
+    // bytes in the shared cache in between. 0: no bound.
+    int direct_window = 2;
+    // Direct read: views of source pools kept open across requests (a fresh mapping faults on
+    // each page it reads first); null: each receiver opens its own.
+    std::shared_ptr<SharedArenaViews> arena_views;
 };
 
-// Tags of a request: header, payload, ack (request_id modulo 65536 slots above 2^19).
+// Tags of a request: header (and hello), payload, ack (and reply, credits); request_id modulo
+// 65536 slots above 2^19.
 int transfer_tag(uint64_t request_id, int kind);
 
 struct TransferResult {
@@ -153,11 +205,13 @@ struct TransferResult {
     int64_t bytes = 0;  // payload bytes sent (sender) or received and unpacked (receiver)
     int messages = 0;
     int zero_copy_messages = 0;  // sent from / received into the pool itself (no staging copy)
+    int direct_messages = 0;     // read by the destination straight from the source pool
     double seconds = 0;          // from construction to done
-    double pack_seconds = 0;     // sender: packing + checksums; receiver: checks + unpacking
-    double first_send_s = -1;    // sender: when the first message went out, from construction
-    double last_send_s = -1;     // sender: when the last message went out
-    int64_t peak_staging = 0;    // most payload bytes held at once
+    double pack_seconds =
+        0;  // sender: packing + checksums; receiver: checks, unpacking, direct reads
+    double first_send_s = -1;  // sender: when the first message went out, from construction
+    double last_send_s = -1;   // sender: when the last message went out
+    int64_t peak_staging = 0;  // most payload bytes held at once
     bool ok() const { return status == TransferStatus::kOk; }
 };
 
@@ -179,6 +233,10 @@ class TransferSender {
 
     bool progress();  // non-blocking; true when done
     bool done() const { return done_; }
+    // Every destination has answered the hello (or this sender offered it no choice): from now
+    // on a ready message leaves at the next progress(). A prefill that polls until this holds
+    // before it starts streams its first layer without waiting for a round trip.
+    bool connected() const;
     TransferResult finish();      // polls until done
     double idle_seconds() const;  // since something last moved
     // How long to sleep between polls now: options.sender_idle_sleep_us once every message is
@@ -223,5 +281,9 @@ std::string check_header(const TransferHeader& h, const TransferPlan& plan, uint
                          int message_index);
 // Fills header_xxh3.
 void seal_header(TransferHeader& h);
+// Checks a received hello against the plan and request; returns an error text or "".
+std::string check_hello(const TransferHello& h, uint64_t request_id, int src_rank, int dst_rank);
+// Fills hello_xxh3.
+void seal_hello(TransferHello& h);
 
 }  // namespace kvshard
