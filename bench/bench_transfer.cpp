@@ -48,7 +48,7 @@ enum class Batch { kNone, kSource, kDestination };
 
 std::unique_ptr<Setup> make_setup(Batch batch, const std::string& from, const std::string& to,
                                   int bs_from, int bs_to, PageOrder of, PageOrder ot,
-                                  int64_t tokens) {
+                                  int64_t tokens, PoolMemory src_memory = PoolMemory::kPrivate) {
     const ModelSpec m = catalog_model("llama-3.1-8b");
     auto endpoint = [&](const std::string& par, int bs, PageOrder o) {
         TransferEndpoint e;
@@ -70,7 +70,7 @@ std::unique_ptr<Setup> make_setup(Batch batch, const std::string& from, const st
     const int64_t src_blocks = (tokens + bs_from - 1) / bs_from,
                   dst_blocks = (tokens + bs_to - 1) / bs_to;
     s->src_pool = std::make_unique<BlockPool>(
-        rank_page_geometry(s->plan.src.layout, msg->src_rank, bs_from, of), src_blocks);
+        rank_page_geometry(s->plan.src.layout, msg->src_rank, bs_from, of), src_blocks, src_memory);
     s->dst_pool = std::make_unique<BlockPool>(
         rank_page_geometry(s->plan.dst.layout, msg->dst_rank, bs_to, ot), dst_blocks);
     auto a = s->src_pool->arena();
@@ -146,6 +146,43 @@ void run(benchmark::State& state, bool pack, bool batched, bool hash, TransferMo
                                        static_cast<double>(s->plan.messages.size());
 }
 
+// Direct read: copy_direct of one message from the source pool into the destination pool with
+// the XXH3 of the bytes read, next to memcpy and memcpy + XXH3 of the same bytes. src_memory: the
+// source pool private (huge pages) or shareable (as a destination in another process reads it).
+void run_direct(benchmark::State& state, PoolMemory src_memory, TransferMode mode,
+                const std::string& from, const std::string& to, int bs_from, int bs_to,
+                PageOrder of, PageOrder ot) {
+    auto s = make_setup(Batch::kNone, from, to, bs_from, bs_to, of, ot, state.range(0), src_memory);
+    const TransferMessage& msg = *s->msgs.front();
+    const auto arena = s->src_pool->arena();
+    const SourceArena src{arena.data(), static_cast<int64_t>(arena.size()),
+                          s->src_pool->num_blocks()};
+    double t_op = 0, t_copy = 0, t_two_pass = 0;
+    uint64_t sink = 0;
+    for (auto _ : state) {
+        const double t0 = thread_seconds();
+        sink += copy_direct(s->plan, msg, mode, src, *s->dst_pool);
+        const double t1 = thread_seconds();
+        std::memcpy(s->copy_dst.data(), s->copy_src.data(), s->copy_dst.size());
+        benchmark::ClobberMemory();
+        const double t2 = thread_seconds();
+        std::memcpy(s->copy_dst.data(), s->copy_src.data(), s->copy_dst.size());
+        sink += xxh3_64(s->copy_dst.data(), s->copy_dst.size());
+        t_two_pass += thread_seconds() - t2;
+        t_op += t1 - t0;
+        t_copy += t2 - t1;
+        state.SetIterationTime(t1 - t0);
+    }
+    benchmark::DoNotOptimize(sink);
+    const double bytes = static_cast<double>(s->bytes) * static_cast<double>(state.iterations());
+    state.counters["MiB"] = static_cast<double>(s->bytes) / 1048576.0;
+    state.counters["GBps"] = bytes / t_op / 1e9;
+    state.counters["memcpy_GBps"] = bytes / t_copy / 1e9;
+    state.counters["memcpy_xxh3_GBps"] = bytes / t_two_pass / 1e9;
+    state.counters["ratio"] = t_copy / t_op;
+    state.counters["ratio_vs_memcpy_xxh3"] = t_two_pass / t_op;
+}
+
 constexpr auto kH = PageOrder::kHnd;
 constexpr auto kN = PageOrder::kNhd;
 constexpr auto kPre = TransferMode::kPreSend;
@@ -204,6 +241,22 @@ KVSHARD_TRANSFER_HASH_BENCH(pack_xxh3_tp2_tp8_batched, true, true, kPre, "tp=2",
                             kH);
 KVSHARD_TRANSFER_HASH_BENCH(unpack_xxh3_tp8_tp4_nhd, false, false, kPre, "tp=8", "tp=4", 16, 16, kN,
                             kN);
+
+// Direct read (one copy, checksum fused), from a private and from a shareable source pool.
+#define KVSHARD_DIRECT_BENCH(name, memory, mode, from, to, bsf, bst, of, ot)      \
+    BENCHMARK_CAPTURE(run_direct, name, memory, mode, from, to, bsf, bst, of, ot) \
+        ->Arg(1024)                                                               \
+        ->UseManualTime()                                                         \
+        ->Unit(benchmark::kMillisecond)                                           \
+        ->MinTime(0.5)
+constexpr auto kPrivate = PoolMemory::kPrivate;
+constexpr auto kShared = PoolMemory::kShareable;
+KVSHARD_DIRECT_BENCH(direct_tp1_tp1, kPrivate, kPre, "tp=1", "tp=1", 16, 16, kH, kH);
+KVSHARD_DIRECT_BENCH(direct_tp1_tp1_shareable, kShared, kPre, "tp=1", "tp=1", 16, 16, kH, kH);
+KVSHARD_DIRECT_BENCH(direct_tp8_tp4_shareable, kShared, kPre, "tp=8", "tp=4", 16, 16, kH, kH);
+KVSHARD_DIRECT_BENCH(direct_tp2_tp8_shareable, kShared, kPre, "tp=2", "tp=8", 16, 16, kH, kH);
+KVSHARD_DIRECT_BENCH(direct_bs16_64_shareable, kShared, kPre, "tp=1", "tp=1", 16, 64, kH, kH);
+KVSHARD_DIRECT_BENCH(direct_hnd_to_nhd_shareable, kShared, kPost, "tp=1", "tp=1", 16, 16, kH, kN);
 
 }  // namespace
 }  // namespace kvshard

@@ -5,12 +5,14 @@
 //                                     [--reps 5] [--layers-per-message 1] [--mode auto]
 //                                     [--bs-from 16] [--bs-to 16] [--order-from hnd] [--order-to
 //                                     hnd] [--offload-check-bytes 1048576]
-//                                     [--sender-sleep-us 0]
+//                                     [--sender-sleep-us 0] [--direct on|off]
 //
 // Ranks [0, P) hold the source layout, [P, P+D) the destination layout. Each repetition times
-// (1) the transfer: TransferSender/TransferReceiver on every rank (pack with XXH3, send, unpack
-// verifying XXH3), (2) the ceiling: for every (source, destination) pair of the plan, one MPI
-// message of exactly the
+// (1) the transfer: TransferSender/TransferReceiver on every rank. With --direct on (default) the
+// source pools are shareable and each destination reads them in place (one copy, XXH3 of the bytes
+// read, checked against the source's); --direct off: messages (pack with XXH3 or send from the
+// pool, receive, unpack verifying XXH3). (2) the ceiling: for every (source, destination) pair of
+// the plan, one MPI message of exactly the
 //     bytes the plan moves between them, sent with isend/irecv from/to plain buffers.
 // Both are timed from a barrier to a barrier; the figure is the median over repetitions. Rank 0
 // prints one JSON line: {"transfer_GBps", "mpi_GBps", "ratio", ...}, ratio = mpi time / transfer
@@ -42,6 +44,8 @@ struct Args {
     int bs_from = 16, bs_to = 16;
     int64_t offload_check_bytes = TransferExecOptions{}.offload_check_bytes;
     int sender_sleep_us = TransferExecOptions{}.sender_idle_sleep_us;
+    bool direct = true;
+    int direct_window = TransferExecOptions{}.direct_window;
     PageOrder order_from = PageOrder::kHnd, order_to = PageOrder::kHnd;
 };
 
@@ -82,6 +86,10 @@ Args parse(int argc, char** argv) {
             a.offload_check_bytes = std::stoll(v);
         else if (k == "--sender-sleep-us")
             a.sender_sleep_us = std::stoi(v);
+        else if (k == "--direct" && (v == "on" || v == "off"))
+            a.direct = v == "on";
+        else if (k == "--direct-window")
+            a.direct_window = std::stoi(v);
         else {
             std::fprintf(stderr, "bench_transfer_mpi: unknown flag %s\n", k.c_str());
             std::exit(2);
@@ -130,8 +138,11 @@ int main(int argc, char** argv) {
     const bool src_side = me < P;
     const int local = src_side ? me : me - P;
     const TransferEndpoint& side = src_side ? plan->src : plan->dst;
+    // Source pools shareable (direct read) or private (messages), as a prefill server would set
+    // them.
     BlockPool pool(rank_page_geometry(side.layout, local, side.block_size, side.order),
-                   (a.tokens + side.block_size - 1) / side.block_size);
+                   (a.tokens + side.block_size - 1) / side.block_size,
+                   src_side && a.direct ? PoolMemory::kShareable : PoolMemory::kPrivate);
     if (src_side) {
         auto ar = pool.arena();
         for (size_t i = 0; i < ar.size(); ++i) ar[i] = static_cast<std::byte>(i * 131 + me);
@@ -143,6 +154,9 @@ int main(int argc, char** argv) {
     xo.staging_pool = StagingPool::create();  // reused across repetitions, as a server reuses it
     xo.offload_check_bytes = a.offload_check_bytes;
     xo.sender_idle_sleep_us = a.sender_sleep_us;
+    xo.direct_read = a.direct;
+    xo.direct_window = a.direct_window;
+    xo.arena_views = std::make_shared<SharedArenaViews>();  // kept across repetitions
 
     // The ceiling: one message per (src, dst) pair of the plan, of the bytes the plan moves.
     std::map<std::pair<int, int>, int64_t> pair_bytes;
@@ -168,6 +182,7 @@ int main(int argc, char** argv) {
     };
 
     std::vector<double> t_transfer, t_mpi, t_mpi_msgs;
+    int direct_messages = 0;  // of the last repetition, over all destination ranks
     for (int rep = 0; rep < a.reps + 1; ++rep) {  // the first round warms up
         world->barrier();
         double t0 = now();
@@ -188,6 +203,7 @@ int main(int argc, char** argv) {
             progress_until_done({}, one);
             const auto res = r.finish();
             if (!res.ok()) std::fprintf(stderr, "rank %d: %s\n", me, res.error.c_str());
+            direct_messages = res.direct_messages;
             if (std::getenv("KVSHARD_BENCH_VERBOSE"))
                 std::fprintf(stderr, "rank %d recv: %.4f s, xxh3+unpack %.4f s\n", me, res.seconds,
                              res.pack_seconds);
@@ -223,6 +239,8 @@ int main(int argc, char** argv) {
         t1 = now();
         if (rep > 0) t_mpi_msgs.push_back(t1 - t0);
     }
+    direct_messages =
+        static_cast<int>(world->all_reduce_value<int32_t>(direct_messages, ReduceOp::kSum));
     if (me == 0) {
         const double tt = median(t_transfer), tm = median(t_mpi);
         const double gb = static_cast<double>(plan->bytes) / 1e9;
@@ -230,7 +248,8 @@ int main(int argc, char** argv) {
             "{\"model\": \"%s\", \"from\": \"%s\", \"to\": \"%s\", \"tokens\": %lld, \"messages\": "
             "%zu, "
             "\"bytes\": %lld, \"block_size\": \"%d->%d\", \"order\": \"%s->%s\", \"mode\": \"%s\", "
-            "\"offload_check_bytes\": %lld, \"sender_sleep_us\": %d, \"transfer_s\": %.6f, "
+            "\"offload_check_bytes\": %lld, \"sender_sleep_us\": %d, \"direct\": %s, "
+            "\"direct_window\": %d, \"direct_messages\": %d, \"transfer_s\": %.6f, "
             "\"mpi_s\": %.6f, "
             "\"transfer_GBps\": %.3f, "
             "\"mpi_GBps\": %.3f, \"ratio\": %.3f, \"mpi_per_message_s\": %.6f, "
@@ -240,8 +259,9 @@ int main(int argc, char** argv) {
             a.order_from == PageOrder::kHnd ? "hnd" : "nhd",
             a.order_to == PageOrder::kHnd ? "hnd" : "nhd",
             std::string(transfer_mode_name(resolve_mode(*plan, xo.mode))).c_str(),
-            static_cast<long long>(a.offload_check_bytes), a.sender_sleep_us, tt, tm, gb / tt,
-            gb / tm, tm / tt, median(t_mpi_msgs), median(t_mpi_msgs) / tt);
+            static_cast<long long>(a.offload_check_bytes), a.sender_sleep_us,
+            a.direct ? "true" : "false", a.direct_window, direct_messages, tt, tm, gb / tt, gb / tm,
+            tm / tt, median(t_mpi_msgs), median(t_mpi_msgs) / tt);
     }
     return 0;
 }

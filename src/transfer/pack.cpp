@@ -476,36 +476,53 @@ uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, Trans
         require(p.src_block < src.num_blocks, "block ", p.src_block, " of source rank ",
                 msg.src_rank, " is outside its pool of ", src.num_blocks, " blocks");
     check_pool(plan, msg, false, dst, msg.bytes);
-    // Both sides' runs, each a partition of the wire bytes [0, msg.bytes) in increasing order;
-    // their intersections are the pool-to-pool copies, visited in wire order.
+    // Each side's runs partition the wire bytes [0, msg.bytes) in increasing order; their
+    // intersections are the pool-to-pool copies, visited in wire order. The side whose page order
+    // the wire follows has the longer runs: those are listed (in this thread's list, reused from
+    // call to call: a transpose or a TP slice has tens of thousands of runs per message), and the
+    // other side's walk consumes them as it goes.
     struct WireRun {
         int64_t pool, wire, len;
     };
-    std::vector<WireRun> from, to;
-    auto into = [](std::vector<WireRun>& v) {
-        return [&v](int64_t p, int64_t w, int64_t n) { v.push_back({p, w, n}); };
-    };
+    thread_local std::vector<WireRun> listed;
+    listed.clear();
     const PageOrder wire = wire_order(plan, mode);
-    auto collect_from = into(from);
-    auto collect_to = into(to);
-    walk_message(plan, msg, true, wire, sg, src.num_blocks, msg.num_layers(), plan.kv_factor,
-                 collect_from);
-    walk_message(plan, msg, false, wire, dst.geometry(), dst.num_blocks(), msg.num_layers(),
-                 plan.kv_factor, collect_to);
+    const bool list_source = wire == plan.src.order;
+    auto list = [](int64_t p, int64_t w, int64_t n) { listed.push_back({p, w, n}); };
+    if (list_source)
+        walk_message(plan, msg, true, wire, sg, src.num_blocks, msg.num_layers(), plan.kv_factor,
+                     list);
+    else
+        walk_message(plan, msg, false, wire, dst.geometry(), dst.num_blocks(), msg.num_layers(),
+                     plan.kv_factor, list);
     std::byte* base = dst.arena().data();
     RunCopier copier(true, 1);
-    int64_t w = 0;
-    for (size_t i = 0, j = 0; i < from.size() && j < to.size();) {
-        const WireRun& a = from[i];
-        const WireRun& b = to[j];
-        const int64_t n = std::min(a.wire + a.len, b.wire + b.len) - w;
-        copier.add(base + b.pool + (w - b.wire), src.data + a.pool + (w - a.wire), n, 0);
-        w += n;
-        if (w == a.wire + a.len) ++i;
-        if (w == b.wire + b.len) ++j;
-    }
-    KVSHARD_CHECK(w == msg.bytes, "the direct copies of a message cover its ", msg.bytes,
-                  " bytes, not ", w);
+    size_t i = 0;
+    int64_t covered = 0;
+    auto copy = [&](int64_t pool_off, int64_t wire_off, int64_t len) {
+        covered += len;
+        while (len > 0) {
+            while (listed[i].wire + listed[i].len <= wire_off) ++i;
+            const WireRun& a = listed[i];
+            const int64_t n = std::min(len, a.wire + a.len - wire_off);
+            const int64_t a_off = a.pool + (wire_off - a.wire);
+            if (list_source)
+                copier.add(base + pool_off, src.data + a_off, n, 0);
+            else
+                copier.add(base + a_off, src.data + pool_off, n, 0);
+            pool_off += n;
+            wire_off += n;
+            len -= n;
+        }
+    };
+    if (list_source)
+        walk_message(plan, msg, false, wire, dst.geometry(), dst.num_blocks(), msg.num_layers(),
+                     plan.kv_factor, copy);
+    else
+        walk_message(plan, msg, true, wire, sg, src.num_blocks, msg.num_layers(), plan.kv_factor,
+                     copy);
+    KVSHARD_CHECK(covered == msg.bytes, "the direct copies of a message cover its ", msg.bytes,
+                  " bytes, not ", covered);
     uint64_t h = 0;
     copier.finish(std::span<uint64_t>(&h, 1));
     return h;
