@@ -97,9 +97,9 @@ CpDevice::CpDevice(const ModelSpec& m, int tp, int tp_rank, const TensorSource& 
       block_size_(opt.block_size),
       blocks_(BlockManagerConfig{opt.num_blocks, opt.block_size, opt.prefix_cache}) {
     const ModelSpec spec = fp32_spec(m);
-    model_ =
-        std::make_unique<RankModel>(load_weights(spec, device_shard(spec, tp, tp_rank), weights),
-                                    opt.num_blocks, opt.block_size);
+    model_ = std::make_unique<RankModel>(
+        load_weights(spec, device_shard(spec, tp, tp_rank), weights), opt.num_blocks,
+        opt.block_size, RankComms{}, PageOrder::kHnd, opt.pool_memory);
 }
 
 CpSession::CpSession(CpDevice& device, Communicator& world, const ParallelConfig& p, CpOptions opt)

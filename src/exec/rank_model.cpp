@@ -93,10 +93,10 @@ void default_attention(const AttentionCall& c) {
 }
 
 RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms,
-                     PageOrder order)
+                     PageOrder order, PoolMemory memory)
     : weights_(std::move(weights)),
       comms_(comms),
-      pool_(geometry_for(weights_, block_size, order), num_blocks),
+      pool_(geometry_for(weights_, block_size, order), num_blocks, memory),
       attention_(default_attention) {
     require(weights_.spec.head_dim % 2 == 0, weights_.spec.name,
             ": RoPE needs an even head_dim, got ", weights_.spec.head_dim);

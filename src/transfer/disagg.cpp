@@ -76,6 +76,7 @@ struct RankTimes {
     double decode_seconds = 0;
     int64_t bytes = 0;  // decode ranks: payload bytes received
     int64_t messages = 0;
+    int64_t direct_messages = 0;
 };
 
 }  // namespace
@@ -163,6 +164,9 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     xo.timeout_s = opt.timeout_s;
     xo.sender_idle_sleep_us = opt.sender_idle_sleep_us;
     xo.offload_check_bytes = opt.offload_check_bytes;
+    xo.direct_read = opt.direct_read;
+    xo.direct_window = opt.direct_window;
+    xo.arena_views = std::make_shared<SharedArenaViews>();  // this rank's, for its requests
 
     const int me = world.rank();
     const bool is_prefill = me < P;
@@ -186,6 +190,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         co.prefix_cache = false;
         co.prefill_mode = opt.cp_prefill_mode;
         co.decode_merge = opt.cp_decode_merge;
+        if (is_prefill && opt.direct_read) co.pool_memory = PoolMemory::kShareable;
         cp_device = std::make_unique<CpDevice>(m, pc.tp, c.tp, weights, co);
         cp_session = std::make_unique<CpSession>(*cp_device, *group, pc, co);
         for (int i = 0; i < n; ++i) {
@@ -199,7 +204,8 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
             load_weights(m, weight_shard(mine, local), weights),
             is_prefill ? prefill_blocks : decode_blocks,
             is_prefill ? opt.prefill_block_size : opt.decode_block_size,
-            rank_comms(*group, g, pc, c), is_prefill ? opt.prefill_order : opt.decode_order);
+            rank_comms(*group, g, pc, c), is_prefill ? opt.prefill_order : opt.decode_order,
+            is_prefill && opt.direct_read ? PoolMemory::kShareable : PoolMemory::kPrivate);
     }
     RankModel& model = plain ? *plain : cp_device->model();
     xo.staging_pool = StagingPool::create();  // this rank's, shared by its requests
@@ -267,6 +273,17 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
                 if (i == opt.corrupt_request) o.faults.corrupt_message = 0;
                 senders.push_back(std::make_unique<TransferSender>(
                     world, plans[i], static_cast<uint64_t>(i), me, model.pool(), o));
+            }
+            // Every destination's answer to the hello (direct reads or messages) before the
+            // prefill starts: the first layer then leaves as soon as it is done.
+            for (;;) {
+                bool all = true;
+                for (auto& s : senders) {
+                    s->progress();
+                    all &= s->connected() || s->done();
+                }
+                if (all) break;
+                std::this_thread::yield();
             }
         };
         std::vector<float> logits;
@@ -354,6 +371,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
             const TransferResult r = receivers[i]->finish();
             times.bytes += r.bytes;
             times.messages += r.messages;
+            times.direct_messages += r.direct_messages;
             if (!r.ok()) {
                 failed[i] = 1;
                 errors[i] = std::string(transfer_status_name(r.status)) + ": " + r.error;
@@ -481,6 +499,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         rep.decode_seconds = std::max(rep.decode_seconds, t.decode_seconds);
         rep.transfer_bytes += t.bytes;
         rep.messages += t.messages;
+        rep.direct_messages += t.direct_messages;
     }
     if (rep.transfer_start_s < 0) rep.transfer_start_s = rep.transfer_end_s;
     rep.transfer_seconds = std::max(0.0, rep.transfer_end_s - rep.transfer_start_s);

@@ -109,6 +109,47 @@ TEST_P(TransferMpiTest, StreamedTransferIsExact) {
     }
 }
 
+// Shareable source pools: each destination process maps its sources' pools and reads every message
+// in place (direct read), exactly; a corrupt request fails alone; a request with direct reads off
+// moves the same bytes in messages.
+TEST_P(TransferMpiTest, DirectReadAcrossProcessesIsExact) {
+    const MpiPair& c = GetParam();
+    const ModelSpec m = testing::llama_mini(5);
+    auto src_ep = testing::make_endpoint(m, c.from, c.bs_from, PageOrder::kHnd, c.tokens, 0, 7);
+    auto dst_ep = testing::make_endpoint(m, c.to, c.bs_to, PageOrder::kNhd, c.tokens, 0, 8);
+    const int P = src_ep.layout.world_size(), D = dst_ep.layout.world_size();
+    if (P + D != world().size()) GTEST_SKIP() << "needs " << P + D << " processes";
+    auto plan = std::make_shared<TransferPlan>(
+        make_transfer_plan(src_ep, dst_ep, c.tokens, {.layers_per_group = 1}));
+    auto src = testing::make_source(plan->src, c.tokens, PoolMemory::kShareable);
+    auto dst = testing::make_destination(plan->dst);
+    TransferExecOptions good;
+    good.dst_world_base = P;
+    good.direct_window = 1;
+    good.arena_views = std::make_shared<SharedArenaViews>();
+    TransferExecOptions bad = good;
+    bad.faults.corrupt_message = 0;
+    TransferExecOptions off = good;
+    off.direct_read = false;
+    const auto res = run_here(plan, src, dst, {good, bad, off});
+    const int me = world().rank();
+    EXPECT_TRUE(res[0].ok()) << res[0].error;
+    EXPECT_TRUE(res[2].ok()) << res[2].error;
+    EXPECT_EQ(res[0].direct_messages, res[0].messages);
+    EXPECT_GT(res[0].messages, 0);
+    EXPECT_EQ(res[2].direct_messages, 0);
+    if (me >= P) {
+        const int d = me - P;
+        EXPECT_EQ(res[0].bytes, needed_bytes(*plan, d));
+        EXPECT_EQ(wrong_elements(*plan, dst, d, c.tokens), 0) << "destination rank " << d;
+        if (d == plan->messages[0].dst_rank) {
+            EXPECT_EQ(res[1].status, TransferStatus::kChecksumMismatch) << res[1].error;
+        }
+    } else if (me == plan->messages[0].src_rank) {
+        EXPECT_EQ(res[1].status, TransferStatus::kPeerFailed) << res[1].error;
+    }
+}
+
 // Same layout on both sides, blocks in order: every payload goes straight from the source pool to
 // the destination pool, and the receivers check them on their worker threads (any size here)
 // while senders sleep between polls once all is posted. A corrupt request fails alone.

@@ -31,10 +31,11 @@ struct DisaggCase {
     PageOrder order_prefill = PageOrder::kHnd, order_decode = PageOrder::kHnd;
     TransferMode mode = TransferMode::kAuto;
     bool stream = true;
+    bool direct = true;  // decode ranks read the prefill pools in place (false: messages)
 };
 
 void PrintTo(const DisaggCase& c, std::ostream* os) {
-    *os << c.model << " " << c.prefill << " -> " << c.decode;
+    *os << c.model << " " << c.prefill << " -> " << c.decode << (c.direct ? "" : " (messages)");
 }
 
 DisaggReport run_case(const DisaggCase& c, const std::vector<std::vector<int32_t>>& prompts,
@@ -51,6 +52,7 @@ DisaggReport run_case(const DisaggCase& c, const std::vector<std::vector<int32_t
     opt.mode = c.mode;
     opt.stream_layers = c.stream;
     opt.corrupt_request = corrupt;
+    opt.direct_read = c.direct;
     DisaggReport out;
     run_threads(pp.world_size() + pd.world_size(), [&](Communicator& world) {
         DisaggReport r = disagg_generate(m, pp, pd, src, prompts, opt, world);
@@ -80,6 +82,7 @@ TEST_P(DisaggEndToEnd, TokensMatchUnshardedModel) {
     }
     EXPECT_EQ(r.transfer_bytes, r.min_bytes);
     EXPECT_GT(r.messages, 0);
+    EXPECT_EQ(r.direct_messages, c.direct ? r.messages : 0);
     EXPECT_EQ(r.streamed, c.stream);
     // On one clock the last request lands after the first message leaves (the ranks' starts after
     // the barrier differ when a thread is scheduled late).
@@ -95,6 +98,8 @@ INSTANTIATE_TEST_SUITE_P(
     LayoutPairs, DisaggEndToEnd,
     ::testing::Values(
         DisaggCase{"tiny", "tp=8", "tp=4"},  // the seed's example (tp=8 replicates heads)
+        DisaggCase{"tiny", "tp=8", "tp=4", 16, 16, PageOrder::kHnd, PageOrder::kHnd,
+                   TransferMode::kAuto, true, false},  // ... in messages
         DisaggCase{"tiny", "tp=2", "tp=8"}, DisaggCase{"tiny", "tp=4,pp=2", "tp=2", 4, 16},
         DisaggCase{"tiny", "pp=2", "pp=3,tp=2", 16, 4, PageOrder::kHnd, PageOrder::kNhd},
         DisaggCase{"tiny", "tp=1", "tp=2,pp=2", 8, 8, PageOrder::kNhd, PageOrder::kHnd,
@@ -115,7 +120,9 @@ INSTANTIATE_TEST_SUITE_P(
                    PageOrder::kHnd, TransferMode::kPostReceive},
         // CP on both sides, different sizes, schemes and block sizes.
         DisaggCase{"tiny", "cp=2,cp_scheme=zigzag", "cp=3,cp_scheme=interleave,cp_interleave=4", 16,
-                   4}),
+                   4},
+        DisaggCase{"tiny", "cp=2,tp=2", "tp=2,pp=2", 16, 16, PageOrder::kHnd, PageOrder::kNhd,
+                   TransferMode::kPostReceive, true, false}),
     [](const auto& info) { return "pair" + std::to_string(info.index); });
 
 TEST(DisaggFailure, CorruptRequestFailsAloneOthersDecode) {
@@ -123,16 +130,20 @@ TEST(DisaggFailure, CorruptRequestFailsAloneOthersDecode) {
     const ModelSpec m = catalog_model("tiny");
     const auto prompts = prompts_for(m, 3, 9);
     const auto src = random_tensor_source(3);
-    const DisaggReport r = run_case({"tiny", "tp=4", "tp=2"}, prompts, *src, 5, /*corrupt=*/1);
     GenerationOptions go;
     go.max_new_tokens = 5;
     const GenerationReport ref = generate(m, ParallelConfig{}, *src, prompts, go);
-    EXPECT_EQ(r.failed_requests, 1);
-    EXPECT_NE(r.errors[1].find("checksum"), std::string::npos) << r.errors[1];
-    EXPECT_TRUE(r.tokens[1].empty());
-    for (int i : {0, 2}) {
-        EXPECT_EQ(r.errors[i], "");
-        EXPECT_EQ(r.tokens[i], ref.tokens[i]) << "prompt " << i;
+    for (bool direct : {true, false}) {
+        DisaggCase c{"tiny", "tp=4", "tp=2"};
+        c.direct = direct;
+        const DisaggReport r = run_case(c, prompts, *src, 5, /*corrupt=*/1);
+        EXPECT_EQ(r.failed_requests, 1) << (direct ? "direct read" : "messages");
+        EXPECT_NE(r.errors[1].find("checksum"), std::string::npos) << r.errors[1];
+        EXPECT_TRUE(r.tokens[1].empty());
+        for (int i : {0, 2}) {
+            EXPECT_EQ(r.errors[i], "");
+            EXPECT_EQ(r.tokens[i], ref.tokens[i]) << "prompt " << i;
+        }
     }
 }
 

@@ -135,17 +135,36 @@ TEST(DisaggRunCli, RunFlagsAreUsedOrRefused) {
         << both.out;
 }
 
-// The transfer's polling and checking knobs reach it: a sleeping sender and checks on a worker
-// thread for every payload received straight into the pool still give the unsharded tokens.
+// The transfer's polling and checking knobs reach it: in messages, a sleeping sender and checks on
+// a worker thread for every payload received straight into the pool still give the unsharded
+// tokens.
 TEST(DisaggRunCli, SenderSleepAndCheckThread) {
     const auto r = run_cli(
-        "run --model tiny --prefill tp=2 --decode tp=2 --sender-sleep-us 50 --check-thread-bytes "
-        "0 --prompts 2 --prompt-len 32 --gen 4 --verify --json");
+        "run --model tiny --prefill tp=2 --decode tp=2 --direct-read off --sender-sleep-us 50 "
+        "--check-thread-bytes 0 --prompts 2 --prompt-len 32 --gen 4 --verify --json");
     ASSERT_EQ(r.status, 0) << r.out;
     const auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["verify"]["tokens_match"], true);
     EXPECT_EQ(j["failed_requests"], 0);
     EXPECT_EQ(j["transfer"]["bytes"], j["transfer"]["min_bytes"]);
+    EXPECT_EQ(j["transfer"]["direct_messages"], 0);
+}
+
+// By default every decode rank reads its KV from the prefill pools in place (a window of one
+// message here); --direct-read off sends it in messages. Both give the unsharded tokens.
+TEST(DisaggRunCli, DirectReadOnAndOff) {
+    for (const char* flags : {"--direct-window 1", "--direct-read off"}) {
+        const auto r = run_cli(std::string("run --model tiny --prefill tp=4 --decode tp=2,pp=2 ") +
+                               flags + " --prompts 2 --prompt-len 24 --gen 4 --verify --json");
+        ASSERT_EQ(r.status, 0) << r.out;
+        const auto j = nlohmann::json::parse(r.out);
+        EXPECT_EQ(j["verify"]["tokens_match"], true) << flags;
+        EXPECT_EQ(j["transfer"]["bytes"], j["transfer"]["min_bytes"]) << flags;
+        const bool direct = std::string(flags) != "--direct-read off";
+        EXPECT_EQ(j["transfer"]["direct_messages"].get<int64_t>(),
+                  direct ? j["transfer"]["messages"].get<int64_t>() : 0)
+            << flags;
+    }
 }
 
 }  // namespace

@@ -78,6 +78,15 @@ void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
                     "many bytes is checksummed on a worker thread beside the receive (where the "
                     "rank may use more than one CPU; -1: never)")
         ->capture_default_str();
+    sub->add_option("--direct-read", f.direct_read,
+                    "disaggregated run: on: the prefill pools are shareable and each decode rank "
+                    "on the same host reads its KV from them in place (one copy, only headers "
+                    "travel); off: the KV travels in messages")
+        ->capture_default_str();
+    sub->add_option("--direct-window", f.direct_window,
+                    "disaggregated run, direct read: messages a prefill rank announces to one "
+                    "decode rank ahead of what it has read (0: no bound)")
+        ->capture_default_str();
 }
 
 int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
@@ -92,6 +101,11 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     require(f.check_thread_bytes >= -1,
             "--check-thread-bytes must be -1 (never) or a byte count >= 0, got ",
             f.check_thread_bytes);
+    require(f.direct_read == "on" || f.direct_read == "off",
+            "--direct-read must be on or off, got '", f.direct_read, "'");
+    require(f.direct_window >= 0 && f.direct_window <= 1000000,
+            "--direct-window must be between 0 (no bound) and 1000000 messages, got ",
+            f.direct_window);
     require(f.decode_block_size >= 0,
             "--decode-block-size must be at least 1 (or 0: the same as --block-size), got ",
             f.decode_block_size);
@@ -108,6 +122,8 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     opt.staging_bytes = f.staging_mib << 20;
     opt.sender_idle_sleep_us = f.sender_sleep_us;
     opt.offload_check_bytes = f.check_thread_bytes;
+    opt.direct_read = f.direct_read == "on";
+    opt.direct_window = f.direct_window;
     set_compute_threads(1);
 
     int status = 0;
@@ -158,6 +174,7 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                                  {{"bytes", r.transfer_bytes},
                                   {"min_bytes", r.min_bytes},
                                   {"messages", r.messages},
+                                  {"direct_messages", r.direct_messages},
                                   {"mode", r.mode},
                                   {"streamed", r.streamed},
                                   {"seconds", r.transfer_seconds},
@@ -181,11 +198,11 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                 pd.to_string(), pd.world_size(), in.prompts.size(), in.gen);
             fmt::print("prefill: {:.2f} ms\n", r.prefill_seconds * 1e3);
             fmt::print(
-                "transfer: {} in {} messages (minimum {}), mode {}, {}; {:.2f} ms, {:.2f} ms of it "
-                "overlapping prefill ({:.0f}%)\n",
-                bytes_text(r.transfer_bytes), r.messages, bytes_text(r.min_bytes), r.mode,
-                r.streamed ? "layer by layer" : "after prefill", r.transfer_seconds * 1e3,
-                r.overlap_seconds * 1e3, overlap_fraction * 100);
+                "transfer: {} in {} messages (minimum {}), {} of them read in place, mode {}, {}; "
+                "{:.2f} ms, {:.2f} ms of it overlapping prefill ({:.0f}%)\n",
+                bytes_text(r.transfer_bytes), r.messages, bytes_text(r.min_bytes),
+                r.direct_messages, r.mode, r.streamed ? "layer by layer" : "after prefill",
+                r.transfer_seconds * 1e3, r.overlap_seconds * 1e3, overlap_fraction * 100);
             fmt::print("decode: {:.2f} ms\n", r.decode_seconds * 1e3);
             for (size_t i = 0; i < in.prompts.size(); ++i)
                 if (!r.errors[i].empty()) fmt::print("request {} failed: {}\n", i, r.errors[i]);

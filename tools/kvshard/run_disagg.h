@@ -25,11 +25,14 @@ struct DisaggFlags {
     int64_t staging_mib = 64;
     int sender_sleep_us = DisaggOptions{}.sender_idle_sleep_us;
     int64_t check_thread_bytes = DisaggOptions{}.offload_check_bytes;
+    std::string direct_read = "on";
+    int direct_window = DisaggOptions{}.direct_window;
     bool enabled() const { return !prefill.empty() || !decode.empty(); }
 };
 
 // Adds --prefill, --decode, --decode-block-size, --prefill-order, --decode-order, --transfer-mode,
-// --no-stream, --staging-mib, --sender-sleep-us, --check-thread-bytes to `kvshard run`.
+// --no-stream, --staging-mib, --sender-sleep-us, --check-thread-bytes, --direct-read,
+// --direct-window to `kvshard run`.
 void add_disagg_options(CLI::App* sub, DisaggFlags& f);
 
 struct DisaggRunInput {

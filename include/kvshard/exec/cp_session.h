@@ -33,6 +33,7 @@ struct CpOptions {
     bool prefix_cache = true;
     std::optional<CpPrefillMode> prefill_mode;  // empty: choose_cp_prefill (pass-Q for short turns)
     CpDecodeMerge decode_merge = CpDecodeMerge::kAllGather;
+    PoolMemory pool_memory = PoolMemory::kPrivate;  // the device's pool (kShareable: see BlockPool)
 };
 
 class CpDevice {

@@ -66,9 +66,10 @@ void default_attention(const AttentionCall& call);
 
 class RankModel {
   public:
-    // The pool holds `num_blocks` blocks of `block_size` tokens for the held layers and KV heads.
+    // The pool holds `num_blocks` blocks of `block_size` tokens for the held layers and KV heads
+    // (memory kShareable: a transfer's destination in another process may read it in place).
     RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms = {},
-              PageOrder order = PageOrder::kHnd);
+              PageOrder order = PageOrder::kHnd, PoolMemory memory = PoolMemory::kPrivate);
 
     const ModelWeights& weights() const { return weights_; }
     const ModelSpec& spec() const { return weights_.spec; }

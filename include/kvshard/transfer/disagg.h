@@ -38,6 +38,10 @@ struct DisaggOptions {
     // Passed to the transfer (TransferExecOptions, same meaning and defaults).
     int sender_idle_sleep_us = TransferExecOptions{}.sender_idle_sleep_us;
     int64_t offload_check_bytes = TransferExecOptions{}.offload_check_bytes;
+    // Direct read: the prefill pools are shareable and each decode rank on the same host reads its
+    // KV from them in place (TransferExecOptions::direct_read); false: private pools, messages.
+    bool direct_read = TransferExecOptions{}.direct_read;
+    int direct_window = TransferExecOptions{}.direct_window;
     double timeout_s = 60.0;
     int corrupt_request = -1;  // test hook: corrupt one payload of this request (prompt index)
     std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side: empty = automatic
@@ -52,9 +56,10 @@ struct DisaggReport {
     int64_t transfer_bytes = 0;  // payload bytes received over all requests
     int64_t min_bytes = 0;       // what the decode layout needs for every request
     int64_t messages = 0;
-    std::string mode;            // the resolved transfer mode of the first request
-    bool streamed = false;       // sent layer by layer (false: after prefill)
-    double prefill_seconds = 0;  // from the common start to the end of the slowest prefill rank
+    int64_t direct_messages = 0;  // of those, read by the decode rank straight from a prefill pool
+    std::string mode;             // the resolved transfer mode of the first request
+    bool streamed = false;        // sent layer by layer (false: after prefill)
+    double prefill_seconds = 0;   // from the common start to the end of the slowest prefill rank
     double transfer_start_s = 0, transfer_end_s = 0;  // first message sent, last message landed
     double transfer_seconds = 0;                      // transfer_end_s - transfer_start_s
     double overlap_seconds = 0;  // of the transfer window, the part before prefill ended
