@@ -67,11 +67,14 @@ std::unique_ptr<SharedArenaView> SharedArenaView::open(const SharedArenaId& id, 
     };
     if (id.pid <= 0 || id.fd < 0 || id.bytes == 0) return fail("no shareable arena");
     const std::string path = detail::concat("/proc/", id.pid, "/fd/", id.fd);
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // Non-blocking, no controlling terminal: on another host or in another PID namespace the pair
+    // may name anything (a FIFO would block an ordinary open); only a regular file is mapped.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0) return fail(detail::concat("cannot open ", path, ": ", errno_text()));
     const size_t mapped = SharedArena::kTokenPage + id.bytes;
     struct stat st {};
-    if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != mapped) {
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+        static_cast<uint64_t>(st.st_size) != mapped) {
         close(fd);
         return fail(detail::concat(path, " is not an arena of ", id.bytes, " bytes"));
     }

@@ -469,7 +469,7 @@ uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, Trans
     const PageGeometry sg =
         rank_page_geometry(plan.src.layout, msg.src_rank, plan.src.block_size, plan.src.order);
     require(src.data != nullptr && src.num_blocks >= 1 &&
-                src.bytes >= src.num_blocks * sg.block_bytes(),
+                src.num_blocks <= src.bytes / sg.block_bytes(),
             "the source arena of rank ", msg.src_rank, " (", src.bytes, " bytes) does not hold ",
             src.num_blocks, " blocks of ", sg.block_bytes(), " bytes");
     for (const auto& p : msg.pieces)
@@ -502,7 +502,10 @@ uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, Trans
     auto copy = [&](int64_t pool_off, int64_t wire_off, int64_t len) {
         covered += len;
         while (len > 0) {
-            while (listed[i].wire + listed[i].len <= wire_off) ++i;
+            while (listed[i].wire + listed[i].len <= wire_off) {
+                ++i;
+                KVSHARD_CHECK(i < listed.size(), "both sides' runs cover the message's wire bytes");
+            }
             const WireRun& a = listed[i];
             const int64_t n = std::min(len, a.wire + a.len - wire_off);
             const int64_t a_off = a.pool + (wire_off - a.wire);

@@ -325,7 +325,7 @@ struct TransferSender::Impl {
                 q.hello.pid = shared->pid;
                 q.hello.fd = shared->fd;
                 q.hello.token[0] = shared->token[0];
-                q.hello.token[1] = shared->token[1];
+                q.hello.token[1] = shared->token[1] ^ (opt.faults.wrong_arena_token ? 1 : 0);
                 q.hello.arena_bytes = shared->bytes;
                 q.hello.num_blocks = pool.num_blocks();
             }
@@ -406,6 +406,8 @@ struct TransferSender::Impl {
             result.pack_seconds += seconds_since(tp);
             post(std::move(f), dest);
             ++to.announced;
+            result.peak_direct_ahead =
+                std::max(result.peak_direct_ahead, to.announced - to.credited);
             result.bytes += msg.bytes;
             ++result.messages;
             ++result.direct_messages;
@@ -609,9 +611,12 @@ bool TransferSender::progress() {
     if (done_) return true;
     Impl& s = *impl_;
     if (s.step()) s.last_progress = Clock::now();
-    if (s.next < s.mine.size() && s.plan->messages[s.mine[s.next]].layer_end > s.ready_end &&
-        !s.aborting())
-        s.last_progress = Clock::now();  // waiting for prefill, not for a peer
+    // Waiting for prefill, not for a peer: that does not count against the timeout, once the
+    // peer has answered (a destination that never answers the hello times the sender out).
+    if (s.next < s.mine.size() && !s.aborting()) {
+        const TransferMessage& m = s.plan->messages[s.mine[s.next]];
+        if (m.layer_end > s.ready_end && s.peer(m.dst_rank).replied) s.last_progress = Clock::now();
+    }
     if (s.finished()) {
         done_ = true;
     } else if (seconds_since(s.last_progress) > s.opt.timeout_s) {
@@ -769,9 +774,8 @@ struct TransferReceiver::Impl {
         if (!s.view) return false;  // another host, or no access: messages
         const PageGeometry g =
             rank_page_geometry(plan->src.layout, s.rank, plan->src.block_size, plan->src.order);
-        if (h.num_blocks < 1 ||
-            static_cast<uint64_t>(h.num_blocks) * static_cast<uint64_t>(g.block_bytes()) >
-                h.arena_bytes)
+        if (h.num_blocks < 1 || static_cast<uint64_t>(h.num_blocks) >
+                                    h.arena_bytes / static_cast<uint64_t>(g.block_bytes()))
             return false;
         for (int i : s.messages)
             for (const auto& p : plan->messages[i].pieces)
@@ -854,6 +858,21 @@ struct TransferReceiver::Impl {
                     s.header_posted = false;
                     ++s.next;
                     continue;
+                }
+                const uint16_t want_mode = mode == TransferMode::kPreSend ? 0 : 1;
+                if (s.header.mode != want_mode) {
+                    set_status(
+                        TransferStatus::kBadHeader,
+                        detail::concat("destination rank ", dst_rank, " from source rank ", s.rank,
+                                       ": the payload is in ",
+                                       s.header.mode == 0 ? "pre-send" : "post-receive",
+                                       " order, this side resolved ", transfer_mode_name(mode),
+                                       " (both sides need the same transfer mode)"));
+                    s.payload_req = Request();
+                    s.direct = {};
+                    s.payload_posted = false;
+                    s.next = s.messages.size();
+                    return moved;
                 }
                 const bool direct = (s.header.flags & TransferHeader::kDirect) != 0;
                 if (direct != s.reads_in_place) {

@@ -36,9 +36,11 @@ int64_t wrong_elements(const TransferPlan& plan, const testing::Side& dst, int d
 class TransferMpiTest : public ::testing::TestWithParam<MpiPair> {};
 
 // Runs `requests` transfers of the same plan at once on this rank; returns the results by request.
+// Request 0 lands in dst's pool; with `also`, request `also_index` lands in its pool.
 std::vector<TransferResult> run_here(const std::shared_ptr<TransferPlan>& plan, testing::Side& src,
                                      testing::Side& dst,
-                                     const std::vector<TransferExecOptions>& opts) {
+                                     const std::vector<TransferExecOptions>& opts,
+                                     testing::Side* also = nullptr, size_t also_index = 0) {
     const int P = plan->src.layout.world_size();
     const int me = world().rank();
     std::vector<TransferResult> out;
@@ -74,6 +76,9 @@ std::vector<TransferResult> run_here(const std::shared_ptr<TransferPlan>& plan, 
         // Request 0 lands in the destination side's own pool for checking.
         std::copy(pools[0]->arena().begin(), pools[0]->arena().end(),
                   dst.pools[me - P]->arena().begin());
+        if (also != nullptr)
+            std::copy(pools[also_index]->arena().begin(), pools[also_index]->arena().end(),
+                      also->pools[me - P]->arena().begin());
     }
     return out;
 }
@@ -131,7 +136,8 @@ TEST_P(TransferMpiTest, DirectReadAcrossProcessesIsExact) {
     bad.faults.corrupt_message = 0;
     TransferExecOptions off = good;
     off.direct_read = false;
-    const auto res = run_here(plan, src, dst, {good, bad, off});
+    auto dst_off = testing::make_destination(plan->dst);
+    const auto res = run_here(plan, src, dst, {good, bad, off}, &dst_off, 2);
     const int me = world().rank();
     EXPECT_TRUE(res[0].ok()) << res[0].error;
     EXPECT_TRUE(res[2].ok()) << res[2].error;
@@ -142,11 +148,16 @@ TEST_P(TransferMpiTest, DirectReadAcrossProcessesIsExact) {
         const int d = me - P;
         EXPECT_EQ(res[0].bytes, needed_bytes(*plan, d));
         EXPECT_EQ(wrong_elements(*plan, dst, d, c.tokens), 0) << "destination rank " << d;
+        EXPECT_EQ(wrong_elements(*plan, dst_off, d, c.tokens), 0)
+            << "destination rank " << d << ", in messages";
         if (d == plan->messages[0].dst_rank) {
             EXPECT_EQ(res[1].status, TransferStatus::kChecksumMismatch) << res[1].error;
         }
-    } else if (me == plan->messages[0].src_rank) {
-        EXPECT_EQ(res[1].status, TransferStatus::kPeerFailed) << res[1].error;
+    } else {
+        EXPECT_LE(res[0].peak_direct_ahead, 1);  // direct_window 1
+        if (me == plan->messages[0].src_rank) {
+            EXPECT_EQ(res[1].status, TransferStatus::kPeerFailed) << res[1].error;
+        }
     }
 }
 

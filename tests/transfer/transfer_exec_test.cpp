@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <optional>
 
 #include "kvshard/comm/threads.h"
 #include "kvshard/transfer/transfer_exec.h"
@@ -53,8 +54,10 @@ struct XferRequest {
     uint64_t id = 1;
     TransferExecOptions opt;
     testing::Side src, dst;
-    int fail_source = -1;                  // this source calls fail() after its first layer
-    bool receivers_refuse_direct = false;  // the destinations run with direct_read = false
+    int fail_source = -1;                       // this source calls fail() after its first layer
+    bool receivers_refuse_direct = false;       // the destinations run with direct_read = false
+    std::vector<int> refusing_destinations;     // ... or only these destination ranks
+    std::optional<TransferMode> receiver_mode;  // the destinations' mode, if not opt.mode
     Outcome out;
 };
 
@@ -98,7 +101,10 @@ void run_requests(std::vector<XferRequest*> reqs) {
             std::vector<std::unique_ptr<TransferReceiver>> receivers;
             for (auto* r : reqs) {
                 TransferExecOptions o = r->opt;
-                if (r->receivers_refuse_direct) o.direct_read = false;
+                if (r->receivers_refuse_direct || std::count(r->refusing_destinations.begin(),
+                                                             r->refusing_destinations.end(), d) > 0)
+                    o.direct_read = false;
+                if (r->receiver_mode) o.mode = *r->receiver_mode;
                 receivers.push_back(std::make_unique<TransferReceiver>(world, r->plan, r->id, d,
                                                                        *r->dst.pools[d], o));
             }
@@ -440,7 +446,11 @@ TEST(TransferExecDirect, EveryMessageReadInPlaceAndExact) {
             const int n = static_cast<int>(r.plan->messages.size());
             EXPECT_EQ(direct_sent(r), n);
             EXPECT_EQ(direct_read(r), n);
-            for (const auto& s : r.out.src) EXPECT_EQ(s.peak_staging, 0);  // no payloads
+            for (const auto& s : r.out.src) {
+                EXPECT_EQ(s.peak_staging, 0);                         // no payloads
+                EXPECT_LE(s.peak_direct_ahead, r.opt.direct_window);  // credits bound it
+                EXPECT_GE(s.peak_direct_ahead, 1);
+            }
             for (const auto& d : r.out.dst) EXPECT_EQ(d.peak_staging, 0);
         }
 }
@@ -473,6 +483,8 @@ TEST(TransferExecDirect, RandomPairsAndWindows) {
         run_requests({&r});
         expect_all_ok(r, p.tokens);
         EXPECT_EQ(direct_read(r), static_cast<int>(r.plan->messages.size()));
+        if (r.opt.direct_window > 0)
+            for (const auto& s : r.out.src) EXPECT_LE(s.peak_direct_ahead, r.opt.direct_window);
         ++ran;
         if (::testing::Test::HasFailure()) break;
     }
@@ -493,6 +505,56 @@ TEST(TransferExecDirect, EitherSideCanDeclineIt) {
     EXPECT_EQ(direct_sent(refused), 0);
     EXPECT_EQ(direct_read(refused), 0);
     EXPECT_EQ(direct_read(on), static_cast<int>(on.plan->messages.size()));
+}
+
+// One source, two destinations, one of which declines: the source is read in place by
+// one and sends messages (packed) to the other, in the same request.
+TEST(TransferExecDirect, MixedDestinationsOfOneSource) {
+    Pair p{llama_mini(), "tp=1", "tp=2", 64};
+    XferRequest r = direct_request(p, 1, 133);
+    r.refusing_destinations = {0};
+    run_requests({&r});
+    expect_all_ok(r, p.tokens);
+    EXPECT_EQ(r.out.dst[0].direct_messages, 0);
+    EXPECT_EQ(r.out.dst[1].direct_messages, r.out.dst[1].messages);
+    EXPECT_GT(r.out.dst[1].messages, 0);
+    EXPECT_EQ(r.out.src[0].direct_messages, r.out.dst[1].messages);
+}
+
+// A destination that cannot map the source's pool (here: a wrong token in the hello) declines,
+// and the bytes travel in messages.
+TEST(TransferExecDirect, UnmappableSourceFallsBackToMessages) {
+    Pair p{llama_mini(), "tp=2", "tp=2", 64};
+    XferRequest r = direct_request(p, 1, 134);
+    r.opt.faults.wrong_arena_token = true;
+    run_requests({&r});
+    expect_all_ok(r, p.tokens);
+    EXPECT_EQ(direct_read(r), 0);
+    EXPECT_EQ(direct_sent(r), 0);
+}
+
+// Both sides must resolve the same transfer mode: a payload in the other order is a bad header,
+// never a silent mis-unpack.
+TEST(TransferExec, ModeMismatchIsABadHeader) {
+    for (PoolMemory memory : {PoolMemory::kPrivate, PoolMemory::kShareable}) {
+        Pair p{llama_mini(), "tp=2", "tp=4", 32};
+        XferRequest r = make_request(p, 1, 135, TransferMode::kPreSend, memory);
+        r.receiver_mode = TransferMode::kPostReceive;
+        r.opt.timeout_s = 5;
+        run_requests({&r});
+        // Each destination fails; one told of it first may abort the rest of its source's
+        // messages, so another destination may see those instead.
+        int bad = 0;
+        for (const auto& d : r.out.dst) {
+            EXPECT_FALSE(d.ok());
+            if (d.status == TransferStatus::kBadHeader) {
+                ++bad;
+                EXPECT_NE(d.error.find("same transfer mode"), std::string::npos) << d.error;
+            }
+        }
+        EXPECT_GE(bad, 1);
+        for (const auto& s : r.out.src) EXPECT_FALSE(s.ok());
+    }
 }
 
 TEST(TransferExecDirect, ChecksumMismatchFailsOnlyThatRequest) {
@@ -526,7 +588,7 @@ TEST(TransferExecDirect, HungSourceTimesOut) {
     run_requests({&bad, &good});
     for (const auto& d : bad.out.dst) {
         EXPECT_EQ(d.status, TransferStatus::kTimeout) << d.error;
-        EXPECT_EQ(d.direct_messages, 2);  // one from each of its two sources, before the hang
+        EXPECT_LE(d.direct_messages, 2);  // at most one from each of its two sources
     }
     for (const auto& s : bad.out.src) EXPECT_FALSE(s.ok());
     expect_all_ok(good, p.tokens);

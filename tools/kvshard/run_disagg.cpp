@@ -197,12 +197,16 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                 m.name, in.weights_from, backend_name(in.backend), pp.to_string(), pp.world_size(),
                 pd.to_string(), pd.world_size(), in.prompts.size(), in.gen);
             fmt::print("prefill: {:.2f} ms\n", r.prefill_seconds * 1e3);
+            const std::string in_place = r.direct_messages == 0 ? "none"
+                                         : r.direct_messages == r.messages
+                                             ? "all"
+                                             : fmt::format("{} of them", r.direct_messages);
             fmt::print(
-                "transfer: {} in {} messages (minimum {}), {} of them read in place, mode {}, {}; "
-                "{:.2f} ms, {:.2f} ms of it overlapping prefill ({:.0f}%)\n",
-                bytes_text(r.transfer_bytes), r.messages, bytes_text(r.min_bytes),
-                r.direct_messages, r.mode, r.streamed ? "layer by layer" : "after prefill",
-                r.transfer_seconds * 1e3, r.overlap_seconds * 1e3, overlap_fraction * 100);
+                "transfer: {} in {} messages (minimum {}), {} read in place, mode {}, {}; {:.2f} "
+                "ms, {:.2f} ms of it overlapping prefill ({:.0f}%)\n",
+                bytes_text(r.transfer_bytes), r.messages, bytes_text(r.min_bytes), in_place, r.mode,
+                r.streamed ? "layer by layer" : "after prefill", r.transfer_seconds * 1e3,
+                r.overlap_seconds * 1e3, overlap_fraction * 100);
             fmt::print("decode: {:.2f} ms\n", r.decode_seconds * 1e3);
             for (size_t i = 0; i < in.prompts.size(); ++i)
                 if (!r.errors[i].empty()) fmt::print("request {} failed: {}\n", i, r.errors[i]);

@@ -120,6 +120,9 @@ struct TransferFaults {
     // announced checksum it corrupts, so that the bytes read no longer match it).
     int corrupt_message = -1;
     int stall_after = -1;  // the sender sends this many messages, then nothing more (a hung peer)
+    // The sender offers its shareable pool with a wrong token: the destinations cannot map it and
+    // take messages instead.
+    bool wrong_arena_token = false;
 };
 
 // Payload buffers reused across messages and requests: no zero fill, and no page faults once warm
@@ -202,16 +205,19 @@ int transfer_tag(uint64_t request_id, int kind);
 struct TransferResult {
     TransferStatus status = TransferStatus::kOk;
     std::string error;  // empty when ok
-    int64_t bytes = 0;  // payload bytes sent (sender) or received and unpacked (receiver)
+    int64_t bytes = 0;  // payload bytes sent or announced for a direct read (sender), received and
+                        // unpacked or read in place (receiver)
     int messages = 0;
     int zero_copy_messages = 0;  // sent from / received into the pool itself (no staging copy)
     int direct_messages = 0;     // read by the destination straight from the source pool
     double seconds = 0;          // from construction to done
     double pack_seconds =
         0;  // sender: packing + checksums; receiver: checks, unpacking, direct reads
-    double first_send_s = -1;  // sender: when the first message went out, from construction
-    double last_send_s = -1;   // sender: when the last message went out
-    int64_t peak_staging = 0;  // most payload bytes held at once
+    double first_send_s = -1;   // sender: when the first message went out, from construction
+    double last_send_s = -1;    // sender: when the last message went out
+    int64_t peak_staging = 0;   // most payload bytes held at once
+    int peak_direct_ahead = 0;  // sender: most messages announced to one destination ahead of
+                                // its credits (at most direct_window when that is > 0)
     bool ok() const { return status == TransferStatus::kOk; }
 };
 
