@@ -150,7 +150,7 @@ class RunCopier {
         : stream_(stream_stores), hashes_(hashed_messages) {}
 
     // msg: the run's message in the batch (for its hash).
-    void add(std::byte* dst, const std::byte* src, int64_t len, size_t msg) {
+    [[gnu::always_inline]] void add(std::byte* dst, const std::byte* src, int64_t len, size_t msg) {
         const Run* prev = count_ > 0 ? &ring_[(head_ + count_ - 1) % kRing] : &last_;
         const Run r{dst, src, len, msg, !(prev->len > 0 && prev->src + prev->len == src)};
         if (count_ == 0 && len < kPrefetchMinRun) {  // short runs: nothing to prefetch, copy now
@@ -207,7 +207,7 @@ class RunCopier {
     // Copies r; prefetches ahead's source lines, spread over the copy. With hashing, the run is
     // copied and hashed piece by piece (at most kHashChunk bytes between a byte's copy and its
     // hash), so a long run's bytes are hashed from L1, not re-read from memory.
-    void copy_run(const Run& r, const Run* ahead) {
+    [[gnu::always_inline]] void copy_run(const Run& r, const Run* ahead) {
         const bool prefetch = ahead != nullptr && ahead->src_jumps && ahead->len >= kPrefetchMinRun;
         const bool hashing = !hashes_.empty();
         last_ = r;
@@ -234,7 +234,7 @@ class RunCopier {
 
     // Queues n wire bytes at p (just copied, in L1) for the message's hash: pieces that continue
     // each other are hashed together, up to kHashChunk bytes.
-    static void feed(Hash& h, const std::byte* p, int64_t n) {
+    [[gnu::always_inline]] static void feed(Hash& h, const std::byte* p, int64_t n) {
         if (h.pending_len > 0 && h.pending + h.pending_len == p &&
             h.pending_len + n <= kHashChunk) {
             h.pending_len += n;
@@ -250,7 +250,7 @@ class RunCopier {
         h.pending_len = 0;
     }
 
-    void copy(std::byte* dst, const std::byte* src, int64_t len) const {
+    [[gnu::always_inline]] void copy(std::byte* dst, const std::byte* src, int64_t len) const {
 #if defined(__SSE2__)
         if (stream_ && len >= 128) {
             const int64_t head =
