@@ -245,7 +245,7 @@ KVSHARD_TRANSFER_HASH_BENCH(unpack_xxh3_tp8_tp4_nhd, false, false, kPre, "tp=8",
 // Direct read (one copy, checksum fused), from a private and from a shareable source pool.
 #define KVSHARD_DIRECT_BENCH(name, memory, mode, from, to, bsf, bst, of, ot)      \
     BENCHMARK_CAPTURE(run_direct, name, memory, mode, from, to, bsf, bst, of, ot) \
-        ->Arg(1024)                                                               \
+        ->Arg(4096)                                                               \
         ->UseManualTime()                                                         \
         ->Unit(benchmark::kMillisecond)                                           \
         ->MinTime(0.5)
