@@ -364,6 +364,17 @@ struct TransferSender::Impl {
             b.payload_req = world.isend(data, dest, transfer_tag(request_id, kPayloadKind));
     }
 
+    // Accounts for the message at `next`, sent without a batch (kind: the counter of its kind),
+    // and moves on.
+    void sent_one(const TransferMessage& msg, int& kind) {
+        result.bytes += msg.bytes;
+        ++result.messages;
+        ++kind;
+        if (result.first_send_s < 0) result.first_send_s = seconds_since(t0);
+        result.last_send_s = seconds_since(t0);
+        ++next;
+    }
+
     bool send_next() {
         if (next >= mine.size()) return false;
         if (opt.faults.stall_after >= 0 && static_cast<int>(next) >= opt.faults.stall_after)
@@ -408,12 +419,7 @@ struct TransferSender::Impl {
             ++to.announced;
             result.peak_direct_ahead =
                 std::max(result.peak_direct_ahead, to.announced - to.credited);
-            result.bytes += msg.bytes;
-            ++result.messages;
-            ++result.direct_messages;
-            if (result.first_send_s < 0) result.first_send_s = seconds_since(t0);
-            result.last_send_s = seconds_since(t0);
-            ++next;
+            sent_one(msg, result.direct_messages);
             return true;
         }
         if (!in_flight.empty() && staged + msg.bytes > opt.staging_bytes)
@@ -438,12 +444,7 @@ struct TransferSender::Impl {
                 b.header_req =
                     world.isend(std::as_bytes(std::span<const TransferHeader, 1>(&b.header, 1)),
                                 dest, transfer_tag(request_id, kHeaderKind));
-                result.bytes += msg.bytes;
-                ++result.messages;
-                ++result.zero_copy_messages;
-                if (result.first_send_s < 0) result.first_send_s = seconds_since(t0);
-                result.last_send_s = seconds_since(t0);
-                ++next;
+                sent_one(msg, result.zero_copy_messages);
                 return true;
             }
         }

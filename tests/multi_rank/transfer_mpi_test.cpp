@@ -83,15 +83,25 @@ std::vector<TransferResult> run_here(const std::shared_ptr<TransferPlan>& plan, 
     return out;
 }
 
+// The pair's plan, HND pages to NHD pages, blocks shuffled by `seed`, a message per layer.
+std::shared_ptr<TransferPlan> plan_for(const MpiPair& c, uint64_t seed) {
+    const ModelSpec m = testing::llama_mini(5);
+    auto src_ep = testing::make_endpoint(m, c.from, c.bs_from, PageOrder::kHnd, c.tokens, 0, seed);
+    auto dst_ep = testing::make_endpoint(m, c.to, c.bs_to, PageOrder::kNhd, c.tokens, 0, seed + 1);
+    return std::make_shared<TransferPlan>(
+        make_transfer_plan(src_ep, dst_ep, c.tokens, {.layers_per_group = 1}));
+}
+
+int processes_for(const TransferPlan& plan) {
+    return plan.src.layout.world_size() + plan.dst.layout.world_size();
+}
+
 TEST_P(TransferMpiTest, StreamedTransferIsExact) {
     const MpiPair& c = GetParam();
-    const ModelSpec m = testing::llama_mini(5);
-    auto src_ep = testing::make_endpoint(m, c.from, c.bs_from, PageOrder::kHnd, c.tokens, 0, 5);
-    auto dst_ep = testing::make_endpoint(m, c.to, c.bs_to, PageOrder::kNhd, c.tokens, 0, 6);
-    const int P = src_ep.layout.world_size(), D = dst_ep.layout.world_size();
-    if (P + D != world().size()) GTEST_SKIP() << "needs " << P + D << " processes";
-    auto plan = std::make_shared<TransferPlan>(
-        make_transfer_plan(src_ep, dst_ep, c.tokens, {.layers_per_group = 1}));
+    auto plan = plan_for(c, 5);
+    const int P = plan->src.layout.world_size();
+    if (processes_for(*plan) != world().size())
+        GTEST_SKIP() << "needs " << processes_for(*plan) << " processes";
     auto src = testing::make_source(plan->src, c.tokens);
     auto dst = testing::make_destination(plan->dst);
     TransferExecOptions good;
@@ -119,13 +129,10 @@ TEST_P(TransferMpiTest, StreamedTransferIsExact) {
 // moves the same bytes in messages.
 TEST_P(TransferMpiTest, DirectReadAcrossProcessesIsExact) {
     const MpiPair& c = GetParam();
-    const ModelSpec m = testing::llama_mini(5);
-    auto src_ep = testing::make_endpoint(m, c.from, c.bs_from, PageOrder::kHnd, c.tokens, 0, 7);
-    auto dst_ep = testing::make_endpoint(m, c.to, c.bs_to, PageOrder::kNhd, c.tokens, 0, 8);
-    const int P = src_ep.layout.world_size(), D = dst_ep.layout.world_size();
-    if (P + D != world().size()) GTEST_SKIP() << "needs " << P + D << " processes";
-    auto plan = std::make_shared<TransferPlan>(
-        make_transfer_plan(src_ep, dst_ep, c.tokens, {.layers_per_group = 1}));
+    auto plan = plan_for(c, 7);
+    const int P = plan->src.layout.world_size();
+    if (processes_for(*plan) != world().size())
+        GTEST_SKIP() << "needs " << processes_for(*plan) << " processes";
     auto src = testing::make_source(plan->src, c.tokens, PoolMemory::kShareable);
     auto dst = testing::make_destination(plan->dst);
     TransferExecOptions good;

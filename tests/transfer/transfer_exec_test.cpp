@@ -203,22 +203,25 @@ TEST(TransferExec, ChecksumMismatchFailsOnlyThatRequest) {
     expect_only_corrupt_request_fails(bad, good, 5, p.tokens);
 }
 
+// In messages (private pools) and in direct reads (shareable ones).
 TEST(TransferExec, SourceFailureAbortsThatRequest) {
-    Pair p{llama_mini(), "tp=4,pp=2", "tp=2", 32};
-    XferRequest bad = make_request(p, 1, 31);
-    XferRequest good = make_request(p, 0, 32);
-    bad.fail_source = 1;
-    run_requests({&bad, &good});
-    EXPECT_EQ(bad.out.src[1].status, TransferStatus::kSourceAborted);
-    int aborted = 0;
-    for (int d : {0, 1}) aborted += bad.out.dst[d].status == TransferStatus::kSourceAborted;
-    EXPECT_GE(aborted, 1);
-    // Every destination that got messages from rank 1 failed the request.
-    for (const auto& msg : bad.plan->messages)
-        if (msg.src_rank == 1) {
-            EXPECT_FALSE(bad.out.dst[msg.dst_rank].ok());
-        }
-    expect_all_ok(good, p.tokens);
+    for (PoolMemory memory : {PoolMemory::kPrivate, PoolMemory::kShareable}) {
+        Pair p{llama_mini(), "tp=4,pp=2", "tp=2", 32};
+        XferRequest bad = make_request(p, 1, 31, TransferMode::kAuto, memory);
+        XferRequest good = make_request(p, 0, 32, TransferMode::kAuto, memory);
+        bad.fail_source = 1;
+        run_requests({&bad, &good});
+        EXPECT_EQ(bad.out.src[1].status, TransferStatus::kSourceAborted);
+        int aborted = 0;
+        for (int d : {0, 1}) aborted += bad.out.dst[d].status == TransferStatus::kSourceAborted;
+        EXPECT_GE(aborted, 1);
+        // Every destination that got messages from rank 1 failed the request.
+        for (const auto& msg : bad.plan->messages)
+            if (msg.src_rank == 1) {
+                EXPECT_FALSE(bad.out.dst[msg.dst_rank].ok());
+            }
+        expect_all_ok(good, p.tokens);
+    }
 }
 
 TEST(TransferExec, HungSourceTimesOut) {
@@ -563,20 +566,6 @@ TEST(TransferExecDirect, ChecksumMismatchFailsOnlyThatRequest) {
     XferRequest good = direct_request(p, 1, 142);
     expect_only_corrupt_request_fails(bad, good, 5, p.tokens);
     EXPECT_EQ(direct_read(good), static_cast<int>(good.plan->messages.size()));
-}
-
-TEST(TransferExecDirect, SourceFailureAbortsThatRequest) {
-    Pair p{llama_mini(), "tp=4,pp=2", "tp=2", 32};
-    XferRequest bad = direct_request(p, 1, 151);
-    XferRequest good = direct_request(p, 0, 152);
-    bad.fail_source = 1;
-    run_requests({&bad, &good});
-    EXPECT_EQ(bad.out.src[1].status, TransferStatus::kSourceAborted);
-    for (const auto& msg : bad.plan->messages)
-        if (msg.src_rank == 1) {
-            EXPECT_FALSE(bad.out.dst[msg.dst_rank].ok());
-        }
-    expect_all_ok(good, p.tokens);
 }
 
 TEST(TransferExecDirect, HungSourceTimesOut) {
