@@ -55,6 +55,18 @@ SharedArena::SharedArena(size_t bytes) {
     std::memcpy(base_, page, sizeof(page));
 }
 
+bool SharedArena::supported() {
+    static const bool ok = [] {
+        try {
+            SharedArena probe(1);
+            return true;
+        } catch (const Error&) {
+            return false;
+        }
+    }();
+    return ok;
+}
+
 SharedArena::~SharedArena() {
     munmap(base_, mapped_);
     close(id_.fd);

@@ -164,6 +164,8 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     xo.timeout_s = opt.timeout_s;
     xo.sender_idle_sleep_us = opt.sender_idle_sleep_us;
     xo.offload_check_bytes = opt.offload_check_bytes;
+    // Prefill pools in shareable memory where this process can make it (else messages).
+    const bool share_pools = opt.direct_read && SharedArena::supported();
     xo.direct_read = opt.direct_read;
     xo.direct_window = opt.direct_window;
     xo.arena_views = std::make_shared<SharedArenaViews>();  // this rank's, for its requests
@@ -190,7 +192,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         co.prefix_cache = false;
         co.prefill_mode = opt.cp_prefill_mode;
         co.decode_merge = opt.cp_decode_merge;
-        if (is_prefill && opt.direct_read) co.pool_memory = PoolMemory::kShareable;
+        if (is_prefill && share_pools) co.pool_memory = PoolMemory::kShareable;
         cp_device = std::make_unique<CpDevice>(m, pc.tp, c.tp, weights, co);
         cp_session = std::make_unique<CpSession>(*cp_device, *group, pc, co);
         for (int i = 0; i < n; ++i) {
@@ -205,7 +207,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
             is_prefill ? prefill_blocks : decode_blocks,
             is_prefill ? opt.prefill_block_size : opt.decode_block_size,
             rank_comms(*group, g, pc, c), is_prefill ? opt.prefill_order : opt.decode_order,
-            is_prefill && opt.direct_read ? PoolMemory::kShareable : PoolMemory::kPrivate);
+            is_prefill && share_pools ? PoolMemory::kShareable : PoolMemory::kPrivate);
     }
     RankModel& model = plain ? *plain : cp_device->model();
     xo.staging_pool = StagingPool::create();  // this rank's, shared by its requests

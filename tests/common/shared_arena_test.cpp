@@ -23,6 +23,8 @@ bool holds_pattern(const std::byte* p, size_t n) {
     return true;
 }
 
+TEST(SharedArena, SupportedHere) { EXPECT_TRUE(SharedArena::supported()); }
+
 TEST(SharedArena, SizeRoundedToPagesAndZeroFilled) {
     SharedArena a(10000);
     EXPECT_EQ(a.size(), 12288u);

@@ -48,6 +48,10 @@ class SharedArena {
 
     static constexpr size_t kTokenPage = 4096;
 
+    // Whether this process can create one (memfd with seals; checked once). Where it cannot, a
+    // caller keeps its pools private and moves bytes in messages.
+    static bool supported();
+
   private:
     SharedArenaId id_;
     std::byte* base_ = nullptr;  // the mapping: token page, then the usable bytes
