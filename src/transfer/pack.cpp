@@ -33,6 +33,23 @@ class Coalescer {
         if (len_ > 0) sink_(pool_, wire_, len_);
         len_ = 0;
     }
+    // `count` copies of len bytes, the i-th at pool_off + i * pool_step and wire_off + i *
+    // wire_step (a transpose's head_dim vectors): in one call where the sink takes strided copies
+    // (the copy kernel then loops without a call per vector), else one add() each.
+    void add_strided(int64_t pool_off, int64_t pool_step, int64_t wire_off, int64_t wire_step,
+                     int64_t len, int64_t count) {
+        if (pool_step == len && wire_step == len) {
+            add(pool_off, wire_off, len * count);
+        } else if (count == 1) {
+            add(pool_off, wire_off, len);  // may continue the previous copy
+        } else if constexpr (requires { sink_.strided(0, 0, 0, 0, 0, 0); }) {
+            flush();
+            sink_.strided(pool_off, pool_step, wire_off, wire_step, len, count);
+        } else {
+            for (int64_t i = 0; i < count; ++i)
+                add(pool_off + i * pool_step, wire_off + i * wire_step, len);
+        }
+    }
 
   private:
     Sink& sink_;
@@ -94,14 +111,12 @@ void walk_messages(const TransferPlan& plan, std::span<const TransferMessage* co
                                    wb + int64_t{si} * nh * vec, nh * vec);
                     } else if (wire == PageOrder::kHnd) {  // NHD pages, HND wire
                         for (int hi = 0; hi < nh; ++hi)
-                            for (int si = 0; si < cnt; ++si)
-                                co.add(page + ((int64_t{s0 + si} * H + h0 + hi) * vec),
-                                       wb + (int64_t{hi} * cnt + si) * vec, vec);
+                            co.add_strided(page + ((int64_t{s0} * H + h0 + hi) * vec), H * vec,
+                                           wb + int64_t{hi} * cnt * vec, vec, vec, cnt);
                     } else {  // HND pages, NHD wire
                         for (int si = 0; si < cnt; ++si)
-                            for (int hi = 0; hi < nh; ++hi)
-                                co.add(page + ((int64_t{h0 + hi} * bs + s0 + si) * vec),
-                                       wb + (int64_t{si} * nh + hi) * vec, vec);
+                            co.add_strided(page + ((int64_t{h0} * bs + s0 + si) * vec), bs * vec,
+                                           wb + int64_t{si} * nh * vec, vec, vec, nh);
                     }
                     w[m] += int64_t{nh} * cnt * vec;
                 }
@@ -165,6 +180,47 @@ class RunCopier {
             --count_;
             copy_run(front, &ring_[(head_ + count_ - 1) % kRing]);
         }
+    }
+
+    // count runs of len bytes, the i-th from src + i * src_step to dst + i * dst_step, in that
+    // order (a transpose's head_dim vectors: len is short, and each is copied at once, as add()
+    // copies a short run, without a call per vector).
+    void add_strided(std::byte* dst, int64_t dst_step, const std::byte* src, int64_t src_step,
+                     int64_t len, int64_t count, size_t msg) {
+        while (count_ > 0) {  // what is queued goes first
+            const Run front = ring_[head_];
+            head_ = (head_ + 1) % kRing;
+            --count_;
+            copy_run(front, nullptr);
+        }
+        const bool hashing = !hashes_.empty();
+#if defined(__SSE2__)
+        // Whole lines at line-aligned destinations (head_dim vectors of 64-byte multiples, as
+        // in every real model): non-temporal stores straight from a tight loop.
+        if (stream_ && len % 64 == 0 && dst_step % 64 == 0 &&
+            reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+            for (int64_t i = 0; i < count; ++i) {
+                const auto* s = reinterpret_cast<const __m128i*>(src + i * src_step);
+                auto* d = reinterpret_cast<__m128i*>(dst + i * dst_step);
+                for (int64_t k = 0; k < len / 16; k += 4) {
+                    const __m128i a = _mm_loadu_si128(s + k), b = _mm_loadu_si128(s + k + 1),
+                                  c = _mm_loadu_si128(s + k + 2), e = _mm_loadu_si128(s + k + 3);
+                    _mm_stream_si128(d + k, a);
+                    _mm_stream_si128(d + k + 1, b);
+                    _mm_stream_si128(d + k + 2, c);
+                    _mm_stream_si128(d + k + 3, e);
+                }
+                if (hashing) feed(hashes_[msg], src + i * src_step, len);
+            }
+            last_ = Run{dst + (count - 1) * dst_step, src + (count - 1) * src_step, len, msg, true};
+            return;
+        }
+#endif
+        for (int64_t i = 0; i < count; ++i) {
+            copy(dst + i * dst_step, src + i * src_step, len);
+            if (hashing) feed(hashes_[msg], src + i * src_step, len);
+        }
+        last_ = Run{dst + (count - 1) * dst_step, src + (count - 1) * src_step, len, msg, true};
     }
 
     // Copies what is still queued and finishes the hashes (and orders the non-temporal stores
@@ -421,10 +477,21 @@ void pack_messages(const TransferPlan& plan, std::span<const TransferMessage* co
     // Non-temporal stores into the staging buffers too: reading the source (a slice of each page)
     // is then the only read stream. The hash reads the source pieces (the same bytes, in L1).
     RunCopier copier(true, xxh3.size());
-    auto copy = [base, outs, &copier](int64_t pool_off, int64_t wire_off, int64_t len) {
-        const auto m = static_cast<size_t>(wire_off >> kWireShift);
-        copier.add(outs[m].data() + (wire_off & kWireMask), base + pool_off, len, m);
-    };
+    struct PackSink {
+        const std::byte* base;
+        std::span<const std::span<std::byte>> outs;
+        RunCopier& copier;
+        void operator()(int64_t pool_off, int64_t wire_off, int64_t len) {
+            const auto m = static_cast<size_t>(wire_off >> kWireShift);
+            copier.add(outs[m].data() + (wire_off & kWireMask), base + pool_off, len, m);
+        }
+        void strided(int64_t pool_off, int64_t pool_step, int64_t wire_off, int64_t wire_step,
+                     int64_t len, int64_t count) {
+            const auto m = static_cast<size_t>(wire_off >> kWireShift);
+            copier.add_strided(outs[m].data() + (wire_off & kWireMask), wire_step, base + pool_off,
+                               pool_step, len, count, m);
+        }
+    } copy{base, outs, copier};
     walk_messages(plan, msgs, true, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
                   msgs[0]->num_layers(), plan.kv_factor, copy);
     copier.finish(xxh3);
@@ -436,10 +503,21 @@ void unpack_messages(const TransferPlan& plan, std::span<const TransferMessage* 
     check_batch("unpack_messages", plan, msgs, false, mode, pool, ins, xxh3);
     std::byte* base = pool.arena().data();
     RunCopier copier(true, xxh3.size());
-    auto copy = [base, ins, &copier](int64_t pool_off, int64_t wire_off, int64_t len) {
-        const auto m = static_cast<size_t>(wire_off >> kWireShift);
-        copier.add(base + pool_off, ins[m].data() + (wire_off & kWireMask), len, m);
-    };
+    struct UnpackSink {
+        std::byte* base;
+        std::span<const std::span<const std::byte>> ins;
+        RunCopier& copier;
+        void operator()(int64_t pool_off, int64_t wire_off, int64_t len) {
+            const auto m = static_cast<size_t>(wire_off >> kWireShift);
+            copier.add(base + pool_off, ins[m].data() + (wire_off & kWireMask), len, m);
+        }
+        void strided(int64_t pool_off, int64_t pool_step, int64_t wire_off, int64_t wire_step,
+                     int64_t len, int64_t count) {
+            const auto m = static_cast<size_t>(wire_off >> kWireShift);
+            copier.add_strided(base + pool_off, pool_step, ins[m].data() + (wire_off & kWireMask),
+                               wire_step, len, count, m);
+        }
+    } copy{base, ins, copier};
     walk_messages(plan, msgs, false, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
                   msgs[0]->num_layers(), plan.kv_factor, copy);
     copier.finish(xxh3);
@@ -497,33 +575,66 @@ uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, Trans
                      plan.kv_factor, list);
     std::byte* base = dst.arena().data();
     RunCopier copier(true, 1);
-    size_t i = 0;
-    int64_t covered = 0;
-    auto copy = [&](int64_t pool_off, int64_t wire_off, int64_t len) {
-        covered += len;
-        while (len > 0) {
+    // The walked side's copies, cut against the listed runs.
+    struct DirectSink {
+        const std::vector<WireRun>& listed;
+        bool list_source;
+        std::byte* base;
+        const std::byte* from;
+        RunCopier& copier;
+        size_t i = 0;
+        int64_t covered = 0;
+        // The listed run holding wire byte `wire_off`.
+        const WireRun& at(int64_t wire_off) {
             while (listed[i].wire + listed[i].len <= wire_off) {
                 ++i;
                 KVSHARD_CHECK(i < listed.size(), "both sides' runs cover the message's wire bytes");
             }
-            const WireRun& a = listed[i];
-            const int64_t n = std::min(len, a.wire + a.len - wire_off);
+            return listed[i];
+        }
+        void operator()(int64_t pool_off, int64_t wire_off, int64_t len) {
+            covered += len;
+            while (len > 0) {
+                const WireRun& a = at(wire_off);
+                const int64_t n = std::min(len, a.wire + a.len - wire_off);
+                const int64_t a_off = a.pool + (wire_off - a.wire);
+                if (list_source)
+                    copier.add(base + pool_off, from + a_off, n, 0);
+                else
+                    copier.add(base + a_off, from + pool_off, n, 0);
+                pool_off += n;
+                wire_off += n;
+                len -= n;
+            }
+        }
+        // A transpose's vectors: in one strided copy where their wire bytes lie in one listed run
+        // (the listed side then holds them at the wire's spacing), else one by one.
+        void strided(int64_t pool_off, int64_t pool_step, int64_t wire_off, int64_t wire_step,
+                     int64_t len, int64_t count) {
+            const WireRun& a = at(wire_off);
+            const int64_t end = wire_off + (count - 1) * wire_step + len;
+            if (end > a.wire + a.len) {
+                for (int64_t k = 0; k < count; ++k)
+                    (*this)(pool_off + k * pool_step, wire_off + k * wire_step, len);
+                return;
+            }
+            covered += len * count;
             const int64_t a_off = a.pool + (wire_off - a.wire);
             if (list_source)
-                copier.add(base + pool_off, src.data + a_off, n, 0);
+                copier.add_strided(base + pool_off, pool_step, from + a_off, wire_step, len, count,
+                                   0);
             else
-                copier.add(base + a_off, src.data + pool_off, n, 0);
-            pool_off += n;
-            wire_off += n;
-            len -= n;
+                copier.add_strided(base + a_off, wire_step, from + pool_off, pool_step, len, count,
+                                   0);
         }
-    };
+    } copy{listed, list_source, base, src.data, copier};
     if (list_source)
         walk_message(plan, msg, false, wire, dst.geometry(), dst.num_blocks(), msg.num_layers(),
                      plan.kv_factor, copy);
     else
         walk_message(plan, msg, true, wire, sg, src.num_blocks, msg.num_layers(), plan.kv_factor,
                      copy);
+    const int64_t covered = copy.covered;
     KVSHARD_CHECK(covered == msg.bytes, "the direct copies of a message cover its ", msg.bytes,
                   " bytes, not ", covered);
     uint64_t h = 0;
