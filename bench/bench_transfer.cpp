@@ -149,11 +149,25 @@ void run(benchmark::State& state, bool pack, bool batched, bool hash, TransferMo
 // Direct read: copy_direct of one message from the source pool into the destination pool with
 // the XXH3 of the bytes read, next to memcpy and memcpy + XXH3 of the same bytes. src_memory: the
 // source pool private (huge pages) or shareable (as a destination in another process reads it).
-void run_direct(benchmark::State& state, PoolMemory src_memory, TransferMode mode,
+// units: copy_direct_units instead (the source's unit checksums, sealed before the loop, are not
+// timed: a prefill computes them as it writes the KV; run_seal below times that).
+void run_direct(benchmark::State& state, PoolMemory src_memory, bool units, TransferMode mode,
                 const std::string& from, const std::string& to, int bs_from, int bs_to,
                 PageOrder of, PageOrder ot) {
     auto s = make_setup(Batch::kNone, from, to, bs_from, bs_to, of, ot, state.range(0), src_memory);
     const TransferMessage& msg = *s->msgs.front();
+    uint64_t want = 0;
+    if (units) {
+        SourceChecksums sums(*s->src_pool);
+        for (int l = 0; l < s->src_pool->geometry().num_layers; ++l)
+            sums.seal_sequence(l, s->plan.src.block_tables[0], state.range(0));
+        const auto u = unit_checksum(s->plan, msg, sums);
+        if (!u) {
+            state.SkipWithError("the message does not read whole sealed blocks");
+            return;
+        }
+        want = *u;
+    }
     const auto arena = s->src_pool->arena();
     const SourceArena src{arena.data(), static_cast<int64_t>(arena.size()),
                           s->src_pool->num_blocks()};
@@ -161,7 +175,14 @@ void run_direct(benchmark::State& state, PoolMemory src_memory, TransferMode mod
     uint64_t sink = 0;
     for (auto _ : state) {
         const double t0 = thread_seconds();
-        sink += copy_direct(s->plan, msg, mode, src, *s->dst_pool);
+        if (units) {
+            if (copy_direct_units(s->plan, msg, src, *s->dst_pool) != want) {
+                state.SkipWithError("unit checksum mismatch");
+                return;
+            }
+        } else {
+            sink += copy_direct(s->plan, msg, mode, src, *s->dst_pool);
+        }
         const double t1 = thread_seconds();
         std::memcpy(s->copy_dst.data(), s->copy_src.data(), s->copy_dst.size());
         benchmark::ClobberMemory();
@@ -181,6 +202,41 @@ void run_direct(benchmark::State& state, PoolMemory src_memory, TransferMode mod
     state.counters["memcpy_xxh3_GBps"] = bytes / t_two_pass / 1e9;
     state.counters["ratio"] = t_copy / t_op;
     state.counters["ratio_vs_memcpy_xxh3"] = t_two_pass / t_op;
+}
+
+// What sealing costs a prefill (source_checksums.h): each layer's KV of one TP1 rank written into
+// the pool (a memcpy of the layer's pages, as the model's KV write) and then sealed, while it is
+// still in cache. Reports the write and the seal rates and seal time / write time.
+void run_seal(benchmark::State& state) {
+    const int64_t tokens = state.range(0);
+    auto s =
+        make_setup(Batch::kNone, "tp=1", "tp=1", 16, 16, PageOrder::kHnd, PageOrder::kHnd, tokens);
+    BlockPool& pool = *s->src_pool;
+    SourceChecksums sums(pool);
+    const PageGeometry& g = pool.geometry();
+    const auto layer_bytes = static_cast<size_t>(g.kv_factor * pool.num_blocks() * g.page_bytes());
+    LargeBuffer fresh = allocate_large(layer_bytes);  // the layer's new KV
+    std::fill(fresh.get(), fresh.get() + layer_bytes, std::byte{9});
+    double t_write = 0, t_seal = 0;
+    for (auto _ : state) {
+        for (int l = 0; l < g.num_layers; ++l) {
+            const double t0 = thread_seconds();
+            std::memcpy(pool.page(l, 0, 0), fresh.get(), layer_bytes);
+            benchmark::ClobberMemory();
+            const double t1 = thread_seconds();
+            sums.seal_sequence(l, s->plan.src.block_tables[0], tokens);
+            const double t2 = thread_seconds();
+            t_write += t1 - t0;
+            t_seal += t2 - t1;
+        }
+        state.SetIterationTime(t_seal);
+    }
+    const double bytes =
+        static_cast<double>(layer_bytes) * g.num_layers * static_cast<double>(state.iterations());
+    state.counters["layer_MiB"] = static_cast<double>(layer_bytes) / 1048576.0;
+    state.counters["write_GBps"] = bytes / t_write / 1e9;
+    state.counters["seal_GBps"] = bytes / t_seal / 1e9;
+    state.counters["seal_vs_write"] = t_seal / t_write;
 }
 
 constexpr auto kH = PageOrder::kHnd;
@@ -243,12 +299,14 @@ KVSHARD_TRANSFER_HASH_BENCH(unpack_xxh3_tp8_tp4_nhd, false, false, kPre, "tp=8",
                             kN);
 
 // Direct read (one copy, checksum fused), from a private and from a shareable source pool.
-#define KVSHARD_DIRECT_BENCH(name, memory, mode, from, to, bsf, bst, of, ot)      \
-    BENCHMARK_CAPTURE(run_direct, name, memory, mode, from, to, bsf, bst, of, ot) \
-        ->Arg(4096)                                                               \
-        ->UseManualTime()                                                         \
-        ->Unit(benchmark::kMillisecond)                                           \
+#define KVSHARD_DIRECT_CASE(name, memory, units, mode, from, to, bsf, bst, of, ot)       \
+    BENCHMARK_CAPTURE(run_direct, name, memory, units, mode, from, to, bsf, bst, of, ot) \
+        ->Arg(4096)                                                                      \
+        ->UseManualTime()                                                                \
+        ->Unit(benchmark::kMillisecond)                                                  \
         ->MinTime(0.5)
+#define KVSHARD_DIRECT_BENCH(name, memory, mode, from, to, bsf, bst, of, ot) \
+    KVSHARD_DIRECT_CASE(name, memory, false, mode, from, to, bsf, bst, of, ot)
 constexpr auto kPrivate = PoolMemory::kPrivate;
 constexpr auto kShared = PoolMemory::kShareable;
 KVSHARD_DIRECT_BENCH(direct_tp1_tp1, kPrivate, kPre, "tp=1", "tp=1", 16, 16, kH, kH);
@@ -257,6 +315,19 @@ KVSHARD_DIRECT_BENCH(direct_tp8_tp4_shareable, kShared, kPre, "tp=8", "tp=4", 16
 KVSHARD_DIRECT_BENCH(direct_tp2_tp8_shareable, kShared, kPre, "tp=2", "tp=8", 16, 16, kH, kH);
 KVSHARD_DIRECT_BENCH(direct_bs16_64_shareable, kShared, kPre, "tp=1", "tp=1", 16, 64, kH, kH);
 KVSHARD_DIRECT_BENCH(direct_hnd_to_nhd_shareable, kShared, kPost, "tp=1", "tp=1", 16, 16, kH, kN);
+// The same with unit checksums (copy_direct_units; the mode does not matter to it).
+KVSHARD_DIRECT_CASE(direct_units_tp1_tp1_shareable, kShared, true, kPre, "tp=1", "tp=1", 16, 16, kH,
+                    kH);
+KVSHARD_DIRECT_CASE(direct_units_tp8_tp4_shareable, kShared, true, kPre, "tp=8", "tp=4", 16, 16, kH,
+                    kH);
+KVSHARD_DIRECT_CASE(direct_units_tp2_tp8_shareable, kShared, true, kPre, "tp=2", "tp=8", 16, 16, kH,
+                    kH);
+KVSHARD_DIRECT_CASE(direct_units_bs16_64_shareable, kShared, true, kPre, "tp=1", "tp=1", 16, 64, kH,
+                    kH);
+KVSHARD_DIRECT_CASE(direct_units_hnd_to_nhd_shareable, kShared, true, kPost, "tp=1", "tp=1", 16, 16,
+                    kH, kN);
+// Sealing a layer as a prefill writes it.
+BENCHMARK(run_seal)->Arg(4096)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
 }  // namespace
 }  // namespace kvshard

@@ -6,13 +6,16 @@
 //                                     [--bs-from 16] [--bs-to 16] [--order-from hnd] [--order-to
 //                                     hnd] [--offload-check-bytes 1048576]
 //                                     [--sender-sleep-us 0] [--direct on|off]
+//                                     [--source-checksums on|off]
 //
 // Ranks [0, P) hold the source layout, [P, P+D) the destination layout. Each repetition times
 // (1) the transfer: TransferSender/TransferReceiver on every rank. With --direct on (default) the
 // source pools are shareable and each destination reads them in place (one copy, XXH3 of the bytes
-// read, checked against the source's); --direct off: messages (pack with XXH3 or send from the
-// pool, receive, unpack verifying XXH3). (2) the ceiling: for every (source, destination) pair of
-// the plan, one MPI message of exactly the
+// read, checked against the source's: with --source-checksums on, the default, the unit checksums
+// sealed when the source pools were filled, so the source makes no pass over its bytes; off, the
+// XXH3 of the bytes from the source's pass); --direct off: messages (pack with XXH3 or send from
+// the pool, receive, unpack verifying XXH3). (2) the ceiling: for every (source, destination) pair
+// of the plan, one MPI message of exactly the
 //     bytes the plan moves between them, sent with isend/irecv from/to plain buffers.
 // Both are timed from a barrier to a barrier; the figure is the median over repetitions. Rank 0
 // prints one JSON line: {"transfer_GBps", "mpi_GBps", "ratio", ...}, ratio = mpi time / transfer
@@ -45,6 +48,7 @@ struct Args {
     int64_t offload_check_bytes = TransferExecOptions{}.offload_check_bytes;
     int sender_sleep_us = TransferExecOptions{}.sender_idle_sleep_us;
     bool direct = true;
+    bool source_checksums = true;
     int direct_window = TransferExecOptions{}.direct_window;
     PageOrder order_from = PageOrder::kHnd, order_to = PageOrder::kHnd;
 };
@@ -88,6 +92,8 @@ Args parse(int argc, char** argv) {
             a.sender_sleep_us = std::stoi(v);
         else if (k == "--direct" && (v == "on" || v == "off"))
             a.direct = v == "on";
+        else if (k == "--source-checksums" && (v == "on" || v == "off"))
+            a.source_checksums = v == "on";
         else if (k == "--direct-window")
             a.direct_window = std::stoi(v);
         else {
@@ -147,6 +153,18 @@ int main(int argc, char** argv) {
         auto ar = pool.arena();
         for (size_t i = 0; i < ar.size(); ++i) ar[i] = static_cast<std::byte>(i * 131 + me);
     }
+    // The seals a prefill makes as it writes each layer (here after the fill, outside the timed
+    // transfers; seal_s: their cost on this cold pool, an upper bound for a seal made while the
+    // layer is still in cache).
+    std::shared_ptr<SourceChecksums> sums;
+    double seal_s = 0;
+    if (src_side && a.direct && a.source_checksums && side.order == PageOrder::kHnd) {
+        const double ts = now();
+        sums = std::make_shared<SourceChecksums>(pool);
+        for (int l = 0; l < pool.geometry().num_layers; ++l)
+            sums->seal_sequence(l, side.block_tables[0], a.tokens);
+        seal_s = now() - ts;
+    }
     TransferExecOptions xo;
     xo.mode = parse_transfer_mode(a.mode);
     xo.dst_world_base = P;
@@ -157,6 +175,7 @@ int main(int argc, char** argv) {
     xo.direct_read = a.direct;
     xo.direct_window = a.direct_window;
     xo.arena_views = std::make_shared<SharedArenaViews>();  // kept across repetitions
+    xo.source_checksums = sums;
 
     // The ceiling: one message per (src, dst) pair of the plan, of the bytes the plan moves.
     std::map<std::pair<int, int>, int64_t> pair_bytes;
@@ -183,6 +202,7 @@ int main(int argc, char** argv) {
 
     std::vector<double> t_transfer, t_mpi, t_mpi_msgs;
     int direct_messages = 0;  // of the last repetition, over all destination ranks
+    int unit_messages = 0;    // of those, checked by unit checksums
     for (int rep = 0; rep < a.reps + 1; ++rep) {  // the first round warms up
         world->barrier();
         double t0 = now();
@@ -204,6 +224,7 @@ int main(int argc, char** argv) {
             const auto res = r.finish();
             if (!res.ok()) std::fprintf(stderr, "rank %d: %s\n", me, res.error.c_str());
             direct_messages = res.direct_messages;
+            unit_messages = res.unit_checksum_messages;
             if (std::getenv("KVSHARD_BENCH_VERBOSE"))
                 std::fprintf(stderr, "rank %d recv: %.4f s, xxh3+unpack %.4f s\n", me, res.seconds,
                              res.pack_seconds);
@@ -241,6 +262,9 @@ int main(int argc, char** argv) {
     }
     direct_messages =
         static_cast<int>(world->all_reduce_value<int32_t>(direct_messages, ReduceOp::kSum));
+    unit_messages =
+        static_cast<int>(world->all_reduce_value<int32_t>(unit_messages, ReduceOp::kSum));
+    seal_s = world->all_reduce_value<double>(seal_s, ReduceOp::kMax);
     if (me == 0) {
         const double tt = median(t_transfer), tm = median(t_mpi);
         const double gb = static_cast<double>(plan->bytes) / 1e9;
@@ -249,7 +273,8 @@ int main(int argc, char** argv) {
             "%zu, "
             "\"bytes\": %lld, \"block_size\": \"%d->%d\", \"order\": \"%s->%s\", \"mode\": \"%s\", "
             "\"offload_check_bytes\": %lld, \"sender_sleep_us\": %d, \"direct\": %s, "
-            "\"direct_window\": %d, \"direct_messages\": %d, \"transfer_s\": %.6f, "
+            "\"direct_window\": %d, \"direct_messages\": %d, \"unit_checksum_messages\": %d, "
+            "\"seal_s\": %.6f, \"transfer_s\": %.6f, "
             "\"mpi_s\": %.6f, "
             "\"transfer_GBps\": %.3f, "
             "\"mpi_GBps\": %.3f, \"ratio\": %.3f, \"mpi_per_message_s\": %.6f, "
@@ -260,8 +285,8 @@ int main(int argc, char** argv) {
             a.order_to == PageOrder::kHnd ? "hnd" : "nhd",
             std::string(transfer_mode_name(resolve_mode(*plan, xo.mode))).c_str(),
             static_cast<long long>(a.offload_check_bytes), a.sender_sleep_us,
-            a.direct ? "true" : "false", a.direct_window, direct_messages, tt, tm, gb / tt, gb / tm,
-            tm / tt, median(t_mpi_msgs), median(t_mpi_msgs) / tt);
+            a.direct ? "true" : "false", a.direct_window, direct_messages, unit_messages, seal_s,
+            tt, tm, gb / tt, gb / tm, tm / tt, median(t_mpi_msgs), median(t_mpi_msgs) / tt);
     }
     return 0;
 }

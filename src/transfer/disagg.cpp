@@ -16,6 +16,8 @@
 #include "kvshard/exec/cp_session.h"
 #include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/transfer/source_checksums.h"
 #include "kvshard/transfer/transfer_exec.h"
 #include "kvshard/transfer/transfer_plan.h"
 
@@ -77,6 +79,7 @@ struct RankTimes {
     int64_t bytes = 0;  // decode ranks: payload bytes received
     int64_t messages = 0;
     int64_t direct_messages = 0;
+    int64_t unit_checksum_messages = 0;
 };
 
 }  // namespace
@@ -266,12 +269,17 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
     ByteWriter w;
 
     if (is_prefill) {
+        // Seals of this rank's pool, made as each layer's KV is written (below).
+        std::shared_ptr<SourceChecksums> sums;
+        if (share_pools && opt.source_checksums && opt.prefill_order == PageOrder::kHnd)
+            sums = std::make_shared<SourceChecksums>(model.pool());
         std::vector<std::unique_ptr<TransferSender>> senders;
         double senders_at = 0;
         auto make_senders = [&]() {
             senders_at = since(t0);
             for (int i = 0; i < n; ++i) {
                 TransferExecOptions o = xo;
+                o.source_checksums = sums;
                 if (i == opt.corrupt_request) o.faults.corrupt_message = 0;
                 senders.push_back(std::make_unique<TransferSender>(
                     world, plans[i], static_cast<uint64_t>(i), me, model.pool(), o));
@@ -294,6 +302,13 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
             // logits of its last token come back on every CP rank.
             make_senders();
             cp_session->set_layer_hook([&](SeqId seq, int layer) {
+                if (sums) {  // this CP rank's blocks of the prompt, over the tokens it holds
+                    const int i = static_cast<int>(seq);
+                    int64_t held = 0;
+                    for (const auto& tr : cp_token_ranges(prefill, c.cp, prompt_len[i]))
+                        held += tr.size();
+                    sums->seal_sequence(layer, cp_device->blocks().block_table(seq), held);
+                }
                 senders[static_cast<size_t>(seq)]->layer_ready(layer);
                 for (auto& s : senders) s->progress();
             });
@@ -310,6 +325,9 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
             make_senders();
             model.set_attention([&](const AttentionCall& call) {
                 default_attention(call);  // writes this layer's KV, then attends
+                if (sums)                 // while that KV is still in cache
+                    for (int i = 0; i < n; ++i)
+                        sums->seal_sequence(call.local_layer, ptables[i], prompt_len[i]);
                 for (auto& s : senders) {
                     s->layer_ready(call.layer);
                     s->progress();
@@ -374,6 +392,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
             times.bytes += r.bytes;
             times.messages += r.messages;
             times.direct_messages += r.direct_messages;
+            times.unit_checksum_messages += r.unit_checksum_messages;
             if (!r.ok()) {
                 failed[i] = 1;
                 errors[i] = std::string(transfer_status_name(r.status)) + ": " + r.error;
@@ -502,6 +521,7 @@ DisaggReport disagg_generate(const ModelSpec& spec, const ParallelConfig& prefil
         rep.transfer_bytes += t.bytes;
         rep.messages += t.messages;
         rep.direct_messages += t.direct_messages;
+        rep.unit_checksum_messages += t.unit_checksum_messages;
     }
     if (rep.transfer_start_s < 0) rep.transfer_start_s = rep.transfer_end_s;
     rep.transfer_seconds = std::max(0.0, rep.transfer_end_s - rep.transfer_start_s);

@@ -141,6 +141,35 @@ void walk_message(const TransferPlan& plan, const TransferMessage& msg, bool sou
     std::memcpy(dst, src, static_cast<size_t>(len));
 }
 
+// Copies len bytes with non-temporal stores for the destination's whole 64-byte lines (ordinary
+// stores for the partial lines at its ends, and for copies under 128 bytes).
+[[gnu::always_inline]] inline void stream_copy(std::byte* dst, const std::byte* src, int64_t len) {
+#if defined(__SSE2__)
+    if (len >= 128) {
+        const int64_t head =
+            std::min<int64_t>(len, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
+        if (head > 0) plain_copy(dst, src, head);
+        dst += head;
+        src += head;
+        len -= head;
+        const int64_t body = len & ~int64_t{63};
+        for (int64_t o = 0; o < body; o += 64) {
+            const auto* s = reinterpret_cast<const __m128i*>(src + o);
+            auto* d = reinterpret_cast<__m128i*>(dst + o);
+            const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1),
+                          c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d + 1, b);
+            _mm_stream_si128(d + 2, c);
+            _mm_stream_si128(d + 3, e);
+        }
+        if (len > body) plain_copy(dst + body, src + body, len - body);
+        return;
+    }
+#endif
+    plain_copy(dst, src, len);
+}
+
 // Copies the runs of a walk, kAhead runs behind the walk, so that while run i is copied the source
 // lines of run i + kAhead are prefetched into L2 (prefetcht1), a few lines per step of the copy:
 // the hardware prefetchers do not cross 4 KiB pages, so a run that does not continue the previous
@@ -307,30 +336,10 @@ class RunCopier {
     }
 
     [[gnu::always_inline]] void copy(std::byte* dst, const std::byte* src, int64_t len) const {
-#if defined(__SSE2__)
-        if (stream_ && len >= 128) {
-            const int64_t head =
-                std::min<int64_t>(len, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
-            if (head > 0) plain_copy(dst, src, head);
-            dst += head;
-            src += head;
-            len -= head;
-            const int64_t body = len & ~int64_t{63};
-            for (int64_t o = 0; o < body; o += 64) {
-                const auto* s = reinterpret_cast<const __m128i*>(src + o);
-                auto* d = reinterpret_cast<__m128i*>(dst + o);
-                const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1),
-                              c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
-                _mm_stream_si128(d, a);
-                _mm_stream_si128(d + 1, b);
-                _mm_stream_si128(d + 2, c);
-                _mm_stream_si128(d + 3, e);
-            }
-            if (len > body) plain_copy(dst + body, src + body, len - body);
-            return;
-        }
-#endif
-        plain_copy(dst, src, len);
+        if (stream_)
+            stream_copy(dst, src, len);
+        else
+            plain_copy(dst, src, len);
     }
 
     bool stream_;
@@ -640,6 +649,110 @@ uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, Trans
     uint64_t h = 0;
     copier.finish(std::span<uint64_t>(&h, 1));
     return h;
+}
+
+namespace {
+
+// Calls f(layer, kv, piece, head) for msg's units in their order (pack.h).
+template <typename F>
+void for_each_unit(const TransferMessage& msg, int kv_factor, F&& f) {
+    for (int l = msg.layer_begin; l < msg.layer_end; ++l)
+        for (int kv = 0; kv < kv_factor; ++kv)
+            for (const TransferPiece& p : msg.pieces)
+                for (int h = msg.head_begin; h < msg.head_end; ++h) f(l, kv, p, h);
+}
+
+}  // namespace
+
+std::optional<uint64_t> unit_checksum(const TransferPlan& plan, const TransferMessage& msg,
+                                      const SourceChecksums& sums) {
+    check_pool(plan, msg, true, sums.pool(), msg.bytes);
+    const RankKv& rk = plan.src.layout.ranks[static_cast<size_t>(msg.src_rank)];
+    for (int l = msg.layer_begin; l < msg.layer_end; ++l)
+        for (const TransferPiece& p : msg.pieces)
+            if (p.src_slot != 0 || sums.sealed_tokens(l - rk.layer_begin, p.src_block) != p.count)
+                return std::nullopt;
+    thread_local std::vector<uint64_t> units;
+    units.clear();
+    const int h0 = rk.kv_heads.front();
+    for_each_unit(msg, plan.kv_factor, [&](int l, int kv, const TransferPiece& p, int h) {
+        units.push_back(sums.unit(l - rk.layer_begin, kv, p.src_block, h - h0));
+    });
+    return xxh3_64(units.data(), units.size() * sizeof(uint64_t));
+}
+
+uint64_t copy_direct_units(const TransferPlan& plan, const TransferMessage& msg,
+                           const SourceArena& src, BlockPool& dst) {
+    const PageGeometry sg =
+        rank_page_geometry(plan.src.layout, msg.src_rank, plan.src.block_size, plan.src.order);
+    require(sg.order == PageOrder::kHnd,
+            "a direct read with unit checksums needs an HND source; source rank ", msg.src_rank,
+            " is NHD");
+    require(src.data != nullptr && src.num_blocks >= 1 &&
+                src.num_blocks <= src.bytes / sg.block_bytes(),
+            "the source arena of rank ", msg.src_rank, " (", src.bytes, " bytes) does not hold ",
+            src.num_blocks, " blocks of ", sg.block_bytes(), " bytes");
+    for (const auto& p : msg.pieces)
+        require(p.src_block < src.num_blocks, "block ", p.src_block, " of source rank ",
+                msg.src_rank, " is outside its pool of ", src.num_blocks, " blocks");
+    check_pool(plan, msg, false, dst, msg.bytes);
+    const RankKv& srk = plan.src.layout.ranks[static_cast<size_t>(msg.src_rank)];
+    const RankKv& drk = plan.dst.layout.ranks[static_cast<size_t>(msg.dst_rank)];
+    const PageGeometry& dg = dst.geometry();
+    const int64_t vec = plan.vector_bytes();
+    const int sh0 = srk.kv_heads.front(), dh0 = drk.kv_heads.front();
+    const bool dst_hnd = dg.order == PageOrder::kHnd;
+    // The units' copies, listed first so that each copy can prefetch the next unit's source
+    // where it does not continue this one (the hardware prefetchers stop at 4 KiB pages).
+    struct Unit {
+        const std::byte* src;
+        std::byte* dst;
+        int64_t len;
+    };
+    thread_local std::vector<Unit> list;
+    list.clear();
+    for_each_unit(msg, plan.kv_factor, [&](int l, int kv, const TransferPiece& p, int h) {
+        const int64_t spage =
+            ((int64_t{l - srk.layer_begin} * sg.kv_factor + kv) * src.num_blocks + p.src_block) *
+            sg.page_bytes();
+        std::byte* dpage = dst.page(l - drk.layer_begin, kv, p.dst_block);
+        list.push_back({src.data + spage + (int64_t{h - sh0} * sg.block_size + p.src_slot) * vec,
+                        dst_hnd ? dpage + (int64_t{h - dh0} * dg.block_size + p.dst_slot) * vec
+                                : dpage + (int64_t{p.dst_slot} * dg.num_heads + (h - dh0)) * vec,
+                        int64_t{p.count} * vec});
+    });
+    thread_local std::vector<uint64_t> units;
+    units.resize(list.size());
+    const int64_t dst_step = dst_hnd ? vec : int64_t{dg.num_heads} * vec;  // per vector
+    int64_t covered = 0;
+    for (size_t i = 0; i < list.size(); ++i) {
+        const Unit& u = list[i];
+        constexpr size_t kAhead = 2;
+        const Unit* next =
+            i + kAhead < list.size() &&
+                    list[i + kAhead].src != list[i + kAhead - 1].src + list[i + kAhead - 1].len
+                ? &list[i + kAhead]
+                : nullptr;
+        const int64_t pf_lines = next ? (std::min<int64_t>(next->len, 16384) + 63) / 64 : 0;
+        // Vector by vector (NHD destination: each to its token), prefetching the next unit's
+        // lines as many per vector as spread them over this copy.
+        const int64_t vecs = u.len / vec;
+        const int64_t per_vec = (pf_lines + vecs - 1) / vecs;
+        int64_t line = 0;
+        for (int64_t t = 0; t < vecs; ++t) {
+            for (int64_t j = 0; j < per_vec && line < pf_lines; ++j, ++line)
+                __builtin_prefetch(next->src + line * 64, 0, 2);
+            stream_copy(u.dst + t * dst_step, u.src + t * vec, vec);
+        }
+        units[i] = xxh3_64(u.src, static_cast<size_t>(u.len));  // from L1: just copied
+        covered += u.len;
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+    KVSHARD_CHECK(covered == msg.bytes, "the units of a message cover its ", msg.bytes,
+                  " bytes, not ", covered);
+    return xxh3_64(units.data(), units.size() * sizeof(uint64_t));
 }
 
 }  // namespace kvshard

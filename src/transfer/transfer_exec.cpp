@@ -9,6 +9,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "kvshard/common/error.h"
@@ -247,6 +248,13 @@ std::string check_header(const TransferHeader& h, const TransferPlan& plan, uint
                               " (", h.src_rank, "->", h.dst_rank, ") where request ", request_id,
                               " message ", message_index, " (", m.src_rank, "->", m.dst_rank,
                               ") was expected");
+    const uint32_t known = TransferHeader::kDirect | TransferHeader::kUnitChecksum;
+    if ((h.flags & ~known) != 0 || ((h.flags & TransferHeader::kUnitChecksum) != 0 &&
+                                    (h.flags & TransferHeader::kDirect) == 0))
+        return detail::concat("header flags ", h.flags, " are not a valid combination (",
+                              TransferHeader::kDirect, " direct read, ",
+                              TransferHeader::kDirect | TransferHeader::kUnitChecksum,
+                              " direct read with a unit checksum, or 0)");
     if (h.status == static_cast<uint32_t>(TransferStatus::kOk) &&
         h.payload_bytes != static_cast<uint64_t>(m.bytes))
         return detail::concat("header announces ", h.payload_bytes,
@@ -305,6 +313,9 @@ struct TransferSender::Impl {
          const BlockPool& pl, TransferExecOptions o)
         : world(w), plan(std::move(p)), request_id(rid), src_rank(r), pool(pl), opt(o) {
         mode = resolve_mode(*plan, opt.mode);
+        require(!opt.source_checksums || &opt.source_checksums->pool() == &pool,
+                "the source checksums given to the sender of source rank ", src_rank,
+                " are of another pool than its own");
         staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
         mine = plan->messages_from(src_rank);
         std::vector<int> dsts;
@@ -410,9 +421,17 @@ struct TransferSender::Impl {
             // Only the header travels; the destination reads the bytes from my pool.
             const auto tp = Clock::now();
             f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
-            f.header.payload_xxh3 = hash_payload(*plan, msg, mode, pool);
-            if (idx == opt.faults.corrupt_message) f.header.payload_xxh3 ^= 0x5A;
             f.header.flags = TransferHeader::kDirect;
+            std::optional<uint64_t> units;
+            if (opt.source_checksums) units = unit_checksum(*plan, msg, *opt.source_checksums);
+            if (units) {  // sealed when written: no pass over the bytes
+                f.header.payload_xxh3 = *units;
+                f.header.flags |= TransferHeader::kUnitChecksum;
+                ++result.unit_checksum_messages;
+            } else {
+                f.header.payload_xxh3 = hash_payload(*plan, msg, mode, pool);
+            }
+            if (idx == opt.faults.corrupt_message) f.header.payload_xxh3 ^= 0x5A;
             seal_header(f.header);
             result.pack_seconds += seconds_since(tp);
             post(std::move(f), dest);
@@ -947,9 +966,12 @@ struct TransferReceiver::Impl {
     void read_in_place(Source& s, int idx) {
         const TransferMessage& msg = plan->messages[idx];
         const auto tu = Clock::now();
+        const bool units = (s.header.flags & TransferHeader::kUnitChecksum) != 0;
         if (result.status == TransferStatus::kOk &&
-            copy_direct(*plan, msg, mode, s.arena, pool) != s.header.payload_xxh3)
+            (units ? copy_direct_units(*plan, msg, s.arena, pool)
+                   : copy_direct(*plan, msg, mode, s.arena, pool)) != s.header.payload_xxh3)
             checksum_failed(idx, s.rank);
+        if (units && result.status == TransferStatus::kOk) ++result.unit_checksum_messages;
         result.pack_seconds += seconds_since(tu);
         landed(idx, /*direct=*/true);
         send_control(s, TransferAck::kCredit, 0, static_cast<uint32_t>(s.next + 1));

@@ -32,6 +32,7 @@ struct DisaggCase {
     TransferMode mode = TransferMode::kAuto;
     bool stream = true;
     bool direct = true;  // decode ranks read the prefill pools in place (false: messages)
+    bool seal = true;    // the prefill ranks seal their KV as they write it
 };
 
 void PrintTo(const DisaggCase& c, std::ostream* os) {
@@ -53,6 +54,7 @@ DisaggReport run_case(const DisaggCase& c, const std::vector<std::vector<int32_t
     opt.stream_layers = c.stream;
     opt.corrupt_request = corrupt;
     opt.direct_read = c.direct;
+    opt.source_checksums = c.seal;
     DisaggReport out;
     run_threads(pp.world_size() + pd.world_size(), [&](Communicator& world) {
         DisaggReport r = disagg_generate(m, pp, pd, src, prompts, opt, world);
@@ -83,6 +85,7 @@ TEST_P(DisaggEndToEnd, TokensMatchUnshardedModel) {
     EXPECT_EQ(r.transfer_bytes, r.min_bytes);
     EXPECT_GT(r.messages, 0);
     EXPECT_EQ(r.direct_messages, c.direct ? r.messages : 0);
+    EXPECT_LE(r.unit_checksum_messages, r.direct_messages);
     EXPECT_EQ(r.streamed, c.stream);
     // On one clock the last request lands after the first message leaves (the ranks' starts after
     // the barrier differ when a thread is scheduled late).
@@ -124,6 +127,35 @@ INSTANTIATE_TEST_SUITE_P(
         DisaggCase{"tiny", "cp=2,tp=2", "tp=2,pp=2", 16, 16, PageOrder::kHnd, PageOrder::kNhd,
                    TransferMode::kPostReceive, true, false}),
     [](const auto& info) { return "pair" + std::to_string(info.index); });
+
+// Seals made as prefill writes each layer: where the messages read whole blocks (same block size,
+// no replicated heads split between copies), every one is checked against them; off, none is;
+// the tokens are the unsharded model's either way.
+TEST(DisaggSourceChecksums, OnAndOff) {
+    set_compute_threads(1);
+    const ModelSpec m = catalog_model("tiny");
+    const auto prompts = prompts_for(m, 3, 13);
+    const auto src = random_tensor_source(11);
+    GenerationOptions go;
+    go.max_new_tokens = 4;
+    const GenerationReport ref = generate(m, ParallelConfig{}, *src, prompts, go);
+    for (const std::string& prefill : {"tp=2", "tp=2,pp=2", "cp=2,tp=2"})
+        for (bool seal : {true, false}) {
+            SCOPED_TRACE(prefill + (seal ? " sealed" : " not sealed"));
+            DisaggCase c{"tiny", prefill, "tp=4"};
+            c.seal = seal;
+            const DisaggReport r = run_case(c, prompts, *src, 4);
+            EXPECT_EQ(r.failed_requests, 0);
+            for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(r.tokens[i], ref.tokens[i]);
+            EXPECT_EQ(r.direct_messages, r.messages);
+            if (!seal)
+                EXPECT_EQ(r.unit_checksum_messages, 0);
+            else if (prefill.starts_with("cp"))  // a CP rank's share may end inside a block
+                EXPECT_GT(r.unit_checksum_messages, 0);
+            else
+                EXPECT_EQ(r.unit_checksum_messages, r.messages);
+        }
+}
 
 TEST(DisaggFailure, CorruptRequestFailsAloneOthersDecode) {
     set_compute_threads(1);

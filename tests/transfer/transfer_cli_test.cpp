@@ -167,4 +167,32 @@ TEST(DisaggRunCli, DirectReadOnAndOff) {
     }
 }
 
+// --source-checksums: on (the default), each direct read of whole blocks is checked against the
+// prefill's seals; off, against a checksum pass when sent. A value other than on/off exits 2.
+TEST(DisaggRunCli, SourceChecksumsOnAndOff) {
+    for (const char* value : {"on", "off"}) {
+        const auto r = run_cli(std::string("run --model tiny --prefill tp=4 --decode tp=2 ") +
+                               "--source-checksums " + value +
+                               " --prompts 2 --prompt-len 24 --gen 4 --verify --json");
+        ASSERT_EQ(r.status, 0) << r.out;
+        const auto j = nlohmann::json::parse(r.out);
+        EXPECT_EQ(j["verify"]["tokens_match"], true) << value;
+        const int64_t direct = j["transfer"]["direct_messages"].get<int64_t>();
+        EXPECT_EQ(direct, j["transfer"]["messages"].get<int64_t>()) << value;
+        EXPECT_EQ(j["transfer"]["unit_checksum_messages"].get<int64_t>(),
+                  std::string(value) == "on" ? direct : 0)
+            << value;
+    }
+    const auto text = run_cli(
+        "run --model tiny --prefill tp=2 --decode tp=1 --prompts 1 --prompt-len 20 --gen 2");
+    ASSERT_EQ(text.status, 0) << text.out;
+    EXPECT_NE(text.out.find("all read in place (all checked against prefill's seals)"),
+              std::string::npos)
+        << text.out;
+    const auto bad = run_cli("run --model tiny --prefill tp=2 --decode tp=1 --source-checksums 1");
+    EXPECT_EQ(bad.status, 2) << bad.out;
+    EXPECT_NE(bad.out.find("--source-checksums must be on or off, got '1'"), std::string::npos)
+        << bad.out;
+}
+
 }  // namespace

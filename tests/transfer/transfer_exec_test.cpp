@@ -58,6 +58,9 @@ struct XferRequest {
     bool receivers_refuse_direct = false;       // the destinations run with direct_read = false
     std::vector<int> refusing_destinations;     // ... or only these destination ranks
     std::optional<TransferMode> receiver_mode;  // the destinations' mode, if not opt.mode
+    bool seal = false;  // the sources' pools are sealed (source_checksums.h) before the run
+    // Per source rank, the seals its sender uses (filled by run_requests when `seal` and empty).
+    std::vector<std::shared_ptr<const SourceChecksums>> sums;
     Outcome out;
 };
 
@@ -70,14 +73,21 @@ void run_requests(std::vector<XferRequest*> reqs) {
         r->out.src.assign(P, {});
         r->out.dst.assign(D, {});
     }
+    for (auto* r : reqs)
+        if (r->seal && r->sums.empty())
+            for (auto& u : testing::seal_source(r->src, r->plan->num_tokens))
+                r->sums.push_back(std::move(u));
     std::mutex mu;
     run_threads(P + D, [&](Communicator& world) {
         const int me = world.rank();
         if (me < P) {
             std::vector<std::unique_ptr<TransferSender>> senders;
-            for (auto* r : reqs)
+            for (auto* r : reqs) {
+                TransferExecOptions o = r->opt;
+                if (!r->sums.empty()) o.source_checksums = r->sums[me];
                 senders.push_back(std::make_unique<TransferSender>(world, r->plan, r->id, me,
-                                                                   *r->src.pools[me], r->opt));
+                                                                   *r->src.pools[me], o));
+            }
             const RankKv& rk = reqs[0]->plan->src.layout.ranks[me];
             for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
                 for (size_t k = 0; k < reqs.size(); ++k) {
@@ -310,6 +320,19 @@ TEST(TransferExec, HeaderRoundTrip) {
     EXPECT_EQ(check_header(h, *plan, 9, 2), "header checksum mismatch");
     seal_header(h);
     EXPECT_NE(check_header(h, *plan, 9, 2).find("payload bytes"), std::string::npos);
+    h.payload_bytes -= 1;
+    for (uint32_t flags :
+         {TransferHeader::kDirect, TransferHeader::kDirect | TransferHeader::kUnitChecksum}) {
+        h.flags = flags;
+        seal_header(h);
+        EXPECT_EQ(check_header(h, *plan, 9, 2), "") << flags;
+    }
+    for (uint32_t flags : {TransferHeader::kUnitChecksum, 4u, TransferHeader::kDirect | 8u}) {
+        h.flags = flags;
+        seal_header(h);
+        EXPECT_NE(check_header(h, *plan, 9, 2).find("not a valid combination"), std::string::npos)
+            << flags;
+    }
 }
 
 }  // namespace
@@ -560,12 +583,92 @@ TEST(TransferExec, ModeMismatchIsABadHeader) {
     }
 }
 
+int unit_sent(const XferRequest& r) {
+    int n = 0;
+    for (const auto& s : r.out.src) n += s.unit_checksum_messages;
+    return n;
+}
+int unit_read(const XferRequest& r) {
+    int n = 0;
+    for (const auto& d : r.out.dst) n += d.unit_checksum_messages;
+    return n;
+}
+
+// Sealed sources: messages whose pieces read whole sealed blocks go with unit checksums (no pass
+// over the source), the others with the XXH3 of their bytes; the KV lands exactly either way.
+TEST(TransferExecDirect, UnitChecksumsFromSealedSources) {
+    struct Want {
+        Pair p;
+        bool all_units;  // every message (else none)
+    };
+    const std::vector<Want> cases = {
+        {{llama_mini(), "tp=8", "tp=4", 100}, true},
+        {{llama_mini(), "tp=2", "tp=8", 77}, true},
+        {{llama_mini(5), "tp=2,pp=2", "tp=4,pp=3", 70, 16, 64}, true},
+        {{llama_mini(), "tp=1", "tp=2", 64, 16, 16, PageOrder::kHnd, PageOrder::kNhd}, true},
+        {{llama_mini(), "tp=16", "tp=2", 50}, false},  // the two copies of a head split a block
+        {{llama_mini(), "tp=2", "tp=2", 40, 16, 16, PageOrder::kNhd, PageOrder::kHnd}, false},
+    };
+    for (const auto& c : cases)
+        for (TransferMode mode : {TransferMode::kPreSend, TransferMode::kPostReceive}) {
+            SCOPED_TRACE(c.p.from + " -> " + c.p.to + " " + std::string(transfer_mode_name(mode)));
+            XferRequest r = direct_request(c.p, 1, 170, mode);
+            r.seal = true;
+            run_requests({&r});
+            expect_all_ok(r, c.p.tokens);
+            const int n = static_cast<int>(r.plan->messages.size());
+            EXPECT_EQ(direct_read(r), n);
+            EXPECT_EQ(unit_sent(r), c.all_units ? n : 0);
+            EXPECT_EQ(unit_read(r), unit_sent(r));
+        }
+}
+
+// A source block rewritten after its seal: the destination's value differs from the seal, and
+// that request fails cleanly while another one, sealed after the same write, goes on.
+TEST(TransferExecDirect, RewriteAfterSealFailsOnlyThatRequest) {
+    Pair p{llama_mini(), "tp=4", "tp=2", 48};
+    XferRequest bad = direct_request(p, 1, 181);
+    XferRequest good = direct_request(p, 1, 182);
+    bad.seal = good.seal = true;
+    for (auto& u : testing::seal_source(bad.src, p.tokens)) bad.sums.push_back(std::move(u));
+    BlockPool& pool = *bad.src.pools[1];  // sealed, then rewritten
+    pool.page(2, 0, bad.plan->src.block_tables[0][1])[40] ^= std::byte{1};
+    run_requests({&bad, &good});
+    // Rank 1 sends to destination 0 (heads 2, 3 of [0, 4)).
+    EXPECT_EQ(bad.out.dst[0].status, TransferStatus::kChecksumMismatch) << bad.out.dst[0].error;
+    EXPECT_EQ(bad.out.src[1].status, TransferStatus::kPeerFailed) << bad.out.src[1].error;
+    expect_all_ok(good, p.tokens);
+    EXPECT_EQ(unit_sent(good), static_cast<int>(good.plan->messages.size()));
+}
+
 TEST(TransferExecDirect, ChecksumMismatchFailsOnlyThatRequest) {
-    Pair p{llama_mini(), "tp=8", "tp=4", 48};
-    XferRequest bad = direct_request(p, 1, 141);
-    XferRequest good = direct_request(p, 1, 142);
-    expect_only_corrupt_request_fails(bad, good, 5, p.tokens);
-    EXPECT_EQ(direct_read(good), static_cast<int>(good.plan->messages.size()));
+    for (bool sealed : {false, true}) {  // the XXH3 of the bytes, or the unit checksum
+        SCOPED_TRACE(sealed ? "sealed" : "not sealed");
+        Pair p{llama_mini(), "tp=8", "tp=4", 48};
+        XferRequest bad = direct_request(p, 1, 141);
+        XferRequest good = direct_request(p, 1, 142);
+        bad.seal = good.seal = sealed;
+        expect_only_corrupt_request_fails(bad, good, 5, p.tokens);
+        EXPECT_EQ(direct_read(good), static_cast<int>(good.plan->messages.size()));
+        EXPECT_EQ(unit_read(good), sealed ? direct_read(good) : 0);
+    }
+}
+
+// Seals of another pool than the sender's own are refused.
+TEST(TransferExecDirect, SealsOfAnotherPoolAreRefused) {
+    Pair p{llama_mini(), "tp=2", "tp=2", 32};
+    XferRequest r = direct_request(p, 1, 191);
+    auto sums = testing::seal_source(r.src, p.tokens);
+    TransferExecOptions o;
+    o.source_checksums = std::move(sums[1]);
+    run_threads(1, [&](Communicator& world) {
+        try {
+            TransferSender s(world, r.plan, 1, 0, *r.src.pools[0], o);
+            ADD_FAILURE() << "expected an Error";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("another pool"), std::string::npos) << e.what();
+        }
+    });
 }
 
 TEST(TransferExecDirect, HungSourceTimesOut) {

@@ -133,6 +133,27 @@ inline Side make_source(const TransferEndpoint& e, int64_t num_tokens,
     return s;
 }
 
+// The seals a prefill would make of each source rank's pool after writing it (HND sources; empty
+// for NHD): every layer, each CP rank's blocks over the tokens it holds.
+inline std::vector<std::unique_ptr<SourceChecksums>> seal_source(const Side& src,
+                                                                 int64_t num_tokens) {
+    const TransferEndpoint& e = src.endpoint;
+    std::vector<std::unique_ptr<SourceChecksums>> sums(src.pools.size());
+    if (e.order != PageOrder::kHnd) return sums;
+    for (const auto& r : e.layout.ranks) {
+        const auto& pool = src.pools[static_cast<size_t>(r.coord.rank)];
+        if (!pool) continue;
+        int64_t held = 0;
+        for (const auto& tr : cp_token_ranges(e.layout.parallel, r.coord.cp, num_tokens))
+            held += tr.size();
+        auto s = std::make_unique<SourceChecksums>(*pool);
+        for (int l = 0; l < pool->geometry().num_layers; ++l)
+            s->seal_sequence(l, e.block_tables[static_cast<size_t>(r.coord.cp)], held);
+        sums[static_cast<size_t>(r.coord.rank)] = std::move(s);
+    }
+    return sums;
+}
+
 inline Side make_destination(const TransferEndpoint& e) {
     Side s;
     s.endpoint = e;

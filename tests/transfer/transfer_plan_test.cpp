@@ -34,9 +34,15 @@ TransferPlan plan_of(const Case& c) {
 }
 
 // Copies every message straight from its source pool (direct read) in `mode`; checks that the hash
-// of the bytes read equals hash_payload on the source and XXH3 of the packed payload.
-testing::Side run_direct(const TransferPlan& plan, TransferMode mode, const testing::Side& src) {
+// of the bytes read equals hash_payload on the source and XXH3 of the packed payload. With `sums`
+// (the source's seals), each message that has a unit checksum is also read by copy_direct_units
+// into `units` (counted in *unit_messages), whose value must equal it; the others are read there
+// by copy_direct too.
+testing::Side run_direct(const TransferPlan& plan, TransferMode mode, const testing::Side& src,
+                         const std::vector<std::unique_ptr<SourceChecksums>>* sums = nullptr,
+                         testing::Side* units = nullptr, int* unit_messages = nullptr) {
     auto dst = testing::make_destination(plan.dst);
+    if (units != nullptr) *units = testing::make_destination(plan.dst);
     for (const auto& msg : plan.messages) {
         const BlockPool& from = *src.pools.at(msg.src_rank);
         const SourceArena arena{from.arena().data(), static_cast<int64_t>(from.arena().size()),
@@ -46,6 +52,17 @@ testing::Side run_direct(const TransferPlan& plan, TransferMode mode, const test
         pack_message(plan, msg, mode, from, payload);
         EXPECT_EQ(read, xxh3_64(payload.data(), payload.size()));
         EXPECT_EQ(read, hash_payload(plan, msg, mode, from));
+        if (units == nullptr) continue;
+        BlockPool& to = *units->pools.at(msg.dst_rank);
+        const SourceChecksums* s = sums->at(msg.src_rank).get();
+        const auto want = s != nullptr ? unit_checksum(plan, msg, *s) : std::nullopt;
+        if (want) {
+            EXPECT_EQ(copy_direct_units(plan, msg, arena, to), *want)
+                << "message " << msg.src_rank << "->" << msg.dst_rank;
+            ++*unit_messages;
+        } else {
+            copy_direct(plan, msg, mode, arena, to);
+        }
     }
     return dst;
 }
@@ -53,12 +70,14 @@ testing::Side run_direct(const TransferPlan& plan, TransferMode mode, const test
 // Runs the plan in both modes and checks every destination pool element by element, that no byte is
 // written twice, that total bytes equal the minimum, and that both modes, and direct reads in
 // both wire orders, give identical pools.
-void check_exact(const Case& c, const TransferPlan& plan) {
+// unit_messages_seen: messages that had a unit checksum (HND sources).
+void check_exact(const Case& c, const TransferPlan& plan, int* unit_messages_seen = nullptr) {
     SCOPED_TRACE(c.model.name + " " + c.from + " -> " + c.to +
                  " tokens=" + std::to_string(c.tokens) + " bs " + std::to_string(c.bs_from) + "->" +
                  std::to_string(c.bs_to));
     EXPECT_EQ(plan.bytes, plan.min_bytes);
     const auto src = testing::make_source(plan.src, c.tokens);
+    const auto sums = testing::seal_source(src, c.tokens);
     std::vector<std::vector<std::byte>> first_mode_pools;
     for (TransferMode mode : {TransferMode::kPreSend, TransferMode::kPostReceive}) {
         SCOPED_TRACE(std::string(transfer_mode_name(mode)));
@@ -104,13 +123,19 @@ void check_exact(const Case& c, const TransferPlan& plan) {
                     << "pre-send and post-receive differ on dst rank " << r;
             }
         }
-        const auto direct = run_direct(plan, mode, src);
+        testing::Side units;
+        int unit_messages = 0;
+        const auto direct = run_direct(plan, mode, src, &sums, &units, &unit_messages);
         for (size_t r = 0; r < direct.pools.size(); ++r) {
             if (!direct.pools[r]) continue;
             EXPECT_TRUE(std::equal(first_mode_pools[r].begin(), first_mode_pools[r].end(),
                                    direct.pools[r]->arena().begin()))
                 << "a direct read differs from pack + unpack on dst rank " << r;
+            EXPECT_TRUE(std::equal(first_mode_pools[r].begin(), first_mode_pools[r].end(),
+                                   units.pools[r]->arena().begin()))
+                << "a direct read with unit checksums differs from pack + unpack on dst rank " << r;
         }
+        if (unit_messages_seen != nullptr) *unit_messages_seen = unit_messages;
     }
 }
 
@@ -134,7 +159,9 @@ TEST(TransferPlan, SeedExampleTp8ToTp4) {
         EXPECT_EQ(msg.layer_begin, 0);
         EXPECT_EQ(msg.layer_end, 4);
     }
-    check_exact(c, plan);
+    int units = 0;
+    check_exact(c, plan, &units);
+    EXPECT_EQ(units, 8);  // every piece a whole sealed block: unit checksums throughout
 }
 
 TEST(TransferPlan, Tp2ToTp8) {
@@ -145,7 +172,9 @@ TEST(TransferPlan, Tp2ToTp8) {
         EXPECT_EQ(msg.src_rank, msg.dst_rank / 4);
         EXPECT_EQ(msg.head_begin, msg.dst_rank);
     }
-    check_exact(c, plan);
+    int units = 0;
+    check_exact(c, plan, &units);
+    EXPECT_EQ(units, 8);
 }
 
 TEST(TransferPlan, Tp16ReplicatedHeadsToTp2) {
@@ -161,7 +190,9 @@ TEST(TransferPlan, Tp16ReplicatedHeadsToTp2) {
     }
     EXPECT_EQ(sent.size(), 16u);  // every copy sends
     for (const auto& [r, b] : sent) EXPECT_EQ(b, sent.begin()->second);
-    check_exact(c, plan);
+    int units = -1;
+    check_exact(c, plan, &units);
+    EXPECT_EQ(units, 0);  // the two copies split block 2 between them: XXH3 of the bytes instead
 }
 
 TEST(TransferPlan, Tp2ToTp16ReplicatedDestination) {
@@ -241,11 +272,15 @@ TEST(TransferPlan, BlockSize16To64) {
         EXPECT_EQ(msg.pieces.size(),
                   13u);  // ceil(200 / 16) source blocks, each inside one 64-block
     }
-    check_exact(c, plan);
+    int units = 0;
+    check_exact(c, plan, &units);
+    EXPECT_EQ(units, 4);  // the last block holds 8 tokens, sealed as 8
     Case back = c;
     std::swap(back.bs_from, back.bs_to);
     back.shuffle = 7;
-    check_exact(back, plan_of(back));
+    units = -1;
+    check_exact(back, plan_of(back), &units);
+    EXPECT_EQ(units, 0);  // each 64-token source block is split between 16-token blocks
 }
 
 TEST(TransferPlan, HndToNhdAndBack) {
@@ -461,6 +496,7 @@ TEST(TransferPlan, PropertyRandomLayoutPairs) {
                                            llama_mini(5), llama_mini(3, 1, 8) /* MQA */,
                                            llama_mini(3, 32, 4) /* MHA */};
     const int kCases = 40;
+    int unit_messages = 0;  // over all cases
     for (int i = 0; i < kCases; ++i) {
         const ModelSpec& m = models[rng() % models.size()];
         Case c;
@@ -483,9 +519,12 @@ TEST(TransferPlan, PropertyRandomLayoutPairs) {
         std::set<std::tuple<int, int, int>> keys;
         for (const auto& msg : plan.messages)
             EXPECT_TRUE(keys.insert({msg.layer_group, msg.src_rank, msg.dst_rank}).second);
-        check_exact(c, plan);
+        int units = 0;
+        check_exact(c, plan, &units);
+        unit_messages += units;
         if (::testing::Test::HasFailure()) break;
     }
+    EXPECT_GT(unit_messages, 0);  // some pairs read whole sealed blocks
 }
 
 }  // namespace

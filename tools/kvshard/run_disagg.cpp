@@ -87,6 +87,12 @@ void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
                     "disaggregated run, direct read: messages a prefill rank announces to one "
                     "decode rank ahead of what it has read (0: no bound)")
         ->capture_default_str();
+    sub->add_option("--source-checksums", f.source_checksums,
+                    "disaggregated run, direct read: on: each prefill rank seals every layer's KV "
+                    "as it writes it (one XXH3 per block and head), and a message that reads whole "
+                    "sealed blocks is checked against those seals, with no checksum pass over the "
+                    "prefill pool when it is sent; off: every message is checksummed when sent")
+        ->capture_default_str();
 }
 
 int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
@@ -103,6 +109,8 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
             f.check_thread_bytes);
     require(f.direct_read == "on" || f.direct_read == "off",
             "--direct-read must be on or off, got '", f.direct_read, "'");
+    require(f.source_checksums == "on" || f.source_checksums == "off",
+            "--source-checksums must be on or off, got '", f.source_checksums, "'");
     require(f.direct_window >= 0 && f.direct_window <= 1000000,
             "--direct-window must be between 0 (no bound) and 1000000 messages, got ",
             f.direct_window);
@@ -124,6 +132,7 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     opt.offload_check_bytes = f.check_thread_bytes;
     opt.direct_read = f.direct_read == "on";
     opt.direct_window = f.direct_window;
+    opt.source_checksums = f.source_checksums == "on";
     set_compute_threads(1);
 
     int status = 0;
@@ -175,6 +184,7 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                                   {"min_bytes", r.min_bytes},
                                   {"messages", r.messages},
                                   {"direct_messages", r.direct_messages},
+                                  {"unit_checksum_messages", r.unit_checksum_messages},
                                   {"mode", r.mode},
                                   {"streamed", r.streamed},
                                   {"seconds", r.transfer_seconds},
@@ -201,11 +211,16 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                                          : r.direct_messages == r.messages
                                              ? "all"
                                              : fmt::format("{} of them", r.direct_messages);
+            const std::string sealed = r.unit_checksum_messages == 0 ? ""
+                                       : r.unit_checksum_messages == r.direct_messages
+                                           ? " (all checked against prefill's seals)"
+                                           : fmt::format(" ({} checked against prefill's seals)",
+                                                         r.unit_checksum_messages);
             fmt::print(
-                "transfer: {} in {} messages (minimum {}), {} read in place, mode {}, {}; {:.2f} "
+                "transfer: {} in {} messages (minimum {}), {} read in place{}, mode {}, {}; {:.2f} "
                 "ms, {:.2f} ms of it overlapping prefill ({:.0f}%)\n",
-                bytes_text(r.transfer_bytes), r.messages, bytes_text(r.min_bytes), in_place, r.mode,
-                r.streamed ? "layer by layer" : "after prefill", r.transfer_seconds * 1e3,
+                bytes_text(r.transfer_bytes), r.messages, bytes_text(r.min_bytes), in_place, sealed,
+                r.mode, r.streamed ? "layer by layer" : "after prefill", r.transfer_seconds * 1e3,
                 r.overlap_seconds * 1e3, overlap_fraction * 100);
             fmt::print("decode: {:.2f} ms\n", r.decode_seconds * 1e3);
             for (size_t i = 0; i < in.prompts.size(); ++i)

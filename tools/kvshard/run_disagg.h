@@ -27,6 +27,7 @@ struct DisaggFlags {
     int64_t check_thread_bytes = DisaggOptions{}.offload_check_bytes;
     std::string direct_read = "on";
     int direct_window = DisaggOptions{}.direct_window;
+    std::string source_checksums = "on";
     bool enabled() const { return !prefill.empty() || !decode.empty(); }
 };
 

@@ -42,6 +42,10 @@ struct DisaggOptions {
     // KV from them in place (TransferExecOptions::direct_read); false: private pools, messages.
     bool direct_read = TransferExecOptions{}.direct_read;
     int direct_window = TransferExecOptions{}.direct_window;
+    // Direct read from HND prefill pools: each prefill rank seals every layer's KV right after
+    // writing it (source_checksums.h), and a message that reads whole sealed blocks is checked by
+    // its unit checksum instead of a checksum pass over the source when it is sent.
+    bool source_checksums = true;
     double timeout_s = 60.0;
     int corrupt_request = -1;  // test hook: corrupt one payload of this request (prompt index)
     std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side: empty = automatic
@@ -57,9 +61,10 @@ struct DisaggReport {
     int64_t min_bytes = 0;       // what the decode layout needs for every request
     int64_t messages = 0;
     int64_t direct_messages = 0;  // of those, read by the decode rank straight from a prefill pool
-    std::string mode;             // the resolved transfer mode of the first request
-    bool streamed = false;        // sent layer by layer (false: after prefill)
-    double prefill_seconds = 0;   // from the common start to the end of the slowest prefill rank
+    int64_t unit_checksum_messages = 0;  // of those, checked against the prefill's seals
+    std::string mode;                    // the resolved transfer mode of the first request
+    bool streamed = false;               // sent layer by layer (false: after prefill)
+    double prefill_seconds = 0;  // from the common start to the end of the slowest prefill rank
     double transfer_start_s = 0, transfer_end_s = 0;  // first message sent, last message landed
     double transfer_seconds = 0;                      // transfer_end_s - transfer_start_s
     double overlap_seconds = 0;  // of the transfer window, the part before prefill ended

@@ -11,11 +11,13 @@
 // Either mode leaves byte-identical destination pools. Consecutive copies that continue in both
 // buffers are merged into one memcpy.
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
 
 #include "kvshard/cache/block_pool.h"
+#include "kvshard/transfer/source_checksums.h"
 #include "kvshard/transfer/transfer_plan.h"
 
 namespace kvshard {
@@ -96,5 +98,23 @@ uint64_t hash_payload(const TransferPlan& plan, const TransferMessage& msg, Tran
 // small for its geometry and num_blocks, or a block id of msg is outside either pool.
 uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
                      const SourceArena& src, BlockPool& dst);
+
+// Unit checksums (source_checksums.h): a message's units are its (layer, K/V, piece, head) in
+// that order (layer ascending, K then V, pieces in order, heads ascending), each the piece's slots
+// of that head in its source block.
+//
+// The unit checksum of msg from the seals of the source pool (sums.pool(), which must have the
+// source rank's geometry; Error otherwise): XXH3_64 of the array of its units' checksums, or
+// nothing when some piece does not read a whole sealed block (slots [0, sealed tokens)), e.g. a
+// block split between destination blocks or CP copies, or not sealed.
+std::optional<uint64_t> unit_checksum(const TransferPlan& plan, const TransferMessage& msg,
+                                      const SourceChecksums& sums);
+
+// Direct read with unit checksums: copies msg's bytes from the source arena (an HND source; Error
+// otherwise, and as copy_direct) into the destination pool, unit by unit, each hashed right after
+// it is copied, and returns XXH3_64 of the array of those hashes: unit_checksum's value where the
+// arena holds what was sealed. The destination pool ends up as after copy_direct.
+uint64_t copy_direct_units(const TransferPlan& plan, const TransferMessage& msg,
+                           const SourceArena& src, BlockPool& dst);
 
 }  // namespace kvshard

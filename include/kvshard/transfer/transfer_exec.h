@@ -60,8 +60,11 @@ std::string_view transfer_status_name(TransferStatus s);
 struct TransferHeader {
     static constexpr uint32_t kMagic = 0x4658564B;  // "KVXF"
     static constexpr uint16_t kVersion = 2;
-    static constexpr uint32_t kDirect =
-        1;  // flags: no payload follows; read it from the source pool
+    // flags
+    static constexpr uint32_t kDirect = 1;  // no payload follows; read it from the source pool
+    // With kDirect: payload_xxh3 is the message's unit checksum (pack.h, unit_checksum) from the
+    // source's seals, not the XXH3 of its bytes.
+    static constexpr uint32_t kUnitChecksum = 2;
     uint32_t magic = kMagic;
     uint16_t version = kVersion;
     uint16_t mode = 0;  // 0 pre-send, 1 post-receive: the payload's wire order
@@ -71,9 +74,9 @@ struct TransferHeader {
     uint32_t message_index = 0;  // index in plan.messages
     uint32_t layer_group = 0;
     uint64_t payload_bytes = 0;  // 0 when status != kOk (no payload follows)
-    uint64_t payload_xxh3 = 0;   // XXH3_64bits(payload), seed 0
+    uint64_t payload_xxh3 = 0;   // XXH3_64bits(payload), seed 0 (kUnitChecksum: the unit one)
     uint32_t status = 0;         // TransferStatus; kSourceAborted: no payload follows
-    uint32_t flags = 0;          // kDirect
+    uint32_t flags = 0;          // kDirect, kUnitChecksum
     uint64_t header_xxh3 = 0;    // XXH3_64bits of the 56 bytes above
 };
 static_assert(sizeof(TransferHeader) == 64);
@@ -193,6 +196,11 @@ struct TransferExecOptions {
     // credits. Its checksum pass then reads what the destination reads next: a bound keeps those
     // bytes in the shared cache in between. 0: no bound.
     int direct_window = 2;
+    // Sender, direct read: the seals of its pool (source_checksums.h: computed when the KV was
+    // written; the same pool as the sender's, Error otherwise). A message whose pieces read whole
+    // sealed blocks is announced with its unit checksum, and the sender makes no pass over its
+    // bytes; others (and all with null) with the XXH3 of their bytes, from a pass over the pool.
+    std::shared_ptr<const SourceChecksums> source_checksums;
     // Direct read: views of source pools kept open across requests (a fresh mapping faults on
     // each page it reads first); null: each receiver opens its own.
     std::shared_ptr<SharedArenaViews> arena_views;
@@ -208,9 +216,10 @@ struct TransferResult {
     int64_t bytes = 0;  // payload bytes sent or announced for a direct read (sender), received and
                         // unpacked or read in place (receiver)
     int messages = 0;
-    int zero_copy_messages = 0;  // sent from / received into the pool itself (no staging copy)
-    int direct_messages = 0;     // read by the destination straight from the source pool
-    double seconds = 0;          // from construction to done
+    int zero_copy_messages = 0;      // sent from / received into the pool itself (no staging copy)
+    int direct_messages = 0;         // read by the destination straight from the source pool
+    int unit_checksum_messages = 0;  // of those, checked by unit checksums (no source pass)
+    double seconds = 0;              // from construction to done
     double pack_seconds =
         0;  // sender: packing + checksums; receiver: checks, unpacking, direct reads
     double first_send_s = -1;   // sender: when the first message went out, from construction
