@@ -316,6 +316,7 @@ KVSHARD_DIRECT_BENCH(direct_tp2_tp8_shareable, kShared, kPre, "tp=2", "tp=8", 16
 KVSHARD_DIRECT_BENCH(direct_bs16_64_shareable, kShared, kPre, "tp=1", "tp=1", 16, 64, kH, kH);
 KVSHARD_DIRECT_BENCH(direct_hnd_to_nhd_shareable, kShared, kPost, "tp=1", "tp=1", 16, 16, kH, kN);
 // The same with unit checksums (copy_direct_units; the mode does not matter to it).
+KVSHARD_DIRECT_CASE(direct_units_tp1_tp1, kPrivate, true, kPre, "tp=1", "tp=1", 16, 16, kH, kH);
 KVSHARD_DIRECT_CASE(direct_units_tp1_tp1_shareable, kShared, true, kPre, "tp=1", "tp=1", 16, 16, kH,
                     kH);
 KVSHARD_DIRECT_CASE(direct_units_tp8_tp4_shareable, kShared, true, kPre, "tp=8", "tp=4", 16, 16, kH,

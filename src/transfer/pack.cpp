@@ -702,8 +702,8 @@ uint64_t copy_direct_units(const TransferPlan& plan, const TransferMessage& msg,
     const int64_t vec = plan.vector_bytes();
     const int sh0 = srk.kv_heads.front(), dh0 = drk.kv_heads.front();
     const bool dst_hnd = dg.order == PageOrder::kHnd;
-    // The units' copies, listed first so that each copy can prefetch the next unit's source
-    // where it does not continue this one (the hardware prefetchers stop at 4 KiB pages).
+    // The units' copies, listed first so that each copy can prefetch the source of the unit after
+    // next.
     struct Unit {
         const std::byte* src;
         std::byte* dst;
@@ -727,22 +727,23 @@ uint64_t copy_direct_units(const TransferPlan& plan, const TransferMessage& msg,
     int64_t covered = 0;
     for (size_t i = 0; i < list.size(); ++i) {
         const Unit& u = list[i];
+        // The unit after next: its lines are in flight while this one is copied and hashed (the
+        // hardware prefetchers stop at each 4 KiB page and, with no misses while a unit is hashed,
+        // would not be ahead even where the units continue each other).
         constexpr size_t kAhead = 2;
-        const Unit* next =
-            i + kAhead < list.size() &&
-                    list[i + kAhead].src != list[i + kAhead - 1].src + list[i + kAhead - 1].len
-                ? &list[i + kAhead]
-                : nullptr;
+        const Unit* next = i + kAhead < list.size() ? &list[i + kAhead] : nullptr;
         const int64_t pf_lines = next ? (std::min<int64_t>(next->len, 16384) + 63) / 64 : 0;
-        // Vector by vector (NHD destination: each to its token), prefetching the next unit's
-        // lines as many per vector as spread them over this copy.
-        const int64_t vecs = u.len / vec;
-        const int64_t per_vec = (pf_lines + vecs - 1) / vecs;
+        // In 512-byte steps (NHD destination: vector by vector, each to its token), each step
+        // prefetching its share of that unit's lines.
+        const int64_t step = dst_hnd ? 512 : vec;
+        const int64_t steps = (u.len + step - 1) / step;
+        const int64_t per_step = (pf_lines + steps - 1) / steps;
         int64_t line = 0;
-        for (int64_t t = 0; t < vecs; ++t) {
-            for (int64_t j = 0; j < per_vec && line < pf_lines; ++j, ++line)
+        for (int64_t off = 0; off < u.len; off += step) {
+            for (int64_t j = 0; j < per_step && line < pf_lines; ++j, ++line)
                 __builtin_prefetch(next->src + line * 64, 0, 2);
-            stream_copy(u.dst + t * dst_step, u.src + t * vec, vec);
+            stream_copy(dst_hnd ? u.dst + off : u.dst + off / vec * dst_step, u.src + off,
+                        std::min(step, u.len - off));
         }
         units[i] = xxh3_64(u.src, static_cast<size_t>(u.len));  // from L1: just copied
         covered += u.len;
