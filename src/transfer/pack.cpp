@@ -573,11 +573,12 @@ uint64_t hash_payload(const TransferPlan& plan, const TransferMessage& msg, Tran
     return state.digest();
 }
 
-uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
-                     const SourceArena& src, BlockPool& dst) {
-    require(mode != TransferMode::kAuto, "copy_direct needs a resolved mode (call resolve_mode)");
-    const PageGeometry sg =
-        rank_page_geometry(plan.src.layout, msg.src_rank, plan.src.block_size, plan.src.order);
+namespace {
+
+// A direct read's checks, before anything is read: the source arena holds its pool of sg's
+// geometry, msg's blocks lie inside both pools, and the destination pool is msg's.
+void check_direct(const TransferPlan& plan, const TransferMessage& msg, const PageGeometry& sg,
+                  const SourceArena& src, const BlockPool& dst) {
     require(src.data != nullptr && src.num_blocks >= 1 &&
                 src.num_blocks <= src.bytes / sg.block_bytes(),
             "the source arena of rank ", msg.src_rank, " (", src.bytes, " bytes) does not hold ",
@@ -586,6 +587,16 @@ uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, Trans
         require(p.src_block < src.num_blocks, "block ", p.src_block, " of source rank ",
                 msg.src_rank, " is outside its pool of ", src.num_blocks, " blocks");
     check_pool(plan, msg, false, dst, msg.bytes);
+}
+
+}  // namespace
+
+uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
+                     const SourceArena& src, BlockPool& dst) {
+    require(mode != TransferMode::kAuto, "copy_direct needs a resolved mode (call resolve_mode)");
+    const PageGeometry sg =
+        rank_page_geometry(plan.src.layout, msg.src_rank, plan.src.block_size, plan.src.order);
+    check_direct(plan, msg, sg, src, dst);
     // Each side's runs partition the wire bytes [0, msg.bytes) in increasing order; their
     // intersections are the pool-to-pool copies, visited in wire order. The side whose page order
     // the wire follows has the longer runs: those are listed (in this thread's list, reused from
@@ -711,14 +722,7 @@ uint64_t copy_direct_units(const TransferPlan& plan, const TransferMessage& msg,
     require(sg.order == PageOrder::kHnd,
             "a direct read with unit checksums needs an HND source; source rank ", msg.src_rank,
             " is NHD");
-    require(src.data != nullptr && src.num_blocks >= 1 &&
-                src.num_blocks <= src.bytes / sg.block_bytes(),
-            "the source arena of rank ", msg.src_rank, " (", src.bytes, " bytes) does not hold ",
-            src.num_blocks, " blocks of ", sg.block_bytes(), " bytes");
-    for (const auto& p : msg.pieces)
-        require(p.src_block < src.num_blocks, "block ", p.src_block, " of source rank ",
-                msg.src_rank, " is outside its pool of ", src.num_blocks, " blocks");
-    check_pool(plan, msg, false, dst, msg.bytes);
+    check_direct(plan, msg, sg, src, dst);
     const RankKv& srk = plan.src.layout.ranks[static_cast<size_t>(msg.src_rank)];
     const RankKv& drk = plan.dst.layout.ranks[static_cast<size_t>(msg.dst_rank)];
     const PageGeometry& dg = dst.geometry();
