@@ -156,6 +156,23 @@ void walk_message(const TransferPlan& plan, const TransferMessage& msg, bool sou
     std::memcpy(dst, src, static_cast<size_t>(len));
 }
 
+#if defined(__SSE2__)
+// Copies `bytes` (a multiple of 64) to a 64-byte-aligned dst with non-temporal stores.
+[[gnu::always_inline]] inline void stream_lines(std::byte* dst, const std::byte* src,
+                                                int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+        const auto* s = reinterpret_cast<const __m128i*>(src + o);
+        auto* d = reinterpret_cast<__m128i*>(dst + o);
+        const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1),
+                      c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+        _mm_stream_si128(d, a);
+        _mm_stream_si128(d + 1, b);
+        _mm_stream_si128(d + 2, c);
+        _mm_stream_si128(d + 3, e);
+    }
+}
+#endif
+
 // Copies len bytes with non-temporal stores for the destination's whole 64-byte lines (ordinary
 // stores for the partial lines at its ends, and for copies under 128 bytes).
 [[gnu::always_inline]] inline void stream_copy(std::byte* dst, const std::byte* src, int64_t len) {
@@ -168,16 +185,7 @@ void walk_message(const TransferPlan& plan, const TransferMessage& msg, bool sou
         src += head;
         len -= head;
         const int64_t body = len & ~int64_t{63};
-        for (int64_t o = 0; o < body; o += 64) {
-            const auto* s = reinterpret_cast<const __m128i*>(src + o);
-            auto* d = reinterpret_cast<__m128i*>(dst + o);
-            const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1),
-                          c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
-            _mm_stream_si128(d, a);
-            _mm_stream_si128(d + 1, b);
-            _mm_stream_si128(d + 2, c);
-            _mm_stream_si128(d + 3, e);
-        }
+        stream_lines(dst, src, body);
         if (len > body) plain_copy(dst + body, src + body, len - body);
         return;
     }
@@ -252,16 +260,7 @@ class RunCopier {
         if (stream_ && len % 64 == 0 && dst_step % 64 == 0 &&
             reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
             for (int64_t i = 0; i < count; ++i) {
-                const auto* s = reinterpret_cast<const __m128i*>(src + i * src_step);
-                auto* d = reinterpret_cast<__m128i*>(dst + i * dst_step);
-                for (int64_t k = 0; k < len / 16; k += 4) {
-                    const __m128i a = _mm_loadu_si128(s + k), b = _mm_loadu_si128(s + k + 1),
-                                  c = _mm_loadu_si128(s + k + 2), e = _mm_loadu_si128(s + k + 3);
-                    _mm_stream_si128(d + k, a);
-                    _mm_stream_si128(d + k + 1, b);
-                    _mm_stream_si128(d + k + 2, c);
-                    _mm_stream_si128(d + k + 3, e);
-                }
+                stream_lines(dst + i * dst_step, src + i * src_step, len);
                 if (hashing) feed(hashes_[msg], src + i * src_step, len);
                 for (int64_t k = 0; k < len / 64 && ra_lines_ > 0; ++k, --ra_lines_, ra_ += 64)
                     __builtin_prefetch(ra_, 0, 2);

@@ -417,7 +417,7 @@ struct TransferSender::Impl {
         if (!to.replied) return false;  // how it takes its messages is not known yet
         if (to.direct) {
             if (opt.direct_window > 0 && to.announced - to.credited >= opt.direct_window)
-                return false;  // its reads are behind: keep my checksum pass close to them
+                return false;  // its reads are behind: announce no further ahead
             // Only the header travels; the destination reads the bytes from my pool.
             const auto tp = Clock::now();
             f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);

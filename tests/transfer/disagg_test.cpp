@@ -139,7 +139,7 @@ TEST(DisaggSourceChecksums, OnAndOff) {
     GenerationOptions go;
     go.max_new_tokens = 4;
     const GenerationReport ref = generate(m, ParallelConfig{}, *src, prompts, go);
-    for (const std::string& prefill : {"tp=2", "tp=2,pp=2", "cp=2,tp=2"})
+    for (const std::string prefill : {"tp=2", "tp=2,pp=2", "cp=2,tp=2"})
         for (bool seal : {true, false}) {
             SCOPED_TRACE(prefill + (seal ? " sealed" : " not sealed"));
             DisaggCase c{"tiny", prefill, "tp=4"};

@@ -509,8 +509,9 @@ TEST(TransferExecDirect, RandomPairsAndWindows) {
         run_requests({&r});
         expect_all_ok(r, p.tokens);
         EXPECT_EQ(direct_read(r), static_cast<int>(r.plan->messages.size()));
-        if (r.opt.direct_window > 0)
+        if (r.opt.direct_window > 0) {
             for (const auto& s : r.out.src) EXPECT_LE(s.peak_direct_ahead, r.opt.direct_window);
+        }
         ++ran;
         if (::testing::Test::HasFailure()) break;
     }

@@ -193,8 +193,8 @@ struct TransferExecOptions {
     // pool and only headers travel. Both sides must allow it; false: always messages.
     bool direct_read = true;
     // Direct read: messages a source announces to one destination ahead of the destination's
-    // credits. Its checksum pass then reads what the destination reads next: a bound keeps those
-    // bytes in the shared cache in between. 0: no bound.
+    // credits. Where it makes a checksum pass (no seals), that pass then reads what the destination
+    // reads next: a bound keeps those bytes in the shared cache in between. 0: no bound.
     int direct_window = 2;
     // Sender, direct read: the seals of its pool (source_checksums.h: computed when the KV was
     // written; the same pool as the sender's, Error otherwise). A message whose pieces read whole
