@@ -384,6 +384,22 @@ void ModelSpec::validate() const {
     }
 }
 
+ModelSpec with_full_attention(const ModelSpec& m) {
+    ModelSpec out = m;
+    out.name = m.name + " (all full attention)";
+    for (LayerSpec& s : out.layers) {
+        if (!holds_tokens(s.kind)) {
+            s.num_kv_heads = m.is_mla() ? 0 : m.num_kv_heads;
+            s.head_dim = m.is_mla() ? 0 : m.head_dim;
+        }
+        s.kind = m.is_mla() ? LayerKind::kMla : LayerKind::kFullAttention;
+        s.window = 0;
+    }
+    if (out.uniform()) out.layers.clear();
+    out.validate();
+    return out;
+}
+
 std::string to_json(const ModelSpec& m) {
     nlohmann::json j = {
         {"name", m.name},

@@ -20,11 +20,15 @@ void add_model_options(CLI::App* sub, ModelFlags& f, bool required) {
     if (required) opt->required();
     sub->add_option("--kv-dtype", f.kv_dtype,
                     "KV element type: fp32|bf16|fp16|fp8 (default: the model's)");
+    sub->add_flag("--all-full-attention", f.all_full_attention,
+                  "size every layer as full attention (windows, chunks and states ignored), "
+                  "to compare with the model as it is");
 }
 
 ModelSpec load_model(const ModelFlags& f) {
     ModelSpec m = resolve_model(f.model);
     if (!f.kv_dtype.empty()) m.kv_dtype = parse_dtype(f.kv_dtype);
+    if (f.all_full_attention) m = with_full_attention(m);
     return m;
 }
 

@@ -167,6 +167,11 @@ struct ModelSpec {
     void validate() const;
 };
 
+// The same model with every layer full attention (MLA stays MLA): sliding and chunked layers keep
+// their heads, state and no-KV layers take the model's KV heads. What a reader that ignores
+// per-layer kinds would size; kept for comparisons (`--all-full-attention`).
+ModelSpec with_full_attention(const ModelSpec& m);
+
 // JSON (the same field names as `kvshard model --json`).
 std::string to_json(const ModelSpec& m);
 ModelSpec model_spec_from_json(std::string_view json_text);
