@@ -16,8 +16,9 @@
 namespace kvshard {
 namespace {
 
-// Python's json writes NaN, Infinity and -Infinity, which are not JSON. They are replaced by null
-// outside strings, so a field holding one reads as absent (and is refused if the KV needs it).
+// Python's json writes NaN, Infinity and -Infinity, which are not JSON. Outside strings they are
+// replaced by the string "<non-finite X>": a field the KV does not depend on is then ignored as
+// before, and one that sizes the KV is refused by name, since it is present but not a number.
 std::string replace_non_finite(std::string_view text) {
     std::string out;
     out.reserve(text.size());
@@ -41,7 +42,7 @@ std::string replace_non_finite(std::string_view text) {
         bool replaced = false;
         for (std::string_view word : {"-Infinity", "Infinity", "NaN"}) {
             if (text.substr(i, word.size()) == word) {
-                out += "null";
+                out += detail::concat("\"<non-finite ", word, ">\"");
                 i += word.size() - 1;
                 replaced = true;
                 break;
