@@ -96,11 +96,10 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
     for (const KvGroup& g : kv_groups(m)) {
         if (g.kind == LayerKind::kMla || !holds_tokens(g.kind)) continue;
         if (g.num_kv_heads % p.tp != 0 && p.tp % g.num_kv_heads != 0)
-            throw Error(detail::concat("tp=", p.tp, " and the ", g.num_kv_heads,
-                                       " KV heads of layer ", g.layers.front(), " (",
-                                       layer_kind_name(g.kind), ") of ", m.name,
-                                       " do not divide one another: valid tp sizes are ",
-                                       join(valid_tp)));
+            throw Error(
+                detail::concat("tp=", p.tp, " and the ", g.num_kv_heads, " KV heads of layer ",
+                               g.layers.front(), " (", layer_kind_name(g.kind), ") of ", m.name,
+                               " do not divide one another: valid tp sizes are ", join(valid_tp)));
     }
     bool has_state = false;
     for (int l = 0; l < m.num_layers; ++l) has_state = has_state || holds_state(m.layer(l).kind);
@@ -380,7 +379,8 @@ int64_t cp_tokens_before(const ParallelConfig& p, int cp_rank, int64_t seq_len, 
         case CpScheme::kInterleave: {
             const int64_t unit = p.cp_interleave;
             const int64_t cycle = unit * p.cp;
-            return (pos / cycle) * unit + std::clamp<int64_t>(pos % cycle - cp_rank * unit, 0, unit);
+            return (pos / cycle) * unit +
+                   std::clamp<int64_t>(pos % cycle - cp_rank * unit, 0, unit);
         }
     }
     return 0;
@@ -452,7 +452,8 @@ std::vector<int64_t> pp_stage_kv_bytes(const ModelSpec& m, const ParallelConfig&
     int layer = 0;
     for (int n : split) {
         int64_t sum = 0;
-        for (int i = 0; i < n; ++i, ++layer) sum += layer_request_bytes(m, p, layer, context_tokens);
+        for (int i = 0; i < n; ++i, ++layer)
+            sum += layer_request_bytes(m, p, layer, context_tokens);
         out.push_back(sum);
     }
     return out;
@@ -466,7 +467,8 @@ std::vector<int> pp_layer_split_kv_balanced(const ModelSpec& m, const ParallelCo
     require(context_tokens >= 1, "the context must be >= 1 token, got ", context_tokens);
     const int L = m.num_layers, S = p.pp;
     std::vector<int64_t> prefix(L + 1, 0);
-    for (int l = 0; l < L; ++l) prefix[l + 1] = prefix[l] + layer_request_bytes(m, p, l, context_tokens);
+    for (int l = 0; l < L; ++l)
+        prefix[l + 1] = prefix[l] + layer_request_bytes(m, p, l, context_tokens);
     // best[s][i]: the smallest possible maximum over s stages covering layers [0, i); ties are
     // broken towards the even split by comparing the layer-count spread second.
     constexpr int64_t kInf = INT64_MAX;
@@ -480,9 +482,8 @@ std::vector<int> pp_layer_split_kv_balanced(const ModelSpec& m, const ParallelCo
                 if (best[s - 1][j] == kInf) continue;
                 const int64_t v = std::max(best[s - 1][j], prefix[i] - prefix[j]);
                 const bool better =
-                    v < best[s][i] ||
-                    (v == best[s][i] && std::abs(i - j - even_size) <
-                                            std::abs(i - cut[s][i] - even_size));
+                    v < best[s][i] || (v == best[s][i] && std::abs(i - j - even_size) <
+                                                              std::abs(i - cut[s][i] - even_size));
                 if (better) {
                     best[s][i] = v;
                     cut[s][i] = j;

@@ -190,30 +190,100 @@ Family family_of(const std::string& model_type, const std::string& file) {
 const std::set<std::string, std::less<>>& understood_fields() {
     static const std::set<std::string, std::less<>> kFields = {
         // read into the spec
-        "num_hidden_layers", "n_layer", "num_layers", "hidden_size", "num_attention_heads",
-        "n_head", "num_key_value_heads", "num_kv_heads", "n_head_kv", "head_dim",
-        "attention_head_dim", "kv_channels", "multi_query", "multi_query_attention",
-        "multi_query_group_num", "new_decoder_architecture", "sliding_window",
-        "sliding_window_size", "sliding_window_pattern", "use_sliding_window", "max_window_layers",
-        "layer_types", "attention_chunk_size", "no_rope_layers", "no_rope_layer_interval",
-        "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
-        "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim",
-        "hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
-        "conv_kernel", "n_groups", "mamba_ssm_cache_dtype", "block_configs", "kv_lora_rank",
-        "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim",
-        "index_n_heads", "index_topk",
+        "num_hidden_layers",
+        "n_layer",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "n_head",
+        "num_key_value_heads",
+        "num_kv_heads",
+        "n_head_kv",
+        "head_dim",
+        "attention_head_dim",
+        "kv_channels",
+        "multi_query",
+        "multi_query_attention",
+        "multi_query_group_num",
+        "new_decoder_architecture",
+        "sliding_window",
+        "sliding_window_size",
+        "sliding_window_pattern",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "attention_chunk_size",
+        "no_rope_layers",
+        "no_rope_layer_interval",
+        "full_attention_interval",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_value_head_dim",
+        "hybrid_override_pattern",
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "ssm_state_size",
+        "conv_kernel",
+        "n_groups",
+        "mamba_ssm_cache_dtype",
+        "block_configs",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "index_head_dim",
+        "index_n_heads",
+        "index_topk",
         // do not change what is cached
-        "attention_dropout", "attention_bias", "attn_logit_softcapping", "query_pre_attn_scalar",
-        "use_qk_norm", "qk_layernorm", "attn_scale", "attn_temperature_tuning",
-        "attention_softmax_in_fp32", "apply_query_key_layer_scaling", "add_qkv_bias",
-        "use_cache", "cache_implementation", "head_dim_original", "mamba_hidden_act",
-        "mamba_proj_bias", "mamba_chunk_size", "chunk_size", "use_conv_bias", "use_mamba_kernels",
-        "residual_in_fp32", "rescale_prenorm_residual", "n_group", "topk_group",
-        "attention_multiplier", "partial_rotary_factor", "rotary_dim", "rope_scaling",
-        "rope_theta", "rope_ratio", "original_rope", "num_nextn_predict_layers", "pretraining_tp",
-        "decoder_sparse_step", "mlp_only_layers", "moe_layers", "interleave_moe_layer_step",
-        "layer_norm_epsilon", "layernorm_epsilon", "time_step_limit", "time_step_min",
-        "time_step_max", "time_step_floor", "expand", "alibi", "parallel_attn",
+        "attention_dropout",
+        "attention_bias",
+        "attn_logit_softcapping",
+        "query_pre_attn_scalar",
+        "use_qk_norm",
+        "qk_layernorm",
+        "attn_scale",
+        "attn_temperature_tuning",
+        "attention_softmax_in_fp32",
+        "apply_query_key_layer_scaling",
+        "add_qkv_bias",
+        "use_cache",
+        "cache_implementation",
+        "head_dim_original",
+        "mamba_hidden_act",
+        "mamba_proj_bias",
+        "mamba_chunk_size",
+        "chunk_size",
+        "use_conv_bias",
+        "use_mamba_kernels",
+        "residual_in_fp32",
+        "rescale_prenorm_residual",
+        "n_group",
+        "topk_group",
+        "attention_multiplier",
+        "partial_rotary_factor",
+        "rotary_dim",
+        "rope_scaling",
+        "rope_theta",
+        "rope_ratio",
+        "original_rope",
+        "num_nextn_predict_layers",
+        "pretraining_tp",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "moe_layers",
+        "interleave_moe_layer_step",
+        "layer_norm_epsilon",
+        "layernorm_epsilon",
+        "time_step_limit",
+        "time_step_min",
+        "time_step_max",
+        "time_step_floor",
+        "expand",
+        "alibi",
+        "parallel_attn",
         "multi_query_group_num_original",
     };
     return kFields;
@@ -332,21 +402,20 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         const std::string k = f.first_of(keys);
         return k.empty() ? std::string(canonical) : k;
     };
-    m.num_layers = f.positive_int(pick({"num_hidden_layers", "n_layer", "num_layers"},
-                                       "num_hidden_layers"));
+    m.num_layers =
+        f.positive_int(pick({"num_hidden_layers", "n_layer", "num_layers"}, "num_hidden_layers"));
     m.hidden = f.positive_int("hidden_size");
     m.num_heads = f.positive_int(pick({"num_attention_heads", "n_head"}, "num_attention_heads"));
     m.vocab = f.has("vocab_size") || fam != Family::kGemma3
                   ? f.positive_int(pick({"vocab_size", "padded_vocab_size"}, "vocab_size"))
                   : 262208;  // Gemma3TextConfig's default; the published text_config omits it
     m.rope_theta = f.number_or("rope_theta", 10000.0);
-    m.rms_norm_eps = f.number_or(pick({"rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"},
-                                      "rms_norm_eps"),
-                                 1e-6);
+    m.rms_norm_eps = f.number_or(
+        pick({"rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"}, "rms_norm_eps"), 1e-6);
     const bool gemma = fam == Family::kGemma2 || fam == Family::kGemma3;
     m.tie_embeddings = f.bool_or("tie_word_embeddings", gemma);  // Gemma ties by default
-    const std::string torch_dtype = f.string_or(f.has("torch_dtype") ? "torch_dtype" : "dtype",
-                                                "bfloat16");
+    const std::string torch_dtype =
+        f.string_or(f.has("torch_dtype") ? "torch_dtype" : "dtype", "bfloat16");
     try {
         m.weight_dtype = parse_dtype(torch_dtype);
     } catch (const Error& e) {
@@ -369,8 +438,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     } else {
         m.num_kv_heads = f.positive_int_or("num_key_value_heads", m.num_heads);  // absent: MHA
     }
-    const std::string head_dim_key = pick({"head_dim", "attention_head_dim", "kv_channels"},
-                                          "head_dim");
+    const std::string head_dim_key =
+        pick({"head_dim", "attention_head_dim", "kv_channels"}, "head_dim");
 
     if (f.has("kv_lora_rank")) {  // DeepSeek-V2/V3 multi-head latent attention
         m.attention = AttentionKind::kMla;
@@ -399,8 +468,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     // ---- MoE ----
     if (f.has("num_local_experts")) {  // Mixtral, gpt-oss, Llama 4
         m.moe.num_experts = f.positive_int("num_local_experts");
-        m.moe.experts_per_token =
-            f.positive_int(pick({"num_experts_per_tok", "experts_per_token"}, "num_experts_per_tok"));
+        m.moe.experts_per_token = f.positive_int(
+            pick({"num_experts_per_tok", "experts_per_token"}, "num_experts_per_tok"));
         m.moe.expert_intermediate = f.positive_int("intermediate_size");
         if (fam == Family::kLlama4) m.moe.shared_experts = 1;
     } else if (f.has("n_routed_experts")) {  // DeepSeek-V3
@@ -411,8 +480,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.moe.first_dense_layers = f.int_or("first_k_dense_replace", 0);
         if (m.moe.first_dense_layers >= m.num_layers)
             throw f.bad("first_k_dense_replace",
-                        detail::concat("must be below num_hidden_layers (", m.num_layers,
-                                       "), got ", m.moe.first_dense_layers));
+                        detail::concat("must be below num_hidden_layers (", m.num_layers, "), got ",
+                                       m.moe.first_dense_layers));
     } else if (f.has("num_experts") && f.int_or("num_experts", 0) > 0) {  // Qwen3-MoE, Qwen3-Next
         m.moe.num_experts = f.positive_int("num_experts");
         m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
@@ -429,8 +498,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     }
 
     if (fam == Family::kFalcon || fam == Family::kNemotronH) m.mlp_projections = 2;
-    const std::string inter_key =
-        pick({"intermediate_size_mlp", "ffn_hidden_size", "intermediate_size"}, "intermediate_size");
+    const std::string inter_key = pick(
+        {"intermediate_size_mlp", "ffn_hidden_size", "intermediate_size"}, "intermediate_size");
     const bool needs_dense = !m.moe.enabled() || m.moe.first_dense_layers > 0;
     if (fam == Family::kFalcon)
         m.intermediate = f.positive_int_or("ffn_hidden_size", 4 * m.hidden);
@@ -567,8 +636,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         const std::string pattern = f.string_or("hybrid_override_pattern", "");
         if (static_cast<int>(pattern.size()) != L)
             throw f.bad("hybrid_override_pattern",
-                        detail::concat("has ", pattern.size(), " characters but num_hidden_layers "
-                                                               "is ",
+                        detail::concat("has ", pattern.size(),
+                                       " characters but num_hidden_layers "
+                                       "is ",
                                        L, ": expected one of M, *, -, E per layer"));
         for (int l = 0; l < L; ++l) {
             LayerSpec& s = layers[l];
@@ -631,8 +701,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
             HfFields ffn(b.at("ffn"), detail::concat(file, ": ", where, ".ffn"));
             for (const char* unmodelled : {"num_sink_tokens", "sparsify"})
                 if (attn.has(unmodelled))
-                    throw Error(detail::concat(file, ": ", where, ".attention: field '",
-                                               unmodelled,
+                    throw Error(detail::concat(file, ": ", where, ".attention: field '", unmodelled,
                                                "' is set, and kvshard does not model it"));
             LayerSpec& s = layers[l];
             if (attn.bool_or("no_op", false) || attn.bool_or("replace_with_linear", false)) {

@@ -52,9 +52,9 @@ std::string_view layer_kind_name(LayerKind k) {
 }
 
 LayerKind parse_layer_kind(std::string_view s) {
-    for (LayerKind k : {LayerKind::kFullAttention, LayerKind::kSlidingWindow,
-                        LayerKind::kChunkedLocal, LayerKind::kMla, LayerKind::kGatedDeltaNet,
-                        LayerKind::kMamba2, LayerKind::kNoKv})
+    for (LayerKind k :
+         {LayerKind::kFullAttention, LayerKind::kSlidingWindow, LayerKind::kChunkedLocal,
+          LayerKind::kMla, LayerKind::kGatedDeltaNet, LayerKind::kMamba2, LayerKind::kNoKv})
         if (layer_kind_name(k) == s) return k;
     throw Error(detail::concat("unknown layer kind '", s,
                                "': expected full, sliding, chunked, mla, gated_deltanet, mamba2 "
@@ -155,10 +155,10 @@ int64_t state_bytes(const StateSpec& st, int tp) {
     const int64_t heads = std::max(1, st.heads / tp);
     const int64_t groups = std::max(1, st.groups / tp);
     const int64_t conv_dim = heads * st.head_dim + 2 * groups * st.group_dim;
-    const int64_t conv = int64_t{st.conv_kernel - 1} * conv_dim *
-                         static_cast<int64_t>(dtype_size(st.conv_dtype));
-    const int64_t rec = heads * st.head_dim * st.group_dim *
-                        static_cast<int64_t>(dtype_size(st.state_dtype));
+    const int64_t conv =
+        int64_t{st.conv_kernel - 1} * conv_dim * static_cast<int64_t>(dtype_size(st.conv_dtype));
+    const int64_t rec =
+        heads * st.head_dim * st.group_dim * static_cast<int64_t>(dtype_size(st.state_dtype));
     return conv + rec;
 }
 
@@ -345,8 +345,8 @@ void ModelSpec::validate() const {
     bool uses_state = false;
     for (int l = 0; l < num_layers; ++l) {
         const LayerSpec& s = layers[static_cast<size_t>(l)];
-        const std::string where = detail::concat("model '", name, "': layer ", l, " (",
-                                                 layer_kind_name(s.kind), ")");
+        const std::string where =
+            detail::concat("model '", name, "': layer ", l, " (", layer_kind_name(s.kind), ")");
         if (s.kind == LayerKind::kMla) {
             require(is_mla(), where, ": an MLA layer needs attention MLA and the mla fields");
         } else if (holds_tokens(s.kind)) {

@@ -50,9 +50,9 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank) {
                 const MlaSpec& a = m.mla;
                 const int64_t qk_dim = int64_t{a.qk_nope_head_dim} + a.qk_rope_head_dim;
                 // q_a and kv_a (down-projections) are replicated; q_b, kv_b, o are split by head.
-                const int64_t q = a.q_lora_rank > 0
-                                      ? h * a.q_lora_rank + int64_t{a.q_lora_rank} * q_heads * qk_dim
-                                      : h * q_heads * qk_dim;
+                const int64_t q = a.q_lora_rank > 0 ? h * a.q_lora_rank +
+                                                          int64_t{a.q_lora_rank} * q_heads * qk_dim
+                                                    : h * q_heads * qk_dim;
                 const int64_t kv_a = h * (int64_t{a.kv_lora_rank} + a.qk_rope_head_dim);
                 const int64_t kv_b = int64_t{a.kv_lora_rank} * q_heads *
                                      (int64_t{a.qk_nope_head_dim} + a.v_head_dim);
@@ -88,9 +88,8 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank) {
         if (s.mlp == MlpKind::kDense) {
             w.dense_mlp += (m.mlp_projections * h * s.intermediate / tp) * e;
         } else if (s.mlp == MlpKind::kMoe) {
-            const int64_t routed = p.ep > 1
-                                       ? int64_t{m.moe.num_experts / p.ep} * m.expert_params()
-                                       : int64_t{m.moe.num_experts} * m.expert_params() / tp;
+            const int64_t routed = p.ep > 1 ? int64_t{m.moe.num_experts / p.ep} * m.expert_params()
+                                            : int64_t{m.moe.num_experts} * m.expert_params() / tp;
             const int64_t shared = int64_t{m.moe.shared_experts} * m.expert_params() / tp;
             const int64_t router = h * m.moe.num_experts;
             w.experts += (routed + shared + router) * e;

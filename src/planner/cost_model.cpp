@@ -213,10 +213,9 @@ class Model {
     // Multiply-adds per recurrent-state element and token (GDN / Mamba-2 state update and read).
     static constexpr double kStateFlopsPerElem = 4;
     double state_elems(int l) const {
-        return holds_state(m_.layer(l).kind)
-                   ? double(std::max(1, m_.state.heads / p_.tp)) * m_.state.head_dim *
-                         m_.state.group_dim
-                   : 0;
+        return holds_state(m_.layer(l).kind) ? double(std::max(1, m_.state.heads / p_.tp)) *
+                                                   m_.state.head_dim * m_.state.group_dim
+                                             : 0;
     }
     double q_heads() const { return double(m_.num_heads) / p_.tp; }
 
@@ -305,8 +304,8 @@ class Model {
             const double Cl = attended(l, C) / p_.cp;
             const double per_key = m_.is_mla() ? 2.0 * m_.mla.kv_lora_rank + m_.mla.qk_rope_head_dim
                                                : qk_dim(l) + v_dim(l);
-            const double attn_flops = 2 * B * Cl * q_heads() * per_key +
-                                      2 * kStateFlopsPerElem * B * state_elems(l);
+            const double attn_flops =
+                2 * B * Cl * q_heads() * per_key + 2 * kStateFlopsPerElem * B * state_elems(l);
             const bool moe = m_.is_moe_layer(l);
             double elems = attn_elems(l);
             double weight_elems = elems;

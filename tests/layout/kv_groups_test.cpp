@@ -101,7 +101,8 @@ TEST(KvGroups, CpRanksSplitEachGroupsTokens) {
 
 TEST(KvGroups, KvBalancedPipelineSplit) {
     // tiny-hybrid: layers 0-2 hold a constant state, layer 3 all tokens. At a long context the
-    // even split 2,2 puts all the token KV on stage 1; the balanced split gives stage 1 only layer 3.
+    // even split 2,2 puts all the token KV on stage 1; the balanced split gives stage 1 only
+    // layer 3.
     const ModelSpec m = catalog_model("tiny-hybrid");
     ParallelConfig p;
     p.pp = 2;
@@ -111,7 +112,8 @@ TEST(KvGroups, KvBalancedPipelineSplit) {
     ParallelConfig b = p;
     b.pp_layers = split;
     const auto bal = pp_stage_kv_bytes(m, b, 100000);
-    EXPECT_LE(*std::max_element(bal.begin(), bal.end()), *std::max_element(even.begin(), even.end()));
+    EXPECT_LE(*std::max_element(bal.begin(), bal.end()),
+              *std::max_element(even.begin(), even.end()));
     EXPECT_EQ(std::accumulate(bal.begin(), bal.end(), int64_t{0}),
               std::accumulate(even.begin(), even.end(), int64_t{0}));
     // A uniform model keeps its even split.

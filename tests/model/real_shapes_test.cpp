@@ -69,21 +69,29 @@ std::vector<Family> families() {
     out.push_back({"glm-4-9b-chat", uniform(40, {'F', 2, 128}), {1, 2, 4, 8}});
     out.push_back({"falcon-7b-instruct", uniform(32, {'F', 1, 64}), {1}});  // 71 heads, MQA
     // Llama 4: RoPE layers attend within chunks of 8192, every 4th layer (NoPE) fully.
-    out.push_back({"llama-4-scout", pattern(48, [](int i) {
-                       return (i + 1) % 4 ? L{'C', 8, 128, 8192} : L{'F', 8, 128};
-                   }),
+    out.push_back({"llama-4-scout",
+                   pattern(48,
+                           [](int i) {
+                               return (i + 1) % 4 ? L{'C', 8, 128, 8192} : L{'F', 8, 128};
+                           }),
                    {1, 2, 4, 8}});
-    out.push_back({"gemma-2-9b-it", pattern(42, [](int i) {
-                       return i % 2 == 0 ? L{'S', 8, 256, 4096} : L{'F', 8, 256};
-                   }),
+    out.push_back({"gemma-2-9b-it",
+                   pattern(42,
+                           [](int i) {
+                               return i % 2 == 0 ? L{'S', 8, 256, 4096} : L{'F', 8, 256};
+                           }),
                    {1, 2, 4, 8}});
-    out.push_back({"gemma-3-27b", pattern(62, [](int i) {
-                       return (i + 1) % 6 ? L{'S', 16, 128, 1024} : L{'F', 16, 128};
-                   }),
+    out.push_back({"gemma-3-27b",
+                   pattern(62,
+                           [](int i) {
+                               return (i + 1) % 6 ? L{'S', 16, 128, 1024} : L{'F', 16, 128};
+                           }),
                    {1, 2, 4, 8}});
-    out.push_back({"gpt-oss-120b", pattern(36, [](int i) {
-                       return i % 2 == 0 ? L{'S', 8, 64, 128} : L{'F', 8, 64};
-                   }),
+    out.push_back({"gpt-oss-120b",
+                   pattern(36,
+                           [](int i) {
+                               return i % 2 == 0 ? L{'S', 8, 64, 128} : L{'F', 8, 64};
+                           }),
                    {1, 2, 4, 8}});
     out.push_back({"deepseek-v3", uniform(61, {'L'}), {1, 2, 4, 8}, 2 * (512 + 64)});
     // V3.2: plus the indexer's key, 128 fp8 values and one fp32 scale per token and layer.
@@ -91,20 +99,26 @@ std::vector<Family> families() {
     // Qwen3-Next: 3 Gated DeltaNet layers (16 key heads, 32 value heads, 128 dims, conv 4) per
     // full-attention layer (2 KV heads of 256).
     out.push_back({"qwen3-next-80b-a3b",
-                   pattern(48, [](int i) { return (i + 1) % 4 ? L{'G'} : L{'F', 2, 256}; }),
+                   pattern(48,
+                           [](int i) {
+                               return (i + 1) % 4 ? L{'G'} : L{'F', 2, 256};
+                           }),
                    {1, 2, 4, 8},
                    0,
                    0,
                    [](int tp) { return state_bf16(32, 128, 16, 128, 4, tp); }});
     // Nemotron-H-8B: hybrid_override_pattern, Mamba-2 with 128 heads of 64, 8 groups, state 128.
     const std::string nh = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
-    out.push_back({"nemotron-h-8b", pattern(52, [nh](int i) {
-                       return nh[i] == 'M' ? L{'M'} : nh[i] == '*' ? L{'F', 8, 128} : L{'-'};
-                   }),
-                   {1, 2, 4, 8},
-                   0,
-                   0,
-                   [](int tp) { return state_bf16(128, 64, 8, 128, 4, tp); }});
+    out.push_back(
+        {"nemotron-h-8b",
+         pattern(52,
+                 [nh](int i) {
+                     return nh[i] == 'M' ? L{'M'} : nh[i] == '*' ? L{'F', 8, 128} : L{'-'};
+                 }),
+         {1, 2, 4, 8},
+         0,
+         0,
+         [](int tp) { return state_bf16(128, 64, 8, 128, 4, tp); }});
     // Nemotron Super: no-op attention blocks hold no KV; the others 64/8 = 8 KV heads.
     const auto blocks =
         nlohmann::json::parse(read_file(config_path("llama-3.3-nemotron-super-49b")))
@@ -134,9 +148,8 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
     auto blocks_from = [&](int64_t first) { return (n + bs - 1) / bs - first / bs; };
     int64_t sum = 0;
     for (const L& l : f.layers) {
-        const int64_t per_token = expected_bytes_per_token(Family{f.file, {l}, {}, f.latent_bytes,
-                                                                  f.indexer_bytes, nullptr},
-                                                           1, 0, 1);
+        const int64_t per_token = expected_bytes_per_token(
+            Family{f.file, {l}, {}, f.latent_bytes, f.indexer_bytes, nullptr}, 1, 0, 1);
         switch (l.kind) {
             case 'F':
             case 'L':
@@ -243,7 +256,8 @@ TEST(RealShapes, FieldsThatWouldChangeTheKvAreNeverIgnored) {
         "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100)";
     EXPECT_NO_THROW(parse_hf_config(base + "}", "cfg.json"));
     // An attention / cache field the reader does not model: refused, naming field and model type.
-    expect_refused(base + R"(, "attention_sink_size": 4})", "'attention_sink_size' of model_type 'llama'");
+    expect_refused(base + R"(, "attention_sink_size": 4})",
+                   "'attention_sink_size' of model_type 'llama'");
     expect_refused(base + R"(, "kv_cache_compression": "pyramid"})", "kv_cache_compression");
     expect_refused(base + R"(, "sliding_window_layers": [1]})", "sliding_window_layers");
     // A field another family reads, here ignored: refused.

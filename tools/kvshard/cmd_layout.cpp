@@ -51,7 +51,8 @@ void run(const LayoutFlags& f) {
     require(f.block_size >= 1, "--block-size must be a positive integer, got ", f.block_size);
     ParallelConfig p = to_parallel_config(f.parallel);
     if (f.kv_balanced) {
-        require(p.pp_layers.empty(), "--pp-split kv and --pp-layers both choose the PP split: give one");
+        require(p.pp_layers.empty(),
+                "--pp-split kv and --pp-layers both choose the PP split: give one");
         p.pp_layers = pp_layer_split_kv_balanced(m, p, f.context);
     }
     if (f.gpus_given) validate_world(p, f.gpus);
@@ -68,18 +69,20 @@ void run(const LayoutFlags& f) {
     if (l.head_replication() > 1) fmt::print(", each held by {} TP ranks", l.head_replication());
     fmt::print("\n\n");
     fmt::print("{}\n", m.layer_mix());
-    fmt::print("{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<9} {:<9} {:<10} {:<12} {:<24} {:>12} {:>12}\n",
-               "rank", "dp", "pp", "cp", "tp", "ep", "kv_heads", "q_heads", "layers", "experts",
-               "cp_tokens", "KV/token", fmt::format("KV@{}", f.context));
+    fmt::print(
+        "{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<9} {:<9} {:<10} {:<12} {:<24} {:>12} {:>12}\n",
+        "rank", "dp", "pp", "cp", "tp", "ep", "kv_heads", "q_heads", "layers", "experts",
+        "cp_tokens", "KV/token", fmt::format("KV@{}", f.context));
     for (const auto& r : l.ranks) {
         const std::string experts =
             m.moe.enabled() ? fmt::format("[{},{})", r.expert_begin, r.expert_end) : "-";
-        fmt::print("{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<9} {:<9} {:<10} {:<12} {:<24} {:>12} {:>12}\n",
-                   r.coord.rank, r.coord.dp, r.coord.pp, r.coord.cp, r.coord.tp, r.coord.ep,
-                   heads_text(r, l), fmt::format("{}-{}", r.q_head_begin, r.q_head_end - 1),
-                   fmt::format("[{},{})", r.layer_begin, r.layer_end), experts,
-                   cp_token_rule(p, r.coord.cp), bytes_text(r.kv_bytes_per_token),
-                   bytes_text(request_kv_bytes(l, r.coord.rank, f.context, f.block_size)));
+        fmt::print(
+            "{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<9} {:<9} {:<10} {:<12} {:<24} {:>12} {:>12}\n",
+            r.coord.rank, r.coord.dp, r.coord.pp, r.coord.cp, r.coord.tp, r.coord.ep,
+            heads_text(r, l), fmt::format("{}-{}", r.q_head_begin, r.q_head_end - 1),
+            fmt::format("[{},{})", r.layer_begin, r.layer_end), experts,
+            cp_token_rule(p, r.coord.cp), bytes_text(r.kv_bytes_per_token),
+            bytes_text(request_kv_bytes(l, r.coord.rank, f.context, f.block_size)));
     }
     if (!m.uniform()) {
         // Per KV group on each distinct rank shape (the first rank of each PP stage and TP rank 0).
@@ -91,9 +94,10 @@ void run(const LayoutFlags& f) {
             fmt::print("  stage {}: {}\n", s, groups.empty() ? "no KV" : groups);
         }
     }
-    fmt::print("\nKV@{}: bytes one rank holds for a request of {} tokens, in whole blocks of {} per "
-               "group (windowed groups keep their window, state groups their state).\n",
-               f.context, f.context, f.block_size);
+    fmt::print(
+        "\nKV@{}: bytes one rank holds for a request of {} tokens, in whole blocks of {} per "
+        "group (windowed groups keep their window, state groups their state).\n",
+        f.context, f.context, f.block_size);
     if (p.pp > 1) {
         const auto stage = pp_stage_kv_bytes(m, p, f.context);
         const int64_t most = *std::max_element(stage.begin(), stage.end());

@@ -168,10 +168,11 @@ void run(const PlanFlags& f) {
         per_layer = per_layer || (m.layer(l).kind != LayerKind::kFullAttention &&
                                   m.layer(l).kind != LayerKind::kMla);
     if (per_layer)
-        fmt::print("{}: a request of {} tokens holds KV/req per GPU (windowed layers their window, "
-                   "state layers their state), so requests = floor(KV budget / KV/req); KV tok "
-                   "counts tokens of a sequence shorter than every window\n",
-                   m.layer_mix(), f.context);
+        fmt::print(
+            "{}: a request of {} tokens holds KV/req per GPU (windowed layers their window, "
+            "state layers their state), so requests = floor(KV budget / KV/req); KV tok "
+            "counts tokens of a sequence shorter than every window\n",
+            m.layer_mix(), f.context);
     fmt::print("{} of {} configurations fit.{}\n\n", n_fit, entries.size(),
                f.batch > 0
                    ? fmt::format(" Batch {} per replica.", f.batch)
@@ -202,9 +203,8 @@ void run(const PlanFlags& f) {
             i + 1, p.dp, p.pp, p.cp, p.tp, p.ep, "yes",
             gib(static_cast<double>(c.weight_bytes_per_gpu)), c.kv_bytes_per_token,
             mib(static_cast<double>(c.request_kv_bytes)), tokens(c.kv_tokens_per_gpu),
-            c.context_unbounded ? std::string("unbound") : tokens(c.max_context),
-            c.max_concurrency, e.batch,
-            mib(k.decode.comm_bytes()), mib(k.prefill.comm_bytes()), seconds(k.ttft_s),
+            c.context_unbounded ? std::string("unbound") : tokens(c.max_context), c.max_concurrency,
+            e.batch, mib(k.decode.comm_bytes()), mib(k.prefill.comm_bytes()), seconds(k.ttft_s),
             seconds(k.tpot_s), fmt::format("{:.0f}", k.decode_tokens_per_s));
     }
     if (f.top > 0 && static_cast<int>(entries.size()) > shown)

@@ -22,7 +22,7 @@ struct KvGroup {
     int window = 0;        // sliding window W or chunk C; 0 otherwise
     int num_kv_heads = 0;  // attention (not MLA) groups: KV heads of each layer, model-wide
     int head_dim = 0;
-    bool indexer = false;    // the layers also cache indexer keys
+    bool indexer = false;     // the layers also cache indexer keys
     std::vector<int> layers;  // global layer ids, ascending
     bool operator==(const KvGroup&) const = default;
 };

@@ -36,13 +36,14 @@ struct MoeSpec {
 
 // What one layer keeps per sequence (docs/model.md gives each kind's formula and config fields).
 enum class LayerKind {
-    kFullAttention,    // K and V of every token
-    kSlidingWindow,    // K and V of the last `window` tokens (a query sees itself and window-1 before)
-    kChunkedLocal,     // K and V of the tokens of the current chunk of `window` tokens (Llama 4)
-    kMla,              // the MLA latent of every token (kv_lora_rank + qk_rope_head_dim)
-    kGatedDeltaNet,    // linear attention: a fixed conv + recurrent state per sequence (Qwen3-Next)
-    kMamba2,           // SSM: a fixed conv + SSM state per sequence (Nemotron-H, Granite 4)
-    kNoKv,             // no KV: an MLP-only layer or a no-op / linear-replaced attention
+    kFullAttention,  // K and V of every token
+    kSlidingWindow,  // K and V of the last `window` tokens (a query sees itself and window-1
+                     // before)
+    kChunkedLocal,   // K and V of the tokens of the current chunk of `window` tokens (Llama 4)
+    kMla,            // the MLA latent of every token (kv_lora_rank + qk_rope_head_dim)
+    kGatedDeltaNet,  // linear attention: a fixed conv + recurrent state per sequence (Qwen3-Next)
+    kMamba2,         // SSM: a fixed conv + SSM state per sequence (Nemotron-H, Granite 4)
+    kNoKv,           // no KV: an MLP-only layer or a no-op / linear-replaced attention
 };
 std::string_view layer_kind_name(LayerKind k);  // "full", "sliding", "chunked", "mla", ...
 LayerKind parse_layer_kind(std::string_view s);
@@ -74,11 +75,11 @@ struct LayerSpec {
 //                  SSM state heads x head_dim x d_state.
 // TP splits the heads (and the key heads / groups) as it splits KV heads.
 struct StateSpec {
-    int heads = 0;         // GDN: value heads; Mamba-2: SSM heads
-    int head_dim = 0;      // GDN: v_head_dim; Mamba-2: head_dim
-    int groups = 0;        // GDN: key heads; Mamba-2: n_groups (B and C share them)
-    int group_dim = 0;     // GDN: k_head_dim; Mamba-2: d_state (ssm_state_size)
-    int conv_kernel = 0;   // the causal conv's width; the state keeps conv_kernel - 1 columns
+    int heads = 0;        // GDN: value heads; Mamba-2: SSM heads
+    int head_dim = 0;     // GDN: v_head_dim; Mamba-2: head_dim
+    int groups = 0;       // GDN: key heads; Mamba-2: n_groups (B and C share them)
+    int group_dim = 0;    // GDN: k_head_dim; Mamba-2: d_state (ssm_state_size)
+    int conv_kernel = 0;  // the causal conv's width; the state keeps conv_kernel - 1 columns
     DType conv_dtype = DType::kBf16;
     DType state_dtype = DType::kBf16;  // the recurrent / SSM state (vLLM mamba_ssm_cache_dtype)
     bool operator==(const StateSpec&) const = default;

@@ -39,10 +39,10 @@ struct WeightBytes {
 struct RankCapacity {
     int rank = 0;
     WeightBytes weights;
-    int64_t kv_bytes_per_token = 0;  // bytes of KV per token this rank stores
+    int64_t kv_bytes_per_token = 0;        // bytes of KV per token this rank stores
     int64_t state_bytes_per_sequence = 0;  // linear-attention / SSM state per sequence
-    int64_t kv_budget_bytes = 0;     // memory*mem_util - weights - reserve (may be negative)
-    int64_t kv_tokens = 0;           // whole blocks only; 0 when nothing fits
+    int64_t kv_budget_bytes = 0;           // memory*mem_util - weights - reserve (may be negative)
+    int64_t kv_tokens = 0;                 // whole blocks only; 0 when nothing fits
 };
 
 struct CapacityReport {
@@ -51,8 +51,8 @@ struct CapacityReport {
     int64_t weight_bytes_per_gpu = 0;  // the most any rank holds
     int64_t kv_bytes_per_token = 0;    // per GPU, of the limiting rank; while shorter than windows
     int64_t state_bytes_per_sequence = 0;  // per GPU, of the limiting rank
-    int64_t kv_tokens_per_gpu = 0;     // min over ranks, whole blocks
-    int64_t kv_blocks_per_gpu = 0;     // kv_tokens_per_gpu / block_size
+    int64_t kv_tokens_per_gpu = 0;         // min over ranks, whole blocks
+    int64_t kv_blocks_per_gpu = 0;         // kv_tokens_per_gpu / block_size
     // The longest context one request can have: its tokens spread over the cp ranks of a CP group
     // by the CP scheme, each rank's share in whole blocks per KV group, windowed groups counted at
     // the most blocks they hold on the way (request_kv_bytes_peak).
