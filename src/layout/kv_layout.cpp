@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kvshard/common/checked.h"
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -16,13 +17,6 @@ std::string join(const std::vector<int>& v) {
     std::string s;
     for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
     return s;
-}
-
-std::vector<int> divisors(int n) {
-    std::vector<int> d;
-    for (int i = 1; i <= n; ++i)
-        if (n % i == 0) d.push_back(i);
-    return d;
 }
 
 }  // namespace
@@ -80,6 +74,7 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
     positive(p.tp, "tp");
     positive(p.ep, "ep");
     positive(p.cp_interleave, "cp_interleave");
+    p.validate_sizes();
 
     const auto valid_tp = valid_tp_sizes(m);
     if (m.num_heads % p.tp != 0)
@@ -402,7 +397,8 @@ int64_t group_blocks(const ParallelConfig& p, const RankKvGroup& g, int cp_rank,
 
 int64_t request_bytes(const KvLayout& l, int rank, int64_t seq_len, int block_size, bool peak) {
     KVSHARD_CHECK(rank >= 0 && rank < l.world_size(), "rank ", rank, " outside the layout");
-    require(seq_len >= 0, "the sequence length must be >= 0 tokens, got ", seq_len);
+    require(seq_len >= 0 && seq_len <= kMaxContextTokens,
+            "the sequence length must be in [0, 2^40] tokens, got ", seq_len);
     require(block_size >= 1, "block_size must be a positive integer, got ", block_size);
     const RankKv& rk = l.ranks[static_cast<size_t>(rank)];
     int64_t bytes = 0;
@@ -411,8 +407,11 @@ int64_t request_bytes(const KvLayout& l, int rank, int64_t seq_len, int block_si
             bytes += seq_len > 0 ? g.state_bytes_per_sequence : 0;
             continue;
         }
-        bytes += group_blocks(l.parallel, g, rk.coord.cp, seq_len, block_size, peak) * block_size *
-                 g.bytes_per_token;
+        // Saturating: a search may ask for lengths whose bytes exceed 64 bits (they never fit).
+        bytes = sat_add(bytes, sat_mul(sat_mul(group_blocks(l.parallel, g, rk.coord.cp, seq_len,
+                                                            block_size, peak),
+                                               block_size),
+                                       g.bytes_per_token));
     }
     return bytes;
 }
@@ -435,25 +434,26 @@ int64_t layer_request_bytes(const ModelSpec& m, const ParallelConfig& p, int l, 
     if (!holds_tokens(s.kind)) return 0;
     const int64_t kept = len - first_kept_position(s.kind, s.window, len);
     const int64_t full = m.kv_bytes_per_token_of_layer(l);
-    if (s.kind == LayerKind::kMla) return kept * full;
+    if (s.kind == LayerKind::kMla) return sat_mul(kept, full);
     // The layer's K and V split over tp (replicated below one head per rank), indexer keys whole.
     const int64_t e = static_cast<int64_t>(dtype_size(m.kv_dtype));
     const int64_t kv = 2 * int64_t{s.num_kv_heads} * s.head_dim * e;
     const int64_t per_rank = 2 * int64_t{std::max(1, s.num_kv_heads / p.tp)} * s.head_dim * e;
-    return kept * (full - kv + per_rank);
+    return sat_mul(kept, full - kv + per_rank);
 }
 }  // namespace
 
 std::vector<int64_t> pp_stage_kv_bytes(const ModelSpec& m, const ParallelConfig& p,
                                        int64_t context_tokens) {
-    require(context_tokens >= 0, "the context must be >= 0 tokens, got ", context_tokens);
+    require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
+            "the context must be in [0, 2^40] tokens, got ", context_tokens);
     const auto split = pp_layer_split(m, p);
     std::vector<int64_t> out;
     int layer = 0;
     for (int n : split) {
         int64_t sum = 0;
         for (int i = 0; i < n; ++i, ++layer)
-            sum += layer_request_bytes(m, p, layer, context_tokens);
+            sum = sat_add(sum, layer_request_bytes(m, p, layer, context_tokens));
         out.push_back(sum);
     }
     return out;
@@ -464,11 +464,12 @@ std::vector<int> pp_layer_split_kv_balanced(const ModelSpec& m, const ParallelCo
     ParallelConfig even = p;
     even.pp_layers.clear();
     validate(m, even);
-    require(context_tokens >= 1, "the context must be >= 1 token, got ", context_tokens);
+    require(context_tokens >= 1 && context_tokens <= kMaxContextTokens,
+            "the context must be in [1, 2^40] tokens, got ", context_tokens);
     const int L = m.num_layers, S = p.pp;
     std::vector<int64_t> prefix(L + 1, 0);
     for (int l = 0; l < L; ++l)
-        prefix[l + 1] = prefix[l] + layer_request_bytes(m, p, l, context_tokens);
+        prefix[l + 1] = sat_add(prefix[l], layer_request_bytes(m, p, l, context_tokens));
     // best[s][i]: the smallest possible maximum over s stages covering layers [0, i); ties are
     // broken towards the even split by comparing the layer-count spread second.
     constexpr int64_t kInf = INT64_MAX;

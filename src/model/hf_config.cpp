@@ -404,6 +404,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     };
     m.num_layers =
         f.positive_int(pick({"num_hidden_layers", "n_layer", "num_layers"}, "num_hidden_layers"));
+    if (m.num_layers > (1 << 14))
+        throw Error(detail::concat(file, ": ", m.num_layers,
+                                   " layers: kvshard reads models of at most 16384 layers"));
     m.hidden = f.positive_int("hidden_size");
     m.num_heads = f.positive_int(pick({"num_attention_heads", "n_head"}, "num_attention_heads"));
     m.vocab = f.has("vocab_size") || fam != Family::kGemma3

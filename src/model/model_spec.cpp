@@ -301,10 +301,53 @@ int64_t ModelSpec::active_params_per_token() const {
     return sum;
 }
 
+namespace {
+// Field ranges (docs/cli-inputs.md): wide enough for any published model, narrow enough that every
+// per-layer product fits in 64 bits; totals are checked in validate_totals.
+constexpr int kMaxLayers = 1 << 14, kMaxHidden = 1 << 20, kMaxHeads = 1 << 16, kMaxDim = 1 << 16;
+constexpr int kMaxVocab = 1 << 28, kMaxWidth = 1 << 24, kMaxExperts = 1 << 16;
+}  // namespace
+
 void ModelSpec::validate() const {
     auto positive = [&](int v, const char* field) {
         require(v > 0, "model '", name, "': ", field, " must be a positive integer, got ", v);
     };
+    auto at_most = [&](int64_t v, int64_t most, const char* field) {
+        require(v <= most, "model '", name, "': ", field, " must be at most ", most, ", got ", v);
+    };
+    at_most(num_layers, kMaxLayers, "num_layers");
+    at_most(hidden, kMaxHidden, "hidden");
+    at_most(num_heads, kMaxHeads, "num_heads");
+    at_most(num_kv_heads, kMaxHeads, "num_kv_heads");
+    at_most(head_dim, kMaxDim, "head_dim");
+    at_most(intermediate, kMaxWidth, "intermediate");
+    at_most(vocab, kMaxVocab, "vocab");
+    at_most(moe.num_experts, kMaxExperts, "moe.num_experts");
+    at_most(moe.shared_experts, 1 << 10, "moe.shared_experts");
+    at_most(moe.expert_intermediate, kMaxWidth, "moe.expert_intermediate");
+    for (auto [v, f] : {std::pair{mla.kv_lora_rank, "mla.kv_lora_rank"},
+                        std::pair{mla.qk_rope_head_dim, "mla.qk_rope_head_dim"},
+                        std::pair{mla.qk_nope_head_dim, "mla.qk_nope_head_dim"},
+                        std::pair{mla.v_head_dim, "mla.v_head_dim"},
+                        std::pair{mla.q_lora_rank, "mla.q_lora_rank"},
+                        std::pair{state.heads, "state.heads"},
+                        std::pair{state.head_dim, "state.head_dim"},
+                        std::pair{state.groups, "state.groups"},
+                        std::pair{state.group_dim, "state.group_dim"},
+                        std::pair{state.conv_kernel, "state.conv_kernel"},
+                        std::pair{indexer.heads, "indexer.heads"},
+                        std::pair{indexer.head_dim, "indexer.head_dim"},
+                        std::pair{indexer.scale_bytes, "indexer.scale_bytes"}}) {
+        require(v >= 0, "model '", name, "': ", f, " must be >= 0, got ", v);
+        at_most(v, kMaxDim, f);
+    }
+    for (const LayerSpec& s : layers) {
+        require(s.num_kv_heads >= 0 && s.head_dim >= 0 && s.intermediate >= 0 && s.window >= 0,
+                "model '", name, "': per-layer sizes must be >= 0");
+        at_most(s.num_kv_heads, kMaxHeads, "a layer's num_kv_heads");
+        at_most(s.head_dim, kMaxDim, "a layer's head_dim");
+        at_most(s.intermediate, kMaxWidth, "a layer's intermediate");
+    }
     positive(num_layers, "num_layers");
     positive(hidden, "hidden");
     positive(num_heads, "num_heads");
@@ -338,6 +381,7 @@ void ModelSpec::validate() const {
     }
     if (layers.empty()) {
         if (!moe.enabled() || moe.first_dense_layers > 0) positive(intermediate, "intermediate");
+        validate_totals();
         return;
     }
     require(static_cast<int>(layers.size()) == num_layers, "model '", name, "': layers lists ",
@@ -382,6 +426,22 @@ void ModelSpec::validate() const {
         positive(indexer.heads, "indexer.heads");
         require(indexer.scale_bytes >= 0, "model '", name, "': indexer.scale_bytes must be >= 0");
     }
+    validate_totals();
+}
+
+void ModelSpec::validate_totals() const {
+    // Each per-layer figure fits in 64 bits under the field ranges; their sums are taken wider.
+    __int128 params = embedding_params() + lm_head_params(), kv = 0, st = 0;
+    for (int l = 0; l < num_layers; ++l) {
+        params += mixer_params_of_layer(l) + mlp_params_of_layer(l);
+        kv += kv_bytes_per_token_of_layer(l);
+        st += state_bytes_of_layer(l);
+    }
+    require(params <= (__int128{1} << 55), "model '", name,
+            "' has more than 2^55 parameters: its sizes are not those of a model");
+    require(kv <= (__int128{1} << 40) && st <= (__int128{1} << 50), "model '", name,
+            "': its KV bytes per token (or state per sequence) exceed 2^40 (2^50) bytes: its sizes "
+            "are not those of a model");
 }
 
 ModelSpec with_full_attention(const ModelSpec& m) {

@@ -19,8 +19,10 @@ void CapacityOptions::validate() const {
     require(mem_util > 0 && mem_util <= 1, "mem_util must be in (0, 1], got ", mem_util);
     require(activation_reserve_bytes >= 0, "the activation reserve must be >= 0 bytes, got ",
             activation_reserve_bytes);
-    require(block_size >= 1, "block_size must be a positive integer, got ", block_size);
-    require(context_tokens >= 0, "the context length must be >= 0 tokens, got ", context_tokens);
+    require(block_size >= 1 && block_size <= (1 << 20),
+            "block_size must be an integer in [1, 2^20] tokens, got ", block_size);
+    require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
+            "the context length must be in [0, 2^40] tokens, got ", context_tokens);
 }
 
 int64_t cp_tokens_per_rank(const ParallelConfig& p, int64_t context_tokens) {
@@ -148,12 +150,11 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
         }
         return true;
     };
-    constexpr int64_t kContextCap = int64_t{1} << 40;
-    if (fits_len(kContextCap)) {
-        rep.max_context = kContextCap;
+    if (fits_len(kMaxContextTokens)) {
+        rep.max_context = kMaxContextTokens;
         rep.context_unbounded = true;
     } else {
-        int64_t lo = 0, hi = kContextCap - 1;
+        int64_t lo = 0, hi = kMaxContextTokens - 1;
         while (lo < hi) {  // invariant: fits(lo), !fits(hi + 1)
             const int64_t mid = lo + (hi - lo + 1) / 2;
             if (fits_len(mid))

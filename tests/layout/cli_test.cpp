@@ -76,15 +76,16 @@ TEST(CliErrors, ModelFiles) {
 
 TEST(CliErrors, PlanPaths) {
     const std::string base = "plan --model llama-3.1-8b --hardware h100-sxm ";
-    expect_usage_error(base + "--gpus 0 --context 1024", "GPU count must be a positive integer");
-    expect_usage_error(base + "--gpus 8 --context 0", "context must be at least 1 token");
+    expect_usage_error(base + "--gpus 0 --context 1024",
+                       "GPU count must be an integer in [1, 1048576]");
+    expect_usage_error(base + "--gpus 8 --context 0", "context must be in [1, 2^40] tokens");
     expect_usage_error(base + "--gpus 8 --context 1024 --batch -3", "batch must be >= 0");
     expect_usage_error(base + "--gpus 8 --context 1024 --objective cost",
                        "unknown objective 'cost'");
     expect_usage_error(base + "--gpus 8 --context 1024 --mem-util 1.5",
                        "mem_util must be in (0, 1]");
     expect_usage_error(base + "--gpus 8 --context 1024 --block-size 0",
-                       "block_size must be a positive integer");
+                       "block_size must be an integer in [1, 2^20] tokens");
     expect_usage_error(base + "--gpus 8 --context 1024 --cp-prefill ring",
                        "unknown CP prefill scheme 'ring'");
     expect_usage_error(base + "--context 1024", "--gpus");

@@ -9,6 +9,10 @@
 
 namespace kvshard {
 
+// The longest sequence any figure is computed for (tokens): 2^40, far beyond any model's context,
+// small enough that tokens x bytes per token stays inside 64 bits for every valid model.
+constexpr int64_t kMaxContextTokens = int64_t{1} << 40;
+
 struct TokenRange {
     int64_t begin = 0;  // global token positions [begin, end)
     int64_t end = 0;

@@ -164,8 +164,13 @@ struct ModelSpec {
     int64_t total_params() const;
     int64_t active_params_per_token() const;  // what one token multiplies through (top-k experts)
 
-    // Throws kvshard::Error naming the first bad field.
+    // Throws kvshard::Error naming the first bad field or range (docs/cli-inputs.md).
     void validate() const;
+
+  private:
+    void validate_totals() const;
+
+  public:
 };
 
 // The same model with every layer full attention (MLA stays MLA): sliding and chunked layers keep
