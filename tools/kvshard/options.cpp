@@ -33,13 +33,20 @@ ModelSpec load_model(const ModelFlags& f) {
 }
 
 void add_parallel_options(CLI::App* sub, ParallelFlags& f) {
-    sub->add_option("--tp", f.tp, "tensor parallel size (splits KV heads)")->capture_default_str();
-    sub->add_option("--pp", f.pp, "pipeline parallel size (splits layers)")->capture_default_str();
+    const CLI::Range size(1, ParallelConfig::kMaxWorldSize);
+    sub->add_option("--tp", f.tp, "tensor parallel size (splits KV heads)")
+        ->capture_default_str()
+        ->check(size);
+    sub->add_option("--pp", f.pp, "pipeline parallel size (splits layers)")
+        ->capture_default_str()
+        ->check(size);
     sub->add_option("--cp,--sp", f.cp, "context parallel size (splits tokens)")
-        ->capture_default_str();
-    sub->add_option("--dp", f.dp, "data parallel replicas")->capture_default_str();
+        ->capture_default_str()
+        ->check(size);
+    sub->add_option("--dp", f.dp, "data parallel replicas")->capture_default_str()->check(size);
     sub->add_option("--ep", f.ep, "expert parallel size (MoE experts over dp*cp*tp ranks)")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(size);
     sub->add_option("--cp-scheme", f.cp_scheme,
                     "token ownership under CP: contiguous|zigzag|interleave")
         ->capture_default_str();
