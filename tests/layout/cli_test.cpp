@@ -240,6 +240,12 @@ TEST(CliErrors, HugeSizesAreRefusedNotCrashed) {
     expect_usage_error("simulate --trace " + trace + " --max-requests -1", "request limit must be >= 0");
     expect_usage_error("simulate --trace " + trace + " --capacity-tokens 1000000000000",
                        "exceed the 2^26 blocks the simulator holds");
+    // 1e30 GiB used to wrap to a negative byte count.
+    expect_usage_error("plan --model tiny --gpus 1 --context 10 --activation-reserve-gib 1e30",
+                       "--activation-reserve-gib must be a number in [0, 1048576] GiB");
+    const std::string hw = temp_file("hw_huge.json", R"({"base": "h100-sxm", "memory_gib": 1e30})");
+    expect_usage_error("plan --model tiny --gpus 1 --context 10 --hardware " + hw,
+                       "GPU memory must be in [1 byte, 1 PiB]");
 }
 
 }  // namespace

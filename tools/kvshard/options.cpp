@@ -94,7 +94,8 @@ void add_hardware_options(CLI::App* sub, HardwareFlags& f) {
 }
 
 CapacityOptions HardwareFlags::capacity_options() const {
-    require(activation_reserve_gib >= 0, "--activation-reserve-gib must be >= 0, got ",
+    require(activation_reserve_gib >= 0 && activation_reserve_gib <= 1 << 20,
+            "--activation-reserve-gib must be a number in [0, 1048576] GiB, got ",
             activation_reserve_gib);
     CapacityOptions o;
     o.mem_util = mem_util;
