@@ -8,6 +8,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin
   libxxhash-dev nlohmann-json3-dev libcli11-dev libfmt-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-14-dev
 )
 
 missing=()

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kvshard/common/checked.h"
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -88,38 +89,42 @@ const char* st_dtype_name(DType t) {
 
 }  // namespace
 
-SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
-    std::ifstream in(path_, std::ios::binary | std::ios::ate);
-    require(bool(in), "cannot open safetensors file '", path_, "'");
-    file_size_ = int64_t(in.tellg());
-    require(file_size_ >= 8, path_, ": truncated safetensors file (", file_size_,
-            " bytes, less than the 8-byte header length)");
-    in.seekg(0);
-    unsigned char len_bytes[8];
-    in.read(reinterpret_cast<char*>(len_bytes), 8);
+int64_t safetensors_header_bytes(std::string_view first8, int64_t file_size,
+                                 const std::string& path) {
+    require(file_size >= 8 && first8.size() >= 8, path, ": truncated safetensors file (",
+            file_size, " bytes, less than the 8-byte header length)");
     uint64_t header_len = 0;
-    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
-    require(header_len <= uint64_t(file_size_ - 8) && header_len <= (uint64_t{100} << 20), path_,
+    for (int i = 7; i >= 0; --i)
+        header_len = (header_len << 8) | static_cast<unsigned char>(first8[static_cast<size_t>(i)]);
+    require(header_len <= uint64_t(file_size - 8) && header_len <= (uint64_t{100} << 20), path,
             ": malformed safetensors file: header length ", header_len, " does not fit in the ",
-            file_size_, "-byte file");
-    std::string header(header_len, '\0');
-    in.read(header.data(), std::streamsize(header_len));
-    require(bool(in), path_, ": truncated safetensors header");
-    const int64_t data_begin = 8 + int64_t(header_len);
-    const int64_t data_size = file_size_ - data_begin;
+            file_size, "-byte file");
+    return 8 + static_cast<int64_t>(header_len);
+}
+
+std::vector<SafetensorsEntry> parse_safetensors_header(std::string_view prefix, int64_t file_size,
+                                                       const std::string& path) {
+    const int64_t data_begin = safetensors_header_bytes(prefix, file_size, path);
+    require(static_cast<int64_t>(prefix.size()) >= data_begin, path,
+            ": truncated safetensors header");
+    const std::string_view header = prefix.substr(8, static_cast<size_t>(data_begin - 8));
+    const int64_t data_size = file_size - data_begin;
+    std::vector<SafetensorsEntry> entries;
 
     nlohmann::json j;
     try {
         j = nlohmann::json::parse(header);
     } catch (const nlohmann::json::exception& e) {
-        throw Error(detail::concat(path_, ": malformed safetensors header, not valid JSON (",
+        throw Error(detail::concat(path, ": malformed safetensors header, not valid JSON (",
                                    e.what(), ")"));
     }
-    require(j.is_object(), path_, ": malformed safetensors header, expected a JSON object");
-    for (const auto& [name, v] : j.items()) {
+    require(j.is_object(), path, ": malformed safetensors header, expected a JSON object");
+    for (const auto& item : j.items()) {
+        const std::string name = item.key();
+        const auto& v = item.value();
         if (name == "__metadata__") continue;
         auto bad = [&](const std::string& why) {
-            return Error(detail::concat(path_, ": tensor '", name, "': ", why));
+            return Error(detail::concat(path, ": tensor '", name, "': ", why));
         };
         if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
             !v.contains("data_offsets"))
@@ -144,7 +149,7 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
                 s.get<int64_t>() > (int64_t{1} << 40))
                 throw bad("shape must hold non-negative integers, got " + v["shape"].dump());
             e.shape.push_back(s.get<int64_t>());
-            numel *= e.shape.back();
+            numel = sat_mul(numel, e.shape.back());  // each <= 2^40: the product may not fit
             if (numel > (int64_t{1} << 40)) throw bad("shape too large: " + v["shape"].dump());
         }
         const auto& off = v["data_offsets"];
@@ -163,10 +168,26 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
                                      numel * int64_t(dtype_size(e.dtype))));
         e.offset = data_begin + b;
         e.bytes = en - b;
-        entries_.push_back(std::move(e));
+        entries.push_back(std::move(e));
     }
-    std::sort(entries_.begin(), entries_.end(),
+    std::sort(entries.begin(), entries.end(),
               [](const auto& a, const auto& b) { return a.name < b.name; });
+    return entries;
+}
+
+SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
+    std::ifstream in(path_, std::ios::binary | std::ios::ate);
+    require(bool(in), "cannot open safetensors file '", path_, "'");
+    file_size_ = int64_t(in.tellg());
+    in.seekg(0);
+    std::string prefix(8, '\0');
+    in.read(prefix.data(), 8);
+    const int64_t n = safetensors_header_bytes(prefix.substr(0, size_t(in.gcount())), file_size_,
+                                               path_);
+    prefix.resize(static_cast<size_t>(n));
+    in.read(prefix.data() + 8, std::streamsize(n - 8));
+    require(bool(in), path_, ": truncated safetensors header");
+    entries_ = parse_safetensors_header(prefix, file_size_, path_);
 }
 
 const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {

@@ -6,6 +6,7 @@
 // Every malformed, truncated or inconsistent file is an Error naming the file and the tensor.
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,15 @@ struct SafetensorsEntry {
     int64_t offset = 0;  // absolute byte offset of the data in the file
     int64_t bytes = 0;
 };
+
+// The bytes a safetensors file's header takes, its 8-byte length included, from the file's first 8
+// bytes; Error when the length does not fit the file (or exceeds 100 MiB).
+int64_t safetensors_header_bytes(std::string_view first8, int64_t file_size,
+                                 const std::string& path);
+// The tensors of a safetensors file from its first bytes (`prefix`: at least the length and the
+// header), checked against the file's size: dtype, shape, offsets. Throws Error naming the tensor.
+std::vector<SafetensorsEntry> parse_safetensors_header(std::string_view prefix, int64_t file_size,
+                                                       const std::string& path);
 
 class SafetensorsFile {
   public:
