@@ -47,8 +47,10 @@ std::string group_text(const RankKvGroup& g) {
 
 void run(const LayoutFlags& f) {
     const ModelSpec m = load_model(f.model);
-    require(f.context >= 1, "--context must be a positive token count, got ", f.context);
-    require(f.block_size >= 1, "--block-size must be a positive integer, got ", f.block_size);
+    require(f.context >= 1 && f.context <= kMaxContextTokens,
+            "--context must be in [1, 2^40] tokens, got ", f.context);
+    require(f.block_size >= 1 && f.block_size <= (1 << 20),
+            "--block-size must be in [1, 2^20] tokens, got ", f.block_size);
     ParallelConfig p = to_parallel_config(f.parallel);
     if (f.kv_balanced) {
         require(p.pp_layers.empty(),
