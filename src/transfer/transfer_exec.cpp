@@ -212,6 +212,16 @@ std::string_view transfer_status_name(TransferStatus s) {
     return "?";
 }
 
+void TransferExecOptions::validate() const {
+    require(staging_bytes >= 1, "staging_bytes must be at least 1, got ", staging_bytes);
+    require(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
+    require(sender_idle_sleep_us >= 0 && sender_idle_sleep_us <= 1000000,
+            "sender_idle_sleep_us must be between 0 (spin) and 1000000 (1 s), got ",
+            sender_idle_sleep_us);
+    require(direct_window >= 0, "direct_window must be at least 0 (0: no bound), got ",
+            direct_window);
+}
+
 int transfer_tag(uint64_t request_id, int kind) {
     return kTagBase + static_cast<int>(request_id % kTagSlots) * 3 + kind;
 }

@@ -1,4 +1,4 @@
-// CP plans (exec/cp_plan.h): token placement, ring schedule, bytes, pass-KV/pass-Q choice, decode
+// CP plans (layout/cp_plan.h): token placement, ring schedule, bytes, pass-KV/pass-Q choice, decode
 // placement, prefix-cache alignment and reuse across CP sizes.
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <set>
 
 #include "kvshard/common/error.h"
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/cost_model.h"
 

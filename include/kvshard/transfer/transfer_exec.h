@@ -204,6 +204,9 @@ struct TransferExecOptions {
     // Direct read: views of source pools kept open across requests (a fresh mapping faults on
     // each page it reads first); null: each receiver opens its own.
     std::shared_ptr<SharedArenaViews> arena_views;
+
+    // Error naming the field unless every value is in range.
+    void validate() const;
 };
 
 // Tags of a request: header (and hello), payload, ack (and reply, credits); request_id modulo

@@ -1,4 +1,4 @@
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
@@ -94,6 +94,12 @@ std::vector<int64_t> CpTokenMap::positions(int cp_rank, int64_t begin, int64_t e
 
 int64_t CpTokenMap::count(int cp_rank, int64_t begin, int64_t end) const {
     return static_cast<int64_t>(positions(cp_rank, begin, end).size());
+}
+
+int64_t cp_token_count(const ParallelConfig& p, int cp_rank, int64_t n) {
+    int64_t held = 0;
+    for (const TokenRange& r : cp_token_ranges(p, cp_rank, n)) held += r.size();
+    return held;
 }
 
 CpTokenMap cp_prompt_map(const ParallelConfig& p, int64_t n) {

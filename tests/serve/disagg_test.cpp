@@ -3,10 +3,11 @@
 #include <gtest/gtest.h>
 
 #include "kvshard/comm/threads.h"
-#include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/model/catalog.h"
-#include "kvshard/transfer/disagg.h"
+#include "kvshard/serve/disagg.h"
+#include "kvshard/serve/generate.h"
+#include "kvshard/serve/verify.h"
 
 namespace kvshard {
 namespace {
@@ -50,10 +51,10 @@ DisaggReport run_case(const DisaggCase& c, const std::vector<std::vector<int32_t
     opt.decode_block_size = c.bs_decode;
     opt.prefill_order = c.order_prefill;
     opt.decode_order = c.order_decode;
-    opt.mode = c.mode;
+    opt.transfer.mode = c.mode;
     opt.stream_layers = c.stream;
     opt.corrupt_request = corrupt;
-    opt.direct_read = c.direct;
+    opt.transfer.direct_read = c.direct;
     opt.source_checksums = c.seal;
     DisaggReport out;
     run_threads(pp.world_size() + pd.world_size(), [&](Communicator& world) {
