@@ -1,5 +1,5 @@
 # cmake -DBUILD_DIR=<kvshard build> -DSOURCE_DIR=<examples/consumer> -DWORK_DIR=<scratch>
-#       [-DGENERATOR=Ninja] [-DBUILD_TYPE=Release] -P test_consumer.cmake
+#       [-DGENERATOR=Ninja] [-DBUILD_TYPE=Release] [-DCXX_FLAGS=...] -P test_consumer.cmake
 # Installs the kvshard build into WORK_DIR/prefix, configures and builds the consumer project
 # against it with find_package(kvshard), and runs it.
 function(run)
@@ -19,6 +19,7 @@ if(GENERATOR)
   set(gen_args -G ${GENERATOR})
 endif()
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build ${gen_args}
-    -DCMAKE_BUILD_TYPE=${BUILD_TYPE} -DCMAKE_PREFIX_PATH=${prefix})
+    -DCMAKE_BUILD_TYPE=${BUILD_TYPE} -DCMAKE_PREFIX_PATH=${prefix} "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}"
+    "-DCMAKE_EXE_LINKER_FLAGS=${CXX_FLAGS}")
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/kvshard_consumer)
