@@ -12,9 +12,12 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
     const int d = world.rank() - plan.prefill_ranks;
     RankModel& model = side.model();
     std::vector<std::unique_ptr<TransferReceiver>> receivers;
-    for (int i = 0; i < n; ++i)
+    for (int i = 0; i < n; ++i) {
+        TransferExecOptions o = xo;
+        o.schedule = plan.schedules[i];
         receivers.push_back(std::make_unique<TransferReceiver>(
-            world, plan.transfers[i], static_cast<uint64_t>(i), d, model.pool(), xo));
+            world, plan.transfers[i], static_cast<uint64_t>(i), d, model.pool(), o));
+    }
     std::vector<TransferReceiver*> rp;
     for (auto& r : receivers) rp.push_back(r.get());
     progress_until_done({}, rp);

@@ -90,6 +90,13 @@ void make_transfer_plans(DisaggPlan& plan, const DisaggOptions& opt, const CpTab
                              .block_tables = dst_tables[i]};
         plan.transfers.push_back(std::make_shared<const TransferPlan>(make_transfer_plan(
             src, dst, plan.prompt_len[i], {.layers_per_group = opt.stream_layers ? 1 : 0})));
+        const TransferPlan& tp = *plan.transfers.back();
+        plan.schedules.push_back(std::make_shared<const TransferSchedule>(
+            make_transfer_schedule(tp, side_pool_pages(tp, true, plan.pool_blocks(true)),
+                                   side_pool_pages(tp, false, plan.pool_blocks(false)),
+                                   {.mode = opt.transfer.mode,
+                                    .direct_read = false,
+                                    .staging_bytes = opt.transfer.staging_bytes})));
     }
 }
 
@@ -108,7 +115,7 @@ SideExecutor make_side_executor(const DisaggPlan& plan, const DisaggOptions& opt
         CpOptions co;
         co.block_size = block_size;
         // every request whole fits; a CP rank holds a part
-        co.num_blocks = (is_prefill ? plan.prefill_blocks : plan.decode_blocks) + 1;
+        co.num_blocks = plan.pool_blocks(is_prefill);
         co.prefix_cache = false;
         co.prefill_mode = opt.cp_prefill_mode;
         co.decode_merge = opt.cp_decode_merge;
@@ -125,7 +132,7 @@ SideExecutor make_side_executor(const DisaggPlan& plan, const DisaggOptions& opt
         side.wiring = wire_rank(&group, pc, local);
         side.plain = std::make_unique<RankModel>(
             load_weights(plan.model, weight_shard(layout, local), weights),
-            is_prefill ? plan.prefill_blocks : plan.decode_blocks, block_size, side.wiring.comms,
+            plan.pool_blocks(is_prefill), block_size, side.wiring.comms,
             is_prefill ? opt.prefill_order : opt.decode_order, memory);
     }
     return side;

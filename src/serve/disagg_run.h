@@ -13,6 +13,7 @@
 #include "kvshard/serve/disagg.h"
 #include "kvshard/transfer/transfer_exec.h"
 #include "kvshard/transfer/transfer_plan.h"
+#include "kvshard/transfer/transfer_schedule.h"
 #include "serve/runner.h"
 
 namespace kvshard::serve {
@@ -38,6 +39,14 @@ struct DisaggPlan {
     bool share_pools = false;  // prefill pools in shareable memory (direct reads)
     // One per request; with a CP side, filled by share_cp_tables once the sessions hold blocks.
     std::vector<std::shared_ptr<const TransferPlan>> transfers;
+    // How each request's messages travel, for both sides' pools (TransferExecOptions::schedule).
+    std::vector<std::shared_ptr<const TransferSchedule>> schedules;
+
+    // Blocks of each rank's pool on a side (a CP device holds one more).
+    int64_t pool_blocks(bool prefill_side) const {
+        return prefill_side ? prefill_blocks + (cp_prefill ? 1 : 0)
+                            : decode_blocks + (cp_decode ? 1 : 0);
+    }
 };
 
 // Checks the inputs and plans what can be planned before any rank holds blocks: the plain sides'

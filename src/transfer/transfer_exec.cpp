@@ -274,6 +274,41 @@ std::string check_header(const TransferHeader& h, const TransferPlan& plan, uint
 
 // ---- sender ----------------------------------------------------------------------------------
 
+namespace {
+
+// The schedule a sender (source_side) or receiver of `rank` follows: the caller's, checked against
+// this side, or this side's own from its pool.
+std::shared_ptr<const TransferSchedule> side_schedule(const TransferPlan& plan,
+                                                      const TransferExecOptions& opt,
+                                                      TransferMode mode, bool source_side, int rank,
+                                                      const BlockPool& pool) {
+    const PoolPages mine = pool_pages(pool);
+    if (opt.schedule) {
+        const TransferSchedule& s = *opt.schedule;
+        const auto& pools = source_side ? s.src_pools : s.dst_pools;
+        KVSHARD_CHECK(s.messages.size() == plan.messages.size() && s.mode == mode && !s.direct_read,
+                      "a transfer schedule of another plan or mode");
+        KVSHARD_CHECK(rank < static_cast<int>(pools.size()) && pools[size_t(rank)] == mine,
+                      "the transfer schedule was made for other pages than the pool of ",
+                      source_side ? "source" : "destination", " rank ", rank);
+        return opt.schedule;
+    }
+    // This rank's pages only (the others' messages are not this side's business).
+    std::vector<PoolPages> pages = side_pool_pages(plan, source_side, 0);
+    require(rank >= 0 && rank < static_cast<int>(pages.size()) &&
+                pages[size_t(rank)].geometry == mine.geometry,
+            "the ", source_side ? "source" : "destination", " pool of rank ", rank,
+            " does not have that rank's page geometry");
+    pages[size_t(rank)].num_blocks = mine.num_blocks;
+    const TransferScheduleOptions so{
+        .mode = mode, .direct_read = false, .staging_bytes = opt.staging_bytes};
+    return std::make_shared<const TransferSchedule>(
+        source_side ? make_transfer_schedule(plan, pages, {}, so)
+                    : make_transfer_schedule(plan, {}, pages, so));
+}
+
+}  // namespace
+
 struct TransferSender::Impl {
     Communicator& world;
     std::shared_ptr<const TransferPlan> plan;
@@ -286,7 +321,8 @@ struct TransferSender::Impl {
     Clock::time_point t0 = Clock::now();
     Clock::time_point last_progress = t0;
 
-    std::vector<int> mine;  // plan message indices, in plan (layer group) order
+    std::shared_ptr<const TransferSchedule> schedule;
+    std::vector<int> mine;  // plan message indices, in the schedule's (plan) order
     size_t next = 0;
     int ready_end = 0;  // layers [0, ready_end) are final
     bool failed_locally = false;
@@ -327,7 +363,8 @@ struct TransferSender::Impl {
                 "the source checksums given to the sender of source rank ", src_rank,
                 " are of another pool than its own");
         staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
-        mine = plan->messages_from(src_rank);
+        schedule = side_schedule(*plan, opt, mode, true, src_rank, pool);
+        mine = schedule->sends[static_cast<size_t>(src_rank)];
         std::vector<int> dsts;
         for (int i : mine) {
             const int d = plan->messages[i].dst_rank;
@@ -453,9 +490,10 @@ struct TransferSender::Impl {
         }
         if (!in_flight.empty() && staged + msg.bytes > opt.staging_bytes)
             return false;  // back-pressure
-        if (idx != opt.faults.corrupt_message) {
-            const int64_t off = contiguous_payload_offset(*plan, msg, mode, true, pool);
-            if (off >= 0) {  // zero copy: send straight from the pool
+        const ScheduledMessage& planned = schedule->messages[static_cast<size_t>(idx)];
+        if (planned.path == TransferPath::kZeroCopy && idx != opt.faults.corrupt_message) {
+            const int64_t off = planned.src_offset;
+            {  // zero copy: send straight from the pool
                 // The payload is posted before its header: the checksum pass over the pool then
                 // runs while MPI moves the payload (the receiver posts the receive of a zero-copy
                 // payload without waiting for its header, and a staged one after it; either way
@@ -477,21 +515,23 @@ struct TransferSender::Impl {
                 return true;
             }
         }
-        // A batch: this and the following messages of the same layers (to other destinations),
-        // packed in one pass over the pages, as far as staging allows.
+        // Its batch (the schedule's): this and the following messages of the same layers (to other
+        // destinations), packed in one pass over the pages; where a destination of the batch reads
+        // in place or stopped listening, the batch ends before it.
         size_t end = next + 1;
-        int64_t batch_bytes = msg.bytes;
         while (end < mine.size()) {
-            const TransferMessage& m2 = plan->messages[mine[end]];
-            if (m2.layer_begin != msg.layer_begin || m2.layer_end != msg.layer_end) break;
+            const ScheduledMessage& m2 = schedule->messages[static_cast<size_t>(mine[end])];
+            if (planned.batch < 0 || m2.batch != planned.batch) break;
             const Peer& q = peer(m2.dst_rank);
             if (q.closed || !q.replied || q.direct) break;
             if (opt.faults.stall_after >= 0 && static_cast<int>(end) >= opt.faults.stall_after)
                 break;
-            if (staged + batch_bytes + m2.bytes > opt.staging_bytes) break;
-            batch_bytes += m2.bytes;
             ++end;
         }
+        int64_t batch_bytes = 0;
+        for (size_t k = next; k < end; ++k) batch_bytes += plan->messages[mine[k]].bytes;
+        if (!in_flight.empty() && staged + batch_bytes > opt.staging_bytes)
+            return false;  // back-pressure: the batch goes whole
         const auto tp = Clock::now();
         std::vector<InFlight> batch;
         std::vector<const TransferMessage*> msgs;
@@ -684,6 +724,7 @@ struct TransferReceiver::Impl {
     TransferExecOptions opt;
     std::shared_ptr<StagingPool> staging;
     TransferMode mode;
+    std::shared_ptr<const TransferSchedule> schedule;
     Clock::time_point t0 = Clock::now();
     Clock::time_point last_progress = t0;
 
@@ -734,7 +775,8 @@ struct TransferReceiver::Impl {
         : world(w), plan(std::move(p)), request_id(rid), dst_rank(r), pool(pl), opt(o) {
         mode = resolve_mode(*plan, opt.mode);
         staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
-        for (int i : plan->messages_to(dst_rank)) {
+        schedule = side_schedule(*plan, opt, mode, false, dst_rank, pool);
+        for (int i : schedule->receives[static_cast<size_t>(dst_rank)]) {
             ++expected[{plan->messages[i].layer_begin, plan->messages[i].layer_end}];
             const int s = plan->messages[i].src_rank;
             auto it = std::find_if(sources.begin(), sources.end(),
@@ -850,9 +892,10 @@ struct TransferReceiver::Impl {
                 // now, so that a sender that posts it before the header (zero copy on its side)
                 // moves it while checksumming.
                 const TransferMessage& msg = plan->messages[s.messages[s.next]];
-                const int64_t off = s.reads_in_place
-                                        ? -1
-                                        : contiguous_payload_offset(*plan, msg, mode, false, pool);
+                const int64_t off =
+                    s.reads_in_place
+                        ? -1
+                        : schedule->messages[static_cast<size_t>(s.messages[s.next])].dst_offset;
                 if (off >= 0) {
                     s.direct = std::span<std::byte>(pool.arena().data() + off,
                                                     static_cast<size_t>(msg.bytes));

@@ -43,6 +43,7 @@
 #include "kvshard/common/shared_arena.h"
 #include "kvshard/transfer/pack.h"
 #include "kvshard/transfer/transfer_plan.h"
+#include "kvshard/transfer/transfer_schedule.h"
 
 namespace kvshard {
 
@@ -204,6 +205,11 @@ struct TransferExecOptions {
     // Direct read: views of source pools kept open across requests (a fresh mapping faults on
     // each page it reads first); null: each receiver opens its own.
     std::shared_ptr<SharedArenaViews> arena_views;
+    // How each message travels (transfer_schedule.h), made once for both sides by the caller that
+    // knows both (made with direct_read false: a destination that agreed to read in place reads
+    // every message of its source directly instead). Null: each sender / receiver makes the
+    // schedule of its own side from its pool. Its mode and its pages of this rank must match.
+    std::shared_ptr<const TransferSchedule> schedule;
 
     // Error naming the field unless every value is in range.
     void validate() const;
