@@ -170,18 +170,26 @@ int64_t CpSession::discover_and_move(std::span<const int32_t> tokens) {
         if (!everywhere) break;
     }
 
-    // Moves: block b (< K) belongs to CP rank b % cp; a device of the serving group that lacks it
-    // receives it from the lowest device of its TP index that holds it. Same order on every rank.
+    // Moves (plan_cp_prefix_moves, per TP index t over the devices of that index): block b (< K)
+    // belongs to CP rank b % cp; a device of the serving group that lacks it receives it from the
+    // lowest device of its TP index that holds it. Same order on every rank: by block, then TP.
     struct Move {
         int64_t b;
         int src, dst;
     };
     std::vector<Move> moves;
-    for (int64_t b = 0; b < K; ++b)
-        for (int t = 0; t < p_.tp; ++t) {
-            const int dst = rank_of(p_, 0, 0, static_cast<int>(b % p_.cp), t);
-            if (!has(dst, b)) moves.push_back({b, holder(b, t), dst});
-        }
+    for (int t = 0; t < p_.tp; ++t) {
+        std::vector<std::vector<int>> holders(static_cast<size_t>(K));
+        for (int64_t b = 0; b < K; ++b)
+            for (int d = 0; d < W; ++d)
+                if (info(d, 1) == t && has(d, b)) holders[static_cast<size_t>(b)].push_back(d);
+        std::vector<int> dst_device;
+        for (int c = 0; c < p_.cp; ++c) dst_device.push_back(rank_of(p_, 0, 0, c, t));
+        for (const CpBlockMove& m : plan_cp_prefix_moves(holders, dst_device).moves)
+            moves.push_back({m.block, m.src, m.dst});
+    }
+    std::stable_sort(moves.begin(), moves.end(),
+                     [](const Move& a, const Move& b) { return a.b < b.b; });
     const int me = world_.rank();
     std::vector<std::vector<std::byte>> out_bufs, in_bufs;
     std::vector<Request> reqs;

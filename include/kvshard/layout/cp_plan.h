@@ -158,6 +158,14 @@ struct CpPrefixReusePlan {
 };
 CpPrefixReusePlan plan_cp_prefix_reuse(int src_cp, int dst_cp, int64_t blocks);
 
+// The general form that CpSession carries out, for prefix blocks cached anywhere: holders[b] lists
+// the devices (ascending) that hold global block b, and device dst_device[c] serves CP rank c
+// (dst_cp = dst_device.size()). Block b stays where dst_device[b % dst_cp] holds it, else moves
+// from its lowest holder; src and dst of the moves are device ids. plan_cp_prefix_reuse is this
+// with holders[b] = {b % src_cp} and dst_device[c] = c. Every holders[b] must be non-empty.
+CpPrefixReusePlan plan_cp_prefix_moves(const std::vector<std::vector<int>>& holders,
+                                       const std::vector<int>& dst_device);
+
 std::string to_json(const CpPrefixReusePlan& plan);
 
 }  // namespace kvshard
