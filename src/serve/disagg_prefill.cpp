@@ -25,7 +25,6 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
     for (int i = 0; i < n; ++i) {
         TransferExecOptions o = xo;
         o.schedule = plan.schedules[i];
-        if (i == opt.corrupt_request) o.faults.corrupt_message = 0;
         senders.push_back(std::make_unique<TransferSender>(
             world, plan.transfers[i], static_cast<uint64_t>(i), me, model.pool(), o));
     }

@@ -26,7 +26,8 @@ double seconds_since(Clock::time_point t0) {
 
 constexpr int kTagBase = 1 << 19;
 constexpr int kTagSlots = 1 << 16;
-constexpr int kHeaderKind = 0, kPayloadKind = 1, kAckKind = 2;
+constexpr int kHeaderKind = kTransferHeaderKind, kPayloadKind = kTransferPayloadKind,
+              kAckKind = kTransferAckKind;
 
 uint64_t header_hash(const TransferHeader& h) {
     return xxh3_64(&h, offsetof(TransferHeader, header_xxh3));
@@ -383,7 +384,7 @@ struct TransferSender::Impl {
                 q.hello.pid = shared->pid;
                 q.hello.fd = shared->fd;
                 q.hello.token[0] = shared->token[0];
-                q.hello.token[1] = shared->token[1] ^ (opt.faults.wrong_arena_token ? 1 : 0);
+                q.hello.token[1] = shared->token[1];
                 q.hello.arena_bytes = shared->bytes;
                 q.hello.num_blocks = pool.num_blocks();
             }
@@ -435,8 +436,6 @@ struct TransferSender::Impl {
 
     bool send_next() {
         if (next >= mine.size()) return false;
-        if (opt.faults.stall_after >= 0 && static_cast<int>(next) >= opt.faults.stall_after)
-            return false;
         const int idx = mine[next];
         const TransferMessage& msg = plan->messages[idx];
         Peer& to = peer(msg.dst_rank);
@@ -478,7 +477,6 @@ struct TransferSender::Impl {
             } else {
                 f.header.payload_xxh3 = hash_payload(*plan, msg, mode, pool);
             }
-            if (idx == opt.faults.corrupt_message) f.header.payload_xxh3 ^= 0x5A;
             seal_header(f.header);
             result.pack_seconds += seconds_since(tp);
             post(std::move(f), dest);
@@ -491,7 +489,7 @@ struct TransferSender::Impl {
         if (!in_flight.empty() && staged + msg.bytes > opt.staging_bytes)
             return false;  // back-pressure
         const ScheduledMessage& planned = schedule->messages[static_cast<size_t>(idx)];
-        if (planned.path == TransferPath::kZeroCopy && idx != opt.faults.corrupt_message) {
+        if (planned.path == TransferPath::kZeroCopy) {
             const int64_t off = planned.src_offset;
             {  // zero copy: send straight from the pool
                 // The payload is posted before its header: the checksum pass over the pool then
@@ -524,8 +522,6 @@ struct TransferSender::Impl {
             if (planned.batch < 0 || m2.batch != planned.batch) break;
             const Peer& q = peer(m2.dst_rank);
             if (q.closed || !q.replied || q.direct) break;
-            if (opt.faults.stall_after >= 0 && static_cast<int>(end) >= opt.faults.stall_after)
-                break;
             ++end;
         }
         int64_t batch_bytes = 0;
@@ -558,8 +554,6 @@ struct TransferSender::Impl {
             InFlight& b = batch[k];
             b.header.payload_xxh3 = sums[k];
             seal_header(b.header);
-            if (mine[next + k] == opt.faults.corrupt_message && !b.payload.empty())
-                b.payload[b.payload.size() / 2] ^= std::byte{0x5A};
         }
         result.pack_seconds += seconds_since(tp);
         for (auto& b : batch) {

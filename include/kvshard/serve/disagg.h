@@ -44,7 +44,6 @@ struct DisaggOptions {
     // writing it (source_checksums.h), and a message that reads whole sealed blocks is checked by
     // its unit checksum instead of a checksum pass over the source when it is sent.
     bool source_checksums = true;
-    int corrupt_request = -1;  // test hook: corrupt one payload of this request (prompt index)
     std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side: empty = automatic
     CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;  // a CP decode side
     // The transfer: mode, staging_bytes, timeout_s, sender_idle_sleep_us, offload_check_bytes,

@@ -118,17 +118,6 @@ struct TransferAck {
 };
 static_assert(sizeof(TransferAck) == 24);
 
-// Test hooks that make faults happen on purpose.
-struct TransferFaults {
-    // Plan message index whose payload the sender corrupts after checksumming (a direct read: whose
-    // announced checksum it corrupts, so that the bytes read no longer match it).
-    int corrupt_message = -1;
-    int stall_after = -1;  // the sender sends this many messages, then nothing more (a hung peer)
-    // The sender offers its shareable pool with a wrong token: the destinations cannot map it and
-    // take messages instead.
-    bool wrong_arena_token = false;
-};
-
 // Payload buffers reused across messages and requests: no zero fill, and no page faults once warm
 // (a fresh 4 MiB allocation per message costs a page fault per 4 KiB). A Buffer returns its memory
 // to the pool when destroyed. Buffers are allocate_large memory (4 KiB-aligned; huge pages from
@@ -176,7 +165,6 @@ struct TransferExecOptions {
     int64_t staging_bytes = int64_t{64}
                             << 20;  // per sender and per receiver; one message always fits
     double timeout_s = 30.0;        // without progress
-    TransferFaults faults;
     std::shared_ptr<StagingPool> staging_pool;  // null: each sender/receiver makes its own
     // Receiver: a payload received straight into the pool (zero copy) of at least this many bytes
     // is checked on a worker thread of the receiver, while its own thread goes on receiving (with
@@ -215,8 +203,9 @@ struct TransferExecOptions {
     void validate() const;
 };
 
-// Tags of a request: header (and hello), payload, ack (and reply, credits); request_id modulo
-// 65536 slots above 2^19.
+// Tags of a request, by kind: header (and hello), payload, ack (and reply, credits); request_id
+// modulo 65536 slots above 2^19.
+inline constexpr int kTransferHeaderKind = 0, kTransferPayloadKind = 1, kTransferAckKind = 2;
 int transfer_tag(uint64_t request_id, int kind);
 
 struct TransferResult {
