@@ -209,6 +209,8 @@ std::string_view transfer_status_name(TransferStatus s) {
             return "timeout";
         case TransferStatus::kPeerFailed:
             return "peer-failed";
+        case TransferStatus::kLocalError:
+            return "local-error";
     }
     return "?";
 }
@@ -628,10 +630,15 @@ struct TransferSender::Impl {
     }
 
     void time_out() {
-        set_status(TransferStatus::kTimeout,
-                   detail::concat("source rank ", src_rank, ": no progress for ", opt.timeout_s,
-                                  " s (", mine.size() - next, " messages unsent, ",
-                                  in_flight.size(), " in flight)"));
+        give_up(TransferStatus::kTimeout,
+                detail::concat("source rank ", src_rank, ": no progress for ", opt.timeout_s,
+                               " s (", mine.size() - next, " messages unsent, ", in_flight.size(),
+                               " in flight)"));
+    }
+
+    // Ends the request here: what is in flight or unmatched is cancelled.
+    void give_up(TransferStatus status, const std::string& why) {
+        set_status(status, why);
         in_flight.clear();
         for (Peer& q : peers) {  // cancel what never matched
             q.hello_req = Request();
@@ -674,7 +681,23 @@ void TransferSender::fail(const std::string& reason) {
 bool TransferSender::progress() {
     if (done_) return true;
     Impl& s = *impl_;
-    if (s.step()) s.last_progress = Clock::now();
+    try {
+        if (s.step()) s.last_progress = Clock::now();
+    } catch (const std::exception& e) {
+        // The request fails, not the caller: its other messages go as aborted headers (fail()),
+        // and a second failure while doing that gives up at once.
+        const std::string why = detail::concat("source rank ", s.src_rank, ": ", e.what());
+        if (s.aborting()) {
+            s.give_up(TransferStatus::kSourceAborted, why);
+            done_ = true;
+            s.result.seconds = seconds_since(s.t0);
+            return true;
+        }
+        s.set_status(TransferStatus::kSourceAborted, why);
+        s.failed_locally = true;
+        s.fail_reason = why;
+        s.last_progress = Clock::now();
+    }
     // Waiting for prefill, not for a peer: that does not count against the timeout, once the
     // peer has answered (a destination that never answers the hello times the sender out).
     if (s.next < s.mine.size() && !s.aborting()) {
@@ -1114,9 +1137,14 @@ struct TransferReceiver::Impl {
     void time_out() {
         int missing = 0;
         for (const auto& s : sources) missing += static_cast<int>(s.messages.size() - s.next);
-        set_status(TransferStatus::kTimeout,
-                   detail::concat("destination rank ", dst_rank, ": no progress for ",
-                                  opt.timeout_s, " s, ", missing, " messages missing"));
+        give_up(TransferStatus::kTimeout,
+                detail::concat("destination rank ", dst_rank, ": no progress for ", opt.timeout_s,
+                               " s, ", missing, " messages missing"));
+    }
+
+    // Ends the request here: cancels what never came, checks what landed, and tells the sources.
+    void give_up(TransferStatus status, const std::string& why) {
+        set_status(status, why);
         for (auto& s : sources) {  // cancel what never came
             s.hello_req = Request();
             s.header_req = Request();
@@ -1151,7 +1179,19 @@ TransferReceiver::~TransferReceiver() = default;
 bool TransferReceiver::progress() {
     if (done_) return true;
     Impl& r = *impl_;
-    if (r.step()) r.last_progress = Clock::now();
+    try {
+        if (r.step()) r.last_progress = Clock::now();
+    } catch (const std::exception& e) {
+        // The request fails, not the caller (a copy that threw, a communicator call that failed).
+        try {
+            r.give_up(TransferStatus::kLocalError,
+                      detail::concat("destination rank ", r.dst_rank, ": ", e.what()));
+        } catch (const std::exception&) {  // telling the sources failed too: they time out
+        }
+        done_ = true;
+        r.result.seconds = seconds_since(r.t0);
+        return true;
+    }
     if (r.finished()) {
         done_ = true;
     } else if (seconds_since(r.last_progress) > r.opt.timeout_s) {

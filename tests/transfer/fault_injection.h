@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvshard/comm/communicator.h"
+#include "kvshard/common/error.h"
 #include "kvshard/transfer/transfer_exec.h"
 
 namespace kvshard::testing {
@@ -23,7 +24,14 @@ struct TransferFaults {
     // The hello offers the shareable pool with a wrong token: the destinations cannot map it and
     // take messages instead.
     bool wrong_arena_token = false;
-    bool any() const { return corrupt_message >= 0 || stall_after >= 0 || wrong_arena_token; }
+    // The link fails: posting a payload send (a sender) or a payload receive (a receiver) of the
+    // request throws kvshard::Error.
+    bool payload_send_throws = false;
+    bool payload_recv_throws = false;
+    bool any() const {
+        return corrupt_message >= 0 || stall_after >= 0 || wrong_arena_token ||
+               payload_send_throws || payload_recv_throws;
+    }
 };
 
 class FaultyCommunicator : public Communicator {
@@ -45,6 +53,9 @@ class FaultyCommunicator : public Communicator {
         return inner_.recv_any_size(src, tag);
     }
     Request do_irecv(std::span<std::byte> d, int src, int tag) override {
+        for (auto& [id, r] : requests_)
+            if (r.faults.payload_recv_throws && tag == transfer_tag(id, kTransferPayloadKind))
+                throw Error("injected fault: the payload receive failed");
         return inner_.irecv(d, src, tag);
     }
     void do_barrier() override { inner_.barrier(); }
@@ -78,8 +89,12 @@ class FaultyCommunicator : public Communicator {
 
     Request do_isend(std::span<const std::byte> d, int dest, int tag) override {
         for (auto& [id, r] : requests_) {
-            if (tag == transfer_tag(id, 0)) return on_header(r, d, dest, tag);
-            if (tag == transfer_tag(id, 1)) return on_payload(r, d, dest, tag);
+            if (tag == transfer_tag(id, kTransferHeaderKind)) return on_header(r, d, dest, tag);
+            if (tag == transfer_tag(id, kTransferPayloadKind)) {
+                if (r.faults.payload_send_throws)
+                    throw Error("injected fault: the payload send failed");
+                return on_payload(r, d, dest, tag);
+            }
         }
         return inner_.isend(d, dest, tag);
     }

@@ -113,6 +113,9 @@ void run_requests(std::vector<XferRequest*> reqs) {
             for (size_t k = 0; k < reqs.size(); ++k) reqs[k]->out.src[me] = senders[k]->finish();
         } else {
             const int d = me - P;
+            testing::FaultyCommunicator faulty(world);
+            for (auto* r : reqs)
+                if (r->faults.any()) faulty.add(r->id, r->faults);
             std::vector<std::unique_ptr<TransferReceiver>> receivers;
             for (auto* r : reqs) {
                 TransferExecOptions o = r->opt;
@@ -120,7 +123,7 @@ void run_requests(std::vector<XferRequest*> reqs) {
                                                              r->refusing_destinations.end(), d) > 0)
                     o.direct_read = false;
                 if (r->receiver_mode) o.mode = *r->receiver_mode;
-                receivers.push_back(std::make_unique<TransferReceiver>(world, r->plan, r->id, d,
+                receivers.push_back(std::make_unique<TransferReceiver>(faulty, r->plan, r->id, d,
                                                                        *r->dst.pools[d], o));
             }
             bool all = false;
@@ -235,6 +238,38 @@ TEST(TransferExec, SourceFailureAbortsThatRequest) {
             if (msg.src_rank == 1) {
                 EXPECT_FALSE(bad.out.dst[msg.dst_rank].ok());
             }
+        expect_all_ok(good, p.tokens);
+    }
+}
+
+// A communicator call that throws inside progress() fails that request, on either side, and no
+// other: the sender's remaining messages go as aborted headers, the receiver acks its failure.
+TEST(TransferExec, FailedSendOrReceiveFailsOnlyThatRequest) {
+    Pair p{llama_mini(), "tp=4", "tp=2", 48};
+    {
+        XferRequest bad = make_request(p, 1, 81);
+        XferRequest good = make_request(p, 1, 82);
+        bad.opt.timeout_s = 0.5;
+        bad.faults.payload_send_throws = true;
+        run_requests({&bad, &good});
+        for (const auto& s : bad.out.src) {
+            EXPECT_EQ(s.status, TransferStatus::kSourceAborted) << s.error;
+            EXPECT_NE(s.error.find("the payload send failed"), std::string::npos) << s.error;
+        }
+        for (const auto& d : bad.out.dst) EXPECT_FALSE(d.ok());
+        expect_all_ok(good, p.tokens);
+    }
+    {
+        XferRequest bad = make_request(p, 1, 83);
+        XferRequest good = make_request(p, 1, 84);
+        bad.opt.timeout_s = 0.5;
+        bad.faults.payload_recv_throws = true;
+        run_requests({&bad, &good});
+        for (const auto& d : bad.out.dst) {
+            EXPECT_EQ(d.status, TransferStatus::kLocalError) << d.error;
+            EXPECT_NE(d.error.find("the payload receive failed"), std::string::npos) << d.error;
+        }
+        for (const auto& s : bad.out.src) EXPECT_FALSE(s.ok());
         expect_all_ok(good, p.tokens);
     }
 }

@@ -22,8 +22,10 @@
 //    or sent straight from the pool where it is one run of it. The receiver posts a payload
 //    receive only while its staging allows.
 //
-// Failure is per request: a sender-side error (fail()), a checksum or header mismatch, or no
-// progress for `timeout_s` ends that request on both sides with a non-OK status (the receiver
+// Failure is per request: a sender-side error (fail(), or anything that throws inside the sender's
+// progress(): its remaining messages go as aborted headers), a receiver-side one (kLocalError), a
+// checksum or header mismatch, or no progress for `timeout_s` ends that request on both sides with
+// a non-OK status; progress() itself does not throw (the receiver
 // tells every source by an ack; a source told of failure stops sending). The caller then frees the
 // request's blocks; other requests, on other tags, are untouched.
 #include <chrono>
@@ -54,6 +56,7 @@ enum class TransferStatus : uint32_t {
     kBadHeader = 3,         // a header that does not belong to this plan/request, or corrupt
     kTimeout = 4,           // no progress for timeout_s (a peer that died or hangs)
     kPeerFailed = 5,        // the other side reported a failure (in an ack)
+    kLocalError = 6,        // a copy or a communicator call failed on this rank (the error says)
 };
 std::string_view transfer_status_name(TransferStatus s);
 
