@@ -49,6 +49,9 @@ PageGeometry page_geometry(const KvLayout& layout, int rank, int block_size, Pag
     require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
     const RankKv& r = layout.ranks[static_cast<size_t>(rank)];
     const ModelSpec& m = layout.model;
+    require(m.uniform(), m.name, " has ", m.layer_mix(),
+            ": block pools hold models whose every layer is full attention (or MLA) of one shape; "
+            "per-group pools for sliding, chunked, state and no-KV layers are not built yet");
     PageGeometry g;
     g.num_layers = r.num_layers();
     g.block_size = block_size;

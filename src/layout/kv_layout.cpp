@@ -1,10 +1,13 @@
 #include "kvshard/layout/kv_layout.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdlib>
 #include <numeric>
 
 #include <nlohmann/json.hpp>
 
+#include "kvshard/common/checked.h"
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -16,19 +19,46 @@ std::string join(const std::vector<int>& v) {
     return s;
 }
 
-std::vector<int> divisors(int n) {
-    std::vector<int> d;
-    for (int i = 1; i <= n; ++i)
-        if (n % i == 0) d.push_back(i);
-    return d;
-}
-
 }  // namespace
 
+std::vector<KvGroup> kv_groups(const ModelSpec& m) {
+    std::vector<KvGroup> groups;
+    for (int l = 0; l < m.num_layers; ++l) {
+        const LayerSpec s = m.layer(l);
+        if (!holds_tokens(s.kind) && !holds_state(s.kind)) continue;
+        KvGroup key;
+        key.kind = s.kind;
+        key.window = s.window;
+        key.num_kv_heads = holds_tokens(s.kind) && s.kind != LayerKind::kMla ? s.num_kv_heads : 0;
+        key.head_dim = holds_tokens(s.kind) && s.kind != LayerKind::kMla ? s.head_dim : 0;
+        key.indexer = s.indexer;
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const KvGroup& g) {
+            return g.kind == key.kind && g.window == key.window &&
+                   g.num_kv_heads == key.num_kv_heads && g.head_dim == key.head_dim &&
+                   g.indexer == key.indexer;
+        });
+        if (it == groups.end()) {
+            key.layers = {l};
+            groups.push_back(key);
+        } else {
+            it->layers.push_back(l);
+        }
+    }
+    return groups;
+}
+
 std::vector<int> valid_tp_sizes(const ModelSpec& m) {
+    const auto groups = kv_groups(m);
+    bool has_state = false;
+    for (const auto& g : groups) has_state = has_state || holds_state(g.kind);
+    auto fits = [](int n, int t) { return n % t == 0 || t % n == 0; };
     std::vector<int> out;
     for (int t : divisors(m.num_heads)) {
-        if (m.is_mla() || m.num_kv_heads % t == 0 || t % m.num_kv_heads == 0) out.push_back(t);
+        bool ok = m.is_mla() || fits(m.num_kv_heads, t);
+        for (const auto& g : groups)
+            if (g.num_kv_heads > 0) ok = ok && fits(g.num_kv_heads, t);
+        if (has_state) ok = ok && fits(m.state.heads, t) && fits(m.state.groups, t);
+        if (ok) out.push_back(t);
     }
     return out;
 }
@@ -44,6 +74,7 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
     positive(p.tp, "tp");
     positive(p.ep, "ep");
     positive(p.cp_interleave, "cp_interleave");
+    p.validate_sizes();
 
     const auto valid_tp = valid_tp_sizes(m);
     if (m.num_heads % p.tp != 0)
@@ -56,6 +87,25 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
                                    " do not divide one another, so heads can be neither split nor "
                                    "replicated evenly: valid tp sizes are ",
                                    join(valid_tp)));
+
+    for (const KvGroup& g : kv_groups(m)) {
+        if (g.kind == LayerKind::kMla || !holds_tokens(g.kind)) continue;
+        if (g.num_kv_heads % p.tp != 0 && p.tp % g.num_kv_heads != 0)
+            throw Error(
+                detail::concat("tp=", p.tp, " and the ", g.num_kv_heads, " KV heads of layer ",
+                               g.layers.front(), " (", layer_kind_name(g.kind), ") of ", m.name,
+                               " do not divide one another: valid tp sizes are ", join(valid_tp)));
+    }
+    bool has_state = false;
+    for (int l = 0; l < m.num_layers; ++l) has_state = has_state || holds_state(m.layer(l).kind);
+    if (has_state) {
+        for (auto [n, what] : {std::pair{m.state.heads, "state heads"},
+                               std::pair{m.state.groups, "state key heads / groups"}})
+            if (n % p.tp != 0 && p.tp % n != 0)
+                throw Error(detail::concat("tp=", p.tp, " and the ", n, " ", what, " of ", m.name,
+                                           " do not divide one another: valid tp sizes are ",
+                                           join(valid_tp)));
+    }
 
     if (p.pp > m.num_layers)
         throw Error(detail::concat("pp=", p.pp, " is larger than the ", m.num_layers, " layers of ",
@@ -131,6 +181,7 @@ KvLayout make_layout(const ModelSpec& m, const ParallelConfig& p) {
     const int q_per_rank = m.num_heads / p.tp;
     const int64_t e = static_cast<int64_t>(dtype_size(m.kv_dtype));
     const int experts_per_rank = m.moe.enabled() ? m.moe.num_experts / p.ep : 0;
+    const std::vector<KvGroup> groups = kv_groups(m);
 
     l.ranks.resize(p.world_size());
     for (int r = 0; r < p.world_size(); ++r) {
@@ -156,9 +207,36 @@ KvLayout make_layout(const ModelSpec& m, const ParallelConfig& p) {
             rk.expert_begin = c.ep * experts_per_rank;
             rk.expert_end = rk.expert_begin + experts_per_rank;
         }
-        rk.kv_bytes_per_token = int64_t{rk.num_layers()} * e *
-                                (m.is_mla() ? int64_t{m.mla.kv_lora_rank} + m.mla.qk_rope_head_dim
-                                            : 2 * int64_t{heads_per_rank} * m.head_dim);
+        for (size_t gi = 0; gi < groups.size(); ++gi) {
+            const KvGroup& g = groups[gi];
+            RankKvGroup rg;
+            rg.group = static_cast<int>(gi);
+            rg.kind = g.kind;
+            rg.window = g.window;
+            for (int layer : g.layers)
+                if (layer >= rk.layer_begin && layer < rk.layer_end) rg.layers.push_back(layer);
+            if (rg.layers.empty()) continue;
+            const int64_t n = static_cast<int64_t>(rg.layers.size());
+            const int64_t index_bytes =
+                g.indexer ? int64_t{m.indexer.head_dim} *
+                                    static_cast<int64_t>(dtype_size(m.indexer.dtype)) +
+                                m.indexer.scale_bytes
+                          : 0;
+            if (g.kind == LayerKind::kMla) {
+                rg.kv_heads = 1;
+                rg.bytes_per_token =
+                    n * ((int64_t{m.mla.kv_lora_rank} + m.mla.qk_rope_head_dim) * e + index_bytes);
+            } else if (holds_tokens(g.kind)) {
+                rg.kv_heads = std::max(1, g.num_kv_heads / p.tp);
+                rg.bytes_per_token = n * (2 * int64_t{rg.kv_heads} * g.head_dim * e + index_bytes);
+            } else {
+                rg.kv_heads = std::max(1, m.state.heads / p.tp);
+                rg.state_bytes_per_sequence = n * state_bytes(m.state, p.tp);
+            }
+            rk.kv_bytes_per_token += rg.bytes_per_token;
+            rk.state_bytes_per_sequence += rg.state_bytes_per_sequence;
+            rk.groups.push_back(std::move(rg));
+        }
     }
     return l;
 }
@@ -242,6 +320,184 @@ std::string cp_token_rule(const ParallelConfig& p, int cp_rank) {
     return "?";
 }
 
+namespace {
+nlohmann::json groups_json(const RankKv& r) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const RankKvGroup& g : r.groups) {
+        nlohmann::json w = g.window > 0 ? nlohmann::json(g.window) : nlohmann::json(nullptr);
+        out.push_back({{"group", g.group},
+                       {"kind", layer_kind_name(g.kind)},
+                       {"layers", g.layers},
+                       {"window", w},
+                       {"kv_heads", g.kv_heads},
+                       {"bytes_per_token", g.bytes_per_token},
+                       {"state_bytes_per_sequence", g.state_bytes_per_sequence}});
+    }
+    return out;
+}
+}  // namespace
+
+int64_t first_kept_position(LayerKind kind, int window, int64_t seq_len) {
+    KVSHARD_CHECK(seq_len >= 0, "negative sequence length");
+    switch (kind) {
+        case LayerKind::kSlidingWindow:
+            return std::max<int64_t>(0, seq_len - window);
+        case LayerKind::kChunkedLocal:
+            return seq_len == 0 ? 0 : (seq_len - 1) / window * window;
+        case LayerKind::kFullAttention:
+        case LayerKind::kMla:
+            return 0;
+        case LayerKind::kGatedDeltaNet:
+        case LayerKind::kMamba2:
+        case LayerKind::kNoKv:
+            return seq_len;
+    }
+    return 0;
+}
+
+int64_t cp_tokens_before(const ParallelConfig& p, int cp_rank, int64_t seq_len, int64_t pos) {
+    KVSHARD_CHECK(cp_rank >= 0 && cp_rank < p.cp, "cp rank out of range");
+    KVSHARD_CHECK(pos >= 0 && pos <= seq_len, "position outside the sequence");
+    auto in = [pos](int64_t b, int64_t e) { return std::max<int64_t>(0, std::min(e, pos) - b); };
+    switch (p.cp_scheme) {
+        case CpScheme::kContiguous:
+            return in(part_boundary(seq_len, p.cp, cp_rank),
+                      part_boundary(seq_len, p.cp, cp_rank + 1));
+        case CpScheme::kZigzag: {
+            const int chunks = 2 * p.cp;
+            const int second = chunks - 1 - cp_rank;
+            return in(part_boundary(seq_len, chunks, cp_rank),
+                      part_boundary(seq_len, chunks, cp_rank + 1)) +
+                   in(part_boundary(seq_len, chunks, second),
+                      part_boundary(seq_len, chunks, second + 1));
+        }
+        case CpScheme::kInterleave: {
+            const int64_t unit = p.cp_interleave;
+            const int64_t cycle = unit * p.cp;
+            return (pos / cycle) * unit +
+                   std::clamp<int64_t>(pos % cycle - cp_rank * unit, 0, unit);
+        }
+    }
+    return 0;
+}
+
+namespace {
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks group g keeps on a rank at CP position cp_rank; peak: the most it can hold up to seq_len.
+int64_t group_blocks(const ParallelConfig& p, const RankKvGroup& g, int cp_rank, int64_t seq_len,
+                     int block_size, bool peak) {
+    const int64_t n = cp_tokens_before(p, cp_rank, seq_len, seq_len);
+    const int64_t all = ceil_div(n, block_size);
+    if (peak && g.window > 0) return std::min(all, ceil_div(g.window, block_size) + 1);
+    const int64_t first = first_kept_position(g.kind, g.window, seq_len);
+    const int64_t skipped = cp_tokens_before(p, cp_rank, seq_len, first);
+    return all - skipped / block_size;
+}
+
+int64_t request_bytes(const KvLayout& l, int rank, int64_t seq_len, int block_size, bool peak) {
+    KVSHARD_CHECK(rank >= 0 && rank < l.world_size(), "rank ", rank, " outside the layout");
+    require(seq_len >= 0 && seq_len <= kMaxContextTokens,
+            "the sequence length must be in [0, 2^40] tokens, got ", seq_len);
+    require(block_size >= 1, "block_size must be a positive integer, got ", block_size);
+    const RankKv& rk = l.ranks[static_cast<size_t>(rank)];
+    int64_t bytes = 0;
+    for (const RankKvGroup& g : rk.groups) {
+        if (holds_state(g.kind)) {
+            bytes += seq_len > 0 ? g.state_bytes_per_sequence : 0;
+            continue;
+        }
+        // Saturating: a search may ask for lengths whose bytes exceed 64 bits (they never fit).
+        bytes = sat_add(bytes, sat_mul(sat_mul(group_blocks(l.parallel, g, rk.coord.cp, seq_len,
+                                                            block_size, peak),
+                                               block_size),
+                                       g.bytes_per_token));
+    }
+    return bytes;
+}
+}  // namespace
+
+int64_t request_kv_bytes(const KvLayout& l, int rank, int64_t seq_len, int block_size) {
+    return request_bytes(l, rank, seq_len, block_size, false);
+}
+
+int64_t request_kv_bytes_peak(const KvLayout& l, int rank, int64_t seq_len, int block_size) {
+    return request_bytes(l, rank, seq_len, block_size, true);
+}
+
+namespace {
+// Bytes one layer holds for a request of `len` tokens at block size 1 and tp (whole model heads
+// split as the layout does).
+int64_t layer_request_bytes(const ModelSpec& m, const ParallelConfig& p, int l, int64_t len) {
+    const LayerSpec s = m.layer(l);
+    if (holds_state(s.kind)) return state_bytes(m.state, p.tp);
+    if (!holds_tokens(s.kind)) return 0;
+    const int64_t kept = len - first_kept_position(s.kind, s.window, len);
+    const int64_t full = m.kv_bytes_per_token_of_layer(l);
+    if (s.kind == LayerKind::kMla) return sat_mul(kept, full);
+    // The layer's K and V split over tp (replicated below one head per rank), indexer keys whole.
+    const int64_t e = static_cast<int64_t>(dtype_size(m.kv_dtype));
+    const int64_t kv = 2 * int64_t{s.num_kv_heads} * s.head_dim * e;
+    const int64_t per_rank = 2 * int64_t{std::max(1, s.num_kv_heads / p.tp)} * s.head_dim * e;
+    return sat_mul(kept, full - kv + per_rank);
+}
+}  // namespace
+
+std::vector<int64_t> pp_stage_kv_bytes(const ModelSpec& m, const ParallelConfig& p,
+                                       int64_t context_tokens) {
+    require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
+            "the context must be in [0, 2^40] tokens, got ", context_tokens);
+    const auto split = pp_layer_split(m, p);
+    std::vector<int64_t> out;
+    int layer = 0;
+    for (int n : split) {
+        int64_t sum = 0;
+        for (int i = 0; i < n; ++i, ++layer)
+            sum = sat_add(sum, layer_request_bytes(m, p, layer, context_tokens));
+        out.push_back(sum);
+    }
+    return out;
+}
+
+std::vector<int> pp_layer_split_kv_balanced(const ModelSpec& m, const ParallelConfig& p,
+                                            int64_t context_tokens) {
+    ParallelConfig even = p;
+    even.pp_layers.clear();
+    validate(m, even);
+    require(context_tokens >= 1 && context_tokens <= kMaxContextTokens,
+            "the context must be in [1, 2^40] tokens, got ", context_tokens);
+    const int L = m.num_layers, S = p.pp;
+    std::vector<int64_t> prefix(L + 1, 0);
+    for (int l = 0; l < L; ++l)
+        prefix[l + 1] = sat_add(prefix[l], layer_request_bytes(m, p, l, context_tokens));
+    // best[s][i]: the smallest possible maximum over s stages covering layers [0, i); ties are
+    // broken towards the even split by comparing the layer-count spread second.
+    constexpr int64_t kInf = INT64_MAX;
+    std::vector<std::vector<int64_t>> best(S + 1, std::vector<int64_t>(L + 1, kInf));
+    std::vector<std::vector<int>> cut(S + 1, std::vector<int>(L + 1, 0));
+    best[0][0] = 0;
+    const int even_size = L / S;
+    for (int s = 1; s <= S; ++s)
+        for (int i = s; i <= L - (S - s); ++i)
+            for (int j = s - 1; j < i; ++j) {
+                if (best[s - 1][j] == kInf) continue;
+                const int64_t v = std::max(best[s - 1][j], prefix[i] - prefix[j]);
+                const bool better =
+                    v < best[s][i] || (v == best[s][i] && std::abs(i - j - even_size) <
+                                                              std::abs(i - cut[s][i] - even_size));
+                if (better) {
+                    best[s][i] = v;
+                    cut[s][i] = j;
+                }
+            }
+    std::vector<int> split(S);
+    for (int s = S, i = L; s >= 1; --s) {
+        split[s - 1] = i - cut[s][i];
+        i = cut[s][i];
+    }
+    return split;
+}
+
 std::string to_json(const KvLayout& l) {
     nlohmann::json ranks = nlohmann::json::array();
     for (const auto& r : l.ranks) {
@@ -257,13 +513,16 @@ std::string to_json(const KvLayout& l) {
                          {"layers", {r.layer_begin, r.layer_end}},
                          {"experts", {r.expert_begin, r.expert_end}},
                          {"cp_tokens", cp_token_rule(l.parallel, r.coord.cp)},
-                         {"kv_bytes_per_token", r.kv_bytes_per_token}});
+                         {"kv_bytes_per_token", r.kv_bytes_per_token},
+                         {"state_bytes_per_sequence", r.state_bytes_per_sequence},
+                         {"kv_groups", groups_json(r)}});
     }
     nlohmann::json j = {{"model", l.model.name},
                         {"parallel", nlohmann::json::parse(to_json(l.parallel))},
                         {"world_size", l.world_size()},
                         {"kv_heads_per_rank", l.kv_heads_per_rank()},
                         {"head_replication", l.head_replication()},
+                        {"layer_mix", l.model.layer_mix()},
                         {"ranks", ranks}};
     return j.dump(2);
 }

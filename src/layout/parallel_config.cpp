@@ -51,6 +51,32 @@ static int parse_int(std::string_view key, std::string_view v) {
     return out;
 }
 
+void ParallelConfig::validate_sizes() const {
+    int64_t world = 1;
+    for (auto [v, name] : {std::pair{dp, "dp"}, std::pair{pp, "pp"}, std::pair{cp, "cp"},
+                           std::pair{tp, "tp"}, std::pair{ep, "ep"}}) {
+        require(v >= 1 && v <= kMaxWorldSize, name, " must be an integer in [1, ", kMaxWorldSize,
+                "], got ", v);
+        if (std::string_view(name) != "ep") world *= v;  // each factor <= 2^20: no overflow yet
+        require(world <= kMaxWorldSize, "dp*pp*cp*tp = ", dp, "*", pp, "*", cp, "*", tp,
+                " exceeds ", kMaxWorldSize, " ranks, the most a layout may have");
+    }
+    require(cp_interleave >= 1 && cp_interleave <= (1 << 30),
+            "cp_interleave must be an integer in [1, 2^30], got ", cp_interleave);
+}
+
+std::vector<int> divisors(int n) {
+    require(n >= 1, "divisors of a non-positive number (", n, ")");
+    std::vector<int> low, high;
+    for (int64_t i = 1; i * i <= n; ++i)
+        if (n % i == 0) {
+            low.push_back(static_cast<int>(i));
+            if (i * i != n) high.push_back(static_cast<int>(n / i));
+        }
+    low.insert(low.end(), high.rbegin(), high.rend());
+    return low;
+}
+
 ParallelConfig parse_parallel_config(std::string_view text) {
     ParallelConfig p;
     size_t i = 0;

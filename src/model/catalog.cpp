@@ -31,6 +31,53 @@ ModelSpec dense(std::string name, int layers, int hidden, int heads, int kv_head
     return m;
 }
 
+// A catalog entry read from the KV- and weight-relevant fields of a published config.json
+// (tests/data/hf_configs/ holds the whole files and their sources), through the same reader as a
+// user's file.
+ModelSpec from_config(std::string name, const char* json) {
+    ModelSpec m = parse_hf_config(json, "catalog:" + name);
+    m.name = std::move(name);
+    return m;
+}
+
+// Test models with per-layer kinds: fp32 so that sharded and unsharded runs compare tightly.
+ModelSpec tiny_swa() {
+    // Alternating window-8 (with gpt-oss-style learned sinks) and full layers.
+    ModelSpec m = dense("tiny-swa", 4, 64, 8, 4, 8, 128, 256, 10000);
+    m.kv_dtype = m.weight_dtype = DType::kFp32;
+    const ModelSpec uniform = m;
+    for (int l = 0; l < m.num_layers; ++l) {
+        LayerSpec s = uniform.layer(l);
+        if (l % 2 == 0) {
+            s.kind = LayerKind::kSlidingWindow;
+            s.window = 8;
+        }
+        s.learned_sinks = true;
+        m.layers.push_back(s);
+    }
+    return m;
+}
+
+ModelSpec tiny_hybrid() {
+    // Three Gated DeltaNet layers, then one full-attention layer (Qwen3-Next's 3:1 mix).
+    ModelSpec m = dense("tiny-hybrid", 4, 64, 8, 4, 8, 128, 256, 10000);
+    m.kv_dtype = m.weight_dtype = DType::kFp32;
+    m.state = {.heads = 4,
+               .head_dim = 8,
+               .groups = 2,
+               .group_dim = 8,
+               .conv_kernel = 4,
+               .conv_dtype = DType::kFp32,
+               .state_dtype = DType::kFp32};
+    const ModelSpec uniform = m;
+    for (int l = 0; l < m.num_layers; ++l) {
+        LayerSpec s = uniform.layer(l);
+        if ((l + 1) % 4 != 0) s.kind = LayerKind::kGatedDeltaNet;
+        m.layers.push_back(s);
+    }
+    return m;
+}
+
 // Published configs (../shared/reference/models.md, from each model's config.json).
 const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() {
     static const std::map<std::string, std::function<ModelSpec()>, std::less<>> kCatalog = {
@@ -90,6 +137,90 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
              m.rms_norm_eps = 1e-6;
              return m;
          }},
+        // Per-layer models, from their published config.json (tests/data/hf_configs/).
+        {"gpt-oss-120b",
+         [] {
+             return from_config("gpt-oss-120b", R"({"model_type": "gpt_oss",
+                 "num_hidden_layers": 36, "hidden_size": 2880, "num_attention_heads": 64,
+                 "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+                 "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
+                 "vocab_size": 201088, "sliding_window": 128, "rope_theta": 150000,
+                 "rms_norm_eps": 1e-05, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                 "full_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "full_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "full_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "full_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "full_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "full_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "full_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "full_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "full_attention"]})");
+         }},
+        {"gemma-3-27b",
+         [] {
+             return from_config("gemma-3-27b", R"({"model_type": "gemma3",
+                 "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 62,
+                 "hidden_size": 5376, "num_attention_heads": 32, "num_key_value_heads": 16,
+                 "head_dim": 128, "intermediate_size": 21504, "sliding_window": 1024,
+                 "query_pre_attn_scalar": 168, "rope_theta": 1000000.0},
+                 "torch_dtype": "bfloat16"})");
+         }},
+        {"mistral-7b-v0.1",
+         [] {
+             return from_config("mistral-7b-v0.1", R"({"model_type": "mistral",
+                 "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                 "sliding_window": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-05,
+                 "torch_dtype": "bfloat16"})");
+         }},
+        {"qwen3-next-80b-a3b",
+         [] {
+             return from_config("qwen3-next-80b-a3b", R"({"model_type": "qwen3_next",
+                 "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 16,
+                 "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120,
+                 "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                 "shared_expert_intermediate_size": 512, "full_attention_interval": 4,
+                 "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                 "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                 "linear_value_head_dim": 128, "vocab_size": 151936, "rope_theta": 10000000,
+                 "rms_norm_eps": 1e-06, "torch_dtype": "bfloat16"})");
+         }},
+        {"deepseek-v3.2",
+         [] {
+             return from_config("deepseek-v3.2", R"({"model_type": "deepseek_v32",
+                 "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+                 "num_key_value_heads": 128, "intermediate_size": 18432,
+                 "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+                 "num_experts_per_tok": 8, "first_k_dense_replace": 3, "q_lora_rank": 1536,
+                 "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                 "v_head_dim": 128, "index_head_dim": 128, "index_n_heads": 64,
+                 "index_topk": 2048, "vocab_size": 129280, "rms_norm_eps": 1e-06,
+                 "torch_dtype": "bfloat16"})");
+         }},
+        {"llama-4-scout",
+         [] {
+             return from_config("llama-4-scout", R"({"model_type": "llama4",
+                 "text_config": {"model_type": "llama4_text", "num_hidden_layers": 48,
+                 "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 8,
+                 "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+                 "num_local_experts": 16, "num_experts_per_tok": 1,
+                 "interleave_moe_layer_step": 1, "attention_chunk_size": 8192,
+                 "no_rope_layer_interval": 4, "vocab_size": 202048, "rope_theta": 500000.0,
+                 "rms_norm_eps": 1e-05, "torch_dtype": "bfloat16"},
+                 "tie_word_embeddings": false})");
+         }},
+        {"nemotron-h-8b",
+         [] {
+             return from_config("nemotron-h-8b", R"({"model_type": "nemotron_h",
+                 "num_hidden_layers": 52, "hidden_size": 4096, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "attention_head_dim": 128, "intermediate_size": 21504,
+                 "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+                 "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8,
+                 "ssm_state_size": 128, "conv_kernel": 4, "vocab_size": 131072,
+                 "rms_norm_eps": 1e-05, "tie_word_embeddings": false,
+                 "torch_dtype": "bfloat16"})");
+         }},
         // Test models: fp32 everywhere so that sharded and unsharded runs compare tightly.
         // tiny: 8 query heads, 4 KV heads, so tp=8 replicates every KV head on 2 ranks.
         {"tiny",
@@ -121,6 +252,8 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
              m.kv_dtype = m.weight_dtype = DType::kFp32;
              return m;
          }},
+        {"tiny-swa", tiny_swa},
+        {"tiny-hybrid", tiny_hybrid},
         // ~125M parameters: the benchmark model.
         {"small-100m",
          [] {
@@ -137,66 +270,6 @@ std::string known_names() {
     for (const auto& [name, _] : catalog()) s += (s.empty() ? "" : ", ") + name;
     return s;
 }
-
-// ---- Hugging Face config.json --------------------------------------------------------------
-
-class HfFields {
-  public:
-    HfFields(const nlohmann::json& j, std::string file) : j_(j), file_(std::move(file)) {}
-
-    bool has(const char* key) const { return j_.contains(key) && !j_.at(key).is_null(); }
-
-    int positive_int(const char* key) const {
-        if (!has(key)) throw Error(detail::concat(file_, ": missing field '", key, "'"));
-        return positive_int_value(key);
-    }
-    int positive_int_or(const char* key, int fallback) const {
-        return has(key) ? positive_int_value(key) : fallback;
-    }
-    int int_or(const char* key, int fallback) const {
-        if (!has(key)) return fallback;
-        const auto& v = j_.at(key);
-        if (!v.is_number_integer() || v.get<int64_t>() < 0)
-            throw Error(detail::concat(file_, ": field '", key,
-                                       "' must be a non-negative integer, got ", v.dump()));
-        return v.get<int>();
-    }
-    double number_or(const char* key, double fallback) const {
-        if (!has(key)) return fallback;
-        const auto& v = j_.at(key);
-        if (!v.is_number())
-            throw Error(
-                detail::concat(file_, ": field '", key, "' must be a number, got ", v.dump()));
-        return v.get<double>();
-    }
-    bool bool_or(const char* key, bool fallback) const {
-        if (!has(key)) return fallback;
-        const auto& v = j_.at(key);
-        if (!v.is_boolean())
-            throw Error(
-                detail::concat(file_, ": field '", key, "' must be true or false, got ", v.dump()));
-        return v.get<bool>();
-    }
-    std::string string_or(const char* key, std::string fallback) const {
-        if (!has(key)) return fallback;
-        const auto& v = j_.at(key);
-        if (!v.is_string())
-            throw Error(
-                detail::concat(file_, ": field '", key, "' must be a string, got ", v.dump()));
-        return v.get<std::string>();
-    }
-
-  private:
-    int positive_int_value(const char* key) const {
-        const auto& v = j_.at(key);
-        if (!v.is_number_integer() || v.get<int64_t>() <= 0 || v.get<int64_t>() > (1LL << 31) - 1)
-            throw Error(detail::concat(file_, ": field '", key,
-                                       "' must be a positive integer, got ", v.dump()));
-        return v.get<int>();
-    }
-    const nlohmann::json& j_;
-    std::string file_;
-};
 
 }  // namespace
 
@@ -216,86 +289,6 @@ ModelSpec catalog_model(std::string_view name) {
                            ", a path to a Hugging Face config.json, or a directory holding one"));
     ModelSpec m = it->second();
     m.validate();
-    return m;
-}
-
-ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
-    nlohmann::json j;
-    try {
-        j = nlohmann::json::parse(json_text);
-    } catch (const nlohmann::json::exception& e) {
-        throw Error(detail::concat(file, ": not valid JSON (", e.what(), ")"));
-    }
-    if (!j.is_object())
-        throw Error(detail::concat(file, ": expected a JSON object at the top level"));
-    HfFields f(j, file);
-
-    ModelSpec m;
-    m.name = f.string_or("_name_or_path", f.string_or("model_type", "hf-model"));
-    m.num_layers = f.positive_int("num_hidden_layers");
-    m.hidden = f.positive_int("hidden_size");
-    m.num_heads = f.positive_int("num_attention_heads");
-    m.num_kv_heads = f.positive_int_or("num_key_value_heads", m.num_heads);  // absent: MHA
-    m.vocab = f.positive_int("vocab_size");
-    m.rope_theta = f.number_or("rope_theta", 10000.0);
-    m.rms_norm_eps = f.number_or("rms_norm_eps", 1e-6);
-    m.tie_embeddings = f.bool_or("tie_word_embeddings", false);
-    const std::string torch_dtype = f.string_or("torch_dtype", "bfloat16");
-    try {
-        m.weight_dtype = parse_dtype(torch_dtype);
-    } catch (const Error& e) {
-        throw Error(detail::concat(file, ": field 'torch_dtype': ", e.what()));
-    }
-    m.kv_dtype = m.weight_dtype;
-
-    if (f.has("kv_lora_rank")) {  // DeepSeek-V2/V3 multi-head latent attention
-        m.attention = AttentionKind::kMla;
-        m.mla.kv_lora_rank = f.positive_int("kv_lora_rank");
-        m.mla.qk_rope_head_dim = f.positive_int("qk_rope_head_dim");
-        m.mla.qk_nope_head_dim = f.positive_int("qk_nope_head_dim");
-        m.mla.v_head_dim = f.positive_int("v_head_dim");
-        m.mla.q_lora_rank = f.int_or("q_lora_rank", 0);
-        m.num_kv_heads = m.num_heads;
-        m.head_dim = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim;
-    } else {
-        if (m.hidden % m.num_heads != 0 && !f.has("head_dim"))
-            throw Error(detail::concat(file, ": field 'head_dim' is missing and hidden_size (",
-                                       m.hidden, ") is not divisible by num_attention_heads (",
-                                       m.num_heads, ")"));
-        m.head_dim = f.positive_int_or("head_dim", m.hidden / m.num_heads);
-        if (m.num_heads % m.num_kv_heads != 0)
-            throw Error(detail::concat(file, ": num_attention_heads (", m.num_heads,
-                                       ") must be a multiple of num_key_value_heads (",
-                                       m.num_kv_heads, ")"));
-        m.attention = m.num_kv_heads == m.num_heads ? AttentionKind::kMha
-                      : m.num_kv_heads == 1         ? AttentionKind::kMqa
-                                                    : AttentionKind::kGqa;
-    }
-
-    if (f.has("num_local_experts")) {  // Mixtral
-        m.moe.num_experts = f.positive_int("num_local_experts");
-        m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
-        m.moe.expert_intermediate = f.positive_int("intermediate_size");
-    } else if (f.has("n_routed_experts")) {  // DeepSeek-V3
-        m.moe.num_experts = f.positive_int("n_routed_experts");
-        m.moe.shared_experts = f.int_or("n_shared_experts", 0);
-        m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
-        m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
-        m.moe.first_dense_layers = f.int_or("first_k_dense_replace", 0);
-    } else if (f.has("num_experts") && f.int_or("num_experts", 0) > 0) {  // Qwen3-MoE
-        m.moe.num_experts = f.positive_int("num_experts");
-        m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
-        m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
-    }
-    const bool needs_dense = !m.moe.enabled() || m.moe.first_dense_layers > 0;
-    m.intermediate = needs_dense
-                         ? f.positive_int("intermediate_size")
-                         : f.positive_int_or("intermediate_size", m.moe.expert_intermediate);
-    try {
-        m.validate();
-    } catch (const Error& e) {
-        throw Error(detail::concat(file, ": ", e.what()));
-    }
     return m;
 }
 

@@ -1,5 +1,8 @@
 #include "kvshard/model/model_spec.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "kvshard/common/error.h"
@@ -28,8 +31,162 @@ static AttentionKind parse_attention_kind(std::string_view s) {
     throw Error(detail::concat("unknown attention kind '", s, "': expected MHA, GQA, MQA or MLA"));
 }
 
+std::string_view layer_kind_name(LayerKind k) {
+    switch (k) {
+        case LayerKind::kFullAttention:
+            return "full";
+        case LayerKind::kSlidingWindow:
+            return "sliding";
+        case LayerKind::kChunkedLocal:
+            return "chunked";
+        case LayerKind::kMla:
+            return "mla";
+        case LayerKind::kGatedDeltaNet:
+            return "gated_deltanet";
+        case LayerKind::kMamba2:
+            return "mamba2";
+        case LayerKind::kNoKv:
+            return "none";
+    }
+    return "?";
+}
+
+LayerKind parse_layer_kind(std::string_view s) {
+    for (LayerKind k :
+         {LayerKind::kFullAttention, LayerKind::kSlidingWindow, LayerKind::kChunkedLocal,
+          LayerKind::kMla, LayerKind::kGatedDeltaNet, LayerKind::kMamba2, LayerKind::kNoKv})
+        if (layer_kind_name(k) == s) return k;
+    throw Error(detail::concat("unknown layer kind '", s,
+                               "': expected full, sliding, chunked, mla, gated_deltanet, mamba2 "
+                               "or none"));
+}
+
+bool holds_tokens(LayerKind k) {
+    return k == LayerKind::kFullAttention || k == LayerKind::kSlidingWindow ||
+           k == LayerKind::kChunkedLocal || k == LayerKind::kMla;
+}
+
+bool holds_state(LayerKind k) { return k == LayerKind::kGatedDeltaNet || k == LayerKind::kMamba2; }
+
+namespace {
+std::string_view mlp_kind_name(MlpKind k) {
+    switch (k) {
+        case MlpKind::kDense:
+            return "dense";
+        case MlpKind::kMoe:
+            return "moe";
+        case MlpKind::kNone:
+            return "none";
+    }
+    return "?";
+}
+MlpKind parse_mlp_kind(std::string_view s) {
+    if (s == "dense") return MlpKind::kDense;
+    if (s == "moe") return MlpKind::kMoe;
+    if (s == "none") return MlpKind::kNone;
+    throw Error(detail::concat("unknown MLP kind '", s, "': expected dense, moe or none"));
+}
+}  // namespace
+
+LayerSpec ModelSpec::layer(int l) const {
+    KVSHARD_CHECK(l >= 0 && l < num_layers, "layer ", l, " outside the ", num_layers, " layers");
+    if (!layers.empty()) return layers.at(static_cast<size_t>(l));
+    LayerSpec s;
+    s.kind = is_mla() ? LayerKind::kMla : LayerKind::kFullAttention;
+    s.num_kv_heads = is_mla() ? 0 : num_kv_heads;
+    s.head_dim = is_mla() ? 0 : head_dim;
+    s.mlp = moe.enabled() && l >= moe.first_dense_layers ? MlpKind::kMoe : MlpKind::kDense;
+    s.intermediate = s.mlp == MlpKind::kDense ? intermediate : 0;
+    return s;
+}
+
+bool ModelSpec::uniform() const {
+    if (layers.empty()) return true;
+    ModelSpec implied = *this;
+    implied.layers.clear();
+    for (int l = 0; l < num_layers; ++l)
+        if (!(layers[static_cast<size_t>(l)] == implied.layer(l))) return false;
+    return true;
+}
+
+std::string ModelSpec::layer_mix() const {
+    // Counts per distinct (kind, window, heads) in order of first appearance.
+    struct Entry {
+        std::string label;
+        int count = 0;
+    };
+    std::vector<Entry> entries;
+    for (int l = 0; l < num_layers; ++l) {
+        const LayerSpec s = layer(l);
+        std::string label(layer_kind_name(s.kind));
+        if (s.window > 0) label += detail::concat("(", s.window, ")");
+        if (s.kind != LayerKind::kMla && holds_tokens(s.kind) && s.num_kv_heads != num_kv_heads)
+            label += detail::concat("[kv", s.num_kv_heads, "]");
+        if (s.indexer) label += "+indexer";
+        auto it = std::find_if(entries.begin(), entries.end(),
+                               [&](const Entry& e) { return e.label == label; });
+        if (it == entries.end())
+            entries.push_back({label, 1});
+        else
+            ++it->count;
+    }
+    std::string out = detail::concat(num_layers, " layers: ");
+    for (size_t i = 0; i < entries.size(); ++i)
+        out += detail::concat(i ? " + " : "", entries[i].count, " ", entries[i].label);
+    return out;
+}
+
+int64_t ModelSpec::kv_bytes_per_token_of_layer(int l) const {
+    const LayerSpec s = layer(l);
+    const int64_t e = static_cast<int64_t>(dtype_size(kv_dtype));
+    int64_t bytes = 0;
+    if (s.kind == LayerKind::kMla)
+        bytes = (int64_t{mla.kv_lora_rank} + mla.qk_rope_head_dim) * e;
+    else if (holds_tokens(s.kind))
+        bytes = 2 * int64_t{s.num_kv_heads} * s.head_dim * e;
+    if (s.indexer)
+        bytes += int64_t{indexer.head_dim} * static_cast<int64_t>(dtype_size(indexer.dtype)) +
+                 indexer.scale_bytes;
+    return bytes;
+}
+
+int64_t state_bytes(const StateSpec& st, int tp) {
+    KVSHARD_CHECK(tp >= 1, "tp must be positive");
+    const int64_t heads = std::max(1, st.heads / tp);
+    const int64_t groups = std::max(1, st.groups / tp);
+    const int64_t conv_dim = heads * st.head_dim + 2 * groups * st.group_dim;
+    const int64_t conv =
+        int64_t{st.conv_kernel - 1} * conv_dim * static_cast<int64_t>(dtype_size(st.conv_dtype));
+    const int64_t rec =
+        heads * st.head_dim * st.group_dim * static_cast<int64_t>(dtype_size(st.state_dtype));
+    return conv + rec;
+}
+
+int64_t ModelSpec::state_bytes_of_layer(int l) const {
+    return holds_state(layer(l).kind) ? state_bytes(state, 1) : 0;
+}
+
+int64_t ModelSpec::kv_bytes_per_token() const {
+    int64_t sum = 0;
+    for (int l = 0; l < num_layers; ++l) sum += kv_bytes_per_token_of_layer(l);
+    return sum;
+}
+
+int64_t ModelSpec::state_bytes_per_sequence() const {
+    int64_t sum = 0;
+    for (int l = 0; l < num_layers; ++l) sum += state_bytes_of_layer(l);
+    return sum;
+}
+
+bool ModelSpec::is_moe_layer(int l) const {
+    if (!layers.empty()) return layers.at(static_cast<size_t>(l)).mlp == MlpKind::kMoe;
+    return moe.enabled() && l >= moe.first_dense_layers;
+}
+
 int ModelSpec::num_moe_layers() const {
-    return moe.enabled() ? num_layers - moe.first_dense_layers : 0;
+    int n = 0;
+    for (int l = 0; l < num_layers; ++l) n += is_moe_layer(l) ? 1 : 0;
+    return n;
 }
 
 int64_t ModelSpec::kv_elems_per_token_per_layer() const {
@@ -54,9 +211,69 @@ int64_t ModelSpec::attention_params_per_layer() const {
            int64_t{num_heads} * head_dim * h;
 }
 
-int64_t ModelSpec::dense_mlp_params_per_layer() const { return 3 * int64_t{hidden} * intermediate; }
+int64_t ModelSpec::mixer_params_of_layer(int l) const {
+    const LayerSpec s = layer(l);
+    const int64_t h = hidden;
+    int64_t p = 0;
+    switch (s.kind) {
+        case LayerKind::kMla:
+            p = attention_params_per_layer();
+            break;
+        case LayerKind::kFullAttention:
+        case LayerKind::kSlidingWindow:
+        case LayerKind::kChunkedLocal:
+            p = 2 * h * num_heads * s.head_dim + 2 * h * s.num_kv_heads * s.head_dim +
+                (s.learned_sinks ? num_heads : 0);
+            break;
+        case LayerKind::kGatedDeltaNet: {
+            // in_proj_qkvz, in_proj_ba, conv1d, A_log + dt_bias, gated norm, out_proj.
+            const int64_t k_dim = int64_t{state.groups} * state.group_dim;
+            const int64_t v_dim = int64_t{state.heads} * state.head_dim;
+            p = h * (2 * k_dim + 2 * v_dim) + h * 2 * state.heads +
+                (2 * k_dim + v_dim) * state.conv_kernel + 2 * state.heads + state.head_dim +
+                v_dim * h;
+            break;
+        }
+        case LayerKind::kMamba2: {
+            // in_proj (z, x, B, C, dt), conv1d (+ bias), A + D + dt_bias, gated norm, out_proj.
+            const int64_t inner = int64_t{state.heads} * state.head_dim;
+            const int64_t conv_dim = inner + 2 * int64_t{state.groups} * state.group_dim;
+            p = h * (inner + conv_dim + state.heads) + conv_dim * (state.conv_kernel + 1) +
+                3 * state.heads + inner + inner * h;
+            break;
+        }
+        case LayerKind::kNoKv:
+            p = 0;
+            break;
+    }
+    if (s.indexer) {
+        // wq_b (from the query latent), wk, k_norm, weights_proj.
+        p += int64_t{mla.q_lora_rank} * indexer.heads * indexer.head_dim + h * indexer.head_dim +
+             2 * int64_t{indexer.head_dim} + h * indexer.heads;
+    }
+    return p;
+}
 
-int64_t ModelSpec::expert_params() const { return 3 * int64_t{hidden} * moe.expert_intermediate; }
+int64_t ModelSpec::mlp_params_of_layer(int l) const {
+    const LayerSpec s = layer(l);
+    switch (s.mlp) {
+        case MlpKind::kDense:
+            return int64_t{mlp_projections} * hidden * s.intermediate;
+        case MlpKind::kMoe:
+            return moe_params_per_layer();
+        case MlpKind::kNone:
+            return 0;
+    }
+    return 0;
+}
+
+int64_t ModelSpec::dense_mlp_params_per_layer() const {
+    return int64_t{mlp_projections} * hidden * intermediate;
+}
+
+int64_t ModelSpec::expert_params() const {
+    return int64_t{mlp_projections} * hidden * moe.expert_intermediate;
+}
 
 int64_t ModelSpec::moe_params_per_layer() const {
     if (!moe.enabled()) return 0;
@@ -69,30 +286,78 @@ int64_t ModelSpec::embedding_params() const { return int64_t{vocab} * hidden; }
 int64_t ModelSpec::lm_head_params() const { return tie_embeddings ? 0 : int64_t{vocab} * hidden; }
 
 int64_t ModelSpec::total_params() const {
-    const int moe_layers = num_moe_layers();
-    return num_layers * attention_params_per_layer() +
-           (num_layers - moe_layers) * dense_mlp_params_per_layer() +
-           moe_layers * moe_params_per_layer() + embedding_params() + lm_head_params();
+    int64_t sum = embedding_params() + lm_head_params();
+    for (int l = 0; l < num_layers; ++l) sum += mixer_params_of_layer(l) + mlp_params_of_layer(l);
+    return sum;
 }
 
 int64_t ModelSpec::active_params_per_token() const {
-    const int moe_layers = num_moe_layers();
     const int64_t active_moe =
         (int64_t{moe.experts_per_token} + moe.shared_experts) * expert_params() +
         int64_t{hidden} * moe.num_experts;
-    return num_layers * attention_params_per_layer() +
-           (num_layers - moe_layers) * dense_mlp_params_per_layer() + moe_layers * active_moe +
-           int64_t{vocab} * hidden;  // LM head (tied or not, it is a matmul)
+    int64_t sum = int64_t{vocab} * hidden;  // LM head (tied or not, it is a matmul)
+    for (int l = 0; l < num_layers; ++l)
+        sum += mixer_params_of_layer(l) + (is_moe_layer(l) ? active_moe : mlp_params_of_layer(l));
+    return sum;
 }
+
+namespace {
+// Field ranges (docs/cli-inputs.md): wide enough for any published model, narrow enough that every
+// per-layer product fits in 64 bits; totals are checked in validate_totals.
+constexpr int kMaxLayers = 1 << 14, kMaxHidden = 1 << 20, kMaxHeads = 1 << 16, kMaxDim = 1 << 16;
+constexpr int kMaxVocab = 1 << 28, kMaxWidth = 1 << 24, kMaxExperts = 1 << 16;
+}  // namespace
 
 void ModelSpec::validate() const {
     auto positive = [&](int v, const char* field) {
         require(v > 0, "model '", name, "': ", field, " must be a positive integer, got ", v);
     };
+    auto at_most = [&](int64_t v, int64_t most, const char* field) {
+        require(v <= most, "model '", name, "': ", field, " must be at most ", most, ", got ", v);
+    };
+    at_most(num_layers, kMaxLayers, "num_layers");
+    at_most(hidden, kMaxHidden, "hidden");
+    at_most(num_heads, kMaxHeads, "num_heads");
+    at_most(num_kv_heads, kMaxHeads, "num_kv_heads");
+    at_most(head_dim, kMaxDim, "head_dim");
+    at_most(intermediate, kMaxWidth, "intermediate");
+    at_most(vocab, kMaxVocab, "vocab");
+    at_most(moe.num_experts, kMaxExperts, "moe.num_experts");
+    at_most(moe.shared_experts, 1 << 10, "moe.shared_experts");
+    at_most(moe.expert_intermediate, kMaxWidth, "moe.expert_intermediate");
+    for (auto [v, f] : {std::pair{mla.kv_lora_rank, "mla.kv_lora_rank"},
+                        std::pair{mla.qk_rope_head_dim, "mla.qk_rope_head_dim"},
+                        std::pair{mla.qk_nope_head_dim, "mla.qk_nope_head_dim"},
+                        std::pair{mla.v_head_dim, "mla.v_head_dim"},
+                        std::pair{mla.q_lora_rank, "mla.q_lora_rank"},
+                        std::pair{state.heads, "state.heads"},
+                        std::pair{state.head_dim, "state.head_dim"},
+                        std::pair{state.groups, "state.groups"},
+                        std::pair{state.group_dim, "state.group_dim"},
+                        std::pair{state.conv_kernel, "state.conv_kernel"},
+                        std::pair{indexer.heads, "indexer.heads"},
+                        std::pair{indexer.head_dim, "indexer.head_dim"},
+                        std::pair{indexer.scale_bytes, "indexer.scale_bytes"}}) {
+        require(v >= 0, "model '", name, "': ", f, " must be >= 0, got ", v);
+        at_most(v, kMaxDim, f);
+    }
+    for (const LayerSpec& s : layers) {
+        require(s.num_kv_heads >= 0 && s.head_dim >= 0 && s.intermediate >= 0 && s.window >= 0,
+                "model '", name, "': per-layer sizes must be >= 0");
+        at_most(s.num_kv_heads, kMaxHeads, "a layer's num_kv_heads");
+        at_most(s.head_dim, kMaxDim, "a layer's head_dim");
+        at_most(s.intermediate, kMaxWidth, "a layer's intermediate");
+    }
     positive(num_layers, "num_layers");
     positive(hidden, "hidden");
     positive(num_heads, "num_heads");
     positive(vocab, "vocab");
+    require(mlp_projections == 2 || mlp_projections == 3, "model '", name,
+            "': mlp_projections must be 2 (up/down) or 3 (gated), got ", mlp_projections);
+    require(std::isfinite(rope_theta) && rope_theta > 0, "model '", name,
+            "': rope_theta must be a positive finite number, got ", rope_theta);
+    require(std::isfinite(rms_norm_eps) && rms_norm_eps > 0, "model '", name,
+            "': rms_norm_eps must be a positive finite number, got ", rms_norm_eps);
     if (is_mla()) {
         positive(mla.kv_lora_rank, "mla.kv_lora_rank");
         require(mla.qk_rope_head_dim >= 0, "model '", name, "': mla.qk_rope_head_dim must be >= 0");
@@ -114,7 +379,85 @@ void ModelSpec::validate() const {
                 "': moe.first_dense_layers must be in [0, num_layers)");
         require(moe.shared_experts >= 0, "model '", name, "': moe.shared_experts must be >= 0");
     }
-    if (!moe.enabled() || moe.first_dense_layers > 0) positive(intermediate, "intermediate");
+    if (layers.empty()) {
+        if (!moe.enabled() || moe.first_dense_layers > 0) positive(intermediate, "intermediate");
+        validate_totals();
+        return;
+    }
+    require(static_cast<int>(layers.size()) == num_layers, "model '", name, "': layers lists ",
+            layers.size(), " layers but num_layers is ", num_layers, ": give one per layer");
+    bool uses_state = false;
+    for (int l = 0; l < num_layers; ++l) {
+        const LayerSpec& s = layers[static_cast<size_t>(l)];
+        const std::string where =
+            detail::concat("model '", name, "': layer ", l, " (", layer_kind_name(s.kind), ")");
+        if (s.kind == LayerKind::kMla) {
+            require(is_mla(), where, ": an MLA layer needs attention MLA and the mla fields");
+        } else if (holds_tokens(s.kind)) {
+            require(s.num_kv_heads > 0 && s.head_dim > 0, where,
+                    ": num_kv_heads and head_dim must be positive, got ", s.num_kv_heads, " and ",
+                    s.head_dim);
+            require(num_heads % s.num_kv_heads == 0, where, ": num_heads (", num_heads,
+                    ") must be a multiple of its num_kv_heads (", s.num_kv_heads, ")");
+        }
+        const bool windowed =
+            s.kind == LayerKind::kSlidingWindow || s.kind == LayerKind::kChunkedLocal;
+        require(windowed ? s.window > 0 : s.window == 0, where,
+                windowed ? ": the window (or chunk) must be a positive token count, got "
+                         : ": only sliding and chunked layers have a window, got ",
+                s.window);
+        require(!s.indexer || indexer.enabled(), where,
+                ": the layer caches indexer keys but the model has no indexer head_dim");
+        require(s.mlp != MlpKind::kMoe || moe.enabled(), where,
+                ": a MoE layer in a model without experts");
+        require(s.mlp != MlpKind::kDense || s.intermediate > 0, where,
+                ": a dense MLP needs a positive intermediate size, got ", s.intermediate);
+        uses_state = uses_state || holds_state(s.kind);
+    }
+    if (uses_state) {
+        positive(state.heads, "state.heads");
+        positive(state.head_dim, "state.head_dim");
+        positive(state.groups, "state.groups");
+        positive(state.group_dim, "state.group_dim");
+        require(state.conv_kernel >= 1, "model '", name,
+                "': state.conv_kernel must be a positive integer, got ", state.conv_kernel);
+    }
+    if (indexer.enabled()) {
+        positive(indexer.heads, "indexer.heads");
+        require(indexer.scale_bytes >= 0, "model '", name, "': indexer.scale_bytes must be >= 0");
+    }
+    validate_totals();
+}
+
+void ModelSpec::validate_totals() const {
+    // Each per-layer figure fits in 64 bits under the field ranges; their sums are taken wider.
+    __int128 params = embedding_params() + lm_head_params(), kv = 0, st = 0;
+    for (int l = 0; l < num_layers; ++l) {
+        params += mixer_params_of_layer(l) + mlp_params_of_layer(l);
+        kv += kv_bytes_per_token_of_layer(l);
+        st += state_bytes_of_layer(l);
+    }
+    require(params <= (__int128{1} << 55), "model '", name,
+            "' has more than 2^55 parameters: its sizes are not those of a model");
+    require(kv <= (__int128{1} << 40) && st <= (__int128{1} << 50), "model '", name,
+            "': its KV bytes per token (or state per sequence) exceed 2^40 (2^50) bytes: its sizes "
+            "are not those of a model");
+}
+
+ModelSpec with_full_attention(const ModelSpec& m) {
+    ModelSpec out = m;
+    out.name = m.name + " (all full attention)";
+    for (LayerSpec& s : out.layers) {
+        if (!holds_tokens(s.kind)) {
+            s.num_kv_heads = m.is_mla() ? 0 : m.num_kv_heads;
+            s.head_dim = m.is_mla() ? 0 : m.head_dim;
+        }
+        s.kind = m.is_mla() ? LayerKind::kMla : LayerKind::kFullAttention;
+        s.window = 0;
+    }
+    if (out.uniform()) out.layers.clear();
+    out.validate();
+    return out;
 }
 
 std::string to_json(const ModelSpec& m) {
@@ -145,10 +488,37 @@ std::string to_json(const ModelSpec& m) {
         {"rope_theta", m.rope_theta},
         {"rms_norm_eps", m.rms_norm_eps},
         {"tie_embeddings", m.tie_embeddings},
+        {"mlp_projections", m.mlp_projections},
         {"total_params", m.total_params()},
-        {"kv_bytes_per_token", m.kv_elems_per_token_per_layer() * m.num_layers *
-                                   static_cast<int64_t>(dtype_size(m.kv_dtype))},
+        {"kv_bytes_per_token", m.kv_bytes_per_token()},
+        {"state_bytes_per_sequence", m.state_bytes_per_sequence()},
+        {"layer_mix", m.layer_mix()},
     };
+    if (!m.layers.empty()) {
+        nlohmann::json layers = nlohmann::json::array();
+        for (const LayerSpec& s : m.layers)
+            layers.push_back({{"kind", layer_kind_name(s.kind)},
+                              {"num_kv_heads", s.num_kv_heads},
+                              {"head_dim", s.head_dim},
+                              {"window", s.window},
+                              {"learned_sinks", s.learned_sinks},
+                              {"indexer", s.indexer},
+                              {"mlp", mlp_kind_name(s.mlp)},
+                              {"intermediate", s.intermediate}});
+        j["layers"] = layers;
+        j["state"] = {{"heads", m.state.heads},
+                      {"head_dim", m.state.head_dim},
+                      {"groups", m.state.groups},
+                      {"group_dim", m.state.group_dim},
+                      {"conv_kernel", m.state.conv_kernel},
+                      {"conv_dtype", dtype_name(m.state.conv_dtype)},
+                      {"state_dtype", dtype_name(m.state.state_dtype)}};
+        j["indexer"] = {{"heads", m.indexer.heads},
+                        {"head_dim", m.indexer.head_dim},
+                        {"topk", m.indexer.topk},
+                        {"dtype", dtype_name(m.indexer.dtype)},
+                        {"scale_bytes", m.indexer.scale_bytes}};
+    }
     return j.dump(2);
 }
 
@@ -183,6 +553,33 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
         m.rope_theta = j.at("rope_theta").get<double>();
         m.rms_norm_eps = j.at("rms_norm_eps").get<double>();
         m.tie_embeddings = j.at("tie_embeddings").get<bool>();
+        m.mlp_projections = j.value("mlp_projections", 3);
+        if (j.contains("layers")) {
+            for (const auto& l : j.at("layers")) {
+                LayerSpec s;
+                s.kind = parse_layer_kind(l.at("kind").get<std::string>());
+                s.num_kv_heads = l.at("num_kv_heads").get<int>();
+                s.head_dim = l.at("head_dim").get<int>();
+                s.window = l.at("window").get<int>();
+                s.learned_sinks = l.at("learned_sinks").get<bool>();
+                s.indexer = l.at("indexer").get<bool>();
+                s.mlp = parse_mlp_kind(l.at("mlp").get<std::string>());
+                s.intermediate = l.at("intermediate").get<int>();
+                m.layers.push_back(s);
+            }
+            const auto& st = j.at("state");
+            m.state = {st.at("heads").get<int>(),
+                       st.at("head_dim").get<int>(),
+                       st.at("groups").get<int>(),
+                       st.at("group_dim").get<int>(),
+                       st.at("conv_kernel").get<int>(),
+                       parse_dtype(st.at("conv_dtype").get<std::string>()),
+                       parse_dtype(st.at("state_dtype").get<std::string>())};
+            const auto& ix = j.at("indexer");
+            m.indexer = {ix.at("heads").get<int>(), ix.at("head_dim").get<int>(),
+                         ix.at("topk").get<int>(), parse_dtype(ix.at("dtype").get<std::string>()),
+                         ix.at("scale_bytes").get<int>()};
+        }
         m.validate();
         return m;
     } catch (const nlohmann::json::exception& e) {

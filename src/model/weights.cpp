@@ -132,6 +132,9 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> hf_tensor_list(const M
 
 ModelWeights load_weights(const ModelSpec& m, const WeightShard& s, const TensorSource& source) {
     require(!m.is_mla(), m.name, ": the reference model runs MHA/GQA/MQA attention, not MLA");
+    require(m.uniform(), m.name, " has ", m.layer_mix(),
+            ": the reference model runs models whose every layer is full attention of one shape; "
+            "sliding, chunked, state and no-KV layers are not executed yet");
     require(m.moe.shared_experts == 0, m.name,
             ": shared experts are not supported by the reference model (Mixtral-style MoE only)");
     require(0 <= s.layer_begin && s.layer_begin < s.layer_end && s.layer_end <= m.num_layers &&

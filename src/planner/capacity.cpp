@@ -1,6 +1,7 @@
 #include "kvshard/planner/capacity.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 
 #include "kvshard/common/error.h"
@@ -12,42 +13,22 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Tokens CP rank r stores of a sequence of `len` tokens; matches cp_token_ranges (tested) without
-// building the range list, which under interleave has len / cp_interleave entries.
-int64_t cp_tokens_of_rank(const ParallelConfig& p, int r, int64_t len) {
-    auto boundary = [len](int n, int b) { return b * len / n; };
-    switch (p.cp_scheme) {
-        case CpScheme::kContiguous:
-            return boundary(p.cp, r + 1) - boundary(p.cp, r);
-        case CpScheme::kZigzag: {
-            const int chunks = 2 * p.cp;
-            const int second = chunks - 1 - r;
-            return boundary(chunks, r + 1) - boundary(chunks, r) + boundary(chunks, second + 1) -
-                   boundary(chunks, second);
-        }
-        case CpScheme::kInterleave: {
-            const int64_t unit = p.cp_interleave;
-            const int64_t cycle = unit * p.cp;
-            const int64_t rem = len % cycle;
-            return (len / cycle) * unit + std::clamp<int64_t>(rem - r * unit, 0, unit);
-        }
-    }
-    return 0;
-}
-
 }  // namespace
 
 void CapacityOptions::validate() const {
     require(mem_util > 0 && mem_util <= 1, "mem_util must be in (0, 1], got ", mem_util);
     require(activation_reserve_bytes >= 0, "the activation reserve must be >= 0 bytes, got ",
             activation_reserve_bytes);
-    require(block_size >= 1, "block_size must be a positive integer, got ", block_size);
-    require(context_tokens >= 0, "the context length must be >= 0 tokens, got ", context_tokens);
+    require(block_size >= 1 && block_size <= (1 << 20),
+            "block_size must be an integer in [1, 2^20] tokens, got ", block_size);
+    require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
+            "the context length must be in [0, 2^40] tokens, got ", context_tokens);
 }
 
 int64_t cp_tokens_per_rank(const ParallelConfig& p, int64_t context_tokens) {
     int64_t most = 0;
-    for (int r = 0; r < p.cp; ++r) most = std::max(most, cp_tokens_of_rank(p, r, context_tokens));
+    for (int r = 0; r < p.cp; ++r)
+        most = std::max(most, cp_tokens_before(p, r, context_tokens, context_tokens));
     return most;
 }
 
@@ -59,41 +40,62 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank) {
     const int64_t tp = p.tp;
     const int64_t q_heads = m.num_heads / p.tp;
 
-    // Elements per layer of attention on this rank.
-    int64_t attn = 0;
-    int64_t norms_per_layer = 2 * h;  // input and post-attention RMSNorm
-    if (m.is_mla()) {
-        const MlaSpec& a = m.mla;
-        const int64_t qk_dim = int64_t{a.qk_nope_head_dim} + a.qk_rope_head_dim;
-        // q_a and kv_a (down-projections) are replicated; q_b, kv_b, o are split by head.
-        const int64_t q = a.q_lora_rank > 0
-                              ? h * a.q_lora_rank + int64_t{a.q_lora_rank} * q_heads * qk_dim
-                              : h * q_heads * qk_dim;
-        const int64_t kv_a = h * (int64_t{a.kv_lora_rank} + a.qk_rope_head_dim);
-        const int64_t kv_b =
-            int64_t{a.kv_lora_rank} * q_heads * (int64_t{a.qk_nope_head_dim} + a.v_head_dim);
-        const int64_t o = q_heads * a.v_head_dim * h;
-        attn = q + kv_a + kv_b + o;
-        norms_per_layer += a.kv_lora_rank + a.q_lora_rank;
-    } else {
-        const int64_t d = m.head_dim;
-        attn = 2 * h * q_heads * d + 2 * h * rk.num_kv_heads() * d;  // Q and O, then K and V
-    }
-
-    int dense_layers = 0, moe_layers = 0;
-    for (int l = rk.layer_begin; l < rk.layer_end; ++l)
-        (m.is_moe_layer(l) ? moe_layers : dense_layers)++;
-
-    WeightBytes w;
     const int64_t e = static_cast<int64_t>(dtype_size(m.weight_dtype));
-    w.attention = rk.num_layers() * attn * e;
-    w.dense_mlp = dense_layers * (m.dense_mlp_params_per_layer() / tp) * e;
-    if (m.moe.enabled()) {
-        const int64_t routed = p.ep > 1 ? int64_t{m.moe.num_experts / p.ep} * m.expert_params()
-                                        : int64_t{m.moe.num_experts} * m.expert_params() / tp;
-        const int64_t shared = int64_t{m.moe.shared_experts} * m.expert_params() / tp;
-        const int64_t router = h * m.moe.num_experts;
-        w.experts = moe_layers * (routed + shared + router) * e;
+    WeightBytes w;
+    int64_t norm_elems = 0;
+    for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
+        const LayerSpec s = m.layer(l);
+        int64_t attn = 0;
+        norm_elems += 2 * h;  // input and post-attention RMSNorm
+        switch (s.kind) {
+            case LayerKind::kMla: {
+                const MlaSpec& a = m.mla;
+                const int64_t qk_dim = int64_t{a.qk_nope_head_dim} + a.qk_rope_head_dim;
+                // q_a and kv_a (down-projections) are replicated; q_b, kv_b, o are split by head.
+                const int64_t q = a.q_lora_rank > 0 ? h * a.q_lora_rank +
+                                                          int64_t{a.q_lora_rank} * q_heads * qk_dim
+                                                    : h * q_heads * qk_dim;
+                const int64_t kv_a = h * (int64_t{a.kv_lora_rank} + a.qk_rope_head_dim);
+                const int64_t kv_b = int64_t{a.kv_lora_rank} * q_heads *
+                                     (int64_t{a.qk_nope_head_dim} + a.v_head_dim);
+                const int64_t o = q_heads * a.v_head_dim * h;
+                attn = q + kv_a + kv_b + o;
+                norm_elems += a.kv_lora_rank + a.q_lora_rank;
+                break;
+            }
+            case LayerKind::kFullAttention:
+            case LayerKind::kSlidingWindow:
+            case LayerKind::kChunkedLocal: {
+                const int64_t d = s.head_dim;
+                const int64_t kv_local = std::max(1, s.num_kv_heads / p.tp);
+                // Q and O, then K and V (replicated heads counted on every holder), sinks.
+                attn = 2 * h * q_heads * d + 2 * h * kv_local * d + (s.learned_sinks ? q_heads : 0);
+                break;
+            }
+            case LayerKind::kGatedDeltaNet:
+            case LayerKind::kMamba2:
+                // Every projection of the mixer is split by head (docs/model.md).
+                attn = m.mixer_params_of_layer(l) / tp;
+                break;
+            case LayerKind::kNoKv:
+                break;
+        }
+        if (s.indexer && s.kind != LayerKind::kGatedDeltaNet && s.kind != LayerKind::kMamba2) {
+            // The indexer's projections are replicated: its keys are one head shared by all.
+            const IndexerSpec& ix = m.indexer;
+            attn += int64_t{m.mla.q_lora_rank} * ix.heads * ix.head_dim + h * ix.head_dim +
+                    2 * int64_t{ix.head_dim} + h * ix.heads;
+        }
+        w.attention += attn * e;
+        if (s.mlp == MlpKind::kDense) {
+            w.dense_mlp += (m.mlp_projections * h * s.intermediate / tp) * e;
+        } else if (s.mlp == MlpKind::kMoe) {
+            const int64_t routed = p.ep > 1 ? int64_t{m.moe.num_experts / p.ep} * m.expert_params()
+                                            : int64_t{m.moe.num_experts} * m.expert_params() / tp;
+            const int64_t shared = int64_t{m.moe.shared_experts} * m.expert_params() / tp;
+            const int64_t router = h * m.moe.num_experts;
+            w.experts += (routed + shared + router) * e;
+        }
     }
     const int64_t vocab_shard = ceil_div(m.vocab, tp) * h;
     const bool first = rk.coord.pp == 0;
@@ -101,7 +103,7 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank) {
     if (first) w.embedding = vocab_shard * e;
     // A tied LM head reuses the embedding only when both live on the same stage.
     if (last && (!m.tie_embeddings || p.pp > 1)) w.lm_head = vocab_shard * e;
-    w.norms = (rk.num_layers() * norms_per_layer + (last ? h : 0)) * e;
+    w.norms = (norm_elems + (last ? h : 0)) * e;
     return w;
 }
 
@@ -121,6 +123,7 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
         rc.rank = r;
         rc.weights = rank_weight_bytes(layout, r);
         rc.kv_bytes_per_token = layout.ranks[r].kv_bytes_per_token;
+        rc.state_bytes_per_sequence = layout.ranks[r].state_bytes_per_sequence;
         rc.kv_budget_bytes = usable - rc.weights.total() - options.activation_reserve_bytes;
         rc.kv_tokens = rc.kv_budget_bytes > 0 && rc.kv_bytes_per_token > 0
                            ? rc.kv_budget_bytes / rc.kv_bytes_per_token / bs * bs
@@ -133,28 +136,46 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
     }
     rep.limiting_rank = lim;
     rep.kv_bytes_per_token = rep.ranks[lim].kv_bytes_per_token;
+    rep.state_bytes_per_sequence = rep.ranks[lim].state_bytes_per_sequence;
     rep.kv_tokens_per_gpu = rep.ranks[lim].kv_tokens;
     rep.kv_blocks_per_gpu = rep.kv_tokens_per_gpu / bs;
 
-    // Longest L whose busiest CP rank holds at most kv_tokens_per_gpu tokens (the token count on
-    // a rank is non-decreasing in L for every scheme). kv_tokens is whole blocks, so a rank holding
-    // n <= kv_tokens tokens also has the ceil(n / block_size) blocks it needs.
-    const int64_t cap = rep.kv_tokens_per_gpu;
-    int64_t lo = 0;
-    int64_t hi = (cap + 1) * p.cp * (p.cp_scheme == CpScheme::kInterleave ? p.cp_interleave : 1);
-    while (lo < hi) {  // invariant: tokens(lo) <= cap, tokens(hi) > cap or hi untested
-        const int64_t mid = lo + (hi - lo + 1) / 2;
-        if (cp_tokens_per_rank(p, mid) <= cap)
-            lo = mid;
-        else
-            hi = mid - 1;
+    // Whether a request of `len` tokens fits on every rank at once, counting each windowed group
+    // at the most blocks it holds on the way to `len` (non-decreasing in len, so a bisection finds
+    // the longest).
+    auto fits_len = [&](int64_t len) {
+        for (int r = 0; r < layout.world_size(); ++r) {
+            const int64_t need = request_kv_bytes_peak(layout, r, len, options.block_size);
+            if (need > 0 && need > rep.ranks[r].kv_budget_bytes) return false;
+        }
+        return true;
+    };
+    if (fits_len(kMaxContextTokens)) {
+        rep.max_context = kMaxContextTokens;
+        rep.context_unbounded = true;
+    } else {
+        int64_t lo = 0, hi = kMaxContextTokens - 1;
+        while (lo < hi) {  // invariant: fits(lo), !fits(hi + 1)
+            const int64_t mid = lo + (hi - lo + 1) / 2;
+            if (fits_len(mid))
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        rep.max_context = lo;
     }
-    rep.max_context = lo;
 
     if (options.context_tokens > 0) {
-        const int64_t blocks_per_request =
-            ceil_div(cp_tokens_per_rank(p, options.context_tokens), bs);
-        rep.requests_per_replica = rep.kv_blocks_per_gpu / blocks_per_request;
+        int64_t fewest = INT64_MAX;
+        for (int r = 0; r < layout.world_size(); ++r) {
+            const int64_t need =
+                request_kv_bytes(layout, r, options.context_tokens, options.block_size);
+            if (r == lim) rep.request_kv_bytes = need;
+            if (need <= 0) continue;
+            const int64_t budget = std::max<int64_t>(0, rep.ranks[r].kv_budget_bytes);
+            fewest = std::min(fewest, budget / need);
+        }
+        rep.requests_per_replica = fewest == INT64_MAX ? 0 : fewest;
         rep.max_concurrency = rep.requests_per_replica * p.dp;
     }
 
@@ -166,10 +187,10 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
                       rep.weight_bytes_per_gpu / kGiB, options.activation_reserve_bytes / kGiB,
                       usable / kGiB, options.mem_util, hw.memory_bytes / kGiB);
         rep.why_not = buf;
-    } else if (rep.kv_tokens_per_gpu < bs) {
+    } else if (rep.kv_tokens_per_gpu < bs && rep.kv_bytes_per_token > 0) {
         rep.why_not =
             detail::concat("less than one KV block of ", bs, " tokens fits on rank ", lim);
-    } else if (options.context_tokens > rep.max_context) {
+    } else if (options.context_tokens > 0 && rep.requests_per_replica == 0) {
         rep.why_not = detail::concat("a ", options.context_tokens,
                                      "-token context needs more KV than fits (max ",
                                      rep.max_context, " tokens)");

@@ -145,6 +145,16 @@ class Model {
         link(GroupKind::kCp, l_.cp_bw, l_.cp_hop);
         link(GroupKind::kPp, l_.pp_bw, l_.pp_hop);
         link(GroupKind::kEp, l_.ep_bw, l_.ep_hop);
+        // Per-layer bytes per token (and state bytes per sequence) on the TP rank 0 of its stage.
+        layer_kv_.assign(m.num_layers, 0.0);
+        layer_state_.assign(m.num_layers, 0.0);
+        for (int s = 0; s < p.pp; ++s)
+            for (const RankKvGroup& g : layout_.ranks[rank_of(p, 0, s, 0, 0)].groups)
+                for (int l : g.layers) {
+                    const double n = double(g.layers.size());
+                    layer_kv_[l] = double(g.bytes_per_token) / n;
+                    layer_state_[l] = double(g.state_bytes_per_sequence) / n;
+                }
         flops_ = hw.achieved_flops(m.weight_dtype);
         hbm_ = hw.achieved_hbm_bw();
         we_ = static_cast<double>(dtype_size(m.weight_dtype));
@@ -153,10 +163,13 @@ class Model {
     const KvLayout& layout() const { return layout_; }
     const Links& links() const { return l_; }
 
-    // Per layer, elements of attention projections and of the dense MLP on one rank.
-    double attn_elems(const RankKv& rk) const {
+    // Elements of layer l's attention (or state mixer) projections on one rank.
+    double attn_elems(int l) const {
         const double h = m_.hidden, qh = double(m_.num_heads) / p_.tp;
-        if (m_.is_mla()) {
+        const LayerSpec ls = m_.layer(l);
+        if (holds_state(ls.kind)) return double(m_.mixer_params_of_layer(l)) / p_.tp;
+        if (ls.kind == LayerKind::kNoKv) return 0;
+        if (ls.kind == LayerKind::kMla) {
             const MlaSpec& a = m_.mla;
             const double qk = a.qk_nope_head_dim + a.qk_rope_head_dim;
             const double q =
@@ -165,12 +178,39 @@ class Model {
                    a.kv_lora_rank * qh * (a.qk_nope_head_dim + a.v_head_dim) +
                    qh * a.v_head_dim * h;
         }
-        return 2 * h * qh * m_.head_dim + 2 * h * rk.num_kv_heads() * m_.head_dim;
+        const double kv_local = std::max(1, ls.num_kv_heads / p_.tp);
+        return 2 * h * qh * ls.head_dim + 2 * h * kv_local * ls.head_dim;
     }
-    double qk_dim() const {
-        return m_.is_mla() ? m_.mla.qk_nope_head_dim + m_.mla.qk_rope_head_dim : m_.head_dim;
+    // Query-key pairs per query head of causal attention over S tokens in layer l (continuous
+    // form): full S^2/2, sliding window W: S*W - W^2/2 once S > W, chunked C: S*C/2 once S > C;
+    // 0 for layers without attention.
+    double attn_pairs(int l, double S) const {
+        const LayerSpec ls = m_.layer(l);
+        if (!holds_tokens(ls.kind)) return 0;
+        const double W = ls.window;
+        if (ls.kind == LayerKind::kSlidingWindow && S > W) return S * W - W * W / 2;
+        if (ls.kind == LayerKind::kChunkedLocal && S > W) return S * W / 2;
+        return S * S / 2;
     }
-    double v_dim() const { return m_.is_mla() ? m_.mla.v_head_dim : m_.head_dim; }
+    // Keys the last token of a C-token context attends to in layer l.
+    double attended(int l, double C) const {
+        const LayerSpec ls = m_.layer(l);
+        if (!holds_tokens(ls.kind)) return 0;
+        const auto len = static_cast<int64_t>(C);
+        return double(len - first_kept_position(ls.kind, ls.window, len));
+    }
+    double qk_dim(int l) const {
+        return m_.is_mla() ? m_.mla.qk_nope_head_dim + m_.mla.qk_rope_head_dim
+                           : m_.layer(l).head_dim;
+    }
+    double v_dim(int l) const { return m_.is_mla() ? m_.mla.v_head_dim : m_.layer(l).head_dim; }
+    // Multiply-adds per recurrent-state element and token (GDN / Mamba-2 state update and read).
+    static constexpr double kStateFlopsPerElem = 4;
+    double state_elems(int l) const {
+        return holds_state(m_.layer(l).kind) ? double(std::max(1, m_.state.heads / p_.tp)) *
+                                                   m_.state.head_dim * m_.state.group_dim
+                                             : 0;
+    }
     double q_heads() const { return double(m_.num_heads) / p_.tp; }
 
     // Prefill of one sequence of S tokens (T = S / cp on each CP rank) through stage `s`.
@@ -178,14 +218,17 @@ class Model {
         const RankKv& rk = layout_.ranks[rank_of(p_, 0, s, 0, 0)];
         const double T = S / p_.cp;
         const double h = m_.hidden, a = o_.activation_bytes;
-        const double kv_layer = double(rk.kv_bytes_per_token) / std::max(1, rk.num_layers());
         StageCost c;
-        // Causal attention over the whole sequence, split over tp (heads) and cp (zigzag-balanced):
-        // QK^T and PV are S^2/2 * H * d multiply-adds each.
-        const double attn_flops = S * S * q_heads() * (qk_dim() + v_dim()) / p_.cp;
         for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
+            const double kv_layer = layer_kv_[l];
+            // Causal attention over the sequence (or its windows), split over tp (heads) and cp
+            // (zigzag-balanced): QK^T and PV are pairs * H * d multiply-adds each. State layers:
+            // the recurrence over every token.
+            const double attn_flops =
+                2 * attn_pairs(l, S) * q_heads() * (qk_dim(l) + v_dim(l)) / p_.cp +
+                2 * kStateFlopsPerElem * T * state_elems(l);
             const bool moe = m_.is_moe_layer(l);
-            double elems = attn_elems(rk);
+            double elems = attn_elems(l);
             double weight_elems = elems;
             if (moe) {
                 const double pe = m_.expert_params();
@@ -195,11 +238,12 @@ class Model {
                                            : m_.moe.num_experts * pe / p_.tp) +
                                 m_.moe.shared_experts * pe / p_.tp + h * m_.moe.num_experts;
             } else {
-                elems += m_.dense_mlp_params_per_layer() / double(p_.tp);
+                elems += m_.mlp_params_of_layer(l) / double(p_.tp);
                 weight_elems = elems;
             }
             const double flops = 2 * T * elems + attn_flops;
-            const double bytes = weight_elems * we_ + T * kv_layer + 2 * T * h * a;
+            const double bytes =
+                weight_elems * we_ + T * kv_layer + 2 * T * h * a + layer_state_[l];
             const double attn_s = attn_flops / flops_;
             add_roofline(c, flops, bytes, attn_s);
 
@@ -211,15 +255,15 @@ class Model {
                 c.tp_s += n_ar * ring_all_reduce_s(ar, p_.tp, l_.tp_bw, l_.tp_hop);
             }
             if (moe && p_.ep > 1) add_ep(c, T / p_.tp);
-            if (p_.cp > 1) {
+            if (p_.cp > 1 && holds_tokens(m_.layer(l).kind)) {
                 // Per ring step, one block's transfer against one block's attention compute.
                 const double step_attn = attn_s / p_.cp;
                 const double kv_step = T * kv_layer;
                 const double kv_send = send_s(kv_step, l_.cp_bw, l_.cp_hop);
                 const double kv_exposed = (p_.cp - 1) * std::max(0.0, kv_send - step_attn);
-                const double q_step = T * q_heads() * qk_dim() * a;
+                const double q_step = T * q_heads() * qk_dim(l) * a;
                 const double q_send = send_s(q_step, l_.cp_bw, l_.cp_hop);
-                const double part = T * q_heads() * (v_dim() + 1) * 4.0;  // fp32 partial O and LSE
+                const double part = T * q_heads() * (v_dim(l) + 1) * 4.0;  // fp32 partial O, LSE
                 const double q_a2a = all_to_all_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop);
                 const double q_exposed = (p_.cp - 1) * std::max(0.0, q_send - step_attn) + q_a2a;
                 auto& cpp = c.cp_prefill;
@@ -243,18 +287,21 @@ class Model {
     // One decode step of B requests (one new token each) at context C through stage `s`.
     StageCost decode_stage(int s, double B, double C) const {
         const RankKv& rk = layout_.ranks[rank_of(p_, 0, s, 0, 0)];
-        const double Cr = C / p_.cp;  // context tokens this CP rank holds per request
         const double h = m_.hidden, a = o_.activation_bytes;
-        const double kv_layer = double(rk.kv_bytes_per_token) / std::max(1, rk.num_layers());
         StageCost c;
-        // Attention over the rank's Cr tokens for its query heads. MLA decodes in the absorbed
-        // form: q . latent over kv_lora_rank + rope, then p . latent over kv_lora_rank.
-        const double per_key =
-            m_.is_mla() ? 2.0 * m_.mla.kv_lora_rank + m_.mla.qk_rope_head_dim : qk_dim() + v_dim();
-        const double attn_flops = 2 * B * Cr * q_heads() * per_key;
         for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
+            const double kv_layer = layer_kv_[l];
+            // Attention over the rank's share of the keys the new token sees (the window for
+            // windowed layers), for its query heads. MLA decodes in the absorbed form: q . latent
+            // over kv_lora_rank + rope, then p . latent over kv_lora_rank. State layers read and
+            // write their state once per token.
+            const double Cl = attended(l, C) / p_.cp;
+            const double per_key = m_.is_mla() ? 2.0 * m_.mla.kv_lora_rank + m_.mla.qk_rope_head_dim
+                                               : qk_dim(l) + v_dim(l);
+            const double attn_flops =
+                2 * B * Cl * q_heads() * per_key + 2 * kStateFlopsPerElem * B * state_elems(l);
             const bool moe = m_.is_moe_layer(l);
-            double elems = attn_elems(rk);
+            double elems = attn_elems(l);
             double weight_elems = elems;
             if (moe) {
                 const double pe = m_.expert_params();
@@ -269,11 +316,12 @@ class Model {
                     p_.ep > 1 ? double(m_.moe.num_experts / p_.ep) * pe : E * pe / p_.tp;
                 weight_elems += hit * local + m_.moe.shared_experts * pe / p_.tp + h * E;
             } else {
-                elems += m_.dense_mlp_params_per_layer() / double(p_.tp);
+                elems += m_.mlp_params_of_layer(l) / double(p_.tp);
                 weight_elems = elems;
             }
             const double flops = 2 * B * elems + attn_flops;
-            const double bytes = weight_elems * we_ + B * Cr * kv_layer + B * kv_layer / p_.cp;
+            const double bytes = weight_elems * we_ + B * Cl * kv_layer + B * kv_layer / p_.cp +
+                                 2 * B * layer_state_[l];
             add_roofline(c, flops, bytes, attn_flops / flops_);
 
             const double ar = B * h * a;
@@ -283,10 +331,10 @@ class Model {
                 c.tp_s += n_ar * ring_all_reduce_s(ar, p_.tp, l_.tp_bw, l_.tp_hop);
             }
             if (moe && p_.ep > 1) add_ep(c, B / (p_.tp * p_.cp));
-            if (p_.cp > 1) {
+            if (p_.cp > 1 && holds_tokens(m_.layer(l).kind)) {
                 // Partial outputs of the rank's query heads and their fp32 LSE.
-                const double part = B * q_heads() * (v_dim() + 1) * 4.0;  // fp32 partial O and LSE
-                const double merged = B * q_heads() * v_dim() * a;
+                const double part = B * q_heads() * (v_dim(l) + 1) * 4.0;  // fp32 partial O, LSE
+                const double merged = B * q_heads() * v_dim(l) * a;
                 auto& d = c.cp_decode;
                 const double ag_s = ring_all_gather_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop);
                 const double ag_b = double(p_.cp - 1) * part;
@@ -332,6 +380,7 @@ class Model {
     const HardwareSpec& hw_;
     const CostOptions& o_;
     KvLayout layout_;
+    std::vector<double> layer_kv_, layer_state_;  // per layer, on TP rank 0 of its stage
     Links l_{};
     double flops_ = 0, hbm_ = 0, we_ = 0;
 };

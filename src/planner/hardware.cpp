@@ -1,5 +1,6 @@
 #include "kvshard/planner/hardware.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -64,7 +65,8 @@ double HardwareSpec::hop_latency_s(bool crosses_nodes) const {
 
 void HardwareSpec::validate() const {
     auto positive = [&](double v, const char* field) {
-        require(v > 0, "hardware '", name, "': ", field, " must be positive, got ", v);
+        require(std::isfinite(v) && v > 0 && v < 1e30, "hardware '", name, "': ", field,
+                " must be a positive finite number (below 1e30), got ", v);
     };
     positive(static_cast<double>(memory_bytes), "memory_bytes");
     positive(hbm_bw, "hbm_bw");
@@ -81,9 +83,11 @@ void HardwareSpec::validate() const {
     efficiency(compute_efficiency, "compute_efficiency");
     efficiency(nvlink_efficiency, "nvlink_efficiency");
     efficiency(internode_efficiency, "internode_efficiency");
-    require(nvlink_hop_latency_s >= 0, "hardware '", name, "': nvlink_hop_latency_s must be >= 0");
-    require(internode_hop_latency_s >= 0, "hardware '", name,
-            "': internode_hop_latency_s must be >= 0");
+    require(nvlink_hop_latency_s >= 0 && nvlink_hop_latency_s <= 1, "hardware '", name,
+            "': nvlink_hop_latency_s must be in [0, 1] s, got ", nvlink_hop_latency_s);
+    require(internode_hop_latency_s >= 0 && internode_hop_latency_s <= 1, "hardware '", name,
+            "': internode_hop_latency_s must be in [0, 1] s, got ", internode_hop_latency_s);
+    require(flops_fp8 < 1e30, "hardware '", name, "': flops_fp8 must be finite, got ", flops_fp8);
 }
 
 std::vector<std::string> hardware_names() {
@@ -177,6 +181,10 @@ HardwareSpec parse_hardware_json(std::string_view json_text, const std::string& 
                         : std::filesystem::path(file).stem().string();
     double memory = static_cast<double>(h.memory_bytes);
     field(memory, "memory_bytes", "memory_gib", static_cast<double>(kGiB));
+    // 2^50 bytes (1 PiB) per GPU at most: beyond that the value is a typo, and the cast must fit.
+    if (!(memory >= 1 && memory <= 0x1p50))
+        throw Error(detail::concat(file, ": the GPU memory must be in [1 byte, 1 PiB], got ",
+                                   memory, " bytes"));
     h.memory_bytes = static_cast<int64_t>(memory);
     field(h.hbm_bw, "hbm_bw", "hbm_bw_gbps", kGB);
     field(h.flops_bf16, "flops_bf16", "flops_bf16_tflops", kTflop);

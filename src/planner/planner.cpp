@@ -12,13 +12,6 @@
 namespace kvshard {
 namespace {
 
-std::vector<int> divisors(int n) {
-    std::vector<int> d;
-    for (int i = 1; i <= n; ++i)
-        if (n % i == 0) d.push_back(i);
-    return d;
-}
-
 std::string short_name(const ParallelConfig& p) {
     std::string s;
     auto add = [&](const char* k, int v) {
@@ -100,8 +93,11 @@ Objective parse_objective(std::string_view s) {
 }
 
 void PlanRequest::validate() const {
-    require(gpus >= 1, "the GPU count must be a positive integer, got ", gpus);
-    require(context_tokens >= 1, "the context must be at least 1 token, got ", context_tokens);
+    require(gpus >= 1 && gpus <= ParallelConfig::kMaxWorldSize,
+            "the GPU count must be an integer in [1, ", ParallelConfig::kMaxWorldSize, "], got ",
+            gpus);
+    require(context_tokens >= 1 && context_tokens <= kMaxContextTokens,
+            "the context must be in [1, 2^40] tokens, got ", context_tokens);
     require(batch >= 0, "the batch must be >= 0 (0: as many as fit), got ", batch);
     require(max_batch >= 1, "max_batch must be a positive integer, got ", max_batch);
     capacity.validate();
@@ -109,7 +105,9 @@ void PlanRequest::validate() const {
 }
 
 std::vector<ParallelConfig> enumerate_configs(const ModelSpec& m, int gpus, CpScheme cp_scheme) {
-    require(gpus >= 1, "the GPU count must be a positive integer, got ", gpus);
+    require(gpus >= 1 && gpus <= ParallelConfig::kMaxWorldSize,
+            "the GPU count must be an integer in [1, ", ParallelConfig::kMaxWorldSize, "], got ",
+            gpus);
     m.validate();
     std::vector<ParallelConfig> out;
     for (int tp : divisors(gpus))
@@ -214,6 +212,9 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
             {"tpot_s", k.tpot_s},
             {"weight_bytes_per_gpu", c.weight_bytes_per_gpu},
             {"kv_bytes_per_token", c.kv_bytes_per_token},
+            {"state_bytes_per_sequence", c.state_bytes_per_sequence},
+            {"request_kv_bytes", c.request_kv_bytes},
+            {"context_unbounded", c.context_unbounded},
             {"kv_blocks_per_gpu", c.kv_blocks_per_gpu},
             {"requests_per_replica", c.requests_per_replica},
             {"max_concurrency", c.max_concurrency},

@@ -83,6 +83,9 @@ std::string parse_line(std::string_view text, int block_tokens, double prev_arri
 
 Trace parse_trace(std::istream& in, const std::string& source, TraceErrorPolicy on_error,
                   int block_tokens, int64_t max_requests) {
+    require(max_requests >= 0, "the request limit must be >= 0 (0: all), got ", max_requests);
+    require(block_tokens >= 1 && block_tokens <= (1 << 20),
+            "the trace's block size must be in [1, 2^20] tokens, got ", block_tokens);
     require(block_tokens > 0, "trace: block_tokens must be positive, got ", block_tokens);
     Trace t;
     t.source = source;

@@ -36,6 +36,11 @@ void require_same_model(const ModelSpec& a, const ModelSpec& b) {
                                    ") has ", what, " ", x, " but the destination (", b.name,
                                    ") has ", y, "; both sides must hold the same model's KV"));
     };
+    for (const ModelSpec* m : {&a, &b})
+        require(m->uniform(), m->name, " has ", m->layer_mix(),
+                ": transfer plans move models whose every layer is full attention (or MLA) of one "
+                "shape; per-group plans for sliding, chunked, state and no-KV layers are not built "
+                "yet");
     if (a.num_layers != b.num_layers) mismatch("layers", a.num_layers, b.num_layers);
     if (a.is_mla() != b.is_mla()) mismatch("MLA", a.is_mla(), b.is_mla());
     if (a.is_mla()) {

@@ -45,9 +45,9 @@ TEST(CliErrors, LayoutValidationPaths) {
     expect_usage_error("layout --model llama-3.1-70b --tp 8 --pp 2 --gpus 8",
                        "but 8 GPUs were given");
     expect_usage_error("layout --model llama-3.1-70b --tp 0",
-                       "tp must be a positive integer, got 0");
+                       "--tp must be in [1, 1048576], got 0");
     expect_usage_error("layout --model llama-3.1-70b --dp -2",
-                       "dp must be a positive integer, got -2");
+                       "--dp must be in [1, 1048576], got -2");
     expect_usage_error("layout --model llama-3.1-70b --cp 2 --cp-scheme spiral",
                        "unknown CP scheme 'spiral'");
     expect_usage_error(
@@ -76,15 +76,16 @@ TEST(CliErrors, ModelFiles) {
 
 TEST(CliErrors, PlanPaths) {
     const std::string base = "plan --model llama-3.1-8b --hardware h100-sxm ";
-    expect_usage_error(base + "--gpus 0 --context 1024", "GPU count must be a positive integer");
-    expect_usage_error(base + "--gpus 8 --context 0", "context must be at least 1 token");
+    expect_usage_error(base + "--gpus 0 --context 1024",
+                       "GPU count must be an integer in [1, 1048576]");
+    expect_usage_error(base + "--gpus 8 --context 0", "context must be in [1, 2^40] tokens");
     expect_usage_error(base + "--gpus 8 --context 1024 --batch -3", "batch must be >= 0");
     expect_usage_error(base + "--gpus 8 --context 1024 --objective cost",
                        "unknown objective 'cost'");
     expect_usage_error(base + "--gpus 8 --context 1024 --mem-util 1.5",
                        "mem_util must be in (0, 1]");
     expect_usage_error(base + "--gpus 8 --context 1024 --block-size 0",
-                       "block_size must be a positive integer");
+                       "block_size must be an integer in [1, 2^20] tokens");
     expect_usage_error(base + "--gpus 8 --context 1024 --cp-prefill ring",
                        "unknown CP prefill scheme 'ring'");
     expect_usage_error(base + "--context 1024", "--gpus");
@@ -177,6 +178,74 @@ TEST(Cli, PlanExplainOneConfiguration) {
     expect_usage_error(base + "--explain tp=8,pp=4", "but 16 GPUs were given");
     expect_usage_error(base + "--explain tp=3,pp=2", "tp=3 does not divide");
     expect_usage_error(base + "--explain tq=8", "unknown key 'tq'");
+}
+
+}  // namespace
+
+namespace {
+
+// CLI11's own parse errors come out in kvshard's words: the flag, what it takes, which --help.
+TEST(CliErrors, ParseErrorsNameTheFlagAndWhatItTakes) {
+    expect_usage_error("layout --model tiny --tp abc",
+                       "--tp expects an integer in [1, 1048576], got 'abc' (see 'kvshard layout --help')");
+    expect_usage_error("plan --model tiny --gpus abc --context 10", "--gpus expects an integer, got 'abc'");
+    expect_usage_error("layout --model tiny --tp 99999999999", "--tp must be in [1, 1048576]");
+    expect_usage_error("frobnicate", "unknown command 'frobnicate': expected one of cp-plan, layout");
+    expect_usage_error("", "no command given: expected one of");
+    expect_usage_error("layout --model tiny --bogus 3", "unknown option '--bogus' for kvshard layout");
+    expect_usage_error("layout --model tiny extra", "unexpected argument 'extra' for kvshard layout");
+    expect_usage_error("layout --model tiny --tp", "--tp needs a value (INT");
+    expect_usage_error("plan --model tiny", "--gpus is required (see 'kvshard plan --help')");
+    expect_usage_error("plan --model tiny --gpus 8 --context 1024 --mem-util abc",
+                       "--mem-util expects a number, got 'abc'");
+}
+
+// Sizes that used to crash or loop: refused with the range in the message.
+TEST(CliErrors, HugeSizesAreRefusedNotCrashed) {
+    expect_usage_error("plan --model tiny --gpus 2147483647 --context 10",
+                       "the GPU count must be an integer in [1, 1048576], got 2147483647");
+    expect_usage_error("plan --model llama-3.1-8b --gpus 8 --context 4611686018427387904",
+                       "the context must be in [1, 2^40] tokens");
+    expect_usage_error("layout --model tiny --dp 65536 --cp 32768 --tp 2",
+                       "exceeds 1048576 ranks, the most a layout may have");
+    const std::string heads = temp_file(
+        "heads.json",
+        R"({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2147483647,
+        "head_dim": 8, "intermediate_size": 128, "vocab_size": 100})");
+    expect_usage_error("layout --model " + heads, "num_heads must be at most 65536");
+    const std::string layers = temp_file(
+        "layers.json",
+        R"({"num_hidden_layers": 2000000000, "hidden_size": 64, "num_attention_heads": 4,
+        "intermediate_size": 128, "vocab_size": 100})");
+    expect_usage_error("layout --model " + layers, "at most 16384 layers");
+    const std::string huge = temp_file(
+        "huge.json",
+        R"({"num_hidden_layers": 200, "hidden_size": 1000000, "num_attention_heads": 65536,
+        "num_key_value_heads": 65536, "head_dim": 65536, "intermediate_size": 128,
+        "vocab_size": 100})");
+    expect_usage_error("layout --model " + huge, "more than 2^55 parameters");
+    const std::string moe = temp_file(
+        "moe.json",
+        R"({"model_type": "deepseek_v3", "num_hidden_layers": 4, "hidden_size": 64,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 4294967297})");
+    expect_usage_error("layout --model " + moe, "first_k_dense_replace");
+    const std::string trace = std::string(KVSHARD_TEST_DATA_DIR) + "/mooncake_conversation_head300.jsonl";
+    expect_usage_error("simulate --trace " + trace + " --load-slack nan --policy kvshard",
+                       "load slack must be a finite number");
+    expect_usage_error("simulate --trace " + trace + " --prefill-weight nan --policy kvshard",
+                       "prefill weight must be a finite number");
+    expect_usage_error("simulate --trace " + trace + " --capacity-tokens -5", "--capacity-tokens must be >= 0");
+    expect_usage_error("simulate --trace " + trace + " --max-requests -1", "request limit must be >= 0");
+    expect_usage_error("simulate --trace " + trace + " --capacity-tokens 1000000000000",
+                       "exceed the 2^26 blocks the simulator holds");
+    // 1e30 GiB used to wrap to a negative byte count.
+    expect_usage_error("plan --model tiny --gpus 1 --context 10 --activation-reserve-gib 1e30",
+                       "--activation-reserve-gib must be a number in [0, 1048576] GiB");
+    const std::string hw = temp_file("hw_huge.json", R"({"base": "h100-sxm", "memory_gib": 1e30})");
+    expect_usage_error("plan --model tiny --gpus 1 --context 10 --hardware " + hw,
+                       "GPU memory must be in [1 byte, 1 PiB]");
 }
 
 }  // namespace

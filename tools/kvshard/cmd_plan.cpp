@@ -163,15 +163,25 @@ void run(const PlanFlags& f) {
         "in blocks of {}\n",
         gib(static_cast<double>(hw.memory_bytes)), r.capacity.mem_util,
         gib(static_cast<double>(r.capacity.activation_reserve_bytes)), r.capacity.block_size);
+    bool per_layer = false;
+    for (int l = 0; l < m.num_layers; ++l)
+        per_layer = per_layer || (m.layer(l).kind != LayerKind::kFullAttention &&
+                                  m.layer(l).kind != LayerKind::kMla);
+    if (per_layer)
+        fmt::print(
+            "{}: a request of {} tokens holds KV/req per GPU (windowed layers their window, "
+            "state layers their state), so requests = floor(KV budget / KV/req); KV tok "
+            "counts tokens of a sequence shorter than every window\n",
+            m.layer_mix(), f.context);
     fmt::print("{} of {} configurations fit.{}\n\n", n_fit, entries.size(),
                f.batch > 0
                    ? fmt::format(" Batch {} per replica.", f.batch)
                    : fmt::format(" Batch per replica: as many as fit, at most {}.", f.max_batch));
     fmt::print(
-        "{:>3} {:>3} {:>3} {:>3} {:>3} {:>3}  {:>4} {:>7} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8} "
-        "{:>8} {:>9} {:>9} {:>9}\n",
-        "#", "dp", "pp", "cp", "tp", "ep", "fits", "W GiB", "KV B/tok", "KV tok", "max ctx", "conc",
-        "batch", "comm/tok", "comm pf", "TTFT", "TPOT", "tok/s");
+        "{:>3} {:>3} {:>3} {:>3} {:>3} {:>3}  {:>4} {:>7} {:>8} {:>8} {:>8} {:>8} {:>6} {:>6} "
+        "{:>8} {:>8} {:>9} {:>9} {:>9}\n",
+        "#", "dp", "pp", "cp", "tp", "ep", "fits", "W GiB", "KV B/tok", "KV/req", "KV tok",
+        "max ctx", "conc", "batch", "comm/tok", "comm pf", "TTFT", "TPOT", "tok/s");
     int shown = 0;
     for (size_t i = 0; i < entries.size(); ++i) {
         const auto& e = entries[i];
@@ -188,12 +198,13 @@ void run(const PlanFlags& f) {
             continue;
         }
         fmt::print(
-            "{:>3} {:>3} {:>3} {:>3} {:>3} {:>3}  {:>4} {:>7} {:>8} {:>8} {:>8} {:>6} {:>6} {:>8} "
-            "{:>8} {:>9} {:>9} {:>9}\n",
+            "{:>3} {:>3} {:>3} {:>3} {:>3} {:>3}  {:>4} {:>7} {:>8} {:>8} {:>8} {:>8} {:>6} {:>6} "
+            "{:>8} {:>8} {:>9} {:>9} {:>9}\n",
             i + 1, p.dp, p.pp, p.cp, p.tp, p.ep, "yes",
             gib(static_cast<double>(c.weight_bytes_per_gpu)), c.kv_bytes_per_token,
-            tokens(c.kv_tokens_per_gpu), tokens(c.max_context), c.max_concurrency, e.batch,
-            mib(k.decode.comm_bytes()), mib(k.prefill.comm_bytes()), seconds(k.ttft_s),
+            mib(static_cast<double>(c.request_kv_bytes)), tokens(c.kv_tokens_per_gpu),
+            c.context_unbounded ? std::string("unbound") : tokens(c.max_context), c.max_concurrency,
+            e.batch, mib(k.decode.comm_bytes()), mib(k.prefill.comm_bytes()), seconds(k.ttft_s),
             seconds(k.tpot_s), fmt::format("{:.0f}", k.decode_tokens_per_s));
     }
     if (f.top > 0 && static_cast<int>(entries.size()) > shown)
@@ -201,7 +212,8 @@ void run(const PlanFlags& f) {
                    static_cast<int>(entries.size()) - shown,
                    static_cast<int>(entries.size()) - n_fit);
     fmt::print(
-        "\nW: weights per GPU. KV B/tok: KV bytes per token on the limiting GPU. KV tok: KV "
+        "\nW: weights per GPU. KV B/tok: KV bytes per token on the limiting GPU. KV/req: KV one "
+        "request of the context holds there. KV tok: KV "
         "tokens per GPU. max ctx: longest single request (spans cp GPUs). conc: requests of "
         "the context that fit at once, all replicas. comm/tok: bytes one GPU sends per decode "
         "step (TP+PP+CP+EP); comm pf: per prefill. tok/s: decode tokens/s, all replicas.\n");

@@ -83,6 +83,9 @@ void run(const SimulateFlags& f) {
     setup.hardware = resolve_hardware(f.hardware);
     setup.parallel =
         parse_parallel_config("tp=" + std::to_string(f.tp) + ",pp=" + std::to_string(f.pp));
+    require(f.capacity_tokens >= 0,
+            "--capacity-tokens must be >= 0 (0 or absent: what the planner computes), got ",
+            f.capacity_tokens);
     const int64_t capacity_tokens =
         f.capacity_tokens > 0 ? f.capacity_tokens : replica_kv_tokens(setup);
     require(capacity_tokens >= trace.block_tokens, "each replica holds ", capacity_tokens,

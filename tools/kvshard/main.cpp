@@ -6,6 +6,7 @@
 
 #include "command.h"
 #include "kvshard/common/error.h"
+#include "parse_errors.h"
 
 namespace kvshard::cli {
 
@@ -36,8 +37,8 @@ int main(int argc, char** argv) {
     } catch (const CLI::CallForVersion& e) {
         return app.exit(e);
     } catch (const CLI::ParseError& e) {
-        std::fprintf(stderr, "kvshard: error: %s\n", e.what());
-        std::fprintf(stderr, "Run with --help for usage.\n");
+        const std::string line = kvshard::cli::describe_parse_error(app, e, argc, argv);
+        std::fprintf(stderr, "kvshard: error: %s\n", line.c_str());
         return 2;
     } catch (const kvshard::Error& e) {
         std::fprintf(stderr, "kvshard: error: %s\n", e.what());

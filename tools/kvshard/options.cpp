@@ -20,22 +20,33 @@ void add_model_options(CLI::App* sub, ModelFlags& f, bool required) {
     if (required) opt->required();
     sub->add_option("--kv-dtype", f.kv_dtype,
                     "KV element type: fp32|bf16|fp16|fp8 (default: the model's)");
+    sub->add_flag("--all-full-attention", f.all_full_attention,
+                  "size every layer as full attention (windows, chunks and states ignored), "
+                  "to compare with the model as it is");
 }
 
 ModelSpec load_model(const ModelFlags& f) {
     ModelSpec m = resolve_model(f.model);
     if (!f.kv_dtype.empty()) m.kv_dtype = parse_dtype(f.kv_dtype);
+    if (f.all_full_attention) m = with_full_attention(m);
     return m;
 }
 
 void add_parallel_options(CLI::App* sub, ParallelFlags& f) {
-    sub->add_option("--tp", f.tp, "tensor parallel size (splits KV heads)")->capture_default_str();
-    sub->add_option("--pp", f.pp, "pipeline parallel size (splits layers)")->capture_default_str();
+    const CLI::Range size(1, ParallelConfig::kMaxWorldSize);
+    sub->add_option("--tp", f.tp, "tensor parallel size (splits KV heads)")
+        ->capture_default_str()
+        ->check(size);
+    sub->add_option("--pp", f.pp, "pipeline parallel size (splits layers)")
+        ->capture_default_str()
+        ->check(size);
     sub->add_option("--cp,--sp", f.cp, "context parallel size (splits tokens)")
-        ->capture_default_str();
-    sub->add_option("--dp", f.dp, "data parallel replicas")->capture_default_str();
+        ->capture_default_str()
+        ->check(size);
+    sub->add_option("--dp", f.dp, "data parallel replicas")->capture_default_str()->check(size);
     sub->add_option("--ep", f.ep, "expert parallel size (MoE experts over dp*cp*tp ranks)")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(size);
     sub->add_option("--cp-scheme", f.cp_scheme,
                     "token ownership under CP: contiguous|zigzag|interleave")
         ->capture_default_str();
@@ -83,7 +94,8 @@ void add_hardware_options(CLI::App* sub, HardwareFlags& f) {
 }
 
 CapacityOptions HardwareFlags::capacity_options() const {
-    require(activation_reserve_gib >= 0, "--activation-reserve-gib must be >= 0, got ",
+    require(activation_reserve_gib >= 0 && activation_reserve_gib <= 1 << 20,
+            "--activation-reserve-gib must be a number in [0, 1048576] GiB, got ",
             activation_reserve_gib);
     CapacityOptions o;
     o.mem_util = mem_util;

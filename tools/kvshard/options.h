@@ -15,6 +15,7 @@ namespace kvshard::cli {
 struct ModelFlags {
     std::string model;
     std::string kv_dtype;  // empty: the model's own
+    bool all_full_attention = false;
 };
 // --model NAME|config.json|DIR and --kv-dtype.
 void add_model_options(CLI::App* sub, ModelFlags& f, bool required = true);

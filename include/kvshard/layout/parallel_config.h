@@ -31,6 +31,13 @@ struct ParallelConfig {
     int cp_interleave = 1;       // tokens per round-robin unit under kInterleave
     std::vector<int> pp_layers;  // explicit layers per stage; empty: as even as possible
 
+    // The most ranks a layout may have (and the most of any one size): a layout holds a record per
+    // rank, so this bounds its memory (docs/cli-inputs.md).
+    static constexpr int kMaxWorldSize = 1 << 20;
+    // Throws Error unless every size is in [1, kMaxWorldSize], cp_interleave in [1, 2^30] and
+    // dp*pp*cp*tp <= kMaxWorldSize.
+    void validate_sizes() const;
+
     int world_size() const { return dp * pp * cp * tp; }
     int stage_size() const { return dp * cp * tp; }  // ranks of one pipeline stage
     bool operator==(const ParallelConfig&) const = default;
@@ -38,6 +45,9 @@ struct ParallelConfig {
     // "dp=1 pp=2 cp=1 tp=8 ep=1" (+ cp scheme when cp > 1, + pp split when explicit)
     std::string to_string() const;
 };
+
+// The divisors of n >= 1, ascending (O(sqrt n)).
+std::vector<int> divisors(int n);
 
 // Parses "tp=8,pp=2,cp=4,dp=1,ep=1,cp_scheme=zigzag,cp_interleave=16,pp_layers=10/12/10"
 // (comma or space separated, any order, any subset). Throws Error on an unknown key or a bad value.

@@ -34,6 +34,73 @@ struct MoeSpec {
     bool operator==(const MoeSpec&) const = default;
 };
 
+// What one layer keeps per sequence (docs/model.md gives each kind's formula and config fields).
+enum class LayerKind {
+    kFullAttention,  // K and V of every token
+    kSlidingWindow,  // K and V of the last `window` tokens (a query sees itself and window-1
+                     // before)
+    kChunkedLocal,   // K and V of the tokens of the current chunk of `window` tokens (Llama 4)
+    kMla,            // the MLA latent of every token (kv_lora_rank + qk_rope_head_dim)
+    kGatedDeltaNet,  // linear attention: a fixed conv + recurrent state per sequence (Qwen3-Next)
+    kMamba2,         // SSM: a fixed conv + SSM state per sequence (Nemotron-H, Granite 4)
+    kNoKv,           // no KV: an MLP-only layer or a no-op / linear-replaced attention
+};
+std::string_view layer_kind_name(LayerKind k);  // "full", "sliding", "chunked", "mla", ...
+LayerKind parse_layer_kind(std::string_view s);
+bool holds_tokens(LayerKind k);  // full, sliding, chunked, mla: KV grows with the sequence
+bool holds_state(LayerKind k);   // gated_deltanet, mamba2: a constant state per sequence
+
+// The MLP of one layer.
+enum class MlpKind { kDense, kMoe, kNone };
+
+// One layer. Attention kinds carry their own KV heads and head_dim (Nemotron Super varies them per
+// layer); state kinds take their shape from ModelSpec::state.
+struct LayerSpec {
+    LayerKind kind = LayerKind::kFullAttention;
+    int num_kv_heads = 0;  // attention kinds except MLA
+    int head_dim = 0;      // attention kinds except MLA: per-head dim of K and of V
+    int window = 0;        // kSlidingWindow: W; kChunkedLocal: chunk size C; else 0
+    // gpt-oss: a learned per-head sink logit joins the softmax. It holds no KV and keeps no token.
+    bool learned_sinks = false;
+    bool indexer = false;  // DeepSeek-V3.2: this layer also caches ModelSpec::indexer keys
+    MlpKind mlp = MlpKind::kDense;
+    int intermediate = 0;  // kDense: this layer's MLP width (Nemotron Super varies it)
+    bool operator==(const LayerSpec&) const = default;
+};
+
+// The recurrent state of linear-attention / SSM layers, one shape per model.
+//  Gated DeltaNet: conv state (conv_kernel-1) x (2*k_heads*k_head_dim + v_heads*v_head_dim),
+//                  recurrent state v_heads x k_head_dim x v_head_dim.
+//  Mamba-2:        conv state (conv_kernel-1) x (heads*head_dim + 2*groups*d_state),
+//                  SSM state heads x head_dim x d_state.
+// TP splits the heads (and the key heads / groups) as it splits KV heads.
+struct StateSpec {
+    int heads = 0;        // GDN: value heads; Mamba-2: SSM heads
+    int head_dim = 0;     // GDN: v_head_dim; Mamba-2: head_dim
+    int groups = 0;       // GDN: key heads; Mamba-2: n_groups (B and C share them)
+    int group_dim = 0;    // GDN: k_head_dim; Mamba-2: d_state (ssm_state_size)
+    int conv_kernel = 0;  // the causal conv's width; the state keeps conv_kernel - 1 columns
+    DType conv_dtype = DType::kBf16;
+    DType state_dtype = DType::kBf16;  // the recurrent / SSM state (vLLM mamba_ssm_cache_dtype)
+    bool operator==(const StateSpec&) const = default;
+};
+
+// State bytes per sequence of one state layer on a rank of a TP group of `tp`: heads and groups are
+// split by tp, each rank keeping at least one (replicated where tp exceeds them).
+int64_t state_bytes(const StateSpec& s, int tp);
+
+// DeepSeek-V3.2's sparse-attention indexer: one key of head_dim per token and layer, shared by
+// all heads, stored as `dtype` plus `scale_bytes` of scale per token (vLLM: fp8 + one fp32 scale).
+struct IndexerSpec {
+    int heads = 0;  // query heads of the indexer (no cache)
+    int head_dim = 0;
+    int topk = 0;
+    DType dtype = DType::kFp8;
+    int scale_bytes = 4;
+    bool enabled() const { return head_dim > 0; }
+    bool operator==(const IndexerSpec&) const = default;
+};
+
 struct ModelSpec {
     std::string name;
     int num_layers = 0;
@@ -51,30 +118,65 @@ struct ModelSpec {
     double rope_theta = 10000.0;
     double rms_norm_eps = 1e-5;
     bool tie_embeddings = false;
+    // Weight matrices of a dense MLP and of each expert: 3 gated (SwiGLU, GeGLU), 2 plain up/down
+    // (Falcon's GELU, Nemotron-H's squared ReLU).
+    int mlp_projections = 3;
+    // One entry per layer, or empty: every layer full attention (MLA when attention is kMla) with
+    // num_kv_heads x head_dim and the MoE / dense MLP of is_moe_layer.
+    std::vector<LayerSpec> layers;
+    StateSpec state;      // used by kGatedDeltaNet / kMamba2 layers
+    IndexerSpec indexer;  // used by layers with indexer = true
 
     bool operator==(const ModelSpec&) const = default;
 
+    // Layer l as stored or as implied by the uniform fields.
+    LayerSpec layer(int l) const;
+    // True when every layer is the uniform full-attention (or MLA) layer the executors run.
+    bool uniform() const;
+    // "36 layers: 18 sliding(128) + 18 full" style summary.
+    std::string layer_mix() const;
+    // Bytes a token adds to layer l (all heads, K and V, plus indexer keys); 0 for state layers.
+    int64_t kv_bytes_per_token_of_layer(int l) const;
+    // Bytes of recurrent state per sequence in layer l (all heads); 0 for attention layers.
+    int64_t state_bytes_of_layer(int l) const;
+    // Sum over layers of kv_bytes_per_token_of_layer: what a token adds while the sequence is
+    // shorter than every window.
+    int64_t kv_bytes_per_token() const;
+    int64_t state_bytes_per_sequence() const;
+
     bool is_mla() const { return attention == AttentionKind::kMla; }
-    bool is_moe_layer(int layer) const { return moe.enabled() && layer >= moe.first_dense_layers; }
+    bool is_moe_layer(int layer) const;
     int num_moe_layers() const;
 
-    // Elements of KV per token per layer for the whole model (all heads): 2*H_kv*d, or the MLA
-    // latent.
+    // Elements of KV per token per layer for the whole model (all heads) of the uniform layer:
+    // 2*H_kv*d, or the MLA latent.
     int64_t kv_elems_per_token_per_layer() const;
 
     // Parameter counts (elements), used for weight memory and FLOPs.
-    int64_t attention_params_per_layer() const;
-    int64_t dense_mlp_params_per_layer() const;  // 3 * hidden * intermediate (SwiGLU)
-    int64_t expert_params() const;         // one routed expert: 3 * hidden * expert_intermediate
+    int64_t attention_params_per_layer() const;  // the uniform attention layer
+    int64_t mixer_params_of_layer(int l) const;  // attention / linear attention / SSM of layer l
+    int64_t mlp_params_of_layer(int l) const;    // dense, MoE or none
+    int64_t dense_mlp_params_per_layer() const;  // mlp_projections * hidden * intermediate
+    int64_t expert_params() const;  // one expert: mlp_projections * hidden * expert_intermediate
     int64_t moe_params_per_layer() const;  // all routed + shared experts + router
     int64_t embedding_params() const;      // vocab * hidden
     int64_t lm_head_params() const;        // 0 when tied
     int64_t total_params() const;
     int64_t active_params_per_token() const;  // what one token multiplies through (top-k experts)
 
-    // Throws kvshard::Error naming the first bad field.
+    // Throws kvshard::Error naming the first bad field or range (docs/cli-inputs.md).
     void validate() const;
+
+  private:
+    void validate_totals() const;
+
+  public:
 };
+
+// The same model with every layer full attention (MLA stays MLA): sliding and chunked layers keep
+// their heads, state and no-KV layers take the model's KV heads. What a reader that ignores
+// per-layer kinds would size; kept for comparisons (`--all-full-attention`).
+ModelSpec with_full_attention(const ModelSpec& m);
 
 // JSON (the same field names as `kvshard model --json`).
 std::string to_json(const ModelSpec& m);

@@ -39,22 +39,32 @@ struct WeightBytes {
 struct RankCapacity {
     int rank = 0;
     WeightBytes weights;
-    int64_t kv_bytes_per_token = 0;  // bytes of KV per token this rank stores
-    int64_t kv_budget_bytes = 0;     // memory*mem_util - weights - reserve (may be negative)
-    int64_t kv_tokens = 0;           // whole blocks only; 0 when nothing fits
+    int64_t kv_bytes_per_token = 0;        // bytes of KV per token this rank stores
+    int64_t state_bytes_per_sequence = 0;  // linear-attention / SSM state per sequence
+    int64_t kv_budget_bytes = 0;           // memory*mem_util - weights - reserve (may be negative)
+    int64_t kv_tokens = 0;                 // whole blocks only; 0 when nothing fits
 };
 
 struct CapacityReport {
     // The limiting rank's figures (the minimum KV token capacity over all ranks).
     int limiting_rank = 0;
     int64_t weight_bytes_per_gpu = 0;  // the most any rank holds
-    int64_t kv_bytes_per_token = 0;    // per GPU, of the limiting rank
-    int64_t kv_tokens_per_gpu = 0;     // min over ranks, whole blocks
-    int64_t kv_blocks_per_gpu = 0;     // kv_tokens_per_gpu / block_size
-    // The longest context one request can have: its tokens spread over the cp ranks of a CP group,
-    // each holding ceil(L / cp) of them (the most any scheme puts on one rank, rounded to blocks).
+    int64_t kv_bytes_per_token = 0;    // per GPU, of the limiting rank; while shorter than windows
+    int64_t state_bytes_per_sequence = 0;  // per GPU, of the limiting rank
+    int64_t kv_tokens_per_gpu = 0;         // min over ranks, whole blocks
+    int64_t kv_blocks_per_gpu = 0;         // kv_tokens_per_gpu / block_size
+    // The longest context one request can have: its tokens spread over the cp ranks of a CP group
+    // by the CP scheme, each rank's share in whole blocks per KV group, windowed groups counted at
+    // the most blocks they hold on the way (request_kv_bytes_peak).
     int64_t max_context = 0;
-    // Requests of options.context_tokens that fit at once in one DP replica and in all replicas.
+    // Every layer keeps a bounded window or state: no context length runs out of memory
+    // (max_context is then 2^40, the longest checked).
+    bool context_unbounded = false;
+    // Bytes the limiting rank holds for one request of options.context_tokens (request_kv_bytes):
+    // full layers all its tokens, windowed layers their window, state layers their state.
+    int64_t request_kv_bytes = 0;
+    // Requests of options.context_tokens that fit at once in one DP replica and in all replicas:
+    // the fewest over the ranks of floor(KV budget / request_kv_bytes).
     int64_t requests_per_replica = 0;
     int64_t max_concurrency = 0;  // dp * requests_per_replica
     // Weights fit, at least one block of KV fits, and (when context_tokens > 0) one such request

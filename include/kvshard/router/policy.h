@@ -68,6 +68,9 @@ struct PolicyParams {
     double prefill_weight = 16;
     int affinity_blocks = 1;
     int min_gain_blocks = 1;
+    // Throws Error naming the parameter unless every weight and threshold is finite and in its
+    // range (docs/cli-inputs.md).
+    void validate() const;
 };
 
 struct RouteRequest {

@@ -1,0 +1,782 @@
+// Hugging Face config.json -> ModelSpec, per layer. Each family's fields and the rule that turns
+// them into layer kinds are listed in docs/model.md; a field that may change the KV cache and that
+// this reader does not model is refused by name, never ignored.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <regex>
+#include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "kvshard/common/error.h"
+#include "kvshard/model/catalog.h"
+
+namespace kvshard {
+namespace {
+
+// Python's json writes NaN, Infinity and -Infinity, which are not JSON. Outside strings they are
+// replaced by the string "<non-finite X>": a field the KV does not depend on is then ignored as
+// before, and one that sizes the KV is refused by name, since it is present but not a number.
+std::string replace_non_finite(std::string_view text) {
+    std::string out;
+    out.reserve(text.size());
+    bool in_string = false;
+    for (size_t i = 0; i < text.size(); ++i) {
+        const char c = text[i];
+        if (in_string) {
+            out += c;
+            if (c == '\\' && i + 1 < text.size()) {
+                out += text[++i];
+            } else if (c == '"') {
+                in_string = false;
+            }
+            continue;
+        }
+        if (c == '"') {
+            in_string = true;
+            out += c;
+            continue;
+        }
+        bool replaced = false;
+        for (std::string_view word : {"-Infinity", "Infinity", "NaN"}) {
+            if (text.substr(i, word.size()) == word) {
+                out += detail::concat("\"<non-finite ", word, ">\"");
+                i += word.size() - 1;
+                replaced = true;
+                break;
+            }
+        }
+        if (!replaced) out += c;
+    }
+    return out;
+}
+
+class HfFields {
+  public:
+    HfFields(const nlohmann::json& j, std::string file) : j_(j), file_(std::move(file)) {}
+
+    const std::string& file() const { return file_; }
+    const nlohmann::json& json() const { return j_; }
+    bool has(const std::string& key) const { return j_.contains(key) && !j_.at(key).is_null(); }
+
+    // The first of `keys` present, or "" when none is.
+    std::string first_of(std::initializer_list<const char*> keys) const {
+        for (const char* k : keys)
+            if (has(k)) return k;
+        return "";
+    }
+    int positive_int(const std::string& key) const {
+        if (!has(key)) throw Error(detail::concat(file_, ": missing field '", key, "'"));
+        return positive_int_value(key);
+    }
+    int positive_int_or(const std::string& key, int fallback) const {
+        return has(key) ? positive_int_value(key) : fallback;
+    }
+    int int_or(const std::string& key, int fallback) const {
+        if (!has(key)) return fallback;
+        const auto& v = j_.at(key);
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kIntMax)
+            throw Error(detail::concat(file_, ": field '", key,
+                                       "' must be a non-negative integer below 2^31, got ",
+                                       v.dump()));
+        return v.get<int>();
+    }
+    double number_or(const std::string& key, double fallback) const {
+        if (!has(key)) return fallback;
+        const auto& v = j_.at(key);
+        if (!v.is_number())
+            throw Error(
+                detail::concat(file_, ": field '", key, "' must be a number, got ", v.dump()));
+        return v.get<double>();
+    }
+    bool bool_or(const std::string& key, bool fallback) const {
+        if (!has(key)) return fallback;
+        const auto& v = j_.at(key);
+        if (!v.is_boolean())
+            throw Error(
+                detail::concat(file_, ": field '", key, "' must be true or false, got ", v.dump()));
+        return v.get<bool>();
+    }
+    std::string string_or(const std::string& key, std::string fallback) const {
+        if (!has(key)) return fallback;
+        const auto& v = j_.at(key);
+        if (!v.is_string())
+            throw Error(
+                detail::concat(file_, ": field '", key, "' must be a string, got ", v.dump()));
+        return v.get<std::string>();
+    }
+    const nlohmann::json& array(const std::string& key) const {
+        if (!has(key) || !j_.at(key).is_array())
+            throw Error(detail::concat(file_, ": field '", key, "' must be a list"));
+        return j_.at(key);
+    }
+    Error bad(const std::string& key, const std::string& what) const {
+        return Error(detail::concat(file_, ": field '", key, "' ", what));
+    }
+
+  private:
+    static constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
+    int positive_int_value(const std::string& key) const {
+        const auto& v = j_.at(key);
+        if (!v.is_number_integer() || v.get<int64_t>() <= 0 || v.get<int64_t>() > kIntMax)
+            throw Error(detail::concat(file_, ": field '", key,
+                                       "' must be a positive integer below 2^31, got ", v.dump()));
+        return v.get<int>();
+    }
+    const nlohmann::json& j_;
+    std::string file_;
+};
+
+// The architectures this reader knows (model_type). A config without model_type is read as a
+// Llama-style decoder.
+enum class Family {
+    kLlama,  // llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, and no model_type
+    kQwen3Next,
+    kGemma2,
+    kGemma3,
+    kGptOss,
+    kLlama4,
+    kDeepSeek,  // deepseek_v2, deepseek_v3, deepseek_v32, kimi_k2
+    kChatGlm,   // chatglm, glm4 (the ChatGLM field names)
+    kFalcon,
+    kNemotronH,
+    kNemotronNas,  // Nemotron Super / Ultra (block_configs)
+};
+
+Family family_of(const std::string& model_type, const std::string& file) {
+    static const std::map<std::string, Family, std::less<>> kFamilies = {
+        {"", Family::kLlama},
+        {"llama", Family::kLlama},
+        {"mistral", Family::kLlama},
+        {"mixtral", Family::kLlama},
+        {"qwen2", Family::kLlama},
+        {"qwen2_moe", Family::kLlama},
+        {"qwen3", Family::kLlama},
+        {"qwen3_moe", Family::kLlama},
+        {"qwen3_next", Family::kQwen3Next},
+        {"gemma2", Family::kGemma2},
+        {"gemma3", Family::kGemma3},
+        {"gemma3_text", Family::kGemma3},
+        {"gpt_oss", Family::kGptOss},
+        {"llama4", Family::kLlama4},
+        {"llama4_text", Family::kLlama4},
+        {"deepseek_v2", Family::kDeepSeek},
+        {"deepseek_v3", Family::kDeepSeek},
+        {"deepseek_v32", Family::kDeepSeek},
+        {"kimi_k2", Family::kDeepSeek},
+        {"chatglm", Family::kChatGlm},
+        {"glm4", Family::kChatGlm},
+        {"falcon", Family::kFalcon},
+        {"RefinedWeb", Family::kFalcon},
+        {"RefinedWebModel", Family::kFalcon},
+        {"nemotron_h", Family::kNemotronH},
+        {"nemotron-nas", Family::kNemotronNas},
+    };
+    auto it = kFamilies.find(model_type);
+    if (it != kFamilies.end()) return it->second;
+    std::string known;
+    for (const auto& [name, _] : kFamilies)
+        if (!name.empty()) known += (known.empty() ? "" : ", ") + name;
+    throw Error(detail::concat(file, ": unsupported architecture (model_type '", model_type,
+                               "'): kvshard reads ", known,
+                               "; an unknown architecture's KV cache cannot be sized safely"));
+}
+
+// Fields this reader turns into the ModelSpec, or knows do not change what the KV cache holds
+// (they shape the attention math, the router, positions or training only). Any other field whose
+// name speaks of attention, caches, windows, heads or recurrent state is refused.
+const std::set<std::string, std::less<>>& understood_fields() {
+    static const std::set<std::string, std::less<>> kFields = {
+        // read into the spec
+        "num_hidden_layers",
+        "n_layer",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "n_head",
+        "num_key_value_heads",
+        "num_kv_heads",
+        "n_head_kv",
+        "head_dim",
+        "attention_head_dim",
+        "kv_channels",
+        "multi_query",
+        "multi_query_attention",
+        "multi_query_group_num",
+        "new_decoder_architecture",
+        "sliding_window",
+        "sliding_window_size",
+        "sliding_window_pattern",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "attention_chunk_size",
+        "no_rope_layers",
+        "no_rope_layer_interval",
+        "full_attention_interval",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_value_head_dim",
+        "hybrid_override_pattern",
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "ssm_state_size",
+        "conv_kernel",
+        "n_groups",
+        "mamba_ssm_cache_dtype",
+        "block_configs",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "index_head_dim",
+        "index_n_heads",
+        "index_topk",
+        // do not change what is cached
+        "attention_dropout",
+        "attention_bias",
+        "attn_logit_softcapping",
+        "query_pre_attn_scalar",
+        "use_qk_norm",
+        "qk_layernorm",
+        "attn_scale",
+        "attn_temperature_tuning",
+        "attention_softmax_in_fp32",
+        "apply_query_key_layer_scaling",
+        "add_qkv_bias",
+        "use_cache",
+        "cache_implementation",
+        "head_dim_original",
+        "mamba_hidden_act",
+        "mamba_proj_bias",
+        "mamba_chunk_size",
+        "chunk_size",
+        "use_conv_bias",
+        "use_mamba_kernels",
+        "residual_in_fp32",
+        "rescale_prenorm_residual",
+        "n_group",
+        "topk_group",
+        "attention_multiplier",
+        "partial_rotary_factor",
+        "rotary_dim",
+        "rope_scaling",
+        "rope_theta",
+        "rope_ratio",
+        "original_rope",
+        "num_nextn_predict_layers",
+        "pretraining_tp",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "moe_layers",
+        "interleave_moe_layer_step",
+        "layer_norm_epsilon",
+        "layernorm_epsilon",
+        "time_step_limit",
+        "time_step_min",
+        "time_step_max",
+        "time_step_floor",
+        "expand",
+        "alibi",
+        "parallel_attn",
+        "multi_query_group_num_original",
+    };
+    return kFields;
+}
+
+bool speaks_of_kv(const std::string& key) {
+    static const std::regex kKvWords(
+        "attn|attention|kv|cache|window|head|sliding|chunk|sink|ssm|mamba|linear_|state|conv|"
+        "layer_types|index_|lora|rope_layers|query|key|value|group",
+        std::regex::icase);
+    return std::regex_search(key, kKvWords);
+}
+
+void refuse_unknown_kv_fields(const HfFields& f, const std::string& model_type) {
+    for (const auto& [key, value] : f.json().items()) {
+        if (understood_fields().count(key) || !speaks_of_kv(key)) continue;
+        throw Error(detail::concat(
+            f.file(), ": field '", key, "' of model_type '",
+            model_type.empty() ? "(none)" : model_type,
+            "' may change what the KV cache holds, and kvshard does not model it: its KV figures "
+            "would be wrong (remove the field if it does not apply, or report the architecture)"));
+    }
+}
+
+// Nemotron Super / Ultra: a DeciLM block's FFN width from its ffn_mult (transformers'
+// _ffn_mult_to_intermediate_size: 2/3 of ffn_mult * hidden, rounded up to a multiple of 256).
+int ffn_mult_to_intermediate(double ffn_mult, int hidden) {
+    const auto raw = static_cast<int64_t>(2.0 * ffn_mult * hidden / 3.0);
+    return static_cast<int>((raw + 255) / 256 * 256);
+}
+
+LayerKind layer_type_kind(const std::string& t, const std::string& file, int layer) {
+    if (t == "full_attention") return LayerKind::kFullAttention;
+    if (t == "sliding_attention") return LayerKind::kSlidingWindow;
+    if (t == "chunked_attention") return LayerKind::kChunkedLocal;
+    if (t == "linear_attention") return LayerKind::kGatedDeltaNet;
+    throw Error(detail::concat(file, ": layer_types[", layer, "] is '", t,
+                               "': expected full_attention, sliding_attention, chunked_attention "
+                               "or linear_attention"));
+}
+
+// Fields only some families read: present in another family's config they would be ignored, so
+// they are refused there.
+void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& model_type) {
+    struct Owned {
+        const char* key;
+        std::vector<Family> readers;
+    };
+    static const std::vector<Owned> kOwned = {
+        {"hybrid_override_pattern", {Family::kNemotronH}},
+        {"mamba_num_heads", {Family::kNemotronH}},
+        {"ssm_state_size", {Family::kNemotronH}},
+        {"block_configs", {Family::kNemotronNas}},
+        {"linear_num_value_heads", {Family::kQwen3Next}},
+        {"linear_num_key_heads", {Family::kQwen3Next}},
+        {"full_attention_interval", {Family::kQwen3Next}},
+        {"attention_chunk_size", {Family::kLlama4}},
+        {"no_rope_layers", {Family::kLlama4}},
+        {"sliding_window_pattern", {Family::kGemma3}},
+        {"multi_query_group_num", {Family::kChatGlm}},
+        {"new_decoder_architecture", {Family::kFalcon}},
+        {"multi_query", {Family::kFalcon}},
+    };
+    for (const Owned& o : kOwned) {
+        if (!f.has(o.key)) continue;
+        if (std::find(o.readers.begin(), o.readers.end(), fam) != o.readers.end()) continue;
+        throw f.bad(o.key, detail::concat("is set, but kvshard does not read it for model_type '",
+                                          model_type.empty() ? "(none)" : model_type,
+                                          "': its KV figures would ignore it"));
+    }
+    if (f.has("quantization_config") && f.json().at("quantization_config").is_object()) {
+        const auto& q = f.json().at("quantization_config");
+        for (const char* k : {"kv_cache_scheme", "kv_cache_quant_algo"})
+            if (q.contains(k) && !q.at(k).is_null())
+                throw Error(detail::concat(
+                    f.file(), ": quantization_config.", k,
+                    " quantizes the KV cache, which kvshard does not read from config.json: remove "
+                    "it and give the KV element type with --kv-dtype"));
+    }
+}
+
+}  // namespace
+
+ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
+    nlohmann::json top;
+    try {
+        top = nlohmann::json::parse(replace_non_finite(json_text));
+    } catch (const nlohmann::json::exception& e) {
+        throw Error(detail::concat(file, ": not valid JSON (", e.what(), ")"));
+    }
+    if (!top.is_object())
+        throw Error(detail::concat(file, ": expected a JSON object at the top level"));
+    // Multimodal wrappers (Llama 4, Gemma 3, ...) nest the language model under text_config; its
+    // fields win, the wrapper's fill in what it lacks (torch_dtype, tie_word_embeddings).
+    nlohmann::json j = top;
+    if (top.contains("text_config") && top.at("text_config").is_object()) {
+        j = top.at("text_config");
+        for (const auto& [key, value] : top.items())
+            if (key != "text_config" && key != "vision_config" && key != "audio_config" &&
+                !j.contains(key))
+                j[key] = value;
+        if (top.contains("model_type") && top.at("text_config").contains("model_type"))
+            j["model_type"] = top.at("text_config").at("model_type");
+    }
+    j.erase("vision_config");
+    j.erase("audio_config");
+    HfFields f(j, file);
+    const std::string model_type = f.string_or("model_type", "");
+    const Family fam = family_of(model_type, file);
+    refuse_unknown_kv_fields(f, model_type);
+    refuse_foreign_fields(f, fam, model_type);
+
+    ModelSpec m;
+    m.name = f.string_or("_name_or_path", model_type.empty() ? "hf-model" : model_type);
+    auto pick = [&](std::initializer_list<const char*> keys, const char* canonical) {
+        const std::string k = f.first_of(keys);
+        return k.empty() ? std::string(canonical) : k;
+    };
+    m.num_layers =
+        f.positive_int(pick({"num_hidden_layers", "n_layer", "num_layers"}, "num_hidden_layers"));
+    if (m.num_layers > (1 << 14))
+        throw Error(detail::concat(file, ": ", m.num_layers,
+                                   " layers: kvshard reads models of at most 16384 layers"));
+    m.hidden = f.positive_int("hidden_size");
+    m.num_heads = f.positive_int(pick({"num_attention_heads", "n_head"}, "num_attention_heads"));
+    m.vocab = f.has("vocab_size") || fam != Family::kGemma3
+                  ? f.positive_int(pick({"vocab_size", "padded_vocab_size"}, "vocab_size"))
+                  : 262208;  // Gemma3TextConfig's default; the published text_config omits it
+    m.rope_theta = f.number_or("rope_theta", 10000.0);
+    m.rms_norm_eps = f.number_or(
+        pick({"rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"}, "rms_norm_eps"), 1e-6);
+    const bool gemma = fam == Family::kGemma2 || fam == Family::kGemma3;
+    m.tie_embeddings = f.bool_or("tie_word_embeddings", gemma);  // Gemma ties by default
+    const std::string torch_dtype =
+        f.string_or(f.has("torch_dtype") ? "torch_dtype" : "dtype", "bfloat16");
+    try {
+        m.weight_dtype = parse_dtype(torch_dtype);
+    } catch (const Error& e) {
+        throw Error(detail::concat(file, ": field 'torch_dtype': ", e.what()));
+    }
+    m.kv_dtype = m.weight_dtype;
+
+    // ---- KV heads and head_dim of the model's attention layers ----
+    if (fam == Family::kFalcon) {
+        if (f.bool_or("new_decoder_architecture", false))
+            m.num_kv_heads = f.positive_int(pick({"num_kv_heads", "n_head_kv"}, "num_kv_heads"));
+        else if (f.bool_or("multi_query", true))
+            m.num_kv_heads = 1;  // Falcon-7B: num_kv_heads is written but unused (MQA)
+        else
+            m.num_kv_heads = m.num_heads;
+    } else if (fam == Family::kChatGlm) {
+        m.num_kv_heads = f.bool_or("multi_query_attention", false)
+                             ? f.positive_int("multi_query_group_num")
+                             : m.num_heads;
+    } else {
+        m.num_kv_heads = f.positive_int_or("num_key_value_heads", m.num_heads);  // absent: MHA
+    }
+    const std::string head_dim_key =
+        pick({"head_dim", "attention_head_dim", "kv_channels"}, "head_dim");
+
+    if (f.has("kv_lora_rank")) {  // DeepSeek-V2/V3 multi-head latent attention
+        m.attention = AttentionKind::kMla;
+        m.mla.kv_lora_rank = f.positive_int("kv_lora_rank");
+        m.mla.qk_rope_head_dim = f.positive_int("qk_rope_head_dim");
+        m.mla.qk_nope_head_dim = f.positive_int("qk_nope_head_dim");
+        m.mla.v_head_dim = f.positive_int("v_head_dim");
+        m.mla.q_lora_rank = f.int_or("q_lora_rank", 0);
+        m.num_kv_heads = m.num_heads;
+        m.head_dim = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim;
+    } else {
+        if (m.hidden % m.num_heads != 0 && !f.has(head_dim_key))
+            throw Error(detail::concat(file, ": field 'head_dim' is missing and hidden_size (",
+                                       m.hidden, ") is not divisible by num_attention_heads (",
+                                       m.num_heads, ")"));
+        m.head_dim = f.positive_int_or(head_dim_key, m.hidden / m.num_heads);
+        if (m.num_heads % m.num_kv_heads != 0)
+            throw Error(detail::concat(file, ": num_attention_heads (", m.num_heads,
+                                       ") must be a multiple of num_key_value_heads (",
+                                       m.num_kv_heads, ")"));
+        m.attention = m.num_kv_heads == m.num_heads ? AttentionKind::kMha
+                      : m.num_kv_heads == 1         ? AttentionKind::kMqa
+                                                    : AttentionKind::kGqa;
+    }
+
+    // ---- MoE ----
+    if (f.has("num_local_experts")) {  // Mixtral, gpt-oss, Llama 4
+        m.moe.num_experts = f.positive_int("num_local_experts");
+        m.moe.experts_per_token = f.positive_int(
+            pick({"num_experts_per_tok", "experts_per_token"}, "num_experts_per_tok"));
+        m.moe.expert_intermediate = f.positive_int("intermediate_size");
+        if (fam == Family::kLlama4) m.moe.shared_experts = 1;
+    } else if (f.has("n_routed_experts")) {  // DeepSeek-V3
+        m.moe.num_experts = f.positive_int("n_routed_experts");
+        m.moe.shared_experts = f.int_or("n_shared_experts", 0);
+        m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
+        m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
+        m.moe.first_dense_layers = f.int_or("first_k_dense_replace", 0);
+        if (m.moe.first_dense_layers >= m.num_layers)
+            throw f.bad("first_k_dense_replace",
+                        detail::concat("must be below num_hidden_layers (", m.num_layers, "), got ",
+                                       m.moe.first_dense_layers));
+    } else if (f.has("num_experts") && f.int_or("num_experts", 0) > 0) {  // Qwen3-MoE, Qwen3-Next
+        m.moe.num_experts = f.positive_int("num_experts");
+        m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
+        m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
+        // Qwen3-Next: one shared expert of its own width, counted at the routed width here when
+        // they agree (they do in the published config).
+        if (f.has("shared_expert_intermediate_size")) {
+            if (f.positive_int("shared_expert_intermediate_size") != m.moe.expert_intermediate)
+                throw f.bad("shared_expert_intermediate_size",
+                            "differs from moe_intermediate_size: kvshard models shared experts "
+                            "of the routed experts' width");
+            m.moe.shared_experts = 1;
+        }
+    }
+
+    if (fam == Family::kFalcon || fam == Family::kNemotronH) m.mlp_projections = 2;
+    const std::string inter_key = pick(
+        {"intermediate_size_mlp", "ffn_hidden_size", "intermediate_size"}, "intermediate_size");
+    const bool needs_dense = !m.moe.enabled() || m.moe.first_dense_layers > 0;
+    if (fam == Family::kFalcon)
+        m.intermediate = f.positive_int_or("ffn_hidden_size", 4 * m.hidden);
+    else if (fam == Family::kNemotronNas)
+        m.intermediate = 0;  // per block, from ffn_mult
+    else if (fam == Family::kLlama4)
+        m.intermediate = f.positive_int_or("intermediate_size_mlp", m.moe.expert_intermediate);
+    else
+        m.intermediate = needs_dense ? f.positive_int(inter_key)
+                                     : f.positive_int_or(inter_key, m.moe.expert_intermediate);
+
+    // ---- per layer ----
+    const int L = m.num_layers;
+    std::vector<LayerSpec> layers(L);
+    for (int l = 0; l < L; ++l) {
+        LayerSpec& s = layers[l];
+        s.kind = m.is_mla() ? LayerKind::kMla : LayerKind::kFullAttention;
+        s.num_kv_heads = m.is_mla() ? 0 : m.num_kv_heads;
+        s.head_dim = m.is_mla() ? 0 : m.head_dim;
+        s.mlp = m.moe.enabled() && l >= m.moe.first_dense_layers ? MlpKind::kMoe : MlpKind::kDense;
+        s.intermediate = s.mlp == MlpKind::kDense ? m.intermediate : 0;
+    }
+    auto window_field = [&](const char* key) {
+        if (!f.has(key)) throw Error(detail::concat(file, ": missing field '", key, "'"));
+        return f.positive_int(key);
+    };
+    auto set_window = [&](LayerSpec& s, LayerKind kind, int w) {
+        s.kind = kind;
+        s.window = w;
+    };
+
+    if (f.has("layer_types")) {
+        const auto& types = f.array("layer_types");
+        if (static_cast<int>(types.size()) != L)
+            throw f.bad("layer_types", detail::concat("lists ", types.size(),
+                                                      " layers but num_hidden_layers is ", L));
+        for (int l = 0; l < L; ++l) {
+            if (!types[l].is_string()) throw f.bad("layer_types", "must be a list of strings");
+            const LayerKind k = layer_type_kind(types[l].get<std::string>(), file, l);
+            if (k == LayerKind::kSlidingWindow)
+                set_window(layers[l], k, window_field("sliding_window"));
+            else if (k == LayerKind::kChunkedLocal)
+                set_window(layers[l], k, window_field("attention_chunk_size"));
+            else
+                layers[l].kind = k;
+            if (k == LayerKind::kGatedDeltaNet && fam != Family::kQwen3Next)
+                throw f.bad("layer_types", detail::concat("names linear_attention, which kvshard "
+                                                          "reads only for qwen3_next, not '",
+                                                          model_type, "'"));
+        }
+    } else if (fam == Family::kGemma2) {
+        // Even layers slide, odd layers attend fully (transformers' Gemma2 default).
+        for (int l = 0; l < L; l += 2)
+            set_window(layers[l], LayerKind::kSlidingWindow, window_field("sliding_window"));
+    } else if (fam == Family::kGemma3) {
+        const int pattern = f.positive_int_or("sliding_window_pattern", 6);
+        for (int l = 0; l < L; ++l)
+            if ((l + 1) % pattern != 0)
+                set_window(layers[l], LayerKind::kSlidingWindow, window_field("sliding_window"));
+    } else if (fam == Family::kGptOss) {
+        for (int l = 0; l < L; l += 2)
+            set_window(layers[l], LayerKind::kSlidingWindow, window_field("sliding_window"));
+    } else if (fam == Family::kQwen3Next) {
+        const int interval = f.positive_int_or("full_attention_interval", 4);
+        for (int l = 0; l < L; ++l)
+            if ((l + 1) % interval != 0) layers[l].kind = LayerKind::kGatedDeltaNet;
+    } else if (fam == Family::kLlama) {
+        // Mistral writes sliding_window alone; Qwen2/3 gate it with use_sliding_window and keep
+        // the first max_window_layers layers full.
+        const bool qwen = model_type.rfind("qwen", 0) == 0;
+        if (f.has("sliding_window") && (!qwen || f.bool_or("use_sliding_window", false))) {
+            const int first = qwen ? f.int_or("max_window_layers", 0) : 0;
+            for (int l = first; l < L; ++l)
+                set_window(layers[l], LayerKind::kSlidingWindow, window_field("sliding_window"));
+        }
+    }
+    if (fam == Family::kLlama4 && f.has("attention_chunk_size") && !f.has("layer_types")) {
+        // Layers with RoPE attend within their chunk; the NoPE layers (no_rope_layers[i] == 0)
+        // attend fully. Absent: every no_rope_layer_interval-th layer is NoPE.
+        const int chunk = f.positive_int("attention_chunk_size");
+        std::vector<int> rope(L, 1);
+        if (f.has("no_rope_layers") && !f.array("no_rope_layers").empty()) {
+            const auto& nr = f.array("no_rope_layers");
+            if (static_cast<int>(nr.size()) != L)
+                throw f.bad("no_rope_layers",
+                            detail::concat("lists ", nr.size(), " layers but there are ", L));
+            for (int l = 0; l < L; ++l) {
+                if (!nr[l].is_number_integer() || (nr[l] != 0 && nr[l] != 1))
+                    throw f.bad("no_rope_layers", "must be a list of 0 and 1");
+                rope[l] = nr[l].get<int>();
+            }
+        } else {
+            const int interval = f.positive_int_or("no_rope_layer_interval", 4);
+            for (int l = 0; l < L; ++l) rope[l] = (l + 1) % interval != 0 ? 1 : 0;
+        }
+        for (int l = 0; l < L; ++l)
+            if (rope[l]) set_window(layers[l], LayerKind::kChunkedLocal, chunk);
+    }
+    if (fam == Family::kLlama4 && m.moe.enabled()) {
+        std::vector<bool> moe(L, false);
+        if (f.has("moe_layers")) {
+            for (const auto& v : f.array("moe_layers")) {
+                if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= L)
+                    throw f.bad("moe_layers", detail::concat("must list layers in [0, ", L, ")"));
+                moe[v.get<int>()] = true;
+            }
+        } else {
+            const int step = f.positive_int_or("interleave_moe_layer_step", 1);
+            for (int l = step - 1; l < L; l += step) moe[l] = true;
+        }
+        for (int l = 0; l < L; ++l) {
+            layers[l].mlp = moe[l] ? MlpKind::kMoe : MlpKind::kDense;
+            layers[l].intermediate = moe[l] ? 0 : m.intermediate;
+        }
+    }
+    if (fam == Family::kGptOss)
+        for (auto& s : layers) s.learned_sinks = true;
+    if (fam == Family::kQwen3Next && f.has("mlp_only_layers"))
+        for (const auto& v : f.array("mlp_only_layers")) {
+            if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= L)
+                throw f.bad("mlp_only_layers", detail::concat("must list layers in [0, ", L, ")"));
+            layers[v.get<int>()].mlp = MlpKind::kDense;
+            layers[v.get<int>()].intermediate = f.positive_int("intermediate_size");
+        }
+    if (fam == Family::kQwen3Next) {
+        m.state.heads = f.positive_int("linear_num_value_heads");
+        m.state.head_dim = f.positive_int("linear_value_head_dim");
+        m.state.groups = f.positive_int("linear_num_key_heads");
+        m.state.group_dim = f.positive_int("linear_key_head_dim");
+        m.state.conv_kernel = f.positive_int("linear_conv_kernel_dim");
+    }
+
+    if (fam == Family::kNemotronH) {
+        const std::string pattern = f.string_or("hybrid_override_pattern", "");
+        if (static_cast<int>(pattern.size()) != L)
+            throw f.bad("hybrid_override_pattern",
+                        detail::concat("has ", pattern.size(),
+                                       " characters but num_hidden_layers "
+                                       "is ",
+                                       L, ": expected one of M, *, -, E per layer"));
+        for (int l = 0; l < L; ++l) {
+            LayerSpec& s = layers[l];
+            s.intermediate = 0;
+            switch (pattern[l]) {
+                case 'M':
+                    s.kind = LayerKind::kMamba2;
+                    s.mlp = MlpKind::kNone;
+                    break;
+                case '*':
+                    s.mlp = MlpKind::kNone;
+                    break;
+                case '-':
+                    s.kind = LayerKind::kNoKv;
+                    s.mlp = MlpKind::kDense;
+                    s.intermediate = m.intermediate;
+                    break;
+                case 'E':
+                    s.kind = LayerKind::kNoKv;
+                    s.mlp = MlpKind::kMoe;
+                    if (!m.moe.enabled())
+                        throw f.bad("hybrid_override_pattern",
+                                    "has an E (MoE) layer but the config names no experts");
+                    break;
+                default:
+                    throw f.bad("hybrid_override_pattern",
+                                detail::concat("has '", pattern[l], "' at layer ", l,
+                                               ": expected M (Mamba-2), * (attention), - (MLP) "
+                                               "or E (MoE)"));
+            }
+        }
+        m.state.heads = f.positive_int("mamba_num_heads");
+        m.state.head_dim = f.positive_int("mamba_head_dim");
+        m.state.groups = f.positive_int("n_groups");
+        m.state.group_dim = f.positive_int("ssm_state_size");
+        m.state.conv_kernel = f.positive_int("conv_kernel");
+    }
+    if (fam == Family::kNemotronH || fam == Family::kQwen3Next) {
+        m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;
+        if (f.has("mamba_ssm_cache_dtype")) {
+            try {
+                m.state.state_dtype = parse_dtype(f.string_or("mamba_ssm_cache_dtype", ""));
+            } catch (const Error& e) {
+                throw f.bad("mamba_ssm_cache_dtype", e.what());
+            }
+        }
+    }
+
+    if (fam == Family::kNemotronNas) {
+        const auto& blocks = f.array("block_configs");
+        if (static_cast<int>(blocks.size()) != L)
+            throw f.bad("block_configs",
+                        detail::concat("lists ", blocks.size(), " blocks but there are ", L));
+        for (int l = 0; l < L; ++l) {
+            const std::string where = detail::concat("block_configs[", l, "]");
+            const auto& b = blocks[l];
+            if (!b.is_object() || !b.contains("attention") || !b.contains("ffn"))
+                throw f.bad(where, "must hold an attention and an ffn object");
+            HfFields attn(b.at("attention"), detail::concat(file, ": ", where, ".attention"));
+            HfFields ffn(b.at("ffn"), detail::concat(file, ": ", where, ".ffn"));
+            for (const char* unmodelled : {"num_sink_tokens", "sparsify"})
+                if (attn.has(unmodelled))
+                    throw Error(detail::concat(file, ": ", where, ".attention: field '", unmodelled,
+                                               "' is set, and kvshard does not model it"));
+            LayerSpec& s = layers[l];
+            if (attn.bool_or("no_op", false) || attn.bool_or("replace_with_linear", false)) {
+                s.kind = LayerKind::kNoKv;
+                s.num_kv_heads = s.head_dim = 0;
+            } else {
+                const int group = attn.positive_int("n_heads_in_group");
+                if (m.num_heads % group != 0)
+                    throw attn.bad("n_heads_in_group",
+                                   detail::concat("(", group, ") must divide num_attention_heads (",
+                                                  m.num_heads, ")"));
+                s.num_kv_heads = m.num_heads / group;
+                if (attn.has("window_length"))
+                    set_window(s, LayerKind::kSlidingWindow, attn.positive_int("window_length"));
+            }
+            if (ffn.bool_or("no_op", false) || ffn.bool_or("replace_with_linear", false)) {
+                s.mlp = MlpKind::kNone;
+                s.intermediate = 0;
+            } else {
+                const double mult = ffn.number_or("ffn_mult", 0);
+                if (!(mult > 0) || !std::isfinite(mult) || mult > 1e4)
+                    throw ffn.bad("ffn_mult", "must be a positive number");
+                s.mlp = MlpKind::kDense;
+                s.intermediate = ffn_mult_to_intermediate(mult, m.hidden);
+            }
+        }
+        // The uniform fields describe the first attention layer.
+        for (const auto& s : layers)
+            if (holds_tokens(s.kind)) {
+                m.num_kv_heads = s.num_kv_heads;
+                m.attention = m.num_kv_heads == m.num_heads ? AttentionKind::kMha
+                              : m.num_kv_heads == 1         ? AttentionKind::kMqa
+                                                            : AttentionKind::kGqa;
+                break;
+            }
+    }
+
+    if (f.has("index_head_dim")) {  // DeepSeek-V3.2's sparse-attention indexer, on every layer
+        if (!m.is_mla())
+            throw f.bad("index_head_dim", "is set but the model has no MLA (kv_lora_rank)");
+        m.indexer.head_dim = f.positive_int("index_head_dim");
+        m.indexer.heads = f.positive_int("index_n_heads");
+        m.indexer.topk = f.int_or("index_topk", 0);
+        m.indexer.dtype = DType::kFp8;
+        m.indexer.scale_bytes = 4 * ((m.indexer.head_dim + 127) / 128);  // one fp32 per 128
+        for (auto& s : layers) s.indexer = true;
+    }
+
+    // A window the config states must reach some layer, unless the family switches it off
+    // (Qwen2/3's use_sliding_window false).
+    const bool qwen_gate = model_type.rfind("qwen", 0) == 0;
+    const bool window_off = qwen_gate && (!f.bool_or("use_sliding_window", false) ||
+                                          f.int_or("max_window_layers", 0) >= L);
+    const bool any_sliding = std::any_of(layers.begin(), layers.end(), [](const LayerSpec& s) {
+        return s.kind == LayerKind::kSlidingWindow;
+    });
+    if (f.has("sliding_window") && !window_off && !any_sliding)
+        throw f.bad("sliding_window",
+                    detail::concat("is set, but no layer of model_type '", model_type,
+                                   "' slides under kvshard's reading of this config (set "
+                                   "layer_types, or report the architecture)"));
+    if (f.bool_or("use_sliding_window", false) && !any_sliding && !window_off)
+        throw f.bad("use_sliding_window", "is true, but no layer slides (is sliding_window set?)");
+
+    m.layers = std::move(layers);
+    if (m.uniform()) m.layers.clear();
+    try {
+        m.validate();
+    } catch (const Error& e) {
+        throw Error(detail::concat(file, ": ", e.what()));
+    }
+    return m;
+}
+
+}  // namespace kvshard

@@ -1,0 +1,97 @@
+// The CLI on models with per-layer kinds: layout's KV groups and per-request column, models' layer
+// mix, plan with and without --all-full-attention, and the refusals.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_runner.h"
+
+namespace {
+
+kvshard::test::CliResult kvshard(const std::string& args) { return kvshard::test::run_cli(args); }
+
+std::string config(const std::string& name) {
+    return std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/" + name + ".json";
+}
+
+TEST(PerLayerCli, LayoutJsonHasKvGroupsAndState) {
+    const auto r = kvshard("layout --model " + config("qwen3-next-80b-a3b") + " --tp 4 --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j.at("layer_mix"), "48 layers: 36 gated_deltanet + 12 full");
+    const auto& rank = j.at("ranks").at(0);
+    const auto& groups = rank.at("kv_groups");
+    ASSERT_EQ(groups.size(), 2u);
+    EXPECT_EQ(groups[0].at("kind"), "gated_deltanet");
+    EXPECT_EQ(groups[0].at("layers").size(), 36u);
+    EXPECT_TRUE(groups[1].at("window").is_null());
+    // Full layers: 12 x 2 x max(1, 2/4) x 256 x 2 bytes; state: 36 layers of conv 3 x (2 x 4 x 128
+    // + 8 x 128) and recurrent 8 x 128 x 128, bf16.
+    EXPECT_EQ(rank.at("kv_bytes_per_token"), 12 * 2 * 1 * 256 * 2);
+    EXPECT_EQ(rank.at("state_bytes_per_sequence"),
+              36 * 2 * (3 * (2 * 4 * 128 + 8 * 128) + 8 * 128 * 128));
+}
+
+TEST(PerLayerCli, LayoutTextShowsGroupsAndPpBalance) {
+    const auto r = kvshard("layout --model gemma-3-27b --pp 4 --context 131072");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("62 layers: 52 sliding(1024) + 10 full"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("KV groups (one block table each)"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("PP stages hold"), std::string::npos) << r.out;
+    const auto bad = kvshard("layout --model gemma-3-27b --pp 4 --pp-split weights");
+    EXPECT_EQ(bad.status, 2) << bad.out;
+    EXPECT_NE(bad.out.find("--pp-split must be even or kv"), std::string::npos) << bad.out;
+    const auto both = kvshard("layout --model gemma-3-27b --pp 2 --pp-split kv --pp-layers 31,31");
+    EXPECT_EQ(both.status, 2) << both.out;
+    const auto ctx = kvshard("layout --model gemma-3-27b --context 0");
+    EXPECT_EQ(ctx.status, 2) << ctx.out;
+}
+
+TEST(PerLayerCli, PlanCountsWindowedRequests) {
+    auto conc = [](const std::string& extra) {
+        const auto r = kvshard(
+            "plan --model gpt-oss-120b --hardware h100-sxm --gpus 8 --context 131072 --json" +
+            extra);
+        EXPECT_EQ(r.status, 0) << r.out;
+        const auto j = nlohmann::json::parse(r.out);
+        for (const auto& c : j.at("configs"))
+            if (c.at("dp") == 1 && c.at("pp") == 1 && c.at("cp") == 1 && c.at("tp") == 8 &&
+                c.at("ep") == 1)
+                return c.at("max_concurrency").get<int64_t>();
+        ADD_FAILURE() << "no tp=8 row";
+        return int64_t{0};
+    };
+    const int64_t windowed = conc(""), full = conc(" --all-full-attention");
+    EXPECT_GT(full, 0);
+    // Half the layers keep 128 tokens: about twice the 128K requests.
+    EXPECT_GE(windowed, 2 * full - 1);
+    EXPECT_LE(windowed, 2 * full + 1);
+}
+
+TEST(PerLayerCli, UnmodelledFieldsAndRunsOfPerLayerModelsAreRefused) {
+    const std::string path = testing::TempDir() + "sinky_config.json";
+    {
+        FILE* f = std::fopen(path.c_str(), "w");
+        std::fputs(R"({"model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 64,
+            "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+            "attention_sink_tokens": 4})",
+                   f);
+        std::fclose(f);
+    }
+    const auto r = kvshard("layout --model " + path);
+    EXPECT_EQ(r.status, 2) << r.out;
+    EXPECT_NE(r.out.find("'attention_sink_tokens' of model_type 'mistral'"), std::string::npos)
+        << r.out;
+    const auto run = kvshard("run --model tiny-swa --tp 2 --prompts 1 --prompt-len 16 --gen 2");
+    EXPECT_EQ(run.status, 2) << run.out;
+    EXPECT_NE(run.out.find("2 sliding(8) + 2 full"), std::string::npos) << run.out;
+    const auto models = kvshard("models --model " + config("nemotron-h-8b"));
+    ASSERT_EQ(models.status, 0) << models.out;
+    EXPECT_NE(models.out.find("\"layer_mix\": \"52 layers: 24 mamba2 + 24 none + 4 full\""),
+              std::string::npos)
+        << models.out;
+}
+
+}  // namespace

@@ -1,0 +1,311 @@
+// Real model shapes: the published config.json of 17 families (tests/data/hf_configs/, sources in
+// its README) read into per-layer specs, and their KV figures per rank checked against figures this
+// test computes itself from the formulas of docs/model.md and each model's published field values.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvshard/common/error.h"
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/model/catalog.h"
+
+namespace kvshard {
+namespace {
+
+std::string config_path(const std::string& name) {
+    return std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/" + name + ".json";
+}
+
+std::string read_file(const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+// One layer as the test knows it from the model card: 'F' full, 'S' sliding, 'C' chunked,
+// 'L' latent (MLA), 'G' Gated DeltaNet, 'M' Mamba-2, '-' no KV.
+struct L {
+    char kind;
+    int kv_heads = 0, head_dim = 0, window = 0;
+};
+
+// Recurrent state per sequence and layer at tp (heads and groups split, at least one each), bf16:
+// conv (k-1) x (heads*head_dim + 2*groups*group_dim), state heads x head_dim x group_dim.
+int64_t state_bf16(int heads, int head_dim, int groups, int group_dim, int k, int tp) {
+    const int64_t h = std::max(1, heads / tp), g = std::max(1, groups / tp);
+    return 2 * ((k - 1) * (h * head_dim + 2 * g * group_dim) + h * head_dim * group_dim);
+}
+
+struct Family {
+    std::string file;
+    std::vector<L> layers;
+    std::vector<int> tps;      // valid TP sizes among 1, 2, 4, 8
+    int64_t latent_bytes = 0;  // MLA: per token and layer, whole (replicated over tp)
+    int64_t indexer_bytes = 0;
+    std::function<int64_t(int tp)> state;  // per state layer and sequence
+};
+
+std::vector<L> pattern(int n, const std::function<L(int)>& f) {
+    std::vector<L> v;
+    for (int i = 0; i < n; ++i) v.push_back(f(i));
+    return v;
+}
+
+std::vector<Family> families() {
+    std::vector<Family> out;
+    auto uniform = [](int n, L l) { return pattern(n, [l](int) { return l; }); };
+    out.push_back({"llama-3.1-8b", uniform(32, {'F', 8, 128}), {1, 2, 4, 8}});
+    out.push_back({"mixtral-8x7b-v0.1", uniform(32, {'F', 8, 128}), {1, 2, 4, 8}});
+    out.push_back({"mistral-7b-v0.1", uniform(32, {'S', 8, 128, 4096}), {1, 2, 4, 8}});
+    out.push_back({"qwen2.5-7b", uniform(28, {'F', 4, 128}), {1, 2, 4}});
+    out.push_back({"qwen3-8b", uniform(36, {'F', 8, 128}), {1, 2, 4, 8}});
+    out.push_back({"qwen3-30b-a3b", uniform(48, {'F', 4, 128}), {1, 2, 4, 8}});
+    out.push_back({"glm-4-9b-chat", uniform(40, {'F', 2, 128}), {1, 2, 4, 8}});
+    out.push_back({"falcon-7b-instruct", uniform(32, {'F', 1, 64}), {1}});  // 71 heads, MQA
+    // Llama 4: RoPE layers attend within chunks of 8192, every 4th layer (NoPE) fully.
+    out.push_back({"llama-4-scout",
+                   pattern(48,
+                           [](int i) {
+                               return (i + 1) % 4 ? L{'C', 8, 128, 8192} : L{'F', 8, 128};
+                           }),
+                   {1, 2, 4, 8}});
+    out.push_back({"gemma-2-9b-it",
+                   pattern(42,
+                           [](int i) {
+                               return i % 2 == 0 ? L{'S', 8, 256, 4096} : L{'F', 8, 256};
+                           }),
+                   {1, 2, 4, 8}});
+    out.push_back({"gemma-3-27b",
+                   pattern(62,
+                           [](int i) {
+                               return (i + 1) % 6 ? L{'S', 16, 128, 1024} : L{'F', 16, 128};
+                           }),
+                   {1, 2, 4, 8}});
+    out.push_back({"gpt-oss-120b",
+                   pattern(36,
+                           [](int i) {
+                               return i % 2 == 0 ? L{'S', 8, 64, 128} : L{'F', 8, 64};
+                           }),
+                   {1, 2, 4, 8}});
+    out.push_back({"deepseek-v3", uniform(61, {'L'}), {1, 2, 4, 8}, 2 * (512 + 64)});
+    // V3.2: plus the indexer's key, 128 fp8 values and one fp32 scale per token and layer.
+    out.push_back({"deepseek-v3.2-exp", uniform(61, {'L'}), {1, 2, 4, 8}, 2 * (512 + 64), 128 + 4});
+    // Qwen3-Next: 3 Gated DeltaNet layers (16 key heads, 32 value heads, 128 dims, conv 4) per
+    // full-attention layer (2 KV heads of 256).
+    out.push_back({"qwen3-next-80b-a3b",
+                   pattern(48,
+                           [](int i) {
+                               return (i + 1) % 4 ? L{'G'} : L{'F', 2, 256};
+                           }),
+                   {1, 2, 4, 8},
+                   0,
+                   0,
+                   [](int tp) { return state_bf16(32, 128, 16, 128, 4, tp); }});
+    // Nemotron-H-8B: hybrid_override_pattern, Mamba-2 with 128 heads of 64, 8 groups, state 128.
+    const std::string nh = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
+    out.push_back(
+        {"nemotron-h-8b",
+         pattern(52,
+                 [nh](int i) {
+                     return nh[i] == 'M' ? L{'M'} : nh[i] == '*' ? L{'F', 8, 128} : L{'-'};
+                 }),
+         {1, 2, 4, 8},
+         0,
+         0,
+         [](int tp) { return state_bf16(128, 64, 8, 128, 4, tp); }});
+    // Nemotron Super: no-op attention blocks hold no KV; the others 64/8 = 8 KV heads.
+    const auto blocks =
+        nlohmann::json::parse(read_file(config_path("llama-3.3-nemotron-super-49b")))
+            .at("block_configs");
+    std::vector<L> super;
+    for (const auto& b : blocks)
+        super.push_back(b.at("attention").at("no_op").get<bool>() ? L{'-'} : L{'F', 8, 128});
+    out.push_back({"llama-3.3-nemotron-super-49b", super, {1, 2, 4, 8}});
+    return out;
+}
+
+// Bytes per token one TP rank stores for layers [begin, end), bf16.
+int64_t expected_bytes_per_token(const Family& f, int tp, int begin, int end) {
+    int64_t sum = 0;
+    for (int i = begin; i < end; ++i) {
+        const L& l = f.layers[i];
+        if (l.kind == 'L') sum += f.latent_bytes + f.indexer_bytes;
+        if (l.kind == 'F' || l.kind == 'S' || l.kind == 'C')
+            sum += 2 * int64_t{std::max(1, l.kv_heads / tp)} * l.head_dim * 2;
+    }
+    return sum;
+}
+
+// Bytes of the whole model (tp 1) for one request of n tokens in blocks of 16.
+int64_t expected_request_bytes(const Family& f, int64_t n) {
+    const int64_t bs = 16;
+    auto blocks_from = [&](int64_t first) { return (n + bs - 1) / bs - first / bs; };
+    int64_t sum = 0;
+    for (const L& l : f.layers) {
+        const int64_t per_token = expected_bytes_per_token(
+            Family{f.file, {l}, {}, f.latent_bytes, f.indexer_bytes, nullptr}, 1, 0, 1);
+        switch (l.kind) {
+            case 'F':
+            case 'L':
+                sum += blocks_from(0) * bs * per_token;
+                break;
+            case 'S':
+                sum += blocks_from(std::max<int64_t>(0, n - l.window)) * bs * per_token;
+                break;
+            case 'C':
+                sum += blocks_from((n - 1) / l.window * l.window) * bs * per_token;
+                break;
+            case 'G':
+            case 'M':
+                sum += f.state(1);
+                break;
+            default:
+                break;
+        }
+    }
+    return sum;
+}
+
+TEST(RealShapes, SeventeenFamiliesPerRankAndPerRequest) {
+    for (const Family& f : families()) {
+        SCOPED_TRACE(f.file);
+        const ModelSpec m = load_hf_config(config_path(f.file));
+        const int n = static_cast<int>(f.layers.size());
+        ASSERT_EQ(m.num_layers, n);
+        int state_layers = 0;
+        for (const L& l : f.layers) state_layers += l.kind == 'G' || l.kind == 'M';
+        for (int tp : {1, 2, 4, 8}) {
+            ParallelConfig p;
+            p.tp = tp;
+            if (std::find(f.tps.begin(), f.tps.end(), tp) == f.tps.end()) {
+                EXPECT_THROW(make_layout(m, p), Error) << "tp=" << tp;
+                continue;
+            }
+            const KvLayout lay = make_layout(m, p);
+            for (const RankKv& r : lay.ranks) {
+                EXPECT_EQ(r.kv_bytes_per_token, expected_bytes_per_token(f, tp, 0, n))
+                    << "tp=" << tp;
+                EXPECT_EQ(r.state_bytes_per_sequence, state_layers ? state_layers * f.state(tp) : 0)
+                    << "tp=" << tp;
+            }
+        }
+        // pp 2: the first stage takes the odd layer.
+        ParallelConfig pp2;
+        pp2.pp = 2;
+        const KvLayout lay = make_layout(m, pp2);
+        const int half = (n + 1) / 2;
+        EXPECT_EQ(lay.ranks[0].kv_bytes_per_token, expected_bytes_per_token(f, 1, 0, half));
+        EXPECT_EQ(lay.ranks[1].kv_bytes_per_token, expected_bytes_per_token(f, 1, half, n));
+        // Per request at 1K, 32K and 128K tokens.
+        const KvLayout one = make_layout(m, ParallelConfig{});
+        for (int64_t len : {1024, 32768, 131072})
+            EXPECT_EQ(request_kv_bytes(one, 0, len, 16), expected_request_bytes(f, len))
+                << len << " tokens";
+    }
+}
+
+TEST(RealShapes, WindowsMakeLongRequestsCheaper) {
+    // gpt-oss-120b at 128K: the 18 sliding layers keep 128 tokens (8 blocks of 16), the 18 full
+    // layers all 131072: 18 * 2048 B/token * (131072 + 128).
+    const ModelSpec m = load_hf_config(config_path("gpt-oss-120b"));
+    const KvLayout lay = make_layout(m, ParallelConfig{});
+    EXPECT_EQ(request_kv_bytes(lay, 0, 131072, 16), int64_t{18} * 2048 * (131072 + 128));
+    const KvLayout full = make_layout(with_full_attention(m), ParallelConfig{});
+    EXPECT_EQ(request_kv_bytes(full, 0, 131072, 16), int64_t{36} * 2048 * 131072);
+    // A sequence shorter than the window keeps every token in both.
+    EXPECT_EQ(request_kv_bytes(lay, 0, 100, 16), request_kv_bytes(full, 0, 100, 16));
+}
+
+TEST(RealShapes, NonFiniteValuesInUnrelatedFieldsLoad) {
+    // Nemotron-H's published config writes time_step_limit as [0.0, Infinity] (Python's json).
+    std::string text = read_file(config_path("nemotron-h-8b"));
+    text.insert(text.rfind('}'), R"(, "time_step_limit": [0.0, Infinity], "time_step_floor": NaN,
+        "initializer_range": -Infinity, "note": "Infinity stays a string")");
+    const ModelSpec m = parse_hf_config(text, "nemotron-h/config.json");
+    EXPECT_EQ(m.state_bytes_per_sequence(), 24 * state_bf16(128, 64, 8, 128, 4, 1));
+    // A non-finite value where the KV needs a number is refused by name.
+    std::string bad = read_file(config_path("mistral-7b-v0.1"));
+    const auto at = bad.find("\"sliding_window\": 4096");
+    ASSERT_NE(at, std::string::npos);
+    bad.replace(at, 22, "\"sliding_window\": Infinity");
+    try {
+        parse_hf_config(bad, "mistral/config.json");
+        ADD_FAILURE() << "an infinite window was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("sliding_window"), std::string::npos) << e.what();
+    }
+}
+
+void expect_refused(const std::string& text, const std::string& needle) {
+    try {
+        parse_hf_config(text, "cfg.json");
+        ADD_FAILURE() << "accepted: " << text;
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+}
+
+TEST(RealShapes, FieldsThatWouldChangeTheKvAreNeverIgnored) {
+    const std::string base = R"({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100)";
+    EXPECT_NO_THROW(parse_hf_config(base + "}", "cfg.json"));
+    // An attention / cache field the reader does not model: refused, naming field and model type.
+    expect_refused(base + R"(, "attention_sink_size": 4})",
+                   "'attention_sink_size' of model_type 'llama'");
+    expect_refused(base + R"(, "kv_cache_compression": "pyramid"})", "kv_cache_compression");
+    expect_refused(base + R"(, "sliding_window_layers": [1]})", "sliding_window_layers");
+    // A field another family reads, here ignored: refused.
+    expect_refused(base + R"(, "hybrid_override_pattern": "M*"})", "hybrid_override_pattern");
+    expect_refused(base + R"(, "attention_chunk_size": 8})", "attention_chunk_size");
+    // A window stated but reaching no layer.
+    expect_refused(R"({"model_type": "qwen3_next", "num_hidden_layers": 4, "hidden_size": 64,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "use_sliding_window": true, "linear_num_value_heads": 2, "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_conv_kernel_dim": 4})",
+                   "use_sliding_window");
+    // An unknown architecture, and an unknown layer type.
+    expect_refused(R"({"model_type": "rwkv7", "num_hidden_layers": 2})", "model_type 'rwkv7'");
+    expect_refused(base + R"(, "layer_types": ["full_attention", "cross_attention"]})",
+                   "cross_attention");
+    // A quantized KV cache declared in quantization_config.
+    expect_refused(base + R"(, "quantization_config": {"kv_cache_scheme": {"num_bits": 8}}})",
+                   "kv_cache_scheme");
+    // Unrelated unknown fields are fine.
+    EXPECT_NO_THROW(parse_hf_config(base + R"(, "my_tokenizer_note": 3})", "cfg.json"));
+    // Nemotron Super blocks with kept sink tokens are not modelled.
+    std::string super = read_file(config_path("llama-3.3-nemotron-super-49b"));
+    const auto at = super.find("\"num_sink_tokens\": null");
+    ASSERT_NE(at, std::string::npos);
+    super.replace(at, 23, "\"num_sink_tokens\": 4");
+    expect_refused(super, "num_sink_tokens");
+}
+
+TEST(RealShapes, CatalogEntriesMatchTheirPublishedConfigs) {
+    // The catalog's per-layer models are read from trimmed copies of these files: the KV figures
+    // must be the same as the whole published file's.
+    for (auto [name, file] : {std::pair{"gpt-oss-120b", "gpt-oss-120b"},
+                              {"gemma-3-27b", "gemma-3-27b"},
+                              {"mistral-7b-v0.1", "mistral-7b-v0.1"},
+                              {"qwen3-next-80b-a3b", "qwen3-next-80b-a3b"},
+                              {"deepseek-v3.2", "deepseek-v3.2-exp"},
+                              {"llama-4-scout", "llama-4-scout"},
+                              {"nemotron-h-8b", "nemotron-h-8b"}}) {
+        SCOPED_TRACE(name);
+        ModelSpec cat = catalog_model(name);
+        ModelSpec pub = load_hf_config(config_path(file));
+        EXPECT_EQ(cat.layers, pub.layers);
+        EXPECT_EQ(cat.state, pub.state);
+        EXPECT_EQ(cat.indexer, pub.indexer);
+        EXPECT_EQ(cat.kv_bytes_per_token(), pub.kv_bytes_per_token());
+        EXPECT_EQ(cat.total_params(), pub.total_params());
+    }
+}
+
+}  // namespace
+}  // namespace kvshard

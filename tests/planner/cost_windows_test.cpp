@@ -1,0 +1,56 @@
+// The cost model per layer: windowed layers read only their window in decode and pair each query
+// with at most W keys in prefill; state layers read and write their state.
+#include <gtest/gtest.h>
+
+#include "kvshard/model/catalog.h"
+#include "kvshard/planner/cost_model.h"
+#include "kvshard/planner/hardware.h"
+
+namespace kvshard {
+namespace {
+
+CostReport cost(const ModelSpec& m, int64_t prompt, int64_t context) {
+    ParallelConfig p;
+    p.tp = 8;
+    Workload w;
+    w.prompt_tokens = prompt;
+    w.context_tokens = context;
+    w.batch = 1;
+    return estimate_cost(m, p, hardware_by_name("h100-sxm"), w, CostOptions{});
+}
+
+TEST(CostWindows, WindowedLayersReadTheirWindowOnly) {
+    const ModelSpec m = catalog_model("gpt-oss-120b");  // 18 sliding(128) + 18 full layers
+    const CostReport win = cost(m, 32768, 131072);
+    const CostReport full = cost(with_full_attention(m), 32768, 131072);
+    // Decode: each of the 18 sliding layers reads 128 keys instead of 131072, at 2 (K, V) x 1 head
+    // x 64 x 2 bytes per key on a tp=8 rank; the weights are the same.
+    const double kv_key = 2 * 1 * 64 * 2;
+    EXPECT_NEAR(full.decode.hbm_bytes - win.decode.hbm_bytes, 18 * (131072.0 - 128) * kv_key, 1e3);
+    // Prefill: S^2/2 against S*W - W^2/2 query-key pairs per query head, 2 multiply-adds each of
+    // QK and PV over 8 query heads of 64 dims per rank.
+    const double S = 32768, W = 128;
+    const double pairs = S * S / 2 - (S * W - W * W / 2);
+    EXPECT_NEAR(full.prefill.flops - win.prefill.flops, 18 * 2 * pairs * 8 * (64 + 64),
+                1e-9 * full.prefill.flops);
+    EXPECT_LT(win.ttft_s, full.ttft_s);
+    EXPECT_LT(win.tpot_s, full.tpot_s);
+}
+
+TEST(CostWindows, StateLayersReadAndWriteTheirState) {
+    const ModelSpec m = catalog_model("qwen3-next-80b-a3b");  // 36 GDN + 12 full layers
+    const CostReport a = cost(m, 1024, 4096);
+    const CostReport b = cost(m, 1024, 8192);
+    // Doubling the context adds only the 12 full layers' KV reads: 4096 keys x 2 x
+    // max(1, 2/8) head x 256 x 2 bytes each.
+    EXPECT_NEAR(b.decode.hbm_bytes - a.decode.hbm_bytes, 12 * 4096.0 * 2 * 1 * 256 * 2, 1e3);
+    // The state traffic per decode step: read and write each GDN layer's state on a tp=8 rank
+    // (4 value heads, 2 key heads of 128: conv 3 x (2*2*128 + 4*128), state 4 x 128 x 128, bf16).
+    const double state = 2.0 * (3 * (2 * 2 * 128 + 4 * 128) + 4 * 128 * 128);
+    const CostReport all_full = cost(with_full_attention(m), 1024, 4096);
+    EXPECT_GT(a.decode.hbm_bytes, 36 * 2 * state);
+    EXPECT_LT(a.decode.hbm_bytes, all_full.decode.hbm_bytes + 36 * 2 * state);
+}
+
+}  // namespace
+}  // namespace kvshard
