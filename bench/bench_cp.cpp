@@ -19,8 +19,8 @@
 #include "kvshard/attention/merge.h"
 #include "kvshard/comm/threads.h"
 #include "kvshard/exec/cp_attention.h"
-#include "kvshard/exec/cp_plan.h"
 #include "kvshard/exec/cp_ring.h"
+#include "kvshard/layout/cp_plan.h"
 
 namespace kvshard {
 namespace {

@@ -288,18 +288,6 @@ void mpi_finalize() {
     if (g_we_initialized && mpi_is_initialized() && !mpi_is_finalized()) MPI_Finalize();
 }
 
-bool under_mpirun() {
-    for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"})
-        if (std::getenv(v)) return true;
-    return false;
-}
-
-int mpirun_world_size() {
-    for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
-        if (const char* s = std::getenv(v)) return std::atoi(s);
-    return 1;
-}
-
 std::unique_ptr<Communicator> mpi_world() {
     mpi_init();
     MPI_Comm dup = MPI_COMM_NULL;

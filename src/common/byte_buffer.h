@@ -15,8 +15,11 @@ class ByteWriter {
   public:
     template <typename T>
     void put(const T& v) {
-        const auto* p = reinterpret_cast<const std::byte*>(&v);
-        buf_.insert(buf_.end(), p, p + sizeof(T));
+        // resize + memcpy: GCC 12 warns (-Wstringop-overflow) on a range insert into an empty
+        // vector
+        const size_t at = buf_.size();
+        buf_.resize(at + sizeof(T));
+        std::memcpy(buf_.data() + at, &v, sizeof(T));
     }
     template <typename T>
     void put_vec(const std::vector<T>& v) {

@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include "kvshard/comm/communicator.h"
-#include "kvshard/comm/groups.h"
 #include "kvshard/common/error.h"
 
 namespace kvshard::coll {
@@ -49,28 +48,4 @@ void recv(Communicator* w, std::span<float> data, int source, int tag) {
     KVSHARD_CHECK(w != nullptr, "pipeline recv without a communicator");
     w->recv(data, source, tag);
 }
-void send(Communicator* w, std::span<const int32_t> data, int dest, int tag) {
-    KVSHARD_CHECK(w != nullptr, "pipeline send without a communicator");
-    w->send(data, dest, tag);
-}
-void recv(Communicator* w, std::span<int32_t> data, int source, int tag) {
-    KVSHARD_CHECK(w != nullptr, "pipeline recv without a communicator");
-    w->recv(data, source, tag);
-}
-
-Groups make_groups(Communicator* world, const ParallelConfig& p) {
-    Groups out;
-    if (!world) return out;
-    ParallelGroups g = kvshard::make_groups(*world, p);
-    if (g.tp && g.tp->size() > 1) out.tp = std::move(g.tp);
-    if (g.ep && g.ep->size() > 1) out.ep = std::move(g.ep);
-    return out;
-}
-
-std::vector<std::vector<std::byte>> all_gather_blobs(Communicator* world,
-                                                     std::span<const std::byte> mine) {
-    if (!world) return {std::vector<std::byte>(mine.begin(), mine.end())};
-    return world->all_gather_blobs(mine);
-}
-
 }  // namespace kvshard::coll

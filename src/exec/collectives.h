@@ -13,7 +13,6 @@ class Communicator;
 namespace coll {
 
 inline constexpr int kTagActivations = 101;
-inline constexpr int kTagTokens = 102;
 
 int rank(const Communicator* c);
 int size(const Communicator* c);
@@ -27,24 +26,6 @@ void all_to_all(Communicator* c, std::span<const float> send,
                 std::span<const std::size_t> recv_counts);
 void send(Communicator* world, std::span<const float> data, int dest, int tag);
 void recv(Communicator* world, std::span<float> data, int source, int tag);
-void send(Communicator* world, std::span<const int32_t> data, int dest, int tag);
-void recv(Communicator* world, std::span<int32_t> data, int source, int tag);
 
 }  // namespace coll
 }  // namespace kvshard
-
-#include <memory>
-
-#include "kvshard/layout/parallel_config.h"
-
-namespace kvshard::coll {
-
-// The TP and EP sub-groups of this rank (null when the group is this rank alone).
-struct Groups {
-    std::shared_ptr<Communicator> tp, ep;
-};
-Groups make_groups(Communicator* world, const ParallelConfig& p);
-std::vector<std::vector<std::byte>> all_gather_blobs(Communicator* world,
-                                                     std::span<const std::byte> mine);
-
-}  // namespace kvshard::coll

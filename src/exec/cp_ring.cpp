@@ -22,9 +22,33 @@ bool all_masked(const std::vector<int64_t>& qp, const std::vector<int64_t>& kp) 
     return qp.empty() || kp.empty() || kp.front() > qp.back();
 }
 
+// The ring of pass-KV and pass-Q: buf[s % 2] holds the shard worked on in step s. work(step, cur)
+// runs while the shard goes on to next() and the one of step s + 1 (`floats(owner)` floats of
+// CP rank owner's) arrives from prev().
+template <typename Floats, typename Work>
+void run_ring(Communicator& comm, int tag, std::vector<float> (&buf)[2], Floats floats,
+              CpCommStats& st, Work work) {
+    const int cp = comm.size(), c = comm.rank();
+    const int next = cp_ring_next(cp, c), prev = cp_ring_prev(cp, c);
+    for (const CpRingStep& step : cp_ring_schedule(cp, c)) {
+        std::vector<float>& cur = buf[step.step % 2];
+        std::vector<float>& nxt = buf[(step.step + 1) % 2];
+        Request send, recv;
+        if (step.sends >= 0) {
+            nxt.resize(static_cast<size_t>(floats(step.receives)));
+            recv = comm.irecv(std::span<float>(nxt), prev, tag);
+            send = comm.isend(std::span<const float>(cur), next, tag);
+            st.ring += as_bytes(static_cast<int64_t>(cur.size()));
+        }
+        work(step, cur);
+        send.wait();
+        recv.wait();
+    }
+}
+
 void pass_kv(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int64_t new_begin,
              const float* q, const float* k, const float* v, float* out, CpCommStats& st) {
-    const int cp = comm.size(), c = comm.rank();
+    const int c = comm.rank();
     const int64_t kvrow = int64_t{s.num_kv_heads} * s.head_dim;
     const auto qp = map.positions(c, new_begin);
     const int64_t rows = static_cast<int64_t>(qp.size()) * s.num_q_heads;
@@ -37,27 +61,16 @@ void pass_kv(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, in
     buf[0].resize(2 * own * kvrow);
     std::copy(k, k + own * kvrow, buf[0].begin());
     std::copy(v, v + own * kvrow, buf[0].begin() + own * kvrow);
-    const int next = cp_ring_next(cp, c), prev = cp_ring_prev(cp, c);
-    for (const CpRingStep& step : cp_ring_schedule(cp, c)) {
-        std::vector<float>& cur = buf[step.step % 2];
-        std::vector<float>& nxt = buf[(step.step + 1) % 2];
-        Request send, recv;
-        if (step.sends >= 0) {
-            nxt.resize(2 * map.count(step.receives) * kvrow);
-            recv = comm.irecv(std::span<float>(nxt), prev, kTagPassKv);
-            send = comm.isend(std::span<const float>(cur), next, kTagPassKv);
-            st.ring += as_bytes(static_cast<int64_t>(cur.size()));
-        }
-        const auto kp = map.positions(step.holds);
-        if (!all_masked(qp, kp)) {
+    run_ring(
+        comm, kTagPassKv, buf, [&](int owner) { return 2 * map.count(owner) * kvrow; }, st,
+        [&](const CpRingStep& step, const std::vector<float>& cur) {
+            const auto kp = map.positions(step.holds);
+            if (all_masked(qp, kp)) return;
             const int64_t nk = static_cast<int64_t>(kp.size());
             cp_partial_attention(s, q, qp, cur.data(), cur.data() + nk * kvrow, kp, part.data(),
                                  part_lse.data());
             merge_attention_into(out, lse.data(), part.data(), part_lse.data(), rows, s.head_dim);
-        }
-        send.wait();
-        recv.wait();
-    }
+        });
 }
 
 void pass_q(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int64_t new_begin,
@@ -82,29 +95,18 @@ void pass_q(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int
 
     std::vector<float> buf[2];
     buf[0].assign(q, q + tq[c] * qrow);
-    const int next = cp_ring_next(cp, c), prev = cp_ring_prev(cp, c);
-    for (const CpRingStep& step : cp_ring_schedule(cp, c)) {
-        std::vector<float>& cur = buf[step.step % 2];
-        std::vector<float>& nxt = buf[(step.step + 1) % 2];
-        Request send, recv;
-        if (step.sends >= 0) {
-            nxt.resize(tq[step.receives] * qrow);
-            recv = comm.irecv(std::span<float>(nxt), prev, kTagPassQ);
-            send = comm.isend(std::span<const float>(cur), next, kTagPassQ);
-            st.ring += as_bytes(static_cast<int64_t>(cur.size()));
-        }
-        const int h = step.holds;
-        const auto qp = map.positions(h, new_begin);
-        float* po = parts.data() + off[h];
-        float* pl = po + tq[h] * qrow;
-        if (all_masked(qp, kp)) {
-            std::fill(pl, pl + tq[h] * s.num_q_heads, kNegInf);
-        } else {
-            cp_partial_attention(s, cur.data(), qp, k, v, kp, po, pl);
-        }
-        send.wait();
-        recv.wait();
-    }
+    run_ring(
+        comm, kTagPassQ, buf, [&](int owner) { return tq[owner] * qrow; }, st,
+        [&](const CpRingStep& step, const std::vector<float>& cur) {
+            const int h = step.holds;
+            const auto qp = map.positions(h, new_begin);
+            float* po = parts.data() + off[h];
+            float* pl = po + tq[h] * qrow;
+            if (all_masked(qp, kp))
+                std::fill(pl, pl + tq[h] * s.num_q_heads, kNegInf);
+            else
+                cp_partial_attention(s, cur.data(), qp, k, v, kp, po, pl);
+        });
     // Return the partials to the query owners. The own partial stays (count 0 to self).
     std::vector<float> send_buf;
     send_buf.reserve(off[cp] - tq[c] * prow);

@@ -1,13 +1,11 @@
 #include "kvshard/exec/cp_session.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <limits>
 
 #include "kvshard/attention/paged_attention.h"
 #include "kvshard/cache/block_hash.h"
-#include "kvshard/comm/threads.h"
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -172,18 +170,26 @@ int64_t CpSession::discover_and_move(std::span<const int32_t> tokens) {
         if (!everywhere) break;
     }
 
-    // Moves: block b (< K) belongs to CP rank b % cp; a device of the serving group that lacks it
-    // receives it from the lowest device of its TP index that holds it. Same order on every rank.
+    // Moves (plan_cp_prefix_moves, per TP index t over the devices of that index): block b (< K)
+    // belongs to CP rank b % cp; a device of the serving group that lacks it receives it from the
+    // lowest device of its TP index that holds it. Same order on every rank: by block, then TP.
     struct Move {
         int64_t b;
         int src, dst;
     };
     std::vector<Move> moves;
-    for (int64_t b = 0; b < K; ++b)
-        for (int t = 0; t < p_.tp; ++t) {
-            const int dst = rank_of(p_, 0, 0, static_cast<int>(b % p_.cp), t);
-            if (!has(dst, b)) moves.push_back({b, holder(b, t), dst});
-        }
+    for (int t = 0; t < p_.tp; ++t) {
+        std::vector<std::vector<int>> holders(static_cast<size_t>(K));
+        for (int64_t b = 0; b < K; ++b)
+            for (int d = 0; d < W; ++d)
+                if (info(d, 1) == t && has(d, b)) holders[static_cast<size_t>(b)].push_back(d);
+        std::vector<int> dst_device;
+        for (int c = 0; c < p_.cp; ++c) dst_device.push_back(rank_of(p_, 0, 0, c, t));
+        for (const CpBlockMove& m : plan_cp_prefix_moves(holders, dst_device).moves)
+            moves.push_back({m.block, m.src, m.dst});
+    }
+    std::stable_sort(moves.begin(), moves.end(),
+                     [](const Move& a, const Move& b) { return a.b < b.b; });
     const int me = world_.rank();
     std::vector<std::vector<std::byte>> out_bufs, in_bufs;
     std::vector<Request> reqs;
@@ -418,81 +424,6 @@ void CpSession::release(SeqId seq) {
     if (!serving_) return;
     dev_.blocks().free(seq);
     seqs_.erase(seq);
-}
-
-GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
-                             const TensorSource& weights,
-                             const std::vector<std::vector<int32_t>>& prompts,
-                             const GenerationOptions& opt, Communicator* world) {
-    require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
-    check_prompts(prompts, m.vocab, opt.max_new_tokens);
-    require(!m.is_mla(), m.name, ": context parallelism runs GQA/MHA models here, not MLA");
-    auto body = [&](Communicator& w) {
-        require(w.size() == p.world_size(), "the run has ", w.size(), " ranks but ", p.to_string(),
-                " needs dp*pp*cp*tp = ", p.world_size());
-        CpOptions o;
-        o.block_size = opt.block_size;
-        o.prefix_cache = opt.prefix_cache;
-        o.prefill_mode = opt.cp_prefill_mode;
-        o.decode_merge = opt.cp_decode_merge;
-        o.num_blocks = opt.num_blocks;
-        if (o.num_blocks <= 0) {  // enough for every prompt at once (released ones stay cached)
-            o.num_blocks = 1;
-            for (const auto& pr : prompts)
-                o.num_blocks +=
-                    (static_cast<int64_t>(pr.size()) + opt.max_new_tokens + o.block_size - 1) /
-                    o.block_size;
-        }
-        const RankCoord c = rank_coord(p, w.rank());
-        CpDevice dev(m, p.tp, c.tp, weights, o);
-        CpSession s(dev, w, p, o);
-        using Clock = std::chrono::steady_clock;
-        RankReport rep;
-        rep.rank = w.rank();
-        rep.coord = c;
-        GenerationReport report;
-        int64_t computed = 0, hits = 0;
-        for (size_t i = 0; i < prompts.size(); ++i) {
-            const auto seq = static_cast<SeqId>(i);
-            auto t0 = Clock::now();
-            auto logits = s.prefill(seq, prompts[i]);
-            rep.prefill_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-            report.prompt_tokens += static_cast<int64_t>(prompts[i].size());
-            hits += s.last_step().cached_tokens;
-            computed += static_cast<int64_t>(prompts[i].size()) - s.last_step().cached_tokens;
-            rep.prefix_hit_tokens += s.last_step().local_hit_blocks * o.block_size;
-            std::vector<int32_t> toks = {argmax(logits)};
-            t0 = Clock::now();
-            for (int step = 1; step < opt.max_new_tokens; ++step) {
-                logits = s.decode(seq, toks.back());
-                toks.push_back(argmax(logits));
-            }
-            rep.decode_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-            rep.kv_tokens += s.token_map(seq).count(c.cp);
-            report.tokens.push_back(toks);
-            report.last_logits.push_back(logits);
-            s.release(seq);
-        }
-        rep.kv_bytes = rep.kv_tokens * dev.model().pool().geometry().bytes_per_token();
-        rep.kv_bytes_predicted =
-            rep.kv_tokens * s.layout().ranks[static_cast<size_t>(w.rank())].kv_bytes_per_token;
-        report.prefix_hit_tokens = hits;
-        report.computed_prompt_tokens = computed;
-        // Every rank's report row, and the slowest rank's times.
-        const auto rows = w.all_gather_value(rep);
-        report.ranks.assign(rows.begin(), rows.end());
-        for (const auto& r : rows) {
-            report.prefill_seconds = std::max(report.prefill_seconds, r.prefill_seconds);
-            report.decode_seconds = std::max(report.decode_seconds, r.decode_seconds);
-        }
-        return report;
-    };
-    if (world) return body(*world);
-    require(p.world_size() == 1, "a run without a communicator is one rank, but ", p.to_string(),
-            " needs ", p.world_size());
-    GenerationReport out;
-    run_threads(1, [&](Communicator& w) { out = body(w); });
-    return out;
 }
 
 }  // namespace kvshard

@@ -325,4 +325,25 @@ void RankModel::moe_mlp(const LayerWeights& w, const float* x, int64_t n, float*
     tp_all_reduce({y, size_t(n * h)});
 }
 
+WeightShard weight_shard(const KvLayout& layout, int rank) {
+    const ModelSpec& m = layout.model;
+    const ParallelConfig& p = layout.parallel;
+    const RankKv& r = layout.ranks.at(size_t(rank));
+    require(m.intermediate % p.tp == 0, m.name, ": the MLP width ", m.intermediate,
+            " is not divisible by tp=", p.tp, ": choose a tp that divides ", m.intermediate);
+    WeightShard s;
+    s.layer_begin = r.layer_begin;
+    s.layer_end = r.layer_end;
+    s.q_head_begin = r.q_head_begin;
+    s.q_head_end = r.q_head_end;
+    s.kv_head_begin = r.kv_heads.front();
+    s.kv_head_end = r.kv_heads.back() + 1;
+    const int w = m.intermediate / p.tp;
+    s.mlp_begin = r.coord.tp * w;
+    s.mlp_end = s.mlp_begin + w;
+    s.expert_begin = r.expert_begin;
+    s.expert_end = r.expert_end;
+    return s;
+}
+
 }  // namespace kvshard

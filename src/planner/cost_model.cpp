@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kvshard/common/error.h"
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/planner/capacity.h"
 
 namespace kvshard {
@@ -59,15 +60,8 @@ bool group_crosses_nodes(const ParallelConfig& p, GroupKind g, int gpus_per_node
 int64_t cp_pass_kv_bytes_sent(const KvLayout& layout, int rank, int64_t context_tokens) {
     KVSHARD_CHECK(rank >= 0 && rank < layout.world_size(), "rank ", rank, " outside the layout");
     require(context_tokens >= 0, "context_tokens must be >= 0, got ", context_tokens);
-    const ParallelConfig& p = layout.parallel;
-    if (p.cp == 1) return 0;
-    const RankKv& rk = layout.ranks[rank];
-    if (rk.num_layers() == 0) return 0;
-    const int64_t per_token_layer = rk.kv_bytes_per_token / rk.num_layers();
-    const int not_sent = (rk.coord.cp + 1) % p.cp;
-    int64_t shard = 0;
-    for (const auto& r : cp_token_ranges(p, not_sent, context_tokens)) shard += r.size();
-    return int64_t{rk.num_layers()} * per_token_layer * (context_tokens - shard);
+    // The executor's count (layout/cp_plan.h) for the prompt's placement.
+    return cp_pass_kv_bytes(layout, rank, cp_prompt_map(layout.parallel, context_tokens)).ring;
 }
 
 std::string_view cp_prefill_policy_name(CpPrefillPolicy s) {

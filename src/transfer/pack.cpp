@@ -470,8 +470,15 @@ TransferMode resolve_mode(const TransferPlan& plan, TransferMode mode) {
 
 int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessage& msg,
                                   TransferMode mode, bool source_side, const BlockPool& pool) {
-    require(mode != TransferMode::kAuto, "contiguous_payload_offset needs a resolved mode");
     check_pool(plan, msg, source_side, pool, msg.bytes);
+    return contiguous_payload_offset(plan, msg, mode, source_side, pool.geometry(),
+                                     pool.num_blocks());
+}
+
+int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessage& msg,
+                                  TransferMode mode, bool source_side, const PageGeometry& geometry,
+                                  int64_t num_blocks) {
+    require(mode != TransferMode::kAuto, "contiguous_payload_offset needs a resolved mode");
     int64_t runs = 0, pool_off = -1, wire_off = -1, len = 0;
     auto sink = [&](int64_t p, int64_t w, int64_t n) {
         if (++runs == 1) {
@@ -480,7 +487,7 @@ int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessag
             len = n;
         }
     };
-    walk_message(plan, msg, source_side, wire_order(plan, mode), pool.geometry(), pool.num_blocks(),
+    walk_message(plan, msg, source_side, wire_order(plan, mode), geometry, num_blocks,
                  msg.num_layers(), plan.kv_factor, sink);
     return runs == 1 && wire_off == 0 && len == msg.bytes ? pool_off : -1;
 }

@@ -26,7 +26,8 @@ double seconds_since(Clock::time_point t0) {
 
 constexpr int kTagBase = 1 << 19;
 constexpr int kTagSlots = 1 << 16;
-constexpr int kHeaderKind = 0, kPayloadKind = 1, kAckKind = 2;
+constexpr int kHeaderKind = kTransferHeaderKind, kPayloadKind = kTransferPayloadKind,
+              kAckKind = kTransferAckKind;
 
 uint64_t header_hash(const TransferHeader& h) {
     return xxh3_64(&h, offsetof(TransferHeader, header_xxh3));
@@ -208,8 +209,20 @@ std::string_view transfer_status_name(TransferStatus s) {
             return "timeout";
         case TransferStatus::kPeerFailed:
             return "peer-failed";
+        case TransferStatus::kLocalError:
+            return "local-error";
     }
     return "?";
+}
+
+void TransferExecOptions::validate() const {
+    require(staging_bytes >= 1, "staging_bytes must be at least 1, got ", staging_bytes);
+    require(timeout_s > 0, "timeout_s must be positive, got ", timeout_s);
+    require(sender_idle_sleep_us >= 0 && sender_idle_sleep_us <= 1000000,
+            "sender_idle_sleep_us must be between 0 (spin) and 1000000 (1 s), got ",
+            sender_idle_sleep_us);
+    require(direct_window >= 0, "direct_window must be at least 0 (0: no bound), got ",
+            direct_window);
 }
 
 int transfer_tag(uint64_t request_id, int kind) {
@@ -264,6 +277,41 @@ std::string check_header(const TransferHeader& h, const TransferPlan& plan, uint
 
 // ---- sender ----------------------------------------------------------------------------------
 
+namespace {
+
+// The schedule a sender (source_side) or receiver of `rank` follows: the caller's, checked against
+// this side, or this side's own from its pool.
+std::shared_ptr<const TransferSchedule> side_schedule(const TransferPlan& plan,
+                                                      const TransferExecOptions& opt,
+                                                      TransferMode mode, bool source_side, int rank,
+                                                      const BlockPool& pool) {
+    const PoolPages mine = pool_pages(pool);
+    if (opt.schedule) {
+        const TransferSchedule& s = *opt.schedule;
+        const auto& pools = source_side ? s.src_pools : s.dst_pools;
+        KVSHARD_CHECK(s.messages.size() == plan.messages.size() && s.mode == mode && !s.direct_read,
+                      "a transfer schedule of another plan or mode");
+        KVSHARD_CHECK(rank < static_cast<int>(pools.size()) && pools[size_t(rank)] == mine,
+                      "the transfer schedule was made for other pages than the pool of ",
+                      source_side ? "source" : "destination", " rank ", rank);
+        return opt.schedule;
+    }
+    // This rank's pages only (the others' messages are not this side's business).
+    std::vector<PoolPages> pages = side_pool_pages(plan, source_side, 0);
+    require(rank >= 0 && rank < static_cast<int>(pages.size()) &&
+                pages[size_t(rank)].geometry == mine.geometry,
+            "the ", source_side ? "source" : "destination", " pool of rank ", rank,
+            " does not have that rank's page geometry");
+    pages[size_t(rank)].num_blocks = mine.num_blocks;
+    const TransferScheduleOptions so{
+        .mode = mode, .direct_read = false, .staging_bytes = opt.staging_bytes};
+    return std::make_shared<const TransferSchedule>(
+        source_side ? make_transfer_schedule(plan, pages, {}, so)
+                    : make_transfer_schedule(plan, {}, pages, so));
+}
+
+}  // namespace
+
 struct TransferSender::Impl {
     Communicator& world;
     std::shared_ptr<const TransferPlan> plan;
@@ -276,7 +324,8 @@ struct TransferSender::Impl {
     Clock::time_point t0 = Clock::now();
     Clock::time_point last_progress = t0;
 
-    std::vector<int> mine;  // plan message indices, in plan (layer group) order
+    std::shared_ptr<const TransferSchedule> schedule;
+    std::vector<int> mine;  // plan message indices, in the schedule's (plan) order
     size_t next = 0;
     int ready_end = 0;  // layers [0, ready_end) are final
     bool failed_locally = false;
@@ -317,7 +366,8 @@ struct TransferSender::Impl {
                 "the source checksums given to the sender of source rank ", src_rank,
                 " are of another pool than its own");
         staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
-        mine = plan->messages_from(src_rank);
+        schedule = side_schedule(*plan, opt, mode, true, src_rank, pool);
+        mine = schedule->sends[static_cast<size_t>(src_rank)];
         std::vector<int> dsts;
         for (int i : mine) {
             const int d = plan->messages[i].dst_rank;
@@ -336,7 +386,7 @@ struct TransferSender::Impl {
                 q.hello.pid = shared->pid;
                 q.hello.fd = shared->fd;
                 q.hello.token[0] = shared->token[0];
-                q.hello.token[1] = shared->token[1] ^ (opt.faults.wrong_arena_token ? 1 : 0);
+                q.hello.token[1] = shared->token[1];
                 q.hello.arena_bytes = shared->bytes;
                 q.hello.num_blocks = pool.num_blocks();
             }
@@ -388,8 +438,6 @@ struct TransferSender::Impl {
 
     bool send_next() {
         if (next >= mine.size()) return false;
-        if (opt.faults.stall_after >= 0 && static_cast<int>(next) >= opt.faults.stall_after)
-            return false;
         const int idx = mine[next];
         const TransferMessage& msg = plan->messages[idx];
         Peer& to = peer(msg.dst_rank);
@@ -431,7 +479,6 @@ struct TransferSender::Impl {
             } else {
                 f.header.payload_xxh3 = hash_payload(*plan, msg, mode, pool);
             }
-            if (idx == opt.faults.corrupt_message) f.header.payload_xxh3 ^= 0x5A;
             seal_header(f.header);
             result.pack_seconds += seconds_since(tp);
             post(std::move(f), dest);
@@ -443,9 +490,10 @@ struct TransferSender::Impl {
         }
         if (!in_flight.empty() && staged + msg.bytes > opt.staging_bytes)
             return false;  // back-pressure
-        if (idx != opt.faults.corrupt_message) {
-            const int64_t off = contiguous_payload_offset(*plan, msg, mode, true, pool);
-            if (off >= 0) {  // zero copy: send straight from the pool
+        const ScheduledMessage& planned = schedule->messages[static_cast<size_t>(idx)];
+        if (planned.path == TransferPath::kZeroCopy) {
+            const int64_t off = planned.src_offset;
+            {  // zero copy: send straight from the pool
                 // The payload is posted before its header: the checksum pass over the pool then
                 // runs while MPI moves the payload (the receiver posts the receive of a zero-copy
                 // payload without waiting for its header, and a staged one after it; either way
@@ -467,21 +515,21 @@ struct TransferSender::Impl {
                 return true;
             }
         }
-        // A batch: this and the following messages of the same layers (to other destinations),
-        // packed in one pass over the pages, as far as staging allows.
+        // Its batch (the schedule's): this and the following messages of the same layers (to other
+        // destinations), packed in one pass over the pages; where a destination of the batch reads
+        // in place or stopped listening, the batch ends before it.
         size_t end = next + 1;
-        int64_t batch_bytes = msg.bytes;
         while (end < mine.size()) {
-            const TransferMessage& m2 = plan->messages[mine[end]];
-            if (m2.layer_begin != msg.layer_begin || m2.layer_end != msg.layer_end) break;
+            const ScheduledMessage& m2 = schedule->messages[static_cast<size_t>(mine[end])];
+            if (planned.batch < 0 || m2.batch != planned.batch) break;
             const Peer& q = peer(m2.dst_rank);
             if (q.closed || !q.replied || q.direct) break;
-            if (opt.faults.stall_after >= 0 && static_cast<int>(end) >= opt.faults.stall_after)
-                break;
-            if (staged + batch_bytes + m2.bytes > opt.staging_bytes) break;
-            batch_bytes += m2.bytes;
             ++end;
         }
+        int64_t batch_bytes = 0;
+        for (size_t k = next; k < end; ++k) batch_bytes += plan->messages[mine[k]].bytes;
+        if (!in_flight.empty() && staged + batch_bytes > opt.staging_bytes)
+            return false;  // back-pressure: the batch goes whole
         const auto tp = Clock::now();
         std::vector<InFlight> batch;
         std::vector<const TransferMessage*> msgs;
@@ -508,8 +556,6 @@ struct TransferSender::Impl {
             InFlight& b = batch[k];
             b.header.payload_xxh3 = sums[k];
             seal_header(b.header);
-            if (mine[next + k] == opt.faults.corrupt_message && !b.payload.empty())
-                b.payload[b.payload.size() / 2] ^= std::byte{0x5A};
         }
         result.pack_seconds += seconds_since(tp);
         for (auto& b : batch) {
@@ -584,10 +630,15 @@ struct TransferSender::Impl {
     }
 
     void time_out() {
-        set_status(TransferStatus::kTimeout,
-                   detail::concat("source rank ", src_rank, ": no progress for ", opt.timeout_s,
-                                  " s (", mine.size() - next, " messages unsent, ",
-                                  in_flight.size(), " in flight)"));
+        give_up(TransferStatus::kTimeout,
+                detail::concat("source rank ", src_rank, ": no progress for ", opt.timeout_s,
+                               " s (", mine.size() - next, " messages unsent, ", in_flight.size(),
+                               " in flight)"));
+    }
+
+    // Ends the request here: what is in flight or unmatched is cancelled.
+    void give_up(TransferStatus status, const std::string& why) {
+        set_status(status, why);
         in_flight.clear();
         for (Peer& q : peers) {  // cancel what never matched
             q.hello_req = Request();
@@ -630,7 +681,23 @@ void TransferSender::fail(const std::string& reason) {
 bool TransferSender::progress() {
     if (done_) return true;
     Impl& s = *impl_;
-    if (s.step()) s.last_progress = Clock::now();
+    try {
+        if (s.step()) s.last_progress = Clock::now();
+    } catch (const std::exception& e) {
+        // The request fails, not the caller: its other messages go as aborted headers (fail()),
+        // and a second failure while doing that gives up at once.
+        const std::string why = detail::concat("source rank ", s.src_rank, ": ", e.what());
+        if (s.aborting()) {
+            s.give_up(TransferStatus::kSourceAborted, why);
+            done_ = true;
+            s.result.seconds = seconds_since(s.t0);
+            return true;
+        }
+        s.set_status(TransferStatus::kSourceAborted, why);
+        s.failed_locally = true;
+        s.fail_reason = why;
+        s.last_progress = Clock::now();
+    }
     // Waiting for prefill, not for a peer: that does not count against the timeout, once the
     // peer has answered (a destination that never answers the hello times the sender out).
     if (s.next < s.mine.size() && !s.aborting()) {
@@ -674,6 +741,7 @@ struct TransferReceiver::Impl {
     TransferExecOptions opt;
     std::shared_ptr<StagingPool> staging;
     TransferMode mode;
+    std::shared_ptr<const TransferSchedule> schedule;
     Clock::time_point t0 = Clock::now();
     Clock::time_point last_progress = t0;
 
@@ -724,7 +792,8 @@ struct TransferReceiver::Impl {
         : world(w), plan(std::move(p)), request_id(rid), dst_rank(r), pool(pl), opt(o) {
         mode = resolve_mode(*plan, opt.mode);
         staging = opt.staging_pool ? opt.staging_pool : StagingPool::create();
-        for (int i : plan->messages_to(dst_rank)) {
+        schedule = side_schedule(*plan, opt, mode, false, dst_rank, pool);
+        for (int i : schedule->receives[static_cast<size_t>(dst_rank)]) {
             ++expected[{plan->messages[i].layer_begin, plan->messages[i].layer_end}];
             const int s = plan->messages[i].src_rank;
             auto it = std::find_if(sources.begin(), sources.end(),
@@ -840,9 +909,10 @@ struct TransferReceiver::Impl {
                 // now, so that a sender that posts it before the header (zero copy on its side)
                 // moves it while checksumming.
                 const TransferMessage& msg = plan->messages[s.messages[s.next]];
-                const int64_t off = s.reads_in_place
-                                        ? -1
-                                        : contiguous_payload_offset(*plan, msg, mode, false, pool);
+                const int64_t off =
+                    s.reads_in_place
+                        ? -1
+                        : schedule->messages[static_cast<size_t>(s.messages[s.next])].dst_offset;
                 if (off >= 0) {
                     s.direct = std::span<std::byte>(pool.arena().data() + off,
                                                     static_cast<size_t>(msg.bytes));
@@ -1067,9 +1137,14 @@ struct TransferReceiver::Impl {
     void time_out() {
         int missing = 0;
         for (const auto& s : sources) missing += static_cast<int>(s.messages.size() - s.next);
-        set_status(TransferStatus::kTimeout,
-                   detail::concat("destination rank ", dst_rank, ": no progress for ",
-                                  opt.timeout_s, " s, ", missing, " messages missing"));
+        give_up(TransferStatus::kTimeout,
+                detail::concat("destination rank ", dst_rank, ": no progress for ", opt.timeout_s,
+                               " s, ", missing, " messages missing"));
+    }
+
+    // Ends the request here: cancels what never came, checks what landed, and tells the sources.
+    void give_up(TransferStatus status, const std::string& why) {
+        set_status(status, why);
         for (auto& s : sources) {  // cancel what never came
             s.hello_req = Request();
             s.header_req = Request();
@@ -1104,7 +1179,19 @@ TransferReceiver::~TransferReceiver() = default;
 bool TransferReceiver::progress() {
     if (done_) return true;
     Impl& r = *impl_;
-    if (r.step()) r.last_progress = Clock::now();
+    try {
+        if (r.step()) r.last_progress = Clock::now();
+    } catch (const std::exception& e) {
+        // The request fails, not the caller (a copy that threw, a communicator call that failed).
+        try {
+            r.give_up(TransferStatus::kLocalError,
+                      detail::concat("destination rank ", r.dst_rank, ": ", e.what()));
+        } catch (const std::exception&) {  // telling the sources failed too: they time out
+        }
+        done_ = true;
+        r.result.seconds = seconds_since(r.t0);
+        return true;
+    }
     if (r.finished()) {
         done_ = true;
     } else if (seconds_since(r.last_progress) > r.opt.timeout_s) {

@@ -9,7 +9,7 @@
 
 #include "kvshard/attention/merge.h"
 #include "kvshard/exec/cp_attention.h"
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 
 namespace kvshard {
 namespace {

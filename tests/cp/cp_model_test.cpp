@@ -10,9 +10,10 @@
 
 #include "kvshard/comm/threads.h"
 #include "kvshard/exec/cp_session.h"
-#include "kvshard/exec/generate.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/cost_model.h"
+#include "kvshard/serve/generate.h"
+#include "kvshard/serve/verify.h"
 
 namespace kvshard {
 namespace {

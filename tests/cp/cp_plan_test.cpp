@@ -1,4 +1,4 @@
-// CP plans (exec/cp_plan.h): token placement, ring schedule, bytes, pass-KV/pass-Q choice, decode
+// CP plans (layout/cp_plan.h): token placement, ring schedule, bytes, pass-KV/pass-Q choice, decode
 // placement, prefix-cache alignment and reuse across CP sizes.
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <set>
 
 #include "kvshard/common/error.h"
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/cost_model.h"
 
@@ -264,5 +264,38 @@ TEST(CpRing, PassKvBytesEqualThePlannerForLargeModelsToo) {
                         << name << " " << p.to_string() << " n=" << n << " rank " << r;
             }
 }
+}  // namespace
+}  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// The general reuse plan (what CpSession carries out) on blocks cached anywhere, and its special
+// case plan_cp_prefix_reuse.
+TEST(CpPrefixMoves, BlocksCachedAnywhere) {
+    // Devices 0..3 serve CP ranks 0..3 (dst_device = {0, 1, 2, 3}); device 5 lends.
+    const std::vector<std::vector<int>> holders = {{0}, {0, 5}, {5}, {3}, {1, 2}, {2}};
+    const CpPrefixReusePlan plan = plan_cp_prefix_moves(holders, {0, 1, 2, 3});
+    EXPECT_EQ(plan.blocks, 6);
+    EXPECT_EQ(plan.dst_cp, 4);
+    EXPECT_EQ(plan.kept, 2);  // block 0 on device 0, block 3 on device 3
+    const std::vector<CpBlockMove> want = {{1, 0, 1}, {2, 5, 2}, {4, 1, 0}, {5, 2, 1}};
+    EXPECT_EQ(plan.moves, want);
+}
+
+TEST(CpPrefixMoves, SpecialCaseIsPlanCpPrefixReuse) {
+    for (int src = 1; src <= 4; ++src)
+        for (int dst = 1; dst <= 4; ++dst) {
+            std::vector<std::vector<int>> holders;
+            for (int64_t b = 0; b < 11; ++b) holders.push_back({static_cast<int>(b % src)});
+            std::vector<int> devices;
+            for (int c = 0; c < dst; ++c) devices.push_back(c);
+            const auto general = plan_cp_prefix_moves(holders, devices);
+            const auto special = plan_cp_prefix_reuse(src, dst, 11);
+            EXPECT_EQ(general.moves, special.moves) << src << " -> " << dst;
+            EXPECT_EQ(general.kept, special.kept) << src << " -> " << dst;
+        }
+}
+
 }  // namespace
 }  // namespace kvshard

@@ -8,8 +8,9 @@
 #include <mutex>
 
 #include "kvshard/comm/threads.h"
-#include "kvshard/exec/generate.h"
 #include "kvshard/model/catalog.h"
+#include "kvshard/serve/generate.h"
+#include "kvshard/serve/verify.h"
 
 namespace kvshard {
 namespace {

@@ -8,9 +8,11 @@
 #include <fstream>
 
 #include "kvshard/common/error.h"
-#include "kvshard/exec/generate.h"
+#include "kvshard/exec/rank_model.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/model/safetensors.h"
+#include "kvshard/serve/generate.h"
+#include "kvshard/serve/verify.h"
 
 namespace kvshard {
 namespace {

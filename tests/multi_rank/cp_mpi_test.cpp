@@ -6,8 +6,9 @@
 
 #include "kvshard/comm/mpi.h"
 #include "kvshard/exec/cp_session.h"
-#include "kvshard/exec/generate.h"
 #include "kvshard/model/catalog.h"
+#include "kvshard/serve/generate.h"
+#include "kvshard/serve/verify.h"
 
 namespace kvshard {
 namespace {

@@ -4,9 +4,10 @@
 #include <gtest/gtest.h>
 
 #include "kvshard/comm/mpi.h"
-#include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/model/catalog.h"
+#include "kvshard/serve/generate.h"
+#include "kvshard/serve/verify.h"
 
 namespace kvshard {
 namespace {

@@ -3,11 +3,14 @@
 // P + D equals the job size run; the others skip.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <memory>
 #include <thread>
 
 #include "kvshard/comm/mpi.h"
 #include "kvshard/transfer/transfer_exec.h"
+#include "transfer/fault_injection.h"
 #include "transfer/transfer_harness.h"
 
 namespace kvshard {
@@ -40,14 +43,17 @@ class TransferMpiTest : public ::testing::TestWithParam<MpiPair> {};
 std::vector<TransferResult> run_here(const std::shared_ptr<TransferPlan>& plan, testing::Side& src,
                                      testing::Side& dst,
                                      const std::vector<TransferExecOptions>& opts,
-                                     testing::Side* also = nullptr, size_t also_index = 0) {
+                                     testing::Side* also = nullptr, size_t also_index = 0,
+                                     const std::map<size_t, testing::TransferFaults>& faults = {}) {
     const int P = plan->src.layout.world_size();
     const int me = world().rank();
     std::vector<TransferResult> out;
     if (me < P) {
+        testing::FaultyCommunicator faulty(world());  // spoils the requests of `faults`
+        for (const auto& [k, f] : faults) faulty.add(100 + k, f);
         std::vector<std::unique_ptr<TransferSender>> s;
         for (size_t k = 0; k < opts.size(); ++k)
-            s.push_back(std::make_unique<TransferSender>(world(), plan, 100 + k, me, *src.pools[me],
+            s.push_back(std::make_unique<TransferSender>(faulty, plan, 100 + k, me, *src.pools[me],
                                                          opts[k]));
         for (int l = 0; l < plan->src.layout.model.num_layers; ++l)
             for (auto& x : s) {
@@ -106,10 +112,10 @@ TEST_P(TransferMpiTest, StreamedTransferIsExact) {
     auto dst = testing::make_destination(plan->dst);
     TransferExecOptions good;
     good.dst_world_base = P;
-    good.staging_bytes = 1;  // one message at a time: back-pressure on every send
-    TransferExecOptions bad = good;
-    bad.faults.corrupt_message = 0;  // another request, corrupted: fails alone
-    const auto res = run_here(plan, src, dst, {good, bad});
+    good.staging_bytes = 1;          // one message at a time: back-pressure on every send
+    TransferExecOptions bad = good;  // another request, corrupted: fails alone
+    const auto res =
+        run_here(plan, src, dst, {good, bad}, nullptr, 0, {{1, {.corrupt_message = 0}}});
     const int me = world().rank();
     EXPECT_TRUE(res[0].ok()) << res[0].error;
     if (me >= P) {
@@ -139,12 +145,12 @@ TEST_P(TransferMpiTest, DirectReadAcrossProcessesIsExact) {
     good.dst_world_base = P;
     good.direct_window = 1;
     good.arena_views = std::make_shared<SharedArenaViews>();
-    TransferExecOptions bad = good;
-    bad.faults.corrupt_message = 0;
+    TransferExecOptions bad = good;  // message 0 corrupted
     TransferExecOptions off = good;
     off.direct_read = false;
     auto dst_off = testing::make_destination(plan->dst);
-    const auto res = run_here(plan, src, dst, {good, bad, off}, &dst_off, 2);
+    const auto res =
+        run_here(plan, src, dst, {good, bad, off}, &dst_off, 2, {{1, {.corrupt_message = 0}}});
     const int me = world().rank();
     EXPECT_TRUE(res[0].ok()) << res[0].error;
     EXPECT_TRUE(res[2].ok()) << res[2].error;
@@ -184,9 +190,9 @@ TEST(TransferMpiZeroCopy, CheckedOnWorkerThread) {
     good.dst_world_base = 3;
     good.offload_check_bytes = 0;
     good.sender_idle_sleep_us = 50;
-    TransferExecOptions bad = good;
-    bad.faults.corrupt_message = 1;
-    const auto res = run_here(plan, src, dst, {good, bad});
+    TransferExecOptions bad = good;  // message 1 corrupted
+    const auto res =
+        run_here(plan, src, dst, {good, bad}, nullptr, 0, {{1, {.corrupt_message = 1}}});
     const int me = world().rank();
     EXPECT_TRUE(res[0].ok()) << res[0].error;
     EXPECT_EQ(res[0].zero_copy_messages, res[0].messages);

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "kvshard/common/error.h"
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/cost_model.h"
 

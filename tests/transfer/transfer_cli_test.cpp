@@ -30,6 +30,24 @@ TEST(TransferPlanCli, JsonSeedExample) {
     }
 }
 
+// --schedule prints what the executor carries out: one row per message with its path.
+TEST(TransferPlanCli, Schedule) {
+    const auto r = run_cli(
+        "transfer-plan --model tiny --from tp=1 --to tp=1 --tokens 16 --order-to nhd "
+        "--mode post-receive --layers-per-message 1 --schedule");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("schedule: mode post-receive, messages"), std::string::npos) << r.out;
+    size_t zero_copy = 0;
+    for (size_t at = r.out.find("zero-copy"); at != std::string::npos;
+         at = r.out.find("zero-copy", at + 1))
+        ++zero_copy;
+    EXPECT_GE(zero_copy, 2u) << r.out;  // one per layer of the tiny model
+    const auto direct = run_cli(
+        "transfer-plan --model tiny --from tp=2 --to tp=1 --tokens 40 --schedule --direct-read");
+    ASSERT_EQ(direct.status, 0) << direct.out;
+    EXPECT_NE(direct.out.find("direct-read"), std::string::npos) << direct.out;
+}
+
 TEST(TransferPlanCli, BlockSizesAndPipeline) {
     const auto r = run_cli(
         "transfer-plan --model llama-3.1-8b --from tp=8 --to tp=4,pp=2 --tokens 300 "

@@ -8,6 +8,7 @@
 
 #include "kvshard/comm/threads.h"
 #include "kvshard/transfer/transfer_exec.h"
+#include "transfer/fault_injection.h"
 #include "transfer/transfer_harness.h"
 
 namespace kvshard {
@@ -54,6 +55,7 @@ struct XferRequest {
     uint64_t id = 1;
     TransferExecOptions opt;
     testing::Side src, dst;
+    testing::TransferFaults faults;             // made by the senders' communicator
     int fail_source = -1;                       // this source calls fail() after its first layer
     bool receivers_refuse_direct = false;       // the destinations run with direct_read = false
     std::vector<int> refusing_destinations;     // ... or only these destination ranks
@@ -81,11 +83,14 @@ void run_requests(std::vector<XferRequest*> reqs) {
     run_threads(P + D, [&](Communicator& world) {
         const int me = world.rank();
         if (me < P) {
+            testing::FaultyCommunicator faulty(world);
+            for (auto* r : reqs)
+                if (r->faults.any()) faulty.add(r->id, r->faults);
             std::vector<std::unique_ptr<TransferSender>> senders;
             for (auto* r : reqs) {
                 TransferExecOptions o = r->opt;
                 if (!r->sums.empty()) o.source_checksums = r->sums[me];
-                senders.push_back(std::make_unique<TransferSender>(world, r->plan, r->id, me,
+                senders.push_back(std::make_unique<TransferSender>(faulty, r->plan, r->id, me,
                                                                    *r->src.pools[me], o));
             }
             const RankKv& rk = reqs[0]->plan->src.layout.ranks[me];
@@ -108,6 +113,9 @@ void run_requests(std::vector<XferRequest*> reqs) {
             for (size_t k = 0; k < reqs.size(); ++k) reqs[k]->out.src[me] = senders[k]->finish();
         } else {
             const int d = me - P;
+            testing::FaultyCommunicator faulty(world);
+            for (auto* r : reqs)
+                if (r->faults.any()) faulty.add(r->id, r->faults);
             std::vector<std::unique_ptr<TransferReceiver>> receivers;
             for (auto* r : reqs) {
                 TransferExecOptions o = r->opt;
@@ -115,7 +123,7 @@ void run_requests(std::vector<XferRequest*> reqs) {
                                                              r->refusing_destinations.end(), d) > 0)
                     o.direct_read = false;
                 if (r->receiver_mode) o.mode = *r->receiver_mode;
-                receivers.push_back(std::make_unique<TransferReceiver>(world, r->plan, r->id, d,
+                receivers.push_back(std::make_unique<TransferReceiver>(faulty, r->plan, r->id, d,
                                                                        *r->dst.pools[d], o));
             }
             bool all = false;
@@ -196,7 +204,7 @@ TEST(TransferExec, BoundedStagingWithBackPressure) {
 // ack, and `good` lands intact.
 void expect_only_corrupt_request_fails(XferRequest& bad, XferRequest& good, int corrupt,
                                        int64_t tokens) {
-    bad.opt.faults.corrupt_message = corrupt;
+    bad.faults.corrupt_message = corrupt;
     const TransferMessage& m = bad.plan->messages[corrupt];
     run_requests({&bad, &good});
     EXPECT_EQ(bad.out.dst[m.dst_rank].status, TransferStatus::kChecksumMismatch)
@@ -234,12 +242,44 @@ TEST(TransferExec, SourceFailureAbortsThatRequest) {
     }
 }
 
+// A communicator call that throws inside progress() fails that request, on either side, and no
+// other: the sender's remaining messages go as aborted headers, the receiver acks its failure.
+TEST(TransferExec, FailedSendOrReceiveFailsOnlyThatRequest) {
+    Pair p{llama_mini(), "tp=4", "tp=2", 48};
+    {
+        XferRequest bad = make_request(p, 1, 81);
+        XferRequest good = make_request(p, 1, 82);
+        bad.opt.timeout_s = 0.5;
+        bad.faults.payload_send_throws = true;
+        run_requests({&bad, &good});
+        for (const auto& s : bad.out.src) {
+            EXPECT_EQ(s.status, TransferStatus::kSourceAborted) << s.error;
+            EXPECT_NE(s.error.find("the payload send failed"), std::string::npos) << s.error;
+        }
+        for (const auto& d : bad.out.dst) EXPECT_FALSE(d.ok());
+        expect_all_ok(good, p.tokens);
+    }
+    {
+        XferRequest bad = make_request(p, 1, 83);
+        XferRequest good = make_request(p, 1, 84);
+        bad.opt.timeout_s = 0.5;
+        bad.faults.payload_recv_throws = true;
+        run_requests({&bad, &good});
+        for (const auto& d : bad.out.dst) {
+            EXPECT_EQ(d.status, TransferStatus::kLocalError) << d.error;
+            EXPECT_NE(d.error.find("the payload receive failed"), std::string::npos) << d.error;
+        }
+        for (const auto& s : bad.out.src) EXPECT_FALSE(s.ok());
+        expect_all_ok(good, p.tokens);
+    }
+}
+
 TEST(TransferExec, HungSourceTimesOut) {
     Pair p{llama_mini(), "tp=4", "tp=2", 32};
     XferRequest bad = make_request(p, 1, 41);
     XferRequest good = make_request(p, 1, 42);
     bad.opt.timeout_s = 0.3;
-    bad.opt.faults.stall_after = 0;  // every source sends nothing
+    bad.faults.stall_after = 0;  // every source sends nothing
     run_requests({&bad, &good});
     for (const auto& d : bad.out.dst) EXPECT_EQ(d.status, TransferStatus::kTimeout) << d.error;
     for (const auto& s : bad.out.src) EXPECT_FALSE(s.ok());
@@ -294,7 +334,7 @@ TEST(TransferExec, TimeoutWaitsForWorkerChecks) {
     Pair p{llama_mini(), "tp=2", "tp=2", 64};
     XferRequest bad = zero_copy_request(p, 64);
     bad.opt.timeout_s = 0.3;
-    bad.opt.faults.stall_after = 2;  // each source sends two messages, then hangs
+    bad.faults.stall_after = 2;  // each source sends two messages, then hangs
     run_requests({&bad});
     for (const auto& d : bad.out.dst) {
         EXPECT_EQ(d.status, TransferStatus::kTimeout) << d.error;
@@ -553,7 +593,7 @@ TEST(TransferExecDirect, MixedDestinationsOfOneSource) {
 TEST(TransferExecDirect, UnmappableSourceFallsBackToMessages) {
     Pair p{llama_mini(), "tp=2", "tp=2", 64};
     XferRequest r = direct_request(p, 1, 134);
-    r.opt.faults.wrong_arena_token = true;
+    r.faults.wrong_arena_token = true;
     run_requests({&r});
     expect_all_ok(r, p.tokens);
     EXPECT_EQ(direct_read(r), 0);
@@ -677,7 +717,7 @@ TEST(TransferExecDirect, HungSourceTimesOut) {
     XferRequest bad = direct_request(p, 1, 161);
     XferRequest good = direct_request(p, 1, 162);
     bad.opt.timeout_s = 0.3;
-    bad.opt.faults.stall_after = 1;  // every source announces one message, then hangs
+    bad.faults.stall_after = 1;  // every source announces one message, then hangs
     run_requests({&bad, &good});
     for (const auto& d : bad.out.dst) {
         EXPECT_EQ(d.status, TransferStatus::kTimeout) << d.error;

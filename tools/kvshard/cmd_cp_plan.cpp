@@ -8,7 +8,7 @@
 
 #include "command.h"
 #include "kvshard/common/error.h"
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/layout/kv_layout.h"
 #include "options.h"
 

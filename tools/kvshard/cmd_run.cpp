@@ -3,10 +3,8 @@
 // unsharded run.
 #include <fmt/format.h>
 
-#include <unistd.h>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -17,11 +15,12 @@
 #include "kvshard/comm/communicator.h"
 #include "kvshard/comm/launch.h"
 #include "kvshard/common/error.h"
-#include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/catalog.h"
-#include "kvshard/model/safetensors.h"
+#include "kvshard/serve/generate.h"
+#include "kvshard/serve/inputs.h"
+#include "kvshard/serve/verify.h"
 #include "options.h"
 #include "run_disagg.h"
 
@@ -73,58 +72,15 @@ std::vector<int32_t> parse_ids(const std::string& text, int vocab) {
     return ids;
 }
 
-// Deterministic prompts: a shared prefix of K tokens, then tokens of each prompt's own.
-std::vector<std::vector<int32_t>> make_prompts(const RunFlags& f, int vocab) {
-    require(f.prompts >= 1, "--prompts must be at least 1, got ", f.prompts);
-    if (!f.prompt_ids.empty()) {
-        const auto ids = parse_ids(f.prompt_ids, vocab);
-        return std::vector<std::vector<int32_t>>(size_t(f.prompts), ids);
-    }
-    require(f.prompt_len >= 1, "--prompt-len must be at least 1, got ", f.prompt_len);
-    require(f.shared_prefix >= 0 && f.shared_prefix <= f.prompt_len,
-            "--shared-prefix must be in [0, ", f.prompt_len, "] (the prompt length), got ",
-            f.shared_prefix);
-    auto next = [](uint64_t& s) {
-        s = s * 6364136223846793005ULL + 1442695040888963407ULL;
-        return s >> 33;
-    };
-    uint64_t shared_state = f.seed * 2654435761ULL + 17;
-    std::vector<int32_t> prefix;
-    for (int i = 0; i < f.shared_prefix; ++i)
-        prefix.push_back(int32_t(next(shared_state) % uint64_t(vocab)));
-    std::vector<std::vector<int32_t>> out;
-    for (int p = 0; p < f.prompts; ++p) {
-        uint64_t s = f.seed * 2654435761ULL + 1000003ULL * uint64_t(p + 1);
-        std::vector<int32_t> pr = prefix;
-        while (int(pr.size()) < f.prompt_len) pr.push_back(int32_t(next(s) % uint64_t(vocab)));
-        out.push_back(pr);
-    }
-    return out;
-}
-
-bool dir_has_safetensors(const std::string& path) {
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    if (!fs::is_directory(path, ec)) return false;
-    for (const auto& e : fs::directory_iterator(path, ec))
-        if (e.path().extension() == ".safetensors") return true;
-    return false;
-}
-
 std::string bytes_text(int64_t b) {
     if (b >= (int64_t{1} << 20)) return fmt::format("{:.2f} MiB", b / 1048576.0);
     if (b >= 1024) return fmt::format("{:.1f} KiB", b / 1024.0);
     return fmt::format("{} B", b);
 }
 
-struct Verify {
-    double max_rel_err = 0;
-    bool tokens_match = true;
-};
-
 void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p,
                   const std::string& weights_from, const GenerationReport& r,
-                  const std::optional<Verify>& v, int64_t prompt_count) {
+                  const std::optional<VerifyResult>& v, int64_t prompt_count) {
     const int64_t decode_tokens = prompt_count * (f.gen - 1);
     const double prefill_tps =
         r.prefill_seconds > 0 ? r.computed_prompt_tokens / r.prefill_seconds : 0;
@@ -213,24 +169,6 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
             v->max_rel_err, v->tokens_match ? "identical" : "DIFFER");
 }
 
-// The run keeps every prompt's KV (prompt + generated tokens) in fp32 pools on this machine, at
-// least once (the unsharded --verify reference alone); refuse up front what cannot fit in memory
-// rather than fail in an allocation.
-void check_kv_fits(const ModelSpec& spec, const std::vector<std::vector<int32_t>>& prompts,
-                   int gen) {
-    ModelSpec m = spec;
-    m.kv_dtype = DType::kFp32;
-    const double per_token = double(make_layout(m, ParallelConfig{}).ranks[0].kv_bytes_per_token);
-    double tokens = 0;
-    for (const auto& p : prompts) tokens += double(p.size()) + gen;
-    const double need = tokens * per_token;
-    const double have = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
-    require(need <= have, "the prompts and --gen ", gen, " need ", fmt::format("{:.0f}", tokens),
-            " tokens of fp32 KV, ", fmt::format("{:.1f}", need / double(1 << 30)),
-            " GiB, more than this machine's ", fmt::format("{:.1f}", have / double(1 << 30)),
-            " GiB of memory: lower --gen, --prompt-len or --prompts");
-}
-
 void run(const RunFlags& f) {
     ModelSpec m = load_model(f.model);
     const ParallelConfig p = to_parallel_config(f.parallel);
@@ -240,18 +178,16 @@ void run(const RunFlags& f) {
     require(f.gen >= 1, "--gen must be at least 1, got ", f.gen);
     require(f.block_size >= 1, "--block-size must be at least 1, got ", f.block_size);
     const Backend backend = parse_backend(f.backend);
-    const auto prompts = make_prompts(f, m.vocab);
+    require(f.prompts >= 1, "--prompts must be at least 1, got ", f.prompts);
+    PromptSpec ps{.count = f.prompts,
+                  .length = f.prompt_len,
+                  .shared_prefix = f.shared_prefix,
+                  .seed = f.seed,
+                  .token_ids = f.prompt_ids.empty() ? std::vector<int32_t>{}
+                                                    : parse_ids(f.prompt_ids, m.vocab)};
+    const auto prompts = make_prompts(ps, m.vocab);
     check_kv_fits(m, prompts, f.gen);
-
-    std::unique_ptr<TensorSource> source;
-    std::string weights_from;
-    if (dir_has_safetensors(f.model.model)) {
-        source = std::make_unique<SafetensorsCheckpoint>(f.model.model);
-        weights_from = "safetensors";
-    } else {
-        source = random_tensor_source(f.seed);
-        weights_from = fmt::format("seed {}", f.seed);
-    }
+    const WeightChoice weights = choose_weights(f.model.model, f.seed);
     std::optional<CpPrefillMode> cp_prefill_mode;
     if (f.cp_prefill != "auto") cp_prefill_mode = parse_cp_prefill_mode(f.cp_prefill);
     const CpDecodeMerge cp_decode_merge = parse_cp_decode_merge(f.cp_decode_merge);
@@ -262,8 +198,8 @@ void run(const RunFlags& f) {
                 "); a disaggregated run takes both layouts from --prefill and --decode, e.g. "
                 "--prefill tp=8 --decode cp=2,tp=2,cp_scheme=zigzag");
         const int status = run_disagg(
-            f.disagg, {m, source.get(), weights_from, prompts, f.gen, f.block_size, backend,
-                       f.verify, f.json, f.dump_logits, cp_prefill_mode, cp_decode_merge});
+            f.disagg, {m, weights.source.get(), weights.description, prompts, f.gen, f.block_size,
+                       backend, f.verify, f.json, f.dump_logits, cp_prefill_mode, cp_decode_merge});
         if (status != 0) {
             std::fprintf(stderr, "kvshard: run: verification failed or a request failed\n");
             std::fflush(stderr);
@@ -281,20 +217,13 @@ void run(const RunFlags& f) {
 
     bool failed = false;
     launch(backend, p.world_size(), [&](Communicator& world) {
-        const GenerationReport r = generate(m, p, *source, prompts, opt, &world);
+        const GenerationReport r = generate(m, p, *weights.source, prompts, opt, &world);
         if (world.rank() != 0) return;
-        std::optional<Verify> v;
+        std::optional<VerifyResult> v;
         if (f.verify) {
-            const GenerationReport ref =
-                generate(m, ParallelConfig{}, *source, prompts,
-                         verify_options(opt.max_new_tokens, opt.block_size));
-            v.emplace();
-            for (size_t i = 0; i < prompts.size(); ++i) {
-                v->max_rel_err =
-                    std::max(v->max_rel_err, relative_l2(r.last_logits[i], ref.last_logits[i]));
-                v->tokens_match = v->tokens_match && r.tokens[i] == ref.tokens[i];
-            }
-            failed = !v->tokens_match || v->max_rel_err > 1e-4;
+            v = verify_against_reference(m, *weights.source, prompts, opt.max_new_tokens,
+                                         opt.block_size, r.tokens, r.last_logits);
+            failed = !v->ok();
         }
         for (const auto& rr : r.ranks) failed = failed || rr.kv_bytes != rr.kv_bytes_predicted;
         if (!f.dump_logits.empty()) {
@@ -302,7 +231,7 @@ void run(const RunFlags& f) {
             for (const auto& l : r.last_logits) all.insert(all.end(), l.begin(), l.end());
             write_npy(f.dump_logits, all, int64_t(prompts.size()), m.vocab);
         }
-        print_result(f, m, p, weights_from, r, v, int64_t(prompts.size()));
+        print_result(f, m, p, weights.description, r, v, int64_t(prompts.size()));
         std::fflush(stdout);
     });
     if (failed) {

@@ -1,6 +1,7 @@
 // kvshard transfer-plan: which prefill rank sends which KV to which decode rank.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 
@@ -8,6 +9,7 @@
 #include "kvshard/common/error.h"
 #include "kvshard/transfer/pack.h"
 #include "kvshard/transfer/transfer_plan.h"
+#include "kvshard/transfer/transfer_schedule.h"
 #include "options.h"
 
 namespace kvshard::cli {
@@ -23,8 +25,18 @@ struct TransferPlanFlags {
     int layers_per_group = 0;
     std::string mode = "auto";
     bool messages = false;
+    bool schedule = false;
+    bool direct_read = false;
+    int64_t staging_mib = 64;
     bool json = false;
 };
+
+// The blocks of each pool of one side: what its longest block table needs (sequential tables).
+int64_t pool_blocks(const TransferEndpoint& e) {
+    int64_t n = 1;
+    for (const auto& t : e.block_tables) n = std::max<int64_t>(n, int64_t(t.size()));
+    return n;
+}
 
 PageOrder parse_order(const std::string& s) {
     if (s == "hnd" || s == "HND") return PageOrder::kHnd;
@@ -95,6 +107,15 @@ void run(const TransferPlanFlags& f) {
                        fmt::format("[{},{})", msg.head_begin, msg.head_end), msg.num_tokens,
                        msg.pieces.size(), msg.bytes);
     }
+    if (f.schedule) {
+        require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
+                "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
+        const TransferSchedule sched = make_transfer_schedule(
+            plan, side_pool_pages(plan, true, pool_blocks(src)),
+            side_pool_pages(plan, false, pool_blocks(dst)),
+            {.mode = mode, .direct_read = f.direct_read, .staging_bytes = f.staging_mib << 20});
+        fmt::print("\n{}", to_text(sched));
+    }
 }
 
 void setup(CLI::App& app) {
@@ -125,6 +146,15 @@ void setup(CLI::App& app) {
     sub->add_option("--mode", f->mode, "pre-send|post-receive|auto (where the reshape happens)")
         ->capture_default_str();
     sub->add_flag("--messages", f->messages, "also list every message");
+    sub->add_flag("--schedule", f->schedule,
+                  "also print the transfer schedule: per source rank, each message's path "
+                  "(direct-read, zero-copy, batched), pool offsets and batch (pools holding "
+                  "each side's blocks numbered 0, 1, ...)");
+    sub->add_flag("--direct-read", f->direct_read,
+                  "with --schedule: the destinations read the source pools in place");
+    sub->add_option("--staging-mib", f->staging_mib,
+                    "with --schedule: packed KV in flight per rank (MiB), which bounds a batch")
+        ->capture_default_str();
     sub->add_flag("--json", f->json, "print JSON instead of a table");
     sub->callback([f] { run(*f); });
 }

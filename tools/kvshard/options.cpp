@@ -128,12 +128,4 @@ void write_npy(const std::string& path, const std::vector<float>& data, int64_t 
     require(bool(out), "--dump-logits: write to '", path, "' failed");
 }
 
-GenerationOptions verify_options(int max_new_tokens, int run_block_size) {
-    GenerationOptions o;
-    o.max_new_tokens = max_new_tokens;
-    o.block_size = run_block_size == 16 ? 32 : 16;
-    o.prefix_cache = false;
-    return o;
-}
-
 }  // namespace kvshard::cli

@@ -5,7 +5,6 @@
 
 #include <CLI/CLI.hpp>
 
-#include "kvshard/exec/generate.h"
 #include "kvshard/layout/parallel_config.h"
 #include "kvshard/model/model_spec.h"
 #include "kvshard/planner/capacity.h"
@@ -49,10 +48,5 @@ void print_json(const std::string& json_text);
 // Writes a rows x cols float32 matrix as a numpy .npy file (v1.0, little-endian, C order) for
 // --dump-logits; Error naming the path when it cannot be written.
 void write_npy(const std::string& path, const std::vector<float>& data, int64_t rows, int64_t cols);
-
-// What `kvshard run --verify` compares with: the unsharded model on one rank with every prompt
-// token computed (no prefix cache) and a block size other than the run's (16, or 32 when the run
-// uses 16), so that neither the run's paging nor its prefix cache is checked against itself.
-GenerationOptions verify_options(int max_new_tokens, int run_block_size);
 
 }  // namespace kvshard::cli

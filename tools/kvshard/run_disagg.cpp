@@ -8,9 +8,9 @@
 
 #include "kvshard/comm/launch.h"
 #include "kvshard/common/error.h"
-#include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
-#include "kvshard/transfer/disagg.h"
+#include "kvshard/serve/disagg.h"
+#include "kvshard/serve/verify.h"
 #include "options.h"
 
 namespace kvshard::cli {
@@ -123,15 +123,15 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     opt.decode_block_size = f.decode_block_size > 0 ? f.decode_block_size : in.block_size;
     opt.prefill_order = parse_order("--prefill-order", f.prefill_order);
     opt.decode_order = parse_order("--decode-order", f.decode_order);
-    opt.mode = parse_transfer_mode(f.transfer_mode);
+    opt.transfer.mode = parse_transfer_mode(f.transfer_mode);
     opt.cp_prefill_mode = in.cp_prefill_mode;
     opt.cp_decode_merge = in.cp_decode_merge;
     opt.stream_layers = !f.no_stream;
-    opt.staging_bytes = f.staging_mib << 20;
-    opt.sender_idle_sleep_us = f.sender_sleep_us;
-    opt.offload_check_bytes = f.check_thread_bytes;
-    opt.direct_read = f.direct_read == "on";
-    opt.direct_window = f.direct_window;
+    opt.transfer.staging_bytes = f.staging_mib << 20;
+    opt.transfer.sender_idle_sleep_us = f.sender_sleep_us;
+    opt.transfer.offload_check_bytes = f.check_thread_bytes;
+    opt.transfer.direct_read = f.direct_read == "on";
+    opt.transfer.direct_window = f.direct_window;
     opt.source_checksums = f.source_checksums == "on";
     set_compute_threads(1);
 
@@ -139,18 +139,14 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     launch(in.backend, pp.world_size() + pd.world_size(), [&](Communicator& world) {
         const DisaggReport r = disagg_generate(m, pp, pd, *in.weights, in.prompts, opt, world);
         if (world.rank() != 0) return;
-        double max_err = 0;
-        bool match = true;
+        VerifyResult v;
         if (in.verify) {
-            const GenerationReport ref = generate(m, ParallelConfig{}, *in.weights, in.prompts,
-                                                  verify_options(in.gen, in.block_size));
-            for (size_t i = 0; i < in.prompts.size(); ++i) {
-                if (!r.errors[i].empty()) continue;
-                max_err = std::max(max_err, relative_l2(r.last_logits[i], ref.last_logits[i]));
-                match = match && r.tokens[i] == ref.tokens[i];
-            }
-            if (!match || max_err > 1e-4) status = 1;
+            v = verify_against_reference(m, *in.weights, in.prompts, in.gen, in.block_size,
+                                         r.tokens, r.last_logits, r.errors);
+            if (!v.ok()) status = 1;
         }
+        const double max_err = v.max_rel_err;
+        const bool match = v.tokens_match;
         if (r.failed_requests > 0) status = 1;
         if (!in.dump_logits.empty()) {
             std::vector<float> all;

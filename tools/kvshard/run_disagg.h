@@ -8,10 +8,10 @@
 #include <CLI/CLI.hpp>
 
 #include "kvshard/comm/communicator.h"
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/model/model_spec.h"
 #include "kvshard/model/weights.h"
-#include "kvshard/transfer/disagg.h"
+#include "kvshard/serve/disagg.h"
 
 namespace kvshard::cli {
 
@@ -23,10 +23,10 @@ struct DisaggFlags {
     std::string transfer_mode = "auto";
     bool no_stream = false;
     int64_t staging_mib = 64;
-    int sender_sleep_us = DisaggOptions{}.sender_idle_sleep_us;
-    int64_t check_thread_bytes = DisaggOptions{}.offload_check_bytes;
+    int sender_sleep_us = DisaggOptions{}.transfer.sender_idle_sleep_us;
+    int64_t check_thread_bytes = DisaggOptions{}.transfer.offload_check_bytes;
     std::string direct_read = "on";
-    int direct_window = DisaggOptions{}.direct_window;
+    int direct_window = DisaggOptions{}.transfer.direct_window;
     std::string source_checksums = "on";
     bool enabled() const { return !prefill.empty() || !decode.empty(); }
 };

@@ -8,7 +8,7 @@
 
 #include "kvshard/comm/communicator.h"
 #include "kvshard/exec/cp_attention.h"
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 
 namespace kvshard {
 

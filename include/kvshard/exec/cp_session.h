@@ -16,10 +16,9 @@
 #include "kvshard/cache/block_manager.h"
 #include "kvshard/comm/communicator.h"
 #include "kvshard/comm/groups.h"
-#include "kvshard/exec/cp_plan.h"
 #include "kvshard/exec/cp_ring.h"
-#include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/weights.h"
 
@@ -145,15 +144,5 @@ class CpSession {
     int64_t next_tmp_seq_ = -1;
     LayerHook layer_hook_;
 };
-
-// Prefill + greedy decode of each prompt in turn under CP: generate()'s path for cp > 1, with the
-// same report. Prompt i is sequence i; prefix caching (opt.prefix_cache) needs
-// cp_scheme = interleave with cp_interleave = opt.block_size. Collective over world
-// (world->size() == p.world_size(), dp = pp = 1); null world: one rank. Every rank returns the
-// whole report.
-GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
-                             const TensorSource& weights,
-                             const std::vector<std::vector<int32_t>>& prompts,
-                             const GenerationOptions& opt, Communicator* world);
 
 }  // namespace kvshard

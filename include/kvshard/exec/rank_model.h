@@ -18,6 +18,7 @@
 #include "kvshard/attention/paged_attention.h"
 #include "kvshard/cache/block_pool.h"
 #include "kvshard/cache/paged_kv.h"
+#include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/weights.h"
 
 namespace kvshard {
@@ -97,6 +98,10 @@ class RankModel {
     AttentionFn attention_;
     std::vector<float> rope_cos_, rope_sin_;  // [rows][head_dim/2] of the current step
 };
+
+// The slice of the weights rank `rank` holds under `layout` (Error when the dense MLP width is not
+// divisible by tp).
+WeightShard weight_shard(const KvLayout& layout, int rank);
 
 // Threads each BLAS call may use (process-wide). Rank threads of the threads backend each run their
 // own GEMMs, so one per call avoids oversubscribing the cores.

@@ -58,6 +58,10 @@ void unpack_message(const TransferPlan& plan, const TransferMessage& msg, Transf
 // or received into the pool itself with no staging copy; -1 otherwise. Same checks as pack_message.
 int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessage& msg,
                                   TransferMode mode, bool source_side, const BlockPool& pool);
+// The same from the pool's page description alone (geometry and block count; no checks of them).
+int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessage& msg,
+                                  TransferMode mode, bool source_side, const PageGeometry& geometry,
+                                  int64_t num_blocks);
 
 // Batches: several messages of one source rank (pack) or one destination rank (unpack) that share
 // their layer range, in one pass interleaved by (layer, K/V, piece): messages that differ only by

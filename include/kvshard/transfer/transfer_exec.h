@@ -22,8 +22,10 @@
 //    or sent straight from the pool where it is one run of it. The receiver posts a payload
 //    receive only while its staging allows.
 //
-// Failure is per request: a sender-side error (fail()), a checksum or header mismatch, or no
-// progress for `timeout_s` ends that request on both sides with a non-OK status (the receiver
+// Failure is per request: a sender-side error (fail(), or anything that throws inside the sender's
+// progress(): its remaining messages go as aborted headers), a receiver-side one (kLocalError), a
+// checksum or header mismatch, or no progress for `timeout_s` ends that request on both sides with
+// a non-OK status; progress() itself does not throw (the receiver
 // tells every source by an ack; a source told of failure stops sending). The caller then frees the
 // request's blocks; other requests, on other tags, are untouched.
 #include <chrono>
@@ -43,6 +45,7 @@
 #include "kvshard/common/shared_arena.h"
 #include "kvshard/transfer/pack.h"
 #include "kvshard/transfer/transfer_plan.h"
+#include "kvshard/transfer/transfer_schedule.h"
 
 namespace kvshard {
 
@@ -53,6 +56,7 @@ enum class TransferStatus : uint32_t {
     kBadHeader = 3,         // a header that does not belong to this plan/request, or corrupt
     kTimeout = 4,           // no progress for timeout_s (a peer that died or hangs)
     kPeerFailed = 5,        // the other side reported a failure (in an ack)
+    kLocalError = 6,        // a copy or a communicator call failed on this rank (the error says)
 };
 std::string_view transfer_status_name(TransferStatus s);
 
@@ -117,17 +121,6 @@ struct TransferAck {
 };
 static_assert(sizeof(TransferAck) == 24);
 
-// Test hooks that make faults happen on purpose.
-struct TransferFaults {
-    // Plan message index whose payload the sender corrupts after checksumming (a direct read: whose
-    // announced checksum it corrupts, so that the bytes read no longer match it).
-    int corrupt_message = -1;
-    int stall_after = -1;  // the sender sends this many messages, then nothing more (a hung peer)
-    // The sender offers its shareable pool with a wrong token: the destinations cannot map it and
-    // take messages instead.
-    bool wrong_arena_token = false;
-};
-
 // Payload buffers reused across messages and requests: no zero fill, and no page faults once warm
 // (a fresh 4 MiB allocation per message costs a page fault per 4 KiB). A Buffer returns its memory
 // to the pool when destroyed. Buffers are allocate_large memory (4 KiB-aligned; huge pages from
@@ -175,7 +168,6 @@ struct TransferExecOptions {
     int64_t staging_bytes = int64_t{64}
                             << 20;  // per sender and per receiver; one message always fits
     double timeout_s = 30.0;        // without progress
-    TransferFaults faults;
     std::shared_ptr<StagingPool> staging_pool;  // null: each sender/receiver makes its own
     // Receiver: a payload received straight into the pool (zero copy) of at least this many bytes
     // is checked on a worker thread of the receiver, while its own thread goes on receiving (with
@@ -204,10 +196,19 @@ struct TransferExecOptions {
     // Direct read: views of source pools kept open across requests (a fresh mapping faults on
     // each page it reads first); null: each receiver opens its own.
     std::shared_ptr<SharedArenaViews> arena_views;
+    // How each message travels (transfer_schedule.h), made once for both sides by the caller that
+    // knows both (made with direct_read false: a destination that agreed to read in place reads
+    // every message of its source directly instead). Null: each sender / receiver makes the
+    // schedule of its own side from its pool. Its mode and its pages of this rank must match.
+    std::shared_ptr<const TransferSchedule> schedule;
+
+    // Error naming the field unless every value is in range.
+    void validate() const;
 };
 
-// Tags of a request: header (and hello), payload, ack (and reply, credits); request_id modulo
-// 65536 slots above 2^19.
+// Tags of a request, by kind: header (and hello), payload, ack (and reply, credits); request_id
+// modulo 65536 slots above 2^19.
+inline constexpr int kTransferHeaderKind = 0, kTransferPayloadKind = 1, kTransferAckKind = 2;
 int transfer_tag(uint64_t request_id, int kind);
 
 struct TransferResult {

@@ -1,4 +1,4 @@
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
@@ -94,6 +94,12 @@ std::vector<int64_t> CpTokenMap::positions(int cp_rank, int64_t begin, int64_t e
 
 int64_t CpTokenMap::count(int cp_rank, int64_t begin, int64_t end) const {
     return static_cast<int64_t>(positions(cp_rank, begin, end).size());
+}
+
+int64_t cp_token_count(const ParallelConfig& p, int cp_rank, int64_t n) {
+    int64_t held = 0;
+    for (const TokenRange& r : cp_token_ranges(p, cp_rank, n)) held += r.size();
+    return held;
 }
 
 CpTokenMap cp_prompt_map(const ParallelConfig& p, int64_t n) {
@@ -244,16 +250,30 @@ CpPrefixReusePlan plan_cp_prefix_reuse(int src_cp, int dst_cp, int64_t blocks) {
     require(src_cp >= 1 && dst_cp >= 1, "cp sizes must be >= 1 (got ", src_cp, " and ", dst_cp,
             ")");
     require(blocks >= 0, "block count must be >= 0, got ", blocks);
-    CpPrefixReusePlan plan;
+    std::vector<std::vector<int>> holders;
+    for (int64_t b = 0; b < blocks; ++b) holders.push_back({static_cast<int>(b % src_cp)});
+    std::vector<int> dst_device;
+    for (int c = 0; c < dst_cp; ++c) dst_device.push_back(c);
+    CpPrefixReusePlan plan = plan_cp_prefix_moves(holders, dst_device);
     plan.src_cp = src_cp;
-    plan.dst_cp = dst_cp;
-    plan.blocks = blocks;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const int s = static_cast<int>(b % src_cp), d = static_cast<int>(b % dst_cp);
-        if (s == d)
+    return plan;
+}
+
+CpPrefixReusePlan plan_cp_prefix_moves(const std::vector<std::vector<int>>& holders,
+                                       const std::vector<int>& dst_device) {
+    KVSHARD_CHECK(!dst_device.empty(), "a prefix served by no CP rank");
+    CpPrefixReusePlan plan;
+    plan.src_cp = 0;  // not one CP size: wherever the blocks are
+    plan.dst_cp = static_cast<int>(dst_device.size());
+    plan.blocks = static_cast<int64_t>(holders.size());
+    for (int64_t b = 0; b < plan.blocks; ++b) {
+        const std::vector<int>& h = holders[static_cast<size_t>(b)];
+        KVSHARD_CHECK(!h.empty(), "block ", b, " of the prefix has no holder");
+        const int dst = dst_device[static_cast<size_t>(b % plan.dst_cp)];
+        if (std::find(h.begin(), h.end(), dst) != h.end())
             ++plan.kept;
         else
-            plan.moves.push_back({b, s, d});
+            plan.moves.push_back({b, h.front(), dst});
     }
     return plan;
 }

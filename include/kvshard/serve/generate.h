@@ -1,17 +1,19 @@
 #pragma once
-// Batched prefill + greedy decode of a set of prompts, unsharded or sharded over TP / PP / EP / DP
-// (docs/model.md, "Sharded execution").
+// Batched prefill + greedy decode of a set of prompts on one group of ranks, unsharded or sharded
+// over TP / PP / EP / DP, or under context parallelism (docs/model.md, "Sharded execution";
+// docs/context-parallel.md §8).
 //
 // Every rank runs the same schedule: one prefill step over all of its replica's prompts (each
 // prompt first asks the prefix cache; cached tokens are not recomputed), then max_new_tokens - 1
 // decode steps of one token per sequence. Prompt i goes to DP replica i % dp. The last pipeline
-// stage picks the greedy token and sends it to the earlier stages of its replica.
+// stage picks the greedy token and sends it to the earlier stages of its replica. With cp > 1
+// (dp = pp = 1) the CP executor (exec/cp_session.h) serves each prompt in turn.
 #include <cstdint>
 #include <optional>
 #include <vector>
 
 #include "kvshard/cache/block_pool.h"
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/weights.h"
 
@@ -25,8 +27,8 @@ struct GenerationOptions {
     int64_t num_blocks = 0;  // blocks per rank; 0: enough for every prompt of the replica
     bool prefix_cache = true;
     PageOrder page_order = PageOrder::kHnd;
-    // Context parallelism (cp > 1 runs cp_generate, kvshard/exec/cp_session.h): the prefill mode
-    // (empty: the one that moves fewer bytes) and how the decode partials are merged.
+    // Context parallelism (cp > 1): the prefill mode (empty: the one that moves fewer bytes) and
+    // how the decode partials are merged.
     std::optional<CpPrefillMode> cp_prefill_mode;
     CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;
 };
@@ -51,10 +53,6 @@ struct GenerationReport {
     double prefill_seconds = 0, decode_seconds = 0;  // the slowest rank's
 };
 
-// The slice of the weights rank `rank` holds under `layout` (Error when the dense MLP width is not
-// divisible by tp).
-WeightShard weight_shard(const KvLayout& layout, int rank);
-
 // Runs the generation on this rank. Collective over `world` (world->size() == p.world_size()); with
 // world == nullptr the run is one rank and p.world_size() must be 1. Every rank returns the whole
 // report. The model computes in fp32 with an fp32 KV cache whatever m.kv_dtype says.
@@ -62,10 +60,16 @@ GenerationReport generate(const ModelSpec& m, const ParallelConfig& p, const Ten
                           const std::vector<std::vector<int32_t>>& prompts,
                           const GenerationOptions& options, Communicator* world = nullptr);
 
+// generate()'s path for cp > 1, with the same report: prefill + greedy decode of each prompt in
+// turn on a CpSession. Prompt i is sequence i; prefix caching (opt.prefix_cache) needs
+// cp_scheme = interleave with cp_interleave = opt.block_size. Collective over world
+// (world->size() == p.world_size(), dp = pp = 1); null world: one rank.
+GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
+                             const TensorSource& weights,
+                             const std::vector<std::vector<int32_t>>& prompts,
+                             const GenerationOptions& opt, Communicator* world);
+
 // Error unless max_new_tokens >= 1 and every prompt is non-empty with token ids in [0, vocab).
 void check_prompts(const std::vector<std::vector<int32_t>>& prompts, int vocab, int max_new_tokens);
-
-// The relative L2 distance ||a - b|| / ||b|| (0 when both are zero).
-double relative_l2(const std::vector<float>& a, const std::vector<float>& b);
 
 }  // namespace kvshard

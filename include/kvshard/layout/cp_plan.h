@@ -58,6 +58,9 @@ class CpTokenMap {
 // The placement of a prompt of n tokens under p (one segment of p.cp_scheme, unit p.cp_interleave).
 // Equals cp_owner(p, n, pos) for every pos.
 CpTokenMap cp_prompt_map(const ParallelConfig& p, int64_t n);
+// Tokens CP rank cp_rank stores of a prompt of n tokens under p: the sizes of cp_token_ranges
+// (kv_layout.h) summed, the one count used by the executors, `kvshard cp-plan` and the cost model.
+int64_t cp_token_count(const ParallelConfig& p, int cp_rank, int64_t n);
 
 // ---------------------------------------------------------------------------------------------
 // The ring (pass-KV: KV shards travel; pass-Q: query shards travel).
@@ -154,6 +157,14 @@ struct CpPrefixReusePlan {
     std::vector<CpBlockMove> moves;  // ascending block
 };
 CpPrefixReusePlan plan_cp_prefix_reuse(int src_cp, int dst_cp, int64_t blocks);
+
+// The general form that CpSession carries out, for prefix blocks cached anywhere: holders[b] lists
+// the devices (ascending) that hold global block b, and device dst_device[c] serves CP rank c
+// (dst_cp = dst_device.size()). Block b stays where dst_device[b % dst_cp] holds it, else moves
+// from its lowest holder; src and dst of the moves are device ids. plan_cp_prefix_reuse is this
+// with holders[b] = {b % src_cp} and dst_device[c] = c. Every holders[b] must be non-empty.
+CpPrefixReusePlan plan_cp_prefix_moves(const std::vector<std::vector<int>>& holders,
+                                       const std::vector<int>& dst_device);
 
 std::string to_json(const CpPrefixReusePlan& plan);
 

@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include "kvshard/comm/threads.h"
-#include "kvshard/exec/generate.h"
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/model/catalog.h"
-#include "kvshard/transfer/disagg.h"
+#include "kvshard/serve/disagg.h"
+#include "kvshard/serve/generate.h"
+#include "kvshard/serve/verify.h"
+#include "transfer/fault_injection.h"
 
 namespace kvshard {
 namespace {
@@ -50,14 +52,17 @@ DisaggReport run_case(const DisaggCase& c, const std::vector<std::vector<int32_t
     opt.decode_block_size = c.bs_decode;
     opt.prefill_order = c.order_prefill;
     opt.decode_order = c.order_decode;
-    opt.mode = c.mode;
+    opt.transfer.mode = c.mode;
     opt.stream_layers = c.stream;
-    opt.corrupt_request = corrupt;
-    opt.direct_read = c.direct;
+    opt.transfer.direct_read = c.direct;
     opt.source_checksums = c.seal;
     DisaggReport out;
     run_threads(pp.world_size() + pd.world_size(), [&](Communicator& world) {
-        DisaggReport r = disagg_generate(m, pp, pd, src, prompts, opt, world);
+        // corrupt >= 0: the prefill ranks' link spoils one payload of that request
+        testing::FaultyCommunicator faulty(world);
+        if (corrupt >= 0 && world.rank() < pp.world_size())
+            faulty.add(static_cast<uint64_t>(corrupt), {.corrupt_message = 0});
+        DisaggReport r = disagg_generate(m, pp, pd, src, prompts, opt, faulty);
         if (world.rank() == 0) out = std::move(r);
     });
     return out;

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "kvshard/cache/block_pool.h"
-#include "kvshard/exec/cp_plan.h"
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/layout/parallel_config.h"
 #include "kvshard/model/model_spec.h"
 #include "kvshard/model/weights.h"
@@ -26,30 +26,34 @@ namespace kvshard {
 
 class Communicator;
 
+// TransferExecOptions' defaults, with the longer timeout a whole run allows (60 s).
+inline TransferExecOptions disagg_transfer_defaults() {
+    TransferExecOptions o;
+    o.timeout_s = 60.0;
+    return o;
+}
+
 struct DisaggOptions {
     int max_new_tokens = 16;  // the first comes from prefill, the rest from decode
     int prefill_block_size = 16;
     int decode_block_size = 16;
     PageOrder prefill_order = PageOrder::kHnd;
     PageOrder decode_order = PageOrder::kHnd;
-    TransferMode mode = TransferMode::kAuto;
     bool stream_layers = true;  // a message per layer, sent as soon as the layer is done
-    int64_t staging_bytes = int64_t{64} << 20;
-    // Passed to the transfer (TransferExecOptions, same meaning and defaults).
-    int sender_idle_sleep_us = TransferExecOptions{}.sender_idle_sleep_us;
-    int64_t offload_check_bytes = TransferExecOptions{}.offload_check_bytes;
-    // Direct read: the prefill pools are shareable and each decode rank on the same host reads its
-    // KV from them in place (TransferExecOptions::direct_read); false: private pools, messages.
-    bool direct_read = TransferExecOptions{}.direct_read;
-    int direct_window = TransferExecOptions{}.direct_window;
     // Direct read from HND prefill pools: each prefill rank seals every layer's KV right after
     // writing it (source_checksums.h), and a message that reads whole sealed blocks is checked by
     // its unit checksum instead of a checksum pass over the source when it is sent.
     bool source_checksums = true;
-    double timeout_s = 60.0;
-    int corrupt_request = -1;  // test hook: corrupt one payload of this request (prompt index)
     std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side: empty = automatic
     CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;  // a CP decode side
+    // The transfer: mode, staging_bytes, timeout_s, sender_idle_sleep_us, offload_check_bytes,
+    // direct_read (the prefill pools are shareable and each decode rank on the same host reads its
+    // KV from them in place; false: private pools, messages) and direct_window. The run sets the
+    // world bases, the staging pool, the arena views and the seals itself.
+    TransferExecOptions transfer = disagg_transfer_defaults();
+
+    // Error naming the field unless every value is in range.
+    void validate() const;
 };
 
 struct DisaggReport {

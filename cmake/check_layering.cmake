@@ -1,0 +1,47 @@
+# cmake -DROOT=<source dir> -DORDER="common;model;..." [-DFORBID="transfer>exec;..."]
+#       -P check_layering.cmake
+# Fails, naming the file, when a file of src/<c> or include/kvshard/<c> includes a header of a
+# component to the right of <c> in ORDER ("kvshard/<x>/..." or the internal "<x>/..."), of a
+# component not in ORDER at all, or of <x> where FORBID holds "<c>><x>" (an arrow to the left that
+# the design still rules out, e.g. transfer knows pages and layouts, not the model that fills them).
+cmake_minimum_required(VERSION 3.25)
+set(violations "")
+set(files_read 0)
+foreach(component ${ORDER})
+  list(FIND ORDER ${component} self)
+  file(GLOB_RECURSE files ${ROOT}/src/${component}/* ${ROOT}/include/kvshard/${component}/*)
+  foreach(f ${files})
+    if(NOT f MATCHES "\\.(h|hpp|cpp|cc|inc)$")
+      continue()
+    endif()
+    math(EXPR files_read "${files_read} + 1")
+    file(STRINGS ${f} lines REGEX "^[ \t]*#[ \t]*include[ \t]*\"")
+    foreach(line ${lines})
+      string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*\"([^\"]*)\".*" "\\1" path "${line}")
+      string(REGEX REPLACE "^kvshard/" "" path "${path}")
+      if(NOT path MATCHES "/")
+        continue()
+      endif()
+      string(REGEX REPLACE "/.*" "" target "${path}")
+      list(FIND ORDER ${target} other)
+      file(RELATIVE_PATH rel ${ROOT} ${f})
+      if(other LESS 0)
+        list(APPEND violations "${rel}: includes \"${path}\" of '${target}', which is no component")
+      elseif(other GREATER self)
+        list(APPEND violations
+             "${rel}: ${component} includes \"${path}\" of ${target}, to its right")
+      elseif("${component}>${target}" IN_LIST FORBID)
+        list(APPEND violations "${rel}: ${component} includes \"${path}\": ${component} may not "
+                               "use ${target}")
+      endif()
+    endforeach()
+  endforeach()
+endforeach()
+if(files_read EQUAL 0)
+  message(FATAL_ERROR "check_layering: no sources under ${ROOT}/src")
+endif()
+if(violations)
+  list(JOIN violations "\n  " text)
+  message(FATAL_ERROR "includes pointing right (order: ${ORDER}):\n  ${text}")
+endif()
+message(STATUS "check_layering: ${files_read} files, every include points left")

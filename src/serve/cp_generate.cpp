@@ -1,0 +1,79 @@
+// generate()'s path for cp > 1: each prompt in turn on a CpSession (exec/cp_session.h).
+#include <algorithm>
+
+#include "kvshard/comm/threads.h"
+#include "kvshard/common/error.h"
+#include "kvshard/exec/cp_session.h"
+#include "kvshard/serve/generate.h"
+#include "serve/runner.h"
+
+namespace kvshard {
+
+GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
+                             const TensorSource& weights,
+                             const std::vector<std::vector<int32_t>>& prompts,
+                             const GenerationOptions& opt, Communicator* world) {
+    require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
+    check_prompts(prompts, m.vocab, opt.max_new_tokens);
+    require(!m.is_mla(), m.name, ": context parallelism runs GQA/MHA models here, not MLA");
+    auto body = [&](Communicator& w) {
+        require(w.size() == p.world_size(), "the run has ", w.size(), " ranks but ", p.to_string(),
+                " needs dp*pp*cp*tp = ", p.world_size());
+        CpOptions o;
+        o.block_size = opt.block_size;
+        o.prefix_cache = opt.prefix_cache;
+        o.prefill_mode = opt.cp_prefill_mode;
+        o.decode_merge = opt.cp_decode_merge;
+        o.num_blocks = opt.num_blocks;
+        if (o.num_blocks <= 0) {  // enough for every prompt at once (released ones stay cached)
+            std::vector<int64_t> lengths;
+            for (const auto& pr : prompts) lengths.push_back(static_cast<int64_t>(pr.size()));
+            o.num_blocks = serve::blocks_for(lengths, opt.max_new_tokens, o.block_size);
+        }
+        const RankCoord c = rank_coord(p, w.rank());
+        CpDevice dev(m, p.tp, c.tp, weights, o);
+        CpSession s(dev, w, p, o);
+        serve::GroupRow row;
+        RankReport& rep = row.report;
+        rep.rank = w.rank();
+        rep.coord = c;
+        std::vector<serve::RequestResult> results;
+        for (size_t i = 0; i < prompts.size(); ++i) {
+            const auto seq = static_cast<SeqId>(i);
+            auto t0 = serve::Clock::now();
+            auto logits = s.prefill(seq, prompts[i]);
+            rep.prefill_seconds += serve::seconds_since(t0);
+            row.replica_prompt_tokens += static_cast<int64_t>(prompts[i].size());
+            row.replica_hit_tokens += s.last_step().cached_tokens;
+            row.replica_computed_tokens +=
+                static_cast<int64_t>(prompts[i].size()) - s.last_step().cached_tokens;
+            rep.prefix_hit_tokens += s.last_step().local_hit_blocks * o.block_size;
+            std::vector<int32_t> toks = {argmax(logits)};
+            t0 = serve::Clock::now();
+            for (int step = 1; step < opt.max_new_tokens; ++step) {
+                logits = s.decode(seq, toks.back());
+                toks.push_back(argmax(logits));
+            }
+            rep.decode_seconds += serve::seconds_since(t0);
+            rep.kv_tokens += s.token_map(seq).count(c.cp);
+            // Every CP rank has the logits; the (cp, tp) = 0 rank brings them.
+            if (c.cp == 0 && c.tp == 0)
+                results.push_back(serve::RequestResult::output(static_cast<int64_t>(i),
+                                                               std::move(toks), std::move(logits)));
+            s.release(seq);
+        }
+        rep.kv_bytes = rep.kv_tokens * dev.model().pool().geometry().bytes_per_token();
+        rep.kv_bytes_predicted =
+            rep.kv_tokens * s.layout().ranks[static_cast<size_t>(w.rank())].kv_bytes_per_token;
+        return serve::merge_group_report(serve::gather_contributions(&w, row, results),
+                                         prompts.size());
+    };
+    if (world) return body(*world);
+    require(p.world_size() == 1, "a run without a communicator is one rank, but ", p.to_string(),
+            " needs ", p.world_size());
+    GenerationReport out;
+    run_threads(1, [&](Communicator& w) { out = body(w); });
+    return out;
+}
+
+}  // namespace kvshard

@@ -1,0 +1,107 @@
+// The decode side of a disaggregated run: take every request's KV in, agree on which requests
+// failed, and decode the others from the prefill's first token.
+#include "kvshard/common/error.h"
+#include "serve/disagg_run.h"
+
+namespace kvshard::serve {
+
+void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecutor& side,
+                     Communicator& world, Communicator& group, const TransferExecOptions& xo,
+                     Clock::time_point t0, RankTimes& times, std::vector<RequestResult>& results) {
+    const int n = plan.requests, gen = opt.max_new_tokens, vocab = plan.model.vocab;
+    const int d = world.rank() - plan.prefill_ranks;
+    RankModel& model = side.model();
+    std::vector<std::unique_ptr<TransferReceiver>> receivers;
+    for (int i = 0; i < n; ++i) {
+        TransferExecOptions o = xo;
+        o.schedule = plan.schedules[i];
+        receivers.push_back(std::make_unique<TransferReceiver>(
+            world, plan.transfers[i], static_cast<uint64_t>(i), d, model.pool(), o));
+    }
+    std::vector<TransferReceiver*> rp;
+    for (auto& r : receivers) rp.push_back(r.get());
+    progress_until_done({}, rp);
+    times.transfer_done = seconds_since(t0);
+    std::vector<std::string> errors(static_cast<size_t>(n));
+    std::vector<int32_t> failed(static_cast<size_t>(n), 0);
+    for (int i = 0; i < n; ++i) {
+        const TransferResult r = receivers[i]->finish();
+        times.bytes += r.bytes;
+        times.messages += r.messages;
+        times.direct_messages += r.direct_messages;
+        times.unit_checksum_messages += r.unit_checksum_messages;
+        if (!r.ok()) {
+            failed[i] = 1;
+            errors[i] = std::string(transfer_status_name(r.status)) + ": " + r.error;
+        }
+    }
+    receivers.clear();
+    // One verdict per request for the whole decode group.
+    group.all_reduce(std::span<int32_t>(failed), ReduceOp::kMax);
+
+    std::vector<int32_t> first(static_cast<size_t>(n), 0);
+    world.recv(std::span<int32_t>(first), rank_of(plan.prefill, 0, plan.prefill.pp - 1, 0, 0),
+               kTagFirstTokens);
+    std::vector<std::vector<int32_t>> out(static_cast<size_t>(n));
+    std::vector<int> active;
+    for (int i = 0; i < n; ++i)
+        if (!failed[i]) {
+            out[i].push_back(first[i]);
+            active.push_back(i);
+        }
+    const RankCoord c = side.coord;
+    const bool last_stage = c.pp == plan.decode.pp - 1;
+    std::vector<std::vector<float>> last(static_cast<size_t>(n));  // per request, last step
+    const auto td = Clock::now();
+    if (side.cp_session) {
+        // CpSession decodes one sequence per collective step; every CP rank gets the logits.
+        for (int i = 0; i < n; ++i)
+            if (failed[i]) side.cp_session->release(static_cast<SeqId>(i));
+        for (int step = 1; step < gen; ++step)
+            for (int i : active) {
+                last[i] = side.cp_session->decode(static_cast<SeqId>(i), out[i].back());
+                out[i].push_back(argmax(last[i]));
+            }
+    } else {
+        const int bs = opt.decode_block_size;
+        for (int step = 1; step < gen && !active.empty(); ++step) {
+            ForwardBatch fb;
+            for (int i : active) {
+                const int64_t pos = plan.prompt_len[i] + step - 1;
+                fb.token_ids.push_back(out[i].back());
+                fb.slots.push_back(pos);
+                fb.queries.add_sequence(1, pos);
+                const int64_t blocks = (pos + 1 + bs - 1) / bs;
+                const auto& table = plan.decode_tables[i];
+                fb.kv.add_sequence(std::vector<int32_t>(table.begin(), table.begin() + blocks),
+                                   pos + 1, bs);
+            }
+            const std::vector<float> logits = model.forward(fb);
+            const std::vector<int32_t> toks =
+                pass_greedy_tokens(&group, plan.decode, c, logits, static_cast<int>(active.size()),
+                                   vocab, kTagDecodeTokens);
+            for (size_t k = 0; k < active.size(); ++k) {
+                out[active[k]].push_back(toks[k]);
+                if (last_stage)
+                    last[active[k]].assign(logits.begin() + static_cast<int64_t>(k) * vocab,
+                                           logits.begin() + static_cast<int64_t>(k + 1) * vocab);
+            }
+        }
+    }
+    times.decode_seconds = seconds_since(td);
+    const bool brings = last_stage && c.tp == 0 && c.cp == 0;
+    for (int i = 0; i < n; ++i) {
+        RequestResult r;
+        r.id = i;
+        r.error = errors[i];
+        if (brings) {
+            r.has_output = true;
+            r.tokens = std::move(out[i]);
+            r.failed = failed[i] != 0;
+            r.last_logits = std::move(last[i]);  // empty when gen == 1 or the request failed
+        }
+        results.push_back(std::move(r));
+    }
+}
+
+}  // namespace kvshard::serve

@@ -1,0 +1,185 @@
+// A disaggregated run's plans: the inputs checked, each side's blocks, and one transfer plan per
+// request, the same on every rank.
+#include <algorithm>
+
+#include "common/byte_buffer.h"
+#include "kvshard/common/error.h"
+#include "kvshard/common/shared_arena.h"
+#include "serve/disagg_run.h"
+
+namespace kvshard::serve {
+
+DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
+                         const ParallelConfig& decode,
+                         const std::vector<std::vector<int32_t>>& prompts, const DisaggOptions& opt,
+                         int world_size) {
+    opt.validate();
+    DisaggPlan plan;
+    plan.model = spec;
+    plan.model.kv_dtype = DType::kFp32;  // the reference model caches fp32 KV
+    const ModelSpec& m = plan.model;
+    require(
+        prefill.dp == 1 && decode.dp == 1,
+        "disaggregated runs serve one replica on each side: use dp=1 for --prefill and --decode");
+    // A side with cp > 1 runs the CP executor (CpSession) on a cp x tp grid, one request after
+    // another. A CP prefill side reserves every request's blocks before the start, so the plans are
+    // known and each layer is sent as its ring attention finishes; a CP decode side allocates its
+    // blocks when it takes the requests in (CpSession::adopt), before the transfer, and decodes
+    // with merged partial attention.
+    auto check_cp_side = [](const char* side, const ParallelConfig& p, PageOrder order) {
+        if (p.cp == 1) return;
+        require(p.pp == 1 && p.ep == 1, "a ", side,
+                " side with cp > 1 runs context parallelism on a cp x tp grid: use pp=1 and ep=1 "
+                "with it, got --",
+                side, " ", p.to_string());
+        require(order == PageOrder::kHnd, "a ", side, " side with cp > 1 stores HND pages: use --",
+                side, "-order hnd with it");
+    };
+    check_cp_side("prefill", prefill, opt.prefill_order);
+    check_cp_side("decode", decode, opt.decode_order);
+    plan.cp_prefill = prefill.cp > 1;
+    plan.cp_decode = decode.cp > 1;
+    require(!m.is_mla(), m.name, " uses MLA, which the reference model does not run");
+    plan.prefill = prefill;
+    plan.decode = decode;
+    plan.prefill_layout = make_layout(m, prefill);
+    plan.decode_layout = make_layout(m, decode);
+    const int P = prefill.world_size(), D = decode.world_size();
+    plan.prefill_ranks = P;
+    plan.decode_ranks = D;
+    require(world_size == P + D, "the run has ", world_size, " ranks but prefill ",
+            prefill.to_string(), " + decode ", decode.to_string(), " need ", P, " + ", D, " = ",
+            P + D);
+    require(!prompts.empty(), "give at least one prompt");
+    check_prompts(prompts, m.vocab, opt.max_new_tokens);
+    plan.requests = static_cast<int>(prompts.size());
+
+    std::vector<int64_t> decode_len;
+    for (const auto& p : prompts) {
+        plan.prompt_len.push_back(static_cast<int64_t>(p.size()));
+        decode_len.push_back(static_cast<int64_t>(p.size()) + opt.max_new_tokens);
+    }
+    plan.prefill_tables =
+        consecutive_tables(plan.prompt_len, opt.prefill_block_size, plan.prefill_blocks);
+    plan.decode_tables = consecutive_tables(decode_len, opt.decode_block_size, plan.decode_blocks);
+    // Prefill pools in shareable memory where this process can make it (else messages).
+    plan.share_pools = opt.transfer.direct_read && SharedArena::supported();
+    if (!plan.cp_prefill && !plan.cp_decode) {  // the plain executors' blocks are known now
+        CpTables st, dt;
+        for (int i = 0; i < plan.requests; ++i) {
+            st.push_back({plan.prefill_tables[i]});
+            dt.push_back({plan.decode_tables[i]});
+        }
+        make_transfer_plans(plan, opt, st, dt);
+    }
+    return plan;
+}
+
+void make_transfer_plans(DisaggPlan& plan, const DisaggOptions& opt, const CpTables& src_tables,
+                         const CpTables& dst_tables) {
+    for (int i = 0; i < plan.requests; ++i) {
+        TransferEndpoint src{.layout = plan.prefill_layout,
+                             .dp = 0,
+                             .block_size = opt.prefill_block_size,
+                             .order = opt.prefill_order,
+                             .block_tables = src_tables[i]};
+        TransferEndpoint dst{.layout = plan.decode_layout,
+                             .dp = 0,
+                             .block_size = opt.decode_block_size,
+                             .order = opt.decode_order,
+                             .block_tables = dst_tables[i]};
+        plan.transfers.push_back(std::make_shared<const TransferPlan>(make_transfer_plan(
+            src, dst, plan.prompt_len[i], {.layers_per_group = opt.stream_layers ? 1 : 0})));
+        const TransferPlan& tp = *plan.transfers.back();
+        plan.schedules.push_back(std::make_shared<const TransferSchedule>(
+            make_transfer_schedule(tp, side_pool_pages(tp, true, plan.pool_blocks(true)),
+                                   side_pool_pages(tp, false, plan.pool_blocks(false)),
+                                   {.mode = opt.transfer.mode,
+                                    .direct_read = false,
+                                    .staging_bytes = opt.transfer.staging_bytes})));
+    }
+}
+
+SideExecutor make_side_executor(const DisaggPlan& plan, const DisaggOptions& opt,
+                                const TensorSource& weights,
+                                const std::vector<std::vector<int32_t>>& prompts, bool is_prefill,
+                                int local, Communicator& group) {
+    const KvLayout& layout = is_prefill ? plan.prefill_layout : plan.decode_layout;
+    const ParallelConfig& pc = is_prefill ? plan.prefill : plan.decode;
+    const int block_size = is_prefill ? opt.prefill_block_size : opt.decode_block_size;
+    const PoolMemory memory =
+        is_prefill && plan.share_pools ? PoolMemory::kShareable : PoolMemory::kPrivate;
+    SideExecutor side;
+    side.coord = layout.ranks[local].coord;
+    if (is_prefill ? plan.cp_prefill : plan.cp_decode) {
+        CpOptions co;
+        co.block_size = block_size;
+        // every request whole fits; a CP rank holds a part
+        co.num_blocks = plan.pool_blocks(is_prefill);
+        co.prefix_cache = false;
+        co.prefill_mode = opt.cp_prefill_mode;
+        co.decode_merge = opt.cp_decode_merge;
+        co.pool_memory = memory;
+        side.cp_device = std::make_unique<CpDevice>(plan.model, pc.tp, side.coord.tp, weights, co);
+        side.cp_session = std::make_unique<CpSession>(*side.cp_device, group, pc, co);
+        for (int i = 0; i < plan.requests; ++i) {
+            if (is_prefill)
+                side.cp_session->reserve(static_cast<SeqId>(i), prompts[i]);
+            else
+                side.cp_session->adopt(static_cast<SeqId>(i), prompts[i]);
+        }
+    } else {
+        side.wiring = wire_rank(&group, pc, local);
+        side.plain = std::make_unique<RankModel>(
+            load_weights(plan.model, weight_shard(layout, local), weights),
+            plan.pool_blocks(is_prefill), block_size, side.wiring.comms,
+            is_prefill ? opt.prefill_order : opt.decode_order, memory);
+    }
+    return side;
+}
+
+void share_cp_tables(DisaggPlan& plan, const DisaggOptions& opt, SideExecutor& side,
+                     Communicator& world) {
+    const int n = plan.requests;
+    ByteWriter tw;
+    if (side.cp_session)
+        for (int i = 0; i < n; ++i) {
+            const auto id = static_cast<SeqId>(i);
+            std::vector<int32_t> t;
+            if (side.cp_device->blocks().contains(id)) {
+                const auto span = side.cp_device->blocks().block_table(id);
+                t.assign(span.begin(), span.end());
+            }
+            tw.put_vec(t);
+        }
+    const auto blobs = world.all_gather_blobs(tw.bytes());
+    // Each CP rank's tables from its tp index 0; the other TP ranks of that CP index hold the same.
+    auto cp_side = [&](const ParallelConfig& pcfg, int base, const char* what) {
+        CpTables tables(static_cast<size_t>(n), std::vector<std::vector<int32_t>>(pcfg.cp));
+        for (int cpr = 0; cpr < pcfg.cp; ++cpr)
+            for (int t = 0; t < pcfg.tp; ++t) {
+                ByteReader rd(blobs[base + rank_of(pcfg, 0, 0, cpr, t)]);
+                for (int i = 0; i < n; ++i) {
+                    auto table = rd.get_vec<int32_t>();
+                    if (t == 0)
+                        tables[i][cpr] = std::move(table);
+                    else
+                        KVSHARD_CHECK(table == tables[i][cpr], what, " cp rank ", cpr, " tp ", t,
+                                      " holds request ", i, " in other blocks than tp 0");
+                }
+            }
+        return tables;
+    };
+    auto plain_side = [&](const std::vector<std::vector<int32_t>>& tables) {
+        CpTables out;
+        for (int i = 0; i < n; ++i) out.push_back({tables[i]});
+        return out;
+    };
+    const CpTables st =
+        plan.cp_prefill ? cp_side(plan.prefill, 0, "prefill") : plain_side(plan.prefill_tables);
+    const CpTables dt = plan.cp_decode ? cp_side(plan.decode, plan.prefill_ranks, "decode")
+                                       : plain_side(plan.decode_tables);
+    make_transfer_plans(plan, opt, st, dt);
+}
+
+}  // namespace kvshard::serve

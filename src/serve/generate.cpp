@@ -1,0 +1,155 @@
+#include "kvshard/serve/generate.h"
+
+#include <algorithm>
+#include <map>
+
+#include "kvshard/cache/block_manager.h"
+#include "kvshard/common/error.h"
+#include "kvshard/exec/rank_model.h"
+#include "serve/runner.h"
+
+namespace kvshard {
+namespace {
+
+constexpr int kTagTokens = 102;  // last pipeline stage -> earlier stages of its replica
+
+// Distinct tokens held in the blocks of the given sequences (shared prefix blocks count once).
+template <typename Tables>
+int64_t distinct_kv_tokens(const Tables& t, const std::vector<int64_t>& seqs, int block_size) {
+    std::map<int32_t, int64_t> fill;
+    for (int64_t s : seqs) {
+        const auto table = t.block_table(s);
+        const int64_t len = t.num_tokens(s);
+        for (size_t i = 0; i < table.size(); ++i) {
+            const int64_t f = std::min<int64_t>(block_size, len - int64_t(i) * block_size);
+            auto& cur = fill[table[i]];
+            cur = std::max(cur, f);
+        }
+    }
+    int64_t n = 0;
+    for (const auto& [b, f] : fill) n += f;
+    return n;
+}
+
+}  // namespace
+
+void check_prompts(const std::vector<std::vector<int32_t>>& prompts, int vocab,
+                   int max_new_tokens) {
+    require(max_new_tokens >= 1, "the number of tokens to generate must be at least 1, got ",
+            max_new_tokens);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        require(!prompts[i].empty(), "prompt ", i,
+                " is empty: every prompt needs at least one token");
+        for (int32_t t : prompts[i])
+            require(t >= 0 && t < vocab, "prompt ", i, " holds token id ", t,
+                    " outside the vocabulary [0, ", vocab, ")");
+    }
+}
+
+GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
+                          const TensorSource& weights,
+                          const std::vector<std::vector<int32_t>>& prompts,
+                          const GenerationOptions& opt, Communicator* world) {
+    ModelSpec m = spec;
+    m.kv_dtype = DType::kFp32;  // the reference computes and caches in fp32
+    const KvLayout layout = make_layout(m, p);
+    if (p.cp > 1) return cp_generate(spec, p, weights, prompts, opt, world);  // serve/cp_generate
+    const int world_size = world ? world->size() : 1, rank = world ? world->rank() : 0;
+    require(world_size == p.world_size(), "the run has ", world_size, " ranks but ", p.to_string(),
+            " needs dp*pp*cp*tp = ", p.world_size());
+    check_prompts(prompts, m.vocab, opt.max_new_tokens);
+    require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
+    const RankKv& me = layout.ranks[size_t(rank)];
+    const RankCoord c = me.coord;
+    const serve::RankWiring wiring = serve::wire_rank(world, p, rank);
+
+    // This replica's prompts.
+    std::vector<int64_t> mine, lengths;
+    for (size_t i = 0; i < prompts.size(); ++i)
+        if (int(i % size_t(p.dp)) == c.dp) {
+            mine.push_back(int64_t(i));
+            lengths.push_back(int64_t(prompts[i].size()));
+        }
+    const int bs = opt.block_size;
+    const int64_t num_blocks =
+        opt.num_blocks > 0 ? opt.num_blocks : serve::blocks_for(lengths, opt.max_new_tokens, bs);
+
+    RankModel model(load_weights(m, weight_shard(layout, rank), weights), num_blocks, bs,
+                    wiring.comms, opt.page_order);
+    BlockManager tables(BlockManagerConfig{
+        .num_blocks = num_blocks, .block_size = bs, .enable_prefix_cache = opt.prefix_cache});
+
+    const int batch = int(mine.size());
+    std::vector<std::vector<int32_t>> out_tokens(static_cast<size_t>(batch));
+    std::vector<float> logits;
+    serve::GroupRow row;
+    RankReport& rep = row.report;
+    rep.rank = rank;
+    rep.coord = c;
+    std::vector<int64_t> seqs(static_cast<size_t>(batch));
+    for (int i = 0; i < batch; ++i) seqs[size_t(i)] = i;
+    auto next_tokens = [&](const std::vector<float>& lg) {
+        const auto toks = serve::pass_greedy_tokens(world, p, c, lg, batch, m.vocab, kTagTokens);
+        for (int i = 0; i < batch; ++i) out_tokens[size_t(i)].push_back(toks[size_t(i)]);
+    };
+
+    // Prefill: every prompt asks the prefix cache first; at least its last token is computed.
+    {
+        const auto t0 = serve::Clock::now();
+        ForwardBatch fb;
+        for (int i = 0; i < batch; ++i) {
+            const auto& pr = prompts[size_t(mine[size_t(i)])];
+            const int64_t len = int64_t(pr.size());
+            const auto a = tables.allocate(i, pr);
+            const int64_t cached = std::min<int64_t>(a.cached_tokens, len - 1);
+            rep.prefix_hit_tokens += a.cached_tokens;
+            row.replica_prompt_tokens += len;
+            row.replica_computed_tokens += len - cached;
+            for (int64_t t = cached; t < len; ++t) {
+                fb.token_ids.push_back(pr[size_t(t)]);
+                fb.slots.push_back(t);
+            }
+            fb.queries.add_sequence(len - cached, cached);
+        }
+        fb.kv = tables.paged_kv(seqs);
+        logits = model.forward(fb);
+        next_tokens(logits);
+        rep.prefill_seconds = serve::seconds_since(t0);
+    }
+    // Decode: one token per sequence per step.
+    {
+        const auto t0 = serve::Clock::now();
+        for (int step = 1; step < opt.max_new_tokens; ++step) {
+            ForwardBatch fb;
+            for (int i = 0; i < batch; ++i) {
+                const int32_t tok = out_tokens[size_t(i)].back();
+                tables.append(i, std::span<const int32_t>(&tok, 1));
+                const int64_t pos = tables.num_tokens(i) - 1;
+                fb.token_ids.push_back(tok);
+                fb.slots.push_back(pos);
+                fb.queries.add_sequence(1, pos);
+            }
+            fb.kv = tables.paged_kv(seqs);
+            logits = model.forward(fb);
+            next_tokens(logits);
+        }
+        rep.decode_seconds = serve::seconds_since(t0);
+    }
+    rep.kv_tokens = distinct_kv_tokens(tables, seqs, bs);
+    rep.kv_bytes = rep.kv_tokens * model.pool().geometry().bytes_per_token();
+    rep.kv_bytes_predicted = rep.kv_tokens * me.kv_bytes_per_token;
+    row.replica_hit_tokens = rep.prefix_hit_tokens;
+
+    // The last stage's first TP rank of each replica brings the results.
+    std::vector<serve::RequestResult> results;
+    if (c.pp == p.pp - 1 && c.tp == 0 && c.cp == 0)
+        for (int i = 0; i < batch; ++i)
+            results.push_back(serve::RequestResult::output(
+                mine[size_t(i)], out_tokens[size_t(i)],
+                std::vector<float>(logits.begin() + int64_t{i} * m.vocab,
+                                   logits.begin() + int64_t{i + 1} * m.vocab)));
+    return serve::merge_group_report(serve::gather_contributions(world, row, results),
+                                     prompts.size());
+}
+
+}  // namespace kvshard
