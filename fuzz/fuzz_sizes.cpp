@@ -28,8 +28,9 @@ int as_int(int64_t v) { return static_cast<int>(static_cast<int32_t>(v)); }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     using namespace kvshard;
-    static const char* kModels[] = {"tiny", "tiny-swa", "tiny-hybrid", "tiny-mla", "tiny-moe",
-                                    "gpt-oss-120b", "qwen3-next-80b-a3b", "llama-3.1-8b"};
+    static const char* kModels[] = {
+        "tiny",     "tiny-swa",     "tiny-hybrid",        "tiny-mla",
+        "tiny-moe", "gpt-oss-120b", "qwen3-next-80b-a3b", "llama-3.1-8b"};
     const ModelSpec m = catalog_model(kModels[static_cast<size_t>(next(data, size)) % 8]);
     ParallelConfig p;
     p.tp = as_int(next(data, size));

@@ -41,6 +41,8 @@ CpTokenMap::CpTokenMap(int cp) : cp_(cp) { require(cp >= 1, "cp must be >= 1, go
 void CpTokenMap::append(int64_t n, CpScheme scheme, int unit) {
     require(n >= 0, "cannot append ", n, " tokens");
     require(unit >= 1, "interleave unit must be >= 1, got ", unit);
+    require(n <= kMaxContextTokens - size(), "a sequence of ", size(), " + ", n,
+            " tokens is longer than 2^40 tokens, the longest kvshard plans for");
     if (n == 0) return;
     const int64_t b = size();
     if (cp_ == 1) scheme = CpScheme::kContiguous;  // one rank: every rule is the same

@@ -9,6 +9,16 @@
 
 namespace kvshard {
 
+std::string cp_prefix_cache_unsupported(const ParallelConfig& p, int block_size) {
+    if (p.cp == 1 || (p.cp_scheme == CpScheme::kInterleave && p.cp_interleave == block_size))
+        return "";
+    return detail::concat("the prefix cache is off: under cp=", p.cp,
+                          " it needs --cp-scheme interleave --cp-interleave ", block_size,
+                          " (the block size), so that each rank's blocks are whole hashed blocks "
+                          "of the sequence; ",
+                          p.to_string(), " splits blocks across ranks");
+}
+
 GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,
@@ -16,6 +26,10 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
     check_prompts(prompts, m.vocab, opt.max_new_tokens);
     require(!m.is_mla(), m.name, ": context parallelism runs GQA/MHA models here, not MLA");
+    require(p.ep == 1, "ep=", p.ep, " with cp=", p.cp,
+            ": the context-parallel executor replicates the experts on every rank and runs no "
+            "all-to-all, so expert parallelism under CP is not executed; use --ep 1 (the planner "
+            "still prices EP under CP)");
     auto body = [&](Communicator& w) {
         require(w.size() == p.world_size(), "the run has ", w.size(), " ranks but ", p.to_string(),
                 " needs dp*pp*cp*tp = ", p.world_size());
@@ -65,8 +79,12 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
         rep.kv_bytes = rep.kv_tokens * dev.model().pool().geometry().bytes_per_token();
         rep.kv_bytes_predicted =
             rep.kv_tokens * s.layout().ranks[static_cast<size_t>(w.rank())].kv_bytes_per_token;
-        return serve::merge_group_report(serve::gather_contributions(&w, row, results),
-                                         prompts.size());
+        GenerationReport out = serve::merge_group_report(
+            serve::gather_contributions(&w, row, results), prompts.size());
+        const std::string why = cp_prefix_cache_unsupported(p, o.block_size);
+        out.prefix_cache = opt.prefix_cache && why.empty();
+        if (opt.prefix_cache && !why.empty()) out.prefix_cache_note = why;
+        return out;
     };
     if (world) return body(*world);
     require(p.world_size() == 1, "a run without a communicator is one rank, but ", p.to_string(),

@@ -148,8 +148,10 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                 mine[size_t(i)], out_tokens[size_t(i)],
                 std::vector<float>(logits.begin() + int64_t{i} * m.vocab,
                                    logits.begin() + int64_t{i + 1} * m.vocab)));
-    return serve::merge_group_report(serve::gather_contributions(world, row, results),
-                                     prompts.size());
+    GenerationReport out =
+        serve::merge_group_report(serve::gather_contributions(world, row, results), prompts.size());
+    out.prefix_cache = opt.prefix_cache;
+    return out;
 }
 
 }  // namespace kvshard

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "kvshard/common/error.h"
 
@@ -31,7 +32,12 @@ VerifyResult verify_against_reference(const ModelSpec& m, const TensorSource& we
     VerifyResult v;
     for (size_t i = 0; i < prompts.size(); ++i) {
         if (!skip.empty() && !skip[i].empty()) continue;
-        v.max_rel_err = std::max(v.max_rel_err, relative_l2(last_logits[i], ref.last_logits[i]));
+        const double err = relative_l2(last_logits[i], ref.last_logits[i]);
+        v.max_rel_err = std::isfinite(err) ? std::max(v.max_rel_err, err)
+                                           : std::numeric_limits<double>::infinity();
+        for (const auto* logits : {&last_logits[i], &ref.last_logits[i]})
+            v.non_finite_logits += std::count_if(logits->begin(), logits->end(),
+                                                 [](float x) { return !std::isfinite(x); });
         v.tokens_match = v.tokens_match && tokens[i] == ref.tokens[i];
     }
     return v;

@@ -95,6 +95,8 @@ HeadSplit head_split(const KvLayout& l) {
 std::vector<std::vector<int32_t>> sequential_block_tables(const KvLayout& layout, int block_size,
                                                           int64_t num_tokens) {
     require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
+    require(num_tokens >= 0 && num_tokens <= kMaxTransferTokens, "a transfer of ", num_tokens,
+            " tokens: kvshard plans transfers of [1, 2^26] tokens");
     std::vector<std::vector<int32_t>> tables(layout.parallel.cp);
     for (int c = 0; c < layout.parallel.cp; ++c) {
         const int64_t held = cp_tokens(layout.parallel, c, num_tokens).total;
@@ -144,7 +146,8 @@ int64_t needed_bytes(const TransferPlan& plan, int dst_rank) {
 
 TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpoint& dst,
                                 int64_t num_tokens, const TransferPlanOptions& options) {
-    require(num_tokens >= 1, "a transfer needs at least one token, got ", num_tokens);
+    require(num_tokens >= 1 && num_tokens <= kMaxTransferTokens, "a transfer of ", num_tokens,
+            " tokens: kvshard plans transfers of [1, 2^26] tokens");
     require(options.layers_per_group >= 0, "layers per group must be 0 (all) or positive, got ",
             options.layers_per_group);
     require_same_model(src.layout.model, dst.layout.model);

@@ -121,12 +121,16 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
               {"seconds", r.decode_seconds},
               {"tokens_per_s", decode_tps}}},
             {"prefix_cache",
-             {{"hit_tokens", r.prefix_hit_tokens}, {"prompt_tokens", r.prompt_tokens}}},
+             {{"on", r.prefix_cache},
+              {"note", r.prefix_cache_note},
+              {"hit_tokens", r.prefix_hit_tokens},
+              {"prompt_tokens", r.prompt_tokens}}},
             {"tokens", r.tokens},
             {"ranks", ranks},
-            {"verify",
-             v ? nlohmann::json{{"max_rel_err", v->max_rel_err}, {"tokens_match", v->tokens_match}}
-               : nlohmann::json(nullptr)}};
+            {"verify", v ? nlohmann::json{{"max_rel_err", v->max_rel_err},
+                                          {"tokens_match", v->tokens_match},
+                                          {"non_finite_logits", v->non_finite_logits}}
+                         : nlohmann::json(nullptr)}};
         print_json(j.dump(2));
         return;
     }
@@ -139,6 +143,7 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
         prefill_tps);
     fmt::print("decode:  {} tokens in {:.2f} ms, {:.0f} tokens/s\n", decode_tokens,
                r.decode_seconds * 1e3, decode_tps);
+    if (!r.prefix_cache_note.empty()) fmt::print("note: {}\n", r.prefix_cache_note);
     fmt::print(
         "\n{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<8} {:<9} {:<8} {:>10} {:>12} {:>12}  {}\n",
         "rank", "dp", "pp", "cp", "tp", "ep", "layers", "kv_heads", "experts", "kv_tokens",
@@ -165,8 +170,11 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
     if (v)
         fmt::print(
             "verify: max relative L2 error of the last-step logits {:.3g} (limit 1e-4), greedy "
-            "tokens {}\n",
-            v->max_rel_err, v->tokens_match ? "identical" : "DIFFER");
+            "tokens {}{}\n",
+            v->max_rel_err, v->tokens_match ? "identical" : "DIFFER",
+            v->non_finite_logits > 0
+                ? fmt::format(", {} NaN or infinite logits: FAILED", v->non_finite_logits)
+                : "");
 }
 
 void run(const RunFlags& f) {
@@ -267,6 +275,7 @@ void setup(CLI::App& app) {
     sub->add_option("--prompt-ids", f->prompt_ids,
                     "the prompt as comma-separated token ids (every prompt)");
     sub->add_option("--seed", f->seed, "seed of the random weights and prompts")
+        ->check(CLI::Range(uint64_t{0}, uint64_t{INT64_MAX}))
         ->capture_default_str();
     sub->add_option("--block-size", f->block_size, "tokens per KV block")->capture_default_str();
     sub->add_flag("--no-prefix-cache", f->no_prefix_cache, "recompute every prompt token");

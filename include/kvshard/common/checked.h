@@ -50,8 +50,8 @@ inline int64_t sat_add(int64_t a, int64_t b) {
 // A double read from the user as a count or size: finite and in [lo, hi], else an Error naming it.
 inline double require_finite_in(double v, double lo, double hi, std::string_view what) {
     if (!(v >= lo && v <= hi))  // also false for NaN
-        throw Error(detail::concat(what, " must be a finite number in [", lo, ", ", hi, "], got ",
-                                   v));
+        throw Error(
+            detail::concat(what, " must be a finite number in [", lo, ", ", hi, "], got ", v));
     return v;
 }
 

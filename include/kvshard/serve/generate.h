@@ -51,7 +51,16 @@ struct GenerationReport {
     int64_t prefix_hit_tokens = 0;                   // over all replicas
     int64_t computed_prompt_tokens = 0;              // prompt tokens run through the prefill step
     double prefill_seconds = 0, decode_seconds = 0;  // the slowest rank's
+    // Whether prompts were looked up in the prefix cache: options.prefix_cache, except under CP
+    // when the scheme cannot align block hashes across ranks (cp_prefix_cache_supported).
+    bool prefix_cache = true;
+    std::string prefix_cache_note;  // why it is off when options asked for it; empty otherwise
 };
+
+// Under CP the prefix cache works when every rank's blocks hold whole hashed blocks of the
+// sequence: cp_scheme interleave with cp_interleave == block_size. Empty when it does; else why
+// not.
+std::string cp_prefix_cache_unsupported(const ParallelConfig& p, int block_size);
 
 // Runs the generation on this rank. Collective over `world` (world->size() == p.world_size()); with
 // world == nullptr the run is one rank and p.world_size() must be 1. Every rank returns the whole

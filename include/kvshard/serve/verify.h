@@ -19,9 +19,15 @@ inline constexpr double kVerifyMaxRelativeL2 = 1e-4;
 GenerationOptions reference_options(int max_new_tokens, int run_block_size);
 
 struct VerifyResult {
-    double max_rel_err = 0;    // over the compared prompts, of the last step's logits
+    // Over the compared prompts, of the last step's logits; +inf when a distance is not finite.
+    double max_rel_err = 0;
     bool tokens_match = true;  // every compared prompt's greedy tokens equal the reference's
-    bool ok() const { return tokens_match && max_rel_err <= kVerifyMaxRelativeL2; }
+    // NaN or infinite logits, in the run and in the reference: any fails the check (a NaN would
+    // otherwise vanish from a maximum and two NaN runs compare "identical").
+    int64_t non_finite_logits = 0;
+    bool ok() const {
+        return tokens_match && non_finite_logits == 0 && max_rel_err <= kVerifyMaxRelativeL2;
+    }
 };
 
 // Runs the reference on this thread (one rank) and compares it with a run of max_new_tokens per

@@ -37,6 +37,10 @@ struct TransferEndpoint {
 };
 
 // Block tables that number each CP rank's blocks 0, 1, 2, ... (what the CLI and benchmarks use).
+// The most tokens one transfer may move: 2^26, so that the block tables a plan lists (a block id
+// per block per CP rank) stay within a few hundred MiB.
+inline constexpr int64_t kMaxTransferTokens = int64_t{1} << 26;
+
 std::vector<std::vector<int32_t>> sequential_block_tables(const KvLayout& layout, int block_size,
                                                           int64_t num_tokens);
 
