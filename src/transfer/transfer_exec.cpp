@@ -289,11 +289,12 @@ std::shared_ptr<const TransferSchedule> side_schedule(const TransferPlan& plan,
     if (opt.schedule) {
         const TransferSchedule& s = *opt.schedule;
         const auto& pools = source_side ? s.src_pools : s.dst_pools;
-        KVSHARD_CHECK(s.messages.size() == plan.messages.size() && s.mode == mode && !s.direct_read,
-                      "a transfer schedule of another plan or mode");
-        KVSHARD_CHECK(rank < static_cast<int>(pools.size()) && pools[size_t(rank)] == mine,
-                      "the transfer schedule was made for other pages than the pool of ",
-                      source_side ? "source" : "destination", " rank ", rank);
+        require(s.messages.size() == plan.messages.size() && s.mode == mode && !s.direct_read,
+                "TransferExecOptions::schedule is of another plan or mode, or made with direct "
+                "reads (make it with direct_read false and the options' mode)");
+        require(rank < static_cast<int>(pools.size()) && pools[size_t(rank)] == mine,
+                "TransferExecOptions::schedule was made for other pages than the pool of ",
+                source_side ? "source" : "destination", " rank ", rank);
         return opt.schedule;
     }
     // This rank's pages only (the others' messages are not this side's business).

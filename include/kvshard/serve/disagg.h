@@ -49,7 +49,8 @@ struct DisaggOptions {
     // The transfer: mode, staging_bytes, timeout_s, sender_idle_sleep_us, offload_check_bytes,
     // direct_read (the prefill pools are shareable and each decode rank on the same host reads its
     // KV from them in place; false: private pools, messages) and direct_window. The run sets the
-    // world bases, the staging pool, the arena views and the seals itself.
+    // world bases, the staging pool, the arena views, the seals and each request's schedule
+    // itself.
     TransferExecOptions transfer = disagg_transfer_defaults();
 
     // Error naming the field unless every value is in range.
