@@ -194,8 +194,10 @@ HardwareSpec parse_hardware_json(std::string_view json_text, const std::string& 
         h.flops_fp8 = number("flops_fp8_tflops") * kTflop;
     double gpn = h.gpus_per_node;
     optional(gpn, "gpus_per_node");
+    // Checked before the cast: a double outside int's range does not convert (found by fuzzing).
+    require(gpn >= 1 && gpn <= (1 << 20) && gpn == std::floor(gpn), file,
+            ": field 'gpus_per_node' must be an integer in [1, 2^20], got ", gpn);
     h.gpus_per_node = static_cast<int>(gpn);
-    require(gpn == h.gpus_per_node, file, ": field 'gpus_per_node' must be an integer, got ", gpn);
     field(h.nvlink_bw, "nvlink_bw", "nvlink_bw_gbps", kGB);
     field(h.internode_bw, "internode_bw", "internode_bw_gbps", kGB);
     optional(h.hbm_efficiency, "hbm_efficiency");

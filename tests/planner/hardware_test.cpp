@@ -62,7 +62,11 @@ TEST(Hardware, BadInputsNameTheProblem) {
                  "hbm_efficiency must be in (0, 1]");
     expect_error(R"({"base": "h100-sxm", "nvlink_bw": "fast"})", "'nvlink_bw' must be a number");
     expect_error(R"({"base": "tpu"})", "unknown hardware 'tpu'");
-    expect_error(R"({"base": "h100-sxm", "gpus_per_node": 0})", "gpus_per_node must be a positive finite number");
+    expect_error(R"({"base": "h100-sxm", "gpus_per_node": 0})",
+                 "'gpus_per_node' must be an integer in [1, 2^20]");
+    // Found by fuzz_hardware_json: a value outside int's range was cast (undefined behaviour).
+    expect_error(R"({"base": "h100-sxm", "gpus_per_node": 450000000000.0})",
+                 "'gpus_per_node' must be an integer in [1, 2^20], got 4.5e+11");
     EXPECT_THROW(hardware_by_name("h300"), Error);
     EXPECT_THROW(resolve_hardware("/nonexistent/hw.json"), Error);
 }
