@@ -408,10 +408,11 @@ int64_t request_bytes(const KvLayout& l, int rank, int64_t seq_len, int block_si
             continue;
         }
         // Saturating: a search may ask for lengths whose bytes exceed 64 bits (they never fit).
-        bytes = sat_add(bytes, sat_mul(sat_mul(group_blocks(l.parallel, g, rk.coord.cp, seq_len,
-                                                            block_size, peak),
-                                               block_size),
-                                       g.bytes_per_token));
+        bytes = sat_add(
+            bytes,
+            sat_mul(sat_mul(group_blocks(l.parallel, g, rk.coord.cp, seq_len, block_size, peak),
+                            block_size),
+                    g.bytes_per_token));
     }
     return bytes;
 }

@@ -312,7 +312,8 @@ void refuse_unknown_kv_fields(const HfFields& f, const std::string& model_type) 
 // Nemotron Super / Ultra: a DeciLM block's FFN width from its ffn_mult (transformers'
 // _ffn_mult_to_intermediate_size: 2/3 of ffn_mult * hidden, rounded up to a multiple of 256).
 int ffn_mult_to_intermediate(double ffn_mult, int hidden) {
-    const auto raw = static_cast<int64_t>(2.0 * ffn_mult * hidden / 3.0);  // < 2^46: ffn_mult <= 1e4
+    const auto raw =
+        static_cast<int64_t>(2.0 * ffn_mult * hidden / 3.0);  // < 2^46: ffn_mult <= 1e4
     return checked_narrow((raw + 255) / 256 * 256, "the FFN width from ffn_mult");
 }
 

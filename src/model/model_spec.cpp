@@ -325,19 +325,18 @@ void ModelSpec::validate() const {
     at_most(moe.num_experts, kMaxExperts, "moe.num_experts");
     at_most(moe.shared_experts, 1 << 10, "moe.shared_experts");
     at_most(moe.expert_intermediate, kMaxWidth, "moe.expert_intermediate");
-    for (auto [v, f] : {std::pair{mla.kv_lora_rank, "mla.kv_lora_rank"},
-                        std::pair{mla.qk_rope_head_dim, "mla.qk_rope_head_dim"},
-                        std::pair{mla.qk_nope_head_dim, "mla.qk_nope_head_dim"},
-                        std::pair{mla.v_head_dim, "mla.v_head_dim"},
-                        std::pair{mla.q_lora_rank, "mla.q_lora_rank"},
-                        std::pair{state.heads, "state.heads"},
-                        std::pair{state.head_dim, "state.head_dim"},
-                        std::pair{state.groups, "state.groups"},
-                        std::pair{state.group_dim, "state.group_dim"},
-                        std::pair{state.conv_kernel, "state.conv_kernel"},
-                        std::pair{indexer.heads, "indexer.heads"},
-                        std::pair{indexer.head_dim, "indexer.head_dim"},
-                        std::pair{indexer.scale_bytes, "indexer.scale_bytes"}}) {
+    for (auto [v, f] :
+         {std::pair{mla.kv_lora_rank, "mla.kv_lora_rank"},
+          std::pair{mla.qk_rope_head_dim, "mla.qk_rope_head_dim"},
+          std::pair{mla.qk_nope_head_dim, "mla.qk_nope_head_dim"},
+          std::pair{mla.v_head_dim, "mla.v_head_dim"},
+          std::pair{mla.q_lora_rank, "mla.q_lora_rank"}, std::pair{state.heads, "state.heads"},
+          std::pair{state.head_dim, "state.head_dim"}, std::pair{state.groups, "state.groups"},
+          std::pair{state.group_dim, "state.group_dim"},
+          std::pair{state.conv_kernel, "state.conv_kernel"},
+          std::pair{indexer.heads, "indexer.heads"},
+          std::pair{indexer.head_dim, "indexer.head_dim"},
+          std::pair{indexer.scale_bytes, "indexer.scale_bytes"}}) {
         require(v >= 0, "model '", name, "': ", f, " must be >= 0, got ", v);
         at_most(v, kMaxDim, f);
     }

@@ -91,8 +91,8 @@ const char* st_dtype_name(DType t) {
 
 int64_t safetensors_header_bytes(std::string_view first8, int64_t file_size,
                                  const std::string& path) {
-    require(file_size >= 8 && first8.size() >= 8, path, ": truncated safetensors file (",
-            file_size, " bytes, less than the 8-byte header length)");
+    require(file_size >= 8 && first8.size() >= 8, path, ": truncated safetensors file (", file_size,
+            " bytes, less than the 8-byte header length)");
     uint64_t header_len = 0;
     for (int i = 7; i >= 0; --i)
         header_len = (header_len << 8) | static_cast<unsigned char>(first8[static_cast<size_t>(i)]);
@@ -182,8 +182,8 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
     in.seekg(0);
     std::string prefix(8, '\0');
     in.read(prefix.data(), 8);
-    const int64_t n = safetensors_header_bytes(prefix.substr(0, size_t(in.gcount())), file_size_,
-                                               path_);
+    const int64_t n =
+        safetensors_header_bytes(prefix.substr(0, size_t(in.gcount())), file_size_, path_);
     prefix.resize(static_cast<size_t>(n));
     in.read(prefix.data() + 8, std::streamsize(n - 8));
     require(bool(in), path_, ": truncated safetensors header");

@@ -13,7 +13,8 @@ void PolicyParams::validate() const {
     require(block_tokens >= 1 && block_tokens <= (1 << 20),
             "block_tokens must be an integer in [1, 2^20], got ", block_tokens);
     require_finite_in(cache_threshold, 0, 1, "the cache-aware policy's cache threshold");
-    require_finite_in(balance_abs_threshold, 0, 1e15, "the cache-aware policy's absolute balance gap");
+    require_finite_in(balance_abs_threshold, 0, 1e15,
+                      "the cache-aware policy's absolute balance gap");
     require_finite_in(balance_rel_threshold, 1, 1e15, "the cache-aware policy's balance ratio");
     require_finite_in(overlap_weight, 0, 1e6, "the cost policy's overlap weight");
     require_finite_in(load_slack, 0, 1e6, "the kvshard policy's load slack");

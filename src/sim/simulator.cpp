@@ -20,11 +20,11 @@ void SimConfig::validate() const {
             "simulate: each replica needs at least one KV block, got ", replica_capacity_blocks);
     // Each simulated block costs its bookkeeping (about 64 bytes in the block manager and index):
     // the pools of all replicas together are held to 2^26 blocks (~4 GiB).
-    require(replica_capacity_blocks <= (int64_t{1} << 26) / num_replicas, "simulate: ",
-            num_replicas, " replicas of ", replica_capacity_blocks,
+    require(replica_capacity_blocks <= (int64_t{1} << 26) / num_replicas,
+            "simulate: ", num_replicas, " replicas of ", replica_capacity_blocks,
             " KV blocks exceed the 2^26 blocks the simulator holds (about 64 bytes each); use "
-            "fewer or larger blocks (at most ", (int64_t{1} << 26) / num_replicas,
-            " per replica here)");
+            "fewer or larger blocks (at most ",
+            (int64_t{1} << 26) / num_replicas, " per replica here)");
     params.validate();
     require(index_mode == KvIndexMode::kExact || std::isfinite(index_ttl_s),
             "simulate: the approximate index's TTL must be finite, got ", index_ttl_s);

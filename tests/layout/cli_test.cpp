@@ -186,14 +186,19 @@ namespace {
 
 // CLI11's own parse errors come out in kvshard's words: the flag, what it takes, which --help.
 TEST(CliErrors, ParseErrorsNameTheFlagAndWhatItTakes) {
-    expect_usage_error("layout --model tiny --tp abc",
-                       "--tp expects an integer in [1, 1048576], got 'abc' (see 'kvshard layout --help')");
-    expect_usage_error("plan --model tiny --gpus abc --context 10", "--gpus expects an integer, got 'abc'");
+    expect_usage_error(
+        "layout --model tiny --tp abc",
+        "--tp expects an integer in [1, 1048576], got 'abc' (see 'kvshard layout --help')");
+    expect_usage_error("plan --model tiny --gpus abc --context 10",
+                       "--gpus expects an integer, got 'abc'");
     expect_usage_error("layout --model tiny --tp 99999999999", "--tp must be in [1, 1048576]");
-    expect_usage_error("frobnicate", "unknown command 'frobnicate': expected one of cp-plan, layout");
+    expect_usage_error("frobnicate",
+                       "unknown command 'frobnicate': expected one of cp-plan, layout");
     expect_usage_error("", "no command given: expected one of");
-    expect_usage_error("layout --model tiny --bogus 3", "unknown option '--bogus' for kvshard layout");
-    expect_usage_error("layout --model tiny extra", "unexpected argument 'extra' for kvshard layout");
+    expect_usage_error("layout --model tiny --bogus 3",
+                       "unknown option '--bogus' for kvshard layout");
+    expect_usage_error("layout --model tiny extra",
+                       "unexpected argument 'extra' for kvshard layout");
     expect_usage_error("layout --model tiny --tp", "--tp needs a value (INT");
     expect_usage_error("plan --model tiny", "--gpus is required (see 'kvshard plan --help')");
     expect_usage_error("plan --model tiny --gpus 8 --context 1024 --mem-util abc",
@@ -208,14 +213,14 @@ TEST(CliErrors, HugeSizesAreRefusedNotCrashed) {
                        "the context must be in [1, 2^40] tokens");
     expect_usage_error("layout --model tiny --dp 65536 --cp 32768 --tp 2",
                        "exceeds 1048576 ranks, the most a layout may have");
-    const std::string heads = temp_file(
-        "heads.json",
-        R"({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2147483647,
+    const std::string heads =
+        temp_file("heads.json",
+                  R"({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2147483647,
         "head_dim": 8, "intermediate_size": 128, "vocab_size": 100})");
     expect_usage_error("layout --model " + heads, "num_heads must be at most 65536");
-    const std::string layers = temp_file(
-        "layers.json",
-        R"({"num_hidden_layers": 2000000000, "hidden_size": 64, "num_attention_heads": 4,
+    const std::string layers =
+        temp_file("layers.json",
+                  R"({"num_hidden_layers": 2000000000, "hidden_size": 64, "num_attention_heads": 4,
         "intermediate_size": 128, "vocab_size": 100})");
     expect_usage_error("layout --model " + layers, "at most 16384 layers");
     const std::string huge = temp_file(
@@ -224,20 +229,23 @@ TEST(CliErrors, HugeSizesAreRefusedNotCrashed) {
         "num_key_value_heads": 65536, "head_dim": 65536, "intermediate_size": 128,
         "vocab_size": 100})");
     expect_usage_error("layout --model " + huge, "more than 2^55 parameters");
-    const std::string moe = temp_file(
-        "moe.json",
-        R"({"model_type": "deepseek_v3", "num_hidden_layers": 4, "hidden_size": 64,
+    const std::string moe =
+        temp_file("moe.json",
+                  R"({"model_type": "deepseek_v3", "num_hidden_layers": 4, "hidden_size": 64,
         "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
         "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "first_k_dense_replace": 4294967297})");
     expect_usage_error("layout --model " + moe, "first_k_dense_replace");
-    const std::string trace = std::string(KVSHARD_TEST_DATA_DIR) + "/mooncake_conversation_head300.jsonl";
+    const std::string trace =
+        std::string(KVSHARD_TEST_DATA_DIR) + "/mooncake_conversation_head300.jsonl";
     expect_usage_error("simulate --trace " + trace + " --load-slack nan --policy kvshard",
                        "load slack must be a finite number");
     expect_usage_error("simulate --trace " + trace + " --prefill-weight nan --policy kvshard",
                        "prefill weight must be a finite number");
-    expect_usage_error("simulate --trace " + trace + " --capacity-tokens -5", "--capacity-tokens must be >= 0");
-    expect_usage_error("simulate --trace " + trace + " --max-requests -1", "request limit must be >= 0");
+    expect_usage_error("simulate --trace " + trace + " --capacity-tokens -5",
+                       "--capacity-tokens must be >= 0");
+    expect_usage_error("simulate --trace " + trace + " --max-requests -1",
+                       "request limit must be >= 0");
     expect_usage_error("simulate --trace " + trace + " --capacity-tokens 1000000000000",
                        "exceed the 2^26 blocks the simulator holds");
     // 1e30 GiB used to wrap to a negative byte count.

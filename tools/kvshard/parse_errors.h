@@ -1,5 +1,6 @@
 #pragma once
-// CLI11's parse errors in kvshard's words: what is wrong, what would be right, which --help to read.
+// CLI11's parse errors in kvshard's words: what is wrong, what would be right, which --help to
+// read.
 #include <string>
 
 #include <CLI/CLI.hpp>
