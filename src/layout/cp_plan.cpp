@@ -99,9 +99,7 @@ int64_t CpTokenMap::count(int cp_rank, int64_t begin, int64_t end) const {
 }
 
 int64_t cp_token_count(const ParallelConfig& p, int cp_rank, int64_t n) {
-    int64_t held = 0;
-    for (const TokenRange& r : cp_token_ranges(p, cp_rank, n)) held += r.size();
-    return held;
+    return cp_tokens_before(p, cp_rank, n, n);
 }
 
 CpTokenMap cp_prompt_map(const ParallelConfig& p, int64_t n) {

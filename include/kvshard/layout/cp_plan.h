@@ -58,8 +58,9 @@ class CpTokenMap {
 // The placement of a prompt of n tokens under p (one segment of p.cp_scheme, unit p.cp_interleave).
 // Equals cp_owner(p, n, pos) for every pos.
 CpTokenMap cp_prompt_map(const ParallelConfig& p, int64_t n);
-// Tokens CP rank cp_rank stores of a prompt of n tokens under p: the sizes of cp_token_ranges
-// (kv_layout.h) summed, the one count used by the executors, `kvshard cp-plan` and the cost model.
+// Tokens CP rank cp_rank stores of a prompt of n tokens under p: cp_tokens_before(p, cp_rank, n, n)
+// (kv_layout.h, equal to the sizes of cp_token_ranges summed, without listing them), the one count
+// used by the executors, `kvshard cp-plan`, capacity and the cost model.
 int64_t cp_token_count(const ParallelConfig& p, int cp_rank, int64_t n);
 
 // ---------------------------------------------------------------------------------------------
