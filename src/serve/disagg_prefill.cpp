@@ -40,6 +40,8 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
         std::this_thread::yield();
     }
 
+    // This rank's last layer: when its KV is written, nothing more waits for prefill.
+    const int last_layer = plan.prefill_layout.ranks[me].layer_end - 1;
     std::vector<float> logits;
     if (side.cp_session) {
         // One prompt after another (CpSession serves one sequence per prefill call); the logits of
@@ -52,6 +54,8 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
                     cp_token_count(plan.prefill, side.coord.cp, plan.prompt_len[i]);
                 sums->seal_sequence(layer, side.cp_device->blocks().block_table(seq), held);
             }
+            if (layer == last_layer && static_cast<int>(seq) == n - 1)
+                times.last_layer_done = seconds_since(t0);
             senders[static_cast<size_t>(seq)]->layer_ready(layer);
             for (auto& s : senders) s->progress();
         });
@@ -71,6 +75,7 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
                 for (int i = 0; i < n; ++i)
                     sums->seal_sequence(call.local_layer, plan.prefill_tables[i],
                                         plan.prompt_len[i]);
+            if (call.layer == last_layer) times.last_layer_done = seconds_since(t0);
             for (auto& s : senders) {
                 s->layer_ready(call.layer);
                 s->progress();

@@ -48,7 +48,7 @@ DisaggReport merge_disagg_report(const DisaggPlan& plan, const DisaggOptions& op
         RankTimes t = parts[r].row;
         if (one_host) {
             const double shift = t.start_abs - first_start;
-            for (double* x : {&t.prefill_end, &t.first_send, &t.transfer_done})
+            for (double* x : {&t.prefill_end, &t.last_layer_done, &t.first_send, &t.transfer_done})
                 if (*x >= 0) *x += shift;
         }
         for (const RequestResult& res : parts[r].results) {
@@ -66,6 +66,7 @@ DisaggReport merge_disagg_report(const DisaggPlan& plan, const DisaggOptions& op
             }
         }
         rep.prefill_seconds = std::max(rep.prefill_seconds, t.prefill_end);
+        rep.last_layer_s = std::max(rep.last_layer_s, t.last_layer_done);
         if (t.first_send >= 0)
             rep.transfer_start_s = rep.transfer_start_s < 0
                                        ? t.first_send
@@ -79,11 +80,15 @@ DisaggReport merge_disagg_report(const DisaggPlan& plan, const DisaggOptions& op
     }
     if (rep.transfer_start_s < 0) rep.transfer_start_s = rep.transfer_end_s;
     rep.transfer_seconds = std::max(0.0, rep.transfer_end_s - rep.transfer_start_s);
-    rep.overlap_seconds =
-        std::max(0.0, std::min(rep.prefill_seconds, rep.transfer_end_s) - rep.transfer_start_s);
+    rep.exposed_seconds = std::clamp(rep.transfer_end_s - std::max(rep.last_layer_s,
+                                                                   rep.transfer_start_s),
+                                     0.0, rep.transfer_seconds);
+    rep.hidden_fraction =
+        rep.transfer_seconds > 0 ? 1.0 - rep.exposed_seconds / rep.transfer_seconds : 1.0;
     for (int i = 0; i < n; ++i) {
         if (failed_flags[i] && rep.errors[i].empty()) rep.errors[i] = "failed";
         rep.min_bytes += plan.transfers[i]->min_bytes;
+        rep.tail_bytes += tail_bytes(*plan.transfers[i]);
         if (!rep.errors[i].empty()) ++rep.failed_requests;
         if (opt.max_new_tokens == 1 && rep.errors[i].empty() && !prefill_logits[i].empty())
             rep.last_logits[i] = prefill_logits[i];

@@ -87,6 +87,7 @@ struct RankTimes {
     double start_abs = 0;       // the rank's start on the steady clock
     uint64_t host = 0;          // hash of the host name
     double prefill_end = -1;    // prefill ranks: forward done
+    double last_layer_done = -1;  // prefill ranks: the KV of this rank's last layer written
     double first_send = -1;     // prefill ranks: first message out
     double transfer_done = -1;  // decode ranks: every request's transfer finished
     double decode_seconds = 0;

@@ -144,6 +144,13 @@ int64_t needed_bytes(const TransferPlan& plan, int dst_rank) {
     return int64_t{r.num_layers()} * plan.kv_factor * heads * tokens * plan.vector_bytes();
 }
 
+int64_t tail_bytes(const TransferPlan& plan) {
+    int64_t sum = 0;
+    for (const TransferMessage& msg : plan.messages)
+        if (msg.layer_end == plan.src.layout.ranks[msg.src_rank].layer_end) sum += msg.bytes;
+    return sum;
+}
+
 TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpoint& dst,
                                 int64_t num_tokens, const TransferPlanOptions& options) {
     require(num_tokens >= 1 && num_tokens <= kMaxTransferTokens, "a transfer of ", num_tokens,
@@ -307,6 +314,7 @@ std::string to_json(const TransferPlan& plan, bool with_messages) {
                         {"messages", plan.messages.size()},
                         {"bytes", plan.bytes},
                         {"min_bytes", plan.min_bytes},
+                        {"tail_bytes", tail_bytes(plan)},
                         {"pairs", jp}};
     if (with_messages) {
         nlohmann::json jm = nlohmann::json::array();

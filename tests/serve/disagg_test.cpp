@@ -162,6 +162,39 @@ TEST(DisaggSourceChecksums, OnAndOff) {
         }
 }
 
+// What the run reports as exposed: the bytes that wait for their prefill rank's last layer
+// (streamed: that layer's; not streamed: all of them), and the part of the transfer window after
+// the last prefill layer's KV was written, on one clock. Switching streaming off moves every byte
+// behind the last layer, so the benefit the report claims disappears with it.
+TEST(DisaggExposure, StreamingLeavesOnlyTheLastLayerExposed) {
+    set_compute_threads(1);
+    const ModelSpec m = catalog_model("tiny");
+    const auto prompts = prompts_for(m, 2, 21);
+    const auto src = random_tensor_source(5);
+    for (const std::string prefill : {"tp=2", "tp=2,pp=2", "cp=2,tp=2"})
+        for (bool stream : {true, false}) {
+            SCOPED_TRACE(prefill + (stream ? " streamed" : " after prefill"));
+            DisaggCase c{"tiny", prefill, "tp=4"};
+            c.stream = stream;
+            const DisaggReport r = run_case(c, prompts, *src, 2);
+            ASSERT_EQ(r.failed_requests, 0);
+            const int pp = parse_parallel_config(prefill).pp;
+            if (stream)  // each stage's last layer, of layers that all hold the same bytes
+                EXPECT_EQ(r.tail_bytes * m.num_layers, r.transfer_bytes * pp);
+            else
+                EXPECT_EQ(r.tail_bytes, r.transfer_bytes);
+            EXPECT_GT(r.last_layer_s, 0);
+            EXPECT_LE(r.last_layer_s, r.prefill_seconds);
+            EXPECT_GE(r.exposed_seconds, 0);
+            EXPECT_LE(r.exposed_seconds, r.transfer_seconds);
+            EXPECT_NEAR(r.hidden_fraction, 1 - r.exposed_seconds / r.transfer_seconds, 1e-12);
+            // Every message of the slowest rank leaves after its last layer, and lands after it.
+            if (!stream) {
+                EXPECT_GT(r.exposed_seconds, 0);
+            }
+        }
+}
+
 TEST(DisaggFailure, CorruptRequestFailsAloneOthersDecode) {
     set_compute_threads(1);
     const ModelSpec m = catalog_model("tiny");

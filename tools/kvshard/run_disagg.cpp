@@ -159,8 +159,6 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
             }
             write_npy(in.dump_logits, all, static_cast<int64_t>(in.prompts.size()), m.vocab);
         }
-        const double overlap_fraction =
-            r.transfer_seconds > 0 ? r.overlap_seconds / r.transfer_seconds : 0;
         if (in.json) {
             nlohmann::json j = {{"model", m.name},
                                 {"weights", in.weights_from},
@@ -184,8 +182,11 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                                   {"mode", r.mode},
                                   {"streamed", r.streamed},
                                   {"seconds", r.transfer_seconds},
-                                  {"overlap_seconds", r.overlap_seconds},
-                                  {"overlap_fraction", overlap_fraction}}},
+                                  {"tail_bytes", r.tail_bytes},
+                                  {"last_layer_s", r.last_layer_s},
+                                  {"end_s", r.transfer_end_s},
+                                  {"exposed_seconds", r.exposed_seconds},
+                                  {"hidden_fraction", r.hidden_fraction}}},
                                 {"prompts", in.prompts.size()},
                                 {"gen", in.gen},
                                 {"tokens", r.tokens},
@@ -213,11 +214,12 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                                            : fmt::format(" ({} checked against prefill's seals)",
                                                          r.unit_checksum_messages);
             fmt::print(
-                "transfer: {} in {} messages (minimum {}), {} read in place{}, mode {}, {}; {:.2f} "
-                "ms, {:.2f} ms of it overlapping prefill ({:.0f}%)\n",
+                "transfer: {} in {} messages (minimum {}), {} read in place{}, mode {}, {} ({} "
+                "waited for the last layer); {:.2f} ms, {:.2f} ms of it exposed after the last "
+                "prefill layer ({:.0f}% hidden)\n",
                 bytes_text(r.transfer_bytes), r.messages, bytes_text(r.min_bytes), in_place, sealed,
-                r.mode, r.streamed ? "layer by layer" : "after prefill", r.transfer_seconds * 1e3,
-                r.overlap_seconds * 1e3, overlap_fraction * 100);
+                r.mode, r.streamed ? "layer by layer" : "after prefill", bytes_text(r.tail_bytes),
+                r.transfer_seconds * 1e3, r.exposed_seconds * 1e3, r.hidden_fraction * 100);
             fmt::print("decode: {:.2f} ms\n", r.decode_seconds * 1e3);
             for (size_t i = 0; i < in.prompts.size(); ++i)
                 if (!r.errors[i].empty()) fmt::print("request {} failed: {}\n", i, r.errors[i]);

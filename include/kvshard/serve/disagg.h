@@ -72,7 +72,15 @@ struct DisaggReport {
     double prefill_seconds = 0;  // from the common start to the end of the slowest prefill rank
     double transfer_start_s = 0, transfer_end_s = 0;  // first message sent, last message landed
     double transfer_seconds = 0;                      // transfer_end_s - transfer_start_s
-    double overlap_seconds = 0;  // of the transfer window, the part before prefill ended
+    // The last prefill layer's KV written (the latest over the prefill ranks), and the part of the
+    // transfer window after it: what prefill could not hide. hidden_fraction = 1 - exposed /
+    // transfer_seconds (1 when nothing is exposed, 0 when the whole transfer came after).
+    double last_layer_s = 0;
+    double exposed_seconds = 0;
+    double hidden_fraction = 0;
+    // Payload bytes that could leave only after their prefill rank's last layer (tail_bytes of
+    // each request's plan): the last layer's with streaming, all of them without.
+    int64_t tail_bytes = 0;
     double decode_seconds = 0;   // the slowest decode rank's decode loop
 };
 

@@ -118,6 +118,12 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
 // The KV bytes destination rank `dst_rank` holds for the request (what it must receive).
 int64_t needed_bytes(const TransferPlan& plan, int dst_rank);
 
+// The bytes that cannot leave before their source rank has written its last layer: the messages
+// whose layer range ends at that rank's last layer. Layer-wise streaming (layers_per_group 1)
+// leaves only the last layer's bytes there; one group (after prefill) leaves all of them. What a
+// prefill/decode run can at best not hide behind its prefill.
+int64_t tail_bytes(const TransferPlan& plan);
+
 // {"messages", "bytes", "min_bytes", "layer_groups", "from", "to", "tokens", "pairs":
 // [{"src","dst", "bytes","messages"}], "message_list": [...]} (message_list only with
 // `with_messages`).
