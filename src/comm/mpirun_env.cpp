@@ -17,4 +17,13 @@ int mpirun_world_size() {
     return 1;
 }
 
+int mpirun_local_size() {
+    for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
+        if (const char* s = std::getenv(v)) {
+            const int n = std::atoi(s);
+            if (n >= 1) return n;
+        }
+    return 1;
+}
+
 }  // namespace kvshard

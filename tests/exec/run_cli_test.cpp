@@ -73,7 +73,7 @@ TEST(RunCli, BadInputExitsTwoWithAMessage) {
     expect_refused("run --model tiny --prompt-len 4 --shared-prefix 5", "");
     // More KV than the machine has memory: refused up front, naming the flags to lower.
     expect_refused("run --model tiny --prompt-len 1 --gen 2147483647",
-                   "lower --gen, --prompt-len or --prompts");
+                   "lower --prompts, --prompt-len, --gen or --block-size");
     const std::string disagg = "run --model tiny --prefill tp=1 --decode tp=1 ";
     expect_refused(disagg + "--staging-mib 9000000000000", "--staging-mib must be between 1 and");
     expect_refused(disagg + "--sender-sleep-us -5",

@@ -64,4 +64,24 @@ TEST(Hardening, CpPrefixCacheOffIsReported) {
     EXPECT_NE(text.out.find("note: the prefix cache is off"), std::string::npos) << text.out;
 }
 
+// The memory a run would hold is estimated and refused before anything is allocated: an 8B model's
+// fp32 weights, a 2e9-token prompt, 1e8 prompts, a 2^31-1-token block; and the limit's own range.
+TEST(Hardening, RunMemoryCheckedBeforeAllocating) {
+    expect_refused("run --model llama-3.1-8b --prompts 1 --prompt-len 8 --gen 1 --max-memory-gib 20",
+                   "weights 29.92 GiB");
+    expect_refused("run --model tiny --prompt-len 2000000000 --max-memory-gib 64",
+                   "more than --max-memory-gib 64.00");
+    expect_refused("run --model tiny --prompts 100000000 --prompt-len 2000000000",
+                   "lower --prompts, --prompt-len, --gen or --block-size");
+    expect_refused("run --model tiny --block-size 2147483647", "--block-size must be in [1, 2^20]");
+    expect_refused("run --model tiny --prefill tp=2 --decode tp=1 --prompt-len 2000000000",
+                   "over 3 rank(s)");
+    expect_refused("run --model tiny --max-memory-gib nan", "--max-memory-gib must be a finite");
+    expect_refused("run --model tiny --max-memory-gib 0", "--max-memory-gib must be a finite");
+    // The unsharded --verify run is part of the estimate.
+    expect_refused("run --model tiny --tp 2 --verify --max-memory-gib 0.0001",
+                   "the unsharded --verify run");
+    EXPECT_EQ(kvshard("run --model tiny --gen 2 --max-memory-gib 1").status, 0);
+}
+
 }  // namespace

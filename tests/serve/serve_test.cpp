@@ -2,9 +2,13 @@
 // the unsharded model, the options' own validation).
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "kvshard/comm/threads.h"
 #include "kvshard/common/error.h"
 #include "kvshard/exec/rank_model.h"
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/model/weights.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/serve/disagg.h"
 #include "kvshard/serve/generate.h"
@@ -47,19 +51,91 @@ TEST(ServeInputs, BadPromptSpecsNameTheFlag) {
               std::string::npos);
 }
 
-TEST(ServeInputs, WeightsAndMemory) {
+TEST(ServeInputs, Weights) {
     const WeightChoice w = choose_weights("tiny", 7);  // no checkpoint directory: random weights
     EXPECT_EQ(w.description, "seed 7");
     ASSERT_NE(w.source, nullptr);
+}
+
+// weight_shard_bytes is what load_weights holds, for every rank's shard of a few layouts.
+TEST(ServeMemory, WeightShardBytesEqualLoadedWeights) {
+    const auto src = random_tensor_source(3);
+    for (const std::string name : {"tiny", "tiny-moe"})
+        for (const std::string par : {"tp=1", "tp=2,pp=2", "tp=8", "tp=2,ep=2"}) {
+            const ModelSpec m = catalog_model(name);
+            const ParallelConfig p = parse_parallel_config(par);
+            if (p.ep > 1 && !m.moe.enabled()) continue;
+            const KvLayout layout = make_layout(m, p);
+            for (int r = 0; r < layout.world_size(); ++r) {
+                SCOPED_TRACE(name + " " + par + " rank " + std::to_string(r));
+                const WeightShard s = weight_shard(layout, r);
+                const ModelWeights w = load_weights(m, s, *src);
+                double floats = double(w.embed.size() + w.final_norm.size() + w.lm_head.size());
+                for (const LayerWeights& l : w.layers) {
+                    for (const auto* v : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.mlp_norm,
+                                          &l.gate, &l.up, &l.down, &l.router})
+                        floats += double(v->size());
+                    for (const ExpertWeights& e : l.experts)
+                        floats += double(e.gate.size() + e.up.size() + e.down.size());
+                }
+                EXPECT_EQ(weight_shard_bytes(m, s), floats * sizeof(float));
+            }
+        }
+}
+
+// The estimate grows with what the run holds, counts the unsharded --verify run, and the check
+// refuses above the limit with the estimate in the message, before anything is allocated.
+TEST(ServeMemory, EstimateAndCheck) {
     const ModelSpec m = catalog_model("tiny");
-    EXPECT_NO_THROW(check_kv_fits(m, {{1, 2, 3}}, 4));
-    try {
-        check_kv_fits(m, {{1}}, 2147483647);
-        FAIL() << "more KV than any machine's memory";
-    } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("lower --gen, --prompt-len or --prompts"),
-                  std::string::npos);
-    }
+    const std::vector<RunGroup> tp2{{parse_parallel_config("tp=2"), 16}};
+    const RunShape base{.prompts = 4, .prompt_len = 64, .gen = 8};
+    const RunMemoryEstimate e = estimate_run_memory(m, tp2, base);
+    EXPECT_EQ(e.ranks, 2);
+    // Both ranks hold the embedding and LM head; the KV of 4 x 72 tokens + a spare block per rank.
+    const KvLayout l = make_layout(m, parse_parallel_config("tp=2"));
+    EXPECT_GT(e.weights, 2.0 * 2 * m.vocab * m.hidden * 4);
+    EXPECT_EQ(e.kv, 2.0 * (16 + 4 * 80) * l.ranks[0].kv_bytes_per_token);
+    EXPECT_EQ(e.reference, 0);
+    RunShape longer = base;
+    longer.prompt_len = 640;
+    EXPECT_GT(estimate_run_memory(m, tp2, longer).kv, e.kv * 5);
+    RunShape verify = base;
+    verify.verify = true;
+    const RunMemoryEstimate v = estimate_run_memory(m, tp2, verify);
+    EXPECT_GT(v.reference, 0);
+    EXPECT_GE(v.peak(), e.peak());
+    // MPI, one rank per process on this host: only the local ranks count.
+    RunShape mpi = base;
+    mpi.local_ranks = 1;
+    EXPECT_EQ(estimate_run_memory(m, tp2, mpi).ranks, 1);
+    // DP splits the prompts: each replica's pool holds its own.
+    const RunMemoryEstimate dp2 =
+        estimate_run_memory(m, {{parse_parallel_config("dp=2,tp=2"), 16}}, base);
+    EXPECT_EQ(dp2.kv, 4.0 * (16 + 2 * 80) * l.ranks[0].kv_bytes_per_token);
+
+    EXPECT_NO_THROW(check_run_memory(e, 1.0));
+    auto message = [&](const RunMemoryEstimate& x, double gib, bool given = true) {
+        try {
+            check_run_memory(x, gib, given);
+        } catch (const Error& err) {
+            return std::string(err.what());
+        }
+        return std::string();
+    };
+    const std::string low = message(e, 1e-6);
+    EXPECT_NE(low.find("more than --max-memory-gib 0.00"), std::string::npos) << low;
+    EXPECT_NE(message(e, 1e-6, false).find("available memory"), std::string::npos);
+    EXPECT_NE(low.find("weights "), std::string::npos) << low;
+    EXPECT_NE(message(e, std::nan("")).find("finite number of GiB above 0"), std::string::npos);
+    EXPECT_NE(message(e, 0).find("finite number of GiB above 0"), std::string::npos);
+    // A prompt of 2e9 tokens or a block of 2^31 - 1 tokens: refused by the estimate, no overflow.
+    RunShape huge = base;
+    huge.prompt_len = 2000000000;
+    EXPECT_NE(message(estimate_run_memory(m, tp2, huge), 1024).find("GiB"), std::string::npos);
+    EXPECT_NE(message(estimate_run_memory(m, {{ParallelConfig{}, 2147483647}}, base), 1024)
+                  .find("KV"),
+              std::string::npos);
+    EXPECT_GT(available_memory_gib(), 0);
 }
 
 // A sharded run checked against the reference passes; a changed token or logit does not; a skipped

@@ -14,6 +14,8 @@
 #include "command.h"
 #include "kvshard/comm/communicator.h"
 #include "kvshard/comm/launch.h"
+#include "kvshard/comm/mpi.h"
+#include "kvshard/common/checked.h"
 #include "kvshard/common/error.h"
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/layout/kv_layout.h"
@@ -39,6 +41,8 @@ struct RunFlags {
     uint64_t seed = 1;
     int block_size = 16;
     bool no_prefix_cache = false;
+    double max_memory_gib = 0;
+    bool max_memory_given = false;  // else: the machine's available memory
     bool verify = false;
     bool json = false;
     std::string dump_logits;
@@ -184,17 +188,39 @@ void run(const RunFlags& f) {
             "context parallelism runs with --dp 1 --pp 1 here (got ", p.to_string(), ")");
     validate(m, p);
     require(f.gen >= 1, "--gen must be at least 1, got ", f.gen);
-    require(f.block_size >= 1, "--block-size must be at least 1, got ", f.block_size);
+    require(f.block_size >= 1 && f.block_size <= 1 << 20,
+            "--block-size must be in [1, 2^20] tokens, got ", f.block_size);
     const Backend backend = parse_backend(f.backend);
     require(f.prompts >= 1, "--prompts must be at least 1, got ", f.prompts);
+    require(f.prompt_len >= 1, "--prompt-len must be at least 1, got ", f.prompt_len);
     PromptSpec ps{.count = f.prompts,
                   .length = f.prompt_len,
                   .shared_prefix = f.shared_prefix,
                   .seed = f.seed,
                   .token_ids = f.prompt_ids.empty() ? std::vector<int32_t>{}
                                                     : parse_ids(f.prompt_ids, m.vocab)};
+    // What the run will hold, checked before the prompts, weights or pools are made.
+    std::vector<RunGroup> groups;
+    if (f.disagg.enabled()) {
+        groups.push_back({parse_parallel_config(f.disagg.prefill), f.block_size});
+        groups.push_back({parse_parallel_config(f.disagg.decode),
+                          f.disagg.decode_block_size > 0 ? f.disagg.decode_block_size
+                                                         : f.block_size});
+    } else {
+        groups.push_back({p, f.block_size});
+    }
+    const RunShape shape{
+        .prompts = f.prompts,
+        .prompt_len = ps.token_ids.empty() ? f.prompt_len : int64_t(ps.token_ids.size()),
+        .gen = f.gen,
+        .verify = f.verify,
+        .local_ranks = backend == Backend::kMpi ? mpirun_local_size() : 0};
+    check_run_memory(estimate_run_memory(m, groups, shape),
+                     f.max_memory_given
+                         ? require_finite_in(f.max_memory_gib, 1e-6, 1 << 20, "--max-memory-gib")
+                         : available_memory_gib(),
+                     f.max_memory_given);
     const auto prompts = make_prompts(ps, m.vocab);
-    check_kv_fits(m, prompts, f.gen);
     const WeightChoice weights = choose_weights(f.model.model, f.seed);
     std::optional<CpPrefillMode> cp_prefill_mode;
     if (f.cp_prefill != "auto") cp_prefill_mode = parse_cp_prefill_mode(f.cp_prefill);
@@ -279,6 +305,11 @@ void setup(CLI::App& app) {
         ->capture_default_str();
     sub->add_option("--block-size", f->block_size, "tokens per KV block")->capture_default_str();
     sub->add_flag("--no-prefix-cache", f->no_prefix_cache, "recompute every prompt token");
+    sub->add_option("--max-memory-gib", f->max_memory_gib,
+                    "refuse the run when its estimated memory (weights, KV pools, buffers, prompts, "
+                    "the --verify reference) is above this many GiB; default: this machine's "
+                    "available memory")
+        ->each([f](const std::string&) { f->max_memory_given = true; });
     sub->add_option("--cp-prefill", f->cp_prefill,
                     "CP prefill: auto (the mode that moves fewer bytes, docs/context-parallel.md "
                     "section 4) | pass-kv (KV shards travel the ring) | pass-q (queries travel, "

@@ -114,8 +114,9 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     require(f.direct_window >= 0 && f.direct_window <= 1000000,
             "--direct-window must be between 0 (no bound) and 1000000 messages, got ",
             f.direct_window);
-    require(f.decode_block_size >= 0,
-            "--decode-block-size must be at least 1 (or 0: the same as --block-size), got ",
+    require(f.decode_block_size >= 0 && f.decode_block_size <= 1 << 20,
+            "--decode-block-size must be in [1, 2^20] tokens (or 0: the same as --block-size), "
+            "got ",
             f.decode_block_size);
     DisaggOptions opt;
     opt.max_new_tokens = in.gen;

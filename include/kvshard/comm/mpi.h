@@ -21,6 +21,9 @@ void mpi_finalize();
 bool under_mpirun();
 // The job size mpirun announced in the environment; 1 when not under mpirun.
 int mpirun_world_size();
+// The processes of the job on this host (OMPI_COMM_WORLD_LOCAL_SIZE or MPI_LOCALNRANKS); 1 when
+// not under mpirun or not announced.
+int mpirun_local_size();
 
 // A communicator over all processes (a duplicate of MPI_COMM_WORLD, so its traffic never mixes
 // with other users of MPI_COMM_WORLD). Calls mpi_init() if needed. Collective over all processes.

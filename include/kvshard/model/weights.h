@@ -92,6 +92,11 @@ std::unique_ptr<TensorSource> random_tensor_source(uint64_t seed);
 ModelWeights load_weights(const ModelSpec& m, const WeightShard& shard, const TensorSource& source);
 ModelWeights random_weights(const ModelSpec& m, const WeightShard& shard, uint64_t seed);
 
+// The fp32 bytes load_weights(m, shard, ...) holds, computed without loading (biases, which only
+// some checkpoints have, not counted): what a run checks against its memory limit before it loads
+// anything. Counted in double, so that no shard of a model the spec accepts can overflow it.
+double weight_shard_bytes(const ModelSpec& m, const WeightShard& shard);
+
 // Hugging Face tensor names (Llama / Qwen2 / Mixtral).
 namespace hf_names {
 std::string layer_prefix(int layer);                  // "model.layers.N."

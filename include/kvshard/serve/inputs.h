@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "kvshard/layout/parallel_config.h"
 #include "kvshard/model/model_spec.h"
 #include "kvshard/model/weights.h"
 
@@ -33,9 +34,52 @@ struct WeightChoice {
 };
 WeightChoice choose_weights(const std::string& model_arg, uint64_t seed);
 
-// A run keeps every prompt's KV (prompt + generated tokens) in fp32 pools on this machine, at least
-// once (the unsharded reference alone). Error, naming the flags to lower, when that is more than
-// the machine's physical memory.
-void check_kv_fits(const ModelSpec& m, const std::vector<std::vector<int32_t>>& prompts, int gen);
+// What a run will hold in memory, estimated before it allocates anything (docs/cli-inputs.md,
+// "Memory"): the fp32 weights of every rank this process runs (weight_shard_bytes), their KV pools
+// (as many blocks as the runner allocates: blocks_for over each DP replica's prompts plus --gen,
+// at the layout's fp32 bytes per token), per-rank forward buffers (the prefill batch's activations
+// and logits), the prompts, and with --verify the unsharded reference run, which runs after the
+// sharded one (so the peak is the larger of the two, plus the prompts). Sizes in bytes, as doubles:
+// an absurd request stays a large number rather than an overflow.
+struct RunMemoryEstimate {
+    double weights = 0, kv = 0, buffers = 0, prompts = 0;
+    double reference = 0;  // the unsharded --verify run: weights + KV + buffers
+    int ranks = 0;         // ranks counted in this process
+    double sharded() const { return weights + kv + buffers; }
+    double peak() const { return (sharded() > reference ? sharded() : reference) + prompts; }
+    // "weights 1.20 GiB, KV 3.00 GiB, buffers 12.0 MiB, prompts 4.0 KiB over 2 rank(s)[; the
+    // unsharded --verify run 4.10 GiB]"
+    std::string breakdown() const;
+};
+
+// One group of ranks of a run: a single-group run has one, a disaggregated run two (prefill,
+// decode).
+struct RunGroup {
+    ParallelConfig parallel;
+    int block_size = 16;
+};
+
+struct RunShape {
+    int64_t prompts = 1;
+    int64_t prompt_len = 32;
+    int64_t gen = 16;
+    bool verify = false;
+    // Ranks of the job on this host when each process runs one rank (MPI: mpirun's local size);
+    // 0: this process runs every rank (threads).
+    int local_ranks = 0;
+};
+
+// Error when a group's layout does not fit the model (make_layout's message).
+RunMemoryEstimate estimate_run_memory(const ModelSpec& m, const std::vector<RunGroup>& groups,
+                                      const RunShape& shape);
+
+// This machine's available memory (MemAvailable of /proc/meminfo; the physical memory where that
+// cannot be read), in GiB.
+double available_memory_gib();
+
+// Error, with the estimate and what to lower, when e.peak() is more than max_gib GiB (`given`:
+// the user's --max-memory-gib, else the machine's available memory). `max_gib` must be finite and
+// positive.
+void check_run_memory(const RunMemoryEstimate& e, double max_gib, bool given = true);
 
 }  // namespace kvshard
