@@ -1,6 +1,7 @@
 #include "kvshard/comm/communicator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <numeric>
@@ -22,6 +23,22 @@ Backend parse_backend(std::string_view s) {
     if (s == "mpi") return Backend::kMpi;
     throw Error(detail::concat("unknown backend '", s, "': expected threads or mpi"));
 }
+
+// ---- timeouts ----
+
+namespace {
+std::atomic<double> g_comm_timeout{kDefaultCommTimeoutS};
+}
+
+void set_comm_timeout(double seconds) {
+    require(seconds >= 0 && seconds <= 1e6,
+            "the communication timeout must be a finite number of seconds in [0, 1e6] (0: no "
+            "limit), got ",
+            seconds);
+    g_comm_timeout.store(seconds);
+}
+
+double comm_timeout() { return g_comm_timeout.load(); }
 
 // ---- Request ----
 

@@ -1,6 +1,8 @@
 #include "kvshard/comm/launch.h"
 
+#include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "kvshard/comm/mpi.h"
 #include "kvshard/comm/threads.h"
@@ -23,6 +25,10 @@ void launch(Backend backend, int world_size, const std::function<void(Communicat
         if (world->size() == 1) throw;
         std::fprintf(stderr, "kvshard: rank %d: error: %s\n", world->rank(), e.what());
         std::fflush(stderr);
+        // After a timeout every live rank throws within a poll of the others: let them print
+        // their view before the abort ends them.
+        if (dynamic_cast<const CommTimeout*>(&e))
+            std::this_thread::sleep_for(std::chrono::milliseconds(500));
         mpi_abort(2);
     }
 }

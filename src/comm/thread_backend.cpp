@@ -8,6 +8,7 @@
 // at a barrier, read each other's buffers, and meet again before anyone may reuse them.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -41,9 +42,11 @@ struct World {
 
     std::mutex mu;
     std::condition_variable cv;
+    std::condition_variable exit_cv;  // run_threads waits here: a rank exited or the run aborted
     std::atomic<std::uint64_t> epoch{0};  // bumped by every notify(): lets a waiter spin briefly
     const int size;
     bool aborted = false;
+    bool timed_out = false;  // the abort came from a wait longer than comm_timeout()
     std::string abort_reason;
     std::vector<const Waiter*> waiting;  // per world rank; set while blocked
     std::vector<char> exited;            // per world rank; 1 once its function returned or threw
@@ -60,6 +63,7 @@ struct World {
             abort_reason = reason;
         }
         notify();
+        exit_cv.notify_all();
     }
 
     // True when no running rank can make progress: each one is blocked on a condition that is
@@ -75,13 +79,24 @@ struct World {
     }
 
     std::string describe_deadlock_locked() const;
+    std::string describe_timeout_locked(int world_rank, const Waiter& w, double waited) const;
+
+    [[noreturn]] void throw_aborted() const {
+        if (timed_out) throw CommTimeout(abort_reason);
+        throw CommAborted(abort_reason);
+    }
 
     // Blocks rank `world_rank` until w.ready(); throws CommAborted if the run is (or gets) aborted
     // or if this wait completes a deadlock.
     void wait_until(std::unique_lock<std::mutex>& lk, int world_rank, const Waiter& w) {
         int spins = kSpinRounds;
+        const double limit = comm_timeout();
+        const auto start = std::chrono::steady_clock::now();
+        const auto deadline =
+            start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(limit > 0 ? limit : 1e9));
         while (!w.ready()) {
-            if (aborted) throw CommAborted(abort_reason);
+            if (aborted) throw_aborted();
             if (spins > 0) {
                 // A partner usually arrives within microseconds: yield a few times before paying
                 // for a sleep and a wake-up. Any notify() ends the spin; then re-check under lock.
@@ -100,7 +115,16 @@ struct World {
                 waiting[world_rank] = nullptr;
                 throw CommAborted(abort_reason);
             }
-            cv.wait(lk);
+            const bool expired = cv.wait_until(lk, deadline) == std::cv_status::timeout;
+            if (expired && !w.ready() && !aborted) {
+                const double waited =
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+                const std::string why = describe_timeout_locked(world_rank, w, waited);
+                waiting[world_rank] = nullptr;
+                timed_out = true;
+                abort_locked(why);
+                throw CommTimeout(why);
+            }
             waiting[world_rank] = nullptr;
         }
     }
@@ -110,6 +134,7 @@ struct World {
         exited[world_rank] = 1;
         if (!aborted && deadlocked_locked()) abort_locked(describe_deadlock_locked());
         notify();
+        exit_cv.notify_all();
     }
 };
 
@@ -175,6 +200,34 @@ std::string World::describe_deadlock_locked() const {
     return s;
 }
 
+std::string World::describe_timeout_locked(int world_rank, const Waiter& w, double waited) const {
+    const Group& g = *w.group;
+    std::vector<int> late;  // world ranks
+    if (w.peer >= 0) {
+        late.push_back(g.members[w.peer]);
+    } else {  // a collective of g: the members not blocked in a collective of g
+        for (int m : g.members) {
+            const Waiter* o = waiting[m];
+            if (m != world_rank && !(o && o->group == &g && o->peer < 0)) late.push_back(m);
+        }
+    }
+    std::string s =
+        detail::concat("timeout: rank ", world_rank, " waited ", waited, " s in ", w.op);
+    if (w.peer >= 0) s += detail::concat(w.op[0] == 's' ? " to" : " from", " rank ", late[0]);
+    s += detail::concat(" (comm timeout ", comm_timeout(), " s);");
+    for (int m : late) {
+        s += detail::concat(" rank ", m, " ");
+        if (exited[m])
+            s += "had returned;";
+        else if (waiting[m])
+            s += detail::concat("waits in ", waiting[m]->op, ";");
+        else
+            s += "is not communicating (stopped, stuck or far behind);";
+    }
+    s.pop_back();
+    return s;
+}
+
 std::string message_of(const std::exception_ptr& e) {
     try {
         std::rethrow_exception(e);
@@ -233,7 +286,7 @@ void cancel_locked(std::unique_lock<std::mutex>& lk, Group& g, Op& op) {
 OpPtr post(Group& g, OpPtr op) {
     World& w = *g.world;
     std::unique_lock lk(w.mu);
-    if (w.aborted) throw CommAborted(w.abort_reason);
+    if (w.aborted) w.throw_aborted();
     Mailbox& box = g.boxes[op->dest];
     auto& partners = op->is_send ? box.recvs : box.sends;
     auto it = std::find_if(partners.begin(), partners.end(), [&](const OpPtr& p) {
@@ -285,7 +338,7 @@ bool ThreadRequest::test() {
     }
     if (w.aborted) {
         cancel_locked(lk, *g_, *op_);
-        throw CommAborted(w.abort_reason);
+        w.throw_aborted();
     }
     return false;
 }
@@ -482,7 +535,7 @@ class ThreadCommunicator final : public Communicator {
     void barrier_locked(std::unique_lock<std::mutex>& lk, const char* what) {
         Group& g = *g_;
         World& w = *g.world;
-        if (w.aborted) throw CommAborted(w.abort_reason);
+        if (w.aborted) w.throw_aborted();
         const std::uint64_t gen = g.generation;
         if (++g.arrived == g.size()) {
             g.arrived = 0;
@@ -526,24 +579,35 @@ class ThreadCommunicator final : public Communicator {
 
 void run_threads(int world, const std::function<void(Communicator&)>& fn) {
     require(world >= 1, "run_threads: world size ", world, " is invalid: expected >= 1");
-    auto w = std::make_shared<World>(world);
+    // What a rank thread touches lives here, co-owned by each thread: a rank that never returns
+    // after a timeout is left behind (detached) without pointing into this frame.
+    struct RunState {
+        std::shared_ptr<World> w;
+        std::shared_ptr<Group> root;
+        std::function<void(Communicator&)> fn;
+        std::exception_ptr first;  // guarded by w->mu
+    };
+    auto st = std::make_shared<RunState>();
+    st->w = std::make_shared<World>(world);
     std::vector<int> all(world);
     std::iota(all.begin(), all.end(), 0);
-    auto root = std::make_shared<Group>(w, std::move(all));
-    std::exception_ptr first;  // guarded by w->mu
+    st->root = std::make_shared<Group>(st->w, std::move(all));
+    st->fn = fn;
+    World& w = *st->w;
 
-    auto body = [&](int r) {
+    auto body = [st](int r) {
+        World& w = *st->w;
         try {
-            ThreadCommunicator comm(root, r);
-            fn(comm);
-            std::unique_lock lk(w->mu);
-            w->rank_exited_locked(r);
+            ThreadCommunicator comm(st->root, r);
+            st->fn(comm);
+            std::unique_lock lk(w.mu);
+            w.rank_exited_locked(r);
         } catch (...) {
             auto e = std::current_exception();
-            std::unique_lock lk(w->mu);
-            if (!first) first = e;
-            w->abort_locked(detail::concat("run aborted: rank ", r, " failed: ", message_of(e)));
-            w->rank_exited_locked(r);
+            std::unique_lock lk(w.mu);
+            if (!st->first) st->first = e;
+            w.abort_locked(detail::concat("run aborted: rank ", r, " failed: ", message_of(e)));
+            w.rank_exited_locked(r);
         }
     };
 
@@ -553,17 +617,48 @@ void run_threads(int world, const std::function<void(Communicator&)>& fn) {
         for (int r = 0; r < world; ++r) threads.emplace_back(body, r);
     } catch (...) {
         {
-            std::unique_lock lk(w->mu);
+            std::unique_lock lk(w.mu);
             // Ranks that were never started count as exited, so the others cannot wait for them.
-            for (int r = static_cast<int>(threads.size()); r < world; ++r) w->exited[r] = 1;
-            w->abort_locked(detail::concat("run aborted: could not start thread ", threads.size(),
-                                           " of ", world));
+            for (int r = static_cast<int>(threads.size()); r < world; ++r) w.exited[r] = 1;
+            w.abort_locked(detail::concat("run aborted: could not start thread ", threads.size(),
+                                          " of ", world));
         }
         for (auto& t : threads) t.join();
         throw;
     }
+    // Every rank returns, or after a timeout the ones that do not (a rank stuck outside any
+    // communication) are given the timeout again as grace, then left behind.
+    {
+        std::unique_lock lk(w.mu);
+        auto all_exited = [&] {
+            return std::all_of(w.exited.begin(), w.exited.end(), [](char e) { return e != 0; });
+        };
+        while (!all_exited()) {
+            if (w.timed_out) {
+                const double grace = std::clamp(comm_timeout(), 0.1, 5.0);
+                w.exit_cv.wait_for(lk, std::chrono::duration<double>(grace), all_exited);
+                break;
+            }
+            w.exit_cv.wait(lk);
+        }
+        if (!all_exited()) {
+            std::string stuck;
+            for (int r = 0; r < world; ++r)
+                if (!w.exited[r]) stuck += detail::concat(stuck.empty() ? "" : ", ", r);
+            const std::string why = detail::concat(w.abort_reason, "; rank(s) ", stuck,
+                                                   " did not return and were left behind");
+            lk.unlock();
+            for (int r = 0; r < world; ++r) {
+                if (w.exited[r])
+                    threads[r].join();
+                else
+                    threads[r].detach();
+            }
+            throw CommTimeout(why);
+        }
+    }
     for (auto& t : threads) t.join();
-    if (first) std::rethrow_exception(first);
+    if (st->first) std::rethrow_exception(st->first);
 }
 
 }  // namespace kvshard

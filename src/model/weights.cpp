@@ -212,11 +212,11 @@ double weight_shard_bytes(const ModelSpec& m, const WeightShard& s) {
     const double h = m.hidden, d = m.head_dim;
     double elems = 2.0 * m.vocab * h + h;  // embed, lm_head (a copy when tied), final norm
     for (int l = s.layer_begin; l < s.layer_end; ++l) {
-        elems += 2 * h;                                               // the two norms
-        elems += 2 * s.num_q_heads() * d * h;                         // wq, wo
-        elems += 2 * s.num_kv_heads() * d * h;                        // wk, wv
+        elems += 2 * h;                         // the two norms
+        elems += 2 * s.num_q_heads() * d * h;   // wq, wo
+        elems += 2 * s.num_kv_heads() * d * h;  // wk, wv
         if (m.is_moe_layer(l))
-            elems += double(m.moe.num_experts) * h +                  // router
+            elems += double(m.moe.num_experts) * h +  // router
                      3.0 * s.num_experts() * m.moe.expert_intermediate * h;
         else
             elems += 3.0 * s.mlp_width() * h;

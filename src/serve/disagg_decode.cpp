@@ -65,6 +65,7 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
     } else {
         const int bs = opt.decode_block_size;
         for (int step = 1; step < gen && !active.empty(); ++step) {
+            world.keepalive();  // a one-rank decode group communicates with nobody per step
             ForwardBatch fb;
             for (int i : active) {
                 const int64_t pos = plan.prompt_len[i] + step - 1;

@@ -80,9 +80,9 @@ DisaggReport merge_disagg_report(const DisaggPlan& plan, const DisaggOptions& op
     }
     if (rep.transfer_start_s < 0) rep.transfer_start_s = rep.transfer_end_s;
     rep.transfer_seconds = std::max(0.0, rep.transfer_end_s - rep.transfer_start_s);
-    rep.exposed_seconds = std::clamp(rep.transfer_end_s - std::max(rep.last_layer_s,
-                                                                   rep.transfer_start_s),
-                                     0.0, rep.transfer_seconds);
+    rep.exposed_seconds =
+        std::clamp(rep.transfer_end_s - std::max(rep.last_layer_s, rep.transfer_start_s), 0.0,
+                   rep.transfer_seconds);
     rep.hidden_fraction =
         rep.transfer_seconds > 0 ? 1.0 - rep.exposed_seconds / rep.transfer_seconds : 1.0;
     for (int i = 0; i < n; ++i) {

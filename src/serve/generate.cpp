@@ -120,6 +120,7 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     {
         const auto t0 = serve::Clock::now();
         for (int step = 1; step < opt.max_new_tokens; ++step) {
+            if (world) world->keepalive();  // answers liveness probes (a one-rank replica)
             ForwardBatch fb;
             for (int i = 0; i < batch; ++i) {
                 const int32_t tok = out_tokens[size_t(i)].back();

@@ -104,9 +104,9 @@ RankBytes rank_bytes(const ModelSpec& m, const KvLayout& layout, int rank, int b
     // output, Q/K/V of the rank's heads, the MLP's gate/up/down of its share), and one row of
     // logits per prompt.
     const double d = m.head_dim;
-    const double mlp = m.moe.enabled()
-                           ? 3.0 * double(m.moe.expert_intermediate) * std::max(1, m.moe.experts_per_token)
-                           : 3.0 * ws.mlp_width();
+    const double mlp = m.moe.enabled() ? 3.0 * double(m.moe.expert_intermediate) *
+                                             std::max(1, m.moe.experts_per_token)
+                                       : 3.0 * ws.mlp_width();
     const double per_token =
         6.0 * m.hidden + (ws.num_q_heads() * 2.0 + ws.num_kv_heads() * 2.0) * d + mlp;
     b.buffers = (double(count) * double(shape.prompt_len) * per_token + 2.0 * count * m.vocab) *
@@ -175,8 +175,8 @@ void check_run_memory(const RunMemoryEstimate& e, double max_gib, bool given) {
     require(std::isfinite(max_gib) && max_gib > 0,
             "--max-memory-gib must be a finite number of GiB above 0, got ", max_gib);
     const double need = e.peak() / double(1 << 30);
-    require(need <= max_gib, "the run needs about ", size_text(e.peak()), " (",
-            e.breakdown(), "), more than ",
+    require(need <= max_gib, "the run needs about ", size_text(e.peak()), " (", e.breakdown(),
+            "), more than ",
             given ? fmt::format("--max-memory-gib {:.2f}", max_gib)
                   : fmt::format("this machine's available memory, {:.2f} GiB", max_gib),
             ": lower --prompts, --prompt-len, --gen or --block-size, use fewer ranks per host, or "

@@ -2,10 +2,14 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <numeric>
 #include <stdexcept>
+#include <thread>
 
 #include "comm/conformance.h"
 #include "kvshard/comm/communicator.h"
@@ -261,6 +265,87 @@ TEST(Threads, DeadlockIsDetected) {
                                  c.recv_value<int>(1 - c.rank(), 0);
                              }),
                  CommAborted);
+}
+
+// Sets the process-wide communication timeout for one test and restores the default after.
+struct ScopedCommTimeout {
+    explicit ScopedCommTimeout(double s) { set_comm_timeout(s); }
+    ~ScopedCommTimeout() { set_comm_timeout(kDefaultCommTimeoutS); }
+};
+
+std::string timeout_message(int world, const std::function<void(Communicator&)>& fn) {
+    try {
+        run_threads(world, fn);
+    } catch (const CommTimeout& e) {
+        return e.what();
+    } catch (const std::exception& e) {
+        return std::string("not a CommTimeout: ") + e.what();
+    }
+    return "no timeout";
+}
+
+// A rank that is late for a collective (it is computing, or stopped) ends the run after the
+// timeout on every other rank, with a message that names it; without the timeout it would wait.
+TEST(Threads, CollectiveTimeoutNamesTheLateRank) {
+    ScopedCommTimeout limit(0.3);
+    std::atomic<int> saw_timeout{0};
+    const std::string msg = timeout_message(3, [&](Communicator& c) {
+        if (c.rank() == 1) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+            return;  // never joins the barrier
+        }
+        try {
+            c.barrier();
+        } catch (const CommTimeout& e) {
+            if (std::string(e.what()).find("rank 1 is not communicating") != std::string::npos)
+                ++saw_timeout;
+            throw;
+        }
+    });
+    EXPECT_NE(msg.find("timeout: rank "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("in barrier"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 1 is not communicating"), std::string::npos) << msg;
+    EXPECT_EQ(saw_timeout.load(), 2);  // both waiting ranks, each with the late rank named
+}
+
+TEST(Threads, ReceiveTimeoutNamesThePeer) {
+    ScopedCommTimeout limit(0.2);
+    const std::string msg = timeout_message(2, [](Communicator& c) {
+        if (c.rank() == 0) {
+            int v = 0;
+            c.recv(std::span<int>(&v, 1), 1, 7);
+        } else {
+            std::this_thread::sleep_for(std::chrono::milliseconds(800));
+        }
+    });
+    EXPECT_NE(msg.find("in recv from rank 1"), std::string::npos) << msg;
+}
+
+// A rank that never returns is left behind after the grace period: run_threads still ends, with
+// the timeout and the stuck rank in its error.
+TEST(Threads, StuckRankIsLeftBehind) {
+    ScopedCommTimeout limit(0.2);
+    auto release = std::make_shared<std::atomic<bool>>(false);
+    const std::string msg = timeout_message(2, [release](Communicator& c) {
+        if (c.rank() == 1) {
+            while (!release->load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            return;
+        }
+        c.barrier();
+    });
+    release->store(true);
+    EXPECT_NE(msg.find("rank(s) 1 did not return and were left behind"), std::string::npos) << msg;
+}
+
+// With the timeout off (0), a slow rank is waited for.
+TEST(Threads, NoTimeoutWaitsForASlowRank) {
+    ScopedCommTimeout limit(0);
+    EXPECT_NO_THROW(run_threads(2, [](Communicator& c) {
+        if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        c.barrier();
+    }));
+    EXPECT_THROW(set_comm_timeout(-1), Error);
+    EXPECT_THROW(set_comm_timeout(std::nan("")), Error);
 }
 
 TEST(Threads, ManyRoundsOfMixedTraffic) {

@@ -67,8 +67,9 @@ TEST(Hardening, CpPrefixCacheOffIsReported) {
 // The memory a run would hold is estimated and refused before anything is allocated: an 8B model's
 // fp32 weights, a 2e9-token prompt, 1e8 prompts, a 2^31-1-token block; and the limit's own range.
 TEST(Hardening, RunMemoryCheckedBeforeAllocating) {
-    expect_refused("run --model llama-3.1-8b --prompts 1 --prompt-len 8 --gen 1 --max-memory-gib 20",
-                   "weights 29.92 GiB");
+    expect_refused(
+        "run --model llama-3.1-8b --prompts 1 --prompt-len 8 --gen 1 --max-memory-gib 20",
+        "weights 29.92 GiB");
     expect_refused("run --model tiny --prompt-len 2000000000 --max-memory-gib 64",
                    "more than --max-memory-gib 64.00");
     expect_refused("run --model tiny --prompts 100000000 --prompt-len 2000000000",

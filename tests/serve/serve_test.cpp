@@ -8,8 +8,8 @@
 #include "kvshard/common/error.h"
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/layout/kv_layout.h"
-#include "kvshard/model/weights.h"
 #include "kvshard/model/catalog.h"
+#include "kvshard/model/weights.h"
 #include "kvshard/serve/disagg.h"
 #include "kvshard/serve/generate.h"
 #include "kvshard/serve/inputs.h"
@@ -132,9 +132,9 @@ TEST(ServeMemory, EstimateAndCheck) {
     RunShape huge = base;
     huge.prompt_len = 2000000000;
     EXPECT_NE(message(estimate_run_memory(m, tp2, huge), 1024).find("GiB"), std::string::npos);
-    EXPECT_NE(message(estimate_run_memory(m, {{ParallelConfig{}, 2147483647}}, base), 1024)
-                  .find("KV"),
-              std::string::npos);
+    EXPECT_NE(
+        message(estimate_run_memory(m, {{ParallelConfig{}, 2147483647}}, base), 1024).find("KV"),
+        std::string::npos);
     EXPECT_GT(available_memory_gib(), 0);
 }
 

@@ -42,7 +42,8 @@ struct RunFlags {
     int block_size = 16;
     bool no_prefix_cache = false;
     double max_memory_gib = 0;
-    bool max_memory_given = false;  // else: the machine's available memory
+    bool max_memory_given = false;
+    double comm_timeout_s = kDefaultCommTimeoutS;  // else: the machine's available memory
     bool verify = false;
     bool json = false;
     std::string dump_logits;
@@ -191,6 +192,8 @@ void run(const RunFlags& f) {
     require(f.block_size >= 1 && f.block_size <= 1 << 20,
             "--block-size must be in [1, 2^20] tokens, got ", f.block_size);
     const Backend backend = parse_backend(f.backend);
+    require_finite_in(f.comm_timeout_s, 0, 1e6, "--comm-timeout-s");
+    set_comm_timeout(f.comm_timeout_s);
     require(f.prompts >= 1, "--prompts must be at least 1, got ", f.prompts);
     require(f.prompt_len >= 1, "--prompt-len must be at least 1, got ", f.prompt_len);
     PromptSpec ps{.count = f.prompts,
@@ -203,9 +206,9 @@ void run(const RunFlags& f) {
     std::vector<RunGroup> groups;
     if (f.disagg.enabled()) {
         groups.push_back({parse_parallel_config(f.disagg.prefill), f.block_size});
-        groups.push_back({parse_parallel_config(f.disagg.decode),
-                          f.disagg.decode_block_size > 0 ? f.disagg.decode_block_size
-                                                         : f.block_size});
+        groups.push_back({parse_parallel_config(f.disagg.decode), f.disagg.decode_block_size > 0
+                                                                      ? f.disagg.decode_block_size
+                                                                      : f.block_size});
     } else {
         groups.push_back({p, f.block_size});
     }
@@ -305,11 +308,17 @@ void setup(CLI::App& app) {
         ->capture_default_str();
     sub->add_option("--block-size", f->block_size, "tokens per KV block")->capture_default_str();
     sub->add_flag("--no-prefix-cache", f->no_prefix_cache, "recompute every prompt token");
-    sub->add_option("--max-memory-gib", f->max_memory_gib,
-                    "refuse the run when its estimated memory (weights, KV pools, buffers, prompts, "
-                    "the --verify reference) is above this many GiB; default: this machine's "
-                    "available memory")
+    sub->add_option(
+           "--max-memory-gib", f->max_memory_gib,
+           "refuse the run when its estimated memory (weights, KV pools, buffers, prompts, "
+           "the --verify reference) is above this many GiB; default: this machine's "
+           "available memory")
         ->each([f](const std::string&) { f->max_memory_given = true; });
+    sub->add_option("--comm-timeout-s", f->comm_timeout_s,
+                    "end the run when a rank waits longer than this in any collective, blocking "
+                    "send/receive or request (a stopped, dead or stuck rank), naming the rank(s) "
+                    "that did not answer; 0: no limit")
+        ->capture_default_str();
     sub->add_option("--cp-prefill", f->cp_prefill,
                     "CP prefill: auto (the mode that moves fewer bytes, docs/context-parallel.md "
                     "section 4) | pass-kv (KV shards travel the ring) | pass-q (queries travel, "

@@ -24,7 +24,9 @@
 //    both backends, so results are bit-identical across runs and across backends.
 //  - Communicators are not thread-safe: one thread uses one Communicator object at a time.
 //  - Failure: an operation that cannot complete because the run was aborted (another rank threw,
-//    or the threads backend found that every rank is blocked: a deadlock) throws CommAborted.
+//    or the threads backend found that every rank is blocked: a deadlock) throws CommAborted; one
+//    that waited longer than comm_timeout() ends the run with CommTimeout naming the rank(s) that
+//    did not answer.
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -51,6 +53,21 @@ class CommAborted : public Error {
   public:
     explicit CommAborted(const std::string& what) : Error(what) {}
 };
+
+// Thrown when a blocking operation waited longer than comm_timeout(): the run is ended on every
+// rank, and the message names the rank(s) that did not answer (stopped, dead or far behind).
+class CommTimeout : public CommAborted {
+  public:
+    explicit CommTimeout(const std::string& what) : CommAborted(what) {}
+};
+
+// How long any blocking operation (a collective, a blocking send or receive, Request::wait) may
+// wait before the run is ended with CommTimeout, in seconds; 0: no limit. Process-wide, read at
+// the start of every wait, on both backends (docs/comm.md, "Timeouts"). Default
+// kDefaultCommTimeoutS; `kvshard run --comm-timeout-s`.
+inline constexpr double kDefaultCommTimeoutS = 300;
+void set_comm_timeout(double seconds);  // Error unless finite and in [0, 1e6]
+double comm_timeout();
 
 enum class ReduceOp { kSum, kMax, kMin };
 
@@ -127,6 +144,10 @@ class Communicator {
     virtual int rank() const = 0;
     virtual int size() const = 0;
     virtual Backend backend() const = 0;
+    // Answers the liveness probes of ranks that waited past comm_timeout() (MPI; nothing on
+    // threads). Every wait does it; call it also in a long loop that does not communicate (a
+    // serving loop of a one-rank group), so that this rank is not taken for a stopped one.
+    virtual void keepalive() {}
 
     // ---- point to point (bytes) ----
     void send(std::span<const std::byte> data, int dest, int tag);

@@ -16,7 +16,7 @@ namespace kvshard {
 //   world_size must equal the number of processes of the mpirun job, or be <= 0 to take it from
 //   mpirun; otherwise Error ("needs mpirun -np N"). If fn throws in a job of one process, the
 //   exception propagates. In a larger job the other ranks may be blocked in MPI waiting for this
-//   one, which nothing can interrupt, so the rank prints "kvshard: rank R: error: <what>" to stderr
+//   one, so the rank prints "kvshard: rank R: error: <what>" to stderr
 //   and calls MPI_Abort(2): the whole job exits with a non-zero status.
 void launch(Backend backend, int world_size, const std::function<void(Communicator&)>& fn);
 

@@ -81,7 +81,7 @@ struct DisaggReport {
     // Payload bytes that could leave only after their prefill rank's last layer (tail_bytes of
     // each request's plan): the last layer's with streaming, all of them without.
     int64_t tail_bytes = 0;
-    double decode_seconds = 0;   // the slowest decode rank's decode loop
+    double decode_seconds = 0;  // the slowest decode rank's decode loop
 };
 
 // Collective over `world` (size prefill.world_size() + decode.world_size()); every rank returns the
