@@ -38,6 +38,15 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
     receivers.clear();
     // One verdict per request for the whole decode group.
     group.all_reduce(std::span<int32_t>(failed), ReduceOp::kMax);
+    // A request whose cached prefix blocks an earlier, failed request was to write fails too.
+    for (int i = 0; i < n; ++i) {
+        const int from = plan.decode_provider[i];
+        if (from >= 0 && failed[from] && !failed[i]) {
+            failed[i] = 1;
+            errors[i] = detail::concat("its cached prefix was to come with request ", from,
+                                       ", whose transfer failed");
+        }
+    }
 
     std::vector<int32_t> first(static_cast<size_t>(n), 0);
     world.recv(std::span<int32_t>(first), rank_of(plan.prefill, 0, plan.prefill.pp - 1, 0, 0),

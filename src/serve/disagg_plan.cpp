@@ -1,8 +1,10 @@
 // A disaggregated run's plans: the inputs checked, each side's blocks, and one transfer plan per
 // request, the same on every rank.
 #include <algorithm>
+#include <map>
 
 #include "common/byte_buffer.h"
+#include "kvshard/cache/block_manager.h"
 #include "kvshard/common/error.h"
 #include "kvshard/common/shared_arena.h"
 #include "serve/disagg_run.h"
@@ -62,6 +64,35 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
     plan.prefill_tables =
         consecutive_tables(plan.prompt_len, opt.prefill_block_size, plan.prefill_blocks);
     plan.decode_tables = consecutive_tables(decode_len, opt.decode_block_size, plan.decode_blocks);
+    plan.prefill_cached.assign(static_cast<size_t>(plan.requests), 0);
+    plan.decode_cached.assign(static_cast<size_t>(plan.requests), 0);
+    plan.decode_provider.assign(static_cast<size_t>(plan.requests), -1);
+    plan.prefix_cache = opt.prefix_cache && !plan.cp_prefill && !plan.cp_decode;
+    if (plan.prefix_cache) {
+        // Both sides' blocks from a prefix-caching block manager, in request order, the same on
+        // every rank. The pools keep their sizes (what every request whole needs).
+        const int pbs = opt.prefill_block_size, dbs = opt.decode_block_size;
+        BlockManager pm({.num_blocks = plan.prefill_blocks, .block_size = pbs});
+        BlockManager dm({.num_blocks = plan.decode_blocks, .block_size = dbs});
+        std::map<int32_t, int> first_holder;  // decode block -> the request that allocated it
+        for (int i = 0; i < plan.requests; ++i) {
+            const int64_t len = plan.prompt_len[i];
+            // At least the last prompt token is computed (its logits) and sent.
+            const AllocResult a = pm.allocate(i, prompts[i], {}, (len - 1) / pbs);
+            const AllocResult d = dm.allocate(i, prompts[i], {}, (len - 1) / dbs);
+            dm.append_tokens(i, opt.max_new_tokens);  // room for the output, never hashed
+            plan.prefill_cached[i] = a.cached_tokens;
+            plan.decode_cached[i] = d.cached_tokens;
+            const auto pt = pm.block_table(i), dt = dm.block_table(i);
+            plan.prefill_tables[i].assign(pt.begin(), pt.end());
+            plan.decode_tables[i].assign(dt.begin(), dt.end());
+            for (size_t b = 0; b < dt.size(); ++b) {
+                const auto [it, fresh] = first_holder.emplace(dt[b], i);
+                if (!fresh && int64_t(b) * dbs < d.cached_tokens)
+                    plan.decode_provider[i] = std::max(plan.decode_provider[i], it->second);
+            }
+        }
+    }
     // Prefill pools in shareable memory where this process can make it (else messages).
     plan.share_pools = opt.transfer.direct_read && SharedArena::supported();
     if (!plan.cp_prefill && !plan.cp_decode) {  // the plain executors' blocks are known now
@@ -89,7 +120,9 @@ void make_transfer_plans(DisaggPlan& plan, const DisaggOptions& opt, const CpTab
                              .order = opt.decode_order,
                              .block_tables = dst_tables[i]};
         plan.transfers.push_back(std::make_shared<const TransferPlan>(make_transfer_plan(
-            src, dst, plan.prompt_len[i], {.layers_per_group = opt.stream_layers ? 1 : 0})));
+            src, dst, plan.prompt_len[i],
+            {.layers_per_group = opt.stream_layers ? 1 : 0,
+             .dst_cached_tokens = plan.decode_cached.empty() ? 0 : plan.decode_cached[i]})));
         const TransferPlan& tp = *plan.transfers.back();
         plan.schedules.push_back(std::make_shared<const TransferSchedule>(
             make_transfer_schedule(tp, side_pool_pages(tp, true, plan.pool_blocks(true)),

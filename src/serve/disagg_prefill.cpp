@@ -83,11 +83,14 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
         });
         ForwardBatch fb;
         for (int i = 0; i < n; ++i) {
-            for (int64_t t = 0; t < plan.prompt_len[i]; ++t) {
+            // Tokens an earlier request's blocks hold are not computed again (same forward: its
+            // KV is written layer by layer before this request attends to it).
+            const int64_t cached = plan.prefill_cached[i];
+            for (int64_t t = cached; t < plan.prompt_len[i]; ++t) {
                 fb.token_ids.push_back(prompts[i][t]);
                 fb.slots.push_back(t);
             }
-            fb.queries.add_sequence(plan.prompt_len[i], 0);
+            fb.queries.add_sequence(plan.prompt_len[i] - cached, cached);
             fb.kv.add_sequence(plan.prefill_tables[i], plan.prompt_len[i], opt.prefill_block_size);
         }
         logits = model.forward(fb);

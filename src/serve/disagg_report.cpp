@@ -95,6 +95,16 @@ DisaggReport merge_disagg_report(const DisaggPlan& plan, const DisaggOptions& op
     }
     rep.mode = std::string(transfer_mode_name(resolve_mode(*plan.transfers[0], opt.transfer.mode)));
     rep.streamed = opt.stream_layers;
+    rep.prefix_cache = plan.prefix_cache;
+    if (opt.prefix_cache && !plan.prefix_cache)
+        rep.prefix_cache_note =
+            "the prefix cache is off: a side with cp > 1 serves each request whole (CpSession "
+            "runs without prefix reuse here)";
+    for (int i = 0; i < n; ++i) {
+        rep.prompt_tokens += plan.prompt_len[i];
+        rep.prefill_computed_tokens += plan.prompt_len[i] - plan.prefill_cached[i];
+        rep.decode_cached_tokens += plan.decode_cached[i];
+    }
     return rep;
 }
 

@@ -34,6 +34,12 @@ struct DisaggPlan {
     std::vector<int64_t> prompt_len;
     // The plain executors' blocks: request i's consecutive tables on each side, and the pools.
     std::vector<std::vector<int32_t>> prefill_tables, decode_tables;
+    // With the prefix cache: per request, the leading tokens the prefill side shares with an
+    // earlier request (not computed), the decode side's (not sent), and the earlier request whose
+    // transfer writes the decode side's shared blocks (-1: none); its failure fails this one.
+    bool prefix_cache = false;
+    std::vector<int64_t> prefill_cached, decode_cached;
+    std::vector<int> decode_provider;
     int64_t prefill_blocks = 0, decode_blocks = 0;
     bool cp_prefill = false, cp_decode = false;
     bool share_pools = false;  // prefill pools in shareable memory (direct reads)
@@ -84,12 +90,12 @@ void share_cp_tables(DisaggPlan& plan, const DisaggOptions& opt, SideExecutor& s
 // system-wide there): a rank that is scheduled late after the barrier would otherwise see a
 // transfer that began before its start as ending before it.
 struct RankTimes {
-    double start_abs = 0;       // the rank's start on the steady clock
-    uint64_t host = 0;          // hash of the host name
-    double prefill_end = -1;    // prefill ranks: forward done
+    double start_abs = 0;         // the rank's start on the steady clock
+    uint64_t host = 0;            // hash of the host name
+    double prefill_end = -1;      // prefill ranks: forward done
     double last_layer_done = -1;  // prefill ranks: the KV of this rank's last layer written
-    double first_send = -1;     // prefill ranks: first message out
-    double transfer_done = -1;  // decode ranks: every request's transfer finished
+    double first_send = -1;       // prefill ranks: first message out
+    double transfer_done = -1;    // decode ranks: every request's transfer finished
     double decode_seconds = 0;
     int64_t bytes = 0;  // decode ranks: payload bytes received
     int64_t messages = 0;

@@ -139,7 +139,11 @@ int64_t needed_bytes(const TransferPlan& plan, int dst_rank) {
     const KvLayout& l = plan.dst.layout;
     const RankKv& r = l.ranks[dst_rank];
     if (r.coord.dp != plan.dst.dp) return 0;
-    const int64_t tokens = cp_tokens(l.parallel, r.coord.cp, plan.num_tokens).total;
+    // The rank's tokens at or after the destination's cached prefix.
+    int64_t tokens = 0;
+    for (const auto& range : cp_tokens(l.parallel, r.coord.cp, plan.num_tokens).ranges)
+        tokens +=
+            std::max<int64_t>(0, range.end - std::max(range.begin, plan.options.dst_cached_tokens));
     const int heads = l.model.is_mla() ? 1 : r.num_kv_heads();
     return int64_t{r.num_layers()} * plan.kv_factor * heads * tokens * plan.vector_bytes();
 }
@@ -157,6 +161,9 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
             " tokens: kvshard plans transfers of [1, 2^26] tokens");
     require(options.layers_per_group >= 0, "layers per group must be 0 (all) or positive, got ",
             options.layers_per_group);
+    require(options.dst_cached_tokens >= 0 && options.dst_cached_tokens < num_tokens,
+            "the destination's cached prefix must be in [0, ", num_tokens,
+            ") tokens (at least the last token moves), got ", options.dst_cached_tokens);
     require_same_model(src.layout.model, dst.layout.model);
     validate_endpoint(src, "source", num_tokens);
     validate_endpoint(dst, "destination", num_tokens);
@@ -196,7 +203,8 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
             const CpTokens& dt = dst_tokens[cd];
             size_t i = 0, j = 0;
             while (i < st.ranges.size() && j < dt.ranges.size()) {
-                const int64_t a = std::max(st.ranges[i].begin, dt.ranges[j].begin);
+                const int64_t a =
+                    std::max({st.ranges[i].begin, dt.ranges[j].begin, options.dst_cached_tokens});
                 const int64_t b = std::min(st.ranges[i].end, dt.ranges[j].end);
                 if (a < b) {
                     int64_t js = st.local_begin[i] + (a - st.ranges[i].begin);

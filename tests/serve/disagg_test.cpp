@@ -7,6 +7,7 @@
 #include "kvshard/model/catalog.h"
 #include "kvshard/serve/disagg.h"
 #include "kvshard/serve/generate.h"
+#include "kvshard/serve/inputs.h"
 #include "kvshard/serve/verify.h"
 #include "transfer/fault_injection.h"
 
@@ -35,6 +36,7 @@ struct DisaggCase {
     bool stream = true;
     bool direct = true;  // decode ranks read the prefill pools in place (false: messages)
     bool seal = true;    // the prefill ranks seal their KV as they write it
+    bool prefix_cache = true;
 };
 
 void PrintTo(const DisaggCase& c, std::ostream* os) {
@@ -56,6 +58,7 @@ DisaggReport run_case(const DisaggCase& c, const std::vector<std::vector<int32_t
     opt.stream_layers = c.stream;
     opt.transfer.direct_read = c.direct;
     opt.source_checksums = c.seal;
+    opt.prefix_cache = c.prefix_cache;
     DisaggReport out;
     run_threads(pp.world_size() + pd.world_size(), [&](Communicator& world) {
         // corrupt >= 0: the prefill ranks' link spoils one payload of that request
@@ -193,6 +196,66 @@ TEST(DisaggExposure, StreamingLeavesOnlyTheLastLayerExposed) {
                 EXPECT_GT(r.exposed_seconds, 0);
             }
         }
+}
+
+// Prompts that share a prefix: the prefill side computes the shared blocks once and the decode
+// side receives them once (its later requests share those blocks); tokens and logits stay the
+// unsharded model's. Off, every token is computed and sent.
+TEST(DisaggPrefixCache, SharedPrefixComputedAndSentOnce) {
+    set_compute_threads(1);
+    const ModelSpec m = catalog_model("tiny");
+    const auto prompts =
+        make_prompts({.count = 3, .length = 40, .shared_prefix = 33, .seed = 4}, m.vocab);
+    const auto src = random_tensor_source(9);
+    GenerationOptions go;
+    go.max_new_tokens = 4;
+    const GenerationReport ref = generate(m, ParallelConfig{}, *src, prompts, go);
+    for (DisaggCase c :
+         {DisaggCase{"tiny", "tp=2", "tp=1"}, DisaggCase{"tiny", "tp=2,pp=2", "tp=4", 8, 4},
+          DisaggCase{"tiny", "pp=2", "tp=2,pp=2", 4, 16, PageOrder::kNhd}}) {
+        SCOPED_TRACE(c.prefill + " -> " + c.decode);
+        DisaggReport on, off;
+        for (bool cache : {true, false}) {
+            c.prefix_cache = cache;
+            DisaggReport r = run_case(c, prompts, *src, 4);
+            ASSERT_EQ(r.failed_requests, 0);
+            for (size_t i = 0; i < prompts.size(); ++i) {
+                EXPECT_EQ(r.tokens[i], ref.tokens[i]) << "prompt " << i;
+                EXPECT_LT(relative_l2(r.last_logits[i], ref.last_logits[i]), 1e-4);
+            }
+            EXPECT_EQ(r.transfer_bytes, r.min_bytes);
+            EXPECT_EQ(r.prompt_tokens, 120);
+            (cache ? on : off) = std::move(r);
+        }
+        EXPECT_TRUE(on.prefix_cache);
+        EXPECT_FALSE(off.prefix_cache);
+        // Requests 1 and 2 share the full blocks of the 33-token prefix on each side.
+        const int64_t pbs = c.bs_prefill, dbs = c.bs_decode;
+        EXPECT_EQ(on.prefill_computed_tokens, 120 - 2 * (33 / pbs) * pbs);
+        EXPECT_EQ(on.decode_cached_tokens, 2 * std::min<int64_t>(33 / dbs, 39 / dbs) * dbs);
+        EXPECT_EQ(off.prefill_computed_tokens, 120);
+        EXPECT_EQ(off.decode_cached_tokens, 0);
+        EXPECT_EQ(on.transfer_bytes * 120, off.transfer_bytes * (120 - on.decode_cached_tokens));
+    }
+}
+
+// A request whose cached prefix on the decode side was to be written by an earlier request's
+// transfer fails with it, instead of decoding from blocks that hold nothing.
+TEST(DisaggPrefixCache, ProviderFailureFailsTheSharers) {
+    set_compute_threads(1);
+    const ModelSpec m = catalog_model("tiny");
+    auto prompts =
+        make_prompts({.count = 2, .length = 40, .shared_prefix = 33, .seed = 4}, m.vocab);
+    prompts.push_back(prompts_for(m, 1, 40)[0]);  // a third prompt that shares nothing
+    const auto src = random_tensor_source(9);
+    const DisaggReport r = run_case(DisaggCase{"tiny", "tp=2", "tp=1"}, prompts, *src, 3,
+                                    /*corrupt=*/0);
+    EXPECT_EQ(r.failed_requests, 2);
+    EXPECT_NE(r.errors[0].find("checksum"), std::string::npos) << r.errors[0];
+    EXPECT_NE(r.errors[1].find("its cached prefix was to come with request 0"), std::string::npos)
+        << r.errors[1];
+    EXPECT_EQ(r.errors[2], "");
+    EXPECT_EQ(r.tokens[2].size(), 3u);
 }
 
 TEST(DisaggFailure, CorruptRequestFailsAloneOthersDecode) {

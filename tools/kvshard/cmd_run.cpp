@@ -234,9 +234,10 @@ void run(const RunFlags& f) {
                 p.to_string(),
                 "); a disaggregated run takes both layouts from --prefill and --decode, e.g. "
                 "--prefill tp=8 --decode cp=2,tp=2,cp_scheme=zigzag");
-        const int status = run_disagg(
-            f.disagg, {m, weights.source.get(), weights.description, prompts, f.gen, f.block_size,
-                       backend, f.verify, f.json, f.dump_logits, cp_prefill_mode, cp_decode_merge});
+        const int status =
+            run_disagg(f.disagg, {m, weights.source.get(), weights.description, prompts, f.gen,
+                                  f.block_size, backend, f.verify, f.json, !f.no_prefix_cache,
+                                  f.dump_logits, cp_prefill_mode, cp_decode_merge});
         if (status != 0) {
             std::fprintf(stderr, "kvshard: run: verification failed or a request failed\n");
             std::fflush(stderr);

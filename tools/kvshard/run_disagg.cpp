@@ -128,6 +128,7 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     opt.cp_prefill_mode = in.cp_prefill_mode;
     opt.cp_decode_merge = in.cp_decode_merge;
     opt.stream_layers = !f.no_stream;
+    opt.prefix_cache = in.prefix_cache;
     opt.transfer.staging_bytes = f.staging_mib << 20;
     opt.transfer.sender_idle_sleep_us = f.sender_sleep_us;
     opt.transfer.offload_check_bytes = f.check_thread_bytes;
@@ -188,6 +189,12 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                                   {"end_s", r.transfer_end_s},
                                   {"exposed_seconds", r.exposed_seconds},
                                   {"hidden_fraction", r.hidden_fraction}}},
+                                {"prefix_cache",
+                                 {{"on", r.prefix_cache},
+                                  {"note", r.prefix_cache_note},
+                                  {"prompt_tokens", r.prompt_tokens},
+                                  {"prefill_computed_tokens", r.prefill_computed_tokens},
+                                  {"decode_cached_tokens", r.decode_cached_tokens}}},
                                 {"prompts", in.prompts.size()},
                                 {"gen", in.gen},
                                 {"tokens", r.tokens},
@@ -204,7 +211,13 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                 "generate {} token(s) each\n",
                 m.name, in.weights_from, backend_name(in.backend), pp.to_string(), pp.world_size(),
                 pd.to_string(), pd.world_size(), in.prompts.size(), in.gen);
-            fmt::print("prefill: {:.2f} ms\n", r.prefill_seconds * 1e3);
+            fmt::print("prefill: {:.2f} ms, {} of {} prompt tokens computed{}\n",
+                       r.prefill_seconds * 1e3, r.prefill_computed_tokens, r.prompt_tokens,
+                       r.prefix_cache ? fmt::format(" (prefix cache: the decode side held {} "
+                                                    "tokens already, not sent)",
+                                                    r.decode_cached_tokens)
+                                      : "");
+            if (!r.prefix_cache_note.empty()) fmt::print("note: {}\n", r.prefix_cache_note);
             const std::string in_place = r.direct_messages == 0 ? "none"
                                          : r.direct_messages == r.messages
                                              ? "all"

@@ -46,7 +46,8 @@ struct DisaggRunInput {
     Backend backend = Backend::kThreads;
     bool verify = false;
     bool json = false;
-    std::string dump_logits;  // .npy of the last step's logits; a failed request's row is NaN
+    bool prefix_cache = true;  // --no-prefix-cache turns it off
+    std::string dump_logits;   // .npy of the last step's logits; a failed request's row is NaN
     std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side's mode; empty: automatic
     CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;  // a CP decode side's merge
 };

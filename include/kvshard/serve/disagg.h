@@ -40,6 +40,10 @@ struct DisaggOptions {
     PageOrder prefill_order = PageOrder::kHnd;
     PageOrder decode_order = PageOrder::kHnd;
     bool stream_layers = true;  // a message per layer, sent as soon as the layer is done
+    // Prefix cache on both plain sides (not with a CP side): a request's leading full blocks that
+    // an earlier request of the run already holds are not computed on the prefill side (at least
+    // the last prompt token is) and not sent to the decode side, whose blocks for them are shared.
+    bool prefix_cache = true;
     // Direct read from HND prefill pools: each prefill rank seals every layer's KV right after
     // writing it (source_checksums.h), and a message that reads whole sealed blocks is checked by
     // its unit checksum instead of a checksum pass over the source when it is sent.
@@ -62,6 +66,11 @@ struct DisaggReport {
     std::vector<std::vector<float>> last_logits;  // per prompt: [vocab] of the last step
     std::vector<std::string> errors;              // per prompt: empty when its transfer succeeded
     int failed_requests = 0;
+    // The prefix cache (DisaggOptions::prefix_cache): on or not, and why not (a CP side); prompt
+    // tokens, those the prefill computed, and those the decode side already held (not sent).
+    bool prefix_cache = false;
+    std::string prefix_cache_note;
+    int64_t prompt_tokens = 0, prefill_computed_tokens = 0, decode_cached_tokens = 0;
     int64_t transfer_bytes = 0;  // payload bytes received over all requests
     int64_t min_bytes = 0;       // what the decode layout needs for every request
     int64_t messages = 0;

@@ -86,6 +86,10 @@ struct TransferPlanOptions {
     // Layers per group: layer l belongs to group l / layers_per_group. 0: one group (all layers),
     // so one message per (source, destination) pair. 1: a message per layer (layer-wise streaming).
     int layers_per_group = 0;
+    // Tokens [0, dst_cached_tokens) the destination already holds (a prefix-cache hit there, in
+    // its own blocks): the plan moves tokens [dst_cached_tokens, num_tokens) only, and min_bytes
+    // counts only those. In [0, num_tokens).
+    int64_t dst_cached_tokens = 0;
 };
 
 struct TransferPlan {
