@@ -323,6 +323,7 @@ std::string to_json(const TransferPlan& plan, bool with_messages) {
                         {"bytes", plan.bytes},
                         {"min_bytes", plan.min_bytes},
                         {"tail_bytes", tail_bytes(plan)},
+                        {"dst_cached_tokens", plan.options.dst_cached_tokens},
                         {"pairs", jp}};
     if (with_messages) {
         nlohmann::json jm = nlohmann::json::array();

@@ -168,14 +168,16 @@ inline Side make_destination(const TransferEndpoint& e) {
 }
 
 // What a destination pool must hold: codes at the request's slots, the sentinel everywhere else.
+// Tokens before `from_token` (a prefix the destination already holds) stay kSentinel.
 inline std::vector<uint32_t> expected_pool(const TransferEndpoint& e, int rank, int64_t num_tokens,
-                                           const BlockPool& like) {
+                                           const BlockPool& like, int64_t from_token = 0) {
     BlockPool want(like.geometry(), like.num_blocks());
     fill_u32(want, kSentinel);
     for_each_token_element(
         e, rank, num_tokens,
         [&](int layer, int ll, int kv, int head, int lh, int64_t t, int32_t b, int slot, int d) {
-            *elem_ptr(want, ll, kv, b, lh, slot, d) = element_code(layer, kv, head, t, d);
+            if (t >= from_token)
+                *elem_ptr(want, ll, kv, b, lh, slot, d) = element_code(layer, kv, head, t, d);
         });
     const auto* p = reinterpret_cast<const uint32_t*>(want.arena().data());
     return {p, p + want.arena().size() / 4};

@@ -23,6 +23,7 @@ struct Case {
     int dp_from = 0, dp_to = 0;
     int layers_per_group = 0;
     uint64_t shuffle = 0;
+    int64_t dst_cached = 0;
 };
 
 TransferPlan plan_of(const Case& c) {
@@ -30,7 +31,9 @@ TransferPlan plan_of(const Case& c) {
                                       c.shuffle);
     auto dst = testing::make_endpoint(c.model, c.to, c.bs_to, c.order_to, c.tokens, c.dp_to,
                                       c.shuffle ? c.shuffle + 1 : 0);
-    return make_transfer_plan(src, dst, c.tokens, {.layers_per_group = c.layers_per_group});
+    return make_transfer_plan(
+        src, dst, c.tokens,
+        {.layers_per_group = c.layers_per_group, .dst_cached_tokens = c.dst_cached});
 }
 
 // Copies every message straight from its source pool (direct read) in `mode`; checks that the hash
@@ -87,7 +90,8 @@ void check_exact(const Case& c, const TransferPlan& plan, int* unit_messages_see
         for (int r = 0; r < plan.dst.layout.world_size(); ++r) {
             if (!dst.pools[r]) continue;
             EXPECT_EQ(res.bytes_to[r], needed_bytes(plan, r)) << "dst rank " << r;
-            const auto want = testing::expected_pool(plan.dst, r, c.tokens, *dst.pools[r]);
+            const auto want = testing::expected_pool(plan.dst, r, c.tokens, *dst.pools[r],
+                                                     plan.options.dst_cached_tokens);
             const auto* got = reinterpret_cast<const uint32_t*>(dst.pools[r]->arena().data());
             int64_t wrong = 0, first = -1;
             for (size_t i = 0; i < want.size(); ++i)
@@ -102,7 +106,8 @@ void check_exact(const Case& c, const TransferPlan& plan, int* unit_messages_see
         const auto counts = testing::write_counts(plan, mode, dst);
         for (int r = 0; r < plan.dst.layout.world_size(); ++r) {
             if (!dst.pools[r]) continue;
-            const auto want = testing::expected_pool(plan.dst, r, c.tokens, *dst.pools[r]);
+            const auto want = testing::expected_pool(plan.dst, r, c.tokens, *dst.pools[r],
+                                                     plan.options.dst_cached_tokens);
             int64_t bad = 0;
             for (size_t i = 0; i < counts[r].size(); ++i) {
                 const uint8_t expect = want[i / 4] == testing::kSentinel ? 0 : 1;
@@ -362,6 +367,30 @@ TEST(TransferPlan, OneMessagePerPairAndGroup) {
     const auto plan = plan_of(c);
     for (const auto& [pair, n] : pair_counts(plan)) EXPECT_EQ(n, 1);
     check_exact(c, plan);
+}
+
+// A prefix the destination already holds: exactly the tokens after it arrive, once, on every
+// destination rank (CP schemes, replicated heads, block-size and page-order changes), and min_bytes
+// counts only them.
+TEST(TransferPlan, DestinationCachedPrefixIsNotSent) {
+    const ModelSpec tiny = catalog_model("tiny");
+    for (Case c : {Case{tiny, "tp=8", "tp=4"}, Case{tiny, "tp=2,pp=2", "pp=3,tp=2"},
+                   Case{tiny, "cp=2,cp_scheme=zigzag", "cp=3,cp_scheme=interleave,cp_interleave=4"},
+                   Case{tiny, "tp=1", "tp=2", 100, 16, 4, PageOrder::kNhd, PageOrder::kHnd}}) {
+        const TransferPlan full = plan_of(c);
+        for (int64_t k : {int64_t{0}, int64_t{16}, int64_t{37}, int64_t{99}}) {
+            c.dst_cached = k;
+            const TransferPlan plan = plan_of(c);
+            check_exact(c, plan);
+            EXPECT_EQ(plan.min_bytes * c.tokens, full.min_bytes * (c.tokens - k))
+                << c.from << " -> " << c.to << " cached " << k;
+        }
+    }
+    Case bad{tiny, "tp=1", "tp=1"};
+    bad.dst_cached = bad.tokens;
+    EXPECT_THROW(plan_of(bad), Error);
+    bad.dst_cached = -1;
+    EXPECT_THROW(plan_of(bad), Error);
 }
 
 TEST(TransferPlan, RejectsBadInput) {

@@ -23,6 +23,7 @@ struct TransferPlanFlags {
     std::string order_from = "hnd", order_to = "hnd";
     int dp_from = 0, dp_to = 0;
     int layers_per_group = 0;
+    int64_t dst_cached = 0;
     std::string mode = "auto";
     bool messages = false;
     bool schedule = false;
@@ -74,8 +75,9 @@ void run(const TransferPlanFlags& f) {
         endpoint("--from", m, f.from, f.dp_from, f.block_size_from, f.order_from, f.tokens);
     const TransferEndpoint dst =
         endpoint("--to", m, f.to, f.dp_to, f.block_size_to, f.order_to, f.tokens);
-    const TransferPlan plan =
-        make_transfer_plan(src, dst, f.tokens, {.layers_per_group = f.layers_per_group});
+    const TransferPlan plan = make_transfer_plan(
+        src, dst, f.tokens,
+        {.layers_per_group = f.layers_per_group, .dst_cached_tokens = f.dst_cached});
     const TransferMode mode = resolve_mode(plan, parse_transfer_mode(f.mode));
     if (f.json) {
         print_json(to_json(plan, f.messages));
@@ -139,6 +141,10 @@ void setup(CLI::App& app) {
     sub->add_option("--dp-from", f->dp_from, "prefill replica holding the request")
         ->capture_default_str();
     sub->add_option("--dp-to", f->dp_to, "decode replica receiving the request")
+        ->capture_default_str();
+    sub->add_option("--dst-cached", f->dst_cached,
+                    "leading tokens the decode side already holds (a prefix-cache hit there): "
+                    "only the rest moves")
         ->capture_default_str();
     sub->add_option("--layers-per-message", f->layers_per_group,
                     "layers per message (0: all, 1: stream layer by layer)")
