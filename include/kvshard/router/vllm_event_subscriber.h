@@ -1,0 +1,57 @@
+#pragma once
+// VllmEventSubscriber: ZMQ SUB sockets on vLLM engines' KV event publishers, feeding a KvIndex
+// through VllmEventIngest (vllm_event_ingest.h) on a thread of its own.
+//
+// One endpoint per replica (a vLLM DP rank publishes on its own port: base port + rank). On a gap
+// it asks the endpoint's replay socket (vLLM's ROUTER: request = the first missing sequence
+// number, 8 bytes big-endian; replies (seq, payload) ..., then (-1, "")) when one is configured,
+// else, or when the replay does not close the gap within replay_timeout_ms, it marks the replica
+// stale. The ZMQ backend is optional: without libzmq, available() is false and the constructor
+// throws Error.
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvshard/router/kv_index.h"
+#include "kvshard/router/vllm_event_ingest.h"
+
+namespace kvshard {
+
+struct VllmEventEndpoint {
+    int replica = 0;              // index of the replica in the KvIndex
+    std::string endpoint;         // e.g. tcp://127.0.0.1:5557 (connected)
+    std::string replay_endpoint;  // e.g. tcp://127.0.0.1:5567; empty: no replay
+    std::string topic;            // subscription prefix; empty: every topic
+};
+
+struct VllmSubscriberOptions {
+    int replay_timeout_ms = 1000;
+    int receive_hwm = 100000;  // messages queued per socket before ZMQ drops (bounded memory)
+};
+
+class VllmEventSubscriber {
+  public:
+    static bool available();  // built with libzmq
+
+    // Connects every endpoint and starts the receiving thread. Error on a replica outside the
+    // index or an endpoint ZMQ refuses.
+    VllmEventSubscriber(KvIndex& index, std::vector<VllmEventEndpoint> endpoints,
+                        VllmSubscriberOptions options = {});
+    ~VllmEventSubscriber();  // stop()
+    VllmEventSubscriber(const VllmEventSubscriber&) = delete;
+    VllmEventSubscriber& operator=(const VllmEventSubscriber&) = delete;
+
+    // Stops the thread and closes the sockets; idempotent.
+    void stop();
+
+    // Runs `fn` with the index and the feed state held still (the receiving thread waits).
+    void with_index(const std::function<void(const KvIndex&, const VllmEventIngest&)>& fn) const;
+    VllmFeedStatus status(int replica) const;
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvshard
