@@ -1,13 +1,16 @@
-// The ZMQ backend of VllmEventSubscriber (built when libzmq is found; else vllm_zmq_missing.cpp).
+// The ZMQ backend of VllmEventSubscriber and VllmEventPublisher (built when libzmq is found; else
+// vllm_zmq_missing.cpp).
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <mutex>
 #include <thread>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
 #include "kvshard/common/error.h"
+#include "kvshard/router/vllm_event_publisher.h"
 #include "kvshard/router/vllm_event_subscriber.h"
 
 namespace kvshard {
@@ -173,6 +176,125 @@ void VllmEventSubscriber::with_index(
 VllmFeedStatus VllmEventSubscriber::status(int replica) const {
     std::lock_guard<std::mutex> lock(impl_->mu);
     return impl_->ingest.status(replica);
+}
+
+// ---- publisher ------------------------------------------------------------------------------
+
+struct VllmEventPublisher::Impl {
+    VllmPublisherOptions options;
+    zmq::context_t ctx{1};
+    zmq::socket_t pub{ctx, zmq::socket_type::xpub};
+    std::optional<zmq::socket_t> replay;
+    std::string bound, replay_bound;
+    uint64_t next_seq = 0;
+    std::mutex mu;  // guards buffer (the publishing thread appends, the replay thread reads)
+    std::deque<std::pair<uint64_t, std::vector<uint8_t>>> buffer;
+    std::atomic<bool> running{true};
+    std::thread replay_thread;
+
+    explicit Impl(VllmPublisherOptions opt) : options(std::move(opt)) {
+        pub.set(zmq::sockopt::linger, 0);
+        bound = bind(pub, options.endpoint);
+        if (!options.replay_endpoint.empty()) {
+            replay.emplace(ctx, zmq::socket_type::router);
+            replay->set(zmq::sockopt::linger, 0);
+            replay_bound = bind(*replay, options.replay_endpoint);
+            replay_thread = std::thread([this] { serve_replay(); });
+        }
+    }
+    ~Impl() {
+        running = false;
+        if (replay_thread.joinable()) replay_thread.join();
+    }
+
+    static std::string bind(zmq::socket_t& s, const std::string& endpoint) {
+        try {
+            s.bind(endpoint);
+        } catch (const zmq::error_t& err) {
+            throw Error(detail::concat("cannot bind the KV event endpoint '", endpoint,
+                                       "': ", err.what(), " (expected e.g. tcp://127.0.0.1:5557)"));
+        }
+        return s.get(zmq::sockopt::last_endpoint);
+    }
+
+    void serve_replay() {
+        while (running) {
+            zmq::pollitem_t item{replay->handle(), 0, ZMQ_POLLIN, 0};
+            try {
+                zmq::poll(&item, 1, std::chrono::milliseconds(kPollMs));
+            } catch (const zmq::error_t&) {
+                continue;
+            }
+            if (!(item.revents & ZMQ_POLLIN)) continue;
+            std::vector<zmq::message_t> req;
+            if (!zmq::recv_multipart(*replay, std::back_inserter(req))) continue;
+            // [client identity, empty delimiter, start sequence]
+            if (req.size() != 3) continue;
+            const auto from = decode_vllm_seq(bytes_of(req[2]));
+            if (!from) continue;
+            std::vector<std::pair<uint64_t, std::vector<uint8_t>>> todo;
+            {
+                std::lock_guard<std::mutex> lock(mu);
+                for (const auto& b : buffer)
+                    if (b.first >= *from) todo.push_back(b);
+            }
+            const std::string id(static_cast<const char*>(req[0].data()), req[0].size());
+            for (const auto& [seq, payload] : todo) {
+                const auto s = encode_vllm_seq(seq);
+                std::array<zmq::const_buffer, 4> msg = {zmq::buffer(id),
+                                                        zmq::const_buffer(nullptr, 0),
+                                                        zmq::buffer(s), zmq::buffer(payload)};
+                zmq::send_multipart(*replay, msg);
+            }
+            const auto end = encode_vllm_seq(kReplayEnd);
+            std::array<zmq::const_buffer, 4> msg = {zmq::buffer(id), zmq::const_buffer(nullptr, 0),
+                                                    zmq::buffer(end),
+                                                    zmq::const_buffer(nullptr, 0)};
+            zmq::send_multipart(*replay, msg);
+        }
+    }
+};
+
+bool VllmEventPublisher::available() { return true; }
+
+VllmEventPublisher::VllmEventPublisher(VllmPublisherOptions options)
+    : impl_(std::make_unique<Impl>(std::move(options))) {}
+
+VllmEventPublisher::~VllmEventPublisher() = default;
+
+std::string VllmEventPublisher::endpoint() const { return impl_->bound; }
+std::string VllmEventPublisher::replay_endpoint() const { return impl_->replay_bound; }
+
+bool VllmEventPublisher::wait_for_subscriber(std::chrono::milliseconds timeout) {
+    zmq::pollitem_t item{impl_->pub.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, timeout);
+    if (!(item.revents & ZMQ_POLLIN)) return false;
+    zmq::message_t m;
+    (void)impl_->pub.recv(m, zmq::recv_flags::dontwait);
+    return m.size() >= 1 && static_cast<const uint8_t*>(m.data())[0] == 1;  // 1 = subscribe
+}
+
+uint64_t VllmEventPublisher::publish(VllmEventBatch batch) {
+    if (!batch.data_parallel_rank) batch.data_parallel_rank = impl_->options.data_parallel_rank;
+    const uint64_t seq = impl_->next_seq++;
+    auto payload = encode_vllm_event_batch(batch, impl_->options.form);
+    const auto s = encode_vllm_seq(seq);
+    std::array<zmq::const_buffer, 3> msg = {zmq::buffer(impl_->options.topic), zmq::buffer(s),
+                                            zmq::buffer(payload)};
+    zmq::send_multipart(impl_->pub, msg, zmq::send_flags::dontwait);
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->buffer.emplace_back(seq, std::move(payload));
+    while (impl_->buffer.size() > impl_->options.buffer_steps) impl_->buffer.pop_front();
+    return seq;
+}
+
+KvEventCallback VllmEventPublisher::block_manager_callback() {
+    return [this](const KvEvent& e) {
+        const double ts =
+            std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+                .count();
+        publish(VllmEventBatch{ts, {to_vllm_event(e)}, std::nullopt});
+    };
 }
 
 }  // namespace kvshard

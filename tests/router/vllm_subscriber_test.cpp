@@ -8,10 +8,12 @@
 #include <functional>
 #include <thread>
 
+#include "kvshard/cache/block_manager.h"
 #include "kvshard/cache/vllm_hash.h"
 #include "kvshard/common/error.h"
 #include "kvshard/router/kv_index.h"
 #include "kvshard/router/vllm_event_ingest.h"
+#include "kvshard/router/vllm_event_publisher.h"
 #include "kvshard/router/vllm_event_subscriber.h"
 #include "python_helpers.h"
 
@@ -144,6 +146,48 @@ TEST(VllmSubscriber, RefusesAReplicaOutsideTheIndex) {
     KvIndex index(1);
     EXPECT_THROW(VllmEventSubscriber(index, {{3, "tcp://127.0.0.1:1", "", ""}}), Error);
     EXPECT_THROW(VllmEventSubscriber(index, {{0, "nonsense", "", ""}}), Error);
+}
+
+// kvshard's own BlockManager, published in vLLM's format and read back by the vLLM subscriber:
+// the index holds the manager's registered blocks (ids = the low 64 bits of kvshard's hashes) and
+// clear_cache() empties it.
+TEST(VllmSubscriber, FollowsAKvshardBlockManagerPublishedInVllmFormat) {
+    if (!VllmEventSubscriber::available()) GTEST_SKIP() << "built without libzmq";
+    VllmPublisherOptions opt;
+    opt.replay_endpoint = "tcp://127.0.0.1:0";
+    VllmEventPublisher pub(opt);
+    KvIndex index(1);
+    VllmEventSubscriber sub(index, {{0, pub.endpoint(), pub.replay_endpoint(), ""}});
+    ASSERT_TRUE(pub.wait_for_subscriber(std::chrono::seconds(20)));
+
+    BlockManager m({64, 4, true});
+    m.subscribe(pub.block_manager_callback());
+    std::vector<int32_t> tokens(18);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(5 * i + 1);
+    m.allocate(1, tokens);
+    const auto hashes = hash_token_blocks(tokens, 4);
+    ASSERT_EQ(hashes.size(), 4u);
+    std::vector<BlockHash> keys;
+    for (const auto& h : hashes) keys.push_back(vllm_index_key(h.lo));
+    const int64_t after_alloc = static_cast<int64_t>(m.next_event_seq());
+    ASSERT_GT(after_alloc, 0);
+    ASSERT_TRUE(eventually([&] { return sub.status(0).batches == after_alloc; }));
+    auto overlap = [&] {
+        std::vector<int> out(1);
+        sub.with_index(
+            [&](const KvIndex& idx, const VllmEventIngest&) { idx.prefix_overlap(keys, out); });
+        return out[0];
+    };
+    EXPECT_EQ(overlap(), 4);
+
+    // Freed blocks stay cached (no event); clear_cache() publishes AllBlocksCleared.
+    m.free(1);
+    m.clear_cache();
+    ASSERT_TRUE(eventually(
+        [&] { return sub.status(0).batches == static_cast<int64_t>(m.next_event_seq()); }));
+    EXPECT_EQ(overlap(), 0);
+    EXPECT_EQ(sub.status(0).gaps, 0);
+    EXPECT_EQ(sub.status(0).malformed, 0);
 }
 
 }  // namespace
