@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvshard/router/kv_index.h"
@@ -29,6 +30,21 @@ struct VllmSubscriberOptions {
     int replay_timeout_ms = 1000;
     int receive_hwm = 100000;  // messages queued per socket before ZMQ drops (bounded memory)
 };
+
+// One engine of `kvshard router serve --engine NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]`:
+// K data-parallel ranks, rank k publishing on PORT + k (and replaying on its replay PORT + k), as
+// vLLM's offset_endpoint_port does.
+struct VllmEngineSpec {
+    std::string name;
+    std::string endpoint;
+    int dp = 1;
+    std::string replay_endpoint;
+};
+// Error naming what is wrong (no '=', an empty name, not tcp://host:port, dp outside 1..64, an
+// unknown option).
+VllmEngineSpec parse_vllm_engine_spec(std::string_view text);
+// tcp://host:port with port + rank (rank 0: unchanged); Error when there is no numeric port.
+std::string offset_endpoint_port(const std::string& endpoint, int rank);
 
 class VllmEventSubscriber {
   public:
