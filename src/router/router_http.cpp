@@ -27,6 +27,7 @@ struct RouterHttpServer::Impl {
     Impl(RouteService& s, RouterHttpOptions o) : svc(&s), options(std::move(o)) {
         check_listen_address(options);
         server.set_payload_max_length(options.max_body_bytes);
+        server.set_tcp_nodelay(true);  // small JSON replies: no Nagle delay
         server.Post("/route", [this](const httplib::Request& req, httplib::Response& res) {
             route(req, res);
         });
