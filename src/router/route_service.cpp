@@ -113,6 +113,7 @@ std::string RouteService::replicas_json() const {
                 j["gaps"] = s.gaps;
                 j["restarts"] = s.restarts;
                 j["malformed"] = s.malformed;
+                j["evicted"] = s.evicted;
             }
             feed[static_cast<size_t>(r)] = j;
         }

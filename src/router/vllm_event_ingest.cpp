@@ -13,10 +13,54 @@ std::vector<BlockHash> vllm_prompt_keys(VllmBlockHasher& hasher, const VllmBlock
     return out;
 }
 
-VllmEventIngest::VllmEventIngest(KvIndex& index)
+VllmEventIngest::VllmEventIngest(KvIndex& index, int64_t max_blocks_per_replica)
     : index_(&index),
+      max_blocks_(max_blocks_per_replica),
+      held_(static_cast<size_t>(index.num_replicas())),
       status_(static_cast<size_t>(index.num_replicas())),
-      accept_next_(static_cast<size_t>(index.num_replicas()), false) {}
+      accept_next_(static_cast<size_t>(index.num_replicas()), false) {
+    require(max_blocks_per_replica >= 1, "the index cap must be at least 1 block per replica, got ",
+            max_blocks_per_replica);
+}
+
+void VllmEventIngest::clear_replica(int replica) {
+    index_->all_cleared(replica);
+    held_[static_cast<size_t>(replica)] = Held{};
+}
+
+void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys) {
+    index_->block_stored(replica, keys);
+    Held& h = held_[static_cast<size_t>(replica)];
+    for (const auto& k : keys) {
+        h.latest[k] = ++h.generation;
+        h.order.emplace_back(k, h.generation);
+    }
+    auto& s = status_[static_cast<size_t>(replica)];
+    while (static_cast<int64_t>(h.latest.size()) > max_blocks_ && !h.order.empty()) {
+        const auto [key, gen] = h.order.front();
+        h.order.pop_front();
+        const auto it = h.latest.find(key);
+        if (it == h.latest.end() || it->second != gen) continue;  // removed or stored again since
+        h.latest.erase(it);
+        index_->block_removed(replica, std::span<const BlockHash>(&key, 1));
+        ++s.evicted;
+    }
+    // Stale FIFO entries (re-stored or removed keys) are dropped once they outnumber live ones.
+    if (h.order.size() > 2 * h.latest.size() + 1024) {
+        std::deque<std::pair<BlockHash, uint64_t>> live;
+        for (const auto& e : h.order) {
+            const auto it = h.latest.find(e.first);
+            if (it != h.latest.end() && it->second == e.second) live.push_back(e);
+        }
+        h.order.swap(live);
+    }
+}
+
+void VllmEventIngest::removed(int replica, std::span<const BlockHash> keys) {
+    index_->block_removed(replica, keys);
+    Held& h = held_[static_cast<size_t>(replica)];
+    for (const auto& k : keys) h.latest.erase(k);
+}
 
 const VllmFeedStatus& VllmEventIngest::status(int replica) const {
     require(replica >= 0 && replica < num_replicas(), "replica ", replica, " is not in 0..",
@@ -58,7 +102,7 @@ VllmEventIngest::Result VllmEventIngest::on_batch(int replica, std::span<const u
         if (*seq <= *s.last_seq) {
             // A publisher restart: its cache started empty.
             ++s.restarts;
-            index_->all_cleared(replica);
+            clear_replica(replica);
             s.stale = false;
             result.outcome = Outcome::kRestarted;
         }
@@ -76,7 +120,7 @@ VllmEventIngest::Result VllmEventIngest::on_batch(int replica, std::span<const u
 void VllmEventIngest::mark_stale(int replica) {
     (void)status(replica);
     auto& s = status_[static_cast<size_t>(replica)];
-    index_->all_cleared(replica);
+    clear_replica(replica);
     s.stale = true;
     accept_next_[static_cast<size_t>(replica)] = true;
 }
@@ -95,13 +139,13 @@ void VllmEventIngest::apply(int replica, const VllmEventBatch& b) {
         for (uint64_t id : e.block_hashes) keys.push_back(vllm_index_key(id));
         switch (e.kind) {
             case VllmEventKind::kBlockStored:
-                index_->block_stored(replica, keys);
+                stored(replica, keys);
                 break;
             case VllmEventKind::kBlockRemoved:
-                index_->block_removed(replica, keys);
+                removed(replica, keys);
                 break;
             case VllmEventKind::kAllBlocksCleared:
-                index_->all_cleared(replica);
+                clear_replica(replica);
                 s.stale = false;  // the index is exact again: empty, as the engine's cache
                 break;
         }

@@ -40,7 +40,10 @@ struct VllmEventSubscriber::Impl {
     std::thread thread;
 
     Impl(KvIndex& idx, std::vector<VllmEventEndpoint> eps, VllmSubscriberOptions opt)
-        : index(&idx), endpoints(std::move(eps)), options(opt), ingest(idx) {
+        : index(&idx),
+          endpoints(std::move(eps)),
+          options(opt),
+          ingest(idx, opt.max_blocks_per_replica) {
         for (const auto& e : endpoints) {
             require(e.replica >= 0 && e.replica < idx.num_replicas(), "endpoint ", e.endpoint,
                     ": replica ", e.replica, " is not in 0..", idx.num_replicas() - 1);

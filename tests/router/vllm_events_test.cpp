@@ -7,6 +7,7 @@
 
 #include "kvshard/cache/vllm_hash.h"
 #include "kvshard/cache/vllm_kv_events.h"
+#include "kvshard/common/error.h"
 #include "kvshard/router/kv_index.h"
 #include "kvshard/router/vllm_event_ingest.h"
 #include "python_helpers.h"
@@ -367,6 +368,35 @@ TEST(VllmIngest, PromptKeysAreTheEventIdsOfVllmHashes) {
     const auto digests = h.hash_blocks(root, tokens, 2);
     ASSERT_EQ(keys.size(), 2u);
     EXPECT_EQ(keys[1], vllm_index_key(digests[1].event_id()));
+}
+
+TEST(VllmIngest, TheIndexCapDropsTheOldestStoredBlocks) {
+    KvIndex index(1);
+    VllmEventIngest ingest(index, 3);
+    uint64_t seq = 0;
+    auto send = [&](std::vector<VllmKvEvent> events) {
+        const auto s = encode_vllm_seq(seq++);
+        const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, std::move(events), 0});
+        ASSERT_EQ(ingest.on_batch(0, s, p).outcome, VllmEventIngest::Outcome::kApplied);
+    };
+    auto holds = [&](uint64_t id) { return index.contains(0, vllm_index_key(id)); };
+    send({stored({1, 2, 3}, std::nullopt, {}, 16)});
+    EXPECT_EQ(index.num_blocks(0), 3);
+    send({stored({1}, std::nullopt, {}, 16)});  // 1 is now the newest
+    send({stored({4}, 1, {}, 16)});             // over the cap: 2 (the oldest) goes
+    EXPECT_EQ(index.num_blocks(0), 3);
+    EXPECT_FALSE(holds(2));
+    EXPECT_TRUE(holds(1) && holds(3) && holds(4));
+    send({removed({3})});
+    send({stored({5, 6}, 4, {}, 16)});  // 1, 4, 5, 6: 1 goes
+    EXPECT_FALSE(holds(1));
+    EXPECT_TRUE(holds(4) && holds(5) && holds(6));
+    EXPECT_EQ(ingest.status(0).evicted, 2);
+    send({cleared()});
+    send({stored({7, 8, 9}, std::nullopt, {}, 16)});
+    EXPECT_EQ(index.num_blocks(0), 3);
+    EXPECT_EQ(ingest.status(0).evicted, 2);
+    EXPECT_THROW(VllmEventIngest(index, 0), Error);
 }
 
 }  // namespace

@@ -30,6 +30,7 @@ struct ServeFlags {
     std::string hash_seed;
     bool allow_remote = false;
     int replay_timeout_ms = 1000;
+    int64_t index_cap_blocks = VllmEventIngest::kDefaultMaxBlocksPerReplica;
 };
 
 int g_stop_pipe_write = -1;
@@ -97,6 +98,9 @@ void serve(const ServeFlags& f) {
     KvIndex index(static_cast<int>(cfg.replica_names.size()));
     VllmSubscriberOptions sub_options;
     sub_options.replay_timeout_ms = f.replay_timeout_ms;
+    require(f.index_cap_blocks >= 1, "--index-cap-blocks must be at least 1, got ",
+            f.index_cap_blocks);
+    sub_options.max_blocks_per_replica = f.index_cap_blocks;
     VllmEventSubscriber subscriber(index, endpoints, sub_options);
     RouteService service(cfg, [&subscriber](const auto& fn) {
         subscriber.with_index(
@@ -142,6 +146,8 @@ void setup(CLI::App& app) {
     sub->add_flag("--allow-remote", f->allow_remote, "allow --listen on a non-loopback address");
     sub->add_option("--replay-timeout-ms", f->replay_timeout_ms,
                     "how long to wait for an engine's replay after a gap");
+    sub->add_option("--index-cap-blocks", f->index_cap_blocks,
+                    "blocks the index keeps per replica; past it the oldest are dropped");
     sub->callback([f] { serve(*f); });
 }
 

@@ -18,11 +18,15 @@
 //    shows the gap.
 // Only events of the GPU tier (medium "GPU" or null) and of KV cache group 0 (group_idx 0 or
 // null) enter the index; the others are counted. A vLLM block id maps to the index key
-// vllm_index_key(id).
+// vllm_index_key(id). The index holds at most max_blocks_per_replica blocks per replica: past it
+// the replica's oldest stored blocks (by their last BlockStored) are dropped from the index and
+// counted (bounded memory; a dropped block only costs a missed hit).
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "kvshard/cache/block_hash.h"
@@ -51,6 +55,7 @@ struct VllmFeedStatus {
     int64_t restarts = 0;    // sequence went back
     int64_t malformed = 0;   // messages dropped
     int64_t replayed = 0;    // batches applied from a replay
+    int64_t evicted = 0;     // blocks dropped from the index by the per-replica cap
     std::string last_error;  // the last malformed message's reason
 };
 
@@ -62,8 +67,12 @@ class VllmEventIngest {
         uint64_t missing_from = 0;  // kGap: the first sequence number not received
     };
 
-    // `index` must outlive this; replicas 0 .. index.num_replicas() - 1.
-    explicit VllmEventIngest(KvIndex& index);
+    static constexpr int64_t kDefaultMaxBlocksPerReplica = 4'000'000;
+
+    // `index` must outlive this; replicas 0 .. index.num_replicas() - 1. Error unless
+    // max_blocks_per_replica >= 1.
+    explicit VllmEventIngest(KvIndex& index,
+                             int64_t max_blocks_per_replica = kDefaultMaxBlocksPerReplica);
 
     // One message as received: frames[0] topic, frames[1] sequence, frames[2] payload.
     Result on_message(int replica, std::span<const std::span<const uint8_t>> frames);
@@ -80,8 +89,22 @@ class VllmEventIngest {
   private:
     void apply(int replica, const VllmEventBatch& b);
     Result malformed(int replica, std::string why);
+    void clear_replica(int replica);
+    void stored(int replica, std::span<const BlockHash> keys);
+    void removed(int replica, std::span<const BlockHash> keys);
+
+    // Per replica, the blocks held in the index in store order: key -> generation of its latest
+    // store, and a FIFO of (key, generation); an entry whose generation is not the key's latest
+    // is stale and skipped.
+    struct Held {
+        std::unordered_map<BlockHash, uint64_t, BlockHashHasher> latest;
+        std::deque<std::pair<BlockHash, uint64_t>> order;
+        uint64_t generation = 0;
+    };
 
     KvIndex* index_;
+    int64_t max_blocks_;
+    std::vector<Held> held_;
     std::vector<VllmFeedStatus> status_;
     std::vector<bool> accept_next_;  // after mark_stale: the next seq is accepted whatever it is
 };

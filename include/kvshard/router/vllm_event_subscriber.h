@@ -29,6 +29,7 @@ struct VllmEventEndpoint {
 struct VllmSubscriberOptions {
     int replay_timeout_ms = 1000;
     int receive_hwm = 100000;  // messages queued per socket before ZMQ drops (bounded memory)
+    int64_t max_blocks_per_replica = VllmEventIngest::kDefaultMaxBlocksPerReplica;
 };
 
 // One engine of `kvshard router serve --engine NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]`:
