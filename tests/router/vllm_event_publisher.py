@@ -13,6 +13,9 @@ first n positional fields, as an older vLLM revision with fewer fields did)}. A 
 "form": "positional"|"map"}.
 
   encode FILE        prints a JSON list of hex payloads, one per batch spec in FILE
+  replay EP FROM     asks the replay (ROUTER) socket at EP for every batch from FROM, as a vLLM
+                     consumer does (DEALER: "", FROM as 8 bytes BE), and prints one JSON line:
+                     [[seq, decoded batch], ...] up to the end marker (seq -1)
   serve              binds XPUB (and a ROUTER replay socket) on 127.0.0.1, prints
                      "ports PUB REPLAY", waits for a subscriber ("subscribed"), then reads JSON
                      commands from stdin, one per line, answering "ok" after each:
@@ -168,15 +171,35 @@ def serve():
     t.join()
 
 
+def replay_request(endpoint, start):
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart((b"", start.to_bytes(8, "big")))
+    out = []
+    while True:
+        if not dealer.poll(10000):
+            raise SystemExit("no replay answer within 10 s")
+        _, seq, payload = dealer.recv_multipart()
+        seq = int.from_bytes(seq, "big", signed=True)
+        if seq == -1:
+            break
+        batch = msgpack.unpackb(payload, raw=False)
+        out.append([seq, batch])
+    print(json.dumps(out), flush=True)
+
+
 def main():
-    if sys.argv[1] == "encode":
+    if sys.argv[1] == "replay":
+        replay_request(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "encode":
         with open(sys.argv[2], encoding="utf-8") as f:
             specs = json.load(f)
         json.dump([encode_batch(s).hex() for s in specs], sys.stdout)
     elif sys.argv[1] == "serve":
         serve()
     else:
-        raise SystemExit("usage: vllm_event_publisher.py encode FILE | serve")
+        raise SystemExit("usage: vllm_event_publisher.py encode FILE | replay EP FROM | serve")
 
 
 if __name__ == "__main__":

@@ -190,5 +190,46 @@ TEST(VllmSubscriber, FollowsAKvshardBlockManagerPublishedInVllmFormat) {
     EXPECT_EQ(sub.status(0).malformed, 0);
 }
 
+// kvshard's publisher answers a replay request from a Python client written as a vLLM consumer
+// (DEALER, start sequence as 8 bytes big-endian), and what it sends decodes with plain msgpack into
+// vLLM's positional form.
+TEST(VllmPublisher, ReplaysItsBufferToAVllmStyleClient) {
+    if (!VllmEventPublisher::available()) GTEST_SKIP() << "built without libzmq";
+    VllmPublisherOptions opt;
+    opt.replay_endpoint = "tcp://127.0.0.1:0";
+    opt.buffer_steps = 3;
+    VllmEventPublisher pub(opt);
+    for (uint64_t i = 0; i < 5; ++i) {
+        VllmKvEvent e;
+        e.kind = VllmEventKind::kBlockStored;
+        e.block_hashes = {100 + i};
+        e.token_ids = {1, 2};
+        e.block_size = 2;
+        e.medium = "GPU";
+        EXPECT_EQ(pub.publish(VllmEventBatch{10.0 + static_cast<double>(i), {e}, std::nullopt}), i);
+    }
+    const std::string cmd = std::string(KVSHARD_TEST_PYTHON) + " " + test::publisher_script() +
+                            " replay " + pub.replay_endpoint() + " 1";
+    FILE* pipe = popen(cmd.c_str(), "r");
+    ASSERT_TRUE(pipe);
+    std::string out;
+    char buf[4096];
+    size_t n = 0;
+    while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
+    ASSERT_EQ(pclose(pipe), 0) << out;
+    const auto got = json::parse(out);
+    // Only the last 3 batches are kept (buffer_steps), all of them >= 1.
+    ASSERT_EQ(got.size(), 3u) << out;
+    for (size_t k = 0; k < 3; ++k) {
+        const uint64_t seq = 2 + k;
+        EXPECT_EQ(got[k][0], seq);
+        const auto& batch = got[k][1];  // [ts, events, data_parallel_rank]
+        EXPECT_EQ(batch[0], 10.0 + static_cast<double>(seq));
+        EXPECT_EQ(batch[2], 0);
+        EXPECT_EQ(batch[1][0], json::parse(R"(["BlockStored", [)" + std::to_string(100 + seq) +
+                                           R"(], null, [1, 2], 2, null, "GPU", null])"));
+    }
+}
+
 }  // namespace
 }  // namespace kvshard
