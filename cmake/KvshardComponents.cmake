@@ -1,7 +1,8 @@
 # kvshard_component(<name> [DEPS <component>...] [EXTERNAL <target_link_libraries args>...])
 #
 # Adds the static library kvshard_<name> from src/<name>/*.cpp (not mpi_backend.cpp /
-# mpi_missing.cpp: the top level picks one). DEPS are components; each must stand to the left of
+# mpi_missing.cpp, vllm_zmq_subscriber.cpp / vllm_zmq_missing.cpp, router_http.cpp /
+# router_http_missing.cpp: the top level picks one of each pair). DEPS are components; each must stand to the left of
 # <name> in KVSHARD_COMPONENT_ORDER (the arrows of GUIDE.md), or configuring fails. The target's
 # include path is a staged tree (build/kvshard_components/<name>/) holding links to its own
 # include/kvshard/<name> and src/<name> only; the DEPS bring theirs. So `#include
@@ -34,7 +35,7 @@ function(kvshard_component name)
   endif()
 
   file(GLOB sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/${name}/*.cpp)
-  list(FILTER sources EXCLUDE REGEX "/mpi_(backend|missing)\\.cpp$")
+  list(FILTER sources EXCLUDE REGEX "/(mpi_(backend|missing)|vllm_zmq_(subscriber|missing)|router_http(_missing)?)\\.cpp$")
   add_library(kvshard_${name} STATIC ${sources})
   add_library(kvshard::${name} ALIAS kvshard_${name})
   set_target_properties(kvshard_${name} PROPERTIES EXPORT_NAME ${name})

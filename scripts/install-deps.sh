@@ -9,6 +9,9 @@ PACKAGES=(
   libxxhash-dev nlohmann-json3-dev libcli11-dev libfmt-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
+  libssl-dev libcbor-dev python3-cbor2 python3-xxhash
+  libzmq3-dev cppzmq-dev libmsgpack-cxx-dev python3-zmq python3-msgpack
+  libcpp-httplib-dev
 )
 
 missing=()

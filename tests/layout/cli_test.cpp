@@ -193,7 +193,7 @@ TEST(CliErrors, ParseErrorsNameTheFlagAndWhatItTakes) {
                        "--gpus expects an integer, got 'abc'");
     expect_usage_error("layout --model tiny --tp 99999999999", "--tp must be in [1, 1048576]");
     expect_usage_error("frobnicate",
-                       "unknown command 'frobnicate': expected one of cp-plan, layout");
+                       "unknown command 'frobnicate': expected one of cp-plan, hash, layout");
     expect_usage_error("", "no command given: expected one of");
     expect_usage_error("layout --model tiny --bogus 3",
                        "unknown option '--bogus' for kvshard layout");

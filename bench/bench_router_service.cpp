@@ -1,0 +1,200 @@
+// bench_router_service: the running router's two rates on loopback, each next to its ceiling in the
+// same run (BENCHMARKS.md, "Router service").
+//  1. Events: a ZMQ PUB sends N vLLM EventBatches (one BlockStored of 4 blocks each).
+//     raw     = a bare SUB that receives and msgpack-decodes every message;
+//     service = VllmEventSubscriber (receive, decode, sequence checks, KvIndex updates).
+//  2. Routes: R prompts of 64 blocks against an index of 8 replicas.
+//     raw     = hashing the prompt (vLLM sha256_cbor) + KvIndex::prefix_overlap, in process;
+//     service = POST /route over HTTP/1.1 keep-alive to RouterHttpServer (p50 / p99 latency).
+// Usage: bench_router_service [events N] [routes R]
+#include <httplib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "kvshard/cache/vllm_hash.h"
+#include "kvshard/cache/vllm_kv_events.h"
+#include "kvshard/router/http_server.h"
+#include "kvshard/router/route_service.h"
+#include "kvshard/router/vllm_event_subscriber.h"
+
+using namespace kvshard;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::vector<std::vector<uint8_t>> make_payloads(int n) {
+    std::mt19937_64 rng(1);
+    std::vector<std::vector<uint8_t>> out;
+    for (int i = 0; i < n; ++i) {
+        VllmKvEvent e;
+        e.kind = VllmEventKind::kBlockStored;
+        for (int b = 0; b < 4; ++b) e.block_hashes.push_back(rng());
+        e.parent_block_hash = rng();
+        e.token_ids.assign(64, 1000 + i % 1000);
+        e.block_size = 16;
+        e.medium = "GPU";
+        out.push_back(encode_vllm_event_batch(VllmEventBatch{1.0 * i, {e}, 0}));
+    }
+    return out;
+}
+
+// Sends every payload on a fresh PUB bound to loopback once `ready` says a subscriber is there.
+void publish_all(zmq::socket_t& pub, const std::vector<std::vector<uint8_t>>& payloads) {
+    for (size_t i = 0; i < payloads.size(); ++i) {
+        const auto s = encode_vllm_seq(i);
+        std::array<zmq::const_buffer, 3> msg = {zmq::const_buffer(nullptr, 0), zmq::buffer(s),
+                                                zmq::buffer(payloads[i])};
+        zmq::send_multipart(pub, msg);
+    }
+}
+
+// Sends probes (not counted) until the subscriber has joined: a PUB drops what it sends before.
+zmq::socket_t bound_pub(zmq::context_t& ctx, std::string& endpoint) {
+    zmq::socket_t pub(ctx, zmq::socket_type::xpub);
+    pub.set(zmq::sockopt::sndhwm, 0);
+    pub.bind("tcp://127.0.0.1:0");
+    endpoint = pub.get(zmq::sockopt::last_endpoint);
+    return pub;
+}
+
+void wait_subscribed(zmq::socket_t& pub) {
+    zmq::message_t m;
+    (void)pub.recv(m);
+}
+
+double raw_events_per_s(const std::vector<std::vector<uint8_t>>& payloads) {
+    zmq::context_t ctx(1);
+    std::string ep;
+    auto pub = bound_pub(ctx, ep);
+    zmq::socket_t sub(ctx, zmq::socket_type::sub);
+    sub.set(zmq::sockopt::rcvhwm, 0);
+    sub.set(zmq::sockopt::subscribe, "");
+    sub.connect(ep);
+    wait_subscribed(pub);
+    const auto t0 = Clock::now();
+    std::thread sender([&] { publish_all(pub, payloads); });
+    size_t got = 0, events = 0;
+    while (got < payloads.size()) {
+        std::vector<zmq::message_t> parts;
+        if (!zmq::recv_multipart(sub, std::back_inserter(parts))) continue;
+        const auto r = decode_vllm_event_batch(
+            {static_cast<const uint8_t*>(parts[2].data()), parts[2].size()});
+        if (r.batch) events += r.batch->events.size();
+        ++got;
+    }
+    const double dt = seconds_since(t0);
+    sender.join();
+    return static_cast<double>(events) / dt;
+}
+
+double service_events_per_s(const std::vector<std::vector<uint8_t>>& payloads) {
+    zmq::context_t ctx(1);
+    std::string ep;
+    auto pub = bound_pub(ctx, ep);
+    KvIndex index(1);
+    VllmSubscriberOptions opt;
+    opt.receive_hwm = 0;
+    VllmEventSubscriber sub(index, {{0, ep, "", ""}}, opt);
+    wait_subscribed(pub);
+    const auto t0 = Clock::now();
+    publish_all(pub, payloads);
+    while (sub.status(0).batches < static_cast<int64_t>(payloads.size())) {
+        if (seconds_since(t0) > 60) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));  // not contending for its lock
+    }
+    const double dt = seconds_since(t0);
+    const auto st = sub.status(0);
+    if (st.batches != static_cast<int64_t>(payloads.size()) || st.gaps || st.malformed)
+        std::printf("  (service: %lld batches, %lld gaps, %lld malformed)\n",
+                    static_cast<long long>(st.batches), static_cast<long long>(st.gaps),
+                    static_cast<long long>(st.malformed));
+    return static_cast<double>(st.events) / dt;
+}
+
+double percentile(std::vector<double> v, double p) {
+    std::sort(v.begin(), v.end());
+    return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
+    const int n_events = argc > 1 ? std::atoi(argv[1]) : 50000;
+    const int n_routes = argc > 2 ? std::atoi(argv[2]) : 5000;
+    const auto payloads = make_payloads(n_events);
+    std::printf("events: %d batches of 1 BlockStored (4 blocks), loopback ZMQ\n", n_events);
+    const double raw_ev = raw_events_per_s(payloads);
+    const double svc_ev = service_events_per_s(payloads);
+    std::printf("  raw receive + decode   %10.0f events/s\n", raw_ev);
+    std::printf("  VllmEventSubscriber    %10.0f events/s   (%.2f of raw)\n", svc_ev,
+                svc_ev / raw_ev);
+
+    // Routes: 8 replicas, replica r holds the first 8 * r blocks of every prompt.
+    constexpr int kReplicas = 8, kBlocks = 64, kBs = 16, kPrompts = 64;
+    KvIndex index(kReplicas);
+    VllmBlockHasher hasher(VllmHashScheme::kSha256Cbor);
+    const auto root = vllm_none_hash(VllmHashScheme::kSha256Cbor, "0");
+    std::vector<std::vector<int32_t>> prompts(kPrompts);
+    for (int p = 0; p < kPrompts; ++p) {
+        for (int t = 0; t < kBlocks * kBs; ++t) prompts[p].push_back(p * 100000 + t);
+        const auto keys = vllm_prompt_keys(hasher, root, prompts[p], kBs);
+        for (int r = 0; r < kReplicas; ++r)
+            index.block_stored(r, std::span<const BlockHash>(keys.data(), 8 * r));
+    }
+    std::vector<int> overlap(kReplicas);
+    auto t0 = Clock::now();
+    for (int i = 0; i < n_routes; ++i) {
+        const auto keys = vllm_prompt_keys(hasher, root, prompts[i % kPrompts], kBs);
+        index.prefix_overlap(keys, overlap);
+    }
+    const double raw_routes = n_routes / seconds_since(t0);
+
+    RouteServiceConfig cfg;
+    for (int r = 0; r < kReplicas; ++r) cfg.replica_names.push_back("r" + std::to_string(r));
+    cfg.block_size = kBs;
+    RouteService svc(cfg, [&index](const auto& fn) { fn(index, nullptr); });
+    RouterHttpServer http(svc, {});
+    std::thread server([&] { http.run(); });
+    httplib::Client client("127.0.0.1", http.port());
+    client.set_keep_alive(true);
+    client.set_tcp_nodelay(true);
+    std::vector<std::string> bodies;
+    for (const auto& p : prompts)
+        bodies.push_back(nlohmann::json{{"token_ids", p}, {"request_id", ""}}.dump());
+    std::vector<double> lat;
+    lat.reserve(static_cast<size_t>(n_routes));
+    int errors = 0;
+    t0 = Clock::now();
+    for (int i = 0; i < n_routes; ++i) {
+        const auto a = Clock::now();
+        auto res =
+            client.Post("/route", bodies[static_cast<size_t>(i % kPrompts)], "application/json");
+        lat.push_back(seconds_since(a));
+        if (!res || res->status != 200) ++errors;
+    }
+    const double svc_routes = n_routes / seconds_since(t0);
+    http.stop();
+    server.join();
+    std::printf("routes: %d prompts of %d blocks (%d tokens), %d replicas, one client\n", n_routes,
+                kBlocks, kBlocks * kBs, kReplicas);
+    std::printf("  raw hash + index lookup %9.0f routes/s\n", raw_routes);
+    std::printf(
+        "  POST /route (HTTP)      %9.0f routes/s   (%.2f of raw)  p50 %.0f us  p99 %.0f us"
+        "  errors %d\n",
+        svc_routes, svc_routes / raw_routes, 1e6 * percentile(lat, 0.5),
+        1e6 * percentile(lat, 0.99), errors);
+    return errors == 0 ? 0 : 1;
+}

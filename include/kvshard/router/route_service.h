@@ -1,0 +1,82 @@
+#pragma once
+// RouteService: the logic of `kvshard router serve` without its sockets (docs/router.md, "The
+// service"). It hashes a prompt the way the engines do (vLLM's sha256_cbor / xxhash_cbor with
+// their PYTHONHASHSEED and block size), asks the index (fed by the engines' KV events) for each
+// replica's prefix overlap, decides with a routing policy, and keeps per-replica load (blocks of
+// requests routed there and not yet reported finished) and counters for /metrics.
+// Thread-safe: the HTTP server calls it from several threads.
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvshard/cache/vllm_hash.h"
+#include "kvshard/router/kv_index.h"
+#include "kvshard/router/policy.h"
+#include "kvshard/router/vllm_event_ingest.h"
+
+namespace kvshard {
+
+struct RouteServiceConfig {
+    std::vector<std::string> replica_names;  // index order
+    RoutingPolicy policy = RoutingPolicy::kKvshard;
+    PolicyParams params;  // params.block_tokens is set to block_size
+    VllmHashScheme scheme = VllmHashScheme::kSha256Cbor;
+    std::string hash_seed = "0";
+    int block_size = 16;
+    size_t max_tracked_requests = 1 << 20;  // routed, unfinished requests kept for load
+};
+
+struct RouteOutcome {
+    int replica = 0;
+    std::string replica_name;
+    std::vector<int> matched_blocks;   // per replica
+    std::vector<int64_t> load_blocks;  // per replica, after this request
+    RouteReason reason = RouteReason::kRoundRobin;
+};
+
+class RouteService {
+  public:
+    // How the service reads the index: runs fn with it held still
+    // (VllmEventSubscriber::with_index).
+    using IndexAccess =
+        std::function<void(const std::function<void(const KvIndex&, const VllmEventIngest*)>&)>;
+
+    // Error on no replica, a block size below 1, or bad policy params.
+    RouteService(RouteServiceConfig config, IndexAccess index);
+
+    // Error on a token id outside 0..2^31-1 or an empty prompt. A request id seen before and not
+    // finished is routed again and its old load released first.
+    RouteOutcome route(const std::string& request_id, std::span<const int64_t> token_ids);
+    // Releases the load of a routed request; false when the id is unknown (or already finished).
+    bool finished(const std::string& request_id);
+
+    const RouteServiceConfig& config() const { return config_; }
+    int num_replicas() const { return static_cast<int>(config_.replica_names.size()); }
+    // JSON: {"replicas": [{"name", "index_blocks", "last_seq", "stale", "load_blocks", ...}]}.
+    std::string replicas_json() const;
+    // Prometheus text exposition of the counters and the route latency histogram.
+    std::string metrics_text() const;
+    // Records an HTTP request refused with 400 (for /metrics).
+    void count_bad_request();
+
+  private:
+    RouteServiceConfig config_;
+    IndexAccess index_;
+    VllmBlockHash root_;
+    mutable std::mutex mu_;
+    uint64_t rr_counter_ = 0;
+    std::vector<int64_t> load_;
+    std::unordered_map<std::string, std::pair<int, int64_t>> inflight_;  // id -> (replica, blocks)
+    int64_t routes_ = 0, hits_ = 0, hit_blocks_ = 0, bad_requests_ = 0, finished_ = 0;
+    std::vector<int64_t> routes_to_;
+    std::vector<double> latency_bounds_s_;
+    std::vector<int64_t> latency_counts_;  // cumulative buckets are formed when printed
+    double latency_sum_s_ = 0;
+};
+
+}  // namespace kvshard

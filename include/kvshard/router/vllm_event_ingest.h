@@ -1,0 +1,112 @@
+#pragma once
+// Feeding a KvIndex from vLLM's KV event stream (docs/router.md, "vLLM's KV event stream").
+//
+// VllmEventIngest is the pure part: it takes one received message (topic, sequence frame, payload)
+// of one replica, checks its sequence number and applies its events to the index. It owns no
+// socket (VllmEventSubscriber in vllm_event_subscriber.h carries the bytes).
+//
+// Per replica, with `last` the sequence number of the last batch applied:
+//  - the first batch, or seq == last + 1: applied.
+//  - seq > last + 1 (a gap: batches were lost): kGap is returned with the first missing number.
+//    The caller may replay the missing batches through on_message and then retry the message;
+//    or call mark_stale(): the replica's part of the index is cleared and flagged stale (it then
+//    holds only what later events tell, a subset of the truth) until an AllBlocksCleared resets it.
+//  - seq <= last (the publisher restarted and counts from 0 again): the replica is cleared, then
+//    the batch is applied.
+//  - a malformed message (not 3 frames, a sequence frame not 8 bytes, a payload that does not
+//    decode) is counted and dropped; the sequence number does not advance, so the next good batch
+//    shows the gap.
+// Only events of the GPU tier (medium "GPU" or null) and of KV cache group 0 (group_idx 0 or
+// null) enter the index; the others are counted. A vLLM block id maps to the index key
+// vllm_index_key(id). The index holds at most max_blocks_per_replica blocks per replica: past it
+// the replica's oldest stored blocks (by their last BlockStored) are dropped from the index and
+// counted (bounded memory; a dropped block only costs a missed hit).
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvshard/cache/block_hash.h"
+#include "kvshard/cache/vllm_hash.h"
+#include "kvshard/cache/vllm_kv_events.h"
+#include "kvshard/router/kv_index.h"
+
+namespace kvshard {
+
+// The KvIndex key of a vLLM 64-bit block id.
+inline BlockHash vllm_index_key(uint64_t id) { return BlockHash{id, 0}; }
+
+// The index keys of a prompt's full blocks as a vLLM engine with this scheme, PYTHONHASHSEED and
+// block size would publish them.
+std::vector<BlockHash> vllm_prompt_keys(VllmBlockHasher& hasher, const VllmBlockHash& root,
+                                        std::span<const int32_t> tokens, int block_size,
+                                        const VllmExtraKeys& keys = {});
+
+struct VllmFeedStatus {
+    std::optional<uint64_t> last_seq;  // nullopt before the first batch
+    bool stale = false;
+    int64_t batches = 0;     // batches applied
+    int64_t events = 0;      // events applied to the index
+    int64_t ignored = 0;     // events of another tier or group
+    int64_t gaps = 0;        // gaps seen
+    int64_t restarts = 0;    // sequence went back
+    int64_t malformed = 0;   // messages dropped
+    int64_t replayed = 0;    // batches applied from a replay
+    int64_t evicted = 0;     // blocks dropped from the index by the per-replica cap
+    std::string last_error;  // the last malformed message's reason
+};
+
+class VllmEventIngest {
+  public:
+    enum class Outcome { kApplied, kGap, kRestarted, kMalformed };
+    struct Result {
+        Outcome outcome = Outcome::kApplied;
+        uint64_t missing_from = 0;  // kGap: the first sequence number not received
+    };
+
+    static constexpr int64_t kDefaultMaxBlocksPerReplica = 4'000'000;
+
+    // `index` must outlive this; replicas 0 .. index.num_replicas() - 1. Error unless
+    // max_blocks_per_replica >= 1.
+    explicit VllmEventIngest(KvIndex& index,
+                             int64_t max_blocks_per_replica = kDefaultMaxBlocksPerReplica);
+
+    // One message as received: frames[0] topic, frames[1] sequence, frames[2] payload.
+    Result on_message(int replica, std::span<const std::span<const uint8_t>> frames);
+    // The same from already split parts (a replay reply has no topic).
+    Result on_batch(int replica, std::span<const uint8_t> seq_frame,
+                    std::span<const uint8_t> payload, bool replayed = false);
+    // After a gap that will not be replayed: clear the replica, flag it stale and accept `seq` as
+    // the new position (the batch that showed the gap is applied with on_batch next).
+    void mark_stale(int replica);
+
+    const VllmFeedStatus& status(int replica) const;
+    int num_replicas() const { return static_cast<int>(status_.size()); }
+
+  private:
+    void apply(int replica, const VllmEventBatch& b);
+    Result malformed(int replica, std::string why);
+    void clear_replica(int replica);
+    void stored(int replica, std::span<const BlockHash> keys);
+    void removed(int replica, std::span<const BlockHash> keys);
+
+    // Per replica, the blocks held in the index in store order: key -> generation of its latest
+    // store, and a FIFO of (key, generation); an entry whose generation is not the key's latest
+    // is stale and skipped.
+    struct Held {
+        std::unordered_map<BlockHash, uint64_t, BlockHashHasher> latest;
+        std::deque<std::pair<BlockHash, uint64_t>> order;
+        uint64_t generation = 0;
+    };
+
+    KvIndex* index_;
+    int64_t max_blocks_;
+    std::vector<Held> held_;
+    std::vector<VllmFeedStatus> status_;
+    std::vector<bool> accept_next_;  // after mark_stale: the next seq is accepted whatever it is
+};
+
+}  // namespace kvshard

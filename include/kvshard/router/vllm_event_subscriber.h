@@ -1,0 +1,74 @@
+#pragma once
+// VllmEventSubscriber: ZMQ SUB sockets on vLLM engines' KV event publishers, feeding a KvIndex
+// through VllmEventIngest (vllm_event_ingest.h) on a thread of its own.
+//
+// One endpoint per replica (a vLLM DP rank publishes on its own port: base port + rank). On a gap
+// it asks the endpoint's replay socket (vLLM's ROUTER: request = the first missing sequence
+// number, 8 bytes big-endian; replies (seq, payload) ..., then (-1, "")) when one is configured,
+// else, or when the replay does not close the gap within replay_timeout_ms, it marks the replica
+// stale. The ZMQ backend is optional: without libzmq, available() is false and the constructor
+// throws Error.
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvshard/router/kv_index.h"
+#include "kvshard/router/vllm_event_ingest.h"
+
+namespace kvshard {
+
+struct VllmEventEndpoint {
+    int replica = 0;              // index of the replica in the KvIndex
+    std::string endpoint;         // e.g. tcp://127.0.0.1:5557 (connected)
+    std::string replay_endpoint;  // e.g. tcp://127.0.0.1:5567; empty: no replay
+    std::string topic;            // subscription prefix; empty: every topic
+};
+
+struct VllmSubscriberOptions {
+    int replay_timeout_ms = 1000;
+    int receive_hwm = 100000;  // messages queued per socket before ZMQ drops (bounded memory)
+    int64_t max_blocks_per_replica = VllmEventIngest::kDefaultMaxBlocksPerReplica;
+};
+
+// One engine of `kvshard router serve --engine NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]`:
+// K data-parallel ranks, rank k publishing on PORT + k (and replaying on its replay PORT + k), as
+// vLLM's offset_endpoint_port does.
+struct VllmEngineSpec {
+    std::string name;
+    std::string endpoint;
+    int dp = 1;
+    std::string replay_endpoint;
+};
+// Error naming what is wrong (no '=', an empty name, not tcp://host:port, dp outside 1..64, an
+// unknown option).
+VllmEngineSpec parse_vllm_engine_spec(std::string_view text);
+// tcp://host:port with port + rank (rank 0: unchanged); Error when there is no numeric port.
+std::string offset_endpoint_port(const std::string& endpoint, int rank);
+
+class VllmEventSubscriber {
+  public:
+    static bool available();  // built with libzmq
+
+    // Connects every endpoint and starts the receiving thread. Error on a replica outside the
+    // index or an endpoint ZMQ refuses.
+    VllmEventSubscriber(KvIndex& index, std::vector<VllmEventEndpoint> endpoints,
+                        VllmSubscriberOptions options = {});
+    ~VllmEventSubscriber();  // stop()
+    VllmEventSubscriber(const VllmEventSubscriber&) = delete;
+    VllmEventSubscriber& operator=(const VllmEventSubscriber&) = delete;
+
+    // Stops the thread and closes the sockets; idempotent.
+    void stop();
+
+    // Runs `fn` with the index and the feed state held still (the receiving thread waits).
+    void with_index(const std::function<void(const KvIndex&, const VllmEventIngest&)>& fn) const;
+    VllmFeedStatus status(int replica) const;
+
+  private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvshard

@@ -1,0 +1,182 @@
+#include "kvshard/router/route_service.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+
+RouteService::RouteService(RouteServiceConfig config, IndexAccess index)
+    : config_(std::move(config)), index_(std::move(index)) {
+    require(!config_.replica_names.empty(), "the router needs at least one replica (--engine)");
+    require(static_cast<int>(config_.replica_names.size()) <= KvIndex::kMaxReplicas,
+            "the router takes at most ", KvIndex::kMaxReplicas, " replicas, got ",
+            config_.replica_names.size());
+    require(config_.block_size >= 1 && config_.block_size <= (1 << 20),
+            "--block-size must be 1 to 1048576 tokens (the engines' block size), got ",
+            config_.block_size);
+    config_.params.block_tokens = config_.block_size;
+    config_.params.validate();
+    root_ = vllm_none_hash(config_.scheme, config_.hash_seed);
+    load_.assign(config_.replica_names.size(), 0);
+    routes_to_.assign(config_.replica_names.size(), 0);
+    // Route latency buckets, seconds (Prometheus histogram upper bounds).
+    latency_bounds_s_ = {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 1e-1};
+    latency_counts_.assign(latency_bounds_s_.size() + 1, 0);
+}
+
+RouteOutcome RouteService::route(const std::string& request_id,
+                                 std::span<const int64_t> token_ids) {
+    const auto t0 = std::chrono::steady_clock::now();
+    require(!token_ids.empty(), "\"token_ids\" is empty; a prompt has at least one token");
+    std::vector<int32_t> tokens;
+    tokens.reserve(token_ids.size());
+    for (size_t i = 0; i < token_ids.size(); ++i) {
+        require(token_ids[i] >= 0 && token_ids[i] <= std::numeric_limits<int32_t>::max(),
+                "\"token_ids\"[", i, "] = ", token_ids[i], " is out of range; token ids are 0 to ",
+                std::numeric_limits<int32_t>::max());
+        tokens.push_back(static_cast<int32_t>(token_ids[i]));
+    }
+    VllmBlockHasher hasher(config_.scheme);
+    const auto keys = vllm_prompt_keys(hasher, root_, tokens, config_.block_size);
+    const int n = num_replicas();
+    RouteOutcome out;
+    out.matched_blocks.assign(static_cast<size_t>(n), 0);
+    index_([&](const KvIndex& idx, const VllmEventIngest*) {
+        idx.prefix_overlap(keys, out.matched_blocks);
+    });
+    const int64_t blocks =
+        (static_cast<int64_t>(tokens.size()) + config_.block_size - 1) / config_.block_size;
+
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = inflight_.find(request_id); it != inflight_.end()) {
+        load_[static_cast<size_t>(it->second.first)] -= it->second.second;
+        inflight_.erase(it);
+    }
+    std::vector<ReplicaLoad> loads(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) loads[static_cast<size_t>(r)].active_blocks = load_[r];
+    const RouteDecision d = decide_route(config_.policy, config_.params,
+                                         RouteRequest{keys, static_cast<int64_t>(tokens.size())},
+                                         out.matched_blocks, loads, rr_counter_++);
+    out.replica = d.replica;
+    out.replica_name = config_.replica_names[static_cast<size_t>(d.replica)];
+    out.reason = d.reason;
+    if (!request_id.empty() && inflight_.size() < config_.max_tracked_requests) {
+        inflight_[request_id] = {d.replica, blocks};
+        load_[static_cast<size_t>(d.replica)] += blocks;
+    }
+    out.load_blocks = load_;
+    ++routes_;
+    ++routes_to_[static_cast<size_t>(d.replica)];
+    if (d.matched_blocks > 0) {
+        ++hits_;
+        hit_blocks_ += d.matched_blocks;
+    }
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    size_t b = 0;
+    while (b < latency_bounds_s_.size() && dt > latency_bounds_s_[b]) ++b;
+    ++latency_counts_[b];
+    latency_sum_s_ += dt;
+    return out;
+}
+
+bool RouteService::finished(const std::string& request_id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = inflight_.find(request_id);
+    if (it == inflight_.end()) return false;
+    load_[static_cast<size_t>(it->second.first)] -= it->second.second;
+    inflight_.erase(it);
+    ++finished_;
+    return true;
+}
+
+void RouteService::count_bad_request() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++bad_requests_;
+}
+
+std::string RouteService::replicas_json() const {
+    nlohmann::json reps = nlohmann::json::array();
+    std::vector<nlohmann::json> feed(static_cast<size_t>(num_replicas()));
+    index_([&](const KvIndex& idx, const VllmEventIngest* ingest) {
+        for (int r = 0; r < num_replicas(); ++r) {
+            nlohmann::json j{{"index_blocks", idx.num_blocks(r)}};
+            if (ingest && r < ingest->num_replicas()) {
+                const auto& s = ingest->status(r);
+                j["last_seq"] = s.last_seq ? nlohmann::json(*s.last_seq) : nlohmann::json(nullptr);
+                j["stale"] = s.stale;
+                j["events"] = s.events;
+                j["gaps"] = s.gaps;
+                j["restarts"] = s.restarts;
+                j["malformed"] = s.malformed;
+                j["evicted"] = s.evicted;
+            }
+            feed[static_cast<size_t>(r)] = j;
+        }
+    });
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int r = 0; r < num_replicas(); ++r) {
+        auto j = feed[static_cast<size_t>(r)];
+        j["name"] = config_.replica_names[static_cast<size_t>(r)];
+        j["load_blocks"] = load_[static_cast<size_t>(r)];
+        reps.push_back(j);
+    }
+    return nlohmann::json{{"replicas", reps}}.dump();
+}
+
+std::string RouteService::metrics_text() const {
+    std::vector<VllmFeedStatus> feed;
+    index_([&](const KvIndex&, const VllmEventIngest* ingest) {
+        if (!ingest) return;
+        for (int r = 0; r < ingest->num_replicas(); ++r) feed.push_back(ingest->status(r));
+    });
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string s;
+    auto counter = [&](const char* name, const char* help, int64_t v) {
+        s += fmt::format("# HELP {} {}\n# TYPE {} counter\n{} {}\n", name, help, name, name, v);
+    };
+    counter("kvshard_router_routes_total", "Requests routed.", routes_);
+    counter("kvshard_router_hits_total", "Routes whose chosen replica held a prefix.", hits_);
+    counter("kvshard_router_hit_blocks_total", "Prefix blocks matched on the chosen replica.",
+            hit_blocks_);
+    counter("kvshard_router_finished_total", "Requests reported finished.", finished_);
+    counter("kvshard_router_bad_requests_total", "HTTP requests refused with 400.", bad_requests_);
+    auto per_replica = [&](const char* name, const char* help, auto value) {
+        s += fmt::format("# HELP {} {}\n# TYPE {} counter\n", name, help, name);
+        for (size_t r = 0; r < feed.size() && r < config_.replica_names.size(); ++r)
+            s += fmt::format("{}{{replica=\"{}\"}} {}\n", name, config_.replica_names[r],
+                             value(feed[r]));
+    };
+    per_replica("kvshard_router_events_total", "KV events applied to the index.",
+                [](const VllmFeedStatus& f) { return f.events; });
+    per_replica("kvshard_router_gaps_total", "Sequence gaps seen.",
+                [](const VllmFeedStatus& f) { return f.gaps; });
+    per_replica("kvshard_router_restarts_total", "Publisher restarts seen.",
+                [](const VllmFeedStatus& f) { return f.restarts; });
+    per_replica("kvshard_router_malformed_total", "Malformed messages dropped.",
+                [](const VllmFeedStatus& f) { return f.malformed; });
+    s += "# HELP kvshard_router_stale Whether the replica's index is stale (1) after a gap.\n"
+         "# TYPE kvshard_router_stale gauge\n";
+    for (size_t r = 0; r < feed.size() && r < config_.replica_names.size(); ++r)
+        s += fmt::format("kvshard_router_stale{{replica=\"{}\"}} {}\n", config_.replica_names[r],
+                         feed[r].stale ? 1 : 0);
+    s += "# HELP kvshard_router_route_seconds Time to answer a route (hashing, index, policy).\n"
+         "# TYPE kvshard_router_route_seconds histogram\n";
+    int64_t cum = 0;
+    for (size_t b = 0; b < latency_bounds_s_.size(); ++b) {
+        cum += latency_counts_[b];
+        s += fmt::format("kvshard_router_route_seconds_bucket{{le=\"{}\"}} {}\n",
+                         latency_bounds_s_[b], cum);
+    }
+    cum += latency_counts_.back();
+    s += fmt::format("kvshard_router_route_seconds_bucket{{le=\"+Inf\"}} {}\n", cum);
+    s += fmt::format("kvshard_router_route_seconds_sum {}\n", latency_sum_s_);
+    s += fmt::format("kvshard_router_route_seconds_count {}\n", cum);
+    return s;
+}
+
+}  // namespace kvshard

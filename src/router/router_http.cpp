@@ -1,0 +1,117 @@
+// The cpp-httplib backend of RouterHttpServer (built when httplib.h is found; else
+// router_http_missing.cpp).
+#include <httplib.h>
+
+#include <nlohmann/json.hpp>
+
+#include "kvshard/common/error.h"
+#include "kvshard/router/http_server.h"
+
+namespace kvshard {
+namespace {
+
+void reply_error(httplib::Response& res, RouteService& svc, const std::string& what) {
+    svc.count_bad_request();
+    res.status = 400;
+    res.set_content(nlohmann::json{{"error", what}}.dump(), "application/json");
+}
+
+}  // namespace
+
+struct RouterHttpServer::Impl {
+    RouteService* svc;
+    RouterHttpOptions options;
+    httplib::Server server;
+    int port = 0;
+
+    Impl(RouteService& s, RouterHttpOptions o) : svc(&s), options(std::move(o)) {
+        check_listen_address(options);
+        server.set_payload_max_length(options.max_body_bytes);
+        server.set_tcp_nodelay(true);  // small JSON replies: no Nagle delay
+        server.Post("/route", [this](const httplib::Request& req, httplib::Response& res) {
+            route(req, res);
+        });
+        server.Post(R"(/requests/([^/]+)/finished)", [this](const httplib::Request& req,
+                                                            httplib::Response& res) {
+            const bool found = svc->finished(req.matches[1]);
+            res.set_content(nlohmann::json{{"finished", found}}.dump(), "application/json");
+        });
+        server.Get("/replicas", [this](const httplib::Request&, httplib::Response& res) {
+            res.set_content(svc->replicas_json(), "application/json");
+        });
+        server.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+            res.set_content(svc->metrics_text(), "text/plain; version=0.0.4");
+        });
+        server.Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
+            res.set_content("ok\n", "text/plain");
+        });
+        if (options.port == 0) {
+            port = server.bind_to_any_port(options.host);
+        } else {
+            port = server.bind_to_port(options.host, options.port) ? options.port : -1;
+        }
+        require(port > 0, "cannot listen on ", options.host, ":", options.port,
+                " (in use, or not an address of this machine)");
+    }
+
+    void route(const httplib::Request& req, httplib::Response& res) {
+        nlohmann::json body;
+        try {
+            body = nlohmann::json::parse(req.body);
+        } catch (const std::exception&) {
+            return reply_error(res, *svc,
+                               "the body is not JSON; expected {\"token_ids\": [...], "
+                               "\"request_id\": \"...\"}");
+        }
+        if (!body.is_object() || !body.contains("token_ids") || !body["token_ids"].is_array())
+            return reply_error(res, *svc,
+                               "expected {\"token_ids\": [int, ...], \"request_id\": \"...\"}");
+        std::vector<int64_t> tokens;
+        tokens.reserve(body["token_ids"].size());
+        for (const auto& t : body["token_ids"]) {
+            if (!t.is_number_integer())
+                return reply_error(res, *svc, "\"token_ids\" must hold integers only");
+            tokens.push_back(t.get<int64_t>());
+        }
+        std::string id;
+        if (body.contains("request_id")) {
+            if (!body["request_id"].is_string())
+                return reply_error(res, *svc, "\"request_id\" must be a string");
+            id = body["request_id"].get<std::string>();
+        }
+        try {
+            const RouteOutcome o = svc->route(id, tokens);
+            nlohmann::json matched = nlohmann::json::object(), load = nlohmann::json::object();
+            for (int r = 0; r < svc->num_replicas(); ++r) {
+                const auto& name = svc->config().replica_names[static_cast<size_t>(r)];
+                matched[name] = o.matched_blocks[static_cast<size_t>(r)];
+                load[name] = o.load_blocks[static_cast<size_t>(r)];
+            }
+            res.set_content(nlohmann::json{{"replica", o.replica_name},
+                                           {"matched_blocks", matched},
+                                           {"load", load},
+                                           {"reason", std::string(route_reason_name(o.reason))}}
+                                .dump(),
+                            "application/json");
+        } catch (const Error& e) {
+            reply_error(res, *svc, e.what());
+        }
+    }
+};
+
+bool RouterHttpServer::available() { return true; }
+
+RouterHttpServer::RouterHttpServer(RouteService& service, RouterHttpOptions options)
+    : impl_(std::make_unique<Impl>(service, std::move(options))) {}
+
+RouterHttpServer::~RouterHttpServer() { stop(); }
+
+int RouterHttpServer::port() const { return impl_->port; }
+
+void RouterHttpServer::run() { impl_->server.listen_after_bind(); }
+
+void RouterHttpServer::stop() {
+    if (impl_) impl_->server.stop();
+}
+
+}  // namespace kvshard

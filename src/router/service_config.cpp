@@ -1,0 +1,79 @@
+#include "kvshard/common/error.h"
+#include "kvshard/router/http_server.h"
+#include "kvshard/router/vllm_event_subscriber.h"
+
+#include <charconv>
+
+namespace kvshard {
+
+void check_listen_address(const RouterHttpOptions& o) {
+    require(o.port >= 0 && o.port <= 65535, "the listen port must be 0 to 65535, got ", o.port);
+    const bool loopback = o.host == "localhost" || o.host == "::1" || o.host.rfind("127.", 0) == 0;
+    require(loopback || o.allow_remote, "refusing to listen on '", o.host,
+            "': the router binds to loopback (127.0.0.1, ::1, localhost) unless --allow-remote is "
+            "given");
+}
+
+namespace {
+
+int parse_port(std::string_view endpoint) {
+    const size_t colon = endpoint.rfind(':');
+    int port = -1;
+    if (colon != std::string_view::npos) {
+        const auto digits = endpoint.substr(colon + 1);
+        const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), port);
+        if (ec != std::errc() || end != digits.data() + digits.size() || digits.empty()) port = -1;
+    }
+    return port;
+}
+
+void check_endpoint(std::string_view what, std::string_view endpoint) {
+    const int port = parse_port(endpoint);
+    require(endpoint.rfind("tcp://", 0) == 0 && port >= 1 && port <= 65535, what, " '", endpoint,
+            "' is not tcp://HOST:PORT (e.g. tcp://127.0.0.1:5557)");
+}
+
+}  // namespace
+
+std::string offset_endpoint_port(const std::string& endpoint, int rank) {
+    if (rank == 0) return endpoint;
+    const int port = parse_port(endpoint);
+    require(port >= 1, "cannot offset the port of '", endpoint, "': no numeric port");
+    require(port + rank <= 65535, "'", endpoint, "' rank ", rank, ": port ", port + rank,
+            " is over 65535");
+    return endpoint.substr(0, endpoint.rfind(':') + 1) + std::to_string(port + rank);
+}
+
+VllmEngineSpec parse_vllm_engine_spec(std::string_view text) {
+    const size_t eq = text.find('=');
+    require(eq != std::string_view::npos && eq > 0, "--engine '", text,
+            "': expected NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]");
+    VllmEngineSpec e;
+    e.name = std::string(text.substr(0, eq));
+    std::string_view rest = text.substr(eq + 1);
+    size_t comma = rest.find(',');
+    e.endpoint = std::string(rest.substr(0, comma));
+    check_endpoint("--engine " + e.name + ": the event endpoint", e.endpoint);
+    while (comma != std::string_view::npos) {
+        rest = rest.substr(comma + 1);
+        comma = rest.find(',');
+        const std::string_view opt = rest.substr(0, comma);
+        if (opt.rfind("dp=", 0) == 0) {
+            const auto v = opt.substr(3);
+            int dp = 0;
+            const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), dp);
+            require(ec == std::errc() && end == v.data() + v.size() && dp >= 1 && dp <= 64,
+                    "--engine ", e.name, ": dp must be 1 to 64, got '", v, "'");
+            e.dp = dp;
+        } else if (opt.rfind("replay=", 0) == 0) {
+            e.replay_endpoint = std::string(opt.substr(7));
+            check_endpoint("--engine " + e.name + ": the replay endpoint", e.replay_endpoint);
+        } else {
+            throw Error(detail::concat("--engine ", e.name, ": unknown option '", opt,
+                                       "'; expected dp=K or replay=tcp://HOST:PORT"));
+        }
+    }
+    return e;
+}
+
+}  // namespace kvshard

@@ -1,0 +1,156 @@
+#include "kvshard/router/vllm_event_ingest.h"
+
+#include "kvshard/common/error.h"
+
+namespace kvshard {
+
+std::vector<BlockHash> vllm_prompt_keys(VllmBlockHasher& hasher, const VllmBlockHash& root,
+                                        std::span<const int32_t> tokens, int block_size,
+                                        const VllmExtraKeys& keys) {
+    std::vector<BlockHash> out;
+    for (const auto& h : hasher.hash_blocks(root, tokens, block_size, keys))
+        out.push_back(vllm_index_key(h.event_id()));
+    return out;
+}
+
+VllmEventIngest::VllmEventIngest(KvIndex& index, int64_t max_blocks_per_replica)
+    : index_(&index),
+      max_blocks_(max_blocks_per_replica),
+      held_(static_cast<size_t>(index.num_replicas())),
+      status_(static_cast<size_t>(index.num_replicas())),
+      accept_next_(static_cast<size_t>(index.num_replicas()), false) {
+    require(max_blocks_per_replica >= 1, "the index cap must be at least 1 block per replica, got ",
+            max_blocks_per_replica);
+}
+
+void VllmEventIngest::clear_replica(int replica) {
+    index_->all_cleared(replica);
+    held_[static_cast<size_t>(replica)] = Held{};
+}
+
+void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys) {
+    index_->block_stored(replica, keys);
+    Held& h = held_[static_cast<size_t>(replica)];
+    for (const auto& k : keys) {
+        h.latest[k] = ++h.generation;
+        h.order.emplace_back(k, h.generation);
+    }
+    auto& s = status_[static_cast<size_t>(replica)];
+    while (static_cast<int64_t>(h.latest.size()) > max_blocks_ && !h.order.empty()) {
+        const auto [key, gen] = h.order.front();
+        h.order.pop_front();
+        const auto it = h.latest.find(key);
+        if (it == h.latest.end() || it->second != gen) continue;  // removed or stored again since
+        h.latest.erase(it);
+        index_->block_removed(replica, std::span<const BlockHash>(&key, 1));
+        ++s.evicted;
+    }
+    // Stale FIFO entries (re-stored or removed keys) are dropped once they outnumber live ones.
+    if (h.order.size() > 2 * h.latest.size() + 1024) {
+        std::deque<std::pair<BlockHash, uint64_t>> live;
+        for (const auto& e : h.order) {
+            const auto it = h.latest.find(e.first);
+            if (it != h.latest.end() && it->second == e.second) live.push_back(e);
+        }
+        h.order.swap(live);
+    }
+}
+
+void VllmEventIngest::removed(int replica, std::span<const BlockHash> keys) {
+    index_->block_removed(replica, keys);
+    Held& h = held_[static_cast<size_t>(replica)];
+    for (const auto& k : keys) h.latest.erase(k);
+}
+
+const VllmFeedStatus& VllmEventIngest::status(int replica) const {
+    require(replica >= 0 && replica < num_replicas(), "replica ", replica, " is not in 0..",
+            num_replicas() - 1);
+    return status_[static_cast<size_t>(replica)];
+}
+
+VllmEventIngest::Result VllmEventIngest::malformed(int replica, std::string why) {
+    auto& s = status_[static_cast<size_t>(replica)];
+    ++s.malformed;
+    s.last_error = std::move(why);
+    return {Outcome::kMalformed, 0};
+}
+
+VllmEventIngest::Result VllmEventIngest::on_message(
+    int replica, std::span<const std::span<const uint8_t>> frames) {
+    (void)status(replica);
+    if (frames.size() != 3)
+        return malformed(replica, "a message has " + std::to_string(frames.size()) +
+                                      " frames; vLLM sends 3 (topic, sequence, payload)");
+    return on_batch(replica, frames[1], frames[2]);
+}
+
+VllmEventIngest::Result VllmEventIngest::on_batch(int replica, std::span<const uint8_t> seq_frame,
+                                                  std::span<const uint8_t> payload, bool replayed) {
+    (void)status(replica);
+    auto& s = status_[static_cast<size_t>(replica)];
+    const auto seq = decode_vllm_seq(seq_frame);
+    if (!seq)
+        return malformed(replica, "the sequence frame is " + std::to_string(seq_frame.size()) +
+                                      " bytes; vLLM sends 8 (big-endian)");
+    Result result;
+    const bool first = !s.last_seq || accept_next_[static_cast<size_t>(replica)];
+    if (!first) {
+        if (*seq > *s.last_seq + 1) {
+            ++s.gaps;
+            return {Outcome::kGap, *s.last_seq + 1};
+        }
+        if (*seq <= *s.last_seq) {
+            // A publisher restart: its cache started empty.
+            ++s.restarts;
+            clear_replica(replica);
+            s.stale = false;
+            result.outcome = Outcome::kRestarted;
+        }
+    }
+    const VllmDecodeResult d = decode_vllm_event_batch(payload);
+    if (!d.batch) return malformed(replica, d.error);
+    accept_next_[static_cast<size_t>(replica)] = false;
+    s.last_seq = *seq;
+    ++s.batches;
+    if (replayed) ++s.replayed;
+    apply(replica, *d.batch);
+    return result;
+}
+
+void VllmEventIngest::mark_stale(int replica) {
+    (void)status(replica);
+    auto& s = status_[static_cast<size_t>(replica)];
+    clear_replica(replica);
+    s.stale = true;
+    accept_next_[static_cast<size_t>(replica)] = true;
+}
+
+void VllmEventIngest::apply(int replica, const VllmEventBatch& b) {
+    auto& s = status_[static_cast<size_t>(replica)];
+    std::vector<BlockHash> keys;
+    for (const auto& e : b.events) {
+        const bool gpu = !e.medium || *e.medium == "GPU";
+        const bool group0 = !e.group_idx || *e.group_idx == 0;
+        if (e.kind != VllmEventKind::kAllBlocksCleared && (!gpu || !group0)) {
+            ++s.ignored;
+            continue;
+        }
+        keys.clear();
+        for (uint64_t id : e.block_hashes) keys.push_back(vllm_index_key(id));
+        switch (e.kind) {
+            case VllmEventKind::kBlockStored:
+                stored(replica, keys);
+                break;
+            case VllmEventKind::kBlockRemoved:
+                removed(replica, keys);
+                break;
+            case VllmEventKind::kAllBlocksCleared:
+                clear_replica(replica);
+                s.stale = false;  // the index is exact again: empty, as the engine's cache
+                break;
+        }
+        ++s.events;
+    }
+}
+
+}  // namespace kvshard

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Reference block hashes written from vLLM's definition, for tests/cache/vllm_hash_test.cpp.
+
+vLLM (docs/router.md cites the files and the commit):
+  sha256_cbor(x)  = hashlib.sha256(cbor2.dumps(x, canonical=True)).digest()
+  xxhash_cbor(x)  = xxhash.xxh3_128_digest(cbor2.dumps(x, canonical=True))
+  NONE_HASH       = hash_fn(os.environ["PYTHONHASHSEED"])          (init_none_hash)
+  block i         = hash_fn((parent, tuple(tokens of block i), extra_keys or None))
+  extra_keys      = [lora_name] if LoRA, then [cache_salt] on the block at token 0 if salt
+  event id        = int.from_bytes(digest, "big") & (2**64 - 1)     (maybe_convert_block_hash)
+
+Reads a JSON list of cases from the file named by argv[1]; each case has "scheme"
+("vllm-sha256-cbor" | "vllm-xxhash-cbor"), either "seed" (a string) or "parent" (hex),
+"block_size", "tokens", and optional "lora_name", "cache_salt". Writes a JSON list: per case
+{"root": hex, "blocks": [{"digest": hex, "id": int, "cbor": hex}]}, only full blocks.
+"""
+import hashlib
+import json
+import sys
+
+import cbor2
+import xxhash
+
+
+def hash_fn_for(scheme):
+    if scheme == "vllm-sha256-cbor":
+        return lambda obj: hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+    if scheme == "vllm-xxhash-cbor":
+        return lambda obj: xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
+    raise ValueError(scheme)
+
+
+def extra_keys_for(case, start_token):
+    keys = []
+    if case.get("lora_name"):
+        keys.append(case["lora_name"])
+    if start_token == 0 and case.get("cache_salt"):
+        keys.append(case["cache_salt"])
+    return tuple(keys) if keys else None
+
+
+def run_case(case):
+    hash_fn = hash_fn_for(case["scheme"])
+    if "seed" in case:
+        root = hash_fn(case["seed"])
+    else:
+        root = bytes.fromhex(case["parent"])
+    bs = case["block_size"]
+    tokens = case["tokens"]
+    parent = root
+    blocks = []
+    for start in range(0, len(tokens) - bs + 1, bs):
+        obj = (parent, tuple(tokens[start:start + bs]), extra_keys_for(case, start))
+        digest = hash_fn(obj)
+        blocks.append({
+            "digest": digest.hex(),
+            "id": int.from_bytes(digest, "big") & ((1 << 64) - 1),
+            "cbor": cbor2.dumps(obj, canonical=True).hex(),
+        })
+        parent = digest
+    return {"root": root.hex(), "blocks": blocks}
+
+
+def main():
+    with open(sys.argv[1], encoding="utf-8") as f:
+        cases = json.load(f)
+    json.dump([run_case(c) for c in cases], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

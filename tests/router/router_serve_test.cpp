@@ -1,0 +1,274 @@
+// `kvshard router serve` end to end: the CLI process, two Python publishers speaking vLLM's wire
+// format for a prompt hashed as vLLM hashes it, and HTTP requests to the service. Routes follow
+// the longest cached prefix; a removal and an AllBlocksCleared change the answer; a gap without
+// replay marks the replica stale; a restart clears it; malformed frames are counted; bad requests
+// get 400; SIGTERM stops it cleanly.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <functional>
+#include <thread>
+
+#include "cli_runner.h"
+#include "kvshard/router/http_server.h"
+#include "kvshard/router/vllm_event_subscriber.h"
+#include "python_helpers.h"
+
+namespace kvshard {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kBlock = 4;
+
+std::vector<int32_t> prompt() {
+    std::vector<int32_t> t;
+    for (int i = 0; i < 8 * kBlock + 2; ++i) t.push_back(500 + 11 * i);
+    return t;
+}
+
+json stored(int first, int count) {
+    return {{"tag", "BlockStored"},
+            {"_prompt",
+             {{"scheme", "vllm-xxhash-cbor"},
+              {"seed", "42"},
+              {"block_size", kBlock},
+              {"tokens", prompt()},
+              {"first", first},
+              {"count", count}}},
+            {"lora_id", nullptr},
+            {"medium", "GPU"},
+            {"lora_name", nullptr}};
+}
+
+json batch(int seq, std::vector<json> events, bool drop = false) {
+    json b = {{"seq", seq},
+              {"batch", {{"ts", 1.0 + seq}, {"events", events}, {"dp", 0}, {"form", "map"}}}};
+    if (drop) b["drop"] = true;
+    return b;
+}
+
+struct HttpReply {
+    int status = 0;
+    std::string body;
+};
+
+HttpReply http(int port, const std::string& method, const std::string& path,
+               const std::string& body = {}) {
+    HttpReply r;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+        close(fd);
+        return r;
+    }
+    const std::string req = method + " " + path +
+                            " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                            "Content-Type: application/json\r\nContent-Length: " +
+                            std::to_string(body.size()) + "\r\n\r\n" + body;
+    (void)!write(fd, req.data(), req.size());
+    std::string out;
+    char buf[4096];
+    ssize_t n = 0;
+    while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+    close(fd);
+    if (out.rfind("HTTP/1.1 ", 0) == 0) r.status = std::atoi(out.c_str() + 9);
+    const size_t split = out.find("\r\n\r\n");
+    if (split != std::string::npos) r.body = out.substr(split + 4);
+    return r;
+}
+
+// The CLI as a child process; its stdout is read line by line.
+class RouterProcess {
+  public:
+    explicit RouterProcess(const std::vector<std::string>& args) {
+        int out[2];
+        if (pipe(out) != 0) return;
+        pid_ = fork();
+        if (pid_ == 0) {
+            dup2(out[1], 1);
+            dup2(out[1], 2);
+            close(out[0]);
+            std::vector<char*> argv;
+            argv.push_back(const_cast<char*>(KVSHARD_CLI_PATH));
+            for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+            argv.push_back(nullptr);
+            execv(KVSHARD_CLI_PATH, argv.data());
+            _exit(127);
+        }
+        close(out[1]);
+        from_ = fdopen(out[0], "r");
+    }
+    ~RouterProcess() {
+        if (pid_ > 0 && !exited_) {
+            kill(pid_, SIGKILL);
+            waitpid(pid_, nullptr, 0);
+        }
+        if (from_) fclose(from_);
+    }
+    std::string read_line() {
+        char buf[1024];
+        if (!from_ || !std::fgets(buf, sizeof buf, from_)) return {};
+        return buf;
+    }
+    // SIGTERM, then the exit status (-1 if it did not exit normally).
+    int terminate() {
+        kill(pid_, SIGTERM);
+        int st = 0;
+        waitpid(pid_, &st, 0);
+        exited_ = true;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    }
+
+  private:
+    pid_t pid_ = -1;
+    FILE* from_ = nullptr;
+    bool exited_ = false;
+};
+
+bool eventually(const std::function<bool()>& done) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < deadline) {
+        if (done()) return true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return done();
+}
+
+TEST(RouterServe, RoutesByVllmEventsAndStopsOnSigterm) {
+    if (!VllmEventSubscriber::available() || !RouterHttpServer::available())
+        GTEST_SKIP() << "built without libzmq or cpp-httplib";
+    test::PythonPublisher pa, pb;
+    ASSERT_TRUE(pa.ok() && pb.ok());
+    RouterProcess router({"router", "serve", "--listen", "127.0.0.1:0", "--engine",
+                          "a=" + pa.endpoint(), "--engine", "b=" + pb.endpoint(), "--policy",
+                          "kvshard", "--block-size", std::to_string(kBlock), "--hash",
+                          "vllm-xxhash-cbor", "--hash-seed", "42"});
+    const std::string line = router.read_line();
+    const size_t at = line.find("http://127.0.0.1:");
+    ASSERT_NE(at, std::string::npos) << line;
+    const int port = std::atoi(line.c_str() + at + 17);
+    ASSERT_GT(port, 0);
+    ASSERT_TRUE(pa.wait_subscribed());
+    ASSERT_TRUE(pb.wait_subscribed());
+
+    auto replicas = [&] { return json::parse(http(port, "GET", "/replicas").body)["replicas"]; };
+    auto seq_of = [&](int r) { return replicas()[r]["last_seq"]; };
+    json body = {{"token_ids", prompt()}, {"request_id", "r1"}};
+    int routed = 0;
+    auto route = [&] {
+        body["request_id"] = "r" + std::to_string(++routed);
+        const auto rep = http(port, "POST", "/route", body.dump());
+        EXPECT_EQ(rep.status, 200) << rep.body;
+        const auto j = json::parse(rep.body);
+        // Release the load again, so only the prefixes decide.
+        const auto fin =
+            http(port, "POST", "/requests/" + body["request_id"].get<std::string>() + "/finished");
+        EXPECT_EQ(json::parse(fin.body)["finished"], true);
+        return j;
+    };
+
+    EXPECT_EQ(http(port, "GET", "/healthz").status, 200);
+    // a holds 8 blocks of the prompt, b 4.
+    ASSERT_TRUE(pa.send(batch(0, {stored(0, 8)})));
+    ASSERT_TRUE(pb.send(batch(0, {stored(0, 4)})));
+    ASSERT_TRUE(eventually([&] { return seq_of(0) == 0 && seq_of(1) == 0; }));
+    auto j = route();
+    EXPECT_EQ(j["replica"], "a");
+    EXPECT_EQ(j["matched_blocks"]["a"], 8);
+    EXPECT_EQ(j["matched_blocks"]["b"], 4);
+
+    // a loses block 2: b has the longer prefix.
+    {
+        // The id of block 2, as the reference hashes it (the BlockStored of block 2 alone).
+        json one = stored(2, 1);
+        json rm = {{"tag", "BlockRemoved"}, {"medium", "GPU"}, {"_prompt", one["_prompt"]}};
+        ASSERT_TRUE(pa.send(batch(1, {rm})));
+    }
+    ASSERT_TRUE(eventually([&] { return seq_of(0) == 1; }));
+    j = route();
+    EXPECT_EQ(j["matched_blocks"]["a"], 2);
+    EXPECT_EQ(j["replica"], "b");
+
+    // b is cleared: a again.
+    ASSERT_TRUE(pb.send(batch(1, {{{"tag", "AllBlocksCleared"}}})));
+    ASSERT_TRUE(eventually([&] { return seq_of(1) == 1; }));
+    j = route();
+    EXPECT_EQ(j["matched_blocks"]["b"], 0);
+    EXPECT_EQ(j["replica"], "a");
+
+    // A lost batch on b (no replay configured): stale, then what follows the gap.
+    ASSERT_TRUE(pb.send(batch(2, {stored(0, 2)}, /*drop=*/true)));
+    ASSERT_TRUE(pb.send(batch(3, {stored(0, 6)})));
+    ASSERT_TRUE(eventually([&] { return seq_of(1) == 3; }));
+    EXPECT_EQ(replicas()[1]["stale"], true);
+    EXPECT_EQ(replicas()[1]["gaps"], 1);
+    j = route();
+    EXPECT_EQ(j["replica"], "b");
+    EXPECT_EQ(j["matched_blocks"]["b"], 6);
+
+    // b's publisher restarts (sequence 0 again): cleared, no longer stale.
+    ASSERT_TRUE(pb.send(batch(0, {stored(0, 1)})));
+    ASSERT_TRUE(eventually([&] { return replicas()[1]["restarts"] == 1; }));
+    EXPECT_EQ(replicas()[1]["stale"], false);
+    EXPECT_EQ(replicas()[1]["index_blocks"], 1);
+
+    // Malformed frames are counted.
+    ASSERT_TRUE(pa.send({{"frames_hex", {"", "0000000000000002", "c1"}}}));
+    ASSERT_TRUE(pa.send({{"frames_hex", {"00"}}}));
+    ASSERT_TRUE(eventually([&] { return replicas()[0]["malformed"] == 2; }));
+    const auto metrics = http(port, "GET", "/metrics");
+    EXPECT_EQ(metrics.status, 200);
+    EXPECT_NE(metrics.body.find("kvshard_router_malformed_total{replica=\"a\"} 2"),
+              std::string::npos)
+        << metrics.body;
+    EXPECT_NE(metrics.body.find("kvshard_router_routes_total 4"), std::string::npos);
+    EXPECT_NE(metrics.body.find("kvshard_router_gaps_total{replica=\"b\"} 1"), std::string::npos);
+    EXPECT_NE(metrics.body.find("kvshard_router_route_seconds_count 4"), std::string::npos);
+
+    // Bad requests: 400 with a message.
+    for (const std::string& bad :
+         {std::string("not json"), std::string("{\"token_ids\": 5}"),
+          std::string("{\"token_ids\": [1, -2]}"), std::string("{\"token_ids\": []}"),
+          std::string("{\"token_ids\": [1], \"request_id\": 3}")}) {
+        const auto rep = http(port, "POST", "/route", bad);
+        EXPECT_EQ(rep.status, 400) << bad;
+        EXPECT_TRUE(json::parse(rep.body).contains("error")) << rep.body;
+    }
+    EXPECT_EQ(json::parse(http(port, "POST", "/requests/nope/finished").body)["finished"], false);
+
+    EXPECT_EQ(router.terminate(), 0);
+    EXPECT_NE(router.read_line().find("stopped"), std::string::npos);
+}
+
+TEST(RouterServe, RefusesBadFlags) {
+    struct Bad {
+        std::string args, message;
+    };
+    const std::vector<Bad> bad = {
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --listen 0.0.0.0:0",
+         "--allow-remote"},
+        {"router serve --engine a --hash-seed 0", "NAME=tcp://HOST:PORT"},
+        {"router serve --engine a=udp://x:1 --hash-seed 0", "is not tcp://HOST:PORT"},
+        {"router serve --engine a=tcp://127.0.0.1:1,dp=0 --hash-seed 0", "dp must be 1 to 64"},
+        {"router serve --engine a=tcp://127.0.0.1:1,zz=1 --hash-seed 0", "unknown option"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --hash md5", "vllm-sha256-cbor"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --listen nope", "HOST:PORT"},
+    };
+    for (const auto& b : bad) {
+        const auto r = test::run_cli(b.args);
+        EXPECT_EQ(r.status, 2) << b.args << "\n" << r.out;
+        EXPECT_NE(r.out.find(b.message), std::string::npos) << b.args << "\n" << r.out;
+    }
+    EXPECT_EQ(offset_endpoint_port("tcp://127.0.0.1:5557", 2), "tcp://127.0.0.1:5559");
+    EXPECT_EQ(parse_vllm_engine_spec("e=tcp://h:10,dp=3,replay=tcp://h:20").dp, 3);
+}
+
+}  // namespace
+}  // namespace kvshard

@@ -1,0 +1,403 @@
+// vLLM's KV event codec (kvshard/cache/vllm_kv_events.h), tested by bytes that
+// tests/router/vllm_event_publisher.py writes from vLLM's schema, and the ingestion state machine
+// (kvshard/router/vllm_event_ingest.h) that feeds a KvIndex from decoded batches.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "kvshard/cache/vllm_hash.h"
+#include "kvshard/cache/vllm_kv_events.h"
+#include "kvshard/common/error.h"
+#include "kvshard/router/kv_index.h"
+#include "kvshard/router/vllm_event_ingest.h"
+#include "python_helpers.h"
+
+namespace kvshard {
+namespace {
+
+using nlohmann::json;
+
+VllmKvEvent stored(std::vector<uint64_t> hashes, std::optional<uint64_t> parent,
+                   std::vector<int64_t> tokens, int64_t bs) {
+    VllmKvEvent e;
+    e.kind = VllmEventKind::kBlockStored;
+    e.block_hashes = std::move(hashes);
+    e.parent_block_hash = parent;
+    e.token_ids = std::move(tokens);
+    e.block_size = bs;
+    e.medium = "GPU";
+    return e;
+}
+
+VllmKvEvent removed(std::vector<uint64_t> hashes) {
+    VllmKvEvent e;
+    e.kind = VllmEventKind::kBlockRemoved;
+    e.block_hashes = std::move(hashes);
+    e.medium = "GPU";
+    return e;
+}
+
+VllmKvEvent cleared() {
+    VllmKvEvent e;
+    e.kind = VllmEventKind::kAllBlocksCleared;
+    return e;
+}
+
+struct CodecCase {
+    json spec;                // for the Python encoder
+    VllmEventBatch expected;  // what it must decode to
+    bool byte_exact;          // kvshard's encoder must write the same bytes
+    VllmWireForm form;
+};
+
+std::vector<CodecCase> codec_cases() {
+    std::vector<CodecCase> cases;
+    const uint64_t big = 0xfedcba9876543210ull;  // a uint64 over INT64_MAX
+    for (const char* form : {"positional", "map"}) {
+        const VllmWireForm f =
+            std::string(form) == "map" ? VllmWireForm::kMap : VllmWireForm::kPositional;
+        {  // Every event kind, every optional field, hashes as ints.
+            VllmEventBatch b;
+            b.ts = 1733100000.25;
+            b.data_parallel_rank = 3;
+            auto s = stored({1, 300, big}, 77, {1, 2, 3, 4, 5, 6}, 2);
+            s.lora_id = 5;
+            s.lora_name = "sql";
+            b.events.push_back(s);
+            auto s2 = stored({9}, std::nullopt, {7, 8}, 2);
+            s2.group_idx = 1;
+            b.events.push_back(s2);
+            auto r = removed({300, big});
+            r.group_idx = 0;
+            b.events.push_back(r);
+            b.events.push_back(removed({1}));
+            b.events.push_back(cleared());
+            json spec = {{"ts", b.ts},
+                         {"dp", 3},
+                         {"form", form},
+                         {"events",
+                          {{{"tag", "BlockStored"},
+                            {"block_hashes", {1, 300, big}},
+                            {"parent_block_hash", 77},
+                            {"token_ids", {1, 2, 3, 4, 5, 6}},
+                            {"block_size", 2},
+                            {"lora_id", 5},
+                            {"medium", "GPU"},
+                            {"lora_name", "sql"}},
+                           {{"tag", "BlockStored"},
+                            {"block_hashes", {9}},
+                            {"parent_block_hash", nullptr},
+                            {"token_ids", {7, 8}},
+                            {"block_size", 2},
+                            {"lora_id", nullptr},
+                            {"medium", "GPU"},
+                            {"lora_name", nullptr},
+                            {"group_idx", 1}},
+                           {{"tag", "BlockRemoved"},
+                            {"block_hashes", {300, big}},
+                            {"medium", "GPU"},
+                            {"group_idx", 0}},
+                           {{"tag", "BlockRemoved"}, {"block_hashes", {1}}, {"medium", "GPU"}},
+                           {{"tag", "AllBlocksCleared"}}}}};
+            cases.push_back({spec, b, true, f});
+        }
+        {  // Hashes as bytes (the raw digest): the id is the last 8 bytes, big-endian; extra
+           // fields of newer revisions (extra_keys, kv_cache_spec_kind) are accepted.
+            VllmEventBatch b;
+            b.ts = 2.0;
+            auto s = stored({0x2233445566778899ull, 0x0102ull}, 0x1112131415161718ull, {5, 6}, 1);
+            s.hashes_as_bytes = true;
+            s.medium = "CPU";
+            b.events.push_back(s);
+            json spec = {
+                {"ts", 2.0},
+                {"form", form},
+                {"events",
+                 {{{"tag", "BlockStored"},
+                   {"block_hashes", {{{"hex", "00112233445566778899"}}, {{"hex", "0102"}}}},
+                   {"parent_block_hash", {{"hex", std::string(48, 'a') + "1112131415161718"}}},
+                   {"token_ids", {5, 6}},
+                   {"block_size", 1},
+                   {"lora_id", nullptr},
+                   {"medium", "CPU"},
+                   {"lora_name", nullptr},
+                   {"extra_keys", {{"lora-x"}, nullptr}},
+                   {"kv_cache_spec_kind", "full_attention"}}}}};
+            cases.push_back({spec, b, false, f});
+        }
+    }
+    {  // An early revision: BlockStored with 4 fields (no lora_id, no medium), BlockRemoved with
+       // only its hashes, and a batch without data_parallel_rank.
+        VllmEventBatch b;
+        b.ts = 3.5;
+        auto s = stored({4, 5}, std::nullopt, {1, 2}, 1);
+        s.medium.reset();
+        b.events.push_back(s);
+        auto r = removed({4});
+        r.medium.reset();
+        b.events.push_back(r);
+        json spec = {{"ts", 3.5},
+                     {"form", "positional"},
+                     {"events",
+                      {{{"tag", "BlockStored"},
+                        {"_fields", 4},
+                        {"block_hashes", {4, 5}},
+                        {"parent_block_hash", nullptr},
+                        {"token_ids", {1, 2}},
+                        {"block_size", 1},
+                        {"lora_id", nullptr},
+                        {"medium", nullptr},
+                        {"lora_name", nullptr}},
+                       {{"tag", "BlockRemoved"},
+                        {"_fields", 1},
+                        {"block_hashes", {4}},
+                        {"medium", nullptr}}}}};
+        cases.push_back({spec, b, false, VllmWireForm::kPositional});
+    }
+    return cases;
+}
+
+TEST(VllmEvents, DecodesWhatTheVllmSchemaEncodes) {
+    const auto cases = codec_cases();
+    json specs = json::array();
+    for (const auto& c : cases) specs.push_back(c.spec);
+    const json hex = test::python_encode(specs);
+    ASSERT_TRUE(hex.is_array());
+    ASSERT_EQ(hex.size(), cases.size());
+    for (size_t i = 0; i < cases.size(); ++i) {
+        SCOPED_TRACE("case " + std::to_string(i) + ": " + cases[i].spec.dump().substr(0, 200));
+        const auto bytes = test::from_hex(hex[i].get<std::string>());
+        const auto r = decode_vllm_event_batch(bytes);
+        ASSERT_TRUE(r.batch) << r.error;
+        EXPECT_EQ(*r.batch, cases[i].expected);
+        if (cases[i].byte_exact) {
+            EXPECT_EQ(encode_vllm_event_batch(cases[i].expected, cases[i].form), bytes)
+                << "kvshard's encoder writes other bytes than vLLM's schema gives";
+        }
+        // Round trip through kvshard's encoder in both forms (bytes hashes come back as ints).
+        for (auto f : {VllmWireForm::kPositional, VllmWireForm::kMap}) {
+            auto want = cases[i].expected;
+            for (auto& e : want.events) e.hashes_as_bytes = false;
+            const auto again = decode_vllm_event_batch(encode_vllm_event_batch(want, f));
+            ASSERT_TRUE(again.batch) << again.error;
+            EXPECT_EQ(*again.batch, want);
+        }
+    }
+}
+
+TEST(VllmEvents, MalformedPayloadsAreErrorsNeverCrashes) {
+    VllmEventBatch b;
+    b.ts = 1.0;
+    b.events = {stored({1, 2, 3}, std::nullopt, {1, 2, 3}, 1), removed({2}), cleared()};
+    const auto good = encode_vllm_event_batch(b);
+    ASSERT_TRUE(decode_vllm_event_batch(good).batch);
+    // Every strict prefix is incomplete msgpack.
+    for (size_t n = 0; n < good.size(); ++n) {
+        const auto r = decode_vllm_event_batch(std::span<const uint8_t>(good.data(), n));
+        EXPECT_FALSE(r.batch) << "prefix of " << n << " bytes";
+        EXPECT_FALSE(r.error.empty());
+    }
+    auto with_trailing = good;
+    with_trailing.push_back(0xc0);
+    EXPECT_NE(decode_vllm_event_batch(with_trailing).error.find("trailing"), std::string::npos);
+
+    const std::vector<std::pair<std::vector<uint8_t>, std::string>> bad = {
+        {{0xc1}, "not msgpack"},                          // never-used byte
+        {{0xdd, 0xff, 0xff, 0xff, 0xff}, "not msgpack"},  // array of 2^32-1, no items
+        {{0xdf, 0x7f, 0xff, 0xff, 0xff}, "not msgpack"},  // map of 2^31-1
+        {{0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x91, 0xa3, 'F', 'o', 'o'},
+         "unknown event tag"},
+        {{0x92, 0xa1, 'x', 0x90}, "ts must be"},
+        {{0x91, 0x00}, "EventBatch array has 1"},
+        {{0x92, 0x00, 0x91, 0x90}, "event array is empty"},
+        {{0x92, 0x00, 0x91, 0x92, 0xab, 'B', 'l', 'o', 'c', 'k', 'S', 't', 'o', 'r', 'e', 'd',
+          0x90},
+         "needs at least 4"},
+        {{0x92, 0x00, 0x91, 0x92, 0xac, 'B', 'l', 'o',  'c',  'k',
+          'R',  'e',  'm',  'o',  'v',  'e', 'd', 0x91, 0xa1, 'x'},
+         "must be an int or bytes"},
+        {{0x92, 0x00, 0x91, 0x81, 0xa1, 'a', 0x00}, "no \"type\""},
+        {{0x2a}, "EventBatch must be"},
+    };
+    for (const auto& [bytes, msg] : bad) {
+        const auto r = decode_vllm_event_batch(bytes);
+        EXPECT_FALSE(r.batch);
+        EXPECT_NE(r.error.find(msg), std::string::npos) << "got: " << r.error;
+    }
+    // Nesting deeper than the limit.
+    std::vector<uint8_t> deep(100, 0x91);
+    deep.push_back(0x00);
+    EXPECT_FALSE(decode_vllm_event_batch(deep).batch);
+
+    // Random mutations of a good payload: decoded or refused, never a crash.
+    std::mt19937 rng(7);
+    int refused = 0;
+    for (int i = 0; i < 3000; ++i) {
+        auto m = good;
+        const int flips = 1 + static_cast<int>(rng() % 4);
+        for (int k = 0; k < flips; ++k) m[rng() % m.size()] = static_cast<uint8_t>(rng());
+        const auto r = decode_vllm_event_batch(m);
+        if (!r.batch) {
+            ++refused;
+            EXPECT_FALSE(r.error.empty());
+        }
+    }
+    EXPECT_GT(refused, 0);
+}
+
+TEST(VllmEvents, SequenceFrames) {
+    EXPECT_EQ(decode_vllm_seq(encode_vllm_seq(0x0102030405060708ull)), 0x0102030405060708ull);
+    const std::vector<uint8_t> five = {0, 0, 0, 0, 0, 0, 0, 5};
+    EXPECT_EQ(decode_vllm_seq(five), 5u);
+    EXPECT_EQ(decode_vllm_seq(std::vector<uint8_t>(8, 0xff)), UINT64_MAX);  // replay end (-1)
+    EXPECT_FALSE(decode_vllm_seq(std::vector<uint8_t>(7, 0)));
+    EXPECT_FALSE(decode_vllm_seq(std::vector<uint8_t>(9, 0)));
+}
+
+TEST(VllmEvents, KvshardBlockManagerEventsInVllmTerms) {
+    KvEvent e;
+    e.kind = KvEventKind::kBlockStored;
+    e.block_hashes = {BlockHash{11, 99}, BlockHash{12, 98}};
+    e.parent_hash = BlockHash{10, 97};
+    e.block_size = 16;
+    const auto v = to_vllm_event(e);
+    EXPECT_EQ(v.block_hashes, (std::vector<uint64_t>{11, 12}));
+    EXPECT_EQ(v.parent_block_hash, 10u);
+    EXPECT_EQ(v.block_size, 16);
+    EXPECT_EQ(v.medium, "GPU");
+    VllmEventBatch b{5.0, {v}, 0};
+    const auto r = decode_vllm_event_batch(encode_vllm_event_batch(b));
+    ASSERT_TRUE(r.batch);
+    EXPECT_EQ(r.batch->events[0], v);
+}
+
+// --- ingestion -----------------------------------------------------------------------------
+
+struct Feed {
+    KvIndex index{2};
+    VllmEventIngest ingest{index};
+    VllmEventIngest::Result send(int replica, uint64_t seq, std::vector<VllmKvEvent> events) {
+        const auto s = encode_vllm_seq(seq);
+        const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, std::move(events), replica});
+        const std::vector<uint8_t> topic;
+        const std::span<const uint8_t> frames[3] = {topic, s, p};
+        return ingest.on_message(replica, frames);
+    }
+    int overlap(int replica, const std::vector<uint64_t>& ids) {
+        std::vector<BlockHash> keys;
+        for (auto id : ids) keys.push_back(vllm_index_key(id));
+        std::vector<int> out(2);
+        index.prefix_overlap(keys, out);
+        return out[static_cast<size_t>(replica)];
+    }
+};
+
+using Outcome = VllmEventIngest::Outcome;
+
+TEST(VllmIngest, AppliesInOrderAndDetectsGapsAndRestarts) {
+    Feed f;
+    const std::vector<uint64_t> req = {1, 2, 3, 4};
+    EXPECT_EQ(f.send(0, 10, {stored({1, 2, 3}, std::nullopt, {}, 16)}).outcome, Outcome::kApplied);
+    EXPECT_EQ(f.overlap(0, req), 3);
+    EXPECT_EQ(f.send(0, 11, {removed({3})}).outcome, Outcome::kApplied);
+    EXPECT_EQ(f.overlap(0, req), 2);
+    EXPECT_EQ(f.overlap(1, req), 0);
+    // A gap: reported, nothing applied.
+    const auto g = f.send(0, 14, {stored({3, 4}, 2, {}, 16)});
+    EXPECT_EQ(g.outcome, Outcome::kGap);
+    EXPECT_EQ(g.missing_from, 12u);
+    EXPECT_EQ(f.overlap(0, req), 2);
+    EXPECT_EQ(f.ingest.status(0).gaps, 1);
+    // No replay: stale and cleared, then the batch that showed the gap.
+    f.ingest.mark_stale(0);
+    EXPECT_TRUE(f.ingest.status(0).stale);
+    EXPECT_EQ(f.overlap(0, req), 0);
+    EXPECT_EQ(f.send(0, 14, {stored({1, 2}, std::nullopt, {}, 16)}).outcome, Outcome::kApplied);
+    EXPECT_EQ(f.overlap(0, req), 2);
+    EXPECT_TRUE(f.ingest.status(0).stale);
+    // AllBlocksCleared makes it exact again.
+    EXPECT_EQ(f.send(0, 15, {cleared()}).outcome, Outcome::kApplied);
+    EXPECT_FALSE(f.ingest.status(0).stale);
+    EXPECT_EQ(f.overlap(0, req), 0);
+    // A restart (sequence back to 0) clears, then applies.
+    EXPECT_EQ(f.send(0, 16, {stored({1, 2, 3}, std::nullopt, {}, 16)}).outcome, Outcome::kApplied);
+    EXPECT_EQ(f.send(0, 0, {stored({1}, std::nullopt, {}, 16)}).outcome, Outcome::kRestarted);
+    EXPECT_EQ(f.overlap(0, req), 1);
+    EXPECT_EQ(f.ingest.status(0).restarts, 1);
+    EXPECT_EQ(f.ingest.status(0).last_seq, 0u);
+}
+
+TEST(VllmIngest, MalformedIsCountedAndDoesNotAdvance) {
+    Feed f;
+    f.send(1, 0, {stored({1}, std::nullopt, {}, 16)});
+    const std::vector<uint8_t> topic, seq = encode_vllm_seq(1), junk = {0xc1};
+    const std::span<const uint8_t> bad[3] = {topic, seq, junk};
+    EXPECT_EQ(f.ingest.on_message(1, bad).outcome, Outcome::kMalformed);
+    const std::span<const uint8_t> two[2] = {topic, seq};
+    EXPECT_EQ(f.ingest.on_message(1, two).outcome, Outcome::kMalformed);
+    const std::vector<uint8_t> short_seq = {1, 2, 3};
+    const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, {cleared()}, 1});
+    const std::span<const uint8_t> bad_seq[3] = {topic, short_seq, p};
+    EXPECT_EQ(f.ingest.on_message(1, bad_seq).outcome, Outcome::kMalformed);
+    EXPECT_EQ(f.ingest.status(1).malformed, 3);
+    EXPECT_EQ(f.ingest.status(1).last_seq, 0u);
+    // seq 1 is still the next one expected.
+    EXPECT_EQ(f.send(1, 1, {stored({2}, 1, {}, 16)}).outcome, Outcome::kApplied);
+    EXPECT_EQ(f.overlap(1, {1, 2}), 2);
+}
+
+TEST(VllmIngest, OtherTiersAndGroupsStayOutOfTheIndex) {
+    Feed f;
+    auto cpu = stored({1, 2}, std::nullopt, {}, 16);
+    cpu.medium = "CPU";
+    auto group1 = stored({1, 2}, std::nullopt, {}, 16);
+    group1.group_idx = 1;
+    auto unnamed = stored({1}, std::nullopt, {}, 16);
+    unnamed.medium.reset();
+    f.send(0, 0, {cpu, group1, unnamed});
+    EXPECT_EQ(f.overlap(0, {1, 2}), 1);
+    EXPECT_EQ(f.ingest.status(0).ignored, 2);
+    EXPECT_EQ(f.ingest.status(0).events, 1);
+}
+
+TEST(VllmIngest, PromptKeysAreTheEventIdsOfVllmHashes) {
+    VllmBlockHasher h(VllmHashScheme::kSha256Cbor);
+    const auto root = vllm_none_hash(VllmHashScheme::kSha256Cbor, "0");
+    const std::vector<int32_t> tokens = {1, 2, 3, 4, 5};
+    const auto keys = vllm_prompt_keys(h, root, tokens, 2);
+    const auto digests = h.hash_blocks(root, tokens, 2);
+    ASSERT_EQ(keys.size(), 2u);
+    EXPECT_EQ(keys[1], vllm_index_key(digests[1].event_id()));
+}
+
+TEST(VllmIngest, TheIndexCapDropsTheOldestStoredBlocks) {
+    KvIndex index(1);
+    VllmEventIngest ingest(index, 3);
+    uint64_t seq = 0;
+    auto send = [&](std::vector<VllmKvEvent> events) {
+        const auto s = encode_vllm_seq(seq++);
+        const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, std::move(events), 0});
+        ASSERT_EQ(ingest.on_batch(0, s, p).outcome, VllmEventIngest::Outcome::kApplied);
+    };
+    auto holds = [&](uint64_t id) { return index.contains(0, vllm_index_key(id)); };
+    send({stored({1, 2, 3}, std::nullopt, {}, 16)});
+    EXPECT_EQ(index.num_blocks(0), 3);
+    send({stored({1}, std::nullopt, {}, 16)});  // 1 is now the newest
+    send({stored({4}, 1, {}, 16)});             // over the cap: 2 (the oldest) goes
+    EXPECT_EQ(index.num_blocks(0), 3);
+    EXPECT_FALSE(holds(2));
+    EXPECT_TRUE(holds(1) && holds(3) && holds(4));
+    send({removed({3})});
+    send({stored({5, 6}, 4, {}, 16)});  // 1, 4, 5, 6: 1 goes
+    EXPECT_FALSE(holds(1));
+    EXPECT_TRUE(holds(4) && holds(5) && holds(6));
+    EXPECT_EQ(ingest.status(0).evicted, 2);
+    send({cleared()});
+    send({stored({7, 8, 9}, std::nullopt, {}, 16)});
+    EXPECT_EQ(index.num_blocks(0), 3);
+    EXPECT_EQ(ingest.status(0).evicted, 2);
+    EXPECT_THROW(VllmEventIngest(index, 0), Error);
+}
+
+}  // namespace
+}  // namespace kvshard

@@ -1,0 +1,157 @@
+// kvshard router serve: the KV-aware router as a service (HTTP JSON API), fed by vLLM engines' KV
+// event streams.
+#include <fmt/format.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "command.h"
+#include "kvshard/common/error.h"
+#include "kvshard/router/http_server.h"
+#include "kvshard/router/route_service.h"
+#include "kvshard/router/vllm_event_subscriber.h"
+
+namespace kvshard::cli {
+namespace {
+
+struct ServeFlags {
+    std::string listen = "127.0.0.1:8000";
+    std::vector<std::string> engines;
+    std::string policy = "kvshard";
+    int block_size = 16;
+    std::string hash = "vllm-sha256-cbor";
+    std::string hash_seed;
+    bool allow_remote = false;
+    int replay_timeout_ms = 1000;
+    int64_t index_cap_blocks = VllmEventIngest::kDefaultMaxBlocksPerReplica;
+};
+
+int g_stop_pipe_write = -1;
+
+extern "C" void on_stop_signal(int) {
+    const char c = 1;
+    (void)!write(g_stop_pipe_write, &c, 1);
+}
+
+RouterHttpOptions listen_options(const ServeFlags& f) {
+    const size_t colon = f.listen.rfind(':');
+    require(colon != std::string::npos && colon > 0 && colon + 1 < f.listen.size(), "--listen '",
+            f.listen, "': expected HOST:PORT, e.g. 127.0.0.1:8000");
+    RouterHttpOptions o;
+    o.host = f.listen.substr(0, colon);
+    if (o.host.size() > 2 && o.host.front() == '[' && o.host.back() == ']')
+        o.host = o.host.substr(1, o.host.size() - 2);
+    try {
+        size_t used = 0;
+        o.port = std::stoi(f.listen.substr(colon + 1), &used);
+        require(used == f.listen.size() - colon - 1, "");
+    } catch (const std::exception&) {
+        throw Error(detail::concat("--listen '", f.listen, "': the port is not a number"));
+    }
+    o.allow_remote = f.allow_remote;
+    check_listen_address(o);
+    return o;
+}
+
+void serve(const ServeFlags& f) {
+    require(f.replay_timeout_ms >= 1 && f.replay_timeout_ms <= 600000,
+            "--replay-timeout-ms must be 1 to 600000, got ", f.replay_timeout_ms);
+    RouteServiceConfig cfg;
+    cfg.policy = parse_routing_policy(f.policy);
+    cfg.scheme = parse_vllm_hash_scheme(f.hash);
+    cfg.hash_seed = f.hash_seed;
+    cfg.block_size = f.block_size;
+    std::vector<VllmEventEndpoint> endpoints;
+    for (const auto& text : f.engines) {
+        const VllmEngineSpec e = parse_vllm_engine_spec(text);
+        for (int k = 0; k < e.dp; ++k) {
+            const int replica = static_cast<int>(cfg.replica_names.size());
+            cfg.replica_names.push_back(e.dp == 1 ? e.name : fmt::format("{}/dp{}", e.name, k));
+            endpoints.push_back({replica, offset_endpoint_port(e.endpoint, k),
+                                 e.replay_endpoint.empty()
+                                     ? std::string()
+                                     : offset_endpoint_port(e.replay_endpoint, k),
+                                 ""});
+        }
+    }
+    const RouterHttpOptions http_options = listen_options(f);
+
+    // SIGTERM / SIGINT: the handler only writes a byte to a pipe (async-signal-safe; any thread
+    // may run it, libraries start threads of their own before main); a watcher thread reads it
+    // and stops the server.
+    int fds[2];
+    require(pipe(fds) == 0, "cannot create the signal pipe");
+    g_stop_pipe_write = fds[1];
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, nullptr);
+    sigaction(SIGINT, &sa, nullptr);
+
+    KvIndex index(static_cast<int>(cfg.replica_names.size()));
+    VllmSubscriberOptions sub_options;
+    sub_options.replay_timeout_ms = f.replay_timeout_ms;
+    require(f.index_cap_blocks >= 1, "--index-cap-blocks must be at least 1, got ",
+            f.index_cap_blocks);
+    sub_options.max_blocks_per_replica = f.index_cap_blocks;
+    VllmEventSubscriber subscriber(index, endpoints, sub_options);
+    RouteService service(cfg, [&subscriber](const auto& fn) {
+        subscriber.with_index(
+            [&fn](const KvIndex& idx, const VllmEventIngest& ingest) { fn(idx, &ingest); });
+    });
+    RouterHttpServer http(service, http_options);
+    std::thread waiter([&] {
+        char c = 0;
+        while (read(fds[0], &c, 1) < 0 && errno == EINTR) {
+        }
+        http.stop();
+    });
+    fmt::print("kvshard router: listening on http://{}:{} ({} replicas, policy {}, {})\n",
+               http_options.host, http.port(), cfg.replica_names.size(),
+               routing_policy_name(cfg.policy), vllm_hash_scheme_name(cfg.scheme));
+    std::fflush(stdout);
+    http.run();
+    subscriber.stop();
+    const char wake = 0;
+    (void)!write(fds[1], &wake, 1);  // the waiter, if run() ended for another reason
+    waiter.join();
+    fmt::print("kvshard router: stopped\n");
+    std::fflush(stdout);
+}
+
+void setup(CLI::App& app) {
+    auto f = std::make_shared<ServeFlags>();
+    auto* router = app.add_subcommand("router", "The KV-aware router as a service");
+    router->require_subcommand(1);
+    auto* sub = router->add_subcommand(
+        "serve",
+        "Route requests by the prefixes vLLM engines report in their KV events (HTTP API)");
+    sub->add_option("--listen", f->listen, "HOST:PORT to serve HTTP on (loopback by default)");
+    sub->add_option("--engine", f->engines,
+                    "NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]: an engine's KV event "
+                    "publisher (repeat per engine)")
+        ->required();
+    sub->add_option("--policy", f->policy,
+                    "round-robin | least-loaded | cache-aware | cost | kvshard");
+    sub->add_option("--block-size", f->block_size, "the engines' block size in tokens");
+    sub->add_option("--hash", f->hash, "vllm-sha256-cbor | vllm-xxhash-cbor (the engines' hash)");
+    sub->add_option("--hash-seed", f->hash_seed, "the engines' PYTHONHASHSEED")->required();
+    sub->add_flag("--allow-remote", f->allow_remote, "allow --listen on a non-loopback address");
+    sub->add_option("--replay-timeout-ms", f->replay_timeout_ms,
+                    "how long to wait for an engine's replay after a gap");
+    sub->add_option("--index-cap-blocks", f->index_cap_blocks,
+                    "blocks the index keeps per replica; past it the oldest are dropped");
+    sub->callback([f] { serve(*f); });
+}
+
+KVSHARD_COMMAND("router", setup);
+
+}  // namespace
+}  // namespace kvshard::cli
