@@ -18,8 +18,15 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
     opt.validate();
     DisaggPlan plan;
     plan.model = spec;
-    plan.model.kv_dtype = DType::kFp32;  // the reference model caches fp32 KV
-    const ModelSpec& m = plan.model;
+    const ModelSpec& m = plan.model;  // both sides' pools store m.kv_dtype
+    require(m.kv_dtype != DType::kFp8,
+            "--kv-dtype fp8 in a disaggregated run: the transfer moves pages but not yet their "
+            "per-block scales; use --kv-dtype fp32, bf16 or fp16 with --prefill/--decode, or fp8 "
+            "in a single-group run (--tp/--pp)");
+    require(m.kv_dtype == DType::kFp32 || (prefill.cp == 1 && decode.cp == 1), "--kv-dtype ",
+            dtype_name(m.kv_dtype),
+            " with a cp > 1 side: the context-parallel executor stores fp32 KV only; use "
+            "--kv-dtype fp32, or cp=1 on both sides");
     require(
         prefill.dp == 1 && decode.dp == 1,
         "disaggregated runs serve one replica on each side: use dp=1 for --prefill and --decode");

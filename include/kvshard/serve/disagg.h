@@ -99,8 +99,9 @@ struct DisaggReport {
 // every request's blocks before the start (CpSession::reserve) and streams each layer from the
 // session's layer hook; a CP decode side takes each request in before the transfer
 // (CpSession::adopt: its blocks for the positions its CP scheme gives it) and decodes with merged
-// partial attention. The model computes with an fp32 KV cache whatever m.kv_dtype says, as
-// generate() does.
+// partial attention. The model computes in fp32; both sides' pools store m.kv_dtype (fp32, bf16
+// or fp16; the transfer moves the stored bytes unchanged). fp8 (its per-block scales are not
+// transferred yet) and a non-fp32 dtype with a cp > 1 side are refused with an Error.
 DisaggReport disagg_generate(const ModelSpec& m, const ParallelConfig& prefill,
                              const ParallelConfig& decode, const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,
