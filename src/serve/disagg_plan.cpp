@@ -19,10 +19,10 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
     DisaggPlan plan;
     plan.model = spec;
     const ModelSpec& m = plan.model;  // both sides' pools store m.kv_dtype
-    require(m.kv_dtype != DType::kFp8,
-            "--kv-dtype fp8 in a disaggregated run: the transfer moves pages but not yet their "
-            "per-block scales; use --kv-dtype fp32, bf16 or fp16 with --prefill/--decode, or fp8 "
-            "in a single-group run (--tp/--pp)");
+    require(m.kv_dtype != DType::kFp8 || opt.prefill_block_size == opt.decode_block_size,
+            "--kv-dtype fp8 in a disaggregated run moves each block's codes with its per-block "
+            "scales: use the same block size on both sides (--decode-block-size ",
+            opt.decode_block_size, ", --block-size ", opt.prefill_block_size, ")");
     require(m.kv_dtype == DType::kFp32 || (prefill.cp == 1 && decode.cp == 1), "--kv-dtype ",
             dtype_name(m.kv_dtype),
             " with a cp > 1 side: the context-parallel executor stores fp32 KV only; use "

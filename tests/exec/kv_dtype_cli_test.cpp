@@ -1,7 +1,7 @@
 // `kvshard run --kv-dtype`: the pools hold the asked dtype. Per-rank KV bytes at one byte per
 // element plus the fp8 scales equal the layout's prediction; --verify checks sharded against
 // unsharded at that dtype and reports the fp32-KV run's distance beside it; the disaggregated run
-// moves bf16 pages (half the fp32 bytes) and refuses fp8 with a message.
+// moves bf16 pages (half the fp32 bytes) and fp8 pages with their block scales.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -75,10 +75,30 @@ TEST(KvDtypeCli, DisaggregatedRunMovesBf16AndRefusesFp8) {
     EXPECT_GT(jb["verify"]["fp32_reference"]["max_rel_err"].get<double>(), 1e-7);
     EXPECT_EQ(jb["transfer"]["bytes"], jb["transfer"]["min_bytes"]);
     EXPECT_EQ(2 * jb["transfer"]["bytes"].get<int64_t>(), jf["transfer"]["bytes"].get<int64_t>());
+}
 
-    const auto bad = run_cli(args + " --kv-dtype fp8");
+// fp8 through the transfer: pages byte for byte plus each block's scales; decode then matches the
+// unsharded fp8 run. Different block sizes on the two sides are refused (the scales are per block).
+TEST(KvDtypeCli, DisaggregatedRunMovesFp8WithScales) {
+    for (const std::string layouts :
+         {"--prefill tp=1 --decode tp=2", "--prefill tp=2,pp=2 --decode tp=4",
+          "--prefill pp=2 --decode tp=2,pp=2"}) {
+        const auto r = run_cli("run --model tiny --kv-dtype fp8 " + layouts +
+                               " --prompts 3 --prompt-len 21 --gen 6 --verify --json");
+        ASSERT_EQ(r.status, 0) << layouts << "\n" << r.out;
+        const auto j = nlohmann::json::parse(r.out);
+        EXPECT_EQ(j["kv_dtype"], "fp8");
+        EXPECT_EQ(j["verify"]["ok"], true) << layouts;
+        EXPECT_EQ(j["verify"]["tokens_match"], true) << layouts;
+        EXPECT_LT(j["verify"]["max_rel_err"].get<double>(), 1e-4) << layouts;
+        EXPECT_GT(j["verify"]["fp32_reference"]["max_rel_err"].get<double>(), 1e-6) << layouts;
+        EXPECT_EQ(j["failed_requests"], 0);
+    }
+    const auto bad = run_cli(
+        "run --model tiny --kv-dtype fp8 --prefill tp=1 --decode tp=2 --decode-block-size 8 "
+        "--prompts 1 --gen 2");
     EXPECT_EQ(bad.status, 2) << bad.out;
-    EXPECT_NE(bad.out.find("--kv-dtype fp8 in a disaggregated run"), std::string::npos) << bad.out;
+    EXPECT_NE(bad.out.find("use the same block size on both sides"), std::string::npos) << bad.out;
 }
 
 }  // namespace
