@@ -137,8 +137,9 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
         print_json(j.dump(2));
         return;
     }
-    fmt::print("{} ({} weights), {}, backend {}: {} prompt(s), generate {} token(s) each\n", m.name,
-               weights_from, p.to_string(), f.backend, prompt_count, f.gen);
+    fmt::print("{} ({} weights, {} KV), {}, backend {}: {} prompt(s), generate {} token(s) each\n",
+               m.name, weights_from, dtype_name(m.kv_dtype), p.to_string(), f.backend, prompt_count,
+               f.gen);
     fmt::print(
         "prefill: {} prompt tokens, {} computed, {} prefix-cache hits, {:.2f} ms, {:.0f} "
         "tokens/s\n",

@@ -204,11 +204,11 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
             print_json(j.dump(2));
         } else {
             fmt::print(
-                "{} ({} weights), backend {}: prefill {} ({} ranks) -> decode {} ({} ranks), {} "
-                "prompt(s), "
-                "generate {} token(s) each\n",
-                m.name, in.weights_from, backend_name(in.backend), pp.to_string(), pp.world_size(),
-                pd.to_string(), pd.world_size(), in.prompts.size(), in.gen);
+                "{} ({} weights, {} KV), backend {}: prefill {} ({} ranks) -> decode {} ({} "
+                "ranks), {} prompt(s), generate {} token(s) each\n",
+                m.name, in.weights_from, dtype_name(m.kv_dtype), backend_name(in.backend),
+                pp.to_string(), pp.world_size(), pd.to_string(), pd.world_size(), in.prompts.size(),
+                in.gen);
             fmt::print("prefill: {:.2f} ms, {} of {} prompt tokens computed{}\n",
                        r.prefill_seconds * 1e3, r.prefill_computed_tokens, r.prompt_tokens,
                        r.prefix_cache ? fmt::format(" (prefix cache: the decode side held {} "
