@@ -44,10 +44,11 @@ struct Outputs {
     std::vector<float> out, out_dequantized_ref;
 };
 
-// nq query heads over nkv KV heads, `cached` tokens then `fresh` query rows per sequence.
-Outputs run(DType t, PageOrder order, int64_t cached_len, int64_t fresh, uint32_t seed,
+// nq query heads over nkv KV heads of head_dim d, `cached` tokens then `fresh` query rows per
+// sequence.
+Outputs run(DType t, PageOrder order, int d, int64_t cached_len, int64_t fresh, uint32_t seed,
             std::vector<float>* fp32_out) {
-    const int nq = 4, nkv = 2, d = 32, bs = 8, nseq = 2;
+    const int nq = 4, nkv = 2, bs = 8, nseq = 2;
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> u(-1.f, 1.f);
     PageGeometry g{.num_layers = 1,
@@ -134,17 +135,23 @@ class KvDtypeAttention : public ::testing::TestWithParam<std::tuple<DType, PageO
 TEST_P(KvDtypeAttention, WithinTheDtypesBoundOfFp32) {
     const auto [t, order] = GetParam();
     // (cached, fresh): decode rows (streaming kernel) and prefill rows (GEMM kernel).
-    for (const auto& [cached, fresh] : {std::pair<int64_t, int64_t>{37, 1}, {0, 45}, {13, 20}}) {
-        std::vector<float> fp32;
-        const Outputs r = run(t, order, cached, fresh, uint32_t(cached * 100 + fresh), &fp32);
-        const double err = rel_l2(r.out, fp32);
-        EXPECT_LT(err, bound(t)) << dtype_name(t) << " cached " << cached << " fresh " << fresh;
-        EXPECT_GT(err, 1e-7) << dtype_name(t)
-                             << ": the output equals fp32 KV's, so the pool did "
-                                "not store the narrow type";
-        EXPECT_LT(rel_l2(r.out, r.out_dequantized_ref), 2e-5)
-            << dtype_name(t) << ": attention over the stored values";
-    }
+    // (cached, fresh): decode rows (streaming kernel) and prefill rows (GEMM kernel), at head sizes
+    // with and without the unrolled kernels.
+    for (const int d : {32, 64, 128})
+        for (const auto& [cached, fresh] :
+             {std::pair<int64_t, int64_t>{37, 1}, {0, 45}, {13, 20}}) {
+            std::vector<float> fp32;
+            const Outputs r =
+                run(t, order, d, cached, fresh, uint32_t(d + cached * 100 + fresh), &fp32);
+            const double err = rel_l2(r.out, fp32);
+            EXPECT_LT(err, bound(t))
+                << dtype_name(t) << " d " << d << " cached " << cached << " fresh " << fresh;
+            EXPECT_GT(err, 1e-7) << dtype_name(t)
+                                 << ": the output equals fp32 KV's, so the pool "
+                                    "did not store the narrow type";
+            EXPECT_LT(rel_l2(r.out, r.out_dequantized_ref), 2e-5)
+                << dtype_name(t) << " d " << d << ": attention over the stored values";
+        }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, KvDtypeAttention,
