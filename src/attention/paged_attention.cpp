@@ -23,7 +23,7 @@ constexpr int kPrefetchRuns = 4;  // decode: (block, KV head) steps to prefetch 
 void check_args(const BlockPool& pool, int layer, const PagedKv& kv, const QueryBatch& qb,
                 const AttentionParams& p) {
     const auto& g = pool.geometry();
-    KVSHARD_CHECK(g.dtype == DType::kFp32 && g.kv_factor == 2, "attention needs an fp32 K/V pool");
+    KVSHARD_CHECK(g.kv_factor == 2, "attention needs a K/V pool (kv_factor 2)");
     KVSHARD_CHECK(layer >= 0 && layer < g.num_layers, "layer ", layer, " not in the pool");
     KVSHARD_CHECK(g.head_dim == p.head_dim && g.num_heads == p.num_kv_heads,
                   "pool geometry (heads ", g.num_heads, ", head_dim ", g.head_dim,
@@ -37,14 +37,19 @@ void check_args(const BlockPool& pool, int layer, const PagedKv& kv, const Query
                   "kv_pos_indptr size");
 }
 
-// Where token j of sequence i lives for KV head h: pointer to its head_dim floats.
+// Where token j of sequence i lives for KV head h: pointer to its head_dim floats. An fp32 pool is
+// read in place; a bf16 / fp16 / fp8 pool's pages of the batch (this layer, K and V) are first
+// converted to fp32 into `staged`, [kv][position in kv.indices][page_elems], in page order, so
+// that the kernels below run unchanged on the stored values (docs/cache.md, "Element types").
 struct PageView {
     const BlockPool* pool;
     const PagedKv* kv;
     int layer, block_size, head_dim;
     int64_t head_stride_elems, token_stride;  // within a page
+    const float* staged = nullptr;            // null for an fp32 pool
+    int64_t page_elems = 0, staged_pages = 0;
 
-    PageView(const BlockPool& p, const PagedKv& k, int l)
+    PageView(const BlockPool& p, const PagedKv& k, int l, std::vector<float>* stage = nullptr)
         : pool(&p),
           kv(&k),
           layer(l),
@@ -53,10 +58,23 @@ struct PageView {
         const auto& g = p.geometry();
         head_stride_elems = g.elem_in_page(1, 0, 0) - g.elem_in_page(0, 0, 0);
         token_stride = g.elem_in_page(0, 1, 0) - g.elem_in_page(0, 0, 0);
+        page_elems = g.page_elems();
+        if (g.dtype != DType::kFp32) {
+            KVSHARD_CHECK(stage != nullptr, "a non-fp32 pool is read through a staging buffer");
+            staged_pages = int64_t(k.indices.size());
+            stage->resize(size_t(2 * staged_pages * page_elems));
+            for (int which = 0; which < 2; ++which)
+                for (int64_t i = 0; i < staged_pages; ++i)
+                    dequantize_page(p, l, which, k.indices[size_t(i)],
+                                    stage->data() + (which * staged_pages + i) * page_elems);
+            staged = stage->data();
+        }
     }
     const float* block_ptr(int which, int seq, int64_t b, int head) const {
-        const int32_t blk = kv->indices[kv->indptr[seq] + b];
-        return pool->page_f32(layer, which, blk) + head * head_stride_elems;
+        const int64_t at = kv->indptr[seq] + b;
+        if (staged)
+            return staged + (which * staged_pages + at) * page_elems + head * head_stride_elems;
+        return pool->page_f32(layer, which, kv->indices[size_t(at)]) + head * head_stride_elems;
     }
     const float* token(int which, int seq, int64_t j, int head) const {
         return block_ptr(which, seq, j / block_size, head) + (j % block_size) * token_stride;
@@ -86,7 +104,7 @@ void visible_counts(const QueryBatch& qb, const PagedKv& kv, int i, int block_si
 }
 
 struct Workspace {
-    std::vector<float> k, v, q, s, o, m, l;
+    std::vector<float> k, v, q, s, o, m, l, staged;
     std::vector<int64_t> vis;
 };
 
@@ -249,7 +267,7 @@ void paged_attention(const BlockPool& pool, int layer, const PagedKv& kv, const 
                      const AttentionParams& p, const float* q, float* out, float* lse) {
     check_args(pool, layer, kv, qb, p);
     thread_local Workspace ws;
-    const PageView pv(pool, kv, layer);
+    const PageView pv(pool, kv, layer, &ws.staged);
     const int group = p.num_q_heads / p.num_kv_heads;
     for (int i = 0; i < qb.batch(); ++i) {
         const int32_t r0 = qb.q_indptr[i], r1 = qb.q_indptr[i + 1];
@@ -269,7 +287,8 @@ void paged_attention_reference(const BlockPool& pool, int layer, const PagedKv& 
                                const QueryBatch& qb, const AttentionParams& p, const float* q,
                                float* out, float* lse) {
     check_args(pool, layer, kv, qb, p);
-    const PageView pv(pool, kv, layer);
+    std::vector<float> staged;
+    const PageView pv(pool, kv, layer, &staged);
     const int d = p.head_dim, group = p.num_q_heads / p.num_kv_heads;
     std::vector<int64_t> vis;
     std::vector<double> s;
@@ -310,7 +329,7 @@ void paged_attention_reference(const BlockPool& pool, int layer, const PagedKv& 
 void write_kv(BlockPool& pool, int layer, const PagedKv& kv, std::span<const int32_t> indptr,
               std::span<const int64_t> slots, const float* k, const float* v) {
     const auto& g = pool.geometry();
-    KVSHARD_CHECK(g.dtype == DType::kFp32 && g.kv_factor == 2, "write_kv needs an fp32 K/V pool");
+    KVSHARD_CHECK(g.kv_factor == 2, "write_kv needs a K/V pool (kv_factor 2)");
     KVSHARD_CHECK(int(indptr.size()) == kv.batch() + 1, "indptr has ", indptr.size(),
                   " entries for a batch of ", kv.batch());
     const int d = g.head_dim, bs = g.block_size, nh = g.num_heads;
@@ -322,12 +341,9 @@ void write_kv(BlockPool& pool, int layer, const PagedKv& kv, std::span<const int
                           " blocks of sequence ", i);
             const int32_t blk = kv.indices[kv.indptr[i] + slot / bs];
             const int off = int(slot % bs);
-            float* kp = pool.page_f32(layer, 0, blk);
-            float* vp = pool.page_f32(layer, 1, blk);
             for (int h = 0; h < nh; ++h) {
-                const int64_t e = g.elem_in_page(h, off, 0);
-                std::memcpy(kp + e, k + (int64_t{t} * nh + h) * d, size_t(d) * sizeof(float));
-                std::memcpy(vp + e, v + (int64_t{t} * nh + h) * d, size_t(d) * sizeof(float));
+                store_vector(pool, layer, 0, blk, h, off, k + (int64_t{t} * nh + h) * d);
+                store_vector(pool, layer, 1, blk, h, off, v + (int64_t{t} * nh + h) * d);
             }
         }
     }

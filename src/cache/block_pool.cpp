@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <new>
 
 #include "kvshard/common/error.h"
@@ -87,6 +89,99 @@ int64_t num_blocks_for_budget(std::span<const PageGeometry> ranks, int64_t budge
         blocks = std::min(blocks, budget_bytes / per_block);
     }
     return blocks;
+}
+
+namespace {
+
+// The smallest power of two s with amax <= kFp8E4m3Max * s (amax > 0, finite).
+float fp8_scale_for(float amax) {
+    int e = 0;
+    std::frexp(amax / kFp8E4m3Max, &e);  // amax / 448 in [2^(e-1), 2^e)
+    float s = std::ldexp(1.0f, e - 1);
+    if (s * kFp8E4m3Max < amax) s *= 2;
+    return std::max(s, std::numeric_limits<float>::min());
+}
+
+uint8_t encode_fp8(float x, float scale) {
+    return scale > 0 ? float_to_fp8_e4m3(x / scale) : float_to_fp8_e4m3(std::isnan(x) ? x : 0.0f);
+}
+
+}  // namespace
+
+void store_vector(BlockPool& pool, int layer, int kv, int64_t block, int head, int slot,
+                  const float* x) {
+    const PageGeometry& g = pool.geometry();
+    std::byte* page = pool.page(layer, kv, block);
+    const int d = g.head_dim;
+    const int64_t at = g.elem_in_page(head, slot, 0);
+    switch (g.dtype) {
+        case DType::kFp32:
+            std::memcpy(page + at * 4, x, size_t(d) * sizeof(float));
+            return;
+        case DType::kBf16:
+        case DType::kFp16: {
+            auto* dst = reinterpret_cast<uint16_t*>(page) + at;
+            if (g.dtype == DType::kBf16)
+                for (int i = 0; i < d; ++i) dst[i] = float_to_bf16(x[i]);
+            else
+                for (int i = 0; i < d; ++i) dst[i] = float_to_fp16(x[i]);
+            return;
+        }
+        case DType::kFp8: {
+            auto* q = reinterpret_cast<uint8_t*>(page);
+            float amax = 0;
+            for (int i = 0; i < d; ++i)
+                if (std::isfinite(x[i])) amax = std::max(amax, std::fabs(x[i]));
+            float s = slot == 0 ? 0.0f : pool.scale(layer, kv, block, head);
+            if (amax > kFp8E4m3Max * s) {
+                const float ns = fp8_scale_for(amax);
+                for (int t = 0; t < slot; ++t)
+                    for (int i = 0; i < d; ++i) {
+                        uint8_t& c = q[g.elem_in_page(head, t, i)];
+                        c = encode_fp8(fp8_e4m3_to_float(c) * s, ns);
+                    }
+                s = ns;
+                pool.set_scale(layer, kv, block, head, s);
+            } else if (slot == 0) {
+                pool.set_scale(layer, kv, block, head, 0.0f);
+            }
+            for (int i = 0; i < d; ++i) q[at + i] = encode_fp8(x[i], s);
+            return;
+        }
+    }
+}
+
+void dequantize_page(const BlockPool& pool, int layer, int kv, int64_t block, float* out) {
+    const PageGeometry& g = pool.geometry();
+    const std::byte* page = pool.page(layer, kv, block);
+    const int64_t n = g.page_elems();
+    switch (g.dtype) {
+        case DType::kFp32:
+            std::memcpy(out, page, size_t(n) * sizeof(float));
+            return;
+        case DType::kBf16: {
+            const auto* src = reinterpret_cast<const uint16_t*>(page);
+            for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(src[i]);
+            return;
+        }
+        case DType::kFp16: {
+            const auto* src = reinterpret_cast<const uint16_t*>(page);
+            for (int64_t i = 0; i < n; ++i) out[i] = fp16_to_float(src[i]);
+            return;
+        }
+        case DType::kFp8: {
+            const auto* src = reinterpret_cast<const uint8_t*>(page);
+            for (int h = 0; h < g.num_heads; ++h) {
+                const float s = pool.scale(layer, kv, block, h);
+                for (int t = 0; t < g.block_size; ++t) {
+                    const int64_t at = g.elem_in_page(h, t, 0);
+                    for (int i = 0; i < g.head_dim; ++i)
+                        out[at + i] = fp8_e4m3_to_float(src[at + i]) * s;
+                }
+            }
+            return;
+        }
+    }
 }
 
 void convert_page(const std::byte* src, PageOrder from, std::byte* dst, PageOrder to,

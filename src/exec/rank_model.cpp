@@ -72,7 +72,7 @@ PageGeometry geometry_for(const ModelWeights& w, int block_size, PageOrder order
     g.num_heads = w.shard.num_kv_heads();
     g.block_size = block_size;
     g.head_dim = w.spec.head_dim;
-    g.dtype = DType::kFp32;
+    g.dtype = w.spec.kv_dtype;  // the pool stores this; the model computes in fp32
     g.order = order;
     return g;
 }

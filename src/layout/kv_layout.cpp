@@ -226,9 +226,12 @@ KvLayout make_layout(const ModelSpec& m, const ParallelConfig& p) {
                 rg.kv_heads = 1;
                 rg.bytes_per_token =
                     n * ((int64_t{m.mla.kv_lora_rank} + m.mla.qk_rope_head_dim) * e + index_bytes);
+                if (m.kv_dtype == DType::kFp8) rg.scale_bytes_per_block = n * 4;
             } else if (holds_tokens(g.kind)) {
                 rg.kv_heads = std::max(1, g.num_kv_heads / p.tp);
                 rg.bytes_per_token = n * (2 * int64_t{rg.kv_heads} * g.head_dim * e + index_bytes);
+                if (m.kv_dtype == DType::kFp8)
+                    rg.scale_bytes_per_block = n * 2 * int64_t{rg.kv_heads} * 4;
             } else {
                 rg.kv_heads = std::max(1, m.state.heads / p.tp);
                 rg.state_bytes_per_sequence = n * state_bytes(m.state, p.tp);
@@ -331,7 +334,8 @@ nlohmann::json groups_json(const RankKv& r) {
                        {"window", w},
                        {"kv_heads", g.kv_heads},
                        {"bytes_per_token", g.bytes_per_token},
-                       {"state_bytes_per_sequence", g.state_bytes_per_sequence}});
+                       {"state_bytes_per_sequence", g.state_bytes_per_sequence},
+                       {"scale_bytes_per_block", g.scale_bytes_per_block}});
     }
     return out;
 }
@@ -408,11 +412,9 @@ int64_t request_bytes(const KvLayout& l, int rank, int64_t seq_len, int block_si
             continue;
         }
         // Saturating: a search may ask for lengths whose bytes exceed 64 bits (they never fit).
-        bytes = sat_add(
-            bytes,
-            sat_mul(sat_mul(group_blocks(l.parallel, g, rk.coord.cp, seq_len, block_size, peak),
-                            block_size),
-                    g.bytes_per_token));
+        const int64_t blocks = group_blocks(l.parallel, g, rk.coord.cp, seq_len, block_size, peak);
+        bytes = sat_add(bytes, sat_add(sat_mul(sat_mul(blocks, block_size), g.bytes_per_token),
+                                       sat_mul(blocks, g.scale_bytes_per_block)));
     }
     return bytes;
 }

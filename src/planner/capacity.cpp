@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdio>
 
+#include "kvshard/common/checked.h"
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -125,8 +126,13 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
         rc.kv_bytes_per_token = layout.ranks[r].kv_bytes_per_token;
         rc.state_bytes_per_sequence = layout.ranks[r].state_bytes_per_sequence;
         rc.kv_budget_bytes = usable - rc.weights.total() - options.activation_reserve_bytes;
+        // Whole blocks of bs tokens, each with its fp8 scales (0 at other dtypes: then this is
+        // floor(floor(budget / per_token) / bs) * bs).
+        int64_t scales = 0;
+        for (const RankKvGroup& g : layout.ranks[r].groups) scales += g.scale_bytes_per_block;
+        const int64_t per_block = sat_add(sat_mul(bs, rc.kv_bytes_per_token), scales);
         rc.kv_tokens = rc.kv_budget_bytes > 0 && rc.kv_bytes_per_token > 0
-                           ? rc.kv_budget_bytes / rc.kv_bytes_per_token / bs * bs
+                           ? rc.kv_budget_bytes / per_block * bs
                            : 0;
     }
     int lim = 0;

@@ -26,6 +26,9 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
     check_prompts(prompts, m.vocab, opt.max_new_tokens);
     require(!m.is_mla(), m.name, ": context parallelism runs GQA/MHA models here, not MLA");
+    require(m.kv_dtype == DType::kFp32, "--kv-dtype ", dtype_name(m.kv_dtype), " with cp=", p.cp,
+            ": the context-parallel executor (its KV ring and prefix moves) stores fp32 KV only; "
+            "use --kv-dtype fp32 under CP, or cp=1 for bf16, fp16 or fp8 pools");
     require(p.ep == 1, "ep=", p.ep, " with cp=", p.cp,
             ": the context-parallel executor replicates the experts on every rank and runs no "
             "all-to-all, so expert parallelism under CP is not executed; use --ep 1 (the planner "

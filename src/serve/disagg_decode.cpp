@@ -1,6 +1,7 @@
 // The decode side of a disaggregated run: take every request's KV in, agree on which requests
 // failed, and decode the others from the prefill's first token.
 #include "kvshard/common/error.h"
+#include "kvshard/transfer/pack.h"
 #include "serve/disagg_run.h"
 
 namespace kvshard::serve {
@@ -47,6 +48,15 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
                                        ", whose transfer failed");
         }
     }
+    // fp8: the block scales of every message this rank received, from its source rank.
+    for (int i = 0; i < n; ++i)
+        for (const TransferMessage& msg : plan.transfers[i]->messages) {
+            const int64_t count = message_scales(*plan.transfers[i], msg);
+            if (msg.dst_rank != d || count == 0) continue;
+            std::vector<float> scales(static_cast<size_t>(count));
+            world.recv(std::span<float>(scales), msg.src_rank, kTagScales);
+            unpack_scales(*plan.transfers[i], msg, scales, model.pool());
+        }
 
     std::vector<int32_t> first(static_cast<size_t>(n), 0);
     world.recv(std::span<int32_t>(first), rank_of(plan.prefill, 0, plan.prefill.pp - 1, 0, 0),

@@ -18,8 +18,15 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
     opt.validate();
     DisaggPlan plan;
     plan.model = spec;
-    plan.model.kv_dtype = DType::kFp32;  // the reference model caches fp32 KV
-    const ModelSpec& m = plan.model;
+    const ModelSpec& m = plan.model;  // both sides' pools store m.kv_dtype
+    require(m.kv_dtype != DType::kFp8 || opt.prefill_block_size == opt.decode_block_size,
+            "--kv-dtype fp8 in a disaggregated run moves each block's codes with its per-block "
+            "scales: use the same block size on both sides (--decode-block-size ",
+            opt.decode_block_size, ", --block-size ", opt.prefill_block_size, ")");
+    require(m.kv_dtype == DType::kFp32 || (prefill.cp == 1 && decode.cp == 1), "--kv-dtype ",
+            dtype_name(m.kv_dtype),
+            " with a cp > 1 side: the context-parallel executor stores fp32 KV only; use "
+            "--kv-dtype fp32, or cp=1 on both sides");
     require(
         prefill.dp == 1 && decode.dp == 1,
         "disaggregated runs serve one replica on each side: use dp=1 for --prefill and --decode");

@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "kvshard/common/error.h"
+#include "kvshard/transfer/pack.h"
 #include "kvshard/transfer/source_checksums.h"
 #include "serve/disagg_run.h"
 
@@ -109,6 +110,23 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
             times.first_send = times.first_send < 0 ? at : std::min(times.first_send, at);
         }
     }
+    // fp8: each message's block scales follow its pages (they are final once the prompt is
+    // written), in request and message order.
+    std::vector<std::vector<float>> scales;
+    std::vector<Request> scale_sends;
+    for (int i = 0; i < n; ++i)
+        for (const TransferMessage& msg : plan.transfers[i]->messages) {
+            if (msg.src_rank != me || message_scales(*plan.transfers[i], msg) == 0) continue;
+            scales.emplace_back(static_cast<size_t>(message_scales(*plan.transfers[i], msg)));
+            pack_scales(*plan.transfers[i], msg, model.pool(), scales.back());
+        }
+    for (int i = 0, k = 0; i < n; ++i)
+        for (const TransferMessage& msg : plan.transfers[i]->messages) {
+            if (msg.src_rank != me || message_scales(*plan.transfers[i], msg) == 0) continue;
+            scale_sends.push_back(world.isend(std::span<const float>(scales[size_t(k++)]),
+                                              plan.prefill_ranks + msg.dst_rank, kTagScales));
+        }
+    wait_all(scale_sends);
     const int prefill_last = rank_of(plan.prefill, 0, plan.prefill.pp - 1, 0, 0);
     if (me != prefill_last) return;
     std::vector<int32_t> first(static_cast<size_t>(n), 0);

@@ -18,8 +18,10 @@
 
 namespace kvshard::serve {
 
-inline constexpr int kTagFirstTokens = 0x7A001;   // prefill last stage -> every decode rank
-inline constexpr int kTagDecodeTokens = 0x7A002;  // decode last stage -> earlier decode stages
+inline constexpr int kTagFirstTokens = 0x7A001;  // prefill last stage -> every decode rank
+inline constexpr int kTagDecodeTokens = 0x7A002;
+inline constexpr int kTagScales = 0x7A003;  // fp8: a message's block scales, source -> destination
+                                            // // decode last stage -> earlier decode stages
 
 // Per request, per CP rank of a side: the request's blocks there.
 using CpTables = std::vector<std::vector<std::vector<int32_t>>>;

@@ -13,9 +13,11 @@ namespace {
 
 constexpr int kTagTokens = 102;  // last pipeline stage -> earlier stages of its replica
 
-// Distinct tokens held in the blocks of the given sequences (shared prefix blocks count once).
+// Distinct tokens held in the blocks of the given sequences (shared prefix blocks count once), and
+// the distinct blocks holding them.
 template <typename Tables>
-int64_t distinct_kv_tokens(const Tables& t, const std::vector<int64_t>& seqs, int block_size) {
+std::pair<int64_t, int64_t> distinct_kv_tokens(const Tables& t, const std::vector<int64_t>& seqs,
+                                               int block_size) {
     std::map<int32_t, int64_t> fill;
     for (int64_t s : seqs) {
         const auto table = t.block_table(s);
@@ -28,7 +30,7 @@ int64_t distinct_kv_tokens(const Tables& t, const std::vector<int64_t>& seqs, in
     }
     int64_t n = 0;
     for (const auto& [b, f] : fill) n += f;
-    return n;
+    return {n, int64_t(fill.size())};
 }
 
 }  // namespace
@@ -50,8 +52,7 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                           const TensorSource& weights,
                           const std::vector<std::vector<int32_t>>& prompts,
                           const GenerationOptions& opt, Communicator* world) {
-    ModelSpec m = spec;
-    m.kv_dtype = DType::kFp32;  // the reference computes and caches in fp32
+    const ModelSpec& m = spec;  // the pools store m.kv_dtype; the model computes in fp32
     const KvLayout layout = make_layout(m, p);
     if (p.cp > 1) return cp_generate(spec, p, weights, prompts, opt, world);  // serve/cp_generate
     const int world_size = world ? world->size() : 1, rank = world ? world->rank() : 0;
@@ -136,9 +137,19 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
         }
         rep.decode_seconds = serve::seconds_since(t0);
     }
-    rep.kv_tokens = distinct_kv_tokens(tables, seqs, bs);
-    rep.kv_bytes = rep.kv_tokens * model.pool().geometry().bytes_per_token();
-    rep.kv_bytes_predicted = rep.kv_tokens * me.kv_bytes_per_token;
+    // Measured: the pool's bytes of the distinct blocks in use (elements and, fp8, scales).
+    // Predicted: the layout's bytes of each request (request_kv_bytes at m.kv_dtype), less one
+    // block's (the layout's bytes of one full block) per block the prefix cache shares.
+    const auto [kv_tokens, kv_blocks] = distinct_kv_tokens(tables, seqs, bs);
+    rep.kv_tokens = kv_tokens;
+    rep.kv_bytes = kv_blocks * model.pool().geometry().block_bytes();
+    int64_t request_blocks = 0;
+    for (int64_t s : seqs) {
+        const int64_t len = tables.num_tokens(s);
+        rep.kv_bytes_predicted += request_kv_bytes(layout, rank, len, bs);
+        request_blocks += (len + bs - 1) / bs;
+    }
+    rep.kv_bytes_predicted -= (request_blocks - kv_blocks) * request_kv_bytes(layout, rank, bs, bs);
     row.replica_hit_tokens = rep.prefix_hit_tokens;
 
     // The last stage's first TP rank of each replica brings the results.

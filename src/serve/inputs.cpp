@@ -119,7 +119,9 @@ RankBytes rank_bytes(const ModelSpec& m, const KvLayout& layout, int rank, int b
 RunMemoryEstimate estimate_run_memory(const ModelSpec& spec, const std::vector<RunGroup>& groups,
                                       const RunShape& shape) {
     ModelSpec m = spec;
-    m.kv_dtype = DType::kFp32;  // the reference caches fp32
+    // fp32: the largest KV dtype (an upper bound at any --kv-dtype), and what --verify's fp32-KV
+    // reference stores (a run at another dtype also runs its reference at that dtype, after it).
+    m.kv_dtype = DType::kFp32;
     RunMemoryEstimate e;
     for (const RunGroup& g : groups) {
         require(g.block_size >= 1, "block size must be at least 1, got ", g.block_size);

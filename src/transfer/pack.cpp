@@ -704,6 +704,41 @@ void for_each_unit(const TransferMessage& msg, int kv_factor, F&& f) {
 
 }  // namespace
 
+int64_t message_scales(const TransferPlan& plan, const TransferMessage& msg) {
+    if (plan.src.layout.model.kv_dtype != DType::kFp8) return 0;
+    return int64_t{msg.num_layers()} * plan.kv_factor * static_cast<int64_t>(msg.pieces.size()) *
+           msg.num_heads();
+}
+
+void pack_scales(const TransferPlan& plan, const TransferMessage& msg, const BlockPool& pool,
+                 std::span<float> out) {
+    check_pool(plan, msg, true, pool, msg.bytes);
+    require(static_cast<int64_t>(out.size()) == message_scales(plan, msg),
+            "pack_scales: ", out.size(), " floats for the ", message_scales(plan, msg),
+            " scales of the message");
+    const RankKv& rk = plan.src.layout.ranks[static_cast<size_t>(msg.src_rank)];
+    const int h0 = rk.kv_heads.front();
+    size_t i = 0;
+    for_each_unit(msg, plan.kv_factor, [&](int l, int kv, const TransferPiece& p, int h) {
+        out[i++] = pool.scale(l - rk.layer_begin, kv, p.src_block, h - h0);
+    });
+}
+
+void unpack_scales(const TransferPlan& plan, const TransferMessage& msg, std::span<const float> in,
+                   BlockPool& pool) {
+    check_pool(plan, msg, false, pool, msg.bytes);
+    require(static_cast<int64_t>(in.size()) == message_scales(plan, msg),
+            "unpack_scales: ", in.size(), " floats for the ", message_scales(plan, msg),
+            " scales of the message");
+    const RankKv& rk = plan.dst.layout.ranks[static_cast<size_t>(msg.dst_rank)];
+    const int h0 = rk.kv_heads.front();
+    size_t i = 0;
+    for_each_unit(msg, plan.kv_factor, [&](int l, int kv, const TransferPiece& p, int h) {
+        KVSHARD_CHECK(p.src_slot == p.dst_slot, "an fp8 piece keeps its slots");
+        pool.set_scale(l - rk.layer_begin, kv, p.dst_block, h - h0, in[i++]);
+    });
+}
+
 std::optional<uint64_t> unit_checksum(const TransferPlan& plan, const TransferMessage& msg,
                                       const SourceChecksums& sums) {
     check_pool(plan, msg, true, sums.pool(), msg.bytes);

@@ -169,6 +169,13 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
     validate_endpoint(dst, "destination", num_tokens);
 
     const ModelSpec& m = src.layout.model;
+    if (m.kv_dtype == DType::kFp8)
+        require(src.block_size == dst.block_size && src.layout.parallel.cp == 1 &&
+                    dst.layout.parallel.cp == 1,
+                "an fp8 transfer keeps each block's codes and per-block scales: both sides need "
+                "the same block size and cp=1, got block sizes ",
+                src.block_size, " and ", dst.block_size, ", cp=", src.layout.parallel.cp,
+                " and cp=", dst.layout.parallel.cp);
     TransferPlan plan;
     plan.src = src;
     plan.dst = dst;

@@ -167,8 +167,9 @@ TEST_P(ReferenceModelTest, MatchesNaiveRecomputation) {
     ASSERT_EQ(r.ranks.size(), 1u);
     // prompt + generated - 1 tokens are cached per sequence
     EXPECT_EQ(r.ranks[0].kv_tokens, (13 + 4) + (20 + 4) + (1 + 4));
+    // Whole blocks: ceil(17 / 4) + ceil(24 / 4) + ceil(5 / 4) blocks of 4 tokens at fp32.
     EXPECT_EQ(r.ranks[0].kv_bytes,
-              r.ranks[0].kv_tokens * m.num_layers * 2 * m.num_kv_heads * m.head_dim * 4);
+              (5 + 6 + 2) * 4 * m.num_layers * 2 * m.num_kv_heads * m.head_dim * 4);
     EXPECT_EQ(r.ranks[0].kv_bytes, r.ranks[0].kv_bytes_predicted);
 }
 

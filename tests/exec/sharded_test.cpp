@@ -93,7 +93,12 @@ TEST_P(ShardedTest, MatchesUnsharded) {
     for (const auto& r : got.ranks) {
         EXPECT_GT(r.kv_tokens, 0) << "rank " << r.rank;
         EXPECT_EQ(r.kv_bytes, r.kv_bytes_predicted) << "rank " << r.rank;
-        EXPECT_EQ(r.kv_bytes, r.kv_tokens * layout.ranks[size_t(r.rank)].kv_bytes_per_token);
+        // fp32: whole blocks of the rank's bytes per token (no scales)
+        const int64_t block =
+            int64_t{options().block_size} * layout.ranks[size_t(r.rank)].kv_bytes_per_token;
+        EXPECT_EQ(r.kv_bytes % block, 0) << "rank " << r.rank;
+        EXPECT_GE(r.kv_bytes / block,
+                  (r.kv_tokens + options().block_size - 1) / options().block_size);
     }
     // Each replica holds its own prompts' tokens: the KV tokens of a DP replica's ranks agree, and
     // over the replicas they add up to the unsharded run's.

@@ -69,6 +69,20 @@ TEST(Capacity, MlaLatentIsNotSplitByTp) {
     EXPECT_EQ(compute_capacity(m, cfg(8), hw).kv_bytes_per_token, 61 * (512 + 64) * 1);
 }
 
+// fp8 KV: whole blocks of 1 byte per element plus one fp32 scale per layer, K/V and KV head.
+TEST(Capacity, Fp8BlocksCountTheirScales) {
+    auto m = catalog_model("llama-3.1-8b");
+    m.kv_dtype = DType::kFp8;
+    const auto hw = hardware_by_name("h100-sxm");
+    const auto rep = compute_capacity(m, cfg(2), hw);
+    const auto& r0 = rep.ranks[0];
+    const int64_t per_token = 32LL * 2 * 4 * 128;  // layers * K/V * heads per rank * head_dim
+    EXPECT_EQ(r0.kv_bytes_per_token, per_token);
+    const int64_t block = 16 * per_token + 32LL * 2 * 4 * 4;
+    EXPECT_EQ(rep.kv_tokens_per_gpu, r0.kv_budget_bytes / block * 16);
+    EXPECT_LT(rep.kv_tokens_per_gpu, r0.kv_budget_bytes / per_token / 16 * 16);
+}
+
 TEST(Capacity, ExpertsUnderEpAreWholeAndUnderTpAreSplit) {
     const auto m = catalog_model("mixtral-8x7b");
     const int64_t expert = 3LL * 4096 * 14336;

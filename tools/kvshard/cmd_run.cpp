@@ -25,6 +25,7 @@
 #include "kvshard/serve/verify.h"
 #include "options.h"
 #include "run_disagg.h"
+#include "verify_output.h"
 
 namespace kvshard::cli {
 namespace {
@@ -109,38 +110,36 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
                              {"kv_bytes_predicted", rr.kv_bytes_predicted},
                              {"prefix_hit_tokens", rr.prefix_hit_tokens}});
         }
-        nlohmann::json j = {
-            {"model", m.name},
-            {"weights", weights_from},
-            {"parallel", nlohmann::json::parse(to_json(p))},
-            {"backend", f.backend},
-            {"prompts", prompt_count},
-            {"gen", f.gen},
-            {"prefill",
-             {{"prompt_tokens", r.prompt_tokens},
-              {"computed_tokens", r.computed_prompt_tokens},
-              {"seconds", r.prefill_seconds},
-              {"tokens_per_s", prefill_tps}}},
-            {"decode",
-             {{"tokens", decode_tokens},
-              {"seconds", r.decode_seconds},
-              {"tokens_per_s", decode_tps}}},
-            {"prefix_cache",
-             {{"on", r.prefix_cache},
-              {"note", r.prefix_cache_note},
-              {"hit_tokens", r.prefix_hit_tokens},
-              {"prompt_tokens", r.prompt_tokens}}},
-            {"tokens", r.tokens},
-            {"ranks", ranks},
-            {"verify", v ? nlohmann::json{{"max_rel_err", v->max_rel_err},
-                                          {"tokens_match", v->tokens_match},
-                                          {"non_finite_logits", v->non_finite_logits}}
-                         : nlohmann::json(nullptr)}};
+        nlohmann::json j = {{"model", m.name},
+                            {"weights", weights_from},
+                            {"parallel", nlohmann::json::parse(to_json(p))},
+                            {"backend", f.backend},
+                            {"prompts", prompt_count},
+                            {"gen", f.gen},
+                            {"prefill",
+                             {{"prompt_tokens", r.prompt_tokens},
+                              {"computed_tokens", r.computed_prompt_tokens},
+                              {"seconds", r.prefill_seconds},
+                              {"tokens_per_s", prefill_tps}}},
+                            {"decode",
+                             {{"tokens", decode_tokens},
+                              {"seconds", r.decode_seconds},
+                              {"tokens_per_s", decode_tps}}},
+                            {"prefix_cache",
+                             {{"on", r.prefix_cache},
+                              {"note", r.prefix_cache_note},
+                              {"hit_tokens", r.prefix_hit_tokens},
+                              {"prompt_tokens", r.prompt_tokens}}},
+                            {"tokens", r.tokens},
+                            {"ranks", ranks},
+                            {"kv_dtype", dtype_name(m.kv_dtype)},
+                            {"verify", v ? verify_json(*v) : nlohmann::json(nullptr)}};
         print_json(j.dump(2));
         return;
     }
-    fmt::print("{} ({} weights), {}, backend {}: {} prompt(s), generate {} token(s) each\n", m.name,
-               weights_from, p.to_string(), f.backend, prompt_count, f.gen);
+    fmt::print("{} ({} weights, {} KV), {}, backend {}: {} prompt(s), generate {} token(s) each\n",
+               m.name, weights_from, dtype_name(m.kv_dtype), p.to_string(), f.backend, prompt_count,
+               f.gen);
     fmt::print(
         "prefill: {} prompt tokens, {} computed, {} prefix-cache hits, {:.2f} ms, {:.0f} "
         "tokens/s\n",
@@ -172,14 +171,7 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
             toks += fmt::format("{} ", r.tokens[0][i]);
         fmt::print("\nprompt 0 -> {}{}\n", toks, r.tokens[0].size() > 16 ? "..." : "");
     }
-    if (v)
-        fmt::print(
-            "verify: max relative L2 error of the last-step logits {:.3g} (limit 1e-4), greedy "
-            "tokens {}{}\n",
-            v->max_rel_err, v->tokens_match ? "identical" : "DIFFER",
-            v->non_finite_logits > 0
-                ? fmt::format(", {} NaN or infinite logits: FAILED", v->non_finite_logits)
-                : "");
+    if (v) print_verify(*v);
 }
 
 void run(const RunFlags& f) {

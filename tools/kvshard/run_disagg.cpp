@@ -12,6 +12,7 @@
 #include "kvshard/serve/disagg.h"
 #include "kvshard/serve/verify.h"
 #include "options.h"
+#include "verify_output.h"
 
 namespace kvshard::cli {
 namespace {
@@ -147,8 +148,6 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                                          r.tokens, r.last_logits, r.errors);
             if (!v.ok()) status = 1;
         }
-        const double max_err = v.max_rel_err;
-        const bool match = v.tokens_match && v.non_finite_logits == 0;
         if (r.failed_requests > 0) status = 1;
         if (!in.dump_logits.empty()) {
             std::vector<float> all;
@@ -200,17 +199,16 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                                 {"tokens", r.tokens},
                                 {"failed_requests", r.failed_requests},
                                 {"errors", r.errors},
-                                {"verify", in.verify ? nlohmann::json{{"max_rel_err", max_err},
-                                                                      {"tokens_match", match}}
-                                                     : nlohmann::json(nullptr)}};
+                                {"kv_dtype", dtype_name(m.kv_dtype)},
+                                {"verify", in.verify ? verify_json(v) : nlohmann::json(nullptr)}};
             print_json(j.dump(2));
         } else {
             fmt::print(
-                "{} ({} weights), backend {}: prefill {} ({} ranks) -> decode {} ({} ranks), {} "
-                "prompt(s), "
-                "generate {} token(s) each\n",
-                m.name, in.weights_from, backend_name(in.backend), pp.to_string(), pp.world_size(),
-                pd.to_string(), pd.world_size(), in.prompts.size(), in.gen);
+                "{} ({} weights, {} KV), backend {}: prefill {} ({} ranks) -> decode {} ({} "
+                "ranks), {} prompt(s), generate {} token(s) each\n",
+                m.name, in.weights_from, dtype_name(m.kv_dtype), backend_name(in.backend),
+                pp.to_string(), pp.world_size(), pd.to_string(), pd.world_size(), in.prompts.size(),
+                in.gen);
             fmt::print("prefill: {:.2f} ms, {} of {} prompt tokens computed{}\n",
                        r.prefill_seconds * 1e3, r.prefill_computed_tokens, r.prompt_tokens,
                        r.prefix_cache ? fmt::format(" (prefix cache: the decode side held {} "
@@ -243,12 +241,7 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                     toks += fmt::format("{} ", r.tokens[0][i]);
                 fmt::print("prompt 0 -> {}{}\n", toks, r.tokens[0].size() > 16 ? "..." : "");
             }
-            if (in.verify)
-                fmt::print(
-                    "verify: max relative L2 error of the last-step logits {:.3g} (limit 1e-4), "
-                    "greedy tokens "
-                    "{}\n",
-                    max_err, match ? "identical" : "DIFFER");
+            if (in.verify) print_verify(v);
         }
         std::fflush(stdout);
     });

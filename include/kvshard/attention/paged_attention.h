@@ -1,7 +1,9 @@
 #pragma once
-// CPU attention over the paged KV of a BlockPool (fp32 pools), for causal prefill and decode, with
+// CPU attention over the paged KV of a BlockPool, for causal prefill and decode, with
 // an online (numerically stable) softmax and, on request, the log-sum-exp of every query row
-// (docs/model.md).
+// (docs/model.md). The pool may hold fp32, bf16, fp16 or fp8 e4m3 (docs/cache.md, "Element
+// types"): attention computes in fp32 over the stored values (converted, fp8 times its scale),
+// write_kv converts with store_vector's rounding and scale rule.
 //
 // Tensors (row-major, contiguous):
 //   q, out: [rows][num_q_heads][head_dim]     k, v (write_kv): [rows][num_kv_heads][head_dim]

@@ -8,6 +8,11 @@
 // dim). Inside a page (one layer, K or V, one block):
 //   HND: [num_heads][block_size][head_dim]  (default: a contiguous range of heads is contiguous
 //   bytes) NHD: [block_size][num_heads][head_dim]
+// fp8 pools (e4m3) add one fp32 scale per (local layer, kv, block, head) after the pages:
+//   scales at pages_bytes() = num_layers * kv_factor * num_blocks * page_bytes(), scale(l, kv, b,
+//   h) at pages_bytes() + (((l * kv_factor + kv) * num_blocks + b) * num_heads + h) * 4,
+// so block_bytes() counts them. Element (h, t, x) stores x / scale(h); the scale rule is
+// store_vector's (docs/cache.md, "Element types").
 // The arena starts on a kArenaAlign (4 KiB) boundary, so a page is aligned to the largest power of
 // two dividing both page_bytes() and 4 KiB (SIMD kernels read it with aligned cache lines). A
 // private arena of 2 MiB or more is 2 MiB-aligned and on transparent huge pages (large_alloc.h).
@@ -17,6 +22,7 @@
 // host can map read-only (common/shared_arena.h): a transfer's destination then reads it in place.
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <span>
 
@@ -47,8 +53,14 @@ struct PageGeometry {
     int64_t elem_size() const { return static_cast<int64_t>(dtype_size(dtype)); }
     int64_t page_elems() const { return int64_t{num_heads} * block_size * head_dim; }
     int64_t page_bytes() const { return page_elems() * elem_size(); }
-    // Bytes one block occupies over all layers and K/V.
-    int64_t block_bytes() const { return page_bytes() * num_layers * kv_factor; }
+    // fp32 scales one block carries over all layers and K/V: one per head (fp8 only, else 0).
+    int64_t scales_per_block() const {
+        return dtype == DType::kFp8 ? int64_t{num_layers} * kv_factor * num_heads : 0;
+    }
+    // Bytes one block occupies over all layers and K/V, its scales included.
+    int64_t block_bytes() const {
+        return page_bytes() * num_layers * kv_factor + scales_per_block() * 4;
+    }
     // Bytes one token occupies over all layers and K/V (= the layout's kv_bytes_per_token).
     int64_t bytes_per_token() const {
         return int64_t{num_layers} * kv_factor * num_heads * head_dim * elem_size();
@@ -81,7 +93,7 @@ class BlockPool {
     const std::byte* page(int layer, int kv, int64_t block) const {
         return base_ + page_offset(layer, kv, block);
     }
-    // fp32 pools only (the reference model computes in fp32).
+    // fp32 pools only.
     float* page_f32(int layer, int kv, int64_t block) {
         return reinterpret_cast<float*>(page(layer, kv, block));
     }
@@ -91,6 +103,26 @@ class BlockPool {
     int64_t page_offset(int layer, int kv, int64_t block) const {
         return ((int64_t{layer} * geometry_.kv_factor + kv) * num_blocks_ + block) *
                geometry_.page_bytes();
+    }
+    // Bytes of all pages; an fp8 pool's scales follow them.
+    int64_t pages_bytes() const {
+        return num_blocks_ * geometry_.page_bytes() * geometry_.num_layers * geometry_.kv_factor;
+    }
+    int64_t scale_offset(int layer, int kv, int64_t block, int head) const {
+        return pages_bytes() +
+               (((int64_t{layer} * geometry_.kv_factor + kv) * num_blocks_ + block) *
+                    geometry_.num_heads +
+                head) *
+                   4;
+    }
+    // The scale of (layer, kv, block, head) of an fp8 pool (0: nothing stored since slot 0).
+    float scale(int layer, int kv, int64_t block, int head) const {
+        float s;
+        std::memcpy(&s, base_ + scale_offset(layer, kv, block, head), sizeof s);
+        return s;
+    }
+    void set_scale(int layer, int kv, int64_t block, int head, float s) {
+        std::memcpy(base_ + scale_offset(layer, kv, block, head), &s, sizeof s);
     }
     std::span<std::byte> arena() { return {base_, static_cast<size_t>(arena_bytes())}; }
     std::span<const std::byte> arena() const { return {base_, static_cast<size_t>(arena_bytes())}; }
@@ -116,6 +148,19 @@ PageGeometry page_geometry(const KvLayout& layout, int rank, int block_size,
 // budget_bytes for KV: the minimum over the ranks of floor(budget / block_bytes). Throws Error when
 // some rank cannot hold a single block.
 int64_t num_blocks_for_budget(std::span<const PageGeometry> ranks, int64_t budget_bytes);
+
+// Stores one head_dim vector `x` (fp32) at (layer, kv, block, head, slot), converted to the pool's
+// dtype: fp32 as is, bf16 / fp16 rounded to nearest even, fp8 e4m3 scaled and saturated at +-448.
+// fp8 scale rule, per (layer, kv, block, head): slot 0 starts the block (scale := 0); a vector
+// whose largest finite |x| exceeds 448 * scale raises the scale to the smallest power of two s
+// with amax <= 448 * s and re-encodes the head's slots [0, slot) at s (exact for those codes
+// that stay normal: a power-of-two change). Tokens are written in slot order, so the codes and
+// the scale are a function of that head's values in that block alone, whatever the rank or the
+// batching of the writes.
+void store_vector(BlockPool& pool, int layer, int kv, int64_t block, int head, int slot,
+                  const float* x);
+// Page (layer, kv, block) as fp32 values, in the page's order (page_elems() floats).
+void dequantize_page(const BlockPool& pool, int layer, int kv, int64_t block, float* out);
 
 // Copies one page between page orders (HND <-> NHD, or the same order). src and dst hold
 // geometry.page_bytes() bytes each and do not overlap; `from` and `to` name their orders.

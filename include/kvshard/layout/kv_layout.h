@@ -43,6 +43,10 @@ struct RankKvGroup {
     int kv_heads = 0;
     int64_t bytes_per_token = 0;           // all the group's layers here; 0 for state groups
     int64_t state_bytes_per_sequence = 0;  // all the group's layers here; 0 for token groups
+    // fp8 KV: one fp32 scale per (layer, K/V, KV head) of every block, over the group's layers
+    // here (4 * layers * kv_factor * kv_heads); 0 for other dtypes and state groups. A block's
+    // bytes are block_size * bytes_per_token + scale_bytes_per_block (docs/cache.md).
+    int64_t scale_bytes_per_block = 0;
     bool operator==(const RankKvGroup&) const = default;
 };
 
@@ -111,7 +115,8 @@ int64_t first_kept_position(LayerKind kind, int window, int64_t seq_len);
 // Bytes `rank` holds for one request of `seq_len` tokens, in whole blocks of `block_size` tokens
 // per group: a group keeps ceil(n / block_size) - floor(s / block_size) blocks, n being the tokens
 // of the sequence this rank's CP position holds and s those of them before first_kept_position;
-// state groups add their state. Equals the engines' resident KV at that length (docs/model.md).
+// state groups add their state; fp8 groups add their per-block scales (scale_bytes_per_block per
+// block). Equals the engines' resident KV at that length (docs/model.md).
 int64_t request_kv_bytes(const KvLayout& l, int rank, int64_t seq_len, int block_size);
 // As request_kv_bytes, but a windowed group counts the most blocks it can hold at any length up to
 // seq_len: min(blocks of all n tokens, ceil(W / block_size) + 1). Non-decreasing in seq_len.

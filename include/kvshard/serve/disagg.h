@@ -99,8 +99,10 @@ struct DisaggReport {
 // every request's blocks before the start (CpSession::reserve) and streams each layer from the
 // session's layer hook; a CP decode side takes each request in before the transfer
 // (CpSession::adopt: its blocks for the positions its CP scheme gives it) and decodes with merged
-// partial attention. The model computes with an fp32 KV cache whatever m.kv_dtype says, as
-// generate() does.
+// partial attention. The model computes in fp32; both sides' pools store m.kv_dtype (the transfer
+// moves the stored bytes unchanged; fp8: each message's block scales follow once the prefill is
+// done, pack_scales). fp8 needs one block size on both sides; a KV dtype other than fp32 with a
+// cp > 1 side is refused (Error).
 DisaggReport disagg_generate(const ModelSpec& m, const ParallelConfig& prefill,
                              const ParallelConfig& decode, const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,

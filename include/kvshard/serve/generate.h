@@ -36,10 +36,16 @@ struct GenerationOptions {
 struct RankReport {
     int rank = 0;
     RankCoord coord;
-    int64_t kv_tokens = 0;           // distinct tokens whose KV this rank holds at the end
-    int64_t kv_bytes = 0;            // kv_tokens * the bytes per token of this rank's pool
-    int64_t kv_bytes_predicted = 0;  // kv_tokens * the layout's kv_bytes_per_token
-    int64_t prefix_hit_tokens = 0;   // prompt tokens found in this rank's prefix cache
+    int64_t kv_tokens = 0;  // distinct tokens whose KV this rank holds at the end
+    // The bytes of this rank's pool in the distinct blocks it holds at the end (elements of the
+    // KV dtype and, fp8, the per-block scales): blocks * the pool's block_bytes(). Under CP:
+    // kv_tokens * the pool's bytes per token.
+    int64_t kv_bytes = 0;
+    // The layout's figure: the sum over the rank's requests of request_kv_bytes (at the run's KV
+    // dtype), less the layout's bytes of one block per block the prefix cache shares. Under CP:
+    // kv_tokens * the layout's kv_bytes_per_token.
+    int64_t kv_bytes_predicted = 0;
+    int64_t prefix_hit_tokens = 0;  // prompt tokens found in this rank's prefix cache
     double prefill_seconds = 0, decode_seconds = 0;
 };
 
@@ -64,7 +70,8 @@ std::string cp_prefix_cache_unsupported(const ParallelConfig& p, int block_size)
 
 // Runs the generation on this rank. Collective over `world` (world->size() == p.world_size()); with
 // world == nullptr the run is one rank and p.world_size() must be 1. Every rank returns the whole
-// report. The model computes in fp32 with an fp32 KV cache whatever m.kv_dtype says.
+// report. The model computes in fp32; its pools store m.kv_dtype (fp32, bf16, fp16 or fp8 e4m3,
+// docs/cache.md "Element types"). Under CP (cp > 1) the KV dtype must be fp32 (Error otherwise).
 GenerationReport generate(const ModelSpec& m, const ParallelConfig& p, const TensorSource& weights,
                           const std::vector<std::vector<int32_t>>& prompts,
                           const GenerationOptions& options, Communicator* world = nullptr);

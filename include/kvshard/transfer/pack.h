@@ -103,6 +103,20 @@ uint64_t hash_payload(const TransferPlan& plan, const TransferMessage& msg, Tran
 uint64_t copy_direct(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
                      const SourceArena& src, BlockPool& dst);
 
+// fp8 KV scales (docs/cache.md, "Element types"). The pages of an fp8 pool move as above, byte for
+// byte; each (layer, K/V, piece, head) unit of a message (the order below) also carries its
+// source block's fp32 scale of that head, so the destination block holds the source block's codes
+// and scale unchanged. An fp8 plan has the same block size on both sides and cp = 1, so every piece
+// keeps its slots (make_transfer_plan). message_scales: the count (0 unless the KV is fp8).
+int64_t message_scales(const TransferPlan& plan, const TransferMessage& msg);
+// The scales of msg from the source rank's pool (its geometry; Error otherwise, as pack_message),
+// into `out` (message_scales floats).
+void pack_scales(const TransferPlan& plan, const TransferMessage& msg, const BlockPool& pool,
+                 std::span<float> out);
+// Writes them to the destination rank's pool.
+void unpack_scales(const TransferPlan& plan, const TransferMessage& msg, std::span<const float> in,
+                   BlockPool& pool);
+
 // Unit checksums (source_checksums.h): a message's units are its (layer, K/V, piece, head) in
 // that order (layer ascending, K then V, pieces in order, heads ascending), each the piece's slots
 // of that head in its source block.
