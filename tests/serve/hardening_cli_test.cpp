@@ -44,9 +44,16 @@ TEST(Hardening, RefusedInsteadOfIgnoredOrWrapped) {
                    "rms_norm_eps must be a positive finite number");
 }
 
+// Under a CP scheme whose ranks do not hold whole hashed blocks the prefix cache cannot hit: asked
+// for hits (--shared-prefix) the run is refused; otherwise it runs and says the cache is off.
 TEST(Hardening, CpPrefixCacheOffIsReported) {
-    const auto off = kvshard(
-        "run --model tiny --cp 2 --gen 2 --prompts 2 --shared-prefix 16 --prompt-len 32 --json");
+    expect_refused("run --model tiny --cp 2 --gen 2 --prompts 2 --shared-prefix 16 --prompt-len 32",
+                   "--shared-prefix 16 asks for prefix-cache hits, but the prefix cache is off");
+    EXPECT_EQ(kvshard("run --model tiny --cp 2 --gen 2 --prompts 2 --shared-prefix 16 "
+                      "--prompt-len 32 --no-prefix-cache")
+                  .status,
+              0);
+    const auto off = kvshard("run --model tiny --cp 2 --gen 2 --prompts 2 --prompt-len 32 --json");
     ASSERT_EQ(off.status, 0) << off.out;
     const auto j = nlohmann::json::parse(off.out);
     EXPECT_FALSE(j.at("prefix_cache").at("on").get<bool>());
@@ -59,8 +66,7 @@ TEST(Hardening, CpPrefixCacheOffIsReported) {
     const auto k = nlohmann::json::parse(on.out);
     EXPECT_TRUE(k.at("prefix_cache").at("on").get<bool>());
     EXPECT_EQ(k.at("prefix_cache").at("hit_tokens").get<int64_t>(), 16);
-    const auto text =
-        kvshard("run --model tiny --cp 2 --gen 2 --prompts 2 --shared-prefix 16 --prompt-len 32");
+    const auto text = kvshard("run --model tiny --cp 2 --gen 2 --prompts 2 --prompt-len 32");
     EXPECT_NE(text.out.find("note: the prefix cache is off"), std::string::npos) << text.out;
 }
 
