@@ -66,8 +66,12 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
 
     // This replica's prompts.
     std::vector<int64_t> mine, lengths;
+    require(opt.replica_of.empty() || opt.replica_of.size() == prompts.size(), "replica_of has ",
+            opt.replica_of.size(), " entries for ", prompts.size(), " prompts");
+    for (int r : opt.replica_of)
+        require(r >= 0 && r < p.dp, "replica_of names replica ", r, " of dp=", p.dp);
     for (size_t i = 0; i < prompts.size(); ++i)
-        if (int(i % size_t(p.dp)) == c.dp) {
+        if ((opt.replica_of.empty() ? int(i % size_t(p.dp)) : opt.replica_of[i]) == c.dp) {
             mine.push_back(int64_t(i));
             lengths.push_back(int64_t(prompts[i].size()));
         }

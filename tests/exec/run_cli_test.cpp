@@ -100,3 +100,29 @@ TEST(RunCli, ReplicasWithoutPromptsKeepStep) {
 }
 
 }  // namespace
+
+// --route: the router assigns prompts to DP replicas over its prefix index, so prompts that share
+// a prefix meet on one replica and hit its prefix cache; round robin spreads them. Same tokens.
+TEST(RunCli, RouteFollowsSharedPrefixesAcrossReplicas) {
+    const std::string base =
+        "run --model tiny --dp 2 --prompts 4 --prompt-len 40 --shared-prefix 32 --gen 3 --verify "
+        "--json --route ";
+    const Result rr = run_cli(base + "round-robin");
+    const Result kv = run_cli(base + "kvshard");
+    ASSERT_EQ(rr.status, 0) << rr.out;
+    ASSERT_EQ(kv.status, 0) << kv.out;
+    const auto a = nlohmann::json::parse(rr.out), b = nlohmann::json::parse(kv.out);
+    EXPECT_TRUE(b["verify"]["tokens_match"].get<bool>());
+    EXPECT_EQ(a["tokens"], b["tokens"]);
+    const auto hits = [](const nlohmann::json& j) {
+        return j["prefix_cache"]["hit_tokens"].get<int64_t>();
+    };
+    // Round robin: one miss per replica (2 of 4 prompts hit); routed: 3 of 4 hit.
+    EXPECT_EQ(hits(a), 2 * 32);
+    EXPECT_EQ(hits(b), 3 * 32);
+    EXPECT_EQ(b["routing"]["replica_of"].size(), 4u);
+    const Result refused = run_cli("run --model tiny --prompts 2 --gen 2 --route kvshard");
+    EXPECT_EQ(refused.status, 2);
+    EXPECT_NE(refused.out.find("--route kvshard chooses among DP replicas"), std::string::npos)
+        << refused.out;
+}

@@ -20,6 +20,7 @@
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/catalog.h"
+#include "kvshard/router/batch_route.h"
 #include "kvshard/serve/generate.h"
 #include "kvshard/serve/inputs.h"
 #include "kvshard/serve/verify.h"
@@ -44,7 +45,9 @@ struct RunFlags {
     bool no_prefix_cache = false;
     double max_memory_gib = 0;
     bool max_memory_given = false;
-    double comm_timeout_s = kDefaultCommTimeoutS;  // else: the machine's available memory
+    double comm_timeout_s = kDefaultCommTimeoutS;
+    std::string route = "round-robin";  // --route: how prompts go to DP replicas  // else: the
+                                        // machine's available memory
     bool verify = false;
     bool json = false;
     std::string dump_logits;
@@ -86,7 +89,8 @@ std::string bytes_text(int64_t b) {
 
 void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p,
                   const std::string& weights_from, const GenerationReport& r,
-                  const std::optional<VerifyResult>& v, int64_t prompt_count) {
+                  const std::optional<VerifyResult>& v, int64_t prompt_count,
+                  const std::optional<BatchRoute>& routed) {
     const int64_t decode_tokens = prompt_count * (f.gen - 1);
     const double prefill_tps =
         r.prefill_seconds > 0 ? r.computed_prompt_tokens / r.prefill_seconds : 0;
@@ -110,30 +114,36 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
                              {"kv_bytes_predicted", rr.kv_bytes_predicted},
                              {"prefix_hit_tokens", rr.prefix_hit_tokens}});
         }
-        nlohmann::json j = {{"model", m.name},
-                            {"weights", weights_from},
-                            {"parallel", nlohmann::json::parse(to_json(p))},
-                            {"backend", f.backend},
-                            {"prompts", prompt_count},
-                            {"gen", f.gen},
-                            {"prefill",
-                             {{"prompt_tokens", r.prompt_tokens},
-                              {"computed_tokens", r.computed_prompt_tokens},
-                              {"seconds", r.prefill_seconds},
-                              {"tokens_per_s", prefill_tps}}},
-                            {"decode",
-                             {{"tokens", decode_tokens},
-                              {"seconds", r.decode_seconds},
-                              {"tokens_per_s", decode_tps}}},
-                            {"prefix_cache",
-                             {{"on", r.prefix_cache},
-                              {"note", r.prefix_cache_note},
-                              {"hit_tokens", r.prefix_hit_tokens},
-                              {"prompt_tokens", r.prompt_tokens}}},
-                            {"tokens", r.tokens},
-                            {"ranks", ranks},
-                            {"kv_dtype", dtype_name(m.kv_dtype)},
-                            {"verify", v ? verify_json(*v) : nlohmann::json(nullptr)}};
+        nlohmann::json j = {
+            {"model", m.name},
+            {"weights", weights_from},
+            {"parallel", nlohmann::json::parse(to_json(p))},
+            {"backend", f.backend},
+            {"prompts", prompt_count},
+            {"gen", f.gen},
+            {"prefill",
+             {{"prompt_tokens", r.prompt_tokens},
+              {"computed_tokens", r.computed_prompt_tokens},
+              {"seconds", r.prefill_seconds},
+              {"tokens_per_s", prefill_tps}}},
+            {"decode",
+             {{"tokens", decode_tokens},
+              {"seconds", r.decode_seconds},
+              {"tokens_per_s", decode_tps}}},
+            {"prefix_cache",
+             {{"on", r.prefix_cache},
+              {"note", r.prefix_cache_note},
+              {"hit_tokens", r.prefix_hit_tokens},
+              {"prompt_tokens", r.prompt_tokens}}},
+            {"routing",
+             {{"policy", f.route},
+              {"replica_of", routed ? nlohmann::json(routed->replica_of) : nlohmann::json(nullptr)},
+              {"prompts_per_replica",
+               routed ? nlohmann::json(routed->prompts_per_replica) : nlohmann::json(nullptr)}}},
+            {"tokens", r.tokens},
+            {"ranks", ranks},
+            {"kv_dtype", dtype_name(m.kv_dtype)},
+            {"verify", v ? verify_json(*v) : nlohmann::json(nullptr)}};
         print_json(j.dump(2));
         return;
     }
@@ -148,6 +158,12 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
     fmt::print("decode:  {} tokens in {:.2f} ms, {:.0f} tokens/s\n", decode_tokens,
                r.decode_seconds * 1e3, decode_tps);
     if (!r.prefix_cache_note.empty()) fmt::print("note: {}\n", r.prefix_cache_note);
+    if (routed) {
+        std::string per;
+        for (int n : routed->prompts_per_replica)
+            per += fmt::format("{}{}", per.empty() ? "" : ", ", n);
+        fmt::print("routing: {} policy, prompts per replica [{}]\n", f.route, per);
+    }
     fmt::print(
         "\n{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<8} {:<9} {:<8} {:>10} {:>12} {:>12}  {}\n",
         "rank", "dp", "pp", "cp", "tp", "ep", "layers", "kv_heads", "experts", "kv_tokens",
@@ -244,7 +260,14 @@ void run(const RunFlags& f) {
         }
         return;
     }
+    const RoutingPolicy route = parse_routing_policy(f.route);
     GenerationOptions opt;
+    std::optional<BatchRoute> routed;
+    if (route != RoutingPolicy::kRoundRobin) {
+        require(p.dp > 1, "--route ", f.route, " chooses among DP replicas: give --dp 2 or more");
+        routed = route_prompts(prompts, p.dp, f.block_size, route);
+        opt.replica_of = routed->replica_of;
+    }
     opt.max_new_tokens = f.gen;
     opt.block_size = f.block_size;
     opt.prefix_cache = !f.no_prefix_cache;
@@ -268,7 +291,7 @@ void run(const RunFlags& f) {
             for (const auto& l : r.last_logits) all.insert(all.end(), l.begin(), l.end());
             write_npy(f.dump_logits, all, int64_t(prompts.size()), m.vocab);
         }
-        print_result(f, m, p, weights.description, r, v, int64_t(prompts.size()));
+        print_result(f, m, p, weights.description, r, v, int64_t(prompts.size()), routed);
         std::fflush(stdout);
     });
     if (failed) {
@@ -296,7 +319,7 @@ void setup(CLI::App& app) {
         ->capture_default_str();
     sub->add_option("--gen", f->gen, "greedy tokens to generate per prompt")->capture_default_str();
     sub->add_option("--prompts", f->prompts,
-                    "number of prompts (prompt i runs on DP replica i % dp)")
+                    "number of prompts (DP replicas as --route assigns them)")
         ->capture_default_str();
     sub->add_option("--shared-prefix", f->shared_prefix,
                     "leading tokens all prompts share (prefix-cache hits)")
@@ -314,6 +337,11 @@ void setup(CLI::App& app) {
            "the --verify reference) is above this many GiB; default: this machine's "
            "available memory")
         ->each([f](const std::string&) { f->max_memory_given = true; });
+    sub->add_option("--route", f->route,
+                    "how prompts go to DP replicas: round-robin (prompt i on replica i % dp) | "
+                    "least-loaded | cache-aware | cost | kvshard (the router's policies over its "
+                    "prefix index, docs/router.md)")
+        ->capture_default_str();
     sub->add_option("--comm-timeout-s", f->comm_timeout_s,
                     "end the run when a rank waits longer than this in any collective, blocking "
                     "send/receive or request (a stopped, dead or stuck rank), naming the rank(s) "

@@ -31,6 +31,8 @@ struct GenerationOptions {
     // how the decode partials are merged.
     std::optional<CpPrefillMode> cp_prefill_mode;
     CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;
+    // The DP replica of each prompt (e.g. from route_prompts); empty: prompt i on replica i % dp.
+    std::vector<int> replica_of;
 };
 
 struct RankReport {
