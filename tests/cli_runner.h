@@ -1,6 +1,7 @@
 #pragma once
 // Runs the kvshard CLI (KVSHARD_CLI_PATH, set by tests/CMakeLists.txt) with arguments and captures
-// its exit status and its stdout and stderr together. Shared by the CLI tests of every component.
+// its exit status and its stdout and stderr together (run_command: any command). Shared by the CLI
+// tests of every component.
 #include <sys/wait.h>
 
 #include <array>
@@ -14,8 +15,8 @@ struct CliResult {
     std::string out;  // stdout and stderr together
 };
 
-inline CliResult run_cli(const std::string& args) {
-    const std::string cmd = std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1";
+// Runs a shell command and captures its stdout (add " 2>&1" for stderr too) and exit status.
+inline CliResult run_command(const std::string& cmd) {
     CliResult r;
     FILE* pipe = popen(cmd.c_str(), "r");
     if (!pipe) return r;
@@ -25,6 +26,10 @@ inline CliResult run_cli(const std::string& args) {
     const int st = pclose(pipe);
     r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
     return r;
+}
+
+inline CliResult run_cli(const std::string& args) {
+    return run_command(std::string(KVSHARD_CLI_PATH) + " " + args + " 2>&1");
 }
 
 }  // namespace kvshard::test

@@ -74,12 +74,9 @@ nlohmann::json python_reference(const std::vector<Case>& cases) {
     }
     const std::string cmd = std::string(KVSHARD_TEST_PYTHON) + " " + KVSHARD_TEST_SOURCE_DIR +
                             "/cache/vllm_hash_reference.py " + path;
-    FILE* pipe = popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    size_t n = 0;
-    while (pipe && (n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
-    const int st = pipe ? pclose(pipe) : -1;
+    const test::CliResult ran = test::run_command(cmd);
+    const std::string& out = ran.out;
+    const int st = ran.status;
     std::remove(path);
     EXPECT_EQ(st, 0) << "the reference script failed (needs python3-cbor2 and python3-xxhash: "
                         "scripts/install-deps.sh): "

@@ -3,9 +3,11 @@
 // tests/CMakeLists.txt: Debian's python3 with python3-zmq, python3-msgpack, python3-cbor2,
 // python3-xxhash).
 #include <gtest/gtest.h>
+
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "cli_runner.h"
 
 #include <cstdio>
 #include <fstream>
@@ -27,12 +29,9 @@ inline nlohmann::json python_encode(const nlohmann::json& specs) {
     std::ofstream(path) << specs.dump();
     const std::string cmd =
         std::string(KVSHARD_TEST_PYTHON) + " " + publisher_script() + " encode " + path;
-    FILE* pipe = popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    size_t n = 0;
-    while (pipe && (n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
-    const int st = pipe ? pclose(pipe) : -1;
+    const test::CliResult ran = test::run_command(cmd);
+    const std::string& out = ran.out;
+    const int st = ran.status;
     std::remove(path);
     if (st != 0) {
         ADD_FAILURE() << "the publisher script failed (needs python3-msgpack, python3-zmq: "
