@@ -9,6 +9,13 @@
 
 namespace kvshard {
 
+std::string model_prefix_cache_unsupported(const ModelSpec& m) {
+    if (m.state_bytes_per_sequence() == 0) return {};
+    return m.name + " has " + m.layer_mix() +
+           ": a state layer keeps one running state per sequence, which is not saved at block "
+           "boundaries, so a cached prefix cannot restore it";
+}
+
 std::string cp_prefix_cache_unsupported(const ParallelConfig& p, int block_size) {
     if (p.cp == 1 || (p.cp_scheme == CpScheme::kInterleave && p.cp_interleave == block_size))
         return "";

@@ -81,8 +81,10 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
 
     RankModel model(load_weights(m, weight_shard(layout, rank), weights), num_blocks, bs,
                     wiring.comms, opt.page_order);
+    const std::string no_reuse = model_prefix_cache_unsupported(m);
+    const bool prefix_cache = opt.prefix_cache && no_reuse.empty();
     BlockManager tables(BlockManagerConfig{
-        .num_blocks = num_blocks, .block_size = bs, .enable_prefix_cache = opt.prefix_cache});
+        .num_blocks = num_blocks, .block_size = bs, .enable_prefix_cache = prefix_cache});
 
     const int batch = int(mine.size());
     std::vector<std::vector<int32_t>> out_tokens(static_cast<size_t>(batch));
@@ -146,7 +148,10 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     // block's (the layout's bytes of one full block) per block the prefix cache shares.
     const auto [kv_tokens, kv_blocks] = distinct_kv_tokens(tables, seqs, bs);
     rep.kv_tokens = kv_tokens;
-    rep.kv_bytes = kv_blocks * model.pool().geometry().block_bytes();
+    int64_t block_bytes = 0;  // over every group's pool: the groups share the block tables
+    for (int i = 0; i < model.num_pools(); ++i)
+        block_bytes += model.pool_at(i).geometry().block_bytes();
+    rep.kv_bytes = kv_blocks * block_bytes + batch * model.state_bytes_per_sequence();
     int64_t request_blocks = 0;
     for (int64_t s : seqs) {
         const int64_t len = tables.num_tokens(s);
@@ -166,7 +171,8 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                                    logits.begin() + int64_t{i + 1} * m.vocab)));
     GenerationReport out =
         serve::merge_group_report(serve::gather_contributions(world, row, results), prompts.size());
-    out.prefix_cache = opt.prefix_cache;
+    out.prefix_cache = prefix_cache;
+    if (opt.prefix_cache && !no_reuse.empty()) out.prefix_cache_note = no_reuse;
     return out;
 }
 
