@@ -10,10 +10,16 @@
 namespace kvshard {
 
 std::string model_prefix_cache_unsupported(const ModelSpec& m) {
-    if (m.state_bytes_per_sequence() == 0) return {};
-    return m.name + " has " + m.layer_mix() +
-           ": a state layer keeps one running state per sequence, which is not saved at block "
-           "boundaries, so a cached prefix cannot restore it";
+    if (m.state_bytes_per_sequence() > 0)
+        return m.name + " has " + m.layer_mix() +
+               ": a state layer keeps one running state per sequence, which is not saved at block "
+               "boundaries, so a cached prefix cannot restore it";
+    for (const KvGroup& g : kv_groups(m))
+        if (g.kind == LayerKind::kSlidingWindow || g.kind == LayerKind::kChunkedLocal)
+            return m.name + " has " + m.layer_mix() +
+                   ": the runner keeps a windowed group's blocks per sequence and frees them as "
+                   "they leave the window, so windowed groups share no cached prefix yet";
+    return {};
 }
 
 std::string cp_prefix_cache_unsupported(const ParallelConfig& p, int block_size) {
@@ -32,7 +38,9 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const GenerationOptions& opt, Communicator* world) {
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
     check_prompts(prompts, m.vocab, opt.max_new_tokens);
-    require(!m.is_mla(), m.name, ": context parallelism runs GQA/MHA models here, not MLA");
+    require(m.uniform() && !m.is_mla(), m.name, " has ", m.layer_mix(), m.is_mla() ? " (MLA)" : "",
+            ": context parallelism runs models whose every layer is GQA/MHA full attention of one "
+            "shape; run this model with cp=1");
     require(m.kv_dtype == DType::kFp32, "--kv-dtype ", dtype_name(m.kv_dtype), " with cp=", p.cp,
             ": the context-parallel executor (its KV ring and prefix moves) stores fp32 KV only; "
             "use --kv-dtype fp32 under CP, or cp=1 for bf16, fp16 or fp8 pools");

@@ -83,8 +83,19 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                     wiring.comms, opt.page_order);
     const std::string no_reuse = model_prefix_cache_unsupported(m);
     const bool prefix_cache = opt.prefix_cache && no_reuse.empty();
+    // Full and MLA groups share one block manager (and its prefix cache); each windowed group has
+    // its own tables that free what falls out of the window.
     BlockManager tables(BlockManagerConfig{
         .num_blocks = num_blocks, .block_size = bs, .enable_prefix_cache = prefix_cache});
+    const std::vector<KvGroup> groups = kv_groups(m);
+    std::vector<std::unique_ptr<serve::WindowedTables>> windowed(groups.size());
+    for (size_t g = 0; g < groups.size(); ++g)
+        if (groups[g].kind == LayerKind::kSlidingWindow ||
+            groups[g].kind == LayerKind::kChunkedLocal)
+            windowed[g] = std::make_unique<serve::WindowedTables>(groups[g].kind, groups[g].window,
+                                                                  num_blocks, bs);
+    const bool any_windowed =
+        std::any_of(windowed.begin(), windowed.end(), [](const auto& w) { return bool(w); });
 
     const int batch = int(mine.size());
     std::vector<std::vector<int32_t>> out_tokens(static_cast<size_t>(batch));
@@ -98,6 +109,30 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     auto next_tokens = [&](const std::vector<float>& lg) {
         const auto toks = serve::pass_greedy_tokens(world, p, c, lg, batch, m.vocab, kTagTokens);
         for (int i = 0; i < batch; ++i) out_tokens[size_t(i)].push_back(toks[size_t(i)]);
+    };
+
+    // Windowed groups: their own tables for this step's lengths, released to the window after it.
+    auto lengths_now = [&] {
+        std::vector<int64_t> lens;
+        for (int64_t q : seqs) lens.push_back(tables.num_tokens(q));
+        return lens;
+    };
+    auto set_group_tables = [&](ForwardBatch& fb) {
+        if (!any_windowed) return;
+        const auto lens = lengths_now();
+        fb.group_kv.assign(groups.size(), fb.kv);
+        for (size_t g = 0; g < groups.size(); ++g) {
+            if (!windowed[g]) continue;
+            for (size_t i = 0; i < seqs.size(); ++i) windowed[g]->ensure(seqs[i], lens[i]);
+            fb.group_kv[g] = windowed[g]->paged_kv(seqs, lens);
+        }
+    };
+    auto release_windows = [&] {
+        if (!any_windowed) return;
+        const auto lens = lengths_now();
+        for (auto& w : windowed)
+            if (w)
+                for (size_t i = 0; i < seqs.size(); ++i) w->release_before_window(seqs[i], lens[i]);
     };
 
     // Prefill: every prompt asks the prefix cache first; at least its last token is computed.
@@ -119,7 +154,9 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
             fb.queries.add_sequence(len - cached, cached);
         }
         fb.kv = tables.paged_kv(seqs);
+        set_group_tables(fb);
         logits = model.forward(fb);
+        release_windows();
         next_tokens(logits);
         rep.prefill_seconds = serve::seconds_since(t0);
     }
@@ -138,7 +175,9 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                 fb.queries.add_sequence(1, pos);
             }
             fb.kv = tables.paged_kv(seqs);
+            set_group_tables(fb);
             logits = model.forward(fb);
+            release_windows();
             next_tokens(logits);
         }
         rep.decode_seconds = serve::seconds_since(t0);
@@ -148,17 +187,29 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     // block's (the layout's bytes of one full block) per block the prefix cache shares.
     const auto [kv_tokens, kv_blocks] = distinct_kv_tokens(tables, seqs, bs);
     rep.kv_tokens = kv_tokens;
-    int64_t block_bytes = 0;  // over every group's pool: the groups share the block tables
-    for (int i = 0; i < model.num_pools(); ++i)
-        block_bytes += model.pool_at(i).geometry().block_bytes();
-    rep.kv_bytes = kv_blocks * block_bytes + batch * model.state_bytes_per_sequence();
+    int64_t shared_block_bytes = 0;  // the pools of the groups that share `tables`
+    rep.kv_bytes = batch * model.state_bytes_per_sequence();
+    for (int i = 0; i < model.num_pools(); ++i) {
+        const int64_t bb = model.pool_at(i).geometry().block_bytes();
+        if (const auto& w = windowed[size_t(model.pool_group(i))]) {
+            for (int64_t q : seqs) rep.kv_bytes += w->live_blocks(q) * bb;
+        } else {
+            shared_block_bytes += bb;
+        }
+    }
+    rep.kv_bytes += kv_blocks * shared_block_bytes;
     int64_t request_blocks = 0;
     for (int64_t s : seqs) {
         const int64_t len = tables.num_tokens(s);
         rep.kv_bytes_predicted += request_kv_bytes(layout, rank, len, bs);
         request_blocks += (len + bs - 1) / bs;
     }
-    rep.kv_bytes_predicted -= (request_blocks - kv_blocks) * request_kv_bytes(layout, rank, bs, bs);
+    // The layout's bytes of one block of the shared groups, per block the prefix cache shares.
+    int64_t layout_shared_block = 0;
+    for (const RankKvGroup& g : me.groups)
+        if (!windowed[size_t(g.group)] && g.bytes_per_token > 0)
+            layout_shared_block += bs * g.bytes_per_token + g.scale_bytes_per_block;
+    rep.kv_bytes_predicted -= (request_blocks - kv_blocks) * layout_shared_block;
     row.replica_hit_tokens = rep.prefix_hit_tokens;
 
     // The last stage's first TP rank of each replica brings the results.
