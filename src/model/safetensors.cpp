@@ -433,4 +433,19 @@ void save_hf_checkpoint(const ModelWeights& w, const std::string& dir, DType dty
     write_safetensors((fs::path(dir) / "model.safetensors").string(), ts, dtype);
 }
 
+void save_hf_tensors(const ModelSpec& m, const TensorSource& source, const std::string& path,
+                     DType dtype) {
+    const auto list = hf_tensor_list(m);
+    std::vector<std::vector<float>> data;
+    data.reserve(list.size());
+    std::vector<TensorToWrite> ts;
+    for (const auto& [name, shape] : list) {
+        int64_t cols = 1;
+        for (size_t i = 1; i < shape.size(); ++i) cols *= shape[i];
+        data.push_back(source.read(name, shape, 0, shape[0], 0, cols));
+        ts.push_back({name, shape, data.back().data()});
+    }
+    write_safetensors(path, ts, dtype);
+}
+
 }  // namespace kvshard
