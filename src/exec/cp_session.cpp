@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kvshard/attention/merge.h"
 #include "kvshard/attention/paged_attention.h"
 #include "kvshard/cache/block_hash.h"
 #include "kvshard/common/error.h"
@@ -388,7 +389,11 @@ std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, 
     const CpTokenMap& map = s.map;
     dev_.model().set_attention([&](const AttentionCall& call) {
         const AttentionParams& ap = call.params;
-        const CpAttnShape shape{ap.num_q_heads, ap.num_kv_heads, ap.head_dim, ap.scale};
+        const CpAttnShape shape{ap.num_q_heads, ap.num_kv_heads, ap.head_dim,
+                                ap.scale,       ap.window,       ap.chunked};
+        const std::span<const float> sinks =
+            call.sinks ? std::span<const float>(call.sinks, size_t(ap.num_q_heads))
+                       : std::span<const float>();
         if (owner_writes && !rows.empty())
             write_kv(*call.pool, call.local_layer, call.batch->kv, call.batch->queries.q_indptr,
                      call.batch->slots, call.k, call.v);
@@ -397,7 +402,7 @@ std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, 
             std::vector<float> k(n_local * row), v(n_local * row);
             pack_kv(*call.pool, call.local_layer, table, n_local, k.data(), v.data());
             cp_prefill_attention(cpc, mode, shape, map, stored_before, call.q, k.data(), v.data(),
-                                 call.out, &stats);
+                                 call.out, &stats, sinks);
             if (layer_hook_) layer_hook_(seq, call.layer);
         } else {
             const int64_t n = call.batch->rows();
@@ -405,6 +410,10 @@ std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, 
                 lse(n * ap.num_q_heads, kNegInf);
             paged_attention(*call.pool, call.local_layer, call.batch->kv, call.batch->queries, ap,
                             call.q, part.data(), lse.data());
+            // The sinks join one rank's partial, so that the merge counts each once.
+            if (!sinks.empty() && cpc.rank() == 0)
+                apply_attention_sinks(part.data(), lse.data(), n, ap.num_q_heads, ap.head_dim,
+                                      sinks.data());
             cp_merge_partials(cpc, opt_.decode_merge, n, ap.num_q_heads, ap.head_dim, part.data(),
                               lse.data(), call.out, &stats);
         }

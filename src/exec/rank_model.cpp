@@ -126,7 +126,15 @@ int32_t argmax(std::span<const float> logits) {
 void default_attention(const AttentionCall& c) {
     const PagedKv& kv = c.kv ? *c.kv : c.batch->kv;
     write_kv(*c.pool, c.local_layer, kv, c.batch->queries.q_indptr, c.batch->slots, c.k, c.v);
-    paged_attention(*c.pool, c.local_layer, kv, c.batch->queries, c.params, c.q, c.out, c.lse);
+    if (!c.sinks) {
+        paged_attention(*c.pool, c.local_layer, kv, c.batch->queries, c.params, c.q, c.out,
+                        nullptr);
+        return;
+    }
+    std::vector<float> lse(size_t(c.batch->rows() * c.params.num_q_heads));
+    paged_attention(*c.pool, c.local_layer, kv, c.batch->queries, c.params, c.q, c.out, lse.data());
+    apply_attention_sinks(c.out, lse.data(), c.batch->rows(), c.params.num_q_heads,
+                          c.params.head_dim, c.sinks);
 }
 
 RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms,
@@ -299,15 +307,9 @@ void RankModel::attention_block(int l, const ForwardBatch& b, std::vector<float>
     call.k = k.data();
     call.v = v.data();
     call.out = attn.data();
-    std::vector<float> lse;
-    if (!w.sinks.empty()) {
-        lse.resize(size_t(n * nq));
-        call.lse = lse.data();
-    }
+    call.sinks = w.sinks.empty() ? nullptr : w.sinks.data();
     call.pool = &pools_[size_t(pi)];
     attention_(call);  // also with no rows: a replacement may take part in collectives
-    if (!w.sinks.empty())
-        apply_attention_sinks(attn.data(), lse.data(), n, nq, int(d), w.sinks.data());
     linear(attn.data(), n, nq * d, w.wo, h, o.data());
     tp_all_reduce(o);
     for (int64_t i = 0; i < n * h; ++i) x[size_t(i)] += o[size_t(i)];

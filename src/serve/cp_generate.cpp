@@ -38,9 +38,9 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const GenerationOptions& opt, Communicator* world) {
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
     check_prompts(prompts, m.vocab, opt.max_new_tokens);
-    require(m.uniform() && !m.is_mla(), m.name, " has ", m.layer_mix(), m.is_mla() ? " (MLA)" : "",
-            ": context parallelism runs models whose every layer is GQA/MHA full attention of one "
-            "shape; run this model with cp=1");
+    require(!m.is_mla() && m.state_bytes_per_sequence() == 0, m.name, " has ", m.layer_mix(), m.is_mla() ? " (MLA)" : "",
+            ": context parallelism runs GQA/MHA attention layers (full, sliding or chunked) and "
+            "layers without KV, not MLA or state layers yet; run this model with cp=1");
     require(m.kv_dtype == DType::kFp32, "--kv-dtype ", dtype_name(m.kv_dtype), " with cp=", p.cp,
             ": the context-parallel executor (its KV ring and prefix moves) stores fp32 KV only; "
             "use --kv-dtype fp32 under CP, or cp=1 for bf16, fp16 or fp8 pools");
@@ -94,7 +94,10 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                                                                std::move(toks), std::move(logits)));
             s.release(seq);
         }
-        rep.kv_bytes = rep.kv_tokens * dev.model().pool().geometry().bytes_per_token();
+        int64_t bytes_per_token = 0;  // every group's pool (the CP session keeps every token)
+        for (int i = 0; i < dev.model().num_pools(); ++i)
+            bytes_per_token += dev.model().pool_at(i).geometry().bytes_per_token();
+        rep.kv_bytes = rep.kv_tokens * bytes_per_token;
         rep.kv_bytes_predicted =
             rep.kv_tokens * s.layout().ranks[static_cast<size_t>(w.rank())].kv_bytes_per_token;
         GenerationReport out = serve::merge_group_report(

@@ -131,7 +131,13 @@ INSTANTIATE_TEST_SUITE_P(
                       GridCase{"tiny-hybrid", "pp=2"},  // stage 0 holds only state layers
                       GridCase{"tiny-hybrid", "dp=2"}, GridCase{"tiny-hybrid", "tp=2,pp=2"},
                       GridCase{"tiny-chunked", "tp=2"}, GridCase{"tiny-chunked", "pp=2"},
-                      GridCase{"tiny-chunked", "tp=4,pp=2"}),
+                      GridCase{"tiny-chunked", "tp=4,pp=2"},
+                      // Ring prefill and merged decode with windows and sinks, every scheme
+                      GridCase{"tiny-swa", "cp=2"}, GridCase{"tiny-swa", "cp=2,cp_scheme=zigzag"},
+                      GridCase{"tiny-swa", "cp=2,cp_scheme=interleave,cp_interleave=4"},
+                      GridCase{"tiny-swa", "cp=4,cp_scheme=zigzag"},
+                      GridCase{"tiny-swa", "cp=2,tp=2"}, GridCase{"tiny-chunked", "cp=2"},
+                      GridCase{"tiny-chunked", "cp=2,cp_scheme=zigzag,tp=2"}),
     [](const auto& info) {
         std::string s = info.param.model + "_" + info.param.parallel;
         for (char& ch : s)
@@ -258,12 +264,14 @@ TEST(LayerKinds, WhatTheReferenceModelDoesNotRunIsRefusedByName) {
                   weight_shard(make_layout(m, parse_parallel_config("tp=8")), 0);
               }).find("does not divide the 4 Gated DeltaNet value heads"),
               std::string::npos);
-    // Context parallelism runs uniform GQA/MHA models only (so far).
-    EXPECT_NE(error_of([&] {
-                  generate(catalog_model("tiny-swa"), parse_parallel_config("cp=2"), *src, prompt,
-                           options(1));
-              }).find("run this model with cp=1"),
-              std::string::npos);
+    // Context parallelism runs GQA/MHA attention layers only (so far).
+    for (const std::string name : {"tiny-mla", "tiny-hybrid"})
+        EXPECT_NE(error_of([&] {
+                      generate(catalog_model(name), parse_parallel_config("cp=2"), *src, prompt,
+                               options(1));
+                  }).find("run this model with cp=1"),
+                  std::string::npos)
+            << name;
     // Asking for prefix hits where the model cannot serve them: exit 2 with the reason.
     const auto r = test::run_cli("run --model tiny-hybrid --prompts 2 --shared-prefix 8");
     EXPECT_EQ(r.status, 2);

@@ -73,7 +73,9 @@ struct AttentionCall {
     const float* k = nullptr;
     const float* v = nullptr;
     float* out = nullptr;
-    float* lse = nullptr;  // when not null: [rows][num_q_heads] log-sum-exp of each row (sinks)
+    // Learned sinks of the layer's query heads ([num_q_heads]), or null: the attention merges each
+    // once into every row's softmax (attention/merge.h, apply_attention_sinks).
+    const float* sinks = nullptr;
     BlockPool* pool = nullptr;
 };
 using AttentionFn = std::function<void(const AttentionCall&)>;
