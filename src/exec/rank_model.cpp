@@ -125,6 +125,15 @@ int32_t argmax(std::span<const float> logits) {
 
 void default_attention(const AttentionCall& c) {
     const PagedKv& kv = c.kv ? *c.kv : c.batch->kv;
+    if (c.mla_latent_dim > 0) {
+        write_latent(*c.pool, c.local_layer, kv, c.batch->queries.q_indptr, c.batch->slots, c.k);
+        const MlaParams mp{.num_heads = c.params.num_q_heads,
+                           .latent_dim = c.mla_latent_dim,
+                           .rope_dim = c.params.head_dim - c.mla_latent_dim,
+                           .scale = c.params.scale};
+        mla_attention(*c.pool, c.local_layer, kv, c.batch->queries, mp, c.q, c.out, nullptr);
+        return;
+    }
     write_kv(*c.pool, c.local_layer, kv, c.batch->queries.q_indptr, c.batch->slots, c.k, c.v);
     if (!c.sinks) {
         paged_attention(*c.pool, c.local_layer, kv, c.batch->queries, c.params, c.q, c.out,
@@ -362,14 +371,23 @@ void RankModel::mla_block(int l, const ForwardBatch& b, std::vector<float>& x) {
             std::copy_n(qh + dn, dr, o + dl);
         }
     const int pi = layer_pool_[size_t(l)];
-    BlockPool& pool = pools_[size_t(pi)];
-    const PagedKv& kv = b.kv_of_group(pool_group_[size_t(pi)]);
-    write_latent(pool, layer_in_pool_[size_t(l)], kv, b.queries.q_indptr, b.slots, latent.data());
     std::vector<float> olat(size_t(n * nq * dl));
-    const MlaParams mp{
-        .num_heads = nq, .latent_dim = dl, .rope_dim = dr, .scale = 1.0f / std::sqrt(float(dqk))};
-    mla_attention(pool, layer_in_pool_[size_t(l)], kv, b.queries, mp, qlat.data(), olat.data(),
-                  nullptr);
+    AttentionCall call;
+    call.layer = weights_.shard.layer_begin + l;
+    call.local_layer = layer_in_pool_[size_t(l)];
+    call.batch = &b;
+    call.kv = &b.kv_of_group(pool_group_[size_t(pi)]);
+    call.params = {.num_q_heads = nq,
+                   .num_kv_heads = 1,
+                   .head_dim = dl + dr,
+                   .scale = 1.0f / std::sqrt(float(dqk)),
+                   .causal = true};
+    call.q = qlat.data();
+    call.k = latent.data();
+    call.out = olat.data();
+    call.mla_latent_dim = dl;
+    call.pool = &pools_[size_t(pi)];
+    attention_(call);
     // Up-project with W_uv: attn_h = W_uv_h olat_h.
     std::vector<float> attn(size_t(n * nq * dv)), o(size_t(n * h));
     for (int64_t r = 0; r < n; ++r)

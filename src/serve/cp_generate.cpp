@@ -38,9 +38,9 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const GenerationOptions& opt, Communicator* world) {
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
     check_prompts(prompts, m.vocab, opt.max_new_tokens);
-    require(!m.is_mla() && m.state_bytes_per_sequence() == 0, m.name, " has ", m.layer_mix(), m.is_mla() ? " (MLA)" : "",
-            ": context parallelism runs GQA/MHA attention layers (full, sliding or chunked) and "
-            "layers without KV, not MLA or state layers yet; run this model with cp=1");
+    require(m.state_bytes_per_sequence() == 0, m.name, " has ", m.layer_mix(),
+            ": context parallelism runs attention layers (full, sliding, chunked, MLA) and layers "
+            "without KV, not state layers yet; run this model with cp=1");
     require(m.kv_dtype == DType::kFp32, "--kv-dtype ", dtype_name(m.kv_dtype), " with cp=", p.cp,
             ": the context-parallel executor (its KV ring and prefix moves) stores fp32 KV only; "
             "use --kv-dtype fp32 under CP, or cp=1 for bf16, fp16 or fp8 pools");

@@ -63,6 +63,11 @@ struct ForwardBatch {
 // The attention of one layer, replaceable (context parallelism puts ring attention here).
 // q: [rows][num_q_heads][head_dim] with RoPE applied; k, v: [rows][num_kv_heads][head_dim];
 // out: [rows][num_q_heads][head_dim].
+// MLA layers (mla_latent_dim > 0) come in the absorbed form: one KV "head" of head_dim =
+// kv_lora_rank + qk_rope_head_dim in a kv_factor-1 pool, k: [rows][head_dim] the new latents (v
+// null), q: [rows][num_q_heads][head_dim] the absorbed queries, out: [rows][num_q_heads]
+// [mla_latent_dim] the softmax-weighted latents (the value is the latent's first mla_latent_dim
+// elements); see mla_attention.
 struct AttentionCall {
     int layer = 0;        // global layer index
     int local_layer = 0;  // index into the pool's layers
@@ -76,10 +81,12 @@ struct AttentionCall {
     // Learned sinks of the layer's query heads ([num_q_heads]), or null: the attention merges each
     // once into every row's softmax (attention/merge.h, apply_attention_sinks).
     const float* sinks = nullptr;
+    int mla_latent_dim = 0;  // > 0: an MLA layer (above)
     BlockPool* pool = nullptr;
 };
 using AttentionFn = std::function<void(const AttentionCall&)>;
-// The default: write_kv of the rows, then paged_attention over the pool.
+// The default: write_kv of the rows, then paged_attention over the pool (MLA: write_latent, then
+// mla_attention).
 void default_attention(const AttentionCall& call);
 
 // The layers each kind runs (docs/model.md, "The reference model's layers"):
