@@ -90,6 +90,100 @@ HeadSplit head_split(const KvLayout& l) {
     return h;
 }
 
+// What one destination rank needs from one source head group on one (PP stage, CP rank): layers
+// [layer_begin, layer_end) x heads [head_begin, head_end) x the tokens of `pieces`. Any copy of
+// the group can send it, or several copies a token range each.
+struct Demand {
+    int dst_rank = 0;
+    int layer_begin = 0, layer_end = 0;
+    int head_begin = 0, head_end = 0;
+    const std::vector<TransferPiece>* pieces = nullptr;
+    int64_t tokens = 0;
+    // Head vectors per token (over layers and heads): a demand's load is weight() x tokens.
+    int64_t weight() const { return int64_t{layer_end - layer_begin} * (head_end - head_begin); }
+};
+
+// Copy `copy` of the group sends tokens [token_begin, token_end) (indices into the demand's token
+// sequence) of demand `demand`.
+struct CopyShare {
+    int demand = 0;
+    int copy = 0;
+    int64_t token_begin = 0, token_end = 0;
+};
+
+// Which copies send which demands. Whole demands when that is as good as splitting: each demand
+// to the least-loaded copy, larger demands first and ties to the lowest copy, so equal demands go
+// round-robin (destination replica j from source copy j mod R: TP=8 -> TP=8 under MLA sends each
+// destination its whole range from its own TP index). Split only where that lowers the most any
+// one copy sends (a TP shrink, where destinations are fewer than copies): the demands laid end to
+// end (in destination rank order) and cut into `copies` equal loads (McNaughton's wrap-around
+// rule), at token boundaries, so every demand spans consecutive copies and at most copies - 1
+// demands are cut.
+std::vector<CopyShare> choose_copies(const std::vector<Demand>& demands, int copies) {
+    const int k = static_cast<int>(demands.size());
+    std::vector<CopyShare> whole;
+    std::vector<int64_t> load(copies, 0);
+    std::vector<int> order(k);
+    for (int i = 0; i < k; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+        return demands[a].weight() * demands[a].tokens > demands[b].weight() * demands[b].tokens;
+    });
+    for (int i : order) {
+        const int c = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+        load[c] += demands[i].weight() * demands[i].tokens;
+        whole.push_back({i, c, 0, demands[i].tokens});
+    }
+    const int64_t whole_max = *std::max_element(load.begin(), load.end());
+    if (copies == 1) return whole;
+
+    int64_t total = 0;
+    for (const Demand& d : demands) total += d.weight() * d.tokens;
+    std::vector<CopyShare> split;
+    std::fill(load.begin(), load.end(), 0);
+    int64_t offset = 0;  // load of the demands before this one
+    for (int i = 0; i < k; ++i) {
+        const Demand& d = demands[i];
+        const int64_t w = d.weight();
+        // Token index of demand i at which copy c's share of the total load begins.
+        auto cut = [&](int c) {
+            const int64_t boundary = total / copies * c + total % copies * c / copies;
+            return std::clamp<int64_t>((boundary - offset + w - 1) / w, 0, d.tokens);
+        };
+        for (int c = 0; c < copies; ++c) {
+            const int64_t a = c == 0 ? 0 : cut(c);
+            const int64_t b = c == copies - 1 ? d.tokens : cut(c + 1);
+            if (a >= b) continue;
+            split.push_back({i, c, a, b});
+            load[c] += w * (b - a);
+        }
+        offset += w * d.tokens;
+    }
+    const int64_t split_max = *std::max_element(load.begin(), load.end());
+    return split_max < whole_max ? split : whole;
+}
+
+// Tokens [begin, end) of a piece sequence, as pieces (each cut piece keeps its blocks).
+std::vector<TransferPiece> slice_pieces(const std::vector<TransferPiece>& pieces, int64_t begin,
+                                        int64_t end) {
+    std::vector<TransferPiece> out;
+    int64_t at = 0;
+    for (const TransferPiece& p : pieces) {
+        const int64_t a = std::max(begin, at), b = std::min(end, at + p.count);
+        if (a < b) {
+            TransferPiece q = p;
+            const auto skip = static_cast<int32_t>(a - at);
+            q.token_begin += skip;
+            q.src_slot += skip;
+            q.dst_slot += skip;
+            q.count = static_cast<int32_t>(b - a);
+            out.push_back(q);
+        }
+        at += p.count;
+        if (at >= end) break;
+    }
+    return out;
+}
+
 }  // namespace
 
 std::vector<std::vector<int32_t>> sequential_block_tables(const KvLayout& layout, int block_size,
@@ -195,17 +289,11 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
     for (int c = 0; c < ps.cp; ++c) src_tokens.push_back(cp_tokens(ps, c, num_tokens));
     for (int c = 0; c < pd.cp; ++c) dst_tokens.push_back(cp_tokens(pd, c, num_tokens));
 
-    // pieces[cs][cd][r]: the pieces source CP rank cs sends destination CP rank cd from head copy
-    // r. Copy r of a source head group reads local tokens [r * n / R, (r + 1) * n / R) of its CP
-    // rank.
-    std::vector<std::vector<std::vector<std::vector<TransferPiece>>>> pieces(
-        ps.cp, std::vector<std::vector<std::vector<TransferPiece>>>(
-                   pd.cp, std::vector<std::vector<TransferPiece>>(hs.replication)));
+    // pieces[cs][cd]: the pieces source CP rank cs sends destination CP rank cd, in token order.
+    std::vector<std::vector<std::vector<TransferPiece>>> pieces(
+        ps.cp, std::vector<std::vector<TransferPiece>>(pd.cp));
     for (int cs = 0; cs < ps.cp; ++cs) {
         const CpTokens& st = src_tokens[cs];
-        const int64_t n = st.total;
-        const int reps = hs.replication;
-        auto chunk_end = [&](int r) { return (r + 1) * n / reps; };
         for (int cd = 0; cd < pd.cp; ++cd) {
             const CpTokens& dt = dst_tokens[cd];
             size_t i = 0, j = 0;
@@ -216,13 +304,9 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
                 if (a < b) {
                     int64_t js = st.local_begin[i] + (a - st.ranges[i].begin);
                     int64_t jd = dt.local_begin[j] + (a - dt.ranges[j].begin);
-                    int r = 0;
-                    while (chunk_end(r) <= js) ++r;
                     for (int64_t t = a; t < b;) {
-                        while (chunk_end(r) <= js) ++r;
-                        const int64_t step =
-                            std::min({b - t, src.block_size - js % src.block_size,
-                                      dst.block_size - jd % dst.block_size, chunk_end(r) - js});
+                        const int64_t step = std::min({b - t, src.block_size - js % src.block_size,
+                                                       dst.block_size - jd % dst.block_size});
                         TransferPiece p;
                         p.token_begin = t;
                         p.count = static_cast<int32_t>(step);
@@ -230,7 +314,7 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
                         p.src_slot = static_cast<int32_t>(js % src.block_size);
                         p.dst_block = dst.block_tables[cd][jd / dst.block_size];
                         p.dst_slot = static_cast<int32_t>(jd % dst.block_size);
-                        pieces[cs][cd][r].push_back(p);
+                        pieces[cs][cd].push_back(p);
                         t += step;
                         js += step;
                         jd += step;
@@ -244,7 +328,9 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
         }
     }
 
-    std::map<std::tuple<int, int, int>, TransferMessage> by_key;  // (group, src, dst)
+    // Demands: what one destination rank needs of one source head group on one (PP stage, CP
+    // rank). The copies of that group (hs.replication TP ranks) share its demands (choose_copies).
+    std::map<std::tuple<int, int, int>, std::vector<Demand>> demands;  // (stage, cs, group)
     const std::vector<int> src_split = pp_layer_split(m, ps);
     std::vector<int> src_stage_begin(ps.pp + 1, 0);
     for (int s = 0; s < ps.pp; ++s) src_stage_begin[s + 1] = src_stage_begin[s] + src_split[s];
@@ -264,35 +350,51 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
                 const int h1 = std::min(dh1, (g + 1) * hs.per_rank);
                 if (h0 >= h1) continue;
                 for (int cs = 0; cs < ps.cp; ++cs) {
-                    for (int r = 0; r < hs.replication; ++r) {
-                        const auto& pcs = pieces[cs][cd][r];
-                        if (pcs.empty()) continue;
-                        const int s_rank = rank_of(ps, src.dp, stage, cs, g * hs.replication + r);
-                        int64_t tokens = 0;
-                        for (const auto& p : pcs) tokens += p.count;
-                        for (int la = l0; la < l1;) {
-                            const int group = lpg == 0 ? 0 : la / lpg;
-                            const int lb = lpg == 0 ? l1 : std::min(l1, (group + 1) * lpg);
-                            TransferMessage msg;
-                            msg.src_rank = s_rank;
-                            msg.dst_rank = d.coord.rank;
-                            msg.layer_group = group;
-                            msg.layer_begin = la;
-                            msg.layer_end = lb;
-                            msg.head_begin = h0;
-                            msg.head_end = h1;
-                            msg.pieces = pcs;
-                            msg.num_tokens = tokens;
-                            msg.bytes = int64_t{lb - la} * plan.kv_factor * (h1 - h0) * tokens *
-                                        plan.vector_bytes();
-                            auto [it, inserted] = by_key.emplace(
-                                std::make_tuple(group, s_rank, d.coord.rank), std::move(msg));
-                            KVSHARD_CHECK(inserted,
-                                          "two messages for one (group, source, destination)");
-                            la = lb;
-                        }
-                    }
+                    const auto& pcs = pieces[cs][cd];
+                    if (pcs.empty()) continue;
+                    Demand dm;
+                    dm.dst_rank = d.coord.rank;
+                    dm.layer_begin = l0;
+                    dm.layer_end = l1;
+                    dm.head_begin = h0;
+                    dm.head_end = h1;
+                    dm.pieces = &pcs;
+                    for (const auto& p : pcs) dm.tokens += p.count;
+                    demands[{stage, cs, g}].push_back(dm);
                 }
+            }
+        }
+    }
+
+    std::map<std::tuple<int, int, int>, TransferMessage> by_key;  // (group, src, dst)
+    for (const auto& [key, list] : demands) {
+        const auto [stage, cs, g] = key;
+        const std::vector<CopyShare> shares = choose_copies(list, hs.replication);
+        for (const CopyShare& share : shares) {
+            const Demand& dm = list[share.demand];
+            const int s_rank = rank_of(ps, src.dp, stage, cs, g * hs.replication + share.copy);
+            const std::vector<TransferPiece> pcs =
+                slice_pieces(*dm.pieces, share.token_begin, share.token_end);
+            const int64_t tokens = share.token_end - share.token_begin;
+            for (int la = dm.layer_begin; la < dm.layer_end;) {
+                const int group = lpg == 0 ? 0 : la / lpg;
+                const int lb = lpg == 0 ? dm.layer_end : std::min(dm.layer_end, (group + 1) * lpg);
+                TransferMessage msg;
+                msg.src_rank = s_rank;
+                msg.dst_rank = dm.dst_rank;
+                msg.layer_group = group;
+                msg.layer_begin = la;
+                msg.layer_end = lb;
+                msg.head_begin = dm.head_begin;
+                msg.head_end = dm.head_end;
+                msg.pieces = pcs;
+                msg.num_tokens = tokens;
+                msg.bytes = int64_t{lb - la} * plan.kv_factor * (dm.head_end - dm.head_begin) *
+                            tokens * plan.vector_bytes();
+                auto [it, inserted] =
+                    by_key.emplace(std::make_tuple(group, s_rank, dm.dst_rank), std::move(msg));
+                KVSHARD_CHECK(inserted, "two messages for one (group, source, destination)");
+                la = lb;
             }
         }
     }

@@ -12,9 +12,11 @@
 //
 // The plan covers every destination rank of the replica: for each, every (layer, K/V, head, token)
 // its layout holds arrives exactly once. A head held by several source ranks (tp > H_kv, or the MLA
-// latent on every TP rank) is read from one copy per token: the copies split the source CP rank's
-// tokens into equal chunks, so all of them send. A head held by several destination ranks is
-// delivered to each copy. Messages are coalesced: one per (source rank, destination rank, layer
+// latent on every TP rank) is read from one copy per token: each destination gets its whole range
+// from one copy (round-robin over the copies, so TP=8 -> TP=8 sends rank i's range from rank i),
+// unless splitting destinations' ranges over several copies lowers the most bytes any one copy
+// sends (a TP shrink: fewer destinations than copies). A head held by several destination ranks
+// is delivered to each copy. Messages are coalesced: one per (source rank, destination rank, layer
 // group).
 #include <cstdint>
 #include <string>
