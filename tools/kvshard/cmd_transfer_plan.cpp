@@ -78,7 +78,10 @@ void run(const TransferPlanFlags& f) {
     const TransferPlan plan = make_transfer_plan(
         src, dst, f.tokens,
         {.layers_per_group = f.layers_per_group, .dst_cached_tokens = f.dst_cached});
-    const TransferMode mode = resolve_mode(plan, parse_transfer_mode(f.mode));
+    // A plan of several KV groups is printed but cannot be packed (transfer_plan.h, executable):
+    // there is no copy count to choose a mode by.
+    const TransferMode mode = plan.executable() ? resolve_mode(plan, parse_transfer_mode(f.mode))
+                                                : parse_transfer_mode(f.mode);
     if (f.json) {
         print_json(to_json(plan, f.messages));
         return;
@@ -86,10 +89,26 @@ void run(const TransferPlanFlags& f) {
     fmt::print("{}: {} tokens, {} -> {}\n", m.name, f.tokens, src.layout.parallel.to_string(),
                dst.layout.parallel.to_string());
     fmt::print("block size {} -> {}, pages {} -> {}, mode {}, {} layer group(s)\n", src.block_size,
-               dst.block_size, f.order_from, f.order_to, transfer_mode_name(mode),
+               dst.block_size, f.order_from, f.order_to,
+               plan.executable() ? std::string(transfer_mode_name(mode))
+                                 : std::string("n/a (plan only: per-group execution not built)"),
                plan.num_layer_groups);
     fmt::print("messages {}, bytes {} ({}), min bytes {} ({})\n\n", plan.messages.size(),
                plan.bytes, bytes_text(plan.bytes), plan.min_bytes, bytes_text(plan.min_bytes));
+    if (!m.uniform()) {
+        fmt::print("{:>5} {:>14} {:>7} {:>11} {:>9} {:>14}\n", "group", "kind", "layers",
+                   "first_kept", "messages", "bytes");
+        const auto totals = group_totals(plan);
+        for (size_t k = 0; k < plan.groups.size(); ++k) {
+            const TransferGroup& g = plan.groups[k];
+            std::string kind(layer_kind_name(g.kind));
+            if (g.window > 0) kind += fmt::format("({})", g.window);
+            fmt::print("{:>5} {:>14} {:>7} {:>11} {:>9} {:>14}\n", k, kind, g.layers.size(),
+                       g.holds_state() ? std::string("state") : std::to_string(g.first_kept),
+                       totals[k].messages, bytes_text(totals[k].bytes));
+        }
+        fmt::print("\n");
+    }
     std::map<std::pair<int, int>, std::pair<int64_t, int>> pairs;
     for (const auto& msg : plan.messages) {
         auto& p = pairs[{msg.src_rank, msg.dst_rank}];
@@ -100,11 +119,11 @@ void run(const TransferPlanFlags& f) {
     for (const auto& [k, v] : pairs)
         fmt::print("{:>5} {:>5} {:>9} {:>14}\n", k.first, k.second, v.second, bytes_text(v.first));
     if (f.messages) {
-        fmt::print("\n{:>5} {:>5} {:>6} {:>9} {:>9} {:>8} {:>7} {:>12}\n", "src", "dst", "group",
-                   "layers", "heads", "tokens", "pieces", "bytes");
+        fmt::print("\n{:>5} {:>5} {:>6} {:>3} {:>9} {:>9} {:>8} {:>7} {:>12}\n", "src", "dst",
+                   "group", "kv", "layers", "heads", "tokens", "pieces", "bytes");
         for (const auto& msg : plan.messages)
-            fmt::print("{:>5} {:>5} {:>6} {:>9} {:>9} {:>8} {:>7} {:>12}\n", msg.src_rank,
-                       msg.dst_rank, msg.layer_group,
+            fmt::print("{:>5} {:>5} {:>6} {:>3} {:>9} {:>9} {:>8} {:>7} {:>12}\n", msg.src_rank,
+                       msg.dst_rank, msg.layer_group, msg.kv_group,
                        fmt::format("[{},{})", msg.layer_begin, msg.layer_end),
                        fmt::format("[{},{})", msg.head_begin, msg.head_end), msg.num_tokens,
                        msg.pieces.size(), msg.bytes);
