@@ -228,6 +228,19 @@ TEST(TransferDescriptors, Cli) {
     EXPECT_EQ(j["per_block_descriptor_count"].get<int64_t>(), int64_t{8} * 32 * 2 * 63);
     EXPECT_GT(j["descriptor_count"].get<int64_t>(), 0);
     EXPECT_EQ(j["bytes"], j["min_bytes"]);
+    // TP=8 -> TP=4 in HND, whole blocks: each source head is half of every destination page, so
+    // pool to pool nothing merges (one run per layer, K/V and block, as per block), while the
+    // source's pages are one run per pair (post-receive).
+    const auto full = run_cli(
+        "transfer-plan --model llama-3.1-8b --from tp=8 --to tp=4 --tokens 1024 --descriptors "
+        "--json --descriptor-limit 0");
+    ASSERT_EQ(full.status, 0) << full.out;
+    const auto jf = nlohmann::json::parse(full.out);
+    EXPECT_EQ(jf["descriptors"].size(), 0u);
+    EXPECT_EQ(jf["per_block_descriptor_count"].get<int64_t>(), int64_t{8} * 32 * 2 * 64);
+    EXPECT_EQ(jf["descriptor_count"], jf["per_block_descriptor_count"]);
+    EXPECT_EQ(jf["post_receive_count"], 8);
+    EXPECT_EQ(jf["fewer_mode"], "post-receive");
     const auto text =
         run_cli("transfer-plan --model tiny --from tp=1 --to tp=1 --tokens 16 --descriptors");
     ASSERT_EQ(text.status, 0) << text.out;
