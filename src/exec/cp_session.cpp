@@ -65,26 +65,11 @@ void write_block(BlockPool& pool, BlockId b, std::span<const std::byte> bytes) {
         }
 }
 
+// The device's slice: the whole model's layers, its TP share (weight_shard of a tp-only layout).
 WeightShard device_shard(const ModelSpec& m, int tp, int tp_rank) {
     ParallelConfig p;
     p.tp = tp;
-    const KvLayout l = make_layout(m, p);
-    const RankKv& r = l.ranks.at(static_cast<size_t>(tp_rank));
-    require(m.intermediate % tp == 0, m.name, ": the MLP width ", m.intermediate,
-            " is not divisible by tp=", tp);
-    WeightShard s;
-    s.layer_begin = 0;
-    s.layer_end = m.num_layers;
-    s.q_head_begin = r.q_head_begin;
-    s.q_head_end = r.q_head_end;
-    s.kv_head_begin = r.kv_heads.front();
-    s.kv_head_end = r.kv_heads.back() + 1;
-    const int w = m.intermediate / tp;
-    s.mlp_begin = tp_rank * w;
-    s.mlp_end = s.mlp_begin + w;
-    s.expert_begin = r.expert_begin;
-    s.expert_end = r.expert_end;
-    return s;
+    return weight_shard(make_layout(m, p), tp_rank);
 }
 
 }  // namespace
@@ -466,8 +451,49 @@ std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, 
                               lse.data(), call.out, &stats);
         }
     });
+    // State layers: each sequence has its own state slot, and a prefill runs the recurrence over
+    // every new row of the sequence on every CP rank (the rows all-gathered in position order), so
+    // every rank holds the state and a decode step (the same row on every rank) needs no exchange.
+    if (dev_.model().state_bytes_per_sequence() > 0) {
+        auto [it, fresh] = state_slot_.try_emplace(seq, 0);
+        if (fresh) {
+            if (free_state_slots_.empty()) {
+                it->second = static_cast<int32_t>(state_slot_.size() - 1);
+            } else {
+                it->second = free_state_slots_.back();
+                free_state_slots_.pop_back();
+            }
+        }
+        fb.state_slots = {it->second};
+    }
+    if (!decode && dev_.model().state_bytes_per_sequence() > 0)
+        dev_.model().set_state_rows([&](const std::vector<float>& local, int64_t width) {
+            const int cp = cpc.size();
+            StateRows g;
+            g.first_pos = stored_before;
+            const int64_t total = map.size() - stored_before;
+            std::vector<size_t> counts(static_cast<size_t>(cp));
+            for (int r = 0; r < cp; ++r)
+                counts[static_cast<size_t>(r)] =
+                    static_cast<size_t>(map.count(r, stored_before) * width) * sizeof(float);
+            std::vector<float> all(static_cast<size_t>(total * width));
+            cpc.all_gather_v(std::as_bytes(std::span<const float>(local)),
+                             std::as_writable_bytes(std::span<float>(all)), counts);
+            stats.all_gather += static_cast<int64_t>(local.size() * sizeof(float)) * (cp - 1);
+            g.rows.resize(all.size());
+            int64_t at = 0;
+            for (int r = 0; r < cp; ++r)
+                for (int64_t p : map.positions(r, stored_before)) {
+                    std::copy_n(all.data() + at * width, width,
+                                g.rows.data() + (p - stored_before) * width);
+                    ++at;
+                }
+            for (int64_t p : rows) g.own.push_back(p - stored_before);
+            return g;
+        });
     std::vector<float> logits = dev_.model().forward(fb);
     dev_.model().set_attention(default_attention);
+    dev_.model().set_state_rows(nullptr);
     last_.computed_tokens = static_cast<int64_t>(rows.size());
     total_ += stats;
     if (!decode) {  // the last token's owner has the logits
@@ -481,6 +507,10 @@ void CpSession::release(SeqId seq) {
     if (!serving_) return;
     dev_.blocks().free(seq);
     seqs_.erase(seq);
+    if (auto it = state_slot_.find(seq); it != state_slot_.end()) {
+        free_state_slots_.push_back(it->second);
+        state_slot_.erase(it);
+    }
 }
 
 }  // namespace kvshard

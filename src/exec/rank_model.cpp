@@ -418,14 +418,32 @@ void RankModel::gated_deltanet_block(int l, const ForwardBatch& b, std::vector<f
     const LayerWeights& w = weights_.layers[size_t(l)];
     const WeightShard& sh = weights_.shard;
     const auto& ss = m.state;
-    const int64_t n = b.rows(), h = m.hidden;
+    const int64_t h = m.hidden;
     const int kd = ss.group_dim, vd = ss.head_dim, K = ss.conv_kernel;
     const int g0 = sh.state_group_begin(m), gl = sh.state_group_end(m) - g0;
     const int hl = sh.num_state_heads(), r_per_k = ss.heads / ss.groups;
     const int64_t ch = int64_t{2} * gl * kd + int64_t{hl} * vd;
-    std::vector<float> xn(size_t(n * h)), in(size_t(n * ch)), z(size_t(n * hl * vd)),
-        bb(size_t(n * hl)), aa(size_t(n * hl));
-    rms_norm(x.data(), n, h, w.attn_norm, m.rms_norm_eps, xn.data());
+    std::vector<float> xn(size_t(b.rows() * h));
+    rms_norm(x.data(), b.rows(), h, w.attn_norm, m.rms_norm_eps, xn.data());
+    // The sequences the recurrence runs over: the batch's, or (CP prefill) the whole new rows of
+    // one sequence gathered from every CP rank, of which this rank keeps its own.
+    std::vector<int32_t> seq_ptr(b.queries.q_indptr.begin(), b.queries.q_indptr.end());
+    std::vector<int64_t> seq_first, own;
+    for (int i = 0; i < b.batch(); ++i)
+        seq_first.push_back(b.queries.q_indptr[i + 1] > b.queries.q_indptr[i]
+                                ? b.queries.q_pos[size_t(b.queries.q_indptr[i])]
+                                : 0);
+    if (state_rows_) {
+        KVSHARD_CHECK(b.batch() == 1, "gathered state rows need a batch of one sequence");
+        StateRows g = state_rows_(xn, h);
+        xn = std::move(g.rows);
+        own = std::move(g.own);
+        seq_ptr = {0, int32_t(int64_t(xn.size()) / h)};
+        seq_first = {g.first_pos};
+    }
+    const int64_t n = int64_t(xn.size()) / h;
+    std::vector<float> in(size_t(n * ch)), z(size_t(n * hl * vd)), bb(size_t(n * hl)),
+        aa(size_t(n * hl));
     {
         std::vector<float> t(size_t(n * std::max<int64_t>(gl * kd, int64_t{hl} * vd)));
         auto put = [&](const std::vector<float>& wt, int64_t width, int64_t at) {
@@ -443,8 +461,8 @@ void RankModel::gated_deltanet_block(int l, const ForwardBatch& b, std::vector<f
 
     StateLayer& st = states_[size_t(layer_state_[size_t(l)])];
     std::vector<float> conv_out(in.size()), o(size_t(n * hl * vd));
-    for (int i = 0; i < b.batch(); ++i) {
-        const int32_t r0 = b.queries.q_indptr[i], r1 = b.queries.q_indptr[i + 1];
+    for (int i = 0; i + 1 < int(seq_ptr.size()); ++i) {
+        const int32_t r0 = seq_ptr[size_t(i)], r1 = seq_ptr[size_t(i) + 1];
         if (r1 == r0) continue;
         const int64_t slot = b.state_slot(i);
         if (int64_t(st.rec.size()) < (slot + 1) * st.rec_elems) {
@@ -453,7 +471,7 @@ void RankModel::gated_deltanet_block(int l, const ForwardBatch& b, std::vector<f
         }
         float* cs = st.conv.data() + slot * st.conv_elems;  // [K-1][ch], oldest first
         float* S = st.rec.data() + slot * st.rec_elems;     // [hl][kd][vd]
-        if (b.queries.q_pos[size_t(r0)] == 0) {
+        if (seq_first[size_t(i)] == 0) {
             std::fill_n(cs, st.conv_elems, 0.0f);
             std::fill_n(S, st.rec_elems, 0.0f);
         }
@@ -515,10 +533,18 @@ void RankModel::gated_deltanet_block(int l, const ForwardBatch& b, std::vector<f
             }
         }
     }
-    std::vector<float> y(size_t(n * h));
-    linear(o.data(), n, int64_t{hl} * vd, w.wo, h, y.data());
+    if (state_rows_) {  // keep this rank's rows
+        std::vector<float> mine(size_t(int64_t(own.size()) * hl * vd));
+        for (size_t i = 0; i < own.size(); ++i)
+            std::copy_n(o.data() + own[i] * hl * vd, int64_t{hl} * vd,
+                        mine.data() + int64_t(i) * hl * vd);
+        o = std::move(mine);
+    }
+    const int64_t n_out = b.rows();
+    std::vector<float> y(size_t(n_out * h));
+    linear(o.data(), n_out, int64_t{hl} * vd, w.wo, h, y.data());
     tp_all_reduce(y);
-    for (int64_t i = 0; i < n * h; ++i) x[size_t(i)] += y[size_t(i)];
+    for (int64_t i = 0; i < n_out * h; ++i) x[size_t(i)] += y[size_t(i)];
 }
 
 void RankModel::dense_mlp(const LayerWeights& w, const float* x, int64_t n, float* y) {

@@ -38,9 +38,7 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const GenerationOptions& opt, Communicator* world) {
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
     check_prompts(prompts, m.vocab, opt.max_new_tokens);
-    require(m.state_bytes_per_sequence() == 0, m.name, " has ", m.layer_mix(),
-            ": context parallelism runs attention layers (full, sliding, chunked, MLA) and layers "
-            "without KV, not state layers yet; run this model with cp=1");
+
     require(m.kv_dtype == DType::kFp32, "--kv-dtype ", dtype_name(m.kv_dtype), " with cp=", p.cp,
             ": the context-parallel executor (its KV ring and prefix moves) stores fp32 KV only; "
             "use --kv-dtype fp32 under CP, or cp=1 for bf16, fp16 or fp8 pools");
@@ -53,7 +51,8 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                 " needs dp*pp*cp*tp = ", p.world_size());
         CpOptions o;
         o.block_size = opt.block_size;
-        o.prefix_cache = opt.prefix_cache;
+        // A state layer's running state is not saved at block boundaries: no prefix reuse.
+        o.prefix_cache = opt.prefix_cache && model_prefix_cache_unsupported(m).empty();
         o.prefill_mode = opt.cp_prefill_mode;
         o.decode_merge = opt.cp_decode_merge;
         o.num_blocks = opt.num_blocks;
@@ -98,8 +97,12 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
         for (int i = 0; i < dev.model().num_pools(); ++i)
             bytes_per_token += dev.model().pool_at(i).geometry().bytes_per_token();
         rep.kv_bytes = rep.kv_tokens * bytes_per_token;
-        rep.kv_bytes_predicted =
-            rep.kv_tokens * s.layout().ranks[static_cast<size_t>(w.rank())].kv_bytes_per_token;
+        const RankKv& me = s.layout().ranks[static_cast<size_t>(w.rank())];
+        rep.kv_bytes_predicted = rep.kv_tokens * me.kv_bytes_per_token;
+        // State layers: every CP rank holds each sequence's whole state (docs/context-parallel.md).
+        const int64_t n_seq = static_cast<int64_t>(prompts.size());
+        rep.kv_bytes += n_seq * dev.model().state_bytes_per_sequence();
+        rep.kv_bytes_predicted += n_seq * me.state_bytes_per_sequence;
         GenerationReport out = serve::merge_group_report(
             serve::gather_contributions(&w, row, results), prompts.size());
         const std::string why = cp_prefix_cache_unsupported(p, o.block_size);

@@ -139,6 +139,8 @@ class CpSession {
     std::unique_ptr<Communicator> serving_comm_;
     ParallelGroups groups_;
     std::unordered_map<SeqId, Seq> seqs_;
+    std::unordered_map<SeqId, int32_t> state_slot_;  // state layers: each served sequence's slot
+    std::vector<int32_t> free_state_slots_;
     CpStepStats last_;
     CpCommStats total_;
     int64_t next_tmp_seq_ = -1;

@@ -85,6 +85,17 @@ struct AttentionCall {
     BlockPool* pool = nullptr;
 };
 using AttentionFn = std::function<void(const AttentionCall&)>;
+
+// Context parallelism over a state layer: the recurrence runs over every new row of the sequence
+// in position order, so the rows are gathered from every CP rank (`rows`: [N][width] in position
+// order, the first at first_pos; own[i]: the index in rows of this rank's local row i).
+struct StateRows {
+    std::vector<float> rows;
+    std::vector<int64_t> own;
+    int64_t first_pos = 0;
+};
+// Given this rank's rows [n][width] of the layer's normed input, the gathered rows.
+using StateRowsFn = std::function<StateRows(const std::vector<float>& local, int64_t width)>;
 // The default: write_kv of the rows, then paged_attention over the pool (MLA: write_latent, then
 // mla_attention).
 void default_attention(const AttentionCall& call);
@@ -120,6 +131,8 @@ class RankModel {
     bool first_stage() const { return comms_.prev_stage < 0; }
     bool last_stage() const { return comms_.next_stage < 0; }
     void set_attention(AttentionFn fn) { attention_ = std::move(fn); }
+    // Null (the default): state layers run over the batch's own rows.
+    void set_state_rows(StateRowsFn fn) { state_rows_ = std::move(fn); }
     // Who this rank talks to from now on (a device that serves under several layouts over time).
     void set_comms(RankComms comms) { comms_ = comms; }
 
@@ -149,6 +162,7 @@ class RankModel {
     std::vector<int> layer_pool_, layer_in_pool_, layer_state_;
     std::vector<StateLayer> states_;
     AttentionFn attention_;
+    StateRowsFn state_rows_;
     std::vector<float> rope_cos_, rope_sin_;  // [rows][dim/2] of the current step
     int rope_dim_ = 0;
 };
