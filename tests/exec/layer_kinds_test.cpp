@@ -14,6 +14,7 @@
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/model/safetensors.h"
+#include "kvshard/serve/disagg.h"
 #include "kvshard/serve/generate.h"
 #include "kvshard/serve/verify.h"
 
@@ -151,6 +152,52 @@ INSTANTIATE_TEST_SUITE_P(
             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
         return s;
     });
+
+// MLA between a prefill and a decode group: the latent goes once to every decode rank (each holds
+// it whole), across TP shrink and growth, a PP mismatch and a CP side; the decode side's tokens
+// equal the unsharded run's.
+class MlaDisagg : public ::testing::TestWithParam<std::pair<std::string, std::string>> {};
+
+TEST_P(MlaDisagg, DecodeSideEqualsUnsharded) {
+    const auto& [from, to] = GetParam();
+    const ModelSpec m = catalog_model("tiny-mla");
+    const ParallelConfig pf = parse_parallel_config(from), dc = parse_parallel_config(to);
+    const auto src = random_tensor_source(kSeed);
+    const auto prompts = prompts_for(m);
+    DisaggOptions o;
+    o.max_new_tokens = kSteps;
+    o.prefill_block_size = 4;
+    o.decode_block_size = 4;
+    std::vector<DisaggReport> reports(size_t(pf.world_size() + dc.world_size()));
+    run_threads(pf.world_size() + dc.world_size(), [&](Communicator& world) {
+        reports[size_t(world.rank())] = disagg_generate(m, pf, dc, *src, prompts, o, world);
+    });
+    const DisaggReport& got = reports[0];
+    const GenerationReport& ref = unsharded("tiny-mla");
+    ASSERT_EQ(got.tokens.size(), ref.tokens.size());
+    for (size_t i = 0; i < ref.tokens.size(); ++i) {
+        EXPECT_EQ(got.tokens[i], ref.tokens[i]) << "prompt " << i;
+        EXPECT_LT(relative_l2(got.last_logits[i], ref.last_logits[i]), 1e-4) << "prompt " << i;
+    }
+    EXPECT_EQ(got.transfer_bytes, got.min_bytes);
+    // Every decode rank receives the whole latent of every prompt token once.
+    int64_t tokens = 0;
+    for (const auto& p : prompts) tokens += int64_t(p.size());
+    const int64_t latent = int64_t{m.mla.kv_lora_rank + m.mla.qk_rope_head_dim} * 4;
+    EXPECT_EQ(got.min_bytes, tokens * latent * m.num_layers * dc.tp);
+}
+
+INSTANTIATE_TEST_SUITE_P(Pairs, MlaDisagg,
+                         ::testing::Values(std::pair<std::string, std::string>{"tp=2", "tp=1"},
+                                           std::pair<std::string, std::string>{"tp=1", "tp=4"},
+                                           std::pair<std::string, std::string>{"pp=2", "tp=2"},
+                                           std::pair<std::string, std::string>{"cp=2", "tp=2"}),
+                         [](const auto& info) {
+                             std::string s = info.param.first + "_to_" + info.param.second;
+                             for (char& ch : s)
+                                 if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                             return s;
+                         });
 
 // The prefill (many rows at once, one causal conv and delta-rule sweep, windowed prefill
 // attention) and the decode (one row per step, the state carried in its slot, the window's blocks
