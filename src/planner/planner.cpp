@@ -142,6 +142,9 @@ PlanEntry evaluate_config(const ModelSpec& m, const HardwareSpec& hw, const Plan
     validate_world(p, r.gpus);
     CapacityOptions cap_opt = r.capacity;
     cap_opt.context_tokens = r.context_tokens;
+    cap_opt.weight_dtype = r.weight_dtype;
+    CostOptions cost_opt = r.cost;
+    cost_opt.weight_dtype = r.weight_dtype;
     PlanEntry e;
     e.parallel = p;
     e.capacity = compute_capacity(m, p, hw, cap_opt);
@@ -158,7 +161,7 @@ PlanEntry evaluate_config(const ModelSpec& m, const HardwareSpec& hw, const Plan
     w.prompt_tokens = r.context_tokens;
     w.context_tokens = r.context_tokens;
     w.batch = e.batch;
-    e.cost = estimate_cost(m, p, hw, w, r.cost);
+    e.cost = estimate_cost(m, p, hw, w, cost_opt);
     return e;
 }
 

@@ -25,6 +25,8 @@ struct PlanRequest {
     CpScheme cp_scheme = CpScheme::kZigzag;  // token ownership used for cp > 1
     CapacityOptions capacity;
     CostOptions cost;
+    // Weight storage (capacity.h); evaluate_config passes it to both capacity and cost.
+    WeightDtype weight_dtype = WeightDtype::kModel;
     void validate() const;
 };
 
