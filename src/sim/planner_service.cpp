@@ -1,6 +1,8 @@
 #include "kvshard/sim/planner_service.h"
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 #include "kvshard/common/error.h"
 
@@ -60,6 +62,39 @@ double PlannerServiceModel::decode_step_s(int64_t batch, int64_t context_tokens)
                          .decode.total_s;
     decode_memo_.emplace(key, t);
     return t;
+}
+
+TraceWorkload trace_workload(const Trace& trace, const ReplicaSetup& setup, int replicas,
+                             RoutingPolicy policy) {
+    require(!trace.requests.empty(), "the trace '", trace.source, "' holds no requests");
+    require(replicas >= 1, "the replay needs at least one replica, got ", replicas);
+    TraceWorkload w;
+    w.requests = static_cast<int64_t>(trace.requests.size());
+    double in = 0, out = 0;
+    std::vector<double> inputs;
+    for (const TraceRequest& r : trace.requests) {
+        in += static_cast<double>(r.input_tokens);
+        out += static_cast<double>(r.output_tokens);
+        inputs.push_back(static_cast<double>(r.input_tokens));
+    }
+    const double n = static_cast<double>(w.requests);
+    w.mean_input_tokens = std::max<int64_t>(1, std::llround(in / n));
+    w.mean_output_tokens = std::max<int64_t>(1, std::llround(out / n));
+    w.p90_input_tokens = std::llround(percentile(inputs, 90));
+    const int64_t capacity_tokens = replica_kv_tokens(setup);
+    require(capacity_tokens >= trace.block_tokens, "each replica of ", setup.to_string(), " holds ",
+            capacity_tokens, " KV tokens, less than one ", trace.block_tokens,
+            "-token trace block");
+    const PlannerServiceModel service(setup);
+    SimConfig cfg;
+    cfg.num_replicas = replicas;
+    cfg.replica_capacity_blocks = capacity_tokens / trace.block_tokens;
+    cfg.policy = policy;
+    const PolicyReport rep = simulate(trace, cfg, service);
+    w.token_hit_rate = rep.hits.token_hit_rate;
+    w.policy = rep.name;
+    w.replicas = replicas;
+    return w;
 }
 
 }  // namespace kvshard

@@ -51,4 +51,20 @@ class PlannerServiceModel final : public ServiceModel {
     mutable std::unordered_map<uint64_t, double> decode_memo_;
 };
 
+// What a trace says about the planner's workload: its mean prompt and output lengths, and the
+// prefix-hit rate its replay reaches over `replicas` replicas of `setup` under `policy` (each
+// replica's cache as large as its KV capacity, replica_kv_tokens), so the planner prefills only
+// the uncached share of a prompt.
+struct TraceWorkload {
+    int64_t requests = 0;
+    int64_t mean_input_tokens = 0;   // rounded
+    int64_t mean_output_tokens = 0;  // rounded, at least 1
+    int64_t p90_input_tokens = 0;
+    double token_hit_rate = 0;  // hit prompt tokens / prompt tokens, from simulate()
+    std::string policy;
+    int replicas = 0;
+};
+TraceWorkload trace_workload(const Trace& trace, const ReplicaSetup& setup, int replicas,
+                             RoutingPolicy policy);
+
 }  // namespace kvshard
