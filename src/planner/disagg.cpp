@@ -162,7 +162,8 @@ class Evaluator {
 ServingEntry aggregated(Evaluator& ev, const ServingRequest& r, const ParallelConfig& p) {
     ServingEntry e;
     e.disaggregated = false;
-    e.prefill = e.decode = one_instance(p);
+    // The whole configuration is costed (its replicas are identical, and EP may span them).
+    e.prefill = e.decode = p;
     e.prefill_instances = e.decode_instances = p.dp;
     e.gpus_used = p.world_size();
     e.prefill_tokens = ev.new_tokens();

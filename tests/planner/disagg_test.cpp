@@ -86,7 +86,8 @@ TEST(Serving, EntriesUseTheGpusAndThoseMeetingTheSlosComeFirstBestFirst) {
             EXPECT_EQ(e.prefill.dp, 1);
             EXPECT_EQ(e.decode.dp, 1);
         } else {
-            EXPECT_EQ(e.prefill_instances * e.prefill.world_size(), 16);
+            EXPECT_EQ(e.prefill.world_size(), 16);
+            EXPECT_EQ(e.prefill_instances, e.prefill.dp);
         }
         if (!e.meets_slo) {
             seen_miss = true;
@@ -107,6 +108,18 @@ TEST(Serving, EntriesUseTheGpusAndThoseMeetingTheSlosComeFirstBestFirst) {
     ServingRequest only = r;
     only.disaggregated = false;
     for (const ServingEntry& e : plan_serving(m, hw, only)) EXPECT_FALSE(e.disaggregated);
+}
+
+// MoE: EP may span the DP replicas of an aggregated configuration; every one is costed whole.
+TEST(Serving, MoeConfigurationsWithEpAcrossReplicas) {
+    const ModelSpec m = catalog_model("mixtral-8x7b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    const auto entries = plan_serving(m, hw, request(8, 4096, 2.0, 0.05));
+    bool ep_over_dp = false;
+    for (const ServingEntry& e : entries)
+        ep_over_dp = ep_over_dp || (!e.disaggregated && e.decode.ep > e.decode.tp * e.decode.cp);
+    EXPECT_TRUE(ep_over_dp);
+    EXPECT_TRUE(entries.front().meets_slo);
 }
 
 TEST(Serving, TighterSlosNeverRaiseTheBestThroughput) {

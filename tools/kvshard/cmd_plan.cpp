@@ -378,7 +378,7 @@ void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& 
         100 * sr.prefix_hit_rate, sr.output_tokens, seconds(sr.ttft_slo_s), seconds(sr.tpot_slo_s));
     fmt::print("{} aggregated and {} disaggregated configurations; {} meet both SLOs.\n\n",
                entries.size() - n_dis, n_dis, n_ok);
-    fmt::print("{:>4} {:<30} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}\n", "#",
+    fmt::print("{:>4} {:<36} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}\n", "#",
                "configuration", "prefill", "KV xfer", "exposed", "queue", "TTFT", "batch", "TPOT",
                "req/s", "tok/s/GPU");
     const int top = f.top > 0 ? f.top : 20;
@@ -387,7 +387,7 @@ void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& 
         const auto& e = entries[i];
         if (!e.meets_slo) continue;
         ++shown;
-        fmt::print("{:>4} {:<30} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>9} {:>9.2f} {:>8.0f}\n",
+        fmt::print("{:>4} {:<36} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>9} {:>9.2f} {:>8.0f}\n",
                    i + 1, e.name(), seconds(e.prefill_s),
                    e.disaggregated ? mib(double(e.transfer.bytes)) : std::string("-"),
                    e.disaggregated ? seconds(e.transfer.exposed_s) : std::string("-"),
@@ -401,7 +401,7 @@ void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& 
             break;
         }
     if (best_agg >= shown)
-        fmt::print("{:>4} {:<30} ... best aggregated: TTFT {}, TPOT {}, {:.0f} tok/s/GPU\n",
+        fmt::print("{:>4} {:<36} ... best aggregated: TTFT {}, TPOT {}, {:.0f} tok/s/GPU\n",
                    best_agg + 1, entries[best_agg].name(), seconds(entries[best_agg].ttft_s),
                    seconds(entries[best_agg].tpot_s), entries[best_agg].tokens_per_s_per_gpu);
     if (n_ok > shown) fmt::print("... {} more meet the SLOs (--top N to list)\n", n_ok - shown);

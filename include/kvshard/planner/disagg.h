@@ -56,7 +56,8 @@ KvTransferCost price_kv_transfer(const ModelSpec& m, const ParallelConfig& prefi
 
 struct ServingEntry {
     bool disaggregated = false;
-    // Aggregated: prefill == decode == the replica's layout (dp = 1), instances = replicas.
+    // Aggregated: prefill == decode == the configuration (dp = its replicas), instances = dp.
+    // Disaggregated: one instance's layout each (dp = 1).
     ParallelConfig prefill, decode;
     int prefill_instances = 0, decode_instances = 0;
     int gpus_used = 0;
