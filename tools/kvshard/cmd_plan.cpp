@@ -20,7 +20,7 @@ struct PlanFlags {
     ModelFlags model;
     HardwareFlags hardware;
     int gpus = 0;
-    int64_t context = 0;
+    int64_t context = -1;  // -1: not given (then --trace gives it)
     int64_t batch = 0;
     int64_t max_batch = 256;
     std::string objective = "throughput";
@@ -157,8 +157,7 @@ TraceWorkload trace_figures(const ModelSpec& m, const HardwareSpec& hw, PlanRequ
         lengths.mean_input_tokens = std::max<int64_t>(1, std::llround(in / n));
         lengths.mean_output_tokens = std::max<int64_t>(1, std::llround(out / n));
     }
-    if (r.context_tokens == 0)
-        r.context_tokens = lengths.mean_input_tokens + lengths.mean_output_tokens;
+    if (f.context < 0) r.context_tokens = lengths.mean_input_tokens + lengths.mean_output_tokens;
     const auto ranked = plan(m, hw, r);
     require(!ranked.empty() && ranked.front().fits, "no configuration of ", r.gpus, " GPUs fits ",
             m.name, " at ", r.context_tokens, " tokens, so the trace cannot be replayed");
@@ -181,11 +180,11 @@ void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& 
 void run(const PlanFlags& f) {
     const ModelSpec m = load_model(f.model);
     const HardwareSpec hw = load_hardware(f.hardware);
-    require(f.context > 0 || !f.trace.empty(),
+    require(f.context >= 0 || !f.trace.empty(),
             "--context is required (tokens of a request), unless --trace gives the lengths");
     PlanRequest r;
     r.gpus = f.gpus;
-    r.context_tokens = f.context;
+    r.context_tokens = std::max<int64_t>(0, f.context);
     r.weight_dtype = parse_weight_dtype(f.weight_dtype);
     r.batch = f.batch;
     r.max_batch = f.max_batch;
@@ -199,7 +198,7 @@ void run(const PlanFlags& f) {
     TraceWorkload tw;
     if (!f.trace.empty()) {
         tw = trace_figures(m, hw, r, f);
-        if (r.context_tokens == 0)
+        if (f.context < 0)
             r.context_tokens =
                 f.disagg ? tw.mean_input_tokens : tw.mean_input_tokens + tw.mean_output_tokens;
         r.prefix_hit_rate = std::min(tw.token_hit_rate, 0.999);
