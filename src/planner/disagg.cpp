@@ -33,20 +33,22 @@ ParallelConfig one_instance(ParallelConfig p) {
     return p;
 }
 
-// Mean wait in an M/D/1 queue (Poisson arrivals, service time t) at utilization rho < 1.
-double md1_wait_s(double rho, double t) { return rho <= 0 ? 0.0 : rho * t / (2 * (1 - rho)); }
+// Mean wait in an M/G/1 queue (Poisson arrivals) at utilization rho < 1, Pollaczek-Khinchine:
+// W = rho * c / (2 (1 - rho)) with c = E[S^2] / E[S] (c = t for a fixed service time t: M/D/1).
+double mg1_wait_s(double rho, double c) { return rho <= 0 ? 0.0 : rho * c / (2 * (1 - rho)); }
 
-// The highest utilization whose M/D/1 wait is at most `slack` seconds for service time t.
-double md1_max_rho(double slack, double t) {
+// The highest utilization whose M/G/1 wait is at most `slack` seconds.
+double mg1_max_rho(double slack, double c) {
     if (slack <= 0) return 0;
-    const double k = slack / t;
+    const double k = slack / c;
     return 2 * k / (1 + 2 * k);
 }
 
 struct PrefillSide {
     bool fits = false;
     std::string why_not;
-    double prefill_s = 0;
+    double prefill_s = 0;   // mean over the prompt lengths
+    double residual_s = 0;  // E[t^2] / E[t]: the queue's c (= prefill_s for one length)
 };
 
 struct DecodeSide {
@@ -80,9 +82,32 @@ class Evaluator {
         const CapacityReport cap = compute_capacity(m_, p, hw_, c);
         s.fits = cap.fits;
         s.why_not = cap.why_not;
-        s.prefill_s =
-            estimate_cost(m_, p, hw_, work(new_tokens_, r_.prompt_tokens, 1), cost_).ttft_s;
+        if (r_.prompt_samples.empty()) {
+            s.prefill_s = prefill_time(p, r_.prompt_tokens);
+            s.residual_s = s.prefill_s;
+        } else {
+            // The trace's lengths, rounded up to 256 tokens so that few distinct ones are costed.
+            std::map<int64_t, double> memo;
+            double sum = 0, sum2 = 0;
+            for (int64_t len : r_.prompt_samples) {
+                const int64_t q = (len + 255) / 256 * 256;
+                auto it = memo.find(q);
+                if (it == memo.end()) it = memo.emplace(q, prefill_time(p, q)).first;
+                sum += it->second;
+                sum2 += it->second * it->second;
+            }
+            const double n = static_cast<double>(r_.prompt_samples.size());
+            s.prefill_s = sum / n;
+            s.residual_s = sum2 / sum;
+        }
         return prefill_.emplace(key, s).first->second;
+    }
+
+    // One prompt of `len` tokens, of which the prefix-hit share is cached.
+    double prefill_time(const ParallelConfig& p, int64_t len) const {
+        const int64_t fresh = std::max<int64_t>(
+            1, static_cast<int64_t>(std::llround(double(len) * (1.0 - r_.prefix_hit_rate))));
+        return estimate_cost(m_, p, hw_, work(fresh, len, 1), cost_).ttft_s;
     }
 
     // Decode steps at the mean context of a request's decode (prompt + half its output).
@@ -178,9 +203,9 @@ ServingEntry aggregated(Evaluator& ev, const ServingRequest& r, const ParallelCo
     // Each replica interleaves prefills with decode steps: at request rate lambda it spends
     // rho = lambda * t_p of its time prefilling, so a step takes t_d / (1 - rho) for the requests
     // decoding; Little's law with B slots: lambda * out * t_d / (1 - rho) <= B. The TPOT SLO caps
-    // rho at 1 - t_d / slo and the TTFT SLO (M/D/1 wait for the prefill) at md1_max_rho.
+    // rho at 1 - t_d / slo and the TTFT SLO (M/G/1 wait for the prefill) at mg1_max_rho.
     const double tp = pf.prefill_s, out = static_cast<double>(r.output_tokens);
-    const double rho_ttft = md1_max_rho(r.ttft_slo_s - tp, tp);
+    const double rho_ttft = mg1_max_rho(r.ttft_slo_s - tp, pf.residual_s);
     double best = 0;
     int64_t best_b = 0;
     double best_td = 0;
@@ -202,7 +227,7 @@ ServingEntry aggregated(Evaluator& ev, const ServingRequest& r, const ParallelCo
     e.decode_batch = best_b > 0 ? best_b : 1;
     e.step_s = best_b > 0 ? best_td : ev.step_s(e.decode, 1);
     const double rho = best * tp;
-    e.queue_s = md1_wait_s(rho, tp);
+    e.queue_s = mg1_wait_s(rho, pf.residual_s);
     e.ttft_s = e.queue_s + tp;
     e.tpot_s = e.step_s / (1 - rho);
     e.requests_per_s = best * p.dp;
@@ -227,6 +252,9 @@ void ServingRequest::validate() const {
     require(prompt_tokens >= 1 && prompt_tokens <= kMaxTransferTokens,
             "the prompt must be in [1, 2^26] tokens, got ", prompt_tokens);
     require(output_tokens >= 1, "the output must be at least 1 token, got ", output_tokens);
+    for (int64_t len : prompt_samples)
+        require(len >= 1 && len <= kMaxTransferTokens,
+                "every prompt length of the distribution must be in [1, 2^26] tokens, got ", len);
     require(prefix_hit_rate >= 0 && prefix_hit_rate < 1,
             "the prefix hit rate must be in [0, 1), got ", prefix_hit_rate);
     require(ttft_slo_s > 0 && std::isfinite(ttft_slo_s),
@@ -340,12 +368,12 @@ std::vector<ServingEntry> plan_serving(const ModelSpec& m, const HardwareSpec& h
                     e.decode_batch = ds.batch;
                     e.step_s = e.tpot_s = ds.step_s;
                     const double rho_max =
-                        md1_max_rho(r.ttft_slo_s - ps.prefill_s - tc.exposed_s, ps.prefill_s);
+                        mg1_max_rho(r.ttft_slo_s - ps.prefill_s - tc.exposed_s, ps.residual_s);
                     const double lambda_p = np * rho_max / ps.prefill_s;
                     const double lambda_d = nd * double(ds.batch) / (out_tokens * ds.step_s);
                     const double lambda = std::min(lambda_p, lambda_d);
                     const double rho = lambda * ps.prefill_s / np;
-                    e.queue_s = md1_wait_s(rho, ps.prefill_s);
+                    e.queue_s = mg1_wait_s(rho, ps.residual_s);
                     e.ttft_s = e.queue_s + ps.prefill_s + tc.exposed_s;
                     e.requests_per_s = lambda;
                     e.tokens_per_s_per_gpu = lambda * out_tokens / r.gpus;

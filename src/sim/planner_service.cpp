@@ -76,6 +76,7 @@ TraceWorkload trace_workload(const Trace& trace, const ReplicaSetup& setup, int 
         in += static_cast<double>(r.input_tokens);
         out += static_cast<double>(r.output_tokens);
         inputs.push_back(static_cast<double>(r.input_tokens));
+        w.input_tokens.push_back(r.input_tokens);
     }
     const double n = static_cast<double>(w.requests);
     w.mean_input_tokens = std::max<int64_t>(1, std::llround(in / n));

@@ -154,6 +154,28 @@ TEST(Serving, PrefixHitsShortenPrefillAndRaiseThroughput) {
             }
 }
 
+// A spread of prompt lengths with the same mean: prefill time is convex in the length (attention is
+// quadratic) and the M/G/1 wait grows with the spread, so no configuration does better.
+TEST(Serving, ASpreadOfPromptLengthsNeverBeatsTheirMean) {
+    const ModelSpec m = catalog_model("llama-3.1-8b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    ServingRequest fixed = request(8, 8192, 1.0, 0.05);
+    ServingRequest spread = fixed;
+    spread.prompt_samples = {1024, 1024, 1024, 29696};  // mean 8192
+    const auto a = plan_serving(m, hw, fixed), b = plan_serving(m, hw, spread);
+    int compared = 0;
+    for (const ServingEntry& x : a)
+        for (const ServingEntry& y : b)
+            if (x.name() == y.name() && x.meets_slo && y.meets_slo) {
+                EXPECT_GE(y.prefill_s, x.prefill_s) << x.name();
+                EXPECT_LE(y.tokens_per_s_per_gpu, x.tokens_per_s_per_gpu * (1 + 1e-9)) << x.name();
+                ++compared;
+            }
+    EXPECT_GT(compared, 0);
+    spread.prompt_samples = {0};
+    EXPECT_THROW(plan_serving(m, hw, spread), Error);
+}
+
 TEST(Serving, BadRequestsAreErrors) {
     const ModelSpec m = catalog_model("llama-3.1-8b");
     const HardwareSpec hw = hardware_by_name("h100-sxm");

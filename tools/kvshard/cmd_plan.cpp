@@ -333,6 +333,8 @@ void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& 
     sr.prompt_tokens = pr.context_tokens;
     sr.output_tokens = f.output_tokens > 0 ? f.output_tokens : tw ? tw->mean_output_tokens : 256;
     sr.prefix_hit_rate = pr.prefix_hit_rate;
+    // The trace's prompt lengths, unless --context fixed one length.
+    if (tw && f.context < 0) sr.prompt_samples = tw->input_tokens;
     sr.ttft_slo_s = f.ttft_slo;
     sr.tpot_slo_s = f.tpot_slo;
     sr.max_batch = pr.max_batch;
@@ -407,7 +409,7 @@ void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& 
     fmt::print(
         "\nP/D: prefill/decode instances (layout x count). KV xfer: KV bytes per request from "
         "kvshard's transfer plan between the two layouts (kvshard transfer-plan); exposed: what "
-        "the layer-wise transfer leaves after the prefill. queue: M/D/1 wait for a prefill "
+        "the layer-wise transfer leaves after the prefill. queue: M/G/1 wait for a prefill "
         "instance at the rate shown. tok/s/GPU: output tokens/s per GPU. --explain N details "
         "row N.\n");
     if (!f.svg.empty()) fmt::print("Chart written to {}\n", f.svg);

@@ -19,7 +19,11 @@ namespace kvshard {
 
 struct ServingRequest {
     int gpus = 0;
-    int64_t prompt_tokens = 0;  // per request
+    int64_t prompt_tokens = 0;  // per request (the mean when prompt_samples are given)
+    // Prompt lengths of the requests (e.g. a trace's): prefill time is averaged over them and the
+    // prefill queue is M/G/1 with their spread; empty: every prompt has prompt_tokens. The KV
+    // transfer and the decode context use prompt_tokens.
+    std::vector<int64_t> prompt_samples;
     int64_t output_tokens = 256;
     // Share of prompt tokens found in the prefix cache (from a trace replay, sim/): only the rest
     // is prefilled. The KV moved to a decode instance is still the whole prompt's.
@@ -66,7 +70,7 @@ struct ServingEntry {
     KvTransferCost transfer;          // disaggregated only
     int64_t decode_batch = 0;         // requests decoding together per decode instance
     double step_s = 0;                // one decode step at decode_batch (no prefill interference)
-    double queue_s = 0;               // mean wait for a prefill instance (M/D/1) at the chosen rate
+    double queue_s = 0;               // mean wait for a prefill instance (M/G/1) at the chosen rate
     double ttft_s = 0;                // queue + prefill + exposed transfer
     double tpot_s = 0;                // aggregated: the step stretched by the prefills mixed in
     double requests_per_s = 0;        // all instances

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "kvshard/layout/parallel_config.h"
 #include "kvshard/model/model_spec.h"
@@ -60,7 +61,8 @@ struct TraceWorkload {
     int64_t mean_input_tokens = 0;   // rounded
     int64_t mean_output_tokens = 0;  // rounded, at least 1
     int64_t p90_input_tokens = 0;
-    double token_hit_rate = 0;  // hit prompt tokens / prompt tokens, from simulate()
+    std::vector<int64_t> input_tokens;  // every request's, in trace order (the distribution)
+    double token_hit_rate = 0;          // hit prompt tokens / prompt tokens, from simulate()
     std::string policy;
     int replicas = 0;
 };
