@@ -389,6 +389,8 @@ std::vector<ServingEntry> plan_serving(const ModelSpec& m, const HardwareSpec& h
         if (!a.meets_slo) return false;
         if (a.tokens_per_s_per_gpu != b.tokens_per_s_per_gpu)
             return a.tokens_per_s_per_gpu > b.tokens_per_s_per_gpu;
+        // Equal throughput (e.g. both prefill-bound): the faster decode, then the earlier token.
+        if (a.tpot_s != b.tpot_s) return a.tpot_s < b.tpot_s;
         return a.ttft_s < b.ttft_s;
     });
     return out;
@@ -482,7 +484,7 @@ std::string serving_to_svg(const ModelSpec& m, const HardwareSpec& hw, const Ser
     s << "<rect x=\"" << L << "\" y=\"" << T << "\" width=\"" << R - L << "\" height=\"" << B - T
       << "\" fill=\"#fafafa\" stroke=\"#888\"/>\n";
     for (double d = std::floor(lx0); d <= std::ceil(lx1); ++d)
-        for (int k : {1, 2, 5}) {
+        for (int k : {1, 2, 3, 5, 7}) {
             const double v = std::pow(10, d) * k;
             if (std::log10(v) < lx0 || std::log10(v) > lx1) continue;
             s << "<line x1=\"" << px(v) << "\" y1=\"" << T << "\" x2=\"" << px(v) << "\" y2=\"" << B
