@@ -98,4 +98,34 @@ TraceWorkload trace_workload(const Trace& trace, const ReplicaSetup& setup, int 
     return w;
 }
 
+TraceWorkload plan_trace_workload(const Trace& trace, const ModelSpec& m, const HardwareSpec& hw,
+                                  PlanRequest r, RoutingPolicy policy) {
+    require(!trace.requests.empty(), "the trace '", trace.source, "' holds no requests");
+    if (r.context_tokens == 0) {
+        double in = 0, out = 0;
+        for (const TraceRequest& q : trace.requests) {
+            in += static_cast<double>(q.input_tokens);
+            out += static_cast<double>(q.output_tokens);
+        }
+        const double n = static_cast<double>(trace.requests.size());
+        r.context_tokens = std::max<int64_t>(1, std::llround(in / n)) +
+                           std::max<int64_t>(1, std::llround(out / n));
+    }
+    const std::vector<PlanEntry> ranked = plan(m, hw, r);
+    require(!ranked.empty() && ranked.front().fits, "no configuration of ", r.gpus, " GPUs fits ",
+            m.name, " at ", r.context_tokens, " tokens, so the trace '", trace.source,
+            "' cannot be replayed");
+    ReplicaSetup setup;
+    setup.model = m;
+    setup.hardware = hw;
+    setup.parallel = ranked.front().parallel;
+    const int replicas = setup.parallel.dp;
+    setup.parallel.dp = 1;
+    setup.capacity = r.capacity;
+    setup.capacity.weight_dtype = r.weight_dtype;
+    setup.cost = r.cost;
+    setup.cost.weight_dtype = r.weight_dtype;
+    return trace_workload(trace, setup, replicas, policy);
+}
+
 }  // namespace kvshard

@@ -140,40 +140,6 @@ void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, c
                p.dp);
 }
 
-// --trace: the trace's mean lengths and the prefix-hit rate of its replay (sim/) over the
-// replicas of the best aggregated configuration for the trace's lengths, under --route.
-TraceWorkload trace_figures(const ModelSpec& m, const HardwareSpec& hw, PlanRequest r,
-                            const PlanFlags& f) {
-    const Trace trace = load_trace(f.trace, TraceErrorPolicy::kFail);
-    TraceWorkload lengths;
-    {
-        double in = 0, out = 0;
-        for (const auto& q : trace.requests) {
-            in += static_cast<double>(q.input_tokens);
-            out += static_cast<double>(q.output_tokens);
-        }
-        require(!trace.requests.empty(), "the trace '", f.trace, "' holds no requests");
-        const double n = static_cast<double>(trace.requests.size());
-        lengths.mean_input_tokens = std::max<int64_t>(1, std::llround(in / n));
-        lengths.mean_output_tokens = std::max<int64_t>(1, std::llround(out / n));
-    }
-    if (f.context < 0) r.context_tokens = lengths.mean_input_tokens + lengths.mean_output_tokens;
-    const auto ranked = plan(m, hw, r);
-    require(!ranked.empty() && ranked.front().fits, "no configuration of ", r.gpus, " GPUs fits ",
-            m.name, " at ", r.context_tokens, " tokens, so the trace cannot be replayed");
-    ReplicaSetup setup;
-    setup.model = m;
-    setup.hardware = hw;
-    setup.parallel = ranked.front().parallel;
-    const int replicas = setup.parallel.dp;
-    setup.parallel.dp = 1;
-    setup.capacity = r.capacity;
-    setup.capacity.weight_dtype = r.weight_dtype;
-    setup.cost = r.cost;
-    setup.cost.weight_dtype = r.weight_dtype;
-    return trace_workload(trace, setup, replicas, parse_routing_policy(f.route));
-}
-
 void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& pr,
                  const PlanFlags& f, const TraceWorkload* tw);
 
@@ -197,7 +163,8 @@ void run(const PlanFlags& f) {
     require(f.top >= 0, "--top must be >= 0 (0: all), got ", f.top);
     TraceWorkload tw;
     if (!f.trace.empty()) {
-        tw = trace_figures(m, hw, r, f);
+        tw = plan_trace_workload(load_trace(f.trace, TraceErrorPolicy::kFail), m, hw, r,
+                                 parse_routing_policy(f.route));
         if (f.context < 0)
             r.context_tokens =
                 f.disagg ? tw.mean_input_tokens : tw.mean_input_tokens + tw.mean_output_tokens;

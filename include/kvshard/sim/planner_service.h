@@ -11,6 +11,7 @@
 #include "kvshard/planner/capacity.h"
 #include "kvshard/planner/cost_model.h"
 #include "kvshard/planner/hardware.h"
+#include "kvshard/planner/planner.h"
 #include "kvshard/sim/simulator.h"
 
 namespace kvshard {
@@ -68,5 +69,11 @@ struct TraceWorkload {
 };
 TraceWorkload trace_workload(const Trace& trace, const ReplicaSetup& setup, int replicas,
                              RoutingPolicy policy);
+
+// What `kvshard plan --trace` replays: the trace over the replicas of the best configuration
+// plan(m, hw, r) ranks for it (r.context_tokens = the trace's mean input + output when 0; r's
+// capacity, cost and weight options), under `policy`. Throws Error when nothing fits.
+TraceWorkload plan_trace_workload(const Trace& trace, const ModelSpec& m, const HardwareSpec& hw,
+                                  PlanRequest r, RoutingPolicy policy);
 
 }  // namespace kvshard
