@@ -246,6 +246,8 @@ TEST(ServingCli, DisaggTransferBytesEqualTransferPlan) {
     ASSERT_EQ(text.status, 0) << text.out;
     EXPECT_NE(text.out.find("KV transfer"), std::string::npos) << text.out;
     EXPECT_EQ(test::run_cli(base + " --explain 0").status, 2);
+    EXPECT_EQ(test::run_cli(base + " --output-tokens -5").status, 2);
+    EXPECT_EQ(test::run_cli(base + " --weight-dtype int3").status, 2);
     EXPECT_EQ(
         test::run_cli("plan --model llama-3.1-70b --gpus 16 --context 8192 --ttft-slo 2").status,
         2);

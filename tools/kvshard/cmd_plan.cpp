@@ -295,6 +295,10 @@ void explain_serving(const ServingEntry& e, const ServingRequest& sr, int rank) 
 
 void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& pr,
                  const PlanFlags& f, const TraceWorkload* tw) {
+    require(
+        f.output_tokens >= 0,
+        "--output-tokens must be a positive integer (0 or absent: 256, or the trace's mean), got ",
+        f.output_tokens);
     ServingRequest sr;
     sr.gpus = pr.gpus;
     sr.prompt_tokens = pr.context_tokens;
