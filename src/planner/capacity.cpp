@@ -33,7 +33,43 @@ int64_t cp_tokens_per_rank(const ParallelConfig& p, int64_t context_tokens) {
     return most;
 }
 
-WeightBytes rank_weight_bytes(const KvLayout& layout, int rank) {
+std::string_view weight_dtype_name(WeightDtype w) {
+    switch (w) {
+        case WeightDtype::kModel:
+            return "model";
+        case WeightDtype::kBf16:
+            return "bf16";
+        case WeightDtype::kFp8:
+            return "fp8";
+        case WeightDtype::kFp4:
+            return "fp4";
+    }
+    return "?";
+}
+
+WeightDtype parse_weight_dtype(std::string_view s) {
+    if (s == "model") return WeightDtype::kModel;
+    if (s == "bf16") return WeightDtype::kBf16;
+    if (s == "fp8") return WeightDtype::kFp8;
+    if (s == "fp4") return WeightDtype::kFp4;
+    throw Error(detail::concat("unknown weight dtype '", s, "': expected bf16, fp8 or fp4"));
+}
+
+int weight_bits(const ModelSpec& m, WeightDtype w) {
+    switch (w) {
+        case WeightDtype::kBf16:
+            return 16;
+        case WeightDtype::kFp8:
+            return 8;
+        case WeightDtype::kFp4:
+            return 4;
+        case WeightDtype::kModel:
+            break;
+    }
+    return 8 * static_cast<int>(dtype_size(m.weight_dtype));
+}
+
+WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
     const ModelSpec& m = layout.model;
     const ParallelConfig& p = layout.parallel;
     const RankKv& rk = layout.ranks.at(rank);
@@ -41,7 +77,10 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank) {
     const int64_t tp = p.tp;
     const int64_t q_heads = m.num_heads / p.tp;
 
-    const int64_t e = static_cast<int64_t>(dtype_size(m.weight_dtype));
+    KVSHARD_CHECK(bits >= 0, "bits per weight must be >= 0, got ", bits);
+    const int64_t b = bits > 0 ? bits : 8 * static_cast<int64_t>(dtype_size(m.weight_dtype));
+    // Bytes of `elems` weights (whole bytes, rounded up for 4-bit weights).
+    auto bytes = [b](int64_t elems) { return (elems * b + 7) / 8; };
     WeightBytes w;
     int64_t norm_elems = 0;
     for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
@@ -87,24 +126,24 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank) {
             attn += int64_t{m.mla.q_lora_rank} * ix.heads * ix.head_dim + h * ix.head_dim +
                     2 * int64_t{ix.head_dim} + h * ix.heads;
         }
-        w.attention += attn * e;
+        w.attention += bytes(attn);
         if (s.mlp == MlpKind::kDense) {
-            w.dense_mlp += (m.mlp_projections * h * s.intermediate / tp) * e;
+            w.dense_mlp += bytes(m.mlp_projections * h * s.intermediate / tp);
         } else if (s.mlp == MlpKind::kMoe) {
             const int64_t routed = p.ep > 1 ? int64_t{m.moe.num_experts / p.ep} * m.expert_params()
                                             : int64_t{m.moe.num_experts} * m.expert_params() / tp;
             const int64_t shared = int64_t{m.moe.shared_experts} * m.expert_params() / tp;
             const int64_t router = h * m.moe.num_experts;
-            w.experts += (routed + shared + router) * e;
+            w.experts += bytes(routed + shared + router);
         }
     }
     const int64_t vocab_shard = ceil_div(m.vocab, tp) * h;
     const bool first = rk.coord.pp == 0;
     const bool last = rk.coord.pp == p.pp - 1;
-    if (first) w.embedding = vocab_shard * e;
+    if (first) w.embedding = bytes(vocab_shard);
     // A tied LM head reuses the embedding only when both live on the same stage.
-    if (last && (!m.tie_embeddings || p.pp > 1)) w.lm_head = vocab_shard * e;
-    w.norms = (norm_elems + (last ? h : 0)) * e;
+    if (last && (!m.tie_embeddings || p.pp > 1)) w.lm_head = bytes(vocab_shard);
+    w.norms = bytes(norm_elems + (last ? h : 0));
     return w;
 }
 
@@ -122,7 +161,7 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
     for (int r = 0; r < layout.world_size(); ++r) {
         RankCapacity& rc = rep.ranks[r];
         rc.rank = r;
-        rc.weights = rank_weight_bytes(layout, r);
+        rc.weights = rank_weight_bytes(layout, r, weight_bits(m, options.weight_dtype));
         rc.kv_bytes_per_token = layout.ranks[r].kv_bytes_per_token;
         rc.state_bytes_per_sequence = layout.ranks[r].state_bytes_per_sequence;
         rc.kv_budget_bytes = usable - rc.weights.total() - options.activation_reserve_bytes;

@@ -130,6 +130,7 @@ struct StageCost {
 
 struct Links {
     double tp_bw, tp_hop, cp_bw, cp_hop, pp_bw, pp_hop, ep_bw, ep_hop;
+    double launch;  // per collective call (HardwareSpec::collective_launch_s)
 };
 
 class Model {
@@ -145,6 +146,7 @@ class Model {
         link(GroupKind::kCp, l_.cp_bw, l_.cp_hop);
         link(GroupKind::kPp, l_.pp_bw, l_.pp_hop);
         link(GroupKind::kEp, l_.ep_bw, l_.ep_hop);
+        l_.launch = hw.collective_launch_s;
         // Per-layer bytes per token (and state bytes per sequence) on the TP rank 0 of its stage.
         layer_kv_.assign(m.num_layers, 0.0);
         layer_state_.assign(m.num_layers, 0.0);
@@ -155,9 +157,11 @@ class Model {
                     layer_kv_[l] = double(g.bytes_per_token) / n;
                     layer_state_[l] = double(g.state_bytes_per_sequence) / n;
                 }
-        flops_ = hw.achieved_flops(m.weight_dtype);
+        const int bits = weight_bits(m, o.weight_dtype);
+        // fp4 weights run on the fp8 tensor cores here (no fp4 FLOP/s in HardwareSpec).
+        flops_ = hw.achieved_flops(bits <= 8 ? DType::kFp8 : DType::kBf16);
         hbm_ = hw.achieved_hbm_bw();
-        we_ = static_cast<double>(dtype_size(m.weight_dtype));
+        we_ = bits / 8.0;
     }
 
     const KvLayout& layout() const { return layout_; }
@@ -252,19 +256,20 @@ class Model {
             const int n_ar = (moe && p_.ep > 1) ? 1 : 2;
             if (p_.tp > 1) {
                 c.tp_bytes += n_ar * 2.0 * (p_.tp - 1) / p_.tp * ar;
-                c.tp_s += n_ar * ring_all_reduce_s(ar, p_.tp, l_.tp_bw, l_.tp_hop);
+                c.tp_s += n_ar * (ring_all_reduce_s(ar, p_.tp, l_.tp_bw, l_.tp_hop) + l_.launch);
             }
             if (moe && p_.ep > 1) add_ep(c, T / p_.tp);
             if (p_.cp > 1 && holds_tokens(m_.layer(l).kind)) {
                 // Per ring step, one block's transfer against one block's attention compute.
                 const double step_attn = attn_s / p_.cp;
                 const double kv_step = T * kv_layer;
-                const double kv_send = send_s(kv_step, l_.cp_bw, l_.cp_hop);
+                const double kv_send = send_s(kv_step, l_.cp_bw, l_.cp_hop) + l_.launch;
                 const double kv_exposed = (p_.cp - 1) * std::max(0.0, kv_send - step_attn);
                 const double q_step = T * q_heads() * qk_dim(l) * a;
-                const double q_send = send_s(q_step, l_.cp_bw, l_.cp_hop);
+                const double q_send = send_s(q_step, l_.cp_bw, l_.cp_hop) + l_.launch;
                 const double part = T * q_heads() * (v_dim(l) + 1) * 4.0;  // fp32 partial O, LSE
-                const double q_a2a = all_to_all_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop);
+                const double q_a2a =
+                    all_to_all_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop) + l_.launch;
                 const double q_exposed = (p_.cp - 1) * std::max(0.0, q_send - step_attn) + q_a2a;
                 auto& cpp = c.cp_prefill;
                 cpp.pass_kv_bytes += (p_.cp - 1) * kv_step;
@@ -328,7 +333,7 @@ class Model {
             const int n_ar = (moe && p_.ep > 1) ? 1 : 2;
             if (p_.tp > 1) {
                 c.tp_bytes += n_ar * 2.0 * (p_.tp - 1) / p_.tp * ar;
-                c.tp_s += n_ar * ring_all_reduce_s(ar, p_.tp, l_.tp_bw, l_.tp_hop);
+                c.tp_s += n_ar * (ring_all_reduce_s(ar, p_.tp, l_.tp_bw, l_.tp_hop) + l_.launch);
             }
             if (moe && p_.ep > 1) add_ep(c, B / (p_.tp * p_.cp));
             if (p_.cp > 1 && holds_tokens(m_.layer(l).kind)) {
@@ -336,10 +341,12 @@ class Model {
                 const double part = B * q_heads() * (v_dim(l) + 1) * 4.0;  // fp32 partial O, LSE
                 const double merged = B * q_heads() * v_dim(l) * a;
                 auto& d = c.cp_decode;
-                const double ag_s = ring_all_gather_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop);
+                const double ag_s =
+                    ring_all_gather_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop) + l_.launch;
                 const double ag_b = double(p_.cp - 1) * part;
                 const double aa_s = all_to_all_s(part, p_.cp, l_.cp_bw, l_.cp_hop) +
-                                    ring_all_gather_s(merged, p_.cp, l_.cp_bw, l_.cp_hop);
+                                    ring_all_gather_s(merged, p_.cp, l_.cp_bw, l_.cp_hop) +
+                                    2 * l_.launch;
                 const double aa_b = double(p_.cp - 1) / p_.cp * (part + merged);
                 d.all_gather_s += ag_s;
                 d.all_gather_bytes += ag_b;
@@ -372,7 +379,7 @@ class Model {
     void add_ep(StageCost& c, double tokens) const {
         const double buf = tokens * m_.moe.experts_per_token * m_.hidden * o_.activation_bytes;
         c.ep_bytes += 2 * double(p_.ep - 1) / p_.ep * buf;
-        c.ep_s += 2 * all_to_all_s(buf, p_.ep, l_.ep_bw, l_.ep_hop);
+        c.ep_s += 2 * (all_to_all_s(buf, p_.ep, l_.ep_bw, l_.ep_hop) + l_.launch);
     }
 
     const ModelSpec& m_;
@@ -434,7 +441,8 @@ CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const Hard
     // Each chunk crosses the pp-1 boundaries; the last chunk's hand-offs are on the critical path.
     const double chunk_tokens = S / p.cp / chunks;
     rep.prefill.pp_bytes = p.pp > 1 ? chunks * model.handoff_bytes(chunk_tokens) : 0;
-    rep.prefill.pp_s = (p.pp - 1) * send_s(model.handoff_bytes(chunk_tokens), l.pp_bw, l.pp_hop);
+    rep.prefill.pp_s =
+        (p.pp - 1) * (send_s(model.handoff_bytes(chunk_tokens), l.pp_bw, l.pp_hop) + l.launch);
     rep.prefill.pp_bubble_s = (p.pp - 1) * max_stage / chunks;
     rep.prefill.total_s = sum_stage / chunks + (chunks - 1) * max_stage / chunks + rep.prefill.pp_s;
     if (p.pp == 1) rep.prefill.total_s = sum_stage;
@@ -458,7 +466,7 @@ CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const Hard
     }
     const double mb_handoff = model.handoff_bytes(B / micro);
     rep.decode.pp_bytes = p.pp > 1 ? micro * mb_handoff : 0;
-    rep.decode.pp_s = (p.pp - 1) * send_s(mb_handoff, l.pp_bw, l.pp_hop);
+    rep.decode.pp_s = (p.pp - 1) * (send_s(mb_handoff, l.pp_bw, l.pp_hop) + l.launch);
     rep.decode.total_s = decode_path + rep.decode.pp_s;
     rep.decode.pp_bubble_s = rep.decode.total_s * (p.pp - micro) / p.pp;
     rep.ttft_s = rep.prefill.total_s;

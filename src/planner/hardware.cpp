@@ -87,6 +87,8 @@ void HardwareSpec::validate() const {
             "': nvlink_hop_latency_s must be in [0, 1] s, got ", nvlink_hop_latency_s);
     require(internode_hop_latency_s >= 0 && internode_hop_latency_s <= 1, "hardware '", name,
             "': internode_hop_latency_s must be in [0, 1] s, got ", internode_hop_latency_s);
+    require(collective_launch_s >= 0 && collective_launch_s <= 1, "hardware '", name,
+            "': collective_launch_s must be in [0, 1] s, got ", collective_launch_s);
     require(flops_fp8 < 1e30, "hardware '", name, "': flops_fp8 must be finite, got ", flops_fp8);
 }
 
@@ -134,7 +136,8 @@ HardwareSpec parse_hardware_json(std::string_view json_text, const std::string& 
                                          "nvlink_efficiency",
                                          "internode_efficiency",
                                          "nvlink_hop_latency_s",
-                                         "internode_hop_latency_s"};
+                                         "internode_hop_latency_s",
+                                         "collective_launch_s"};
     for (const auto& [key, _] : j.items()) {
         bool known = false;
         for (const char* k : kKnown) known = known || key == k;
@@ -206,6 +209,7 @@ HardwareSpec parse_hardware_json(std::string_view json_text, const std::string& 
     optional(h.internode_efficiency, "internode_efficiency");
     optional(h.nvlink_hop_latency_s, "nvlink_hop_latency_s");
     optional(h.internode_hop_latency_s, "internode_hop_latency_s");
+    optional(h.collective_launch_s, "collective_launch_s");
     try {
         h.validate();
     } catch (const Error& e) {
@@ -245,7 +249,8 @@ std::string to_json(const HardwareSpec& h) {
                         {"nvlink_efficiency", h.nvlink_efficiency},
                         {"internode_efficiency", h.internode_efficiency},
                         {"nvlink_hop_latency_s", h.nvlink_hop_latency_s},
-                        {"internode_hop_latency_s", h.internode_hop_latency_s}};
+                        {"internode_hop_latency_s", h.internode_hop_latency_s},
+                        {"collective_launch_s", h.collective_launch_s}};
     return j.dump(2);
 }
 

@@ -100,6 +100,8 @@ void PlanRequest::validate() const {
             "the context must be in [1, 2^40] tokens, got ", context_tokens);
     require(batch >= 0, "the batch must be >= 0 (0: as many as fit), got ", batch);
     require(max_batch >= 1, "max_batch must be a positive integer, got ", max_batch);
+    require(prefix_hit_rate >= 0 && prefix_hit_rate < 1,
+            "the prefix hit rate must be in [0, 1), got ", prefix_hit_rate);
     capacity.validate();
     cost.validate();
 }
@@ -142,6 +144,9 @@ PlanEntry evaluate_config(const ModelSpec& m, const HardwareSpec& hw, const Plan
     validate_world(p, r.gpus);
     CapacityOptions cap_opt = r.capacity;
     cap_opt.context_tokens = r.context_tokens;
+    cap_opt.weight_dtype = r.weight_dtype;
+    CostOptions cost_opt = r.cost;
+    cost_opt.weight_dtype = r.weight_dtype;
     PlanEntry e;
     e.parallel = p;
     e.capacity = compute_capacity(m, p, hw, cap_opt);
@@ -155,10 +160,11 @@ PlanEntry evaluate_config(const ModelSpec& m, const HardwareSpec& hw, const Plan
     e.batch = r.batch > 0 ? r.batch
                           : std::clamp<int64_t>(e.capacity.requests_per_replica, 1, r.max_batch);
     Workload w;
-    w.prompt_tokens = r.context_tokens;
+    w.prompt_tokens =
+        std::max<int64_t>(1, std::llround(double(r.context_tokens) * (1.0 - r.prefix_hit_rate)));
     w.context_tokens = r.context_tokens;
     w.batch = e.batch;
-    e.cost = estimate_cost(m, p, hw, w, r.cost);
+    e.cost = estimate_cost(m, p, hw, w, cost_opt);
     return e;
 }
 
@@ -250,6 +256,8 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
                                   {"mem_util", r.capacity.mem_util},
                                   {"activation_reserve_bytes", r.capacity.activation_reserve_bytes},
                                   {"block_size", r.capacity.block_size},
+                                  {"weight_dtype", weight_dtype_name(r.weight_dtype)},
+                                  {"prefix_hit_rate", r.prefix_hit_rate},
                                   {"configs", configs}};
     return out.dump(2);
 }

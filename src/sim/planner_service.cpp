@@ -1,6 +1,8 @@
 #include "kvshard/sim/planner_service.h"
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 #include "kvshard/common/error.h"
 
@@ -60,6 +62,70 @@ double PlannerServiceModel::decode_step_s(int64_t batch, int64_t context_tokens)
                          .decode.total_s;
     decode_memo_.emplace(key, t);
     return t;
+}
+
+TraceWorkload trace_workload(const Trace& trace, const ReplicaSetup& setup, int replicas,
+                             RoutingPolicy policy) {
+    require(!trace.requests.empty(), "the trace '", trace.source, "' holds no requests");
+    require(replicas >= 1, "the replay needs at least one replica, got ", replicas);
+    TraceWorkload w;
+    w.requests = static_cast<int64_t>(trace.requests.size());
+    double in = 0, out = 0;
+    std::vector<double> inputs;
+    for (const TraceRequest& r : trace.requests) {
+        in += static_cast<double>(r.input_tokens);
+        out += static_cast<double>(r.output_tokens);
+        inputs.push_back(static_cast<double>(r.input_tokens));
+        w.input_tokens.push_back(r.input_tokens);
+    }
+    const double n = static_cast<double>(w.requests);
+    w.mean_input_tokens = std::max<int64_t>(1, std::llround(in / n));
+    w.mean_output_tokens = std::max<int64_t>(1, std::llround(out / n));
+    w.p90_input_tokens = std::llround(percentile(inputs, 90));
+    const int64_t capacity_tokens = replica_kv_tokens(setup);
+    require(capacity_tokens >= trace.block_tokens, "each replica of ", setup.to_string(), " holds ",
+            capacity_tokens, " KV tokens, less than one ", trace.block_tokens,
+            "-token trace block");
+    const PlannerServiceModel service(setup);
+    SimConfig cfg;
+    cfg.num_replicas = replicas;
+    cfg.replica_capacity_blocks = capacity_tokens / trace.block_tokens;
+    cfg.policy = policy;
+    const PolicyReport rep = simulate(trace, cfg, service);
+    w.token_hit_rate = rep.hits.token_hit_rate;
+    w.policy = rep.name;
+    w.replicas = replicas;
+    return w;
+}
+
+TraceWorkload plan_trace_workload(const Trace& trace, const ModelSpec& m, const HardwareSpec& hw,
+                                  PlanRequest r, RoutingPolicy policy) {
+    require(!trace.requests.empty(), "the trace '", trace.source, "' holds no requests");
+    if (r.context_tokens == 0) {
+        double in = 0, out = 0;
+        for (const TraceRequest& q : trace.requests) {
+            in += static_cast<double>(q.input_tokens);
+            out += static_cast<double>(q.output_tokens);
+        }
+        const double n = static_cast<double>(trace.requests.size());
+        r.context_tokens = std::max<int64_t>(1, std::llround(in / n)) +
+                           std::max<int64_t>(1, std::llround(out / n));
+    }
+    const std::vector<PlanEntry> ranked = plan(m, hw, r);
+    require(!ranked.empty() && ranked.front().fits, "no configuration of ", r.gpus, " GPUs fits ",
+            m.name, " at ", r.context_tokens, " tokens, so the trace '", trace.source,
+            "' cannot be replayed");
+    ReplicaSetup setup;
+    setup.model = m;
+    setup.hardware = hw;
+    setup.parallel = ranked.front().parallel;
+    const int replicas = setup.parallel.dp;
+    setup.parallel.dp = 1;
+    setup.capacity = r.capacity;
+    setup.capacity.weight_dtype = r.weight_dtype;
+    setup.cost = r.cost;
+    setup.cost.weight_dtype = r.weight_dtype;
+    return trace_workload(trace, setup, replicas, policy);
 }
 
 }  // namespace kvshard

@@ -20,8 +20,10 @@ TEST(Hardware, CatalogMatchesReference) {
     EXPECT_DOUBLE_EQ(h.internode_bw, 50e9);
     EXPECT_DOUBLE_EQ(h.achieved_hbm_bw(), 3.35e12 * 0.8);
     EXPECT_DOUBLE_EQ(h.link_bw(false), 450e9 * 0.8);
-    EXPECT_DOUBLE_EQ(h.hop_latency_s(false), 3e-6);
-    EXPECT_DOUBLE_EQ(h.hop_latency_s(true), 10e-6);
+    // Calibrated defaults (calibration_test.cpp, BENCHMARKS.md "Planner").
+    EXPECT_DOUBLE_EQ(h.hop_latency_s(false), 1e-6);
+    EXPECT_DOUBLE_EQ(h.hop_latency_s(true), 30e-6);
+    EXPECT_DOUBLE_EQ(h.collective_launch_s, 5e-6);
     EXPECT_DOUBLE_EQ(h.achieved_flops(DType::kFp8), 1979e12 * 0.6);
     // A100 has no fp8: the bf16 rate is used.
     EXPECT_DOUBLE_EQ(hardware_by_name("a100-80g").achieved_flops(DType::kFp8), 312e12 * 0.6);

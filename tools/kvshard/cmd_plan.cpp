@@ -6,7 +6,11 @@
 
 #include "command.h"
 #include "kvshard/common/error.h"
+#include "kvshard/planner/disagg.h"
 #include "kvshard/planner/planner.h"
+#include "kvshard/router/policy.h"
+#include "kvshard/sim/planner_service.h"
+#include "kvshard/sim/trace.h"
 #include "options.h"
 
 namespace kvshard::cli {
@@ -16,7 +20,7 @@ struct PlanFlags {
     ModelFlags model;
     HardwareFlags hardware;
     int gpus = 0;
-    int64_t context = 0;
+    int64_t context = -1;  // -1: not given (then --trace gives it)
     int64_t batch = 0;
     int64_t max_batch = 256;
     std::string objective = "throughput";
@@ -28,6 +32,12 @@ struct PlanFlags {
     bool json = false;
     std::string svg;
     std::string explain;  // "tp=8,pp=2": detail one configuration instead of ranking
+    std::string weight_dtype = "model";
+    bool disagg = false;
+    double ttft_slo = 0, tpot_slo = 0;
+    int64_t output_tokens = 0;  // 0: 256, or the trace's mean
+    std::string trace;
+    std::string route = "kvshard";
 };
 
 std::string gib(double b) { return fmt::format("{:.1f}", b / (1 << 30)); }
@@ -48,6 +58,13 @@ std::string mib(double b) {
     if (b == 0) return "0";
     if (b >= (1 << 30)) return fmt::format("{:.1f}G", b / (1 << 30));
     return fmt::format("{:.1f}M", b / (1 << 20));
+}
+
+std::string layout_short(const ParallelConfig& p) {
+    std::string s;
+    for (auto [k, v] : {std::pair{"pp", p.pp}, {"cp", p.cp}, {"tp", p.tp}, {"ep", p.ep}})
+        if (v > 1) s += (s.empty() ? "" : ",") + std::string(k) + "=" + std::to_string(v);
+    return s.empty() ? "tp=1" : s;
 }
 
 std::string secs_bytes(double s, double bytes) {
@@ -123,12 +140,18 @@ void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, c
                p.dp);
 }
 
+void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& pr,
+                 const PlanFlags& f, const TraceWorkload* tw);
+
 void run(const PlanFlags& f) {
     const ModelSpec m = load_model(f.model);
     const HardwareSpec hw = load_hardware(f.hardware);
+    require(f.context >= 0 || !f.trace.empty(),
+            "--context is required (tokens of a request), unless --trace gives the lengths");
     PlanRequest r;
     r.gpus = f.gpus;
-    r.context_tokens = f.context;
+    r.context_tokens = std::max<int64_t>(0, f.context);
+    r.weight_dtype = parse_weight_dtype(f.weight_dtype);
     r.batch = f.batch;
     r.max_batch = f.max_batch;
     r.objective = parse_objective(f.objective);
@@ -138,6 +161,21 @@ void run(const PlanFlags& f) {
     r.cost.cp_decode_merge = parse_cp_merge_policy(f.cp_decode_merge);
     r.cost.pp_prefill_chunks = f.pp_chunks;
     require(f.top >= 0, "--top must be >= 0 (0: all), got ", f.top);
+    TraceWorkload tw;
+    if (!f.trace.empty()) {
+        tw = plan_trace_workload(load_trace(f.trace, TraceErrorPolicy::kFail), m, hw, r,
+                                 parse_routing_policy(f.route));
+        if (f.context < 0)
+            r.context_tokens =
+                f.disagg ? tw.mean_input_tokens : tw.mean_input_tokens + tw.mean_output_tokens;
+        r.prefix_hit_rate = std::min(tw.token_hit_rate, 0.999);
+    }
+    if (f.disagg) {
+        run_serving(m, hw, r, f, f.trace.empty() ? nullptr : &tw);
+        return;
+    }
+    require(f.ttft_slo == 0 && f.tpot_slo == 0,
+            "--ttft-slo and --tpot-slo rank by throughput under SLOs: they need --disagg");
     if (!f.explain.empty()) {
         explain(m, hw, r, f);
         return;
@@ -155,9 +193,20 @@ void run(const PlanFlags& f) {
     }
     int n_fit = 0;
     for (const auto& e : entries) n_fit += e.fits;
-    fmt::print("{} on {} x {} ({} GiB, {} KV), context {} tokens, objective {}\n", m.name, f.gpus,
-               hw.name, gib(static_cast<double>(hw.memory_bytes)), dtype_name(m.kv_dtype),
-               f.context, objective_name(r.objective));
+    fmt::print("{} on {} x {} ({} GiB, {} KV, {} weights), context {} tokens, objective {}\n",
+               m.name, f.gpus, hw.name, gib(static_cast<double>(hw.memory_bytes)),
+               dtype_name(m.kv_dtype),
+               r.weight_dtype == WeightDtype::kModel ? dtype_name(m.weight_dtype)
+                                                     : weight_dtype_name(r.weight_dtype),
+               r.context_tokens, objective_name(r.objective));
+    if (!f.trace.empty())
+        fmt::print(
+            "trace {}: {} requests, mean input {} and output {} tokens; replayed over {} "
+            "replicas ({}): prefix-hit rate {:.1f}%, so TTFT prefills {} of the {} tokens\n",
+            f.trace, tw.requests, tw.mean_input_tokens, tw.mean_output_tokens, tw.replicas,
+            tw.policy, 100 * tw.token_hit_rate,
+            std::max<int64_t>(1, std::llround(double(r.context_tokens) * (1 - r.prefix_hit_rate))),
+            r.context_tokens);
     fmt::print(
         "KV tokens/GPU = floor(({} GiB x {} - weights - {} GiB reserve) / KV bytes per token), "
         "in blocks of {}\n",
@@ -220,6 +269,123 @@ void run(const PlanFlags& f) {
     if (!f.svg.empty()) fmt::print("Chart written to {}\n", f.svg);
 }
 
+void explain_serving(const ServingEntry& e, const ServingRequest& sr, int rank) {
+    fmt::print("#{} {}: {}\n", rank, e.name(), e.disaggregated ? "disaggregated" : "aggregated");
+    fmt::print("  prefill of {} new tokens (of {}) on {}: {}\n", e.prefill_tokens, sr.prompt_tokens,
+               e.prefill.to_string(), seconds(e.prefill_s));
+    if (e.disaggregated)
+        fmt::print(
+            "  KV transfer {} -> {}: {} per request in {} messages ({} layer by layer), busiest "
+            "GPU {}, over {}: {}, exposed after prefill {}\n",
+            layout_short(e.prefill), layout_short(e.decode), mib(double(e.transfer.bytes)),
+            e.transfer.messages, e.transfer.layerwise_messages,
+            mib(double(e.transfer.busiest_rank_bytes)),
+            e.transfer.crosses_nodes ? "the inter-node link" : "NVLink",
+            seconds(e.transfer.transfer_s), seconds(e.transfer.exposed_s));
+    fmt::print("  TTFT {} = queue {} + prefill {}{}\n", seconds(e.ttft_s), seconds(e.queue_s),
+               seconds(e.prefill_s),
+               e.disaggregated ? " + exposed transfer " + seconds(e.transfer.exposed_s) : "");
+    fmt::print("  decode on {}: batch {} per instance, step {}, TPOT {}{}\n", e.decode.to_string(),
+               e.decode_batch, seconds(e.step_s), seconds(e.tpot_s),
+               e.disaggregated ? "" : " (stretched by the prefills mixed in)");
+    fmt::print("  {:.2f} requests/s over {} + {} instances: {:.0f} output tokens/s per GPU; {}\n",
+               e.requests_per_s, e.prefill_instances, e.disaggregated ? e.decode_instances : 0,
+               e.tokens_per_s_per_gpu, e.meets_slo ? "meets both SLOs" : "misses: " + e.why_not);
+}
+
+void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& pr,
+                 const PlanFlags& f, const TraceWorkload* tw) {
+    require(
+        f.output_tokens >= 0,
+        "--output-tokens must be a positive integer (0 or absent: 256, or the trace's mean), got ",
+        f.output_tokens);
+    ServingRequest sr;
+    sr.gpus = pr.gpus;
+    sr.prompt_tokens = pr.context_tokens;
+    sr.output_tokens = f.output_tokens > 0 ? f.output_tokens : tw ? tw->mean_output_tokens : 256;
+    sr.prefix_hit_rate = pr.prefix_hit_rate;
+    // The trace's prompt lengths, unless --context fixed one length.
+    if (tw && f.context < 0) sr.prompt_samples = tw->input_tokens;
+    sr.ttft_slo_s = f.ttft_slo;
+    sr.tpot_slo_s = f.tpot_slo;
+    sr.max_batch = pr.max_batch;
+    sr.cp_scheme = pr.cp_scheme;
+    sr.capacity = pr.capacity;
+    sr.cost = pr.cost;
+    sr.weight_dtype = pr.weight_dtype;
+    const auto entries = plan_serving(m, hw, sr);
+    if (!f.svg.empty()) {
+        std::ofstream out(f.svg);
+        require(static_cast<bool>(out), "cannot write the chart to '", f.svg, "'");
+        out << serving_to_svg(m, hw, sr, entries);
+    }
+    if (f.json) {
+        print_json(serving_to_json(m, hw, sr, entries));
+        return;
+    }
+    if (!f.explain.empty()) {
+        int rank = 1;
+        if (f.explain != "best") {
+            try {
+                rank = std::stoi(f.explain);
+            } catch (const std::exception&) {
+                rank = 0;
+            }
+        }
+        require(rank >= 1 && rank <= static_cast<int>(entries.size()),
+                "with --disagg, --explain takes a rank of the table (1 to ", entries.size(),
+                ") or 'best', got '", f.explain, "'");
+        explain_serving(entries[rank - 1], sr, rank);
+        return;
+    }
+    int n_ok = 0, n_dis = 0;
+    for (const auto& e : entries) {
+        n_ok += e.meets_slo;
+        n_dis += e.disaggregated;
+    }
+    fmt::print(
+        "{} on {} x {}, prompt {} tokens ({} prefilled after a {:.1f}% prefix hit), output {}, "
+        "TTFT SLO {}, TPOT SLO {}\n",
+        m.name, sr.gpus, hw.name, sr.prompt_tokens, entries.empty() ? 0 : entries[0].prefill_tokens,
+        100 * sr.prefix_hit_rate, sr.output_tokens, seconds(sr.ttft_slo_s), seconds(sr.tpot_slo_s));
+    fmt::print("{} aggregated and {} disaggregated configurations; {} meet both SLOs.\n\n",
+               entries.size() - n_dis, n_dis, n_ok);
+    fmt::print("{:>4} {:<36} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}\n", "#",
+               "configuration", "prefill", "KV xfer", "exposed", "queue", "TTFT", "batch", "TPOT",
+               "req/s", "tok/s/GPU");
+    const int top = f.top > 0 ? f.top : 20;
+    int shown = 0;
+    for (size_t i = 0; i < entries.size() && shown < top; ++i) {
+        const auto& e = entries[i];
+        if (!e.meets_slo) continue;
+        ++shown;
+        fmt::print("{:>4} {:<36} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>9} {:>9.2f} {:>8.0f}\n",
+                   i + 1, e.name(), seconds(e.prefill_s),
+                   e.disaggregated ? mib(double(e.transfer.bytes)) : std::string("-"),
+                   e.disaggregated ? seconds(e.transfer.exposed_s) : std::string("-"),
+                   seconds(e.queue_s), seconds(e.ttft_s), e.decode_batch, seconds(e.tpot_s),
+                   e.requests_per_s, e.tokens_per_s_per_gpu);
+    }
+    int best_agg = -1;
+    for (size_t i = 0; i < entries.size(); ++i)
+        if (!entries[i].disaggregated && entries[i].meets_slo) {
+            best_agg = static_cast<int>(i);
+            break;
+        }
+    if (best_agg >= shown)
+        fmt::print("{:>4} {:<36} ... best aggregated: TTFT {}, TPOT {}, {:.0f} tok/s/GPU\n",
+                   best_agg + 1, entries[best_agg].name(), seconds(entries[best_agg].ttft_s),
+                   seconds(entries[best_agg].tpot_s), entries[best_agg].tokens_per_s_per_gpu);
+    if (n_ok > shown) fmt::print("... {} more meet the SLOs (--top N to list)\n", n_ok - shown);
+    fmt::print(
+        "\nP/D: prefill/decode instances (layout x count). KV xfer: KV bytes per request from "
+        "kvshard's transfer plan between the two layouts (kvshard transfer-plan); exposed: what "
+        "the layer-wise transfer leaves after the prefill. queue: M/G/1 wait for a prefill "
+        "instance at the rate shown. tok/s/GPU: output tokens/s per GPU. --explain N details "
+        "row N.\n");
+    if (!f.svg.empty()) fmt::print("Chart written to {}\n", f.svg);
+}
+
 void setup(CLI::App& app) {
     auto f = std::make_shared<PlanFlags>();
     auto* sub = app.add_subcommand(
@@ -228,8 +394,27 @@ void setup(CLI::App& app) {
     add_model_options(sub, f->model);
     add_hardware_options(sub, f->hardware);
     sub->add_option("--gpus,-n", f->gpus, "number of GPUs")->required();
-    sub->add_option("--context,-c", f->context, "context length in tokens (prompt + generated)")
-        ->required();
+    sub->add_option("--context,-c", f->context,
+                    "context length in tokens (prompt + generated; with --disagg the prompt); "
+                    "optional with --trace (its mean lengths)");
+    sub->add_option("--weight-dtype", f->weight_dtype,
+                    "weight storage: model (the model's dtype), bf16, fp8 or fp4 (what fits, "
+                    "bytes read per step, fp8 tensor cores at 8 bits and below)")
+        ->capture_default_str();
+    sub->add_flag("--disagg", f->disagg,
+                  "also search prefill pools x decode pools (each its own layout and instance "
+                  "count), ranked with the aggregated configurations by output tokens/s per GPU "
+                  "under --ttft-slo and --tpot-slo");
+    sub->add_option("--ttft-slo", f->ttft_slo, "with --disagg: TTFT objective, seconds");
+    sub->add_option("--tpot-slo", f->tpot_slo, "with --disagg: TPOT objective, seconds");
+    sub->add_option("--output-tokens", f->output_tokens,
+                    "with --disagg: output tokens per request (default 256, or the trace's mean)");
+    sub->add_option("--trace", f->trace,
+                    "Mooncake JSONL trace: its mean lengths, and the prefix-hit rate of its replay "
+                    "(kvshard simulate) over the best configuration's replicas, shorten prefill");
+    sub->add_option("--route", f->route,
+                    "with --trace: routing policy of the replay (as kvshard simulate --policy)")
+        ->capture_default_str();
     sub->add_option("--batch,-b", f->batch,
                     "requests decoding together per DP replica (default 0: as many as fit, up to "
                     "--max-batch)")

@@ -5,6 +5,7 @@
 // / kv_bytes_per_token), rounded down to whole blocks. Formulas and sources: docs/cost-model.md.
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvshard/layout/kv_layout.h"
@@ -14,13 +15,25 @@
 
 namespace kvshard {
 
+// The weight storage the planner sizes and times: the model's own dtype, or an override for a
+// quantized checkpoint (fp8: 1 byte per weight, as FBGEMM's row-wise fp8 and vLLM's fp8
+// checkpoints; fp4: 4 bits per weight, as NVFP4/MXFP4, their block scales (1 byte per 16 or 32
+// weights) not counted). Norms and the router are kept at the override too (a small error, < 0.1%
+// of weights).
+enum class WeightDtype { kModel, kBf16, kFp8, kFp4 };
+std::string_view weight_dtype_name(WeightDtype w);   // "model", "bf16", "fp8", "fp4"
+WeightDtype parse_weight_dtype(std::string_view s);  // bf16|fp8|fp4 (model: the model's own)
+// Bits per weight element: the override's, or 8 * dtype_size(m.weight_dtype) under kModel.
+int weight_bits(const ModelSpec& m, WeightDtype w);
+
 struct CapacityOptions {
     double mem_util = 0.9;  // share of GPU memory the engine may use (vLLM gpu_memory_utilization)
     // Memory kept for activations, CUDA graphs, the allocator and NCCL buffers, per GPU.
     int64_t activation_reserve_bytes = int64_t{2} << 30;  // 2 GiB
     int block_size = 16;         // tokens per KV block (vLLM and SGLang default 16)
     int64_t context_tokens = 0;  // a request's context; 0: only ask that one block fits
-    void validate() const;       // throws Error on a bad value
+    WeightDtype weight_dtype = WeightDtype::kModel;
+    void validate() const;  // throws Error on a bad value
 };
 
 // Weight bytes one rank holds, by kind.
@@ -74,8 +87,8 @@ struct CapacityReport {
     std::vector<RankCapacity> ranks;  // indexed by rank
 };
 
-// Weight bytes held by `rank` of the layout.
-WeightBytes rank_weight_bytes(const KvLayout& layout, int rank);
+// Weight bytes held by `rank` of the layout, at `bits` per weight (0: the model's dtype).
+WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits = 0);
 
 // Tokens of a sequence of `context_tokens` that the busiest CP rank stores (cp_token_ranges).
 int64_t cp_tokens_per_rank(const ParallelConfig& p, int64_t context_tokens);

@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "kvshard/layout/kv_layout.h"
+#include "kvshard/planner/capacity.h"
 #include "kvshard/planner/hardware.h"
 
 namespace kvshard {
@@ -49,6 +50,8 @@ struct CostOptions {
     int pp_prefill_chunks = 0;
     CpPrefillPolicy cp_prefill = CpPrefillPolicy::kAuto;
     CpMergePolicy cp_decode_merge = CpMergePolicy::kAuto;
+    // Weight storage (capacity.h): bytes read per weight, and fp8 tensor-core rate at <= 8 bits.
+    WeightDtype weight_dtype = WeightDtype::kModel;
     void validate() const;
 };
 

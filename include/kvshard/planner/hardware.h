@@ -22,13 +22,23 @@ struct HardwareSpec {
     double nvlink_bw = 0;      // bytes/s per GPU per direction
     double internode_bw = 0;   // bytes/s per GPU per direction (the GPU's NIC)
 
-    // Efficiency factors (achieved / datasheet) and per-hop latencies.
+    // Efficiency factors (achieved / datasheet) and the latency terms of the collectives.
     double hbm_efficiency = 0.8;        // streaming reads reach ~80% of the HBM datasheet rate
     double compute_efficiency = 0.6;    // achieved share of dense tensor-core FLOP/s in GEMMs
     double nvlink_efficiency = 0.8;     // NCCL bus bandwidth / NVLink datasheet rate
     double internode_efficiency = 0.8;  // NCCL bus bandwidth / NIC line rate
-    double nvlink_hop_latency_s = 3e-6;
-    double internode_hop_latency_s = 10e-6;
+    // Alpha-beta model (docs/cost-model.md, "Collectives"): a collective call costs
+    // collective_launch_s + messages * alpha + bytes / bandwidth, where a ring all-reduce over n
+    // ranks sends 2(n-1) messages per rank, an all-gather or all-to-all n-1, a send 1, and alpha is
+    // the per-message latency of the slowest link the group uses. Defaults calibrated against
+    // Meta's CP inference measurements (arXiv:2411.01783) and kept inside the ranges
+    // ../shared/reference/hardware.md gives; each comparison is in BENCHMARKS.md ("Planner") and
+    // tests/planner/calibration_test.cpp.
+    double nvlink_hop_latency_s = 1e-6;      // alpha per message inside a node (NVLink/NVSwitch)
+    double internode_hop_latency_s = 30e-6;  // alpha per message across nodes (IB, GPUDirect RDMA)
+    // Fixed cost of one collective call on the critical path: the kernel launch and the wait for
+    // the group's ranks to meet (CUDA-graph launched decode keeps this small).
+    double collective_launch_s = 5e-6;
 
     bool operator==(const HardwareSpec&) const = default;
 

@@ -25,6 +25,11 @@ struct PlanRequest {
     CpScheme cp_scheme = CpScheme::kZigzag;  // token ownership used for cp > 1
     CapacityOptions capacity;
     CostOptions cost;
+    // Weight storage (capacity.h); evaluate_config passes it to both capacity and cost.
+    WeightDtype weight_dtype = WeightDtype::kModel;
+    // Share of the prompt found in the prefix cache (e.g. a trace replay's, sim/): TTFT prefills
+    // only the rest (attention over the cached prefix not counted, as sim's PlannerServiceModel).
+    double prefix_hit_rate = 0;
     void validate() const;
 };
 

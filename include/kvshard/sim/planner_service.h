@@ -4,12 +4,14 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "kvshard/layout/parallel_config.h"
 #include "kvshard/model/model_spec.h"
 #include "kvshard/planner/capacity.h"
 #include "kvshard/planner/cost_model.h"
 #include "kvshard/planner/hardware.h"
+#include "kvshard/planner/planner.h"
 #include "kvshard/sim/simulator.h"
 
 namespace kvshard {
@@ -50,5 +52,28 @@ class PlannerServiceModel final : public ServiceModel {
     mutable std::unordered_map<int64_t, double> prefill_memo_;
     mutable std::unordered_map<uint64_t, double> decode_memo_;
 };
+
+// What a trace says about the planner's workload: its mean prompt and output lengths, and the
+// prefix-hit rate its replay reaches over `replicas` replicas of `setup` under `policy` (each
+// replica's cache as large as its KV capacity, replica_kv_tokens), so the planner prefills only
+// the uncached share of a prompt.
+struct TraceWorkload {
+    int64_t requests = 0;
+    int64_t mean_input_tokens = 0;   // rounded
+    int64_t mean_output_tokens = 0;  // rounded, at least 1
+    int64_t p90_input_tokens = 0;
+    std::vector<int64_t> input_tokens;  // every request's, in trace order (the distribution)
+    double token_hit_rate = 0;          // hit prompt tokens / prompt tokens, from simulate()
+    std::string policy;
+    int replicas = 0;
+};
+TraceWorkload trace_workload(const Trace& trace, const ReplicaSetup& setup, int replicas,
+                             RoutingPolicy policy);
+
+// What `kvshard plan --trace` replays: the trace over the replicas of the best configuration
+// plan(m, hw, r) ranks for it (r.context_tokens = the trace's mean input + output when 0; r's
+// capacity, cost and weight options), under `policy`. Throws Error when nothing fits.
+TraceWorkload plan_trace_workload(const Trace& trace, const ModelSpec& m, const HardwareSpec& hw,
+                                  PlanRequest r, RoutingPolicy policy);
 
 }  // namespace kvshard

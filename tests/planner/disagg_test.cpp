@@ -1,0 +1,292 @@
+// Disaggregated serving search (planner/disagg.h), --weight-dtype and --trace
+// (docs/cost-model.md, "Disaggregated serving").
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_runner.h"
+#include "kvshard/common/error.h"
+#include "kvshard/layout/kv_layout.h"
+#include "kvshard/model/catalog.h"
+#include "kvshard/planner/disagg.h"
+#include "kvshard/planner/planner.h"
+#include "kvshard/transfer/transfer_plan.h"
+
+namespace kvshard {
+namespace {
+
+ParallelConfig cfg(int tp, int pp = 1, int cp = 1) {
+    ParallelConfig p;
+    p.tp = tp;
+    p.pp = pp;
+    p.cp = cp;
+    p.cp_scheme = CpScheme::kZigzag;
+    return p;
+}
+
+ServingRequest request(int gpus, int64_t prompt, double ttft, double tpot) {
+    ServingRequest r;
+    r.gpus = gpus;
+    r.prompt_tokens = prompt;
+    r.output_tokens = 256;
+    r.ttft_slo_s = ttft;
+    r.tpot_slo_s = tpot;
+    return r;
+}
+
+TEST(KvTransfer, BytesAreTheTransferPlansAndEveryTokenMovesOnce) {
+    const ModelSpec m = catalog_model("llama-3.1-70b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    for (auto [pf, dc] : {std::pair{cfg(4), cfg(8)}, {cfg(2, 1, 2), cfg(2, 2)}, {cfg(8), cfg(1)}}) {
+        const KvTransferCost c = price_kv_transfer(m, pf, dc, hw, 1000, 0.5);
+        // 8 KV heads, tp <= 8 on both sides: no replicated head, so the plan moves each token's KV
+        // once: 80 layers x 2 x 8 heads x 128 x 2 bytes per token.
+        EXPECT_EQ(c.bytes, int64_t{1000} * 80 * 2 * 8 * 128 * 2) << pf.to_string();
+        EXPECT_GE(c.layerwise_messages, c.messages);
+        EXPECT_GT(c.transfer_s, 0);
+        EXPECT_LE(c.exposed_s, c.transfer_s);
+        EXPECT_GE(c.exposed_s, c.transfer_s / m.num_layers - 1e-15);
+    }
+    // The same pair, priced straight from the plan.
+    TransferEndpoint src, dst;
+    src.layout = make_layout(m, cfg(4));
+    dst.layout = make_layout(m, cfg(8));
+    src.block_tables = sequential_block_tables(src.layout, 16, 777);
+    dst.block_tables = sequential_block_tables(dst.layout, 16, 777);
+    const TransferPlan plan = make_transfer_plan(src, dst, 777);
+    const KvTransferCost c = price_kv_transfer(m, cfg(4), cfg(8), hw, 777, 0.1);
+    EXPECT_EQ(c.bytes, plan.bytes);
+    EXPECT_EQ(c.messages, static_cast<int64_t>(plan.messages.size()));
+    // A longer prefill hides more of the same transfer; a very short one hides none of it.
+    const double t = c.transfer_s;
+    EXPECT_NEAR(price_kv_transfer(m, cfg(4), cfg(8), hw, 777, 0).exposed_s, t, 1e-12);
+    EXPECT_LT(price_kv_transfer(m, cfg(4), cfg(8), hw, 777, 10 * t).exposed_s, t);
+    // Sharing a node: NVLink, faster than the inter-node link.
+    const KvTransferCost local = price_kv_transfer(m, cfg(2), cfg(4), hw, 777, 0);
+    const KvTransferCost remote = price_kv_transfer(m, cfg(4), cfg(8), hw, 777, 0);
+    EXPECT_FALSE(local.crosses_nodes);
+    EXPECT_TRUE(remote.crosses_nodes);
+}
+
+TEST(Serving, EntriesUseTheGpusAndThoseMeetingTheSlosComeFirstBestFirst) {
+    const ModelSpec m = catalog_model("llama-3.1-70b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    const ServingRequest r = request(16, 8192, 2.0, 0.05);
+    const auto entries = plan_serving(m, hw, r);
+    int dis = 0, agg = 0;
+    bool seen_miss = false;
+    double last = 1e300;
+    for (const ServingEntry& e : entries) {
+        (e.disaggregated ? dis : agg)++;
+        if (e.disaggregated) {
+            EXPECT_EQ(e.prefill_instances * e.prefill.world_size() +
+                          e.decode_instances * e.decode.world_size(),
+                      16)
+                << e.name();
+            EXPECT_EQ(e.prefill.dp, 1);
+            EXPECT_EQ(e.decode.dp, 1);
+        } else {
+            EXPECT_EQ(e.prefill.world_size(), 16);
+            EXPECT_EQ(e.prefill_instances, e.prefill.dp);
+        }
+        if (!e.meets_slo) {
+            seen_miss = true;
+            EXPECT_FALSE(e.why_not.empty());
+            continue;
+        }
+        EXPECT_FALSE(seen_miss) << "an entry meeting the SLOs after one missing them";
+        EXPECT_LE(e.ttft_s, r.ttft_slo_s * (1 + 1e-9)) << e.name();
+        EXPECT_LE(e.tpot_s, r.tpot_slo_s * (1 + 1e-9)) << e.name();
+        EXPECT_LE(e.tokens_per_s_per_gpu, last);
+        last = e.tokens_per_s_per_gpu;
+        EXPECT_GT(e.requests_per_s, 0);
+    }
+    EXPECT_GT(dis, 0);
+    EXPECT_EQ(agg, static_cast<int>(enumerate_configs(m, 16, CpScheme::kZigzag).size()));
+
+    // Aggregated only: the same aggregated entries, no disaggregated ones.
+    ServingRequest only = r;
+    only.disaggregated = false;
+    for (const ServingEntry& e : plan_serving(m, hw, only)) EXPECT_FALSE(e.disaggregated);
+}
+
+// MoE: EP may span the DP replicas of an aggregated configuration; every one is costed whole.
+TEST(Serving, MoeConfigurationsWithEpAcrossReplicas) {
+    const ModelSpec m = catalog_model("mixtral-8x7b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    const auto entries = plan_serving(m, hw, request(8, 4096, 2.0, 0.05));
+    bool ep_over_dp = false;
+    for (const ServingEntry& e : entries)
+        ep_over_dp = ep_over_dp || (!e.disaggregated && e.decode.ep > e.decode.tp * e.decode.cp);
+    EXPECT_TRUE(ep_over_dp);
+    EXPECT_TRUE(entries.front().meets_slo);
+}
+
+TEST(Serving, TighterSlosNeverRaiseTheBestThroughput) {
+    const ModelSpec m = catalog_model("llama-3.1-8b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    auto best = [&](double ttft, double tpot) {
+        const auto e = plan_serving(m, hw, request(8, 4096, ttft, tpot));
+        return e.front().meets_slo ? e.front().tokens_per_s_per_gpu : 0.0;
+    };
+    const double loose = best(2.0, 0.05);
+    EXPECT_GT(loose, 0);
+    EXPECT_LE(best(2.0, 0.02), loose);
+    EXPECT_LE(best(0.5, 0.05), loose);
+    EXPECT_LE(best(0.5, 0.02), std::min(best(2.0, 0.02), best(0.5, 0.05)));
+}
+
+TEST(Serving, PrefixHitsShortenPrefillAndRaiseThroughput) {
+    const ModelSpec m = catalog_model("llama-3.1-8b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    ServingRequest r = request(8, 8192, 1.0, 0.05);
+    const auto cold = plan_serving(m, hw, r);
+    r.prefix_hit_rate = 0.75;
+    const auto warm = plan_serving(m, hw, r);
+    EXPECT_EQ(warm.front().prefill_tokens, 2048);
+    EXPECT_GE(warm.front().tokens_per_s_per_gpu, cold.front().tokens_per_s_per_gpu);
+    // The same configuration prefills faster; its KV transfer is still the whole prompt's.
+    for (const ServingEntry& w : warm)
+        for (const ServingEntry& c : cold)
+            if (w.name() == c.name() && w.disaggregated) {
+                EXPECT_LT(w.prefill_s, c.prefill_s);
+                EXPECT_EQ(w.transfer.bytes, c.transfer.bytes);
+            }
+}
+
+// A spread of prompt lengths with the same mean: prefill time is convex in the length (attention is
+// quadratic) and the M/G/1 wait grows with the spread, so no configuration does better.
+TEST(Serving, ASpreadOfPromptLengthsNeverBeatsTheirMean) {
+    const ModelSpec m = catalog_model("llama-3.1-8b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    ServingRequest fixed = request(8, 8192, 1.0, 0.05);
+    ServingRequest spread = fixed;
+    spread.prompt_samples = {1024, 1024, 1024, 29696};  // mean 8192
+    const auto a = plan_serving(m, hw, fixed), b = plan_serving(m, hw, spread);
+    int compared = 0;
+    for (const ServingEntry& x : a)
+        for (const ServingEntry& y : b)
+            if (x.name() == y.name() && x.meets_slo && y.meets_slo) {
+                EXPECT_GE(y.prefill_s, x.prefill_s) << x.name();
+                EXPECT_LE(y.tokens_per_s_per_gpu, x.tokens_per_s_per_gpu * (1 + 1e-9)) << x.name();
+                ++compared;
+            }
+    EXPECT_GT(compared, 0);
+    spread.prompt_samples = {0};
+    EXPECT_THROW(plan_serving(m, hw, spread), Error);
+}
+
+TEST(Serving, BadRequestsAreErrors) {
+    const ModelSpec m = catalog_model("llama-3.1-8b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    EXPECT_THROW(plan_serving(m, hw, request(8, 4096, 0, 0.05)), Error);
+    EXPECT_THROW(plan_serving(m, hw, request(8, 4096, 1, -1)), Error);
+    ServingRequest r = request(8, 4096, 1, 0.05);
+    r.prefix_hit_rate = 1;
+    EXPECT_THROW(plan_serving(m, hw, r), Error);
+}
+
+TEST(WeightDtype, Fp8HalvesAndFp4QuartersTheWeightsSoMoreKvFits) {
+    const ModelSpec m = catalog_model("llama-3.1-70b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    CapacityOptions o;
+    auto cap = [&](WeightDtype w) {
+        o.weight_dtype = w;
+        return compute_capacity(m, cfg(1), hw, o);
+    };
+    const CapacityReport bf16 = cap(WeightDtype::kBf16), fp8 = cap(WeightDtype::kFp8),
+                         fp4 = cap(WeightDtype::kFp4);
+    EXPECT_EQ(cap(WeightDtype::kModel).weight_bytes_per_gpu, bf16.weight_bytes_per_gpu);
+    EXPECT_NEAR(double(fp8.weight_bytes_per_gpu) / bf16.weight_bytes_per_gpu, 0.5, 1e-6);
+    EXPECT_NEAR(double(fp4.weight_bytes_per_gpu) / bf16.weight_bytes_per_gpu, 0.25, 1e-6);
+    EXPECT_FALSE(bf16.fits);  // 70B in bf16 is 131 GiB on one GPU; in fp8 66 GiB
+    EXPECT_TRUE(fp8.fits);
+    EXPECT_GT(fp4.kv_tokens_per_gpu, fp8.kv_tokens_per_gpu);
+    EXPECT_EQ(parse_weight_dtype("fp4"), WeightDtype::kFp4);
+    EXPECT_THROW(parse_weight_dtype("int3"), Error);
+    // Decode reads the weights every step: fewer bytes, a shorter step.
+    Workload w;
+    w.prompt_tokens = 1024;
+    w.context_tokens = 1024;
+    w.batch = 1;
+    CostOptions c8, c16;
+    c8.weight_dtype = WeightDtype::kFp8;
+    c16.weight_dtype = WeightDtype::kBf16;
+    EXPECT_LT(estimate_cost(m, cfg(8), hw, w, c8).tpot_s,
+              estimate_cost(m, cfg(8), hw, w, c16).tpot_s);
+}
+
+// The must-show command: the transfer bytes of its best disaggregated pair are those of
+// `kvshard transfer-plan` between the same two layouts.
+TEST(ServingCli, DisaggTransferBytesEqualTransferPlan) {
+    const std::string base =
+        "plan --disagg --model llama-3.1-70b --hardware h100-sxm --gpus 16 --context 8192 "
+        "--ttft-slo 2 --tpot-slo 0.05";
+    const auto r = test::run_cli(base + " --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    const nlohmann::json* chosen = nullptr;
+    for (const auto& c : j.at("configs"))
+        if (c.at("disaggregated").get<bool>() && c.at("meets_slo").get<bool>()) {
+            chosen = &c;
+            break;
+        }
+    ASSERT_NE(chosen, nullptr) << "no disaggregated configuration meets the SLOs";
+    const std::string from = chosen->at("prefill").at("layout").get<std::string>();
+    const std::string to = chosen->at("decode").at("layout").get<std::string>();
+    const auto t = test::run_cli("transfer-plan --model llama-3.1-70b --from '" + from +
+                                 "' --to '" + to + "' --tokens 8192 --json");
+    ASSERT_EQ(t.status, 0) << t.out;
+    const auto tj = nlohmann::json::parse(t.out);
+    EXPECT_EQ(chosen->at("transfer").at("bytes").get<int64_t>(), tj.at("bytes").get<int64_t>());
+    EXPECT_EQ(chosen->at("transfer").at("messages").get<int64_t>(),
+              tj.at("messages").get<int64_t>());
+
+    const auto text = test::run_cli(base + " --explain best");
+    ASSERT_EQ(text.status, 0) << text.out;
+    EXPECT_NE(text.out.find("KV transfer"), std::string::npos) << text.out;
+    EXPECT_EQ(test::run_cli(base + " --explain 0").status, 2);
+    EXPECT_EQ(test::run_cli(base + " --output-tokens -5").status, 2);
+    EXPECT_EQ(test::run_cli(base + " --weight-dtype int3").status, 2);
+    EXPECT_EQ(
+        test::run_cli("plan --model llama-3.1-70b --gpus 16 --context 8192 --ttft-slo 2").status,
+        2);
+}
+
+// --trace on the repository's Mooncake sample: the replay's prefix-hit rate shortens TTFT by about
+// the share it says, and leaves the decode step (TPOT) as it was.
+TEST(ServingCli, TraceHitRateShortensPrefill) {
+    const std::string trace =
+        std::string(KVSHARD_TEST_DATA_DIR) + "/mooncake_conversation_head300.jsonl";
+    const std::string base =
+        "plan --model llama-3.1-8b --hardware h100-sxm --gpus 8 --context 8192 --json";
+    const auto cold = test::run_cli(base);
+    const auto warm = test::run_cli(base + " --trace " + trace);
+    ASSERT_EQ(cold.status, 0) << cold.out;
+    ASSERT_EQ(warm.status, 0) << warm.out;
+    const auto cj = nlohmann::json::parse(cold.out), wj = nlohmann::json::parse(warm.out);
+    ASSERT_TRUE(wj.contains("prefix_hit_rate"));
+    const double hit = wj.at("prefix_hit_rate").get<double>();
+    EXPECT_GT(hit, 0.05);  // conversations share their history
+    EXPECT_LT(hit, 1.0);
+    int compared = 0;
+    for (const auto& w : wj.at("configs")) {
+        if (!w.at("fits").get<bool>()) continue;
+        for (const auto& c : cj.at("configs")) {
+            if (c.at("dp") != w.at("dp") || c.at("pp") != w.at("pp") || c.at("cp") != w.at("cp") ||
+                c.at("tp") != w.at("tp") || c.at("ep") != w.at("ep"))
+                continue;
+            const double ratio = w.at("ttft_s").get<double>() / c.at("ttft_s").get<double>();
+            EXPECT_LT(ratio, 1.0);
+            // Prefill time is close to linear in the new tokens here (8K tokens, attention a
+            // minor part), so the ratio is about 1 - hit, never below it by much.
+            EXPECT_GT(ratio, (1 - hit) * 0.8);
+            EXPECT_DOUBLE_EQ(w.at("tpot_s").get<double>(), c.at("tpot_s").get<double>());
+            ++compared;
+        }
+    }
+    EXPECT_GT(compared, 0);
+}
+
+}  // namespace
+}  // namespace kvshard
