@@ -66,6 +66,10 @@ std::string to_json_line(const KvEvent& e, std::string_view source) {
         }
         s += ']';
     }
+    if (e.group != 0) {
+        s += ",\"group\":";
+        s += std::to_string(e.group);
+    }
     s += '}';
     return s;
 }
@@ -101,6 +105,7 @@ KvEvent kv_event_from_json(std::string_view line) {
         if (j.contains("num_tokens")) e.num_tokens = j.at("num_tokens").get<int64_t>();
         if (j.contains("block_size")) e.block_size = j.at("block_size").get<int>();
         if (j.contains("block_ids")) e.block_ids = j.at("block_ids").get<std::vector<int32_t>>();
+        if (j.contains("group")) e.group = j.at("group").get<int>();
     } catch (const nlohmann::json::exception& ex) {
         throw Error(detail::concat("malformed KV event line: ", ex.what()));
     }

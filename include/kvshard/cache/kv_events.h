@@ -36,6 +36,8 @@ struct KvEvent {
     int64_t num_tokens = 0;                // Stored only
     int block_size = 0;                    // tokens per block of the manager
     std::vector<int32_t> block_ids;        // the manager's block ids, same order as block_hashes
+    // The KV group of the blocks (KvGroupManager; vLLM's group_idx); 0 for a BlockManager.
+    int group = 0;
 
     bool operator==(const KvEvent&) const = default;
 };
@@ -45,7 +47,8 @@ using KvEventCallback = std::function<void(const KvEvent&)>;
 // One JSON object, no newline:
 //   {"seq":3,"type":"BlockStored","block_hashes":["<32 hex>",...],"parent_hash":"<32 hex>"|null,
 //    "num_tokens":32,"block_size":16,"block_ids":[4,5]}
-// "source" is added first when non-empty (e.g. a replica name).
+// "source" is added first when non-empty (e.g. a replica name); "group":g last when g != 0 (so a
+// one-group manager's lines are unchanged).
 std::string to_json_line(const KvEvent& e, std::string_view source = {});
 // Parses what to_json_line writes (the "source" field is ignored); throws Error on a malformed
 // line.
