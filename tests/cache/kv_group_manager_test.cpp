@@ -289,6 +289,7 @@ class GroupModel {
             for (auto& t : b) t = pick(0, 3);
         }
         m_.subscribe([this](const KvEvent& e) { events_.push_back(e); });
+        m_.subscribe([this](const KvEvent& e) { consumer_.apply(e); });
     }
 
     void step() {
@@ -693,6 +694,14 @@ class GroupModel {
 
     void compare() {
         m_.check_invariants();
+        // A consumer of the events holds exactly every group's index.
+        size_t registered = 0;
+        for (int g = 0; g < ngroups(); ++g)
+            for (const auto& [h, b] : groups_[static_cast<size_t>(g)].index) {
+                ASSERT_TRUE(consumer_.contains(h, g)) << "group " << g;
+                ++registered;
+            }
+        ASSERT_EQ(consumer_.size(), registered);
         for (int g = 0; g < ngroups(); ++g) {
             const RefGroup& r = groups_[static_cast<size_t>(g)];
             for (size_t b = 0; b < r.ref.size(); ++b) {
@@ -726,6 +735,7 @@ class GroupModel {
     std::vector<RefGroup> groups_;
     std::map<SeqId, RefSeq> seqs_;
     std::vector<KvEvent> events_;
+    KvEventIndex consumer_;
     uint64_t next_event_ = 0;
     SeqId next_id_ = 1;
 };
