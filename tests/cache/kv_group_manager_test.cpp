@@ -497,10 +497,12 @@ class GroupModel {
         }
         ASSERT_EQ(m_.can_allocate(tokens, {}, cap), !too_large && !short_now);
         const SeqId id = next_id_++;
+        std::optional<GroupAllocResult> result;
         try {
-            const GroupAllocResult res = m_.allocate(id, tokens, {}, cap);
+            result = m_.allocate(id, tokens, {}, cap);
             ASSERT_FALSE(too_large || short_now);
-            ASSERT_EQ(res.cached_blocks, k);
+            ASSERT_EQ(result->cached_blocks, k);
+            ASSERT_EQ(result->cached_tokens, k * p_.block_size);
         } catch (const OutOfBlocksError&) {
             ASSERT_TRUE(short_now && !too_large);
             ++oob;
@@ -512,14 +514,19 @@ class GroupModel {
             return;
         }
         hits += k;
+        const GroupAllocResult res = *result;
         RefSeq s;
         s.tokens = tokens;
         s.base = base;
         s.committed = k * p_.block_size;
         std::vector<std::vector<BlockId>> removed(groups_.size()), stored(groups_.size());
+        std::vector<int64_t> fresh(groups_.size(), 0);
         for (int g = 0; g < ngroups(); ++g) {
             const auto t = m_.block_table(g, id);
             s.tables.emplace_back(t.begin(), t.end());
+            for (int64_t i = std::max(keep(g, c, len), k); !state(g) && i < blocks_for(len); ++i)
+                ++fresh[static_cast<size_t>(g)];
+            if (state(g)) fresh[static_cast<size_t>(g)] = len > 0 ? 1 : 0;
             RefGroup& r = groups_[static_cast<size_t>(g)];
             if (state(g)) {
                 ASSERT_EQ(static_cast<int64_t>(t.size()), len > 0 ? 1 : 0);
@@ -548,6 +555,7 @@ class GroupModel {
         if (!p_.deferred) commit_ref(s, len, stored);
         check_events(removed, stored);
         seqs_.emplace(id, std::move(s));
+        ASSERT_EQ(res.new_blocks, fresh);
     }
 
     void append() {

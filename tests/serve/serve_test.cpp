@@ -227,6 +227,18 @@ TEST(ServePrefixCache, ChunkedPrefillNeverSharesBlocksBeforeTheirKvIsWritten) {
     GenerationOptions bad;
     bad.prefill_chunk_tokens = -1;
     EXPECT_THROW(generate(m, ParallelConfig{}, *weights, prompts, bad), Error);
+    // The CP executor prefills each prompt in one step: a chunk is refused, naming the option.
+    GenerationOptions cp;
+    cp.prefill_chunk_tokens = 8;
+    try {
+        run_threads(2, [&](Communicator& world) {
+            generate(m, parse_parallel_config("cp=2"), *weights, prompts, cp, &world);
+        });
+        ADD_FAILURE() << "chunked prefill under cp=2 was accepted";
+    } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find("prefill_chunk_tokens"), std::string::npos)
+            << e.what();
+    }
 }
 
 TEST(ServeOptions, DisaggOptionsValidateThemselves) {
