@@ -94,13 +94,15 @@ int64_t KvGroupManager::group_hit_blocks(int g, std::span<const BlockHash> hashe
         while (n < k && cached(n)) ++n;
         return n;
     }
-    // Longest k whose last window, blocks [keep_from(P, L), k), is cached: scan down from the
-    // longest; a miss at block i rules out every k whose window covers i.
+    // Longest k whose last window, blocks [keep_from(P, L), k), is cached. run[i]: cached blocks
+    // in a row ending at block i, so k is served when k - keep_from <= run[k - 1]. O(k) lookups.
+    std::vector<int64_t> run(static_cast<size_t>(k));
+    for (int64_t i = 0; i < k; ++i)
+        run[static_cast<size_t>(i)] =
+            cached(i) ? (i > 0 ? run[static_cast<size_t>(i - 1)] : 0) + 1 : 0;
     for (; k > 0; --k) {
         const int64_t from = keep_from(g, k * config_.block_size, num_tokens);
-        int64_t i = k - 1;
-        while (i >= from && cached(i)) --i;
-        if (i < from) return k;
+        if (k - from <= run[static_cast<size_t>(k - 1)]) return k;
     }
     return 0;
 }
