@@ -4,6 +4,8 @@
 //   StreamRead        a plain read pass over a buffer as large as the decode KV: the bandwidth
 //                     ceiling
 //   DecodeAttention   one decode step over that KV: GB/s of K and V read, ratio to StreamRead
+//   WindowedDecodeAttention  a sliding-window decode step reading the same bytes (the last 4096 of
+//                     16384 tokens per sequence): GB/s of the window's K and V, ratio to StreamRead
 //                     (blocks in order or scattered over the pool; HND or NHD pages)
 //   ModelPrefill / ModelDecode  small-100m unsharded: tokens per second
 // Ratios are computed against the ceilings measured earlier in the same run (benchmarks run in
@@ -153,6 +155,33 @@ void BM_DecodeAttention(benchmark::State& state) {
         benchmark::Counter(bytes * double(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
+// One decode step of a sliding-window layer: each sequence holds `len` tokens, the query sees the
+// last `window`; only those keys' K and V count as bytes read (the kernel starts at the window's
+// first block and never touches the blocks before it).
+void BM_WindowedDecodeAttention(benchmark::State& state) {
+    const int batch = int(state.range(0));
+    const int64_t len = state.range(1), window = state.range(2);
+    Paged p = make_paged(batch, len, state.range(3) != 0, false);
+    QueryBatch qb;
+    for (int s = 0; s < batch; ++s) qb.add_sequence(1, len - 1);
+    std::vector<float> q(size_t(batch * kQHeads * kHeadDim)), out(q.size());
+    fill_random(q, 6);
+    const AttentionParams ap{.num_q_heads = kQHeads,
+                             .num_kv_heads = kKvHeads,
+                             .head_dim = kHeadDim,
+                             .scale = 1.f / 8.f,
+                             .causal = true,
+                             .window = int(window)};
+    for (auto _ : state) {
+        paged_attention(*p.pool, 0, p.kv, qb, ap, q.data(), out.data(), nullptr);
+        benchmark::DoNotOptimize(out.data());
+    }
+    const double bytes = double(batch) * double(window) * 2 * kKvHeads * kHeadDim * 4;
+    state.counters["KV_MiB"] = bytes / 1048576.0;
+    state.counters["GB/s"] =
+        benchmark::Counter(bytes * double(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
 // ---- the whole model ----
 
 const ModelWeights& small_weights() {
@@ -228,6 +257,14 @@ BENCHMARK(BM_DecodeAttention)
     ->Args({1, 256, 0, 0})
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.5);
+// Args: batch, tokens per sequence, window, scattered blocks: 64 MiB of windowed K+V read per step
+// (the streaming read's size) out of 256 MiB held.
+BENCHMARK(BM_WindowedDecodeAttention)
+    ->ArgNames({"batch", "len", "window", "scattered"})
+    ->Args({8, 16384, 4096, 0})
+    ->Args({8, 16384, 4096, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
 BENCHMARK(BM_ModelPrefill)
     ->Args({1, 512})
     ->Args({4, 128})
@@ -256,7 +293,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
                 ratios_.push_back(name + ": " + std::to_string(counter("GFLOP/s")) + " GFLOP/s = " +
                                   std::to_string(counter("GFLOP/s") / g_sgemm_gflops) +
                                   " of sgemm (goal >= 0.5)");
-            if (name.rfind("BM_DecodeAttention", 0) == 0 && g_stream_gbps > 0)
+            if ((name.rfind("BM_DecodeAttention", 0) == 0 ||
+                 name.rfind("BM_WindowedDecodeAttention", 0) == 0) &&
+                g_stream_gbps > 0)
                 ratios_.push_back(name + ": " + std::to_string(counter("GB/s")) +
                                   " GB/s = " + std::to_string(counter("GB/s") / g_stream_gbps) +
                                   " of the streaming read (goal >= 0.6)");

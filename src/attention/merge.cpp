@@ -73,4 +73,24 @@ void merge_attention(std::span<const float* const> outs, std::span<const float* 
     }
 }
 
+void apply_attention_sinks(float* out, float* lse, int64_t rows, int heads, int dim,
+                           const float* sinks) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int h = 0; h < heads; ++h) {
+            float& l = lse[r * heads + h];
+            float* o = out + (r * heads + h) * int64_t{dim};
+            const float s = sinks[h];
+            if (l == kNegInf) {  // no key: the sink takes all the weight, the output is 0
+                std::fill(o, o + dim, 0.0f);
+                l = s;
+                continue;
+            }
+            const float m = std::max(l, s);
+            const float wl = std::exp(l - m), ws = std::exp(s - m);
+            const float c = wl / (wl + ws);
+            for (int d = 0; d < dim; ++d) o[d] *= c;
+            l = m + std::log(wl + ws);
+        }
+}
+
 }  // namespace kvshard

@@ -23,6 +23,11 @@ inline float dot(const float* a, const float* b, int n) {
 }
 }  // namespace
 
+int64_t cp_first_visible(const CpAttnShape& s, int64_t pos) {
+    if (s.window <= 0) return 0;
+    return s.chunked ? pos - pos % s.window : std::max<int64_t>(0, pos - s.window + 1);
+}
+
 void cp_partial_attention(const CpAttnShape& s, const float* q, std::span<const int64_t> q_pos,
                           const float* k, const float* v, std::span<const int64_t> kv_pos,
                           float* out, float* lse) {
@@ -49,11 +54,15 @@ void cp_partial_attention(const CpAttnShape& s, const float* q, std::span<const 
         for (int64_t i = 0; i < nq; ++i) {
             const int64_t nvis =
                 std::upper_bound(kv_pos.begin(), kv_pos.end(), q_pos[i]) - kv_pos.begin();
+            const int64_t jlo = std::min<int64_t>(
+                nvis,
+                std::lower_bound(kv_pos.begin(), kv_pos.end(), cp_first_visible(s, q_pos[i])) -
+                    kv_pos.begin());
             float* o = out + i * hq * d;
             std::fill(o, o + int64_t{hq} * d, 0.0f);
             std::fill(m.begin(), m.end(), kNegInf);
             std::fill(l.begin(), l.end(), 0.0f);
-            for (int64_t j0 = 0; j0 < nvis; j0 += tile) {
+            for (int64_t j0 = jlo; j0 < nvis; j0 += tile) {
                 const int nv = static_cast<int>(std::min<int64_t>(tile, nvis - j0));
                 const int64_t ahead = j0 + ahead_tiles * tile;
                 for (int kh = 0; kh < hkv; ++kh) {
@@ -74,7 +83,7 @@ void cp_partial_attention(const CpAttnShape& s, const float* q, std::span<const 
             }
             for (int h = 0; h < hq; ++h) {
                 float* oh = o + int64_t{h} * d;
-                if (nvis == 0) {  // no visible key: weight 0 in any merge
+                if (nvis == jlo) {  // no visible key: weight 0 in any merge
                     std::fill(oh, oh + d, 0.0f);
                     lse[i * hq + h] = kNegInf;
                     continue;
@@ -91,12 +100,12 @@ void cp_partial_attention(const CpAttnShape& s, const float* q, std::span<const 
     std::vector<float> score(static_cast<size_t>(nk) * group);
     std::vector<float> m(group), sum(group);
     for (int64_t i = 0; i < nq; ++i) {
-        const int64_t qp = q_pos[i];
+        const int64_t qp = q_pos[i], qlo = cp_first_visible(s, qp);
         for (int kh = 0; kh < hkv; ++kh) {
             const float* qr = q + (i * hq + int64_t{kh} * group) * d;
             std::fill(m.begin(), m.end(), kNegInf);
             for (int64_t j = 0; j < nk; ++j) {
-                const bool visible = kv_pos[j] <= qp;
+                const bool visible = kv_pos[j] <= qp && kv_pos[j] >= qlo;
                 const float* kr = k + (j * hkv + kh) * d;
                 for (int g = 0; g < group; ++g) {
                     const float sc = visible ? dot(qr + int64_t{g} * d, kr, d) * s.scale : kNegInf;
@@ -108,7 +117,7 @@ void cp_partial_attention(const CpAttnShape& s, const float* q, std::span<const 
             std::fill(o, o + int64_t{group} * d, 0.0f);
             std::fill(sum.begin(), sum.end(), 0.0f);
             for (int64_t j = 0; j < nk; ++j) {
-                if (kv_pos[j] > qp) continue;
+                if (kv_pos[j] > qp || kv_pos[j] < qlo) continue;
                 const float* vr = v + (j * hkv + kh) * d;
                 for (int g = 0; g < group; ++g) {
                     const float w = std::exp(score[g * nk + j] - m[g]);

@@ -17,9 +17,24 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t as_bytes(int64_t floats) { return floats * static_cast<int64_t>(sizeof(float)); }
 
-// True when no key of `kp` is visible to any query of `qp` (both ascending): skip the work.
-bool all_masked(const std::vector<int64_t>& qp, const std::vector<int64_t>& kp) {
-    return qp.empty() || kp.empty() || kp.front() > qp.back();
+// True when no key of `kp` is visible to any query of `qp` (both ascending): skip the work. Under
+// a window, a shard whose keys all lie before every query's window is skipped too.
+bool all_masked(const CpAttnShape& s, const std::vector<int64_t>& qp,
+                const std::vector<int64_t>& kp) {
+    if (qp.empty() || kp.empty() || kp.front() > qp.back()) return true;
+    if (s.window <= 0) return false;
+    for (int64_t p : qp) {  // any query with a key in [first visible, p]?
+        const auto it = std::lower_bound(kp.begin(), kp.end(), cp_first_visible(s, p));
+        if (it != kp.end() && *it <= p) return false;
+    }
+    return true;
+}
+
+// Merges the sink partial (lse = sink, out = 0) into every row of out/lse [rows][Hq][D].
+void merge_sinks(const CpAttnShape& s, std::span<const float> sinks, int64_t tokens, float* out,
+                 float* lse) {
+    if (sinks.empty()) return;
+    apply_attention_sinks(out, lse, tokens, s.num_q_heads, s.head_dim, sinks.data());
 }
 
 // The ring of pass-KV and pass-Q: buf[s % 2] holds the shard worked on in step s. work(step, cur)
@@ -47,7 +62,8 @@ void run_ring(Communicator& comm, int tag, std::vector<float> (&buf)[2], Floats 
 }
 
 void pass_kv(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int64_t new_begin,
-             const float* q, const float* k, const float* v, float* out, CpCommStats& st) {
+             const float* q, const float* k, const float* v, float* out, CpCommStats& st,
+             std::span<const float> sinks) {
     const int c = comm.rank();
     const int64_t kvrow = int64_t{s.num_kv_heads} * s.head_dim;
     const auto qp = map.positions(c, new_begin);
@@ -65,16 +81,18 @@ void pass_kv(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, in
         comm, kTagPassKv, buf, [&](int owner) { return 2 * map.count(owner) * kvrow; }, st,
         [&](const CpRingStep& step, const std::vector<float>& cur) {
             const auto kp = map.positions(step.holds);
-            if (all_masked(qp, kp)) return;
+            if (all_masked(s, qp, kp)) return;
             const int64_t nk = static_cast<int64_t>(kp.size());
             cp_partial_attention(s, q, qp, cur.data(), cur.data() + nk * kvrow, kp, part.data(),
                                  part_lse.data());
             merge_attention_into(out, lse.data(), part.data(), part_lse.data(), rows, s.head_dim);
         });
+    merge_sinks(s, sinks, static_cast<int64_t>(qp.size()), out, lse.data());
 }
 
 void pass_q(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int64_t new_begin,
-            const float* q, const float* k, const float* v, float* out, CpCommStats& st) {
+            const float* q, const float* k, const float* v, float* out, CpCommStats& st,
+            std::span<const float> sinks) {
     const int cp = comm.size(), c = comm.rank();
     const int64_t qrow = int64_t{s.num_q_heads} * s.head_dim;
     const int64_t prow = int64_t{s.num_q_heads} * (s.head_dim + 1);  // O then LSE, per token
@@ -102,7 +120,7 @@ void pass_q(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int
             const auto qp = map.positions(h, new_begin);
             float* po = parts.data() + off[h];
             float* pl = po + tq[h] * qrow;
-            if (all_masked(qp, kp))
+            if (all_masked(s, qp, kp))
                 std::fill(pl, pl + tq[h] * s.num_q_heads, kNegInf);
             else
                 cp_partial_attention(s, cur.data(), qp, k, v, kp, po, pl);
@@ -128,22 +146,26 @@ void pass_q(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int
     }
     std::vector<float> lse(tq[c] * s.num_q_heads);
     merge_attention(outs, lses, tq[c] * s.num_q_heads, s.head_dim, out, lse.data());
+    merge_sinks(s, sinks, tq[c], out, lse.data());
 }
 
 }  // namespace
 
 void cp_prefill_attention(Communicator& cp_comm, CpPrefillMode mode, const CpAttnShape& shape,
                           const CpTokenMap& map, int64_t new_begin, const float* q, const float* k,
-                          const float* v, float* out, CpCommStats* stats) {
+                          const float* v, float* out, CpCommStats* stats,
+                          std::span<const float> sinks) {
+    KVSHARD_CHECK(sinks.empty() || int64_t(sinks.size()) == shape.num_q_heads,
+                  "one sink per query head");
     KVSHARD_CHECK(cp_comm.size() == map.cp(), "CP communicator of ", cp_comm.size(),
                   " ranks for a token map of cp=", map.cp());
     KVSHARD_CHECK(new_begin >= 0 && new_begin <= map.size(),
                   "new tokens start outside the sequence");
     CpCommStats st;
     if (mode == CpPrefillMode::kPassKv)
-        pass_kv(cp_comm, shape, map, new_begin, q, k, v, out, st);
+        pass_kv(cp_comm, shape, map, new_begin, q, k, v, out, st, sinks);
     else
-        pass_q(cp_comm, shape, map, new_begin, q, k, v, out, st);
+        pass_q(cp_comm, shape, map, new_begin, q, k, v, out, st, sinks);
     if (stats) *stats += st;
 }
 

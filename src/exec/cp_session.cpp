@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kvshard/attention/merge.h"
 #include "kvshard/attention/paged_attention.h"
 #include "kvshard/cache/block_hash.h"
 #include "kvshard/common/error.h"
@@ -353,6 +354,48 @@ std::vector<float> CpSession::decode(SeqId seq, int32_t token) {
     return run(s, seq, {pos}, true);
 }
 
+namespace {
+
+// One MLA layer under CP (absorbed form, docs/context-parallel.md section 8): the latent row
+// [c | k_pe] is one KV head of dl + dr elements that serves as the key and as the value, so ring
+// prefill is MQA over it with outputs of dl + dr of which the first dl are the weighted latents;
+// decode merges mla_attention's partials of dl.
+void mla_cp_attention(const AttentionCall& call, Communicator& cpc, CpPrefillMode mode,
+                      const CpTokenMap& map, int64_t stored_before, bool writes, bool decode,
+                      std::span<const BlockId> table, int64_t n_local, CpCommStats& stats,
+                      CpDecodeMerge merge) {
+    const AttentionParams& ap = call.params;
+    const int dq = ap.head_dim, dl = call.mla_latent_dim, nq = ap.num_q_heads;
+    BlockPool& pool = *call.pool;
+    if (writes)
+        write_latent(pool, call.local_layer, call.batch->kv, call.batch->queries.q_indptr,
+                     call.batch->slots, call.k);
+    const int64_t n = call.batch->rows();
+    if (!decode) {
+        const auto& g = pool.geometry();
+        std::vector<float> lat(size_t(n_local * dq));
+        for (int64_t t = 0; t < n_local; ++t) {
+            const float* page = pool.page_f32(call.local_layer, 0, table[size_t(t / g.block_size)]);
+            std::copy_n(page + g.elem_in_page(0, int(t % g.block_size), 0), dq,
+                        lat.data() + t * dq);
+        }
+        std::vector<float> full(size_t(n * nq * dq));
+        const CpAttnShape shape{nq, 1, dq, ap.scale};
+        cp_prefill_attention(cpc, mode, shape, map, stored_before, call.q, lat.data(), lat.data(),
+                             full.data(), &stats);
+        for (int64_t r = 0; r < n * nq; ++r)
+            std::copy_n(full.data() + r * dq, dl, call.out + r * dl);
+        return;
+    }
+    std::vector<float> part(size_t(n * nq * dl)), lse(size_t(n * nq), kNegInf);
+    const MlaParams mp{.num_heads = nq, .latent_dim = dl, .rope_dim = dq - dl, .scale = ap.scale};
+    mla_attention(pool, call.local_layer, call.batch->kv, call.batch->queries, mp, call.q,
+                  part.data(), lse.data());
+    cp_merge_partials(cpc, merge, n, nq, dl, part.data(), lse.data(), call.out, &stats);
+}
+
+}  // namespace
+
 std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, bool decode) {
     const int c = coord_.cp;
     const int64_t first_new_slot = static_cast<int64_t>(s.local_pos.size());
@@ -388,7 +431,17 @@ std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, 
     const CpTokenMap& map = s.map;
     dev_.model().set_attention([&](const AttentionCall& call) {
         const AttentionParams& ap = call.params;
-        const CpAttnShape shape{ap.num_q_heads, ap.num_kv_heads, ap.head_dim, ap.scale};
+        if (call.mla_latent_dim > 0) {  // MLA: the latent travels the ring as K and as V
+            mla_cp_attention(call, cpc, mode, map, stored_before, owner_writes && !rows.empty(),
+                             decode, table, n_local, stats, opt_.decode_merge);
+            if (!decode && layer_hook_) layer_hook_(seq, call.layer);
+            return;
+        }
+        const CpAttnShape shape{ap.num_q_heads, ap.num_kv_heads, ap.head_dim,
+                                ap.scale,       ap.window,       ap.chunked};
+        const std::span<const float> sinks =
+            call.sinks ? std::span<const float>(call.sinks, size_t(ap.num_q_heads))
+                       : std::span<const float>();
         if (owner_writes && !rows.empty())
             write_kv(*call.pool, call.local_layer, call.batch->kv, call.batch->queries.q_indptr,
                      call.batch->slots, call.k, call.v);
@@ -397,7 +450,7 @@ std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, 
             std::vector<float> k(n_local * row), v(n_local * row);
             pack_kv(*call.pool, call.local_layer, table, n_local, k.data(), v.data());
             cp_prefill_attention(cpc, mode, shape, map, stored_before, call.q, k.data(), v.data(),
-                                 call.out, &stats);
+                                 call.out, &stats, sinks);
             if (layer_hook_) layer_hook_(seq, call.layer);
         } else {
             const int64_t n = call.batch->rows();
@@ -405,6 +458,10 @@ std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, 
                 lse(n * ap.num_q_heads, kNegInf);
             paged_attention(*call.pool, call.local_layer, call.batch->kv, call.batch->queries, ap,
                             call.q, part.data(), lse.data());
+            // The sinks join one rank's partial, so that the merge counts each once.
+            if (!sinks.empty() && cpc.rank() == 0)
+                apply_attention_sinks(part.data(), lse.data(), n, ap.num_q_heads, ap.head_dim,
+                                      sinks.data());
             cp_merge_partials(cpc, opt_.decode_merge, n, ap.num_q_heads, ap.head_dim, part.data(),
                               lse.data(), call.out, &stats);
         }

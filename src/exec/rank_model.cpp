@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "exec/collectives.h"
+#include "kvshard/attention/merge.h"
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -47,6 +48,26 @@ void rms_norm(const float* x, int64_t n, int64_t h, const std::vector<float>& w,
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+// GPT-J style RoPE on `dim` elements at `offset` of each head (stride elements apart): pairs
+// (2i, 2i + 1) rotate by position * theta^(-2i/dim). DeepSeek's MLA rope part, as vLLM runs it
+// (is_neox_style = False); the cached k_pe keeps this order.
+void apply_rope_interleaved(float* x, int64_t n, int heads, int64_t stride, int offset, int dim,
+                            const std::vector<float>& cos_t, const std::vector<float>& sin_t) {
+    const int half = dim / 2;
+    for (int64_t r = 0; r < n; ++r) {
+        const float* c = cos_t.data() + r * half;
+        const float* s = sin_t.data() + r * half;
+        for (int hh = 0; hh < heads; ++hh) {
+            float* v = x + (r * heads + hh) * stride + offset;
+            for (int i = 0; i < half; ++i) {
+                const float a = v[2 * i], b = v[2 * i + 1];
+                v[2 * i] = a * c[i] - b * s[i];
+                v[2 * i + 1] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
 // Rotates pairs (i, i + d/2) of every head (Hugging Face rotate_half convention).
 void apply_rope(float* x, int64_t n, int heads, int d, const std::vector<float>& cos_t,
                 const std::vector<float>& sin_t) {
@@ -65,17 +86,34 @@ void apply_rope(float* x, int64_t n, int heads, int d, const std::vector<float>&
     }
 }
 
-PageGeometry geometry_for(const ModelWeights& w, int block_size, PageOrder order) {
-    PageGeometry g;
-    g.num_layers = w.shard.num_layers();
-    g.kv_factor = 2;
-    g.num_heads = w.shard.num_kv_heads();
-    g.block_size = block_size;
-    g.head_dim = w.spec.head_dim;
-    g.dtype = w.spec.kv_dtype;  // the pool stores this; the model computes in fp32
-    g.order = order;
-    return g;
+// The pool of one KV group's layers on this rank: K/V of the held KV heads, or the MLA latent.
+PageGeometry group_geometry(const ModelWeights& w, const KvGroup& g, int layers, int block_size,
+                            PageOrder order) {
+    PageGeometry geo;
+    geo.num_layers = layers;
+    geo.block_size = block_size;
+    geo.dtype = w.spec.kv_dtype;  // the pool stores this; the model computes in fp32
+    geo.order = order;
+    if (g.kind == LayerKind::kMla) {
+        geo.kv_factor = 1;
+        geo.num_heads = 1;
+        geo.head_dim = w.spec.mla.kv_lora_rank + w.spec.mla.qk_rope_head_dim;
+    } else {
+        geo.kv_factor = 2;
+        geo.num_heads = w.shard.num_kv_heads();
+        geo.head_dim = g.head_dim;
+    }
+    return geo;
 }
+
+void l2_normalize(float* x, int n) {
+    double ss = 0;
+    for (int i = 0; i < n; ++i) ss += double(x[i]) * x[i];
+    const float inv = float(1.0 / std::sqrt(ss + 1e-6));
+    for (int i = 0; i < n; ++i) x[i] *= inv;
+}
+
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
 }  // namespace
 
@@ -86,20 +124,96 @@ int32_t argmax(std::span<const float> logits) {
 }
 
 void default_attention(const AttentionCall& c) {
-    write_kv(*c.pool, c.local_layer, c.batch->kv, c.batch->queries.q_indptr, c.batch->slots, c.k,
-             c.v);
-    paged_attention(*c.pool, c.local_layer, c.batch->kv, c.batch->queries, c.params, c.q, c.out,
-                    nullptr);
+    const PagedKv& kv = c.kv ? *c.kv : c.batch->kv;
+    if (c.mla_latent_dim > 0) {
+        write_latent(*c.pool, c.local_layer, kv, c.batch->queries.q_indptr, c.batch->slots, c.k);
+        const MlaParams mp{.num_heads = c.params.num_q_heads,
+                           .latent_dim = c.mla_latent_dim,
+                           .rope_dim = c.params.head_dim - c.mla_latent_dim,
+                           .scale = c.params.scale};
+        mla_attention(*c.pool, c.local_layer, kv, c.batch->queries, mp, c.q, c.out, nullptr);
+        return;
+    }
+    write_kv(*c.pool, c.local_layer, kv, c.batch->queries.q_indptr, c.batch->slots, c.k, c.v);
+    if (!c.sinks) {
+        paged_attention(*c.pool, c.local_layer, kv, c.batch->queries, c.params, c.q, c.out,
+                        nullptr);
+        return;
+    }
+    std::vector<float> lse(size_t(c.batch->rows() * c.params.num_q_heads));
+    paged_attention(*c.pool, c.local_layer, kv, c.batch->queries, c.params, c.q, c.out, lse.data());
+    apply_attention_sinks(c.out, lse.data(), c.batch->rows(), c.params.num_q_heads,
+                          c.params.head_dim, c.sinks);
 }
 
 RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms,
                      PageOrder order, PoolMemory memory)
-    : weights_(std::move(weights)),
-      comms_(comms),
-      pool_(geometry_for(weights_, block_size, order), num_blocks, memory),
-      attention_(default_attention) {
-    require(weights_.spec.head_dim % 2 == 0, weights_.spec.name,
-            ": RoPE needs an even head_dim, got ", weights_.spec.head_dim);
+    : weights_(std::move(weights)), comms_(comms), attention_(default_attention) {
+    const ModelSpec& m = weights_.spec;
+    const WeightShard& sh = weights_.shard;
+    const int n_local = sh.num_layers();
+    layer_pool_.assign(size_t(n_local), -1);
+    layer_in_pool_.assign(size_t(n_local), -1);
+    layer_state_.assign(size_t(n_local), -1);
+    const auto groups = kv_groups(m);
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+        const KvGroup& g = groups[gi];
+        std::vector<int> here;
+        for (int l : g.layers)
+            if (l >= sh.layer_begin && l < sh.layer_end) here.push_back(l - sh.layer_begin);
+        if (here.empty()) continue;
+        if (holds_state(g.kind)) {
+            for (int l : here) {
+                layer_state_[size_t(l)] = int(states_.size());
+                StateLayer st;
+                const auto& ss = m.state;
+                const int64_t gl = sh.state_group_end(m) - sh.state_group_begin(m);
+                const int64_t ch =
+                    2 * gl * ss.group_dim + int64_t{sh.num_state_heads()} * ss.head_dim;
+                st.conv_elems = (ss.conv_kernel - 1) * ch;
+                st.rec_elems = int64_t{sh.num_state_heads()} * ss.group_dim * ss.head_dim;
+                states_.push_back(std::move(st));
+            }
+            continue;
+        }
+        if (g.kind == LayerKind::kMla || g.kind == LayerKind::kFullAttention ||
+            g.kind == LayerKind::kSlidingWindow || g.kind == LayerKind::kChunkedLocal) {
+            const int pi = int(pools_.size());
+            for (size_t j = 0; j < here.size(); ++j) {
+                layer_pool_[size_t(here[j])] = pi;
+                layer_in_pool_[size_t(here[j])] = int(j);
+            }
+            pools_.emplace_back(group_geometry(weights_, g, int(here.size()), block_size, order),
+                                num_blocks, memory);
+            pool_group_.push_back(int(gi));
+        }
+    }
+    if (m.is_mla())
+        require(m.mla.qk_rope_head_dim % 2 == 0, m.name,
+                ": RoPE needs an even qk_rope_head_dim, got ", m.mla.qk_rope_head_dim);
+    else
+        require(m.head_dim % 2 == 0, m.name, ": RoPE needs an even head_dim, got ", m.head_dim);
+}
+
+int64_t RankModel::state_bytes_per_sequence() const {
+    int64_t n = 0;
+    for (const auto& st : states_) n += (st.conv_elems + st.rec_elems) * int64_t(sizeof(float));
+    return n;
+}
+
+void RankModel::rope_tables(const ForwardBatch& b, int dim) {
+    const int64_t n = b.rows();
+    const int half = dim / 2;
+    rope_dim_ = dim;
+    rope_cos_.resize(size_t(n * half));
+    rope_sin_.resize(size_t(n * half));
+    for (int64_t r = 0; r < n; ++r)
+        for (int i = 0; i < half; ++i) {
+            const double inv_freq = std::pow(weights_.spec.rope_theta, -2.0 * i / dim);
+            const double angle = double(b.queries.q_pos[size_t(r)]) * inv_freq;
+            rope_cos_[size_t(r * half + i)] = float(std::cos(angle));
+            rope_sin_[size_t(r * half + i)] = float(std::sin(angle));
+        }
 }
 
 void RankModel::tp_all_reduce(std::span<float> data) { coll::all_reduce_sum(comms_.tp, data); }
@@ -121,22 +235,25 @@ std::vector<float> RankModel::forward(const ForwardBatch& b) {
         coll::recv(comms_.world, x, comms_.prev_stage, coll::kTagActivations);
     }
 
-    // RoPE tables of this step's positions.
-    const int half = m.head_dim / 2;
-    rope_cos_.resize(size_t(n * half));
-    rope_sin_.resize(size_t(n * half));
-    for (int64_t r = 0; r < n; ++r)
-        for (int i = 0; i < half; ++i) {
-            const double inv_freq = std::pow(m.rope_theta, -2.0 * i / m.head_dim);
-            const double angle = double(b.queries.q_pos[size_t(r)]) * inv_freq;
-            rope_cos_[size_t(r * half + i)] = float(std::cos(angle));
-            rope_sin_[size_t(r * half + i)] = float(std::sin(angle));
-        }
+    // RoPE tables of this step's positions (MLA rotates its qk_rope_head_dim part only).
+    rope_tables(b, m.is_mla() ? m.mla.qk_rope_head_dim : m.head_dim);
 
     std::vector<float> xn(size_t(n * h)), y(size_t(n * h));
     for (int l = 0; l < weights_.shard.num_layers(); ++l) {
         const LayerWeights& w = weights_.layers[size_t(l)];
-        attention_block(l, b, x);
+        switch (w.kind) {
+            case LayerKind::kMla:
+                mla_block(l, b, x);
+                break;
+            case LayerKind::kGatedDeltaNet:
+                gated_deltanet_block(l, b, x);
+                break;
+            case LayerKind::kNoKv:
+                break;
+            default:
+                attention_block(l, b, x);
+        }
+        if (w.mlp_norm.empty()) continue;  // a layer without an MLP
         rms_norm(x.data(), n, h, w.mlp_norm, m.rms_norm_eps, xn.data());
         if (m.is_moe_layer(weights_.shard.layer_begin + l))
             moe_mlp(w, xn.data(), n, y.data());
@@ -181,24 +298,227 @@ void RankModel::attention_block(int l, const ForwardBatch& b, std::vector<float>
     add_bias(v.data(), n, w.bv);
     apply_rope(q.data(), n, nq, int(d), rope_cos_, rope_sin_);
     apply_rope(k.data(), n, nkv, int(d), rope_cos_, rope_sin_);
+    const LayerSpec ls = m.layer(weights_.shard.layer_begin + l);
+    const int pi = layer_pool_[size_t(l)];
     AttentionCall call;
     call.layer = weights_.shard.layer_begin + l;
-    call.local_layer = l;
+    call.local_layer = layer_in_pool_[size_t(l)];
     call.batch = &b;
+    call.kv = &b.kv_of_group(pool_group_[size_t(pi)]);
     call.params = {.num_q_heads = nq,
                    .num_kv_heads = nkv,
                    .head_dim = int(d),
                    .scale = 1.0f / std::sqrt(float(d)),
-                   .causal = true};
+                   .causal = true,
+                   .window = ls.kind == LayerKind::kFullAttention ? 0 : ls.window,
+                   .chunked = ls.kind == LayerKind::kChunkedLocal};
     call.q = q.data();
     call.k = k.data();
     call.v = v.data();
     call.out = attn.data();
-    call.pool = &pool_;
+    call.sinks = w.sinks.empty() ? nullptr : w.sinks.data();
+    call.pool = &pools_[size_t(pi)];
     attention_(call);  // also with no rows: a replacement may take part in collectives
     linear(attn.data(), n, nq * d, w.wo, h, o.data());
     tp_all_reduce(o);
     for (int64_t i = 0; i < n * h; ++i) x[size_t(i)] += o[size_t(i)];
+}
+
+// MLA, absorbed (docs/model.md): with W_kv_b = [W_uk_h; W_uv_h] per head,
+//   q_h = [q_nope_h | RoPE(q_pe_h)],  latent_t = [rmsnorm(c_t) | RoPE(k_pe_t)]   (cached)
+//   score_ht = (W_uk_h^T q_nope_h) . c_t + RoPE(q_pe_h) . RoPE(k_pe_t), scaled by 1/sqrt(d_nope +
+//   d_pe) out_h = W_uv_h sum_t softmax(score)_ht c_t
+// which equals the naive form k_nope_ht = W_uk_h c_t, v_ht = W_uv_h c_t exactly in real numbers.
+void RankModel::mla_block(int l, const ForwardBatch& b, std::vector<float>& x) {
+    const ModelSpec& m = weights_.spec;
+    const LayerWeights& w = weights_.layers[size_t(l)];
+    const auto& a = m.mla;
+    const int64_t n = b.rows(), h = m.hidden;
+    const int nq = weights_.shard.num_q_heads();
+    const int dn = a.qk_nope_head_dim, dr = a.qk_rope_head_dim, dl = a.kv_lora_rank,
+              dv = a.v_head_dim, dqk = dn + dr;
+    std::vector<float> xn(size_t(n * h)), q(size_t(n * nq * dqk)), kva(size_t(n * (dl + dr)));
+    rms_norm(x.data(), n, h, w.attn_norm, m.rms_norm_eps, xn.data());
+    if (a.q_lora_rank > 0) {
+        std::vector<float> qa(size_t(n * a.q_lora_rank)), qan(qa.size());
+        linear(xn.data(), n, h, w.wq_a, a.q_lora_rank, qa.data());
+        rms_norm(qa.data(), n, a.q_lora_rank, w.q_a_norm, m.rms_norm_eps, qan.data());
+        linear(qan.data(), n, a.q_lora_rank, w.wq, int64_t{nq} * dqk, q.data());
+    } else {
+        linear(xn.data(), n, h, w.wq, int64_t{nq} * dqk, q.data());
+    }
+    linear(xn.data(), n, h, w.wkv_a, dl + dr, kva.data());
+    std::vector<float> latent(kva.size());
+    for (int64_t r = 0; r < n; ++r) {
+        rms_norm(kva.data() + r * (dl + dr), 1, dl, w.kv_a_norm, m.rms_norm_eps,
+                 latent.data() + r * (dl + dr));
+        std::copy_n(kva.data() + r * (dl + dr) + dl, dr, latent.data() + r * (dl + dr) + dl);
+    }
+    apply_rope_interleaved(q.data(), n, nq, dqk, dn, dr, rope_cos_, rope_sin_);
+    apply_rope_interleaved(latent.data(), n, 1, dl + dr, dl, dr, rope_cos_, rope_sin_);
+
+    // Absorb W_uk into the query: q_lat_h = [W_uk_h^T q_nope_h | q_pe_h].
+    const int64_t kvb = dn + dv;
+    std::vector<float> qlat(size_t(n * nq * (dl + dr)));
+    for (int64_t r = 0; r < n; ++r)
+        for (int hh = 0; hh < nq; ++hh) {
+            const float* qh = q.data() + (r * nq + hh) * dqk;
+            float* o = qlat.data() + (r * nq + hh) * (dl + dr);
+            const float* wuk = w.wkv_b.data() + hh * kvb * dl;  // [dn][dl]
+            std::fill_n(o, dl, 0.0f);
+            for (int i = 0; i < dn; ++i)
+                for (int c = 0; c < dl; ++c) o[c] += qh[i] * wuk[int64_t{i} * dl + c];
+            std::copy_n(qh + dn, dr, o + dl);
+        }
+    const int pi = layer_pool_[size_t(l)];
+    std::vector<float> olat(size_t(n * nq * dl));
+    AttentionCall call;
+    call.layer = weights_.shard.layer_begin + l;
+    call.local_layer = layer_in_pool_[size_t(l)];
+    call.batch = &b;
+    call.kv = &b.kv_of_group(pool_group_[size_t(pi)]);
+    call.params = {.num_q_heads = nq,
+                   .num_kv_heads = 1,
+                   .head_dim = dl + dr,
+                   .scale = 1.0f / std::sqrt(float(dqk)),
+                   .causal = true};
+    call.q = qlat.data();
+    call.k = latent.data();
+    call.out = olat.data();
+    call.mla_latent_dim = dl;
+    call.pool = &pools_[size_t(pi)];
+    attention_(call);
+    // Up-project with W_uv: attn_h = W_uv_h olat_h.
+    std::vector<float> attn(size_t(n * nq * dv)), o(size_t(n * h));
+    for (int64_t r = 0; r < n; ++r)
+        for (int hh = 0; hh < nq; ++hh) {
+            const float* ol = olat.data() + (r * nq + hh) * dl;
+            const float* wuv = w.wkv_b.data() + (hh * kvb + dn) * dl;  // [dv][dl]
+            float* out = attn.data() + (r * nq + hh) * dv;
+            for (int i = 0; i < dv; ++i) {
+                float acc = 0;
+                for (int c = 0; c < dl; ++c) acc += wuv[int64_t{i} * dl + c] * ol[c];
+                out[i] = acc;
+            }
+        }
+    linear(attn.data(), n, int64_t{nq} * dv, w.wo, h, o.data());
+    tp_all_reduce(o);
+    for (int64_t i = 0; i < n * h; ++i) x[size_t(i)] += o[size_t(i)];
+}
+
+// Gated DeltaNet (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025), as Qwen3-Next
+// runs it: per token, [q | k | v] = SiLU(causal depthwise conv(x W^T)) with the last conv_kernel-1
+// inputs kept as conv state; q, k L2-normalised per key head, q scaled by 1/sqrt(k_d);
+// beta = sigmoid(x W_b^T), g = -exp(A_log) softplus(x W_a^T + dt_bias); per value head the state
+// S [k_d][v_d] updates S := exp(g) S; S += k (beta (v - S^T k))^T, and o = S^T q; then
+// o := rmsnorm(o) * norm * SiLU(z) per head and out_proj. Value heads split by TP (a key head is
+// shared by the ranks of its value heads); the out_proj is row parallel.
+void RankModel::gated_deltanet_block(int l, const ForwardBatch& b, std::vector<float>& x) {
+    const ModelSpec& m = weights_.spec;
+    const LayerWeights& w = weights_.layers[size_t(l)];
+    const WeightShard& sh = weights_.shard;
+    const auto& ss = m.state;
+    const int64_t n = b.rows(), h = m.hidden;
+    const int kd = ss.group_dim, vd = ss.head_dim, K = ss.conv_kernel;
+    const int g0 = sh.state_group_begin(m), gl = sh.state_group_end(m) - g0;
+    const int hl = sh.num_state_heads(), r_per_k = ss.heads / ss.groups;
+    const int64_t ch = int64_t{2} * gl * kd + int64_t{hl} * vd;
+    std::vector<float> xn(size_t(n * h)), in(size_t(n * ch)), z(size_t(n * hl * vd)),
+        bb(size_t(n * hl)), aa(size_t(n * hl));
+    rms_norm(x.data(), n, h, w.attn_norm, m.rms_norm_eps, xn.data());
+    {
+        std::vector<float> t(size_t(n * std::max<int64_t>(gl * kd, int64_t{hl} * vd)));
+        auto put = [&](const std::vector<float>& wt, int64_t width, int64_t at) {
+            linear(xn.data(), n, h, wt, width, t.data());
+            for (int64_t r = 0; r < n; ++r)
+                std::copy_n(t.data() + r * width, width, in.data() + r * ch + at);
+        };
+        put(w.lin_q, int64_t{gl} * kd, 0);
+        put(w.lin_k, int64_t{gl} * kd, int64_t{gl} * kd);
+        put(w.lin_v, int64_t{hl} * vd, int64_t{2} * gl * kd);
+    }
+    linear(xn.data(), n, h, w.lin_z, int64_t{hl} * vd, z.data());
+    linear(xn.data(), n, h, w.lin_b, hl, bb.data());
+    linear(xn.data(), n, h, w.lin_a, hl, aa.data());
+
+    StateLayer& st = states_[size_t(layer_state_[size_t(l)])];
+    std::vector<float> conv_out(in.size()), o(size_t(n * hl * vd));
+    for (int i = 0; i < b.batch(); ++i) {
+        const int32_t r0 = b.queries.q_indptr[i], r1 = b.queries.q_indptr[i + 1];
+        if (r1 == r0) continue;
+        const int64_t slot = b.state_slot(i);
+        if (int64_t(st.rec.size()) < (slot + 1) * st.rec_elems) {
+            st.rec.resize(size_t((slot + 1) * st.rec_elems), 0.0f);
+            st.conv.resize(size_t((slot + 1) * st.conv_elems), 0.0f);
+        }
+        float* cs = st.conv.data() + slot * st.conv_elems;  // [K-1][ch], oldest first
+        float* S = st.rec.data() + slot * st.rec_elems;     // [hl][kd][vd]
+        if (b.queries.q_pos[size_t(r0)] == 0) {
+            std::fill_n(cs, st.conv_elems, 0.0f);
+            std::fill_n(S, st.rec_elems, 0.0f);
+        }
+        // Causal conv over [state | rows], then the state keeps the last K-1 inputs.
+        const int64_t rows = r1 - r0;
+        std::vector<float> hist(size_t((K - 1 + rows) * ch));
+        std::copy_n(cs, st.conv_elems, hist.data());
+        std::copy_n(in.data() + int64_t{r0} * ch, rows * ch, hist.data() + (K - 1) * ch);
+        for (int64_t t = 0; t < rows; ++t)
+            for (int64_t c = 0; c < ch; ++c) {
+                float acc = 0;
+                for (int j = 0; j < K; ++j)
+                    acc += w.conv[size_t(c * K + j)] * hist[size_t((t + j) * ch + c)];
+                conv_out[size_t((r0 + t) * ch + c)] = silu(acc);
+            }
+        std::copy_n(hist.data() + rows * ch, st.conv_elems, cs);
+        // The delta rule, token by token.
+        std::vector<float> kv_mem(static_cast<size_t>(vd)), delta(static_cast<size_t>(vd));
+        for (int32_t t = r0; t < r1; ++t) {
+            float* row = conv_out.data() + int64_t{t} * ch;
+            for (int kh = 0; kh < gl; ++kh) {
+                l2_normalize(row + int64_t{kh} * kd, kd);
+                l2_normalize(row + int64_t{gl + kh} * kd, kd);
+                for (int e = 0; e < kd; ++e) row[int64_t{kh} * kd + e] /= std::sqrt(float(kd));
+            }
+            for (int vh = 0; vh < hl; ++vh) {
+                const int gvh = sh.state_head_begin + vh;
+                const int kh = gvh / r_per_k - g0;
+                const float* qv = row + int64_t{kh} * kd;
+                const float* kv = row + int64_t{gl + kh} * kd;
+                const float* vv = row + int64_t{2} * gl * kd + int64_t{vh} * vd;
+                const float beta = 1.0f / (1.0f + std::exp(-bb[size_t(t * hl + vh)]));
+                const float g = -std::exp(w.a_log[size_t(vh)]) *
+                                softplus(aa[size_t(t * hl + vh)] + w.dt_bias[size_t(vh)]);
+                const float decay = std::exp(g);
+                float* Sh = S + int64_t{vh} * kd * vd;
+                for (int64_t e = 0; e < int64_t{kd} * vd; ++e) Sh[e] *= decay;
+                std::fill(kv_mem.begin(), kv_mem.end(), 0.0f);
+                for (int e = 0; e < kd; ++e)
+                    for (int c = 0; c < vd; ++c)
+                        kv_mem[size_t(c)] += kv[e] * Sh[int64_t{e} * vd + c];
+                for (int c = 0; c < vd; ++c) delta[size_t(c)] = (vv[c] - kv_mem[size_t(c)]) * beta;
+                for (int e = 0; e < kd; ++e)
+                    for (int c = 0; c < vd; ++c)
+                        Sh[int64_t{e} * vd + c] += kv[e] * delta[size_t(c)];
+                float* out = o.data() + (int64_t{t} * hl + vh) * vd;
+                for (int c = 0; c < vd; ++c) {
+                    float acc = 0;
+                    for (int e = 0; e < kd; ++e) acc += qv[e] * Sh[int64_t{e} * vd + c];
+                    out[c] = acc;
+                }
+                // Gated RMSNorm of the head.
+                double sq = 0;
+                for (int c = 0; c < vd; ++c) sq += double(out[c]) * out[c];
+                const float inv = float(1.0 / std::sqrt(sq / vd + m.rms_norm_eps));
+                const float* zh = z.data() + (int64_t{t} * hl + vh) * vd;
+                for (int c = 0; c < vd; ++c)
+                    out[c] = out[c] * inv * w.lin_norm[size_t(c)] * silu(zh[c]);
+            }
+        }
+    }
+    std::vector<float> y(size_t(n * h));
+    linear(o.data(), n, int64_t{hl} * vd, w.wo, h, y.data());
+    tp_all_reduce(y);
+    for (int64_t i = 0; i < n * h; ++i) x[size_t(i)] += y[size_t(i)];
 }
 
 void RankModel::dense_mlp(const LayerWeights& w, const float* x, int64_t n, float* y) {
@@ -343,6 +663,16 @@ WeightShard weight_shard(const KvLayout& layout, int rank) {
     s.mlp_end = s.mlp_begin + w;
     s.expert_begin = r.expert_begin;
     s.expert_end = r.expert_end;
+    if (m.state.heads > 0 && m.state_bytes_per_sequence() > 0) {
+        require(m.state.heads % p.tp == 0, m.name, ": tp=", p.tp, " does not divide the ",
+                m.state.heads,
+                " Gated DeltaNet value heads: the reference model splits them across TP without "
+                "replication; choose a tp that divides ",
+                m.state.heads);
+        const int per = m.state.heads / p.tp;
+        s.state_head_begin = r.coord.tp * per;
+        s.state_head_end = s.state_head_begin + per;
+    }
     return s;
 }
 

@@ -199,7 +199,8 @@ const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {
 
 std::vector<float> SafetensorsFile::read(const SafetensorsEntry& e, int64_t r0, int64_t r1,
                                          int64_t c0, int64_t c1) const {
-    const int64_t cols = e.shape.size() >= 2 ? e.shape[1] : 1;
+    int64_t cols = 1;  // a row is every trailing dimension (conv1d's [C][1][K]: K per row)
+    for (size_t i = 1; i < e.shape.size(); ++i) cols *= e.shape[i];
     const int64_t es = int64_t(dtype_size(e.dtype));
     std::ifstream in(path_, std::ios::binary);
     require(bool(in), "cannot open safetensors file '", path_, "'");
@@ -281,7 +282,9 @@ std::vector<float> SafetensorsCheckpoint::read(const std::string& name,
         throw Error(detail::concat(file->path(), ": tensor '", name, "' has shape ",
                                    shape_text(e->shape), " but the model config needs ",
                                    shape_text(shape)));
-    const int64_t rows = shape[0], cols = shape.size() >= 2 ? shape[1] : 1;
+    int64_t cols = 1;
+    for (size_t i = 1; i < shape.size(); ++i) cols *= shape[i];
+    const int64_t rows = shape[0];
     KVSHARD_CHECK(0 <= row_begin && row_begin <= row_end && row_end <= rows && 0 <= col_begin &&
                       col_begin <= col_end && col_end <= cols,
                   "slice out of range for ", name);
@@ -428,6 +431,21 @@ void save_hf_checkpoint(const ModelWeights& w, const std::string& dir, DType dty
         }
     }
     write_safetensors((fs::path(dir) / "model.safetensors").string(), ts, dtype);
+}
+
+void save_hf_tensors(const ModelSpec& m, const TensorSource& source, const std::string& path,
+                     DType dtype) {
+    const auto list = hf_tensor_list(m);
+    std::vector<std::vector<float>> data;
+    data.reserve(list.size());
+    std::vector<TensorToWrite> ts;
+    for (const auto& [name, shape] : list) {
+        int64_t cols = 1;
+        for (size_t i = 1; i < shape.size(); ++i) cols *= shape[i];
+        data.push_back(source.read(name, shape, 0, shape[0], 0, cols));
+        ts.push_back({name, shape, data.back().data()});
+    }
+    write_safetensors(path, ts, dtype);
 }
 
 }  // namespace kvshard

@@ -9,6 +9,19 @@
 
 namespace kvshard {
 
+std::string model_prefix_cache_unsupported(const ModelSpec& m) {
+    if (m.state_bytes_per_sequence() > 0)
+        return m.name + " has " + m.layer_mix() +
+               ": a state layer keeps one running state per sequence, which is not saved at block "
+               "boundaries, so a cached prefix cannot restore it";
+    for (const KvGroup& g : kv_groups(m))
+        if (g.kind == LayerKind::kSlidingWindow || g.kind == LayerKind::kChunkedLocal)
+            return m.name + " has " + m.layer_mix() +
+                   ": the runner keeps a windowed group's blocks per sequence and frees them as "
+                   "they leave the window, so windowed groups share no cached prefix yet";
+    return {};
+}
+
 std::string cp_prefix_cache_unsupported(const ParallelConfig& p, int block_size) {
     if (p.cp == 1 || (p.cp_scheme == CpScheme::kInterleave && p.cp_interleave == block_size))
         return "";
@@ -29,7 +42,9 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
             "chunked prefill (prefill_chunk_tokens = ", opt.prefill_chunk_tokens,
             ") is not available under cp=", p.cp,
             ": the context-parallel executor prefills each prompt in one step; use 0");
-    require(!m.is_mla(), m.name, ": context parallelism runs GQA/MHA models here, not MLA");
+    require(m.state_bytes_per_sequence() == 0, m.name, " has ", m.layer_mix(),
+            ": context parallelism runs attention layers (full, sliding, chunked, MLA) and layers "
+            "without KV, not state layers yet; run this model with cp=1");
     require(m.kv_dtype == DType::kFp32, "--kv-dtype ", dtype_name(m.kv_dtype), " with cp=", p.cp,
             ": the context-parallel executor (its KV ring and prefix moves) stores fp32 KV only; "
             "use --kv-dtype fp32 under CP, or cp=1 for bf16, fp16 or fp8 pools");
@@ -83,7 +98,10 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                                                                std::move(toks), std::move(logits)));
             s.release(seq);
         }
-        rep.kv_bytes = rep.kv_tokens * dev.model().pool().geometry().bytes_per_token();
+        int64_t bytes_per_token = 0;  // every group's pool (the CP session keeps every token)
+        for (int i = 0; i < dev.model().num_pools(); ++i)
+            bytes_per_token += dev.model().pool_at(i).geometry().bytes_per_token();
+        rep.kv_bytes = rep.kv_tokens * bytes_per_token;
         rep.kv_bytes_predicted =
             rep.kv_tokens * s.layout().ranks[static_cast<size_t>(w.rank())].kv_bytes_per_token;
         GenerationReport out = serve::merge_group_report(

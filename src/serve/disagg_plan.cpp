@@ -48,7 +48,10 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
     check_cp_side("decode", decode, opt.decode_order);
     plan.cp_prefill = prefill.cp > 1;
     plan.cp_decode = decode.cp > 1;
-    require(!m.is_mla(), m.name, " uses MLA, which the reference model does not run");
+    require(
+        m.uniform() && !m.is_mla(), m.name, " has ", m.layer_mix(), m.is_mla() ? " (MLA)" : "",
+        ": a disaggregated run moves the KV of models whose every layer is GQA/MHA full "
+        "attention of one shape; the reference model runs this model without --prefill/--decode");
     plan.prefill = prefill;
     plan.decode = decode;
     plan.prefill_layout = make_layout(m, prefill);

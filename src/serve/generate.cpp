@@ -81,14 +81,27 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
 
     RankModel model(load_weights(m, weight_shard(layout, rank), weights), num_blocks, bs,
                     wiring.comms, opt.page_order);
+    const std::string no_reuse = model_prefix_cache_unsupported(m);
+    const bool prefix_cache = opt.prefix_cache && no_reuse.empty();
     require(opt.prefill_chunk_tokens >= 0, "the prefill chunk must be 0 (a whole prompt per step) ",
             "or a positive number of tokens, got ", opt.prefill_chunk_tokens);
-    // Deferred commit: a block is findable only once a step that writes its KV is scheduled
-    // (docs/cache.md, "Commit"); every rank of the group commits at the same point of the schedule.
+    // Full and MLA groups share one block manager (and its prefix cache); each windowed group has
+    // its own tables that free what falls out of the window. Deferred commit: a block is findable
+    // only once a step that writes its KV is scheduled (docs/cache.md, "Commit"); every rank of
+    // the group commits at the same point of the schedule.
     BlockManager tables(BlockManagerConfig{.num_blocks = num_blocks,
                                            .block_size = bs,
-                                           .enable_prefix_cache = opt.prefix_cache,
+                                           .enable_prefix_cache = prefix_cache,
                                            .deferred_commit = true});
+    const std::vector<KvGroup> groups = kv_groups(m);
+    std::vector<std::unique_ptr<serve::WindowedTables>> windowed(groups.size());
+    for (size_t g = 0; g < groups.size(); ++g)
+        if (groups[g].kind == LayerKind::kSlidingWindow ||
+            groups[g].kind == LayerKind::kChunkedLocal)
+            windowed[g] = std::make_unique<serve::WindowedTables>(groups[g].kind, groups[g].window,
+                                                                  num_blocks, bs);
+    const bool any_windowed =
+        std::any_of(windowed.begin(), windowed.end(), [](const auto& w) { return bool(w); });
 
     const int batch = int(mine.size());
     std::vector<std::vector<int32_t>> out_tokens(static_cast<size_t>(batch));
@@ -112,6 +125,30 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
         }
     };
 
+    // Windowed groups: their own tables for this step's lengths, released to the window after it.
+    auto lengths_now = [&] {
+        std::vector<int64_t> lens;
+        for (int64_t q : seqs) lens.push_back(tables.num_tokens(q));
+        return lens;
+    };
+    auto set_group_tables = [&](ForwardBatch& fb) {
+        if (!any_windowed) return;
+        const auto lens = lengths_now();
+        fb.group_kv.assign(groups.size(), fb.kv);
+        for (size_t g = 0; g < groups.size(); ++g) {
+            if (!windowed[g]) continue;
+            for (size_t i = 0; i < seqs.size(); ++i) windowed[g]->ensure(seqs[i], lens[i]);
+            fb.group_kv[g] = windowed[g]->paged_kv(seqs, lens);
+        }
+    };
+    // lens: per sequence, the length whose window the next query needs.
+    auto release_windows = [&](const std::vector<int64_t>& lens) {
+        if (!any_windowed) return;
+        for (auto& w : windowed)
+            if (w)
+                for (size_t i = 0; i < seqs.size(); ++i) w->release_before_window(seqs[i], lens[i]);
+    };
+
     // Prefill: every prompt asks the prefix cache first; at least its last token is computed, in
     // steps of at most opt.prefill_chunk_tokens tokens per prompt (0: all in one step). A step's
     // chunk is committed as it is scheduled: the step's forward writes every row's KV of a layer
@@ -125,6 +162,7 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
         for (bool first = true, more = true; more; first = false) {
             ForwardBatch fb;
             std::vector<char> done(static_cast<size_t>(batch), 0);
+            std::vector<int64_t> window_of(static_cast<size_t>(batch));
             more = false;
             for (int i = 0; i < batch; ++i) {
                 const auto& pr = prompts[size_t(mine[size_t(i)])];
@@ -150,9 +188,14 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                 tables.commit(i, computed[size_t(i)]);
                 done[size_t(i)] = n > 0 && computed[size_t(i)] == len;
                 more = more || computed[size_t(i)] < len;
+                // The next query (position computed, or the first decode step) needs its window.
+                window_of[size_t(i)] = computed[size_t(i)] < len ? computed[size_t(i)] + 1 : len;
             }
             fb.kv = tables.paged_kv(seqs);
-            next_tokens(model.forward(fb), done);
+            set_group_tables(fb);
+            const std::vector<float> lg = model.forward(fb);
+            release_windows(window_of);
+            next_tokens(lg, done);
         }
         rep.prefill_seconds = serve::seconds_since(t0);
     }
@@ -171,8 +214,11 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                 fb.queries.add_sequence(1, pos);
             }
             fb.kv = tables.paged_kv(seqs);
-            next_tokens(model.forward(fb));
+            set_group_tables(fb);
+            const std::vector<float> lg = model.forward(fb);
+            release_windows(lengths_now());
             for (int i = 0; i < batch; ++i) tables.commit(i, tables.num_tokens(i));
+            next_tokens(lg);
         }
         rep.decode_seconds = serve::seconds_since(t0);
     }
@@ -181,14 +227,29 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     // block's (the layout's bytes of one full block) per block the prefix cache shares.
     const auto [kv_tokens, kv_blocks] = distinct_kv_tokens(tables, seqs, bs);
     rep.kv_tokens = kv_tokens;
-    rep.kv_bytes = kv_blocks * model.pool().geometry().block_bytes();
+    int64_t shared_block_bytes = 0;  // the pools of the groups that share `tables`
+    rep.kv_bytes = batch * model.state_bytes_per_sequence();
+    for (int i = 0; i < model.num_pools(); ++i) {
+        const int64_t bb = model.pool_at(i).geometry().block_bytes();
+        if (const auto& w = windowed[size_t(model.pool_group(i))]) {
+            for (int64_t q : seqs) rep.kv_bytes += w->live_blocks(q) * bb;
+        } else {
+            shared_block_bytes += bb;
+        }
+    }
+    rep.kv_bytes += kv_blocks * shared_block_bytes;
     int64_t request_blocks = 0;
     for (int64_t s : seqs) {
         const int64_t len = tables.num_tokens(s);
         rep.kv_bytes_predicted += request_kv_bytes(layout, rank, len, bs);
         request_blocks += (len + bs - 1) / bs;
     }
-    rep.kv_bytes_predicted -= (request_blocks - kv_blocks) * request_kv_bytes(layout, rank, bs, bs);
+    // The layout's bytes of one block of the shared groups, per block the prefix cache shares.
+    int64_t layout_shared_block = 0;
+    for (const RankKvGroup& g : me.groups)
+        if (!windowed[size_t(g.group)] && g.bytes_per_token > 0)
+            layout_shared_block += bs * g.bytes_per_token + g.scale_bytes_per_block;
+    rep.kv_bytes_predicted -= (request_blocks - kv_blocks) * layout_shared_block;
     row.replica_hit_tokens = rep.prefix_hit_tokens;
 
     // The last stage's first TP rank of each replica brings the results.
@@ -201,7 +262,8 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                                    logits.begin() + int64_t{i + 1} * m.vocab)));
     GenerationReport out =
         serve::merge_group_report(serve::gather_contributions(world, row, results), prompts.size());
-    out.prefix_cache = opt.prefix_cache;
+    out.prefix_cache = prefix_cache;
+    if (opt.prefix_cache && !no_reuse.empty()) out.prefix_cache_note = no_reuse;
     return out;
 }
 

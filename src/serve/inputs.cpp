@@ -118,6 +118,7 @@ RankBytes rank_bytes(const ModelSpec& m, const KvLayout& layout, int rank, int b
 
 RunMemoryEstimate estimate_run_memory(const ModelSpec& spec, const std::vector<RunGroup>& groups,
                                       const RunShape& shape) {
+    check_executable(spec);  // a model the reference model cannot run is refused before sizing
     ModelSpec m = spec;
     // fp32: the largest KV dtype (an upper bound at any --kv-dtype), and what --verify's fp32-KV
     // reference stores (a run at another dtype also runs its reference at that dtype, after it).

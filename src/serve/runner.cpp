@@ -112,4 +112,51 @@ GenerationReport merge_group_report(const std::vector<RankContribution<GroupRow>
     return report;
 }
 
+WindowedTables::WindowedTables(LayerKind kind, int window, int64_t num_blocks, int block_size)
+    : kind_(kind), window_(window), block_size_(block_size) {
+    require(num_blocks >= 2,
+            "a windowed group needs at least 2 blocks (block 0 is the null block)");
+    for (int64_t b = num_blocks - 1; b >= 1; --b) free_.push_back(int32_t(b));
+}
+
+void WindowedTables::ensure(int64_t seq, int64_t len) {
+    if (int64_t(tables_.size()) <= seq) {
+        tables_.resize(size_t(seq + 1));
+        released_.resize(size_t(seq + 1), 0);
+    }
+    auto& t = tables_[size_t(seq)];
+    while (int64_t(t.size()) * block_size_ < len) {
+        require(!free_.empty(), "the KV pool of a ", layer_kind_name(kind_), "(", window_,
+                ") group is out of blocks: raise the pool size");
+        t.push_back(free_.back());
+        free_.pop_back();
+    }
+}
+
+void WindowedTables::release_before_window(int64_t seq, int64_t len) {
+    auto& t = tables_.at(size_t(seq));
+    const int64_t keep_from = first_kept_position(kind_, window_, len) / block_size_;
+    for (int64_t& r = released_[size_t(seq)]; r < std::min<int64_t>(keep_from, int64_t(t.size()));
+         ++r) {
+        free_.push_back(t[size_t(r)]);
+        t[size_t(r)] = 0;
+    }
+}
+
+PagedKv WindowedTables::paged_kv(std::span<const int64_t> seqs,
+                                 std::span<const int64_t> lens) const {
+    PagedKv kv;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        const auto& t = tables_.at(size_t(seqs[i]));
+        const int64_t n = (lens[i] + block_size_ - 1) / block_size_;
+        kv.add_sequence(std::vector<int32_t>(t.begin(), t.begin() + n), lens[i], block_size_);
+    }
+    return kv;
+}
+
+int64_t WindowedTables::live_blocks(int64_t seq) const {
+    const auto& t = tables_.at(size_t(seq));
+    return int64_t(t.size()) - released_.at(size_t(seq));
+}
+
 }  // namespace kvshard::serve

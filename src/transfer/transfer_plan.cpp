@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <tuple>
 
 #include <nlohmann/json.hpp>
@@ -36,11 +37,6 @@ void require_same_model(const ModelSpec& a, const ModelSpec& b) {
                                    ") has ", what, " ", x, " but the destination (", b.name,
                                    ") has ", y, "; both sides must hold the same model's KV"));
     };
-    for (const ModelSpec* m : {&a, &b})
-        require(m->uniform(), m->name, " has ", m->layer_mix(),
-                ": transfer plans move models whose every layer is full attention (or MLA) of one "
-                "shape; per-group plans for sliding, chunked, state and no-KV layers are not built "
-                "yet");
     if (a.num_layers != b.num_layers) mismatch("layers", a.num_layers, b.num_layers);
     if (a.is_mla() != b.is_mla()) mismatch("MLA", a.is_mla(), b.is_mla());
     if (a.is_mla()) {
@@ -51,6 +47,15 @@ void require_same_model(const ModelSpec& a, const ModelSpec& b) {
     }
     if (a.kv_dtype != b.kv_dtype)
         mismatch("KV dtype", dtype_name(a.kv_dtype), dtype_name(b.kv_dtype));
+    const std::vector<KvGroup> ga = kv_groups(a), gb = kv_groups(b);
+    if (ga != gb) mismatch("layers", a.layer_mix(), b.layer_mix());
+    bool state = false, indexer = false;
+    for (const KvGroup& g : ga) {
+        state = state || holds_state(g.kind);
+        indexer = indexer || g.indexer;
+    }
+    if (state && !(a.state == b.state)) mismatch("a state shape", "", "another");
+    if (indexer && !(a.indexer == b.indexer)) mismatch("an indexer shape", "", "another");
 }
 
 void validate_endpoint(const TransferEndpoint& e, const char* side, int64_t num_tokens) {
@@ -82,12 +87,189 @@ struct HeadSplit {
     int groups = 1;  // distinct head groups
 };
 
-HeadSplit head_split(const KvLayout& l) {
+// How tp splits n heads (KV heads of a group, state heads, state key heads): max(1, n / tp) per
+// rank, each held by max(1, tp / n) ranks; mla: one latent on every rank.
+HeadSplit head_split(int n, int tp, bool mla) {
     HeadSplit h;
-    h.per_rank = l.kv_heads_per_rank();
-    h.replication = l.head_replication();
-    h.groups = l.parallel.tp / h.replication;
+    h.per_rank = mla ? 1 : std::max(1, n / tp);
+    h.replication = mla ? tp : std::max(1, tp / n);
+    h.groups = tp / h.replication;
     return h;
+}
+
+// Heads [first, first + per_rank) of TP index t under split h.
+int first_head(const HeadSplit& h, int t) { return t / h.replication * h.per_rank; }
+
+// The first global position CP rank c (tokens t) still holds of a group whose first kept position
+// is `first_kept`: the first position of the block holding c's first kept token. 0 for groups that
+// keep every token; num_tokens where c keeps none.
+int64_t keep_from(const ParallelConfig& p, int c, const CpTokens& t, int64_t first_kept,
+                  int block_size, int64_t num_tokens) {
+    if (first_kept == 0) return 0;
+    const int64_t before = cp_tokens_before(p, c, num_tokens, first_kept);
+    const int64_t k = before / block_size * block_size;  // local index of that block's first slot
+    for (size_t i = 0; i < t.ranges.size(); ++i)
+        if (k < t.local_begin[i] + t.ranges[i].size())
+            return t.ranges[i].begin + (k - t.local_begin[i]);
+    return num_tokens;
+}
+
+// Tokens that CP ranks with tokens a and b both hold at or after position `from`.
+int64_t common_tokens(const CpTokens& a, const CpTokens& b, int64_t from) {
+    int64_t n = 0;
+    size_t i = 0, j = 0;
+    while (i < a.ranges.size() && j < b.ranges.size()) {
+        const int64_t lo = std::max({a.ranges[i].begin, b.ranges[j].begin, from});
+        const int64_t hi = std::min(a.ranges[i].end, b.ranges[j].end);
+        n += std::max<int64_t>(0, hi - lo);
+        if (a.ranges[i].end < b.ranges[j].end)
+            ++i;
+        else
+            ++j;
+    }
+    return n;
+}
+
+std::vector<TransferGroup> transfer_groups(const ModelSpec& m, int64_t num_tokens) {
+    const auto e = static_cast<int64_t>(dtype_size(m.kv_dtype));
+    std::vector<TransferGroup> out;
+    for (const KvGroup& k : kv_groups(m)) {
+        TransferGroup g;
+        g.kind = k.kind;
+        g.window = k.window;
+        g.layers = k.layers;
+        if (k.kind == LayerKind::kMla) {
+            g.kv_factor = 1;
+            g.num_heads = 1;
+            g.vector_bytes = int64_t{latent_dim(m)} * e;
+            if (k.indexer)
+                g.vector_bytes += int64_t{m.indexer.head_dim} *
+                                      static_cast<int64_t>(dtype_size(m.indexer.dtype)) +
+                                  m.indexer.scale_bytes;
+        } else if (holds_tokens(k.kind)) {
+            require(!k.indexer, "layer ", k.layers.front(), " of ", m.name,
+                    " caches indexer keys beside K and V: transfer plans move indexer keys with "
+                    "an MLA latent only");
+            g.kv_factor = 2;
+            g.num_heads = k.num_kv_heads;
+            g.vector_bytes = int64_t{k.head_dim} * e;
+        } else {
+            const StateSpec& st = m.state;
+            const auto ce = static_cast<int64_t>(dtype_size(st.conv_dtype));
+            const auto se = static_cast<int64_t>(dtype_size(st.state_dtype));
+            g.kv_factor = 0;
+            g.state_heads = st.heads;
+            g.state_keys = st.groups;
+            g.state_head_bytes = int64_t{st.conv_kernel - 1} * st.head_dim * ce +
+                                 int64_t{st.head_dim} * st.group_dim * se;
+            g.state_key_bytes = int64_t{st.conv_kernel - 1} * 2 * st.group_dim * ce;
+        }
+        g.first_kept = holds_tokens(k.kind) ? first_kept_position(k.kind, k.window, num_tokens) : 0;
+        out.push_back(std::move(g));
+    }
+    return out;
+}
+
+// Layers of `layers` (ascending) in [begin, end).
+int layers_in(const std::vector<int>& layers, int begin, int end) {
+    return static_cast<int>(std::lower_bound(layers.begin(), layers.end(), end) -
+                            std::lower_bound(layers.begin(), layers.end(), begin));
+}
+
+// What one destination rank needs from one source head group on one (PP stage, CP rank): layers
+// [layer_begin, layer_end) x heads [head_begin, head_end) x the tokens of `pieces`. Any copy of
+// the group can send it, or several copies a token range each.
+struct Demand {
+    int dst_rank = 0;
+    int layer_begin = 0, layer_end = 0;
+    int head_begin = 0, head_end = 0;
+    const std::vector<TransferPiece>* pieces = nullptr;  // null for state (tokens = 1)
+    int64_t tokens = 0;
+    int num_layers = 0;  // the group's layers in [layer_begin, layer_end)
+    int64_t unit = 1;    // state: bytes of one head (or key head) of one layer
+    // Load per token (head vectors over layers and heads; state: bytes): load = weight x tokens.
+    int64_t weight() const { return int64_t{num_layers} * (head_end - head_begin) * unit; }
+};
+
+// Copy `copy` of the group sends tokens [token_begin, token_end) (indices into the demand's token
+// sequence) of demand `demand`.
+struct CopyShare {
+    int demand = 0;
+    int copy = 0;
+    int64_t token_begin = 0, token_end = 0;
+};
+
+// Which copies send which demands. Whole demands when that is as good as splitting: each demand
+// to the least-loaded copy, larger demands first and ties to the lowest copy, so equal demands go
+// round-robin (destination replica j from source copy j mod R: TP=8 -> TP=8 under MLA sends each
+// destination its whole range from its own TP index). Split only where that lowers the most any
+// one copy sends (a TP shrink, where destinations are fewer than copies): the demands laid end to
+// end (in destination rank order) and cut into `copies` equal loads (McNaughton's wrap-around
+// rule), at token boundaries, so every demand spans consecutive copies and at most copies - 1
+// demands are cut.
+std::vector<CopyShare> choose_copies(const std::vector<Demand>& demands, int copies) {
+    const int k = static_cast<int>(demands.size());
+    std::vector<CopyShare> whole;
+    std::vector<int64_t> load(copies, 0);
+    std::vector<int> order(k);
+    for (int i = 0; i < k; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+        return demands[a].weight() * demands[a].tokens > demands[b].weight() * demands[b].tokens;
+    });
+    for (int i : order) {
+        const int c = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+        load[c] += demands[i].weight() * demands[i].tokens;
+        whole.push_back({i, c, 0, demands[i].tokens});
+    }
+    const int64_t whole_max = *std::max_element(load.begin(), load.end());
+    if (copies == 1) return whole;
+
+    int64_t total = 0;
+    for (const Demand& d : demands) total += d.weight() * d.tokens;
+    std::vector<CopyShare> split;
+    std::fill(load.begin(), load.end(), 0);
+    int64_t offset = 0;  // load of the demands before this one
+    for (int i = 0; i < k; ++i) {
+        const Demand& d = demands[i];
+        const int64_t w = d.weight();
+        // Token index of demand i at which copy c's share of the total load begins.
+        auto cut = [&](int c) {
+            const int64_t boundary = total / copies * c + total % copies * c / copies;
+            return std::clamp<int64_t>((boundary - offset + w - 1) / w, 0, d.tokens);
+        };
+        for (int c = 0; c < copies; ++c) {
+            const int64_t a = c == 0 ? 0 : cut(c);
+            const int64_t b = c == copies - 1 ? d.tokens : cut(c + 1);
+            if (a >= b) continue;
+            split.push_back({i, c, a, b});
+            load[c] += w * (b - a);
+        }
+        offset += w * d.tokens;
+    }
+    const int64_t split_max = *std::max_element(load.begin(), load.end());
+    return split_max < whole_max ? split : whole;
+}
+
+// Tokens [begin, end) of a piece sequence, as pieces (each cut piece keeps its blocks).
+std::vector<TransferPiece> slice_pieces(const std::vector<TransferPiece>& pieces, int64_t begin,
+                                        int64_t end) {
+    std::vector<TransferPiece> out;
+    int64_t at = 0;
+    for (const TransferPiece& p : pieces) {
+        const int64_t a = std::max(begin, at), b = std::min(end, at + p.count);
+        if (a < b) {
+            TransferPiece q = p;
+            const auto skip = static_cast<int32_t>(a - at);
+            q.token_begin += skip;
+            q.src_slot += skip;
+            q.dst_slot += skip;
+            q.count = static_cast<int32_t>(b - a);
+            out.push_back(q);
+        }
+        at += p.count;
+        if (at >= end) break;
+    }
+    return out;
 }
 
 }  // namespace
@@ -110,6 +292,10 @@ PageGeometry rank_page_geometry(const KvLayout& layout, int rank, int block_size
     KVSHARD_CHECK(rank >= 0 && rank < layout.world_size(), "rank ", rank, " outside the layout");
     const RankKv& r = layout.ranks[rank];
     const ModelSpec& m = layout.model;
+    require(m.uniform(), m.name, " has ", m.layer_mix(),
+            ": transfer plans cover it (kvshard transfer-plan), but pack/unpack, schedules and the "
+            "executor move pools of one page shape, i.e. models whose every layer is full "
+            "attention (or MLA) of one shape; executing per-group plans is not built yet");
     PageGeometry g;
     g.num_layers = r.num_layers();
     g.kv_factor = m.is_mla() ? 1 : 2;
@@ -135,17 +321,53 @@ std::vector<int> TransferPlan::messages_to(int dst_rank) const {
     return out;
 }
 
+int TransferPlan::group_layers(const TransferMessage& msg) const {
+    return layers_in(groups.at(msg.kv_group).layers, msg.layer_begin, msg.layer_end);
+}
+
+bool TransferPlan::executable() const { return src.layout.model.uniform(); }
+
 int64_t needed_bytes(const TransferPlan& plan, int dst_rank) {
     const KvLayout& l = plan.dst.layout;
     const RankKv& r = l.ranks[dst_rank];
     if (r.coord.dp != plan.dst.dp) return 0;
-    // The rank's tokens at or after the destination's cached prefix.
-    int64_t tokens = 0;
-    for (const auto& range : cp_tokens(l.parallel, r.coord.cp, plan.num_tokens).ranges)
-        tokens +=
-            std::max<int64_t>(0, range.end - std::max(range.begin, plan.options.dst_cached_tokens));
-    const int heads = l.model.is_mla() ? 1 : r.num_kv_heads();
-    return int64_t{r.num_layers()} * plan.kv_factor * heads * tokens * plan.vector_bytes();
+    const ParallelConfig& ps = plan.src.layout.parallel;
+    const ParallelConfig& pd = l.parallel;
+    const int tp = pd.tp;
+    const int64_t n = plan.num_tokens;
+    const CpTokens dt = cp_tokens(pd, r.coord.cp, n);
+    int64_t bytes = 0;
+    for (const TransferGroup& g : plan.groups) {
+        const int layers = layers_in(g.layers, r.layer_begin, r.layer_end);
+        if (layers == 0) continue;
+        if (g.holds_state()) {
+            bytes += int64_t{layers} *
+                     (head_split(g.state_heads, tp, false).per_rank * g.state_head_bytes +
+                      head_split(g.state_keys, tp, false).per_rank * g.state_key_bytes);
+            continue;
+        }
+        // The rank's tokens at or after the cached prefix (and, windowed, its kept blocks' first
+        // position and the source's).
+        int64_t tokens = 0;
+        if (g.first_kept == 0) {
+            for (const auto& range : dt.ranges)
+                tokens += std::max<int64_t>(
+                    0, range.end - std::max(range.begin, plan.options.dst_cached_tokens));
+        } else {
+            const int64_t dst_from =
+                keep_from(pd, r.coord.cp, dt, g.first_kept, plan.dst.block_size, n);
+            for (int cs = 0; cs < ps.cp; ++cs) {
+                const CpTokens st = cp_tokens(ps, cs, n);
+                const int64_t src_from =
+                    keep_from(ps, cs, st, g.first_kept, plan.src.block_size, n);
+                tokens += common_tokens(
+                    st, dt, std::max({plan.options.dst_cached_tokens, dst_from, src_from}));
+            }
+        }
+        const int heads = head_split(g.num_heads, tp, g.kind == LayerKind::kMla).per_rank;
+        bytes += int64_t{layers} * g.kv_factor * heads * tokens * g.vector_bytes;
+    }
+    return bytes;
 }
 
 int64_t tail_bytes(const TransferPlan& plan) {
@@ -181,6 +403,7 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
     plan.dst = dst;
     plan.num_tokens = num_tokens;
     plan.options = options;
+    plan.groups = transfer_groups(m, num_tokens);
     plan.kv_factor = m.is_mla() ? 1 : 2;
     plan.head_dim = m.is_mla() ? latent_dim(m) : m.head_dim;
     plan.elem_size = static_cast<int64_t>(dtype_size(m.kv_dtype));
@@ -189,62 +412,82 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
 
     const ParallelConfig& ps = src.layout.parallel;
     const ParallelConfig& pd = dst.layout.parallel;
-    const HeadSplit hs = head_split(src.layout);
 
     std::vector<CpTokens> src_tokens, dst_tokens;
     for (int c = 0; c < ps.cp; ++c) src_tokens.push_back(cp_tokens(ps, c, num_tokens));
     for (int c = 0; c < pd.cp; ++c) dst_tokens.push_back(cp_tokens(pd, c, num_tokens));
 
-    // pieces[cs][cd][r]: the pieces source CP rank cs sends destination CP rank cd from head copy
-    // r. Copy r of a source head group reads local tokens [r * n / R, (r + 1) * n / R) of its CP
-    // rank.
-    std::vector<std::vector<std::vector<std::vector<TransferPiece>>>> pieces(
-        ps.cp, std::vector<std::vector<std::vector<TransferPiece>>>(
-                   pd.cp, std::vector<std::vector<TransferPiece>>(hs.replication)));
-    for (int cs = 0; cs < ps.cp; ++cs) {
+    // The pieces source CP rank cs sends destination CP rank cd, in token order, of the tokens at
+    // or after `from`.
+    auto make_pieces = [&](int cs, int cd, int64_t from) {
+        std::vector<TransferPiece> out;
         const CpTokens& st = src_tokens[cs];
-        const int64_t n = st.total;
-        const int reps = hs.replication;
-        auto chunk_end = [&](int r) { return (r + 1) * n / reps; };
-        for (int cd = 0; cd < pd.cp; ++cd) {
-            const CpTokens& dt = dst_tokens[cd];
-            size_t i = 0, j = 0;
-            while (i < st.ranges.size() && j < dt.ranges.size()) {
-                const int64_t a =
-                    std::max({st.ranges[i].begin, dt.ranges[j].begin, options.dst_cached_tokens});
-                const int64_t b = std::min(st.ranges[i].end, dt.ranges[j].end);
-                if (a < b) {
-                    int64_t js = st.local_begin[i] + (a - st.ranges[i].begin);
-                    int64_t jd = dt.local_begin[j] + (a - dt.ranges[j].begin);
-                    int r = 0;
-                    while (chunk_end(r) <= js) ++r;
-                    for (int64_t t = a; t < b;) {
-                        while (chunk_end(r) <= js) ++r;
-                        const int64_t step =
-                            std::min({b - t, src.block_size - js % src.block_size,
-                                      dst.block_size - jd % dst.block_size, chunk_end(r) - js});
-                        TransferPiece p;
-                        p.token_begin = t;
-                        p.count = static_cast<int32_t>(step);
-                        p.src_block = src.block_tables[cs][js / src.block_size];
-                        p.src_slot = static_cast<int32_t>(js % src.block_size);
-                        p.dst_block = dst.block_tables[cd][jd / dst.block_size];
-                        p.dst_slot = static_cast<int32_t>(jd % dst.block_size);
-                        pieces[cs][cd][r].push_back(p);
-                        t += step;
-                        js += step;
-                        jd += step;
-                    }
+        const CpTokens& dt = dst_tokens[cd];
+        size_t i = 0, j = 0;
+        while (i < st.ranges.size() && j < dt.ranges.size()) {
+            const int64_t a = std::max({st.ranges[i].begin, dt.ranges[j].begin, from});
+            const int64_t b = std::min(st.ranges[i].end, dt.ranges[j].end);
+            if (a < b) {
+                int64_t js = st.local_begin[i] + (a - st.ranges[i].begin);
+                int64_t jd = dt.local_begin[j] + (a - dt.ranges[j].begin);
+                for (int64_t t = a; t < b;) {
+                    const int64_t step = std::min({b - t, src.block_size - js % src.block_size,
+                                                   dst.block_size - jd % dst.block_size});
+                    TransferPiece p;
+                    p.token_begin = t;
+                    p.count = static_cast<int32_t>(step);
+                    p.src_block = src.block_tables[cs][js / src.block_size];
+                    p.src_slot = static_cast<int32_t>(js % src.block_size);
+                    p.dst_block = dst.block_tables[cd][jd / dst.block_size];
+                    p.dst_slot = static_cast<int32_t>(jd % dst.block_size);
+                    out.push_back(p);
+                    t += step;
+                    js += step;
+                    jd += step;
                 }
-                if (st.ranges[i].end < dt.ranges[j].end)
-                    ++i;
-                else
-                    ++j;
+            }
+            if (st.ranges[i].end < dt.ranges[j].end)
+                ++i;
+            else
+                ++j;
+        }
+        return out;
+    };
+
+    // pieces[k][cs][cd]: the pieces of token group k (empty for state groups). Groups that keep
+    // every token share one set.
+    const int ngroups = static_cast<int>(plan.groups.size());
+    using PieceGrid = std::vector<std::vector<std::vector<TransferPiece>>>;
+    std::vector<std::shared_ptr<const PieceGrid>> pieces(ngroups);
+    std::shared_ptr<const PieceGrid> all_tokens;
+    for (int k = 0; k < ngroups; ++k) {
+        const TransferGroup& g = plan.groups[k];
+        if (g.holds_state()) continue;
+        if (g.first_kept == 0 && all_tokens) {
+            pieces[k] = all_tokens;
+            continue;
+        }
+        auto grid =
+            std::make_shared<PieceGrid>(ps.cp, std::vector<std::vector<TransferPiece>>(pd.cp));
+        for (int cs = 0; cs < ps.cp; ++cs) {
+            const int64_t src_from =
+                keep_from(ps, cs, src_tokens[cs], g.first_kept, src.block_size, num_tokens);
+            for (int cd = 0; cd < pd.cp; ++cd) {
+                const int64_t dst_from =
+                    keep_from(pd, cd, dst_tokens[cd], g.first_kept, dst.block_size, num_tokens);
+                (*grid)[cs][cd] =
+                    make_pieces(cs, cd, std::max({options.dst_cached_tokens, src_from, dst_from}));
             }
         }
+        pieces[k] = grid;
+        if (g.first_kept == 0) all_tokens = grid;
     }
 
-    std::map<std::tuple<int, int, int>, TransferMessage> by_key;  // (group, src, dst)
+    // Demands: what one destination rank needs of one source head group on one (PP stage, CP
+    // rank), per KV group (state groups: per axis, heads or key heads). The copies of that head
+    // group share its demands (choose_copies).
+    using DemandKey = std::tuple<int, int, int, int, int>;  // (kv group, axis, stage, cs, group)
+    std::map<DemandKey, std::vector<Demand>> demands;
     const std::vector<int> src_split = pp_layer_split(m, ps);
     std::vector<int> src_stage_begin(ps.pp + 1, 0);
     for (int s = 0; s < ps.pp; ++s) src_stage_begin[s + 1] = src_stage_begin[s] + src_split[s];
@@ -252,47 +495,114 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
     for (const RankKv& d : dst.layout.ranks) {
         if (d.coord.dp != dst.dp) continue;
         const int cd = d.coord.cp;
-        const int dh0 = m.is_mla() ? 0 : d.kv_heads.front();
-        const int dh1 = m.is_mla() ? 1 : d.kv_heads.back() + 1;
         plan.min_bytes += needed_bytes(plan, d.coord.rank);
         for (int stage = 0; stage < ps.pp; ++stage) {
             const int l0 = std::max(d.layer_begin, src_stage_begin[stage]);
             const int l1 = std::min(d.layer_end, src_stage_begin[stage + 1]);
             if (l0 >= l1) continue;
-            for (int g = 0; g < hs.groups; ++g) {
-                const int h0 = std::max(dh0, g * hs.per_rank);
-                const int h1 = std::min(dh1, (g + 1) * hs.per_rank);
-                if (h0 >= h1) continue;
-                for (int cs = 0; cs < ps.cp; ++cs) {
-                    for (int r = 0; r < hs.replication; ++r) {
-                        const auto& pcs = pieces[cs][cd][r];
-                        if (pcs.empty()) continue;
-                        const int s_rank = rank_of(ps, src.dp, stage, cs, g * hs.replication + r);
-                        int64_t tokens = 0;
-                        for (const auto& p : pcs) tokens += p.count;
-                        for (int la = l0; la < l1;) {
-                            const int group = lpg == 0 ? 0 : la / lpg;
-                            const int lb = lpg == 0 ? l1 : std::min(l1, (group + 1) * lpg);
-                            TransferMessage msg;
-                            msg.src_rank = s_rank;
-                            msg.dst_rank = d.coord.rank;
-                            msg.layer_group = group;
-                            msg.layer_begin = la;
-                            msg.layer_end = lb;
-                            msg.head_begin = h0;
-                            msg.head_end = h1;
-                            msg.pieces = pcs;
-                            msg.num_tokens = tokens;
-                            msg.bytes = int64_t{lb - la} * plan.kv_factor * (h1 - h0) * tokens *
-                                        plan.vector_bytes();
-                            auto [it, inserted] = by_key.emplace(
-                                std::make_tuple(group, s_rank, d.coord.rank), std::move(msg));
-                            KVSHARD_CHECK(inserted,
-                                          "two messages for one (group, source, destination)");
-                            la = lb;
+            for (int k = 0; k < ngroups; ++k) {
+                const TransferGroup& g = plan.groups[k];
+                const int nl = layers_in(g.layers, l0, l1);
+                if (nl == 0) continue;
+                // Token groups: one axis (KV heads); state groups: heads, then key heads.
+                const int axes = g.holds_state() ? 2 : 1;
+                for (int axis = 0; axis < axes; ++axis) {
+                    const int n = !g.holds_state() ? g.num_heads
+                                  : axis == 0      ? g.state_heads
+                                                   : g.state_keys;
+                    const bool mla = g.kind == LayerKind::kMla;
+                    const HeadSplit hs = head_split(n, ps.tp, mla);
+                    const HeadSplit hd = head_split(n, pd.tp, mla);
+                    const int dh0 = mla ? 0 : first_head(hd, d.coord.tp);
+                    const int dh1 = mla ? 1 : dh0 + hd.per_rank;
+                    for (int hg = 0; hg < hs.groups; ++hg) {
+                        const int h0 = std::max(dh0, hg * hs.per_rank);
+                        const int h1 = std::min(dh1, (hg + 1) * hs.per_rank);
+                        if (h0 >= h1) continue;
+                        Demand dm;
+                        dm.dst_rank = d.coord.rank;
+                        dm.layer_begin = l0;
+                        dm.layer_end = l1;
+                        dm.head_begin = h0;
+                        dm.head_end = h1;
+                        dm.num_layers = nl;
+                        if (g.holds_state()) {
+                            // Every CP rank of the source holds the sequence's state (as
+                            // request_kv_bytes counts it): spread destinations over them.
+                            dm.tokens = 1;
+                            dm.unit = axis == 0 ? g.state_head_bytes : g.state_key_bytes;
+                            if (dm.unit == 0) continue;
+                            demands[{k, axis, stage, cd % ps.cp, hg}].push_back(dm);
+                            continue;
+                        }
+                        for (int cs = 0; cs < ps.cp; ++cs) {
+                            const auto& pcs = (*pieces[k])[cs][cd];
+                            if (pcs.empty()) continue;
+                            Demand t = dm;
+                            t.pieces = &pcs;
+                            for (const auto& p : pcs) t.tokens += p.count;
+                            demands[{k, axis, stage, cs, hg}].push_back(t);
                         }
                     }
                 }
+            }
+        }
+    }
+
+    std::map<std::tuple<int, int, int, int>, TransferMessage>
+        by_key;  // (layer group, kv group, src, dst)
+    for (const auto& [key, list] : demands) {
+        const auto [k, axis, stage, cs, hg] = key;
+        const TransferGroup& g = plan.groups[k];
+        const int n = !g.holds_state() ? g.num_heads : axis == 0 ? g.state_heads : g.state_keys;
+        const HeadSplit hs = head_split(n, ps.tp, g.kind == LayerKind::kMla);
+        const std::vector<CopyShare> shares = choose_copies(list, hs.replication);
+        for (const CopyShare& share : shares) {
+            const Demand& dm = list[share.demand];
+            const int s_rank = rank_of(ps, src.dp, stage, cs, hg * hs.replication + share.copy);
+            const std::vector<TransferPiece> pcs =
+                dm.pieces ? slice_pieces(*dm.pieces, share.token_begin, share.token_end)
+                          : std::vector<TransferPiece>{};
+            const int64_t tokens = dm.pieces ? share.token_end - share.token_begin : 0;
+            // The group's layers of the demand, cut by layer group.
+            auto first = std::lower_bound(g.layers.begin(), g.layers.end(), dm.layer_begin);
+            auto last = std::lower_bound(g.layers.begin(), g.layers.end(), dm.layer_end);
+            for (auto it = first; it != last;) {
+                const int group = lpg == 0 ? 0 : *it / lpg;
+                auto end = it;
+                while (end != last && (lpg == 0 || *end / lpg == group)) ++end;
+                const int nl = static_cast<int>(end - it);
+                const int heads = dm.head_end - dm.head_begin;
+                const int64_t bytes =
+                    g.holds_state() ? int64_t{nl} * heads * dm.unit
+                                    : int64_t{nl} * g.kv_factor * heads * tokens * g.vector_bytes;
+                const auto mkey = std::make_tuple(group, k, s_rank, dm.dst_rank);
+                auto found = by_key.find(mkey);
+                if (found == by_key.end()) {
+                    TransferMessage msg;
+                    msg.src_rank = s_rank;
+                    msg.dst_rank = dm.dst_rank;
+                    msg.layer_group = group;
+                    msg.kv_group = k;
+                    msg.layer_begin = *it;
+                    msg.layer_end = *(end - 1) + 1;
+                    msg.pieces = pcs;
+                    msg.num_tokens = tokens;
+                    found = by_key.emplace(mkey, std::move(msg)).first;
+                } else {
+                    KVSHARD_CHECK(g.holds_state() && axis == 1,
+                                  "two messages for one (group, source, destination)");
+                }
+                TransferMessage& msg = found->second;
+                if (axis == 0) {
+                    msg.head_begin = dm.head_begin;
+                    msg.head_end = dm.head_end;
+                } else {
+                    msg.key_begin = dm.head_begin;
+                    msg.key_end = dm.head_end;
+                }
+                msg.bytes += bytes;
+                it = end;
             }
         }
     }
@@ -301,6 +611,15 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
         plan.messages.push_back(std::move(msg));
     }
     return plan;
+}
+
+std::vector<TransferGroupTotals> group_totals(const TransferPlan& plan) {
+    std::vector<TransferGroupTotals> out(plan.groups.size());
+    for (const TransferMessage& msg : plan.messages) {
+        ++out.at(msg.kv_group).messages;
+        out[msg.kv_group].bytes += msg.bytes;
+    }
+    return out;
 }
 
 std::string to_json(const TransferPlan& plan, bool with_messages) {
@@ -332,14 +651,30 @@ std::string to_json(const TransferPlan& plan, bool with_messages) {
                         {"tail_bytes", tail_bytes(plan)},
                         {"dst_cached_tokens", plan.options.dst_cached_tokens},
                         {"pairs", jp}};
+    nlohmann::json jg = nlohmann::json::array();
+    const std::vector<TransferGroupTotals> totals = group_totals(plan);
+    for (size_t k = 0; k < plan.groups.size(); ++k) {
+        const TransferGroup& g = plan.groups[k];
+        jg.push_back({{"group", k},
+                      {"kind", layer_kind_name(g.kind)},
+                      {"window", g.window > 0 ? nlohmann::json(g.window) : nlohmann::json(nullptr)},
+                      {"layers", g.layers.size()},
+                      {"first_kept",
+                       g.holds_state() ? nlohmann::json(nullptr) : nlohmann::json(g.first_kept)},
+                      {"messages", totals[k].messages},
+                      {"bytes", totals[k].bytes}});
+    }
+    j["kv_groups"] = jg;
     if (with_messages) {
         nlohmann::json jm = nlohmann::json::array();
         for (const auto& msg : plan.messages) {
             jm.push_back({{"src", msg.src_rank},
                           {"dst", msg.dst_rank},
                           {"layer_group", msg.layer_group},
+                          {"kv_group", msg.kv_group},
                           {"layers", {msg.layer_begin, msg.layer_end}},
                           {"heads", {msg.head_begin, msg.head_end}},
+                          {"keys", {msg.key_begin, msg.key_end}},
                           {"tokens", msg.num_tokens},
                           {"pieces", msg.pieces.size()},
                           {"bytes", msg.bytes}});

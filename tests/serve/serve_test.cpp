@@ -224,6 +224,29 @@ TEST(ServePrefixCache, ChunkedPrefillNeverSharesBlocksBeforeTheirKvIsWritten) {
                 EXPECT_LT(r.prefix_hit_tokens, 40 + 16);
             }
         }
+    // A windowed model (no prefix reuse there): chunked prefill keeps each chunk's windows until
+    // the chunk's queries ran, so the output still equals the unsharded run's.
+    const ModelSpec swa = catalog_model("tiny-swa");
+    for (const std::string par : {"tp=1", "tp=2,pp=2"})
+        for (const int64_t chunk : {int64_t{5}, int64_t{16}}) {
+            SCOPED_TRACE("tiny-swa " + par + " chunk " + std::to_string(chunk));
+            const ParallelConfig p = parse_parallel_config(par);
+            GenerationOptions opt;
+            opt.max_new_tokens = 3;
+            opt.block_size = 4;
+            opt.prefill_chunk_tokens = chunk;
+            GenerationReport r;
+            run_threads(p.world_size(), [&](Communicator& world) {
+                GenerationReport got = generate(swa, p, *weights, prompts, opt, &world);
+                if (world.rank() == 0) r = std::move(got);
+            });
+            const VerifyResult v =
+                verify_against_reference(swa, *weights, prompts, opt.max_new_tokens, opt.block_size,
+                                         r.tokens, r.last_logits);
+            EXPECT_TRUE(v.tokens_match);
+            EXPECT_LE(v.max_rel_err, kVerifyMaxRelativeL2);
+            for (const RankReport& rr : r.ranks) EXPECT_EQ(rr.kv_bytes, rr.kv_bytes_predicted);
+        }
     GenerationOptions bad;
     bad.prefill_chunk_tokens = -1;
     EXPECT_THROW(generate(m, ParallelConfig{}, *weights, prompts, bad), Error);

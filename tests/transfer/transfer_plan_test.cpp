@@ -317,14 +317,124 @@ TEST(TransferPlan, HndToNhdAndBack) {
 }
 
 TEST(TransferPlan, MlaTp8ToTp2) {
-    // The latent is on every TP rank: each of the 8 copies sends an eighth of the tokens to each of
-    // the 2 destinations; every destination gets the latent once.
+    // The latent is on every TP rank and the destinations are fewer than the copies: each
+    // destination's tokens are split over 4 of the 8 copies (a quarter each), so every copy sends
+    // a quarter of the tokens, as few as any split allows, in 8 messages. (The earlier rule, every
+    // copy an eighth of the tokens to each destination, sent the same bytes per copy in 16.)
     Case c{.model = catalog_model("tiny-mla"), .from = "tp=8", .to = "tp=2", .tokens = 96};
     const auto plan = plan_of(c);
-    ASSERT_EQ(plan.messages.size(), 16u);
-    for (const auto& msg : plan.messages) EXPECT_EQ(msg.num_tokens, 12);
+    ASSERT_EQ(plan.messages.size(), 8u);
+    std::map<int, std::set<int>> sources_of;
+    for (const auto& msg : plan.messages) {
+        EXPECT_EQ(msg.num_tokens, 24);
+        EXPECT_EQ(msg.dst_rank, msg.src_rank / 4);
+        sources_of[msg.dst_rank].insert(msg.src_rank);
+    }
+    EXPECT_EQ(sources_of[0].size(), 4u);
+    EXPECT_EQ(sources_of[1].size(), 4u);
     EXPECT_EQ(plan.min_bytes, 2 * (2 * 40 * 96 * 4));  // 2 destinations x 2 layers x latent 40 fp32
     check_exact(c, plan);
+}
+
+// Bytes each source rank sends.
+std::map<int, int64_t> bytes_by_source(const TransferPlan& plan) {
+    std::map<int, int64_t> out;
+    for (const auto& msg : plan.messages) out[msg.src_rank] += msg.bytes;
+    return out;
+}
+
+int64_t max_source_bytes(const TransferPlan& plan) {
+    int64_t most = 0;
+    for (const auto& [r, b] : bytes_by_source(plan)) most = std::max(most, b);
+    return most;
+}
+
+// Both sides replicate the latent on every TP rank (MLA under tp=8): each destination gets its
+// whole range from the source rank with its own TP index, in whole blocks; one message per
+// destination and layer group.
+TEST(TransferPlan, ReplicatedOnBothSidesSendsWholeRangesFromTheSameReplica) {
+    const ModelSpec ds = catalog_model("deepseek-v3");
+    for (int lpg : {0, 1}) {
+        SCOPED_TRACE("layers per group " + std::to_string(lpg));
+        const auto src = testing::make_endpoint(ds, "tp=8", 16, PageOrder::kHnd, 100);
+        const auto dst = testing::make_endpoint(ds, "tp=8", 16, PageOrder::kHnd, 100);
+        const auto plan = make_transfer_plan(src, dst, 100, {.layers_per_group = lpg});
+        std::map<int, int> per_group;
+        for (const auto& msg : plan.messages) {
+            ++per_group[msg.layer_group];
+            EXPECT_EQ(msg.src_rank, msg.dst_rank);
+            EXPECT_EQ(msg.num_tokens, 100);
+            // ceil(100 / 16) whole blocks, the last one partly filled.
+            ASSERT_EQ(msg.pieces.size(), 7u);
+            for (size_t i = 0; i < msg.pieces.size(); ++i) {
+                EXPECT_EQ(msg.pieces[i].src_slot, 0);
+                EXPECT_EQ(msg.pieces[i].count, i + 1 < msg.pieces.size() ? 16 : 4);
+            }
+        }
+        EXPECT_EQ(static_cast<int>(per_group.size()), plan.num_layer_groups);
+        EXPECT_EQ(plan.num_layer_groups, lpg == 0 ? 1 : ds.num_layers);
+        for (const auto& [g, n] : per_group) EXPECT_EQ(n, 8) << "layer group " << g;
+        EXPECT_EQ(plan.bytes, plan.min_bytes);
+        // Every source sends exactly what one destination needs: no source does more.
+        for (const auto& [r, b] : bytes_by_source(plan)) EXPECT_EQ(b, needed_bytes(plan, r));
+    }
+    // The same, checked element by element on a small MLA model.
+    Case c{.model = catalog_model("tiny-mla"), .from = "tp=8", .to = "tp=8", .tokens = 100};
+    const auto plan = plan_of(c);
+    ASSERT_EQ(plan.messages.size(), 8u);
+    for (const auto& msg : plan.messages) EXPECT_EQ(msg.src_rank, msg.dst_rank);
+    int units = 0;
+    check_exact(c, plan, &units);
+    EXPECT_EQ(units, 8);  // whole sealed blocks: each message has a unit checksum
+}
+
+// MLA TP=4 -> TP=2: 4 copies, 2 destinations. Whole ranges would leave two copies idle and the
+// others sending a destination's all; split, each destination is served by two copies and no
+// source sends more than half of what a destination needs.
+TEST(TransferPlan, TpShrinkStillSpreadsOverTheCopies) {
+    Case c{.model = catalog_model("tiny-mla"), .from = "tp=4", .to = "tp=2", .tokens = 100};
+    const auto plan = plan_of(c);
+    std::map<int, std::set<int>> sources_of;
+    for (const auto& msg : plan.messages) sources_of[msg.dst_rank].insert(msg.src_rank);
+    ASSERT_EQ(sources_of.size(), 2u);
+    for (const auto& [d, s] : sources_of) EXPECT_GT(s.size(), 1u) << "destination " << d;
+    EXPECT_EQ(bytes_by_source(plan).size(), 4u);  // every copy sends
+    const int64_t one_destination = needed_bytes(plan, 0);
+    EXPECT_LT(max_source_bytes(plan), one_destination);
+    EXPECT_EQ(max_source_bytes(plan), one_destination / 2);  // 100 tokens: 50 each
+    check_exact(c, plan);
+    // deepseek-v3 the same way.
+    const ModelSpec ds = catalog_model("deepseek-v3");
+    const auto src = testing::make_endpoint(ds, "tp=4", 16, PageOrder::kHnd, 1000);
+    const auto dst = testing::make_endpoint(ds, "tp=2", 16, PageOrder::kHnd, 1000);
+    const auto big = make_transfer_plan(src, dst, 1000);
+    EXPECT_EQ(big.messages.size(), 4u);
+    EXPECT_EQ(max_source_bytes(big), needed_bytes(big, 0) / 2);
+}
+
+// GQA(8) with replicated heads on both sides: TP=16 (each head on 2 ranks) -> TP=32 (each head on
+// 4). Each destination gets its head whole from one of the head's two source copies, the
+// destinations of a head alternating between them: every source sends two destinations' worth.
+TEST(TransferPlan, GqaTp16ToTp32WholeRangesRoundRobin) {
+    Case c{.model = llama_mini(), .from = "tp=16", .to = "tp=32", .tokens = 70};
+    const auto plan = plan_of(c);
+    ASSERT_EQ(plan.messages.size(), 32u);
+    std::map<int, int> sources_per_destination;
+    for (const auto& msg : plan.messages) {
+        ++sources_per_destination[msg.dst_rank];
+        EXPECT_EQ(msg.num_tokens, 70);
+        EXPECT_EQ(msg.head_begin, msg.dst_rank / 4);
+        // Destination replica j (of 4) of head h from source copy j mod 2.
+        EXPECT_EQ(msg.src_rank, 2 * (msg.dst_rank / 4) + (msg.dst_rank % 4) % 2);
+    }
+    EXPECT_EQ(sources_per_destination.size(), 32u);
+    for (const auto& [d, n] : sources_per_destination) EXPECT_EQ(n, 1);
+    const auto by_source = bytes_by_source(plan);
+    EXPECT_EQ(by_source.size(), 16u);
+    for (const auto& [r, b] : by_source) EXPECT_EQ(b, 2 * needed_bytes(plan, 0));
+    int units = 0;
+    check_exact(c, plan, &units);
+    EXPECT_EQ(units, 32);
 }
 
 TEST(TransferPlan, LayerGroupsOneMessagePerLayer) {
@@ -548,6 +658,31 @@ TEST(TransferPlan, PropertyRandomLayoutPairs) {
         std::set<std::tuple<int, int, int>> keys;
         for (const auto& msg : plan.messages)
             EXPECT_TRUE(keys.insert({msg.layer_group, msg.src_rank, msg.dst_rank}).second);
+        // The copies of a source head group share its load: none sends more than an even share
+        // plus one token of its group's largest (source, destination) pair, the most rounding a
+        // split to whole tokens can add.
+        const KvLayout& sl = plan.src.layout;
+        const int copies = sl.head_replication();
+        std::map<std::pair<int, int>, std::pair<int64_t, int64_t>> pair_load;  // bytes, tokens
+        for (const auto& msg : plan.messages) {
+            auto& p = pair_load[{msg.src_rank, msg.dst_rank}];
+            p.first += msg.bytes;
+            p.second = msg.num_tokens;  // the same in every layer group of a pair
+        }
+        std::map<std::tuple<int, int, int>, std::map<int, int64_t>> copy_groups;
+        std::map<std::tuple<int, int, int>, int64_t> token_bytes;
+        for (const auto& [pair, load] : pair_load) {
+            const RankCoord& rc = sl.ranks[pair.first].coord;
+            const std::tuple<int, int, int> key{rc.pp, rc.cp, rc.tp / copies};
+            copy_groups[key][pair.first] += load.first;
+            token_bytes[key] = std::max(token_bytes[key], load.first / load.second);
+        }
+        for (const auto& [key, loads] : copy_groups) {
+            int64_t total = 0;
+            for (const auto& [r, b] : loads) total += b;
+            for (const auto& [r, b] : loads)
+                EXPECT_LE(b, (total + copies - 1) / copies + token_bytes[key]) << "source " << r;
+        }
         int units = 0;
         check_exact(c, plan, &units);
         unit_messages += units;

@@ -207,6 +207,10 @@ void run(const RunFlags& f) {
     require(f.prompt_len >= 1, "--prompt-len must be at least 1, got ", f.prompt_len);
     // Prompts that share a prefix ask for prefix hits: refused where CP cannot give them.
     if (f.shared_prefix > 0 && !f.no_prefix_cache && !f.disagg.enabled()) {
+        const std::string model_why = model_prefix_cache_unsupported(m);
+        require(model_why.empty(), "--shared-prefix ", f.shared_prefix,
+                " asks for prefix-cache hits, but ", model_why,
+                ": use --no-prefix-cache to run without reuse");
         const std::string why = cp_prefix_cache_unsupported(p, f.block_size);
         require(why.empty(), "--shared-prefix ", f.shared_prefix,
                 " asks for prefix-cache hits, but ", why,

@@ -4,9 +4,13 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <optional>
+
+#include <nlohmann/json.hpp>
 
 #include "command.h"
 #include "kvshard/common/error.h"
+#include "kvshard/transfer/descriptors.h"
 #include "kvshard/transfer/pack.h"
 #include "kvshard/transfer/transfer_plan.h"
 #include "kvshard/transfer/transfer_schedule.h"
@@ -30,6 +34,8 @@ struct TransferPlanFlags {
     bool direct_read = false;
     int64_t staging_mib = 64;
     bool json = false;
+    bool descriptors = false;
+    int64_t descriptor_limit = 1000;
 };
 
 // The blocks of each pool of one side: what its longest block table needs (sequential tables).
@@ -78,18 +84,51 @@ void run(const TransferPlanFlags& f) {
     const TransferPlan plan = make_transfer_plan(
         src, dst, f.tokens,
         {.layers_per_group = f.layers_per_group, .dst_cached_tokens = f.dst_cached});
-    const TransferMode mode = resolve_mode(plan, parse_transfer_mode(f.mode));
+    // A plan of several KV groups is printed but cannot be packed (transfer_plan.h, executable):
+    // there is no copy count to choose a mode by.
+    const TransferMode mode = plan.executable() ? resolve_mode(plan, parse_transfer_mode(f.mode))
+                                                : parse_transfer_mode(f.mode);
+    std::optional<TransferDescriptors> desc;
+    if (f.descriptors) {
+        require(f.descriptor_limit >= -1, "--descriptor-limit must be -1 (all) or at least 0, got ",
+                f.descriptor_limit);
+        desc = make_transfer_descriptors(plan, side_pool_regions(plan, true, pool_blocks(src)),
+                                         side_pool_regions(plan, false, pool_blocks(dst)),
+                                         {.max_listed = f.descriptor_limit});
+    }
     if (f.json) {
-        print_json(to_json(plan, f.messages));
+        if (!desc) {
+            print_json(to_json(plan, f.messages));
+            return;
+        }
+        auto j = nlohmann::json::parse(to_json(plan, f.messages));
+        j.update(nlohmann::json::parse(to_json(*desc)));
+        print_json(j.dump(2));
         return;
     }
     fmt::print("{}: {} tokens, {} -> {}\n", m.name, f.tokens, src.layout.parallel.to_string(),
                dst.layout.parallel.to_string());
     fmt::print("block size {} -> {}, pages {} -> {}, mode {}, {} layer group(s)\n", src.block_size,
-               dst.block_size, f.order_from, f.order_to, transfer_mode_name(mode),
+               dst.block_size, f.order_from, f.order_to,
+               plan.executable() ? std::string(transfer_mode_name(mode))
+                                 : std::string("n/a (plan only: per-group execution not built)"),
                plan.num_layer_groups);
     fmt::print("messages {}, bytes {} ({}), min bytes {} ({})\n\n", plan.messages.size(),
                plan.bytes, bytes_text(plan.bytes), plan.min_bytes, bytes_text(plan.min_bytes));
+    if (!m.uniform()) {
+        fmt::print("{:>5} {:>14} {:>7} {:>11} {:>9} {:>14}\n", "group", "kind", "layers",
+                   "first_kept", "messages", "bytes");
+        const auto totals = group_totals(plan);
+        for (size_t k = 0; k < plan.groups.size(); ++k) {
+            const TransferGroup& g = plan.groups[k];
+            std::string kind(layer_kind_name(g.kind));
+            if (g.window > 0) kind += fmt::format("({})", g.window);
+            fmt::print("{:>5} {:>14} {:>7} {:>11} {:>9} {:>14}\n", k, kind, g.layers.size(),
+                       g.holds_state() ? std::string("state") : std::to_string(g.first_kept),
+                       totals[k].messages, bytes_text(totals[k].bytes));
+        }
+        fmt::print("\n");
+    }
     std::map<std::pair<int, int>, std::pair<int64_t, int>> pairs;
     for (const auto& msg : plan.messages) {
         auto& p = pairs[{msg.src_rank, msg.dst_rank}];
@@ -100,14 +139,35 @@ void run(const TransferPlanFlags& f) {
     for (const auto& [k, v] : pairs)
         fmt::print("{:>5} {:>5} {:>9} {:>14}\n", k.first, k.second, v.second, bytes_text(v.first));
     if (f.messages) {
-        fmt::print("\n{:>5} {:>5} {:>6} {:>9} {:>9} {:>8} {:>7} {:>12}\n", "src", "dst", "group",
-                   "layers", "heads", "tokens", "pieces", "bytes");
+        fmt::print("\n{:>5} {:>5} {:>6} {:>3} {:>9} {:>9} {:>8} {:>7} {:>12}\n", "src", "dst",
+                   "group", "kv", "layers", "heads", "tokens", "pieces", "bytes");
         for (const auto& msg : plan.messages)
-            fmt::print("{:>5} {:>5} {:>6} {:>9} {:>9} {:>8} {:>7} {:>12}\n", msg.src_rank,
-                       msg.dst_rank, msg.layer_group,
+            fmt::print("{:>5} {:>5} {:>6} {:>3} {:>9} {:>9} {:>8} {:>7} {:>12}\n", msg.src_rank,
+                       msg.dst_rank, msg.layer_group, msg.kv_group,
                        fmt::format("[{},{})", msg.layer_begin, msg.layer_end),
                        fmt::format("[{},{})", msg.head_begin, msg.head_end), msg.num_tokens,
                        msg.pieces.size(), msg.bytes);
+    }
+    if (desc) {
+        fmt::print("\ndescriptors {} (runs contiguous in both pools), per-block scheme {}\n",
+                   desc->descriptor_count, desc->per_block_descriptor_count);
+        fmt::print("with a reshape: pre-send {}, post-receive {}; fewer: {} ({}){}\n",
+                   desc->pre_send_count, desc->post_receive_count,
+                   transfer_mode_name(desc->fewer_mode), desc->fewer_count(),
+                   desc->pages_differ ? "" : " (same page order and block size on both sides)");
+        fmt::print("\n{:>5} {:>5} {:>6} {:>12} {:>14}\n", "src", "dst", "group", "descriptors",
+                   "bytes");
+        for (const DescriptorGroup& g : desc->groups)
+            fmt::print("{:>5} {:>5} {:>6} {:>12} {:>14}\n", g.src_rank, g.dst_rank, g.layer_group,
+                       g.count, bytes_text(g.bytes));
+        fmt::print("\n{:>5} {:>14} {:>5} {:>14} {:>10} {:>6}\n", "src", "src_offset", "dst",
+                   "dst_offset", "bytes", "group");
+        for (const TransferDescriptor& x : desc->descriptors)
+            fmt::print("{:>5} {:>14} {:>5} {:>14} {:>10} {:>6}\n", x.src_rank, x.src_offset,
+                       x.dst_rank, x.dst_offset, x.bytes, x.layer_group);
+        if (static_cast<int64_t>(desc->descriptors.size()) < desc->descriptor_count)
+            fmt::print("... {} more (--descriptor-limit)\n",
+                       desc->descriptor_count - static_cast<int64_t>(desc->descriptors.size()));
     }
     if (f.schedule) {
         require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
@@ -160,6 +220,13 @@ void setup(CLI::App& app) {
                   "with --schedule: the destinations read the source pools in place");
     sub->add_option("--staging-mib", f->staging_mib,
                     "with --schedule: packed KV in flight per rank (MiB), which bounds a batch")
+        ->capture_default_str();
+    sub->add_flag("--descriptors", f->descriptors,
+                  "also list the transfer descriptors: maximal runs contiguous in both pools "
+                  "(pools holding each side's blocks numbered 0, 1, ...), the count a per-block "
+                  "scheme would post, and the counts with a reshape (docs/transfer.md)");
+    sub->add_option("--descriptor-limit", f->descriptor_limit,
+                    "with --descriptors: descriptors listed (all are counted); -1: all")
         ->capture_default_str();
     sub->add_flag("--json", f->json, "print JSON instead of a table");
     sub->callback([f] { run(*f); });

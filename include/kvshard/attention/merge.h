@@ -24,4 +24,11 @@ void merge_attention_into(float* acc_out, float* acc_lse, const float* part_out,
 void merge_attention(std::span<const float* const> outs, std::span<const float* const> lses,
                      int64_t rows, int dim, float* out, float* lse);
 
+// Learned attention sinks (gpt-oss): one logit per query head that joins the softmax denominator
+// and adds nothing to the output, i.e. a partial of lse = sink and out = 0. out:
+// [rows][heads][dim], lse: [rows][heads] (updated to include the sink), sinks: [heads]. Applied
+// once, after every shard of keys is merged.
+void apply_attention_sinks(float* out, float* lse, int64_t rows, int heads, int dim,
+                           const float* sinks);
+
 }  // namespace kvshard

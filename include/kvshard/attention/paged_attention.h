@@ -26,7 +26,17 @@ struct AttentionParams {
     int head_dim = 1;      // equal to the pool's head_dim
     float scale = 1.0f;    // usually 1/sqrt(head_dim)
     bool causal = true;    // false: every row sees every KV token of its sequence
+    // Local attention (with causal): a row at position p also ignores keys at positions
+    //   window > 0, !chunked: <= p - window   (sliding window: itself and window - 1 before)
+    //   window > 0,  chunked: <  p - p % window (chunked local: the tokens of its own chunk)
+    // so the kernels never touch the blocks before the first visible key (a windowed group's
+    // blocks there may be freed: docs/model.md).
+    int window = 0;
+    bool chunked = false;
 };
+
+// The first position a row at `pos` sees under p's window (0 without one).
+int64_t first_visible_position(const AttentionParams& p, int64_t pos);
 
 // The query rows of a batch over a PagedKv. Sequence i owns rows [q_indptr[i], q_indptr[i+1]).
 // Row t has position q_pos[t]; under `causal` it sees the KV tokens of its sequence whose position
@@ -62,5 +72,25 @@ void paged_attention_reference(const BlockPool& pool, int layer, const PagedKv& 
 // sequence i in `layer`. The slots' blocks must already be in kv (slot < blocks * block_size).
 void write_kv(BlockPool& pool, int layer, const PagedKv& kv, std::span<const int32_t> indptr,
               std::span<const int64_t> slots, const float* k, const float* v);
+
+// Multi-head latent attention in the absorbed form (DeepSeek-V2/V3; docs/model.md): the pool is
+// kv_factor 1 with one "head" of latent_dim + rope_dim per token, the row [c | k_pe]. Every query
+// head scores q_h . [c | k_pe] and takes the softmax-weighted sum of c (the first latent_dim
+// elements of the row) as its output; the caller projects it through each head's W_uv.
+//   q: [rows][num_heads][latent_dim + rope_dim]   out: [rows][num_heads][latent_dim]
+//   lse: [rows][num_heads] or null. Causal, positions as in paged_attention (kv_pos for CP).
+struct MlaParams {
+    int num_heads = 1;
+    int latent_dim = 1;  // kv_lora_rank
+    int rope_dim = 0;    // qk_rope_head_dim
+    float scale = 1.0f;  // 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)
+};
+void mla_attention(const BlockPool& pool, int layer, const PagedKv& kv, const QueryBatch& qb,
+                   const MlaParams& p, const float* q, float* out, float* lse);
+
+// Writes row t's latent [c | k_pe] (latent[t][head_dim of the pool]) to slot slots[t] of its
+// sequence in `layer` of a kv_factor-1 pool.
+void write_latent(BlockPool& pool, int layer, const PagedKv& kv, std::span<const int32_t> indptr,
+                  std::span<const int64_t> slots, const float* latent);
 
 }  // namespace kvshard

@@ -36,9 +36,11 @@ struct CpCommStats {
 // pass-KV sends the K/V shard to the next rank while attending to the current one (isend/irecv of
 // step s+1 overlap the attention of step s); pass-Q does the same with the query shards and returns
 // the partials with one all_to_all_v.
+// sinks: [Hq] learned sink logits (gpt-oss) merged once into each query row's result, or empty.
 void cp_prefill_attention(Communicator& cp_comm, CpPrefillMode mode, const CpAttnShape& shape,
                           const CpTokenMap& map, int64_t new_begin, const float* q, const float* k,
-                          const float* v, float* out, CpCommStats* stats = nullptr);
+                          const float* v, float* out, CpCommStats* stats = nullptr,
+                          std::span<const float> sinks = {});
 
 // Merges the decode partials of every CP rank exactly; the result is the same on every rank.
 //  part_out: [rows][Hq][D], part_lse: [rows][Hq] this rank's partial over its own KV (lse = -inf

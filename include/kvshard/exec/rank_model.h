@@ -37,11 +37,24 @@ struct RankComms {
 // The new tokens of one step. Sequence i owns rows [queries.q_indptr[i], queries.q_indptr[i+1]) of
 // token_ids; row t has global position queries.q_pos[t] and goes to KV slot slots[t] of sequence i.
 // kv describes every sequence's blocks with its length after this step.
+// Models with several KV groups (kv_groups(model): full, sliding, chunked, MLA) may give each group
+// its own block tables: group_kv[g] for group g of kv_groups(model) (the same sequences and
+// lengths; a windowed group's table may name null blocks before its window, never read). Empty:
+// every group uses kv. State layers (Gated DeltaNet) keep one state per sequence in the rank's
+// state slots: sequence i uses state_slots[i] (empty: slot i); a sequence whose first row is at
+// position 0 starts from the zero state, any other continues the state its slot holds.
 struct ForwardBatch {
     std::vector<int32_t> token_ids;
     QueryBatch queries;
     std::vector<int64_t> slots;
     PagedKv kv;
+    std::vector<PagedKv> group_kv;
+    std::vector<int32_t> state_slots;
+
+    const PagedKv& kv_of_group(int g) const {
+        return group_kv.empty() ? kv : group_kv.at(size_t(g));
+    }
+    int32_t state_slot(int i) const { return state_slots.empty() ? i : state_slots.at(size_t(i)); }
 
     int batch() const { return queries.batch(); }
     int64_t rows() const { return queries.rows(); }
@@ -50,32 +63,60 @@ struct ForwardBatch {
 // The attention of one layer, replaceable (context parallelism puts ring attention here).
 // q: [rows][num_q_heads][head_dim] with RoPE applied; k, v: [rows][num_kv_heads][head_dim];
 // out: [rows][num_q_heads][head_dim].
+// MLA layers (mla_latent_dim > 0) come in the absorbed form: one KV "head" of head_dim =
+// kv_lora_rank + qk_rope_head_dim in a kv_factor-1 pool, k: [rows][head_dim] the new latents (v
+// null), q: [rows][num_q_heads][head_dim] the absorbed queries, out: [rows][num_q_heads]
+// [mla_latent_dim] the softmax-weighted latents (the value is the latent's first mla_latent_dim
+// elements); see mla_attention.
 struct AttentionCall {
     int layer = 0;        // global layer index
-    int local_layer = 0;  // index into the rank's pool
+    int local_layer = 0;  // index into the pool's layers
     const ForwardBatch* batch = nullptr;
+    const PagedKv* kv = nullptr;  // the block tables of the layer's group (batch->kv_of_group)
     AttentionParams params;
     const float* q = nullptr;
     const float* k = nullptr;
     const float* v = nullptr;
     float* out = nullptr;
+    // Learned sinks of the layer's query heads ([num_q_heads]), or null: the attention merges each
+    // once into every row's softmax (attention/merge.h, apply_attention_sinks).
+    const float* sinks = nullptr;
+    int mla_latent_dim = 0;  // > 0: an MLA layer (above)
     BlockPool* pool = nullptr;
 };
 using AttentionFn = std::function<void(const AttentionCall&)>;
-// The default: write_kv of the rows, then paged_attention over the pool.
+// The default: write_kv of the rows, then paged_attention over the pool (MLA: write_latent, then
+// mla_attention).
 void default_attention(const AttentionCall& call);
 
+// The layers each kind runs (docs/model.md, "The reference model's layers"):
+//   full / sliding / chunked: the attention above with a window or chunk mask; learned sinks join
+//                      each head's softmax denominator (merged as a partial of lse = sink, out 0)
+//   mla:               DeepSeek-V3's attention in the absorbed form over the cached latent
+//                      [rmsnorm(c_kv) | RoPE(k_pe)] (one "head" of kv_lora_rank + qk_rope_head_dim)
+//   gated_deltanet:    Qwen3-Next's linear attention: causal conv + SiLU, L2-normalised q and k,
+//                      the gated delta rule over a per-sequence state, a gated RMSNorm
+//   none:              no mixer.
 class RankModel {
   public:
-    // The pool holds `num_blocks` blocks of `block_size` tokens for the held layers and KV heads
-    // (memory kShareable: a transfer's destination in another process may read it in place).
+    // One pool per KV group with layers on this rank (kv_groups(spec) order), each holding
+    // `num_blocks` blocks of `block_size` tokens for the held layers and KV heads (memory
+    // kShareable: a transfer's destination in another process may read it in place).
     RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms = {},
               PageOrder order = PageOrder::kHnd, PoolMemory memory = PoolMemory::kPrivate);
 
     const ModelWeights& weights() const { return weights_; }
     const ModelSpec& spec() const { return weights_.spec; }
-    BlockPool& pool() { return pool_; }
-    const BlockPool& pool() const { return pool_; }
+    // The pool of the first group held (every layer of a uniform model).
+    BlockPool& pool() { return pools_.at(0); }
+    const BlockPool& pool() const { return pools_.at(0); }
+    int num_pools() const { return int(pools_.size()); }
+    BlockPool& pool_at(int i) { return pools_.at(size_t(i)); }
+    const BlockPool& pool_at(int i) const { return pools_.at(size_t(i)); }
+    // The index in kv_groups(spec) of pool i.
+    int pool_group(int i) const { return pool_group_.at(size_t(i)); }
+    // Bytes of recurrent state (conv + delta-rule state, fp32) this rank keeps per sequence.
+    int64_t state_bytes_per_sequence() const;
     bool first_stage() const { return comms_.prev_stage < 0; }
     bool last_stage() const { return comms_.next_stage < 0; }
     void set_attention(AttentionFn fn) { attention_ = std::move(fn); }
@@ -87,16 +128,29 @@ class RankModel {
     std::vector<float> forward(const ForwardBatch& b);
 
   private:
+    struct StateLayer {  // one Gated DeltaNet layer's states, [slot][...]
+        int64_t conv_elems = 0, rec_elems = 0;
+        std::vector<float> conv, rec;
+    };
     void attention_block(int local_layer, const ForwardBatch& b, std::vector<float>& h);
+    void mla_block(int local_layer, const ForwardBatch& b, std::vector<float>& h);
+    void gated_deltanet_block(int local_layer, const ForwardBatch& b, std::vector<float>& h);
+    void rope_tables(const ForwardBatch& b, int dim);
     void dense_mlp(const LayerWeights& w, const float* x, int64_t n, float* y);
     void moe_mlp(const LayerWeights& w, const float* x, int64_t n, float* y);
     void tp_all_reduce(std::span<float> data);
 
     ModelWeights weights_;
     RankComms comms_;
-    BlockPool pool_;
+    std::vector<BlockPool> pools_;
+    std::vector<int> pool_group_;
+    // Per local layer: (pool, layer in that pool) of token layers, the state layer index of state
+    // layers, -1 otherwise.
+    std::vector<int> layer_pool_, layer_in_pool_, layer_state_;
+    std::vector<StateLayer> states_;
     AttentionFn attention_;
-    std::vector<float> rope_cos_, rope_sin_;  // [rows][head_dim/2] of the current step
+    std::vector<float> rope_cos_, rope_sin_;  // [rows][dim/2] of the current step
+    int rope_dim_ = 0;
 };
 
 // The slice of the weights rank `rank` holds under `layout` (Error when the dense MLP width is not

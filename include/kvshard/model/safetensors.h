@@ -81,4 +81,10 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
 // weights.
 void save_hf_checkpoint(const ModelWeights& full, const std::string& dir, DType dtype);
 
+// Writes every tensor of hf_tensor_list(m) (the published names and shapes of each layer kind's
+// family) as `source` holds it to one safetensors file: a checkpoint of any model the spec
+// describes, e.g. of random_tensor_source weights for a test.
+void save_hf_tensors(const ModelSpec& m, const TensorSource& source, const std::string& path,
+                     DType dtype);
+
 }  // namespace kvshard

@@ -74,6 +74,10 @@ struct GenerationReport {
 // sequence: cp_scheme interleave with cp_interleave == block_size. Empty when it does; else why
 // not.
 std::string cp_prefix_cache_unsupported(const ParallelConfig& p, int block_size);
+// Why a model cannot reuse cached prefixes at all, or empty: state layers (Gated DeltaNet) keep one
+// running state per sequence, which the runner does not save at block boundaries, so a prefix hit
+// could not restore it.
+std::string model_prefix_cache_unsupported(const ModelSpec& m);
 
 // Runs the generation on this rank. Collective over `world` (world->size() == p.world_size()); with
 // world == nullptr the run is one rank and p.world_size() must be 1. Every rank returns the whole

@@ -12,9 +12,11 @@
 //
 // The plan covers every destination rank of the replica: for each, every (layer, K/V, head, token)
 // its layout holds arrives exactly once. A head held by several source ranks (tp > H_kv, or the MLA
-// latent on every TP rank) is read from one copy per token: the copies split the source CP rank's
-// tokens into equal chunks, so all of them send. A head held by several destination ranks is
-// delivered to each copy. Messages are coalesced: one per (source rank, destination rank, layer
+// latent on every TP rank) is read from one copy per token: each destination gets its whole range
+// from one copy (round-robin over the copies, so TP=8 -> TP=8 sends rank i's range from rank i),
+// unless splitting destinations' ranges over several copies lowers the most bytes any one copy
+// sends (a TP shrink: fewer destinations than copies). A head held by several destination ranks
+// is delivered to each copy. Messages are coalesced: one per (source rank, destination rank, layer
 // group).
 #include <cstdint>
 #include <string>
@@ -67,16 +69,26 @@ struct TransferPiece {
 // piece's (head, token) rectangle of head_dim-element vectors, in the page order of the side named
 // by the mode (pre-send: the destination's; post-receive: the source's): HND = head-major, NHD =
 // token-major.
+//
+// Models with several KV groups (kv_groups(model): sliding, chunked, MLA, state layers beside full
+// attention) get messages per KV group (`kv_group`, an index into TransferPlan::groups): the
+// message carries the group's layers within [layer_begin, layer_end) (the range is tight: its first
+// and last layers are the group's). A state group's message carries no tokens: state heads
+// [head_begin, head_end) and state key heads / groups [key_begin, key_end) of each layer.
 struct TransferMessage {
     int src_rank = 0;  // rank in the source layout
     int dst_rank = 0;  // rank in the destination layout
     int layer_group = 0;
+    int kv_group = 0;
     int layer_begin = 0, layer_end = 0;
     int head_begin = 0, head_end = 0;
+    int key_begin = 0, key_end = 0;  // state groups only
     std::vector<TransferPiece> pieces;
     int64_t num_tokens = 0;  // sum of piece counts
     int64_t bytes = 0;       // payload bytes
 
+    // Layers in [layer_begin, layer_end): all of them for a model of one KV group (what pack and
+    // the executor move); TransferPlan::group_layers counts a group's layers in the range.
     int num_layers() const { return layer_end - layer_begin; }
     int num_heads() const { return head_end - head_begin; }
     bool operator==(const TransferMessage&) const = default;
@@ -92,34 +104,70 @@ struct TransferPlanOptions {
     int64_t dst_cached_tokens = 0;
 };
 
+// One KV group of the model (kv_groups order) as the plan moves it.
+struct TransferGroup {
+    LayerKind kind = LayerKind::kFullAttention;
+    int window = 0;           // sliding window W or chunk C; 0 otherwise
+    std::vector<int> layers;  // global layer ids, ascending
+    // Token groups: K and V (2) or the MLA latent (1) of `num_heads` heads (MLA: 1, on every TP
+    // rank) of `vector_bytes` each (MLA: the latent plus any indexer key). State groups: 0.
+    int kv_factor = 2;
+    int num_heads = 0;
+    int64_t vector_bytes = 0;
+    // The first position the group keeps at num_tokens (first_kept_position); the plan moves the
+    // destination's blocks from the one holding it (whole blocks), as far as the source still
+    // holds them. 0 for full attention and MLA.
+    int64_t first_kept = 0;
+    // State groups: state heads and key heads / groups, and the bytes each adds to one layer's
+    // state (conv columns and recurrent state of a head; conv columns of a key group), so that a
+    // rank's share of tp is state_bytes(state, tp) (model_spec.h).
+    int state_heads = 0, state_keys = 0;
+    int64_t state_head_bytes = 0, state_key_bytes = 0;
+
+    bool holds_state() const { return kv_factor == 0; }
+    bool operator==(const TransferGroup&) const = default;
+};
+
 struct TransferPlan {
     TransferEndpoint src, dst;
     int64_t num_tokens = 0;
     TransferPlanOptions options;
     int num_layer_groups = 1;
+    // The model's KV groups (one for a uniform model). The three fields below are the uniform
+    // layer's, which pack/unpack and the executor use (they move models of one group only).
+    std::vector<TransferGroup> groups;
     int kv_factor = 2;  // 2: K and V; 1: MLA latent
     int head_dim = 0;   // elements per head vector (MLA: the latent width)
     int64_t elem_size = 0;
-    // Ordered by (layer group, source rank, destination rank).
+    // Ordered by (layer group, KV group, source rank, destination rank).
     std::vector<TransferMessage> messages;
     int64_t bytes = 0;  // sum of message payloads
-    int64_t min_bytes =
-        0;  // sum over destination ranks of the KV bytes their layout holds for the request
+    // Sum over destination ranks of needed_bytes: what each must receive.
+    int64_t min_bytes = 0;
 
     // Bytes of one head vector and of one token of one head over K and V.
     int64_t vector_bytes() const { return int64_t{head_dim} * elem_size; }
     // Indices into messages sent by source rank r / received by destination rank r.
     std::vector<int> messages_from(int src_rank) const;
     std::vector<int> messages_to(int dst_rank) const;
+    // Layers of msg's KV group within [msg.layer_begin, msg.layer_end).
+    int group_layers(const TransferMessage& msg) const;
+    // Whether pack/unpack and the executor can carry the plan out: a model of one KV group whose
+    // every layer is the uniform full-attention (or MLA) layer.
+    bool executable() const;
 };
 
-// Throws Error when the two layouts describe different models (layers, KV heads, head_dim, MLA
-// shape, KV dtype), a dp index is out of range, a block table is missing or too short, or
-// num_tokens < 1.
+// Throws Error when the two layouts describe different models (layers, KV groups, KV heads,
+// head_dim, MLA shape, state shape, KV dtype), a dp index is out of range, a block table is missing
+// or too short, or num_tokens < 1.
 TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpoint& dst,
                                 int64_t num_tokens, const TransferPlanOptions& options = {});
 
-// The KV bytes destination rank `dst_rank` holds for the request (what it must receive).
+// The bytes destination rank `dst_rank` must receive: per token group, its layers x heads x the
+// tokens it holds at or after the cached prefix and, for windowed groups, in its blocks from the
+// one holding the group's first kept token on (tokens its source CP rank no longer holds, outside
+// the window in a block the source dropped, excepted); per state group, its layers' share of the
+// state (state_bytes of the destination's tp).
 int64_t needed_bytes(const TransferPlan& plan, int dst_rank);
 
 // The bytes that cannot leave before their source rank has written its last layer: the messages
@@ -128,8 +176,16 @@ int64_t needed_bytes(const TransferPlan& plan, int dst_rank);
 // prefill/decode run can at best not hide behind its prefill.
 int64_t tail_bytes(const TransferPlan& plan);
 
+// Messages and bytes of each KV group (indexed as TransferPlan::groups).
+struct TransferGroupTotals {
+    int messages = 0;
+    int64_t bytes = 0;
+};
+std::vector<TransferGroupTotals> group_totals(const TransferPlan& plan);
+
 // {"messages", "bytes", "min_bytes", "layer_groups", "from", "to", "tokens", "pairs":
-// [{"src","dst", "bytes","messages"}], "message_list": [...]} (message_list only with
+// [{"src","dst", "bytes","messages"}], "kv_groups": [{"group", "kind", "window", "layers",
+// "first_kept", "messages", "bytes"}], "message_list": [...]} (message_list only with
 // `with_messages`).
 std::string to_json(const TransferPlan& plan, bool with_messages = false);
 

@@ -1,0 +1,265 @@
+// Transfer plans of models with several KV groups (sliding, chunked, MLA with indexer keys, Gated
+// DeltaNet / Mamba-2 state, no-KV layers): the bytes each destination receives, computed here from
+// the model's fields, and the tokens each windowed message carries.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+
+#include "cli_runner.h"
+#include "kvshard/common/error.h"
+#include "transfer/transfer_harness.h"
+
+#include <nlohmann/json.hpp>
+
+namespace kvshard {
+namespace {
+
+TransferPlan plan_for(const ModelSpec& m, const std::string& from, const std::string& to,
+                      int64_t tokens, int bs_from = 16, int bs_to = 16, int lpg = 0,
+                      int64_t cached = 0) {
+    const auto src = testing::make_endpoint(m, from, bs_from, PageOrder::kHnd, tokens);
+    const auto dst = testing::make_endpoint(m, to, bs_to, PageOrder::kHnd, tokens);
+    return make_transfer_plan(src, dst, tokens,
+                              {.layers_per_group = lpg, .dst_cached_tokens = cached});
+}
+
+// What every destination of a cp=1 layout with block size bs holds for a request of L tokens,
+// layer by layer from the model's fields: full attention all L tokens; sliding (window W) and
+// chunked (chunk C) the tokens from the block holding the first kept token (L - W, or the last
+// chunk's start) on; MLA the latent (and indexer key) of all L tokens; state layers the rank's
+// share of the state; no-KV layers nothing.
+int64_t expected_bytes_cp1(const ModelSpec& m, int tp, int64_t L, int bs) {
+    const auto e = static_cast<int64_t>(dtype_size(m.kv_dtype));
+    int64_t sum = 0;
+    for (int l = 0; l < m.num_layers; ++l) {
+        const LayerSpec s = m.layer(l);
+        int64_t first = 0;
+        if (s.kind == LayerKind::kSlidingWindow) first = std::max<int64_t>(0, L - s.window);
+        if (s.kind == LayerKind::kChunkedLocal) first = (L - 1) / s.window * s.window;
+        const int64_t kept = L - first / bs * bs;
+        switch (s.kind) {
+            case LayerKind::kFullAttention:
+            case LayerKind::kSlidingWindow:
+            case LayerKind::kChunkedLocal:
+                // tp ranks, each max(1, H_kv / tp) heads of K and V.
+                sum += int64_t{tp} * 2 * std::max(1, s.num_kv_heads / tp) * s.head_dim * e * kept;
+                break;
+            case LayerKind::kMla: {
+                int64_t per_token = int64_t{m.mla.kv_lora_rank + m.mla.qk_rope_head_dim} * e;
+                if (s.indexer)
+                    per_token += int64_t{m.indexer.head_dim} *
+                                     static_cast<int64_t>(dtype_size(m.indexer.dtype)) +
+                                 m.indexer.scale_bytes;
+                sum += int64_t{tp} * per_token * kept;  // the latent on every rank
+                break;
+            }
+            case LayerKind::kGatedDeltaNet:
+            case LayerKind::kMamba2:
+                sum += int64_t{tp} * state_bytes(m.state, tp);
+                break;
+            case LayerKind::kNoKv:
+                break;
+        }
+    }
+    return sum;
+}
+
+// A windowed model at 32K tokens moves its full layers whole and only the last window's blocks of
+// its sliding layers: much less than the same model with every layer full attention.
+TEST(TransferPlanGroups, WindowedModelMovesOnlyTheWindow) {
+    const int64_t L = 32768;
+    struct Named {
+        const char* model;
+        const char* from;
+        const char* to;
+        int tp_to;
+        double most_of_full;  // the windowed plan moves less than this fraction of the full one
+    };
+    for (const Named& c : {Named{"gpt-oss-120b", "tp=8", "tp=4", 4, 0.51},
+                           Named{"gemma-3-27b", "tp=8", "tp=8", 8, 0.25},
+                           Named{"llama-4-scout", "tp=8", "tp=4", 4, 0.51}}) {
+        SCOPED_TRACE(c.model);
+        const ModelSpec m = catalog_model(c.model);
+        ASSERT_FALSE(m.uniform());
+        const TransferPlan plan = plan_for(m, c.from, c.to, L);
+        const int64_t want = expected_bytes_cp1(m, c.tp_to, L, 16);
+        EXPECT_EQ(plan.bytes, want);
+        EXPECT_EQ(plan.min_bytes, want);
+        // L is a multiple of the block size: the blocks held are exactly the engines' resident KV.
+        int64_t resident = 0;
+        for (int r = 0; r < plan.dst.layout.world_size(); ++r)
+            resident += request_kv_bytes(plan.dst.layout, r, L, 16);
+        EXPECT_EQ(plan.bytes, resident);
+
+        const ModelSpec full = with_full_attention(m);
+        const TransferPlan all = plan_for(full, c.from, c.to, L);
+        EXPECT_EQ(all.bytes, expected_bytes_cp1(full, c.tp_to, L, 16));
+        EXPECT_LT(static_cast<double>(plan.bytes), c.most_of_full * static_cast<double>(all.bytes))
+            << plan.bytes << " vs " << all.bytes;
+    }
+}
+
+// Each windowed message carries exactly the destination's kept blocks' tokens, in pieces that sit
+// in one block on each side, and a full-attention message all tokens; across block sizes and a
+// destination prefix the plan's bytes equal min_bytes.
+TEST(TransferPlanGroups, WindowedPiecesStartAtTheKeptBlock) {
+    const ModelSpec m = catalog_model("tiny-swa");  // window 8 on even layers
+    const int64_t L = 50;
+    const TransferPlan plan = plan_for(m, "tp=1", "tp=2", L, 4, 4);
+    ASSERT_EQ(plan.groups.size(), 2u);
+    EXPECT_EQ(plan.groups[0].kind, LayerKind::kSlidingWindow);
+    EXPECT_EQ(plan.groups[0].first_kept, 42);
+    std::map<int, std::set<int64_t>> tokens;  // per kv group: tokens seen
+    for (const auto& msg : plan.messages) {
+        EXPECT_EQ(plan.group_layers(msg), 2);  // layers {0, 2} or {1, 3}
+        for (const auto& p : msg.pieces)
+            for (int i = 0; i < p.count; ++i) tokens[msg.kv_group].insert(p.token_begin + i);
+    }
+    // Block 10 (tokens 40..43) holds token 42: tokens [40, 50) move for the sliding layers.
+    std::set<int64_t> window, all;
+    for (int64_t t = 40; t < L; ++t) window.insert(t);
+    for (int64_t t = 0; t < L; ++t) all.insert(t);
+    EXPECT_EQ(tokens[0], window);
+    EXPECT_EQ(tokens[1], all);
+    EXPECT_EQ(plan.bytes, expected_bytes_cp1(m, 2, L, 4));
+
+    for (auto [bs_from, bs_to, cached] :
+         {std::tuple{4, 16, 0}, std::tuple{16, 4, 0}, std::tuple{8, 8, 45}}) {
+        const TransferPlan p = plan_for(m, "cp=2,tp=2", "tp=4,pp=2", L, bs_from, bs_to, 1, cached);
+        EXPECT_EQ(p.bytes, p.min_bytes) << bs_from << "->" << bs_to << " cached " << cached;
+        for (const auto& msg : p.messages) {
+            const TransferGroup& g = p.groups[msg.kv_group];
+            for (const auto& piece : msg.pieces) {
+                EXPECT_GE(piece.token_begin, cached);
+                // Nothing before the destination block holding the first kept token.
+                if (g.first_kept > 0) EXPECT_GE(piece.token_begin, g.first_kept / bs_to * bs_to);
+                EXPECT_LE(piece.src_slot + piece.count, bs_from);
+                EXPECT_LE(piece.dst_slot + piece.count, bs_to);
+            }
+        }
+    }
+}
+
+// A state group moves exactly its state: every destination its share (state_bytes of its tp) per
+// state layer, whatever the tokens, each state head and key head once per destination.
+TEST(TransferPlanGroups, StateGroupMovesExactlyItsState) {
+    struct Named {
+        const char* model;
+        const char* from;
+        const char* to;
+    };
+    for (const Named& c :
+         {Named{"tiny-hybrid", "tp=2", "tp=4"}, Named{"tiny-hybrid", "tp=4", "tp=1"},
+          Named{"qwen3-next-80b-a3b", "tp=4", "tp=2"},
+          Named{"nemotron-h-8b", "tp=2,pp=2", "tp=4"}}) {
+        SCOPED_TRACE(std::string(c.model) + " " + c.from + " -> " + c.to);
+        const ModelSpec m = catalog_model(c.model);
+        int state_layers = 0;
+        for (int l = 0; l < m.num_layers; ++l) state_layers += holds_state(m.layer(l).kind);
+        ASSERT_GT(state_layers, 0);
+        int64_t previous = -1;
+        for (int64_t L : {int64_t{100}, int64_t{4096}}) {
+            const TransferPlan plan = plan_for(m, c.from, c.to, L);
+            const int tp_to = plan.dst.layout.parallel.tp;
+            int64_t state = 0;
+            // (dst, layer) -> state heads and key heads received
+            std::map<int, std::multiset<int>> heads, keys;
+            for (const auto& msg : plan.messages) {
+                const TransferGroup& g = plan.groups[msg.kv_group];
+                if (!g.holds_state()) continue;
+                state += msg.bytes;
+                EXPECT_EQ(msg.num_tokens, 0);
+                EXPECT_TRUE(msg.pieces.empty());
+                for (int h = msg.head_begin; h < msg.head_end; ++h) heads[msg.dst_rank].insert(h);
+                for (int k = msg.key_begin; k < msg.key_end; ++k) keys[msg.dst_rank].insert(k);
+            }
+            EXPECT_EQ(state, int64_t{tp_to} * state_layers * state_bytes(m.state, tp_to));
+            // Each destination rank gets its heads and key heads once (a PP split of the
+            // source sends each stage's layers in its own message, so count per source stage).
+            for (const auto& [d, hs] : heads) {
+                const std::set<int> distinct(hs.begin(), hs.end());
+                EXPECT_EQ(static_cast<int>(distinct.size()), std::max(1, m.state.heads / tp_to));
+                EXPECT_EQ(hs.size() % distinct.size(), 0u);
+            }
+            for (const auto& [d, ks] : keys) {
+                const std::set<int> distinct(ks.begin(), ks.end());
+                EXPECT_EQ(static_cast<int>(distinct.size()), std::max(1, m.state.groups / tp_to));
+            }
+            EXPECT_EQ(plan.bytes, plan.min_bytes);
+            if (previous >= 0) EXPECT_EQ(state, previous);  // the same at every length
+            previous = state;
+        }
+    }
+}
+
+// No-KV layers send nothing; MLA with indexer keys sends latent and key once per destination.
+TEST(TransferPlanGroups, NoKvLayersAndMlaIndexer) {
+    const ModelSpec nem = catalog_model("nemotron-h-8b");
+    const TransferPlan plan = plan_for(nem, "tp=4", "tp=2", 1000, 16, 16, 1);
+    std::set<int> layers_sent;
+    for (const auto& msg : plan.messages)
+        for (int l = msg.layer_begin; l < msg.layer_end; ++l) layers_sent.insert(l);
+    for (int l = 0; l < nem.num_layers; ++l) {
+        const LayerKind k = nem.layer(l).kind;
+        EXPECT_EQ(layers_sent.count(l), k == LayerKind::kNoKv ? 0u : 1u) << "layer " << l;
+    }
+    EXPECT_EQ(plan.bytes, expected_bytes_cp1(nem, 2, 1000, 16));
+
+    const ModelSpec ds = catalog_model("deepseek-v3.2");
+    ASSERT_FALSE(ds.uniform());
+    const TransferPlan mla = plan_for(ds, "tp=8", "tp=4", 1000);
+    EXPECT_EQ(mla.bytes, expected_bytes_cp1(ds, 4, 1000, 16));
+    EXPECT_EQ(mla.bytes, mla.min_bytes);
+    std::map<int, int64_t> tokens_to;
+    for (const auto& msg : mla.messages) tokens_to[msg.dst_rank] += msg.num_tokens;
+    for (const auto& [d, t] : tokens_to) EXPECT_EQ(t, 1000) << "destination " << d;
+}
+
+// Plans of non-uniform models are made, but not packed: the executor's pools have one page shape.
+TEST(TransferPlanGroups, ExecutionRefusesNonUniformModels) {
+    const TransferPlan plan = plan_for(catalog_model("tiny-swa"), "tp=2", "tp=1", 40);
+    EXPECT_FALSE(plan.executable());
+    try {
+        rank_page_geometry(plan.src.layout, 0, 16, PageOrder::kHnd);
+        FAIL() << "expected an Error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("executing per-group plans is not built"),
+                  std::string::npos)
+            << e.what();
+    }
+    EXPECT_TRUE(plan_for(catalog_model("tiny"), "tp=2", "tp=1", 40).executable());
+    // Different layer mixes are different models.
+    const auto src =
+        testing::make_endpoint(catalog_model("tiny-swa"), "tp=1", 16, PageOrder::kHnd, 40);
+    const auto dst = testing::make_endpoint(catalog_model("tiny"), "tp=1", 16, PageOrder::kHnd, 40);
+    EXPECT_THROW(make_transfer_plan(src, dst, 40), Error);
+}
+
+TEST(TransferPlanGroups, Cli) {
+    using kvshard::test::run_cli;
+    const auto r =
+        run_cli("transfer-plan --model gpt-oss-120b --from tp=8 --to tp=4 --tokens 32768 --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["bytes"], j["min_bytes"]);
+    ASSERT_EQ(j["kv_groups"].size(), 2u);
+    int64_t sum = 0;
+    for (const auto& g : j["kv_groups"]) sum += g["bytes"].get<int64_t>();
+    EXPECT_EQ(sum, j["bytes"].get<int64_t>());
+    EXPECT_EQ(j["kv_groups"][0]["kind"], "sliding");
+    EXPECT_EQ(j["kv_groups"][0]["first_kept"], 32768 - 128);
+    // 18 sliding layers x 128 tokens x K,V x 8 heads x 64 x bf16 over the 4 destinations.
+    EXPECT_EQ(j["kv_groups"][0]["bytes"].get<int64_t>(), int64_t{18} * 128 * 2 * 8 * 64 * 2);
+    const auto text =
+        run_cli("transfer-plan --model tiny-hybrid --from tp=2 --to tp=4 --tokens 100");
+    ASSERT_EQ(text.status, 0) << text.out;
+    EXPECT_NE(text.out.find("gated_deltanet"), std::string::npos) << text.out;
+    const auto sched =
+        run_cli("transfer-plan --model tiny-swa --from tp=2 --to tp=1 --tokens 100 --schedule");
+    EXPECT_EQ(sched.status, 2) << sched.out;
+    EXPECT_NE(sched.out.find("not built"), std::string::npos) << sched.out;
+}
+
+}  // namespace
+}  // namespace kvshard
