@@ -252,7 +252,9 @@ AllocResult BlockManager::allocate_impl(SeqId seq, std::span<const BlockHash> ha
     s.num_tokens = num_tokens;
     s.hashable = false;
     if (config_.enable_prefix_cache) s.hashes.assign(hashes.begin(), hashes.end());
-    register_blocks(s, hits);
+    // The shared prefix is computed (only registered, hence computed, blocks are found).
+    s.committed_tokens = static_cast<int64_t>(hits) * config_.block_size;
+    if (!config_.deferred_commit) commit_impl(s, num_tokens);
 
     if (config_.enable_prefix_cache) {
         ++counters_.queries;
@@ -274,6 +276,7 @@ BlockId BlockManager::take_block() {
         const BlockId b = free_list_.back();
         free_list_.pop_back();
         --num_free_;
+        blocks_[static_cast<size_t>(b)].computed = false;
         return b;
     }
     KVSHARD_CHECK(lru_head_ >= 0, "take_block called with no free or cached block");
@@ -285,6 +288,7 @@ BlockId BlockManager::take_block() {
         e->block_ids.push_back(b);
     }
     unregister(b);
+    blocks_[static_cast<size_t>(b)].computed = false;
     ++counters_.evictions;
     return b;
 }
@@ -300,14 +304,37 @@ void BlockManager::release_block(BlockId b) {
     } else {
         free_list_.push_back(b);
         ++num_free_;
+        m.computed = false;
     }
 }
 
-void BlockManager::register_blocks(Seq& s, size_t from) {
+void BlockManager::commit_impl(Seq& s, int64_t n) {
+    if (n <= s.committed_tokens) return;
+    const auto bs = static_cast<int64_t>(config_.block_size);
+    const auto from = static_cast<size_t>(s.committed_tokens / bs);
+    const auto to = static_cast<size_t>(n / bs);
+    for (size_t i = from; i < to; ++i) blocks_[static_cast<size_t>(s.blocks[i])].computed = true;
+    s.committed_tokens = n;
+    register_blocks(s, from, to);
+}
+
+void BlockManager::commit(SeqId seq, int64_t num_computed_tokens) {
+    Seq& s = seq_or_throw(seq);
+    require(num_computed_tokens >= 0 && num_computed_tokens <= s.num_tokens, "sequence ", seq,
+            " holds ", s.num_tokens,
+            " tokens, so its committed KV must cover [0, n) with n in [0, ", s.num_tokens,
+            "], got n = ", num_computed_tokens);
+    begin_op();
+    commit_impl(s, num_computed_tokens);
+    flush_events();
+}
+
+void BlockManager::register_blocks(Seq& s, size_t from, size_t to) {
     if (!config_.enable_prefix_cache) return;
     KvEvent* group = nullptr;
     bool group_open = false;
-    for (size_t i = from; i < s.hashes.size(); ++i) {
+    to = std::min(to, s.hashes.size());
+    for (size_t i = from; i < to; ++i) {
         // A block is findable only below a findable parent (see the header).
         if (i > 0) {
             const Block& p = blocks_[static_cast<size_t>(s.blocks[i - 1])];
@@ -317,6 +344,7 @@ void BlockManager::register_blocks(Seq& s, size_t from) {
         const BlockId b = s.blocks[i];
         Block& m = blocks_[static_cast<size_t>(b)];
         KVSHARD_CHECK(!m.registered, "block ", b, " registered twice");
+        KVSHARD_CHECK(m.computed, "block ", b, " registered before its KV was committed");
         m.registered = true;
         m.hash = s.hashes[i];
         m.has_parent = i > 0;
@@ -382,7 +410,6 @@ void BlockManager::append(SeqId seq, std::span<const int32_t> tokens) {
     grow(seq, s, count);
     if (s.hashable) {
         const size_t bs = static_cast<size_t>(config_.block_size);
-        const size_t first_new = s.hashes.size();
         BlockHash parent = s.hashes.empty() ? kRootParentHash : s.hashes.back();
         size_t pos = 0;
         if (!s.tail.empty()) {
@@ -403,8 +430,8 @@ void BlockManager::append(SeqId seq, std::span<const int32_t> tokens) {
                                 s.hashes);
             s.tail.assign(rest.begin() + static_cast<ptrdiff_t>(full * bs), rest.end());
         }
-        register_blocks(s, first_new);
     }
+    if (!config_.deferred_commit) commit_impl(s, s.num_tokens);
     flush_events();
 }
 
@@ -416,6 +443,7 @@ void BlockManager::append_tokens(SeqId seq, int64_t count) {
         s.hashable = false;
         s.tail.clear();
     }
+    if (!config_.deferred_commit) commit_impl(s, s.num_tokens);
     flush_events();
 }
 
@@ -440,6 +468,7 @@ void BlockManager::clear_cache() {
             --num_cached_;
             free_list_.push_back(b);
             ++num_free_;
+            m.computed = false;
         }
         m.registered = m.has_parent = false;
         m.hash = m.parent = BlockHash{};
@@ -471,6 +500,10 @@ std::span<const BlockId> BlockManager::block_table(SeqId seq) const {
 }
 
 int64_t BlockManager::num_tokens(SeqId seq) const { return seq_or_throw(seq).num_tokens; }
+
+int64_t BlockManager::num_committed_tokens(SeqId seq) const {
+    return seq_or_throw(seq).committed_tokens;
+}
 
 std::span<const BlockHash> BlockManager::block_hashes(SeqId seq) const {
     return seq_or_throw(seq).hashes;
@@ -508,6 +541,12 @@ int32_t BlockManager::ref_count(BlockId b) const {
     require(b >= 0 && b < config_.num_blocks, "block id ", b, " out of range [0, ",
             config_.num_blocks, ")");
     return blocks_[static_cast<size_t>(b)].ref;
+}
+
+bool BlockManager::block_computed(BlockId b) const {
+    require(b >= 0 && b < config_.num_blocks, "block id ", b, " out of range [0, ",
+            config_.num_blocks, ")");
+    return blocks_[static_cast<size_t>(b)].computed;
 }
 
 std::optional<BlockHash> BlockManager::registered_hash(BlockId b) const {
@@ -625,11 +664,21 @@ void BlockManager::check_invariants() const {
                     s.tail.size() == static_cast<size_t>(s.num_tokens % config_.block_size),
                 "sequence ", id, " token bookkeeping");
         }
+        KVSHARD_CHECK(s.committed_tokens >= 0 && s.committed_tokens <= s.num_tokens, "sequence ",
+                      id, " committed ", s.committed_tokens, " of ", s.num_tokens, " tokens");
+        KVSHARD_CHECK(config_.deferred_commit || s.committed_tokens == s.num_tokens, "sequence ",
+                      id, " has uncommitted tokens without deferred commit");
+        const auto committed_full = static_cast<size_t>(s.committed_tokens / config_.block_size);
         for (size_t i = 0; i < s.blocks.size(); ++i) {
             const BlockId b = s.blocks[i];
             KVSHARD_CHECK(b >= 0 && static_cast<size_t>(b) < n, "block id ", b, " out of range");
             ++refs[static_cast<size_t>(b)];
             const Block& m = blocks_[static_cast<size_t>(b)];
+            // Only the committed full blocks are computed: a block past them is private to this
+            // sequence (shared blocks are registered, hence committed, prefix blocks).
+            KVSHARD_CHECK(m.computed == (i < committed_full), "sequence ", id, " block ", i,
+                          (m.computed ? " computed" : " not computed"), " with ",
+                          s.committed_tokens, " tokens committed");
             if (m.registered) {
                 KVSHARD_CHECK(i < s.hashes.size() && s.hashes[i] == m.hash, "sequence ", id,
                               " block ", i, " registered under a hash that is not the sequence's");
@@ -655,6 +704,9 @@ void BlockManager::check_invariants() const {
             ++unused;
             KVSHARD_CHECK(!m.in_lru, "free block ", b, " in the LRU list");
         }
+        KVSHARD_CHECK(!m.registered || m.computed, "block ", b, " registered but not computed");
+        KVSHARD_CHECK(m.ref > 0 || m.registered || !m.computed, "free block ", b,
+                      " marked computed");
         if (m.registered) {
             ++registered;
             KVSHARD_CHECK(index_.find(m.hash) == static_cast<BlockId>(b), "block ", b,

@@ -66,6 +66,10 @@ std::string to_json_line(const KvEvent& e, std::string_view source) {
         }
         s += ']';
     }
+    if (e.group != 0) {
+        s += ",\"group\":";
+        s += std::to_string(e.group);
+    }
     s += '}';
     return s;
 }
@@ -101,6 +105,7 @@ KvEvent kv_event_from_json(std::string_view line) {
         if (j.contains("num_tokens")) e.num_tokens = j.at("num_tokens").get<int64_t>();
         if (j.contains("block_size")) e.block_size = j.at("block_size").get<int>();
         if (j.contains("block_ids")) e.block_ids = j.at("block_ids").get<std::vector<int32_t>>();
+        if (j.contains("group")) e.group = j.at("group").get<int>();
     } catch (const nlohmann::json::exception& ex) {
         throw Error(detail::concat("malformed KV event line: ", ex.what()));
     }
@@ -114,14 +119,19 @@ void KvEventIndex::apply(const KvEvent& e) {
             " was expected: ", e.seq > *next_seq_ ? "events were lost" : "an event was replayed",
             "; resynchronize from a snapshot"));
     switch (e.kind) {
-        case KvEventKind::kBlockStored:
-            for (const BlockHash& h : e.block_hashes) hashes_.insert(h);
+        case KvEventKind::kBlockStored: {
+            HashSet& set = set_of(e.group);
+            for (const BlockHash& h : e.block_hashes) set.insert(h);
             break;
-        case KvEventKind::kBlockRemoved:
-            for (const BlockHash& h : e.block_hashes) hashes_.erase(h);
+        }
+        case KvEventKind::kBlockRemoved: {
+            HashSet& set = set_of(e.group);
+            for (const BlockHash& h : e.block_hashes) set.erase(h);
             break;
+        }
         case KvEventKind::kAllCleared:
             hashes_.clear();
+            other_groups_.clear();
             break;
     }
     next_seq_ = e.seq + 1;
@@ -129,13 +139,32 @@ void KvEventIndex::apply(const KvEvent& e) {
 
 void KvEventIndex::sync(std::span<const BlockHash> hashes, uint64_t next_seq) {
     hashes_.clear();
+    other_groups_.clear();
     hashes_.insert(hashes.begin(), hashes.end());
     next_seq_ = next_seq;
 }
 
-size_t KvEventIndex::match_length(std::span<const BlockHash> request) const {
+const KvEventIndex::HashSet* KvEventIndex::find_set(int group) const {
+    if (group == 0) return &hashes_;
+    const auto it = other_groups_.find(group);
+    return it == other_groups_.end() ? nullptr : &it->second;
+}
+
+bool KvEventIndex::contains(const BlockHash& h, int group) const {
+    const HashSet* set = find_set(group);
+    return set && set->count(h) != 0;
+}
+
+size_t KvEventIndex::match_length(std::span<const BlockHash> request, int group) const {
+    const HashSet* set = find_set(group);
     size_t n = 0;
-    while (n < request.size() && contains(request[n])) ++n;
+    while (set && n < request.size() && set->count(request[n])) ++n;
+    return n;
+}
+
+size_t KvEventIndex::size() const {
+    size_t n = hashes_.size();
+    for (const auto& [g, set] : other_groups_) n += set.size();
     return n;
 }
 

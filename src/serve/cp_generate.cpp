@@ -38,7 +38,10 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const GenerationOptions& opt, Communicator* world) {
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
     check_prompts(prompts, m.vocab, opt.max_new_tokens);
-
+    require(opt.prefill_chunk_tokens == 0,
+            "chunked prefill (prefill_chunk_tokens = ", opt.prefill_chunk_tokens,
+            ") is not available under cp=", p.cp,
+            ": the context-parallel executor prefills each prompt in one step; use 0");
     require(m.kv_dtype == DType::kFp32, "--kv-dtype ", dtype_name(m.kv_dtype), " with cp=", p.cp,
             ": the context-parallel executor (its KV ring and prefix moves) stores fp32 KV only; "
             "use --kv-dtype fp32 under CP, or cp=1 for bf16, fp16 or fp8 pools");

@@ -83,10 +83,16 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                     wiring.comms, opt.page_order);
     const std::string no_reuse = model_prefix_cache_unsupported(m);
     const bool prefix_cache = opt.prefix_cache && no_reuse.empty();
+    require(opt.prefill_chunk_tokens >= 0, "the prefill chunk must be 0 (a whole prompt per step) ",
+            "or a positive number of tokens, got ", opt.prefill_chunk_tokens);
     // Full and MLA groups share one block manager (and its prefix cache); each windowed group has
-    // its own tables that free what falls out of the window.
-    BlockManager tables(BlockManagerConfig{
-        .num_blocks = num_blocks, .block_size = bs, .enable_prefix_cache = prefix_cache});
+    // its own tables that free what falls out of the window. Deferred commit: a block is findable
+    // only once a step that writes its KV is scheduled (docs/cache.md, "Commit"); every rank of
+    // the group commits at the same point of the schedule.
+    BlockManager tables(BlockManagerConfig{.num_blocks = num_blocks,
+                                           .block_size = bs,
+                                           .enable_prefix_cache = prefix_cache,
+                                           .deferred_commit = true});
     const std::vector<KvGroup> groups = kv_groups(m);
     std::vector<std::unique_ptr<serve::WindowedTables>> windowed(groups.size());
     for (size_t g = 0; g < groups.size(); ++g)
@@ -99,16 +105,24 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
 
     const int batch = int(mine.size());
     std::vector<std::vector<int32_t>> out_tokens(static_cast<size_t>(batch));
-    std::vector<float> logits;
+    std::vector<float> logits;  // last stage: [batch][vocab], each sequence's latest row
     serve::GroupRow row;
     RankReport& rep = row.report;
     rep.rank = rank;
     rep.coord = c;
     std::vector<int64_t> seqs(static_cast<size_t>(batch));
     for (int i = 0; i < batch; ++i) seqs[size_t(i)] = i;
-    auto next_tokens = [&](const std::vector<float>& lg) {
+    // The step's greedy tokens of the sequences whose last row it computed (all when `done` is
+    // empty); their logits rows are kept.
+    auto next_tokens = [&](const std::vector<float>& lg, const std::vector<char>& done = {}) {
         const auto toks = serve::pass_greedy_tokens(world, p, c, lg, batch, m.vocab, kTagTokens);
-        for (int i = 0; i < batch; ++i) out_tokens[size_t(i)].push_back(toks[size_t(i)]);
+        for (int i = 0; i < batch; ++i) {
+            if (!done.empty() && !done[size_t(i)]) continue;
+            out_tokens[size_t(i)].push_back(toks[size_t(i)]);
+            if (!lg.empty())
+                std::copy_n(lg.begin() + int64_t{i} * m.vocab, m.vocab,
+                            logits.begin() + int64_t{i} * m.vocab);
+        }
     };
 
     // Windowed groups: their own tables for this step's lengths, released to the window after it.
@@ -127,37 +141,62 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
             fb.group_kv[g] = windowed[g]->paged_kv(seqs, lens);
         }
     };
-    auto release_windows = [&] {
+    // lens: per sequence, the length whose window the next query needs.
+    auto release_windows = [&](const std::vector<int64_t>& lens) {
         if (!any_windowed) return;
-        const auto lens = lengths_now();
         for (auto& w : windowed)
             if (w)
                 for (size_t i = 0; i < seqs.size(); ++i) w->release_before_window(seqs[i], lens[i]);
     };
 
-    // Prefill: every prompt asks the prefix cache first; at least its last token is computed.
+    // Prefill: every prompt asks the prefix cache first; at least its last token is computed, in
+    // steps of at most opt.prefill_chunk_tokens tokens per prompt (0: all in one step). A step's
+    // chunk is committed as it is scheduled: the step's forward writes every row's KV of a layer
+    // before any row's attention reads it, on every rank, so a later prompt of the same step or
+    // any later step may share it; a chunk of a later step stays unfindable until then
+    // (docs/cache.md, "Commit").
     {
         const auto t0 = serve::Clock::now();
-        ForwardBatch fb;
-        for (int i = 0; i < batch; ++i) {
-            const auto& pr = prompts[size_t(mine[size_t(i)])];
-            const int64_t len = int64_t(pr.size());
-            const auto a = tables.allocate(i, pr);
-            const int64_t cached = std::min<int64_t>(a.cached_tokens, len - 1);
-            rep.prefix_hit_tokens += a.cached_tokens;
-            row.replica_prompt_tokens += len;
-            row.replica_computed_tokens += len - cached;
-            for (int64_t t = cached; t < len; ++t) {
-                fb.token_ids.push_back(pr[size_t(t)]);
-                fb.slots.push_back(t);
+        std::vector<int64_t> computed(static_cast<size_t>(batch));
+        logits.assign(model.last_stage() ? size_t(batch) * size_t(m.vocab) : 0, 0.0f);
+        for (bool first = true, more = true; more; first = false) {
+            ForwardBatch fb;
+            std::vector<char> done(static_cast<size_t>(batch), 0);
+            std::vector<int64_t> window_of(static_cast<size_t>(batch));
+            more = false;
+            for (int i = 0; i < batch; ++i) {
+                const auto& pr = prompts[size_t(mine[size_t(i)])];
+                const int64_t len = int64_t(pr.size());
+                if (first) {
+                    const auto a = tables.allocate(i, pr);
+                    const int64_t cached = std::min<int64_t>(a.cached_tokens, len - 1);
+                    rep.prefix_hit_tokens += a.cached_tokens;
+                    row.replica_prompt_tokens += len;
+                    row.replica_computed_tokens += len - cached;
+                    computed[size_t(i)] = cached;
+                }
+                const int64_t from = computed[size_t(i)];
+                const int64_t n = opt.prefill_chunk_tokens > 0
+                                      ? std::min<int64_t>(len - from, opt.prefill_chunk_tokens)
+                                      : len - from;
+                for (int64_t t = from; t < from + n; ++t) {
+                    fb.token_ids.push_back(pr[size_t(t)]);
+                    fb.slots.push_back(t);
+                }
+                fb.queries.add_sequence(n, from);
+                computed[size_t(i)] += n;
+                tables.commit(i, computed[size_t(i)]);
+                done[size_t(i)] = n > 0 && computed[size_t(i)] == len;
+                more = more || computed[size_t(i)] < len;
+                // The next query (position computed, or the first decode step) needs its window.
+                window_of[size_t(i)] = computed[size_t(i)] < len ? computed[size_t(i)] + 1 : len;
             }
-            fb.queries.add_sequence(len - cached, cached);
+            fb.kv = tables.paged_kv(seqs);
+            set_group_tables(fb);
+            const std::vector<float> lg = model.forward(fb);
+            release_windows(window_of);
+            next_tokens(lg, done);
         }
-        fb.kv = tables.paged_kv(seqs);
-        set_group_tables(fb);
-        logits = model.forward(fb);
-        release_windows();
-        next_tokens(logits);
         rep.prefill_seconds = serve::seconds_since(t0);
     }
     // Decode: one token per sequence per step.
@@ -176,9 +215,10 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
             }
             fb.kv = tables.paged_kv(seqs);
             set_group_tables(fb);
-            logits = model.forward(fb);
-            release_windows();
-            next_tokens(logits);
+            const std::vector<float> lg = model.forward(fb);
+            release_windows(lengths_now());
+            for (int i = 0; i < batch; ++i) tables.commit(i, tables.num_tokens(i));
+            next_tokens(lg);
         }
         rep.decode_seconds = serve::seconds_since(t0);
     }

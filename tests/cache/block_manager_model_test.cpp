@@ -2,6 +2,8 @@
 // random operations run on the BlockManager and on a naive reference model side by side. The model
 // keeps block contents, reference counts, the prefix index (rebuilt only from the KV events) and
 // the LRU list as plain containers; after every step the two must agree and every invariant hold.
+// With deferred commit the model also keeps which blocks hold written KV (set at commit, cleared
+// when a block is reused): a prefix hit or a BlockStored event on a block not written yet fails.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,14 +24,17 @@ struct RefSeq {
     std::vector<int32_t> tokens;  // unknown ids are stored as unique negative sentinels
     std::vector<std::byte> extra;
     std::vector<BlockId> table;
-    bool hashable = true;  // ids all known and allocated from tokens
-    int base = -1;         // prompt family, for appends that continue it
+    bool hashable = true;          // ids all known and allocated from tokens
+    int base = -1;                 // prompt family, for appends that continue it
+    std::vector<BlockHash> chain;  // the full blocks' hashes the manager knows
+    int64_t committed = 0;         // tokens whose KV is written
 };
 
 struct Params {
     uint32_t seed;
     int block_size;
     int64_t num_blocks;
+    bool deferred = false;  // BlockManagerConfig::deferred_commit
 };
 
 class Model {
@@ -40,6 +45,7 @@ class Model {
           rng_(p.seed),
           ref_(static_cast<size_t>(p.num_blocks), 0),
           reg_(static_cast<size_t>(p.num_blocks)),
+          written_(static_cast<size_t>(p.num_blocks), false),
           content_(static_cast<size_t>(p.num_blocks)),
           content_extra_(static_cast<size_t>(p.num_blocks)) {
         std::uniform_int_distribution<int32_t> tok(0, 6);  // tiny vocabulary: many equal blocks
@@ -53,16 +59,18 @@ class Model {
 
     void step() {
         const int op = pick(0, 99);
-        if (op < 30)
+        if (op < 28)
             allocate();
-        else if (op < 55)
+        else if (op < 48)
             append();
-        else if (op < 80)
+        else if (op < 68)
             free_one();
-        else if (op < 92)
+        else if (op < 78)
             lookup();
-        else if (op < 93)
+        else if (op < 79)
             clear();
+        else if (op < 93)
+            commit();
         else
             bad_input();
         compare();
@@ -83,6 +91,7 @@ class Model {
     int64_t evictions_seen() const { return evictions_seen_; }
     int64_t out_of_blocks_seen() const { return oob_seen_; }
     int64_t duplicates_seen() const { return duplicates_seen_; }
+    int64_t uncommitted_skips() const { return uncommitted_skips_; }
 
   private:
     int pick(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
@@ -129,6 +138,8 @@ class Model {
     // Checks that a block the manager shares holds exactly the query's tokens.
     void expect_content(BlockId b, const std::vector<int32_t>& t, size_t i,
                         const std::vector<std::byte>& extra) {
+        ASSERT_TRUE(written_[static_cast<size_t>(b)])
+            << "a shared block's KV is not written yet (hit inside the allocate-commit window)";
         ASSERT_EQ(content_[static_cast<size_t>(b)], block_tokens(t, i))
             << "a shared block holds other tokens than the query";
         ASSERT_EQ(content_extra_[static_cast<size_t>(b)], extra);
@@ -158,20 +169,21 @@ class Model {
             lru_.pop_front();
             index_.erase(ev[k].block_hashes[j]);
             reg_[static_cast<size_t>(b)].reset();
+            written_[static_cast<size_t>(b)] = false;
         }
         evictions_seen_ += expect;
         ++k;
     }
 
-    // The store part: the blocks [from, chain.size()) of a sequence that the registration rule
-    // admits (parent registered as the sequence's previous block, hash not yet indexed), in
-    // BlockStored events whose hashes match the model's block contents.
+    // The store part: the blocks [from, min(to, chain.size())) of a sequence that the
+    // registration rule admits (parent registered as the sequence's previous block, hash not yet
+    // indexed), in BlockStored events whose hashes match the model's block contents.
     void check_stored(const std::vector<KvEvent>& ev, size_t& k,
                       const std::vector<BlockHash>& chain, const std::vector<BlockId>& table,
-                      size_t from) {
+                      size_t from, size_t to) {
         std::vector<BlockHash> want_h;
         std::vector<BlockId> want_b;
-        for (size_t i = from; i < chain.size(); ++i) {
+        for (size_t i = from; i < std::min(to, chain.size()); ++i) {
             if (i > 0) {
                 const auto& pr = reg_[static_cast<size_t>(table[i - 1])];
                 if (!pr || *pr != chain[i - 1]) break;
@@ -196,6 +208,7 @@ class Model {
             std::optional<BlockHash> parent = ev[k].parent_hash;
             for (size_t j = 0; j < ev[k].block_hashes.size(); ++j) {
                 const auto b = static_cast<size_t>(ev[k].block_ids[j]);
+                ASSERT_TRUE(written_[b]) << "BlockStored for a block whose KV is not written";
                 ASSERT_EQ(static_cast<int>(content_[b].size()), p_.block_size);
                 ASSERT_EQ(
                     hash_block(parent.value_or(kRootParentHash), content_[b], content_extra_[b]),
@@ -265,6 +278,8 @@ class Model {
         }
         ASSERT_EQ(want, Outcome::kOk);
         ASSERT_EQ(r.cached_tokens, static_cast<int64_t>(hits) * p_.block_size);
+        if (p_.deferred && hits < chain.size() && uncommitted_holder(chain[hits]))
+            ++uncommitted_skips_;  // the next block is allocated elsewhere but not written yet
         ASSERT_EQ(r.new_blocks, total - static_cast<int64_t>(hits));
         hits_seen_ += static_cast<int64_t>(hits);
         const std::vector<BlockId> table(m_.block_table(id).begin(), m_.block_table(id).end());
@@ -286,18 +301,22 @@ class Model {
         for (size_t i = hits; i < table.size(); ++i) {
             const auto b = static_cast<size_t>(table[i]);
             ASSERT_FALSE(reg_[b]) << "a new block still carries a hash";
+            ASSERT_FALSE(written_[b]) << "a new block is marked written";
             ref_[b] = 1;
             content_[b] = block_tokens(tokens, i);
             content_extra_[b] = extra;
         }
-        check_stored(ev, k, chain, table, hits);
-        ASSERT_EQ(k, ev.size());
         RefSeq s;
         s.tokens = tokens;
         s.extra = extra;
         s.table = table;
         s.hashable = !hash_mode;
         s.base = base;
+        s.chain = chain;
+        s.committed = static_cast<int64_t>(hits) * p_.block_size;
+        if (!p_.deferred) mark_committed(ev, k, s, static_cast<int64_t>(tokens.size()));
+        ASSERT_EQ(k, ev.size());
+        ASSERT_EQ(m_.num_committed_tokens(id), s.committed);
         seqs_.emplace(id, std::move(s));
     }
 
@@ -365,8 +384,55 @@ class Model {
             content_extra_[b] = s.extra;
         }
         if (unknown) s.hashable = false;
-        if (s.hashable) check_stored(ev, k, hashes_of(s.tokens, s.extra), table, old_full);
+        if (s.hashable) s.chain = hashes_of(s.tokens, s.extra);
+        if (!p_.deferred) mark_committed(ev, k, s, static_cast<int64_t>(s.tokens.size()));
         ASSERT_EQ(k, ev.size()) << "unexpected events";
+    }
+
+    // Whether some sequence holds the block of hash h in its table, not committed yet.
+    bool uncommitted_holder(const BlockHash& h) const {
+        for (const auto& [id, s] : seqs_) {
+            const size_t full = static_cast<size_t>(s.committed / p_.block_size);
+            for (size_t i = full; i < s.chain.size(); ++i)
+                if (s.chain[i] == h) return true;
+        }
+        return false;
+    }
+
+    // Tokens [s.committed, n) of s are written: their full blocks become written and, where the
+    // registration rule admits them, stored (checked against the events from k on).
+    void mark_committed(const std::vector<KvEvent>& ev, size_t& k, RefSeq& s, int64_t n) {
+        if (n <= s.committed) return;
+        const auto bs = static_cast<size_t>(p_.block_size);
+        const size_t from = static_cast<size_t>(s.committed) / bs;
+        const size_t to = static_cast<size_t>(n) / bs;
+        for (size_t i = from; i < to; ++i) {
+            const auto b = static_cast<size_t>(s.table[i]);
+            ASSERT_FALSE(written_[b]) << "a block past the committed prefix was already written";
+            written_[b] = true;
+        }
+        s.committed = n;
+        check_stored(ev, k, s.chain, s.table, from, to);
+    }
+
+    // The executor's commit after a forward step: a random sequence's KV is written up to a
+    // random point at or past what it had (sometimes below it: a no-op).
+    void commit() {
+        if (seqs_.empty()) return;
+        auto it = seqs_.begin();
+        std::advance(it, pick(0, static_cast<int>(seqs_.size()) - 1));
+        RefSeq& s = it->second;
+        const auto len = static_cast<int64_t>(s.tokens.size());
+        const int64_t n = pick(0, 2) == 0 ? len
+                          : pick(0, 5) == 0
+                              ? pick(0, static_cast<int>(s.committed))
+                              : pick(static_cast<int>(s.committed), static_cast<int>(len));
+        m_.commit(it->first, n);
+        const auto ev = take_events();
+        size_t k = 0;
+        mark_committed(ev, k, s, n);
+        ASSERT_EQ(k, ev.size()) << "commit published unexpected events";
+        ASSERT_EQ(m_.num_committed_tokens(it->first), s.committed);
     }
 
     void do_free(SeqId id) {
@@ -376,6 +442,8 @@ class Model {
             auto& rc = ref_[static_cast<size_t>(*b)];
             ASSERT_GT(rc, 0);
             if (--rc == 0 && reg_[static_cast<size_t>(*b)]) lru_.push_back(*b);
+            if (rc == 0 && !reg_[static_cast<size_t>(*b)])
+                written_[static_cast<size_t>(*b)] = false;
         }
         seqs_.erase(id);
         ASSERT_TRUE(events_.empty()) << "free published events";
@@ -411,14 +479,17 @@ class Model {
         ASSERT_EQ(events_[0].kind, KvEventKind::kAllCleared);
         check_seq(events_[0]);
         events_.clear();
-        for (auto& r : reg_) r.reset();
+        for (size_t b = 0; b < reg_.size(); ++b) {
+            if (ref_[b] == 0) written_[b] = false;
+            reg_[b].reset();
+        }
         index_.clear();
         lru_.clear();
     }
 
     void bad_input() {
         const auto before = m_.metrics();
-        switch (pick(0, 3)) {
+        switch (pick(0, 4)) {
             case 0:
                 EXPECT_THROW(m_.free(next_id_ + 1000), Error);
                 break;
@@ -449,6 +520,15 @@ class Model {
                 if (seqs_.empty()) return;
                 EXPECT_THROW(m_.allocate(seqs_.begin()->first, std::vector<int32_t>{1, 2}), Error);
                 break;
+            case 4: {
+                if (seqs_.empty()) return;
+                const auto& [id, s] = *seqs_.begin();
+                EXPECT_THROW(m_.commit(id, static_cast<int64_t>(s.tokens.size()) + 1), Error);
+                EXPECT_THROW(m_.commit(id, -1), Error);
+                EXPECT_THROW(m_.commit(next_id_ + 1000, 0), Error);
+                EXPECT_EQ(m_.num_committed_tokens(id), s.committed);
+                break;
+            }
         }
         expect_unchanged(before);
     }
@@ -484,6 +564,7 @@ class Model {
         for (size_t b = 0; b < ref_.size(); ++b) {
             const auto id = static_cast<BlockId>(b);
             ASSERT_EQ(m_.ref_count(id), ref_[b]) << "block " << b;
+            ASSERT_EQ(m_.block_computed(id), written_[b]) << "block " << b;
             ASSERT_EQ(m_.registered_hash(id), reg_[b]) << "block " << b;
             const BlockState st = m_.block_state(id);
             if (ref_[b] > 0) {
@@ -521,6 +602,7 @@ class Model {
     std::vector<std::optional<BlockHash>> reg_;
     std::unordered_map<BlockHash, BlockId, BlockHashHasher> index_;
     std::list<BlockId> lru_;
+    std::vector<bool> written_;  // the block is full and its KV committed
     std::vector<std::vector<int32_t>> content_;
     std::vector<std::vector<std::byte>> content_extra_;
     std::vector<KvEvent> events_;
@@ -530,6 +612,7 @@ class Model {
     SeqId next_id_ = 1;
     int32_t next_unknown_ = -1000000;
     int64_t hits_seen_ = 0, evictions_seen_ = 0, oob_seen_ = 0, duplicates_seen_ = 0;
+    int64_t uncommitted_skips_ = 0;
 };
 
 }  // namespace
@@ -542,7 +625,8 @@ class BlockManagerModel : public ::testing::TestWithParam<Params> {};
 
 TEST_P(BlockManagerModel, RandomOperationsAgreeWithTheReference) {
     const Params p = GetParam();
-    BlockManager m({p.num_blocks, p.block_size, true});
+    BlockManager m(
+        {.num_blocks = p.num_blocks, .block_size = p.block_size, .deferred_commit = p.deferred});
     Model model(p, m);
     constexpr int kSteps = 5000;
     for (int i = 0; i < kSteps; ++i) {
@@ -555,20 +639,28 @@ TEST_P(BlockManagerModel, RandomOperationsAgreeWithTheReference) {
     EXPECT_GT(model.hits_seen(), 0);
     EXPECT_GT(model.evictions_seen(), 0);
     EXPECT_GT(model.out_of_blocks_seen(), 0);
-    std::printf("hit blocks %lld, evictions %lld, out-of-blocks %lld, duplicate blocks %lld\n",
-                static_cast<long long>(model.hits_seen()),
-                static_cast<long long>(model.evictions_seen()),
-                static_cast<long long>(model.out_of_blocks_seen()),
-                static_cast<long long>(model.duplicates_seen()));
+    // Deferred: allocations met blocks inside their allocate-commit window (and did not hit them).
+    if (p.deferred) EXPECT_GT(model.uncommitted_skips(), 0);
+    std::printf(
+        "hit blocks %lld, evictions %lld, out-of-blocks %lld, duplicate blocks %lld, "
+        "uncommitted blocks not hit %lld\n",
+        static_cast<long long>(model.hits_seen()), static_cast<long long>(model.evictions_seen()),
+        static_cast<long long>(model.out_of_blocks_seen()),
+        static_cast<long long>(model.duplicates_seen()),
+        static_cast<long long>(model.uncommitted_skips()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Seeds, BlockManagerModel,
                          ::testing::Values(Params{1, 4, 24}, Params{2, 4, 24}, Params{3, 1, 40},
-                                           Params{4, 2, 32}, Params{5, 16, 12}, Params{6, 4, 64}),
+                                           Params{4, 2, 32}, Params{5, 16, 12}, Params{6, 4, 64},
+                                           Params{7, 4, 24, true}, Params{8, 4, 24, true},
+                                           Params{9, 1, 40, true}, Params{10, 2, 32, true},
+                                           Params{11, 16, 12, true}, Params{12, 4, 64, true}),
                          [](const auto& info) {
                              return "seed" + std::to_string(info.param.seed) + "_bs" +
                                     std::to_string(info.param.block_size) + "_blocks" +
-                                    std::to_string(info.param.num_blocks);
+                                    std::to_string(info.param.num_blocks) +
+                                    (info.param.deferred ? "_deferred" : "");
                          });
 
 }  // namespace

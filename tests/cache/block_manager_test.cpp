@@ -38,6 +38,62 @@ TEST(BlockManager, AllocatesAndFreesWithoutSharing) {
     m.check_invariants();
 }
 
+// Deferred commit: a prompt's blocks are not findable between its allocation and the commit of
+// the step that wrote their KV; BlockStored comes at the commit, for the committed full blocks.
+TEST(BlockManager, DeferredCommitHidesBlocksUntilTheirKvIsWritten) {
+    BlockManager m({.num_blocks = 16, .block_size = 4, .deferred_commit = true});
+    std::vector<KvEvent> events;
+    m.subscribe([&](const KvEvent& e) { events.push_back(e); });
+    const auto a = iota_tokens(14);  // three full blocks and a partial one
+    EXPECT_EQ(m.allocate(1, a).cached_tokens, 0);
+    EXPECT_TRUE(events.empty()) << "blocks published before their KV was written";
+    EXPECT_EQ(m.num_committed_tokens(1), 0);
+    EXPECT_EQ(m.lookup(a).num_tokens, 0);
+    // A second request in the window shares nothing: it computes its own copy.
+    EXPECT_EQ(m.allocate(2, a).cached_tokens, 0);
+    m.check_invariants();
+
+    m.commit(1, 6);  // a first chunk: block 0 full and written, block 1 half
+    EXPECT_TRUE(m.block_computed(m.block_table(1)[0]));
+    EXPECT_FALSE(m.block_computed(m.block_table(1)[1]));
+    ASSERT_EQ(events.size(), 1u);
+    EXPECT_EQ(events[0].kind, KvEventKind::kBlockStored);
+    EXPECT_EQ(events[0].block_ids, std::vector<int32_t>{m.block_table(1)[0]});
+    EXPECT_EQ(m.lookup(a).num_tokens, 4);
+    EXPECT_EQ(m.allocate(3, a).cached_tokens, 4);
+    m.commit(1, 3);  // below what is committed: nothing changes
+    EXPECT_EQ(m.num_committed_tokens(1), 6);
+    EXPECT_EQ(events.size(), 1u);
+
+    m.commit(1, 14);
+    ASSERT_EQ(events.size(), 2u);
+    EXPECT_EQ(events[1].block_hashes.size(), 2u);  // blocks 1 and 2; the partial one never
+    EXPECT_EQ(events[1].parent_hash, m.block_hashes(1)[0]);
+    EXPECT_EQ(m.lookup(a).num_tokens, 12);
+    // Sequence 2's own copies hold the same hashes: never registered a second time.
+    m.commit(2, 14);
+    EXPECT_EQ(events.size(), 2u);
+    m.check_invariants();
+
+    // A freed uncommitted block is free (not cached) and forgets that it was ever allocated.
+    m.append(3, std::vector<int32_t>{100});
+    const BlockId tail = m.block_table(3).back();
+    m.free(3);
+    EXPECT_EQ(m.block_state(tail), BlockState::kFree);
+    EXPECT_FALSE(m.block_computed(tail));
+    EXPECT_THROW(m.commit(1, 15), Error);
+    EXPECT_THROW(m.commit(3, 0), Error);
+    m.check_invariants();
+
+    // Without deferred commit, allocate and append commit at once and commit() is a no-op.
+    auto now = make(8);
+    now.allocate(1, a);
+    EXPECT_EQ(now.num_committed_tokens(1), 14);
+    EXPECT_EQ(now.lookup(a).num_tokens, 12);
+    now.commit(1, 14);
+    now.check_invariants();
+}
+
 TEST(BlockManager, SharesOnlyFullBlocksOfACommonPrefix) {
     auto m = make(16);
     auto a = iota_tokens(10);

@@ -182,6 +182,88 @@ TEST(ServeVerify, AgainstTheUnshardedModel) {
     EXPECT_FALSE(reference_options(4, 16).prefix_cache);
 }
 
+// Issue 22: with chunked prefill a prompt's later blocks are written in later steps. Prompts that
+// share its prefix, arriving together, must hit only the blocks whose KV a step already wrote or
+// writes before their own reads (deferred commit), never a block still waiting for its chunk:
+// then every output equals the unsharded run's without a prefix cache. (Before the commit rule the
+// second prompt hit all five of the first prompt's blocks at allocation and read four of them
+// unwritten in the first step: its tokens and logits differed.)
+TEST(ServePrefixCache, ChunkedPrefillNeverSharesBlocksBeforeTheirKvIsWritten) {
+    set_compute_threads(1);
+    const ModelSpec m = catalog_model("tiny");
+    const auto weights = random_tensor_source(11);
+    const auto base = make_prompts({.count = 2, .length = 40, .seed = 4}, m.vocab);
+    std::vector<std::vector<int32_t>> prompts{base[0], base[0], base[0]};
+    prompts[1].insert(prompts[1].end(), base[1].begin(), base[1].begin() + 9);  // A + 9 own
+    prompts[2].resize(20);                                                      // A's first 20
+    prompts[2].insert(prompts[2].end(), base[1].begin(), base[1].begin() + 5);  // + 5 own
+    for (const std::string par : {"tp=1", "tp=2", "pp=2", "tp=2,pp=2"})
+        for (const int64_t chunk : {int64_t{0}, int64_t{8}, int64_t{12}}) {
+            SCOPED_TRACE(par + " chunk " + std::to_string(chunk));
+            const ParallelConfig p = parse_parallel_config(par);
+            GenerationOptions opt;
+            opt.max_new_tokens = 3;
+            opt.block_size = 8;
+            opt.prefill_chunk_tokens = chunk;
+            GenerationReport r;
+            run_threads(p.world_size(), [&](Communicator& world) {
+                GenerationReport got = generate(m, p, *weights, prompts, opt, &world);
+                if (world.rank() == 0) r = std::move(got);
+            });
+            const VerifyResult v = verify_against_reference(
+                m, *weights, prompts, opt.max_new_tokens, opt.block_size, r.tokens, r.last_logits);
+            EXPECT_TRUE(v.tokens_match);
+            EXPECT_LE(v.max_rel_err, kVerifyMaxRelativeL2);
+            // Prompts 1 and 2 still share what was written (or scheduled in the same step) first.
+            EXPECT_GT(r.prefix_hit_tokens, 0);
+            if (chunk == 0) {
+                // One step: every full block of the shared prefix is shared (40 and 16 tokens).
+                EXPECT_EQ(r.prefix_hit_tokens, 40 + 16);
+            } else {
+                // Only the first chunk's blocks were findable when prompts 1, 2 were allocated.
+                EXPECT_LT(r.prefix_hit_tokens, 40 + 16);
+            }
+        }
+    // A windowed model (no prefix reuse there): chunked prefill keeps each chunk's windows until
+    // the chunk's queries ran, so the output still equals the unsharded run's.
+    const ModelSpec swa = catalog_model("tiny-swa");
+    for (const std::string par : {"tp=1", "tp=2,pp=2"})
+        for (const int64_t chunk : {int64_t{5}, int64_t{16}}) {
+            SCOPED_TRACE("tiny-swa " + par + " chunk " + std::to_string(chunk));
+            const ParallelConfig p = parse_parallel_config(par);
+            GenerationOptions opt;
+            opt.max_new_tokens = 3;
+            opt.block_size = 4;
+            opt.prefill_chunk_tokens = chunk;
+            GenerationReport r;
+            run_threads(p.world_size(), [&](Communicator& world) {
+                GenerationReport got = generate(swa, p, *weights, prompts, opt, &world);
+                if (world.rank() == 0) r = std::move(got);
+            });
+            const VerifyResult v =
+                verify_against_reference(swa, *weights, prompts, opt.max_new_tokens, opt.block_size,
+                                         r.tokens, r.last_logits);
+            EXPECT_TRUE(v.tokens_match);
+            EXPECT_LE(v.max_rel_err, kVerifyMaxRelativeL2);
+            for (const RankReport& rr : r.ranks) EXPECT_EQ(rr.kv_bytes, rr.kv_bytes_predicted);
+        }
+    GenerationOptions bad;
+    bad.prefill_chunk_tokens = -1;
+    EXPECT_THROW(generate(m, ParallelConfig{}, *weights, prompts, bad), Error);
+    // The CP executor prefills each prompt in one step: a chunk is refused, naming the option.
+    GenerationOptions cp;
+    cp.prefill_chunk_tokens = 8;
+    try {
+        run_threads(2, [&](Communicator& world) {
+            generate(m, parse_parallel_config("cp=2"), *weights, prompts, cp, &world);
+        });
+        ADD_FAILURE() << "chunked prefill under cp=2 was accepted";
+    } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find("prefill_chunk_tokens"), std::string::npos)
+            << e.what();
+    }
+}
+
 TEST(ServeOptions, DisaggOptionsValidateThemselves) {
     DisaggOptions o;
     EXPECT_NO_THROW(o.validate());

@@ -43,6 +43,7 @@ struct RunFlags {
     uint64_t seed = 1;
     int block_size = 16;
     bool no_prefix_cache = false;
+    int64_t prefill_chunk = 0;
     double max_memory_gib = 0;
     bool max_memory_given = false;
     double comm_timeout_s = kDefaultCommTimeoutS;
@@ -248,6 +249,9 @@ void run(const RunFlags& f) {
     if (f.cp_prefill != "auto") cp_prefill_mode = parse_cp_prefill_mode(f.cp_prefill);
     const CpDecodeMerge cp_decode_merge = parse_cp_decode_merge(f.cp_decode_merge);
     if (f.disagg.enabled()) {
+        require(f.prefill_chunk == 0,
+                "--prefill-chunk applies to a single-group run; a disaggregated run prefills each "
+                "prompt in one step on its prefill group: drop --prefill-chunk");
         require(p == ParallelConfig{},
                 "--tp/--pp/--cp/--dp/--ep/--cp-scheme describe a single-group run (got ",
                 p.to_string(),
@@ -275,6 +279,7 @@ void run(const RunFlags& f) {
     opt.max_new_tokens = f.gen;
     opt.block_size = f.block_size;
     opt.prefix_cache = !f.no_prefix_cache;
+    opt.prefill_chunk_tokens = f.prefill_chunk;
     opt.cp_prefill_mode = cp_prefill_mode;
     opt.cp_decode_merge = cp_decode_merge;
     set_compute_threads(1);
@@ -335,6 +340,11 @@ void setup(CLI::App& app) {
         ->capture_default_str();
     sub->add_option("--block-size", f->block_size, "tokens per KV block")->capture_default_str();
     sub->add_flag("--no-prefix-cache", f->no_prefix_cache, "recompute every prompt token");
+    sub->add_option("--prefill-chunk", f->prefill_chunk,
+                    "chunked prefill: at most this many tokens of each prompt per forward step "
+                    "(0: a whole prompt in one step; single-group runs with cp=1)")
+        ->check(CLI::NonNegativeNumber)
+        ->capture_default_str();
     sub->add_option(
            "--max-memory-gib", f->max_memory_gib,
            "refuse the run when its estimated memory (weights, KV pools, buffers, prompts, "

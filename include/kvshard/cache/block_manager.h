@@ -14,6 +14,12 @@
 // cached blocks, a sequence's blocks released tail first) always takes a chain's tail before its
 // head.
 //
+// A block is *computed* once its KV is written. With deferred_commit (an executor's manager) a
+// sequence's blocks are computed only when commit() says so, after the forward step that wrote
+// them; before that they are not registered, so no other sequence can hit a block that holds
+// nothing yet (docs/cache.md, "Commit"). Without it (a manager with no KV behind it: simulators,
+// planners) allocate and append commit at once. A registered block is always computed.
+//
 // Not thread-safe: one scheduler thread owns a manager.
 #include <cstddef>
 #include <cstdint>
@@ -44,6 +50,9 @@ struct BlockManagerConfig {
     int64_t num_blocks = 0;  // blocks of every rank's pool
     int block_size = 16;     // tokens per block
     bool enable_prefix_cache = true;
+    // true: full blocks become computed and findable only at commit() (the executor calls it after
+    // the step that wrote their KV); false: at allocate / append (no KV behind the manager).
+    bool deferred_commit = false;
 };
 
 enum class BlockState { kFree, kUsed, kCached };
@@ -85,6 +94,7 @@ class BlockManager {
     int block_size() const { return config_.block_size; }
     int64_t num_blocks() const { return config_.num_blocks; }
     bool prefix_cache_enabled() const { return config_.enable_prefix_cache; }
+    bool deferred_commit() const { return config_.deferred_commit; }
     // Blocks an allocation can take now: free + cached (evictable).
     int64_t num_available_blocks() const { return num_free_ + num_cached_; }
     // Blocks needed to hold num_tokens tokens.
@@ -100,11 +110,11 @@ class BlockManager {
 
     // ---- sequences ----
     // New sequence `seq` holding `tokens`: shares the longest cached prefix, allocates the rest,
-    // registers its new full blocks in the prefix index. Throws Error when seq exists or the
-    // request needs more blocks than the pool has, OutOfBlocksError when they are not available
-    // now. max_cached_blocks >= 0 caps the shared prefix (e.g. (len - 1) / block_size, so that the
-    // last prompt token is computed and gives logits; or an agreed prefix across ranks); blocks
-    // past the cap are allocated fresh even when cached. -1: no cap.
+    // registers its new full blocks in the prefix index (with deferred_commit: at commit()). Throws
+    // Error when seq exists or the request needs more blocks than the pool has, OutOfBlocksError
+    // when they are not available now. max_cached_blocks >= 0 caps the shared prefix (e.g. (len -
+    // 1) / block_size, so that the last prompt token is computed and gives logits; or an agreed
+    // prefix across ranks); blocks past the cap are allocated fresh even when cached. -1: no cap.
     AllocResult allocate(SeqId seq, std::span<const int32_t> tokens,
                          std::span<const std::byte> extra_keys = {},
                          int64_t max_cached_blocks = -1);
@@ -113,6 +123,14 @@ class BlockManager {
     // block may be included and is ignored). Later appends to this sequence are never hashed.
     AllocResult allocate_with_hashes(SeqId seq, std::span<const BlockHash> block_hashes,
                                      int64_t num_tokens, int64_t max_cached_blocks = -1);
+    // The KV of the sequence's tokens [0, num_computed_tokens) is written (on this rank: after the
+    // forward step that wrote it returned; see docs/cache.md "Commit" for TP / PP groups): its full
+    // blocks become computed and, as the registration rule allows, findable (BlockStored). A count
+    // at or below the sequence's committed count changes nothing (KV is never un-written). Throws
+    // Error for an unknown sequence or a count outside [0, num_tokens(seq)]. Without
+    // deferred_commit every token is committed already and this is a no-op.
+    void commit(SeqId seq, int64_t num_computed_tokens);
+
     // Whether allocate / allocate_with_hashes would succeed now.
     bool can_allocate(std::span<const int32_t> tokens, std::span<const std::byte> extra_keys = {},
                       int64_t max_cached_blocks = -1) const;
@@ -120,8 +138,9 @@ class BlockManager {
                              int64_t max_cached_blocks = -1) const;
 
     // Appends tokens (e.g. decode output) to a sequence; a block that becomes full is hashed and
-    // registered when the sequence's token ids are all known. Throws Error for an unknown sequence,
-    // OutOfBlocksError when a new block is needed and none is available (nothing changed).
+    // registered (with deferred_commit: at commit()) when the sequence's token ids are all known.
+    // Throws Error for an unknown sequence, OutOfBlocksError when a new block is needed and none is
+    // available (nothing changed).
     void append(SeqId seq, std::span<const int32_t> tokens);
     // Appends `count` tokens whose ids are not given: their blocks are never hashed or shared.
     void append_tokens(SeqId seq, int64_t count);
@@ -134,6 +153,8 @@ class BlockManager {
     bool contains(SeqId seq) const { return seqs_.find(seq) != seqs_.end(); }
     std::span<const BlockId> block_table(SeqId seq) const;
     int64_t num_tokens(SeqId seq) const;
+    // Leading tokens of the sequence whose KV is committed (shared prefix hits count as committed).
+    int64_t num_committed_tokens(SeqId seq) const;
     // Hashes of the sequence's full blocks, head first, as far as they are known.
     std::span<const BlockHash> block_hashes(SeqId seq) const;
     // FlashInfer-style description of these sequences' blocks (PagedKv).
@@ -154,6 +175,9 @@ class BlockManager {
     // ---- introspection (tests, debugging) ----
     BlockState block_state(BlockId b) const;
     int32_t ref_count(BlockId b) const;
+    // Whether block b holds a full block of committed KV (always for a cached block, never for a
+    // free one).
+    bool block_computed(BlockId b) const;
     // The hash under which block b is registered; nullopt when it is not in the index.
     std::optional<BlockHash> registered_hash(BlockId b) const;
     // Cached blocks, least recently used first (the eviction order).
@@ -199,6 +223,7 @@ class BlockManager {
         bool has_parent = false;
         BlockId lru_prev = -1, lru_next = -1;
         bool in_lru = false;
+        bool computed = false;  // full and its KV committed; implied by registered
     };
     struct Seq {
         std::vector<BlockId> blocks;
@@ -207,6 +232,7 @@ class BlockManager {
         bool hashable = true;       // token ids of every block so far are known
         std::vector<int32_t> tail;  // token ids of the partial last block (when hashable)
         std::vector<std::byte> extra_keys;
+        int64_t committed_tokens = 0;  // tokens [0, committed_tokens) have their KV written
     };
 
     const Seq& seq_or_throw(SeqId seq) const;
@@ -225,8 +251,10 @@ class BlockManager {
     // changing nothing on error), then opens the event batch (begin_op).
     void grow(SeqId seq, Seq& s, int64_t count);
     void release_block(BlockId b);
-    // Registers the sequence's full blocks [from, hashes.size()) where the chain allows.
-    void register_blocks(Seq& s, size_t from);
+    // Registers the sequence's full blocks [from, min(to, hashes.size())) where the chain allows.
+    void register_blocks(Seq& s, size_t from, size_t to);
+    // Marks tokens [committed_tokens, n) committed: their full blocks computed, then registered.
+    void commit_impl(Seq& s, int64_t n);
     void unregister(BlockId b);
     void lru_push_back(BlockId b);
     void lru_remove(BlockId b);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -36,6 +37,8 @@ struct KvEvent {
     int64_t num_tokens = 0;                // Stored only
     int block_size = 0;                    // tokens per block of the manager
     std::vector<int32_t> block_ids;        // the manager's block ids, same order as block_hashes
+    // The KV group of the blocks (KvGroupManager; vLLM's group_idx); 0 for a BlockManager.
+    int group = 0;
 
     bool operator==(const KvEvent&) const = default;
 };
@@ -45,7 +48,8 @@ using KvEventCallback = std::function<void(const KvEvent&)>;
 // One JSON object, no newline:
 //   {"seq":3,"type":"BlockStored","block_hashes":["<32 hex>",...],"parent_hash":"<32 hex>"|null,
 //    "num_tokens":32,"block_size":16,"block_ids":[4,5]}
-// "source" is added first when non-empty (e.g. a replica name).
+// "source" is added first when non-empty (e.g. a replica name); "group":g last when g != 0 (so a
+// one-group manager's lines are unchanged).
 std::string to_json_line(const KvEvent& e, std::string_view source = {});
 // Parses what to_json_line writes (the "source" field is ignored); throws Error on a malformed
 // line.
@@ -53,24 +57,30 @@ KvEvent kv_event_from_json(std::string_view line);
 
 // A consumer's copy of one manager's set of findable block hashes, kept exact by applying the
 // manager's events in order (what a cache-aware router keeps per replica). Insert on BlockStored,
-// erase on BlockRemoved, clear on AllCleared.
+// erase on BlockRemoved, clear on AllCleared. One set per KV group (KvEvent::group): the same hash
+// may be cached in one group and evicted from another (KvGroupManager).
 class KvEventIndex {
   public:
     // Applies one event. The first event applied (or sync()) fixes where the feed starts; after
     // that, an event whose sequence number is not the next one throws Error naming both (a lost
     // or replayed event: the copy can no longer be trusted; sync() again).
     void apply(const KvEvent& e);
-    // Starts from a snapshot: BlockManager::registered_hashes() and next_event_seq().
+    // Starts from a snapshot of group 0 (every other group empty): BlockManager's
+    // registered_hashes() and next_event_seq().
     void sync(std::span<const BlockHash> hashes, uint64_t next_seq);
-    bool contains(const BlockHash& h) const { return hashes_.count(h) != 0; }
-    // How many leading hashes of a request are present: the blocks it would hit.
-    size_t match_length(std::span<const BlockHash> request) const;
-    size_t size() const { return hashes_.size(); }
+    bool contains(const BlockHash& h, int group = 0) const;
+    // How many leading hashes of a request are present in the group: the blocks it would hit.
+    size_t match_length(std::span<const BlockHash> request, int group = 0) const;
+    size_t size() const;  // over all groups
     // Sequence number the next event must carry; nullopt before the first event or sync.
     std::optional<uint64_t> next_seq() const { return next_seq_; }
 
   private:
-    std::unordered_set<BlockHash, BlockHashHasher> hashes_;
+    using HashSet = std::unordered_set<BlockHash, BlockHashHasher>;
+    HashSet& set_of(int group) { return group == 0 ? hashes_ : other_groups_[group]; }
+    const HashSet* find_set(int group) const;
+    HashSet hashes_;                       // group 0
+    std::map<int, HashSet> other_groups_;  // groups != 0
     std::optional<uint64_t> next_seq_;
 };
 

@@ -3,9 +3,10 @@
 // over TP / PP / EP / DP, or under context parallelism (docs/model.md, "Sharded execution";
 // docs/context-parallel.md §8).
 //
-// Every rank runs the same schedule: one prefill step over all of its replica's prompts (each
-// prompt first asks the prefix cache; cached tokens are not recomputed), then max_new_tokens - 1
-// decode steps of one token per sequence. Prompt i goes to DP replica i % dp. The last pipeline
+// Every rank runs the same schedule: prefill steps over all of its replica's prompts (each
+// prompt first asks the prefix cache; cached tokens are not recomputed; one step, or chunks of
+// prefill_chunk_tokens per prompt per step), then max_new_tokens - 1 decode steps of one token per
+// sequence. Prompt i goes to DP replica i % dp. The last pipeline
 // stage picks the greedy token and sends it to the earlier stages of its replica. With cp > 1
 // (dp = pp = 1) the CP executor (exec/cp_session.h) serves each prompt in turn.
 #include <cstdint>
@@ -26,6 +27,10 @@ struct GenerationOptions {
     int block_size = 16;
     int64_t num_blocks = 0;  // blocks per rank; 0: enough for every prompt of the replica
     bool prefix_cache = true;
+    // Chunked prefill: each step computes at most this many tokens of each prompt (bounding a
+    // step's rows and activations); a prompt starts decoding when all prompts are prefilled.
+    // 0: a prompt's whole prefill in one step. Not for cp > 1 (its executor prefills per prompt).
+    int64_t prefill_chunk_tokens = 0;
     PageOrder page_order = PageOrder::kHnd;
     // Context parallelism (cp > 1): the prefill mode (empty: the one that moves fewer bytes) and
     // how the decode partials are merged.
