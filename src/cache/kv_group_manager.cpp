@@ -354,18 +354,20 @@ void KvGroupManager::append(SeqId seq, std::span<const int32_t> tokens) {
     flush_events();
 }
 
-void KvGroupManager::commit(SeqId seq, int64_t num_computed_tokens) {
+void KvGroupManager::commit(SeqId seq, int64_t num_computed_tokens, int64_t next_query) {
     const Seq& cs = seq_or_throw(seq);
     const auto len = static_cast<int64_t>(cs.tokens.size());
     require(num_computed_tokens >= 0 && num_computed_tokens <= len, "sequence ", seq, " holds ",
             len, " tokens, so its committed KV must cover [0, n) with n in [0, ", len,
             "], got n = ", num_computed_tokens);
+    require(next_query <= num_computed_tokens, "the next query at ", next_query, " lies after the ",
+            num_computed_tokens, " committed tokens");
     begin_op();
-    commit_impl(seqs_.at(seq), num_computed_tokens);
+    commit_impl(seqs_.at(seq), num_computed_tokens, next_query);
     flush_events();
 }
 
-void KvGroupManager::commit_impl(Seq& s, int64_t n) {
+void KvGroupManager::commit_impl(Seq& s, int64_t n, int64_t next_query) {
     if (n <= s.committed) return;
     const auto bs = static_cast<int64_t>(config_.block_size);
     const int64_t from = s.committed / bs, to = n / bs;
@@ -403,7 +405,7 @@ void KvGroupManager::commit_impl(Seq& s, int64_t n) {
         }
     }
     s.committed = n;
-    drop_out_of_window(s, n, static_cast<int64_t>(s.tokens.size()));
+    drop_out_of_window(s, next_query >= 0 ? next_query : n, static_cast<int64_t>(s.tokens.size()));
 }
 
 void KvGroupManager::drop_out_of_window(Seq& s, int64_t committed, int64_t num_tokens) {

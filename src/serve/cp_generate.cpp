@@ -14,11 +14,6 @@ std::string model_prefix_cache_unsupported(const ModelSpec& m) {
         return m.name + " has " + m.layer_mix() +
                ": a state layer keeps one running state per sequence, which is not saved at block "
                "boundaries, so a cached prefix cannot restore it";
-    for (const KvGroup& g : kv_groups(m))
-        if (g.kind == LayerKind::kSlidingWindow || g.kind == LayerKind::kChunkedLocal)
-            return m.name + " has " + m.layer_mix() +
-                   ": the runner keeps a windowed group's blocks per sequence and frees them as "
-                   "they leave the window, so windowed groups share no cached prefix yet";
     return {};
 }
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <map>
 
-#include "kvshard/cache/block_manager.h"
+#include "kvshard/cache/kv_group_manager.h"
 #include "kvshard/common/error.h"
 #include "kvshard/exec/rank_model.h"
 #include "serve/runner.h"
@@ -13,16 +13,16 @@ namespace {
 
 constexpr int kTagTokens = 102;  // last pipeline stage -> earlier stages of its replica
 
-// Distinct tokens held in the blocks of the given sequences (shared prefix blocks count once), and
-// the distinct blocks holding them.
-template <typename Tables>
-std::pair<int64_t, int64_t> distinct_kv_tokens(const Tables& t, const std::vector<int64_t>& seqs,
-                                               int block_size) {
+// Distinct tokens held in group g's blocks of the given sequences (shared prefix blocks count
+// once; entries a window dropped hold none), and the distinct blocks holding them.
+std::pair<int64_t, int64_t> distinct_kv_tokens(const KvGroupManager& t, int g,
+                                               const std::vector<int64_t>& seqs, int block_size) {
     std::map<int32_t, int64_t> fill;
     for (int64_t s : seqs) {
-        const auto table = t.block_table(s);
+        const auto table = t.block_table(g, s);
         const int64_t len = t.num_tokens(s);
         for (size_t i = 0; i < table.size(); ++i) {
+            if (table[i] == kNullBlock) continue;
             const int64_t f = std::min<int64_t>(block_size, len - int64_t(i) * block_size);
             auto& cur = fill[table[i]];
             cur = std::max(cur, f);
@@ -85,23 +85,40 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     const bool prefix_cache = opt.prefix_cache && no_reuse.empty();
     require(opt.prefill_chunk_tokens >= 0, "the prefill chunk must be 0 (a whole prompt per step) ",
             "or a positive number of tokens, got ", opt.prefill_chunk_tokens);
-    // Full and MLA groups share one block manager (and its prefix cache); each windowed group has
-    // its own tables that free what falls out of the window. Deferred commit: a block is findable
+    // One block table per KV group (KvGroupManager): windowed groups free what leaves their
+    // window, a prefix hit is the longest every group serves. Deferred commit: a block is findable
     // only once a step that writes its KV is scheduled (docs/cache.md, "Commit"); every rank of
-    // the group commits at the same point of the schedule.
-    BlockManager tables(BlockManagerConfig{.num_blocks = num_blocks,
-                                           .block_size = bs,
-                                           .enable_prefix_cache = prefix_cache,
-                                           .deferred_commit = true});
+    // the group commits at the same point of the schedule. State groups keep their state in the
+    // model's state slots (no prefix reuse: model_prefix_cache_unsupported).
     const std::vector<KvGroup> groups = kv_groups(m);
-    std::vector<std::unique_ptr<serve::WindowedTables>> windowed(groups.size());
+    std::vector<int> mgr_group(groups.size(), -1);  // model group -> manager group
+    std::vector<KvGroup> token_groups;
     for (size_t g = 0; g < groups.size(); ++g)
-        if (groups[g].kind == LayerKind::kSlidingWindow ||
-            groups[g].kind == LayerKind::kChunkedLocal)
-            windowed[g] = std::make_unique<serve::WindowedTables>(groups[g].kind, groups[g].window,
-                                                                  num_blocks, bs);
-    const bool any_windowed =
-        std::any_of(windowed.begin(), windowed.end(), [](const auto& w) { return bool(w); });
+        if (holds_tokens(groups[g].kind)) {
+            mgr_group[g] = int(token_groups.size());
+            token_groups.push_back(groups[g]);
+        }
+    require(!token_groups.empty(), m.name, " has ", m.layer_mix(),
+            ": the runner needs at least one attention layer");
+    KvGroupManager tables(KvGroupManagerConfig{.groups = group_pool_specs(token_groups, num_blocks),
+                                               .block_size = bs,
+                                               .enable_prefix_cache = prefix_cache,
+                                               .deferred_commit = true});
+    // The step's block tables of every group; the entries a window dropped (kNullBlock) name
+    // block 0, a page the kernels never read for them (they start at the window).
+    auto set_tables = [&](ForwardBatch& fb, const std::vector<int64_t>& ids) {
+        auto kv_of = [&](int g) {
+            PagedKv kv = tables.paged_kv(g, ids);
+            for (auto& b : kv.indices)
+                if (b == kNullBlock) b = 0;
+            return kv;
+        };
+        fb.kv = kv_of(0);
+        if (token_groups.size() == 1) return;
+        fb.group_kv.assign(groups.size(), fb.kv);
+        for (size_t g = 0; g < groups.size(); ++g)
+            if (mgr_group[g] >= 0) fb.group_kv[g] = kv_of(mgr_group[g]);
+    };
 
     const int batch = int(mine.size());
     std::vector<std::vector<int32_t>> out_tokens(static_cast<size_t>(batch));
@@ -125,30 +142,6 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
         }
     };
 
-    // Windowed groups: their own tables for this step's lengths, released to the window after it.
-    auto lengths_now = [&] {
-        std::vector<int64_t> lens;
-        for (int64_t q : seqs) lens.push_back(tables.num_tokens(q));
-        return lens;
-    };
-    auto set_group_tables = [&](ForwardBatch& fb) {
-        if (!any_windowed) return;
-        const auto lens = lengths_now();
-        fb.group_kv.assign(groups.size(), fb.kv);
-        for (size_t g = 0; g < groups.size(); ++g) {
-            if (!windowed[g]) continue;
-            for (size_t i = 0; i < seqs.size(); ++i) windowed[g]->ensure(seqs[i], lens[i]);
-            fb.group_kv[g] = windowed[g]->paged_kv(seqs, lens);
-        }
-    };
-    // lens: per sequence, the length whose window the next query needs.
-    auto release_windows = [&](const std::vector<int64_t>& lens) {
-        if (!any_windowed) return;
-        for (auto& w : windowed)
-            if (w)
-                for (size_t i = 0; i < seqs.size(); ++i) w->release_before_window(seqs[i], lens[i]);
-    };
-
     // Prefill: every prompt asks the prefix cache first; at least its last token is computed, in
     // steps of at most opt.prefill_chunk_tokens tokens per prompt (0: all in one step). A step's
     // chunk is committed as it is scheduled: the step's forward writes every row's KV of a layer
@@ -162,7 +155,6 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
         for (bool first = true, more = true; more; first = false) {
             ForwardBatch fb;
             std::vector<char> done(static_cast<size_t>(batch), 0);
-            std::vector<int64_t> window_of(static_cast<size_t>(batch));
             more = false;
             for (int i = 0; i < batch; ++i) {
                 const auto& pr = prompts[size_t(mine[size_t(i)])];
@@ -185,16 +177,13 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                 }
                 fb.queries.add_sequence(n, from);
                 computed[size_t(i)] += n;
-                tables.commit(i, computed[size_t(i)]);
+                // Windowed groups keep the window of this step's first query until it has run.
+                tables.commit(i, computed[size_t(i)], from);
                 done[size_t(i)] = n > 0 && computed[size_t(i)] == len;
                 more = more || computed[size_t(i)] < len;
-                // The next query (position computed, or the first decode step) needs its window.
-                window_of[size_t(i)] = computed[size_t(i)] < len ? computed[size_t(i)] + 1 : len;
             }
-            fb.kv = tables.paged_kv(seqs);
-            set_group_tables(fb);
+            set_tables(fb, seqs);
             const std::vector<float> lg = model.forward(fb);
-            release_windows(window_of);
             next_tokens(lg, done);
         }
         rep.prefill_seconds = serve::seconds_since(t0);
@@ -213,10 +202,8 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
                 fb.slots.push_back(pos);
                 fb.queries.add_sequence(1, pos);
             }
-            fb.kv = tables.paged_kv(seqs);
-            set_group_tables(fb);
+            set_tables(fb, seqs);
             const std::vector<float> lg = model.forward(fb);
-            release_windows(lengths_now());
             for (int i = 0; i < batch; ++i) tables.commit(i, tables.num_tokens(i));
             next_tokens(lg);
         }
@@ -225,31 +212,33 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
     // Measured: the pool's bytes of the distinct blocks in use (elements and, fp8, scales).
     // Predicted: the layout's bytes of each request (request_kv_bytes at m.kv_dtype), less one
     // block's (the layout's bytes of one full block) per block the prefix cache shares.
-    const auto [kv_tokens, kv_blocks] = distinct_kv_tokens(tables, seqs, bs);
-    rep.kv_tokens = kv_tokens;
-    int64_t shared_block_bytes = 0;  // the pools of the groups that share `tables`
+    // Per group: its distinct resident blocks times its pool's block bytes (measured), and the
+    // layout's request_kv_bytes of each request less one block (the layout's) per block the
+    // prefix cache shares in that group.
+    int full_group = 0;  // tokens held: a group that keeps every token, if the model has one
+    for (int g = 0; g < int(token_groups.size()); ++g)
+        if (token_groups[size_t(g)].kind == LayerKind::kFullAttention ||
+            token_groups[size_t(g)].kind == LayerKind::kMla) {
+            full_group = g;
+            break;
+        }
+    rep.kv_tokens = distinct_kv_tokens(tables, full_group, seqs, bs).first;
     rep.kv_bytes = batch * model.state_bytes_per_sequence();
     for (int i = 0; i < model.num_pools(); ++i) {
-        const int64_t bb = model.pool_at(i).geometry().block_bytes();
-        if (const auto& w = windowed[size_t(model.pool_group(i))]) {
-            for (int64_t q : seqs) rep.kv_bytes += w->live_blocks(q) * bb;
-        } else {
-            shared_block_bytes += bb;
-        }
+        const int g = mgr_group[size_t(model.pool_group(i))];
+        rep.kv_bytes += distinct_kv_tokens(tables, g, seqs, bs).second *
+                        model.pool_at(i).geometry().block_bytes();
     }
-    rep.kv_bytes += kv_blocks * shared_block_bytes;
-    int64_t request_blocks = 0;
-    for (int64_t s : seqs) {
-        const int64_t len = tables.num_tokens(s);
-        rep.kv_bytes_predicted += request_kv_bytes(layout, rank, len, bs);
-        request_blocks += (len + bs - 1) / bs;
+    for (int64_t s : seqs)
+        rep.kv_bytes_predicted += request_kv_bytes(layout, rank, tables.num_tokens(s), bs);
+    for (const RankKvGroup& g : me.groups) {
+        const int mg = mgr_group[size_t(g.group)];
+        if (mg < 0) continue;
+        int64_t resident = 0;
+        for (int64_t s : seqs) resident += tables.resident_blocks(mg, s);
+        const int64_t shared = resident - distinct_kv_tokens(tables, mg, seqs, bs).second;
+        rep.kv_bytes_predicted -= shared * (bs * g.bytes_per_token + g.scale_bytes_per_block);
     }
-    // The layout's bytes of one block of the shared groups, per block the prefix cache shares.
-    int64_t layout_shared_block = 0;
-    for (const RankKvGroup& g : me.groups)
-        if (!windowed[size_t(g.group)] && g.bytes_per_token > 0)
-            layout_shared_block += bs * g.bytes_per_token + g.scale_bytes_per_block;
-    rep.kv_bytes_predicted -= (request_blocks - kv_blocks) * layout_shared_block;
     row.replica_hit_tokens = rep.prefix_hit_tokens;
 
     // The last stage's first TP rank of each replica brings the results.

@@ -45,30 +45,6 @@ int64_t blocks_for(const std::vector<int64_t>& lengths, int64_t extra, int block
 std::vector<std::vector<int32_t>> consecutive_tables(const std::vector<int64_t>& lengths,
                                                      int block_size, int64_t& total_blocks);
 
-// The block tables of one windowed KV group (sliding or chunked) of a run: each sequence has its
-// own blocks (no prefix sharing), and after each step release_before_window() returns the blocks
-// that lie wholly before the group's first kept position (first_kept_position) to the free list,
-// leaving the null block 0 in their table entries (never read: the attention starts at the window)
-// so that slot = position still holds. Block 0 is reserved for that, so num_blocks - 1 are usable.
-class WindowedTables {
-  public:
-    WindowedTables(LayerKind kind, int window, int64_t num_blocks, int block_size);
-    // Grows sequence `seq`'s table to cover `len` tokens (Error when the pool is out of blocks).
-    void ensure(int64_t seq, int64_t len);
-    // Frees the blocks before the window of a sequence of `len` tokens.
-    void release_before_window(int64_t seq, int64_t len);
-    PagedKv paged_kv(std::span<const int64_t> seqs, std::span<const int64_t> lens) const;
-    // Blocks the sequence holds (not null).
-    int64_t live_blocks(int64_t seq) const;
-
-  private:
-    LayerKind kind_;
-    int window_, block_size_;
-    std::vector<int32_t> free_;
-    std::vector<std::vector<int32_t>> tables_;
-    std::vector<int64_t> released_;  // leading entries already null
-};
-
 // What a rank says about one request.
 struct RequestResult {
     // A request's output (has_output) or a prefill rank's logits of it.

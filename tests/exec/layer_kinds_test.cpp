@@ -218,6 +218,35 @@ TEST(LayerKinds, PrefillOfGeneratedTokensContinuesTheSameSequence) {
     }
 }
 
+// Prefix hits with a windowed group (one block table per group, KvGroupManager): prompts sharing a
+// 32-token prefix reuse it, the hit is what every group serves, and the result equals the run
+// without a prefix cache; every rank holds what the layout predicts.
+TEST(LayerKinds, HybridPrefixHitsEqualTheRunWithoutReuse) {
+    for (const std::string name : {"tiny-swa", "tiny-mla", "tiny-chunked"}) {
+        const ModelSpec m = model_named(name);
+        const auto src = random_tensor_source(kSeed);
+        std::vector<std::vector<int32_t>> prompts = prompts_for(m);
+        for (auto& p : prompts) {  // 32 shared tokens, then each prompt's own
+            std::vector<int32_t> shared(32);
+            for (int i = 0; i < 32; ++i) shared[size_t(i)] = (i * 37 + 11) % m.vocab;
+            p.insert(p.begin(), shared.begin(), shared.end());
+        }
+        GenerationOptions off = options();
+        off.prefix_cache = false;
+        const auto ref = run(m, ParallelConfig{}, prompts, off, *src);
+        for (const std::string par : {"tp=1", "tp=2", "pp=2"}) {
+            const auto got = run(m, parse_parallel_config(par), prompts, options(), *src);
+            EXPECT_GT(got.prefix_hit_tokens, 0) << name << " " << par;
+            EXPECT_EQ(got.tokens, ref.tokens) << name << " " << par;
+            for (size_t i = 0; i < ref.last_logits.size(); ++i)
+                EXPECT_LT(relative_l2(got.last_logits[i], ref.last_logits[i]), 1e-4)
+                    << name << " " << par << " prompt " << i;
+            for (const auto& r : got.ranks)
+                EXPECT_EQ(r.kv_bytes, r.kv_bytes_predicted) << name << " " << par;
+        }
+    }
+}
+
 // The window, the chunk and the sinks change what the model computes: the same weights run as
 // all-full attention (or without sinks) give other logits.
 TEST(LayerKinds, WindowsChunksAndSinksChangeTheResult) {

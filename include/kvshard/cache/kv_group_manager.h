@@ -117,7 +117,10 @@ class KvGroupManager {
     void append(SeqId seq, std::span<const int32_t> tokens);
     bool can_append(SeqId seq, int64_t count) const;
     // As BlockManager::commit; then windowed groups drop the blocks before keep_from.
-    void commit(SeqId seq, int64_t num_computed_tokens);
+    // next_query >= 0: the position of the first query of a step that will still read these blocks
+    // (an executor that commits a step's tokens as it schedules it, before running it): windowed
+    // groups then keep that query's window, keep_from(g, next_query, L), until a later commit.
+    void commit(SeqId seq, int64_t num_computed_tokens, int64_t next_query = -1);
     // Releases every group's blocks of the sequence, tail first; hashed blocks stay cached.
     void free(SeqId seq);
 
@@ -191,7 +194,7 @@ class KvGroupManager {
                            int64_t to) const;
     BlockId take_block(int g);
     void release_block(int g, BlockId b);
-    void commit_impl(Seq& s, int64_t n);
+    void commit_impl(Seq& s, int64_t n, int64_t next_query = -1);
     // Windowed groups release the entries before keep_from(committed, num_tokens).
     void drop_out_of_window(Seq& s, int64_t committed, int64_t num_tokens);
     void lru_push_back(Pool& p, BlockId b);
