@@ -218,6 +218,15 @@ void RankModel::rope_tables(const ForwardBatch& b, int dim) {
 
 void RankModel::tp_all_reduce(std::span<float> data) { coll::all_reduce_sum(comms_.tp, data); }
 
+void RankModel::add_row_parallel(const float* in, int64_t n, int64_t width,
+                                 const std::vector<float>& wo, std::vector<float>& x) {
+    const int64_t h = weights_.spec.hidden;
+    std::vector<float> y(size_t(n * h));
+    linear(in, n, width, wo, h, y.data());
+    tp_all_reduce(y);
+    for (int64_t i = 0; i < n * h; ++i) x[size_t(i)] += y[size_t(i)];
+}
+
 std::vector<float> RankModel::forward(const ForwardBatch& b) {
     const ModelSpec& m = weights_.spec;
     const int64_t n = b.rows(), h = m.hidden;
@@ -288,7 +297,7 @@ void RankModel::attention_block(int l, const ForwardBatch& b, std::vector<float>
     const int64_t n = b.rows(), h = m.hidden, d = m.head_dim;
     const int nq = weights_.shard.num_q_heads(), nkv = weights_.shard.num_kv_heads();
     std::vector<float> xn(size_t(n * h)), q(size_t(n * nq * d)), k(size_t(n * nkv * d)),
-        v(k.size()), attn(q.size()), o(size_t(n * h));
+        v(k.size()), attn(q.size());
     rms_norm(x.data(), n, h, w.attn_norm, m.rms_norm_eps, xn.data());
     linear(xn.data(), n, h, w.wq, nq * d, q.data());
     linear(xn.data(), n, h, w.wk, nkv * d, k.data());
@@ -319,15 +328,13 @@ void RankModel::attention_block(int l, const ForwardBatch& b, std::vector<float>
     call.sinks = w.sinks.empty() ? nullptr : w.sinks.data();
     call.pool = &pools_[size_t(pi)];
     attention_(call);  // also with no rows: a replacement may take part in collectives
-    linear(attn.data(), n, nq * d, w.wo, h, o.data());
-    tp_all_reduce(o);
-    for (int64_t i = 0; i < n * h; ++i) x[size_t(i)] += o[size_t(i)];
+    add_row_parallel(attn.data(), n, nq * d, w.wo, x);
 }
 
 // MLA, absorbed (docs/model.md): with W_kv_b = [W_uk_h; W_uv_h] per head,
 //   q_h = [q_nope_h | RoPE(q_pe_h)],  latent_t = [rmsnorm(c_t) | RoPE(k_pe_t)]   (cached)
-//   score_ht = (W_uk_h^T q_nope_h) . c_t + RoPE(q_pe_h) . RoPE(k_pe_t), scaled by 1/sqrt(d_nope +
-//   d_pe) out_h = W_uv_h sum_t softmax(score)_ht c_t
+//   score_ht = (W_uk_h^T q_nope_h) . c_t + RoPE(q_pe_h) . RoPE(k_pe_t), over sqrt(d_nope + d_pe)
+//   out_h = W_uv_h sum_t softmax(score)_ht c_t
 // which equals the naive form k_nope_ht = W_uk_h c_t, v_ht = W_uv_h c_t exactly in real numbers.
 void RankModel::mla_block(int l, const ForwardBatch& b, std::vector<float>& x) {
     const ModelSpec& m = weights_.spec;
@@ -389,7 +396,7 @@ void RankModel::mla_block(int l, const ForwardBatch& b, std::vector<float>& x) {
     call.pool = &pools_[size_t(pi)];
     attention_(call);
     // Up-project with W_uv: attn_h = W_uv_h olat_h.
-    std::vector<float> attn(size_t(n * nq * dv)), o(size_t(n * h));
+    std::vector<float> attn(size_t(n * nq * dv));
     for (int64_t r = 0; r < n; ++r)
         for (int hh = 0; hh < nq; ++hh) {
             const float* ol = olat.data() + (r * nq + hh) * dl;
@@ -401,9 +408,7 @@ void RankModel::mla_block(int l, const ForwardBatch& b, std::vector<float>& x) {
                 out[i] = acc;
             }
         }
-    linear(attn.data(), n, int64_t{nq} * dv, w.wo, h, o.data());
-    tp_all_reduce(o);
-    for (int64_t i = 0; i < n * h; ++i) x[size_t(i)] += o[size_t(i)];
+    add_row_parallel(attn.data(), n, int64_t{nq} * dv, w.wo, x);
 }
 
 // Gated DeltaNet (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025), as Qwen3-Next
@@ -541,10 +546,7 @@ void RankModel::gated_deltanet_block(int l, const ForwardBatch& b, std::vector<f
         o = std::move(mine);
     }
     const int64_t n_out = b.rows();
-    std::vector<float> y(size_t(n_out * h));
-    linear(o.data(), n_out, int64_t{hl} * vd, w.wo, h, y.data());
-    tp_all_reduce(y);
-    for (int64_t i = 0; i < n_out * h; ++i) x[size_t(i)] += y[size_t(i)];
+    add_row_parallel(o.data(), n_out, int64_t{hl} * vd, w.wo, x);
 }
 
 void RankModel::dense_mlp(const LayerWeights& w, const float* x, int64_t n, float* y) {

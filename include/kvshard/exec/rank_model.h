@@ -152,6 +152,9 @@ class RankModel {
     void dense_mlp(const LayerWeights& w, const float* x, int64_t n, float* y);
     void moe_mlp(const LayerWeights& w, const float* x, int64_t n, float* y);
     void tp_all_reduce(std::span<float> data);
+    // x += all_reduce_tp(in wo^T): a row-parallel output projection of n rows of `width`.
+    void add_row_parallel(const float* in, int64_t n, int64_t width, const std::vector<float>& wo,
+                          std::vector<float>& x);
 
     ModelWeights weights_;
     RankComms comms_;
