@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvshard/cache/block_hash.h"
+#include "kvshard/common/error.h"
 
 namespace kvshard::python {
 

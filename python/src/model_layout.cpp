@@ -191,7 +191,7 @@ void bind_model_layout(py::module_& m) {
         .def_property_readonly("kv_heads_per_rank", &KvLayout::kv_heads_per_rank)
         .def_property_readonly("head_replication", &KvLayout::head_replication)
         .def_property_readonly(
-            "ranks", [](const KvLayout& l) { return json_loads(to_json(l))["ranks"]; },
+            "ranks", [](const KvLayout& l) -> py::object { return json_loads(to_json(l))["ranks"]; },
             "One dict per rank, as in `kvshard layout --json`.")
         .def(
             "request_kv_bytes",

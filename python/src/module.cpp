@@ -29,6 +29,8 @@ std::vector<std::string> hashes_to(std::span<const BlockHash> hashes) {
 
 }  // namespace kvshard::python
 
+namespace py = pybind11;
+
 PYBIND11_MODULE(_kvshard, m) {
     namespace kp = kvshard::python;
     m.doc() = "kvshard: KV caches under distributed LLM inference parallelism (C++ core).";

@@ -48,16 +48,14 @@ int64_t pool_blocks(const TransferEndpoint& e) {
 
 }  // namespace
 
-}  // namespace kvshard::python
-
-PYBIND11_NUMPY_DTYPE(kvshard::TransferDescriptor, src_rank, dst_rank, layer_group, src_offset,
-                     dst_offset, bytes);
-PYBIND11_NUMPY_DTYPE(kvshard::DescriptorGroup, src_rank, dst_rank, layer_group, first, count,
-                     bytes);
-
-namespace kvshard::python {
-
 void bind_transfer(py::module_& m) {
+    // The numpy dtypes of descriptors(), field for field (offsets and padding as in C++).
+    PYBIND11_NUMPY_DTYPE(TransferDescriptor, src_rank, dst_rank, layer_group, src_offset,
+                         dst_offset, bytes);
+    PYBIND11_NUMPY_DTYPE(TransferPiece, token_begin, count, src_block, src_slot, dst_block,
+                         dst_slot);
+    PYBIND11_NUMPY_DTYPE(DescriptorGroup, src_rank, dst_rank, layer_group, first, count, bytes);
+
     py::class_<TransferPlan>(m, "TransferPlan",
                              "Which bytes move from which source rank to which destination rank "
                              "when a request's KV goes from one layout to another.")
@@ -81,8 +79,20 @@ void bind_transfer(py::module_& m) {
         .def("messages_to", &TransferPlan::messages_to, py::arg("dst_rank"))
         .def(
             "messages",
-            [](const TransferPlan& p) { return json_loads(to_json(p, true))["messages"]; },
-            "One dict per message (ranks, layer and head ranges, pieces, bytes).")
+            [](const TransferPlan& p) -> py::object { return json_loads(to_json(p, true))["message_list"]; },
+            "One dict per message (ranks, layer and head ranges, piece count, bytes), as the "
+            "'message_list' of `kvshard transfer-plan --messages --json`.")
+        .def(
+            "pieces",
+            [](const TransferPlan& p, int message) {
+                require(message >= 0 && message < static_cast<int>(p.messages.size()),
+                        "message ", message, " is outside [0, ", p.messages.size(), ")");
+                const auto& v = p.messages[static_cast<size_t>(message)].pieces;
+                return py::array_t<TransferPiece>(static_cast<py::ssize_t>(v.size()), v.data());
+            },
+            py::arg("message"),
+            "The token runs of one message: a structured array of token_begin, count, src_block, "
+            "src_slot, dst_block, dst_slot.")
         .def(
             "needed_bytes",
             [](const TransferPlan& p, int dst_rank) {

@@ -89,10 +89,12 @@ def test_block_manager_prefix_cache_and_events():
     assert len(events) == n
     assert bm.num_available_blocks == 8 - 3 and "num_blocks=8" in repr(bm)
     with pytest.raises(kvshard.OutOfBlocksError) as e:
-        bm.allocate(4, list(range(100)))
+        bm.allocate(4, list(range(500, 524)))  # 6 blocks, 5 available
     assert isinstance(e.value, kvshard.Error)
     with pytest.raises(kvshard.Error):
         bm.free(12345)
+    with pytest.raises(kvshard.Error):
+        bm.allocate(5, list(range(100)))  # longer than the whole pool
 
 
 def test_kv_events_and_index():

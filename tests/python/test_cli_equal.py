@@ -78,7 +78,8 @@ def test_transfer_plan_equals_cli(cli_json, model, src, dst, tokens):
     plan = kvshard.transfer_plan(kvshard.make_layout(model, src), kvshard.make_layout(model, dst),
                                  tokens)
     assert plan.to_dict(messages=True) == want
-    assert plan.messages() == want["messages"]
+    assert plan.messages() == want["message_list"]
+    assert plan.num_messages == want["messages"]
     assert plan.bytes == want["bytes"]
 
 

@@ -23,6 +23,7 @@ def test_transfer_plan_tp8_to_tp4():
     assert sum(plan.needed_bytes(r) for r in range(4)) == plan.bytes
     msgs = plan.messages()
     assert len(msgs) == plan.num_messages == 8
+    assert [msgs[i]["dst"] for i in plan.messages_to(3)] == [3, 3]
     assert plan.mode() in ("pre-send", "post-receive")
     counts = plan.copy_counts("pre-send")
     assert counts["pack"] > 0 and counts["unpack"] > 0
@@ -41,10 +42,16 @@ def test_transfer_plan_block_tables():
     shuffled = kvshard.transfer_plan(src, dst, n, src_block_tables=[[3, 2, 1, 0]],
                                      dst_block_tables=[np.array([7, 5, 6, 4], dtype=np.int32)])
     assert shuffled.bytes == seq.bytes
-    pieces = [p for msg in shuffled.messages() for p in msg["pieces"]]
-    assert pieces  # block ids of the tables appear in the pieces
-    assert {p["src_block"] for p in pieces} <= {0, 1, 2, 3}
-    assert {p["dst_block"] for p in pieces} <= {4, 5, 6, 7}
+    assert shuffled.num_messages == seq.num_messages == 2
+    for i in range(shuffled.num_messages):
+        pieces = shuffled.pieces(i)
+        assert int(pieces["count"].sum()) == n == shuffled.messages()[i]["tokens"]
+        # Source token block j lives in src table[j], destination block j in dst table[j].
+        for p in pieces:
+            j = p["token_begin"] // 16
+            assert p["src_block"] == [3, 2, 1, 0][j] and p["dst_block"] == [7, 5, 6, 4][j]
+    with pytest.raises(kvshard.Error):
+        shuffled.pieces(2)
     with pytest.raises(kvshard.Error):
         kvshard.transfer_plan(src, dst, n, src_block_tables=[[0]])  # too short
     with pytest.raises(kvshard.Error):
