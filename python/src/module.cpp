@@ -44,6 +44,9 @@ PYBIND11_MODULE(_kvshard, m) {
     auto out_of_blocks =
         py::register_exception<kvshard::OutOfBlocksError>(m, "OutOfBlocksError", error.ptr());
     out_of_blocks.attr("__doc__") = "The block manager has too few free or evictable blocks.";
+    // Raised and caught as kvshard.Error (the package re-exports them).
+    error.attr("__module__") = "kvshard";
+    out_of_blocks.attr("__module__") = "kvshard";
     kp::bind_model_layout(m);
     kp::bind_planner(m);
     kp::bind_cp(m);
