@@ -66,8 +66,9 @@ void bind_cache(py::module_& m) {
         "strings (the form of KV events and the router).");
 
     m.def("vllm_hash_schemes", [] {
-        return std::vector<std::string>{std::string(vllm_hash_scheme_name(VllmHashScheme::kSha256Cbor)),
-                                        std::string(vllm_hash_scheme_name(VllmHashScheme::kXxhashCbor))};
+        return std::vector<std::string>{
+            std::string(vllm_hash_scheme_name(VllmHashScheme::kSha256Cbor)),
+            std::string(vllm_hash_scheme_name(VllmHashScheme::kXxhashCbor))};
     });
     m.def(
         "vllm_none_hash",
@@ -117,9 +118,8 @@ void bind_cache(py::module_& m) {
         "vLLM's block hashes of the full blocks of `tokens`, chained from `root` "
         "(vllm_none_hash(scheme, seed) or a known parent), as bytes.");
     m.def(
-        "vllm_event_id",
-        [](const py::bytes& h) { return vllm_hash_of(h).event_id(); }, py::arg("hash"),
-        "The integer vLLM's KV events carry for a block hash.");
+        "vllm_event_id", [](const py::bytes& h) { return vllm_hash_of(h).event_id(); },
+        py::arg("hash"), "The integer vLLM's KV events carry for a block hash.");
 
     py::class_<BlockManager>(m, "BlockManager",
                              "Blocks of one KV group: ids, hashes and refcounts (no bytes), with "
@@ -192,41 +192,44 @@ void bind_cache(py::module_& m) {
             [](BlockManager& b, py::function callback) {
                 // Events are delivered at the end of the manager's call, on the calling thread,
                 // which holds the GIL (no method of this class releases it).
-                return b.subscribe([cb = std::move(callback)](const KvEvent& e) { cb(event_dict(e)); });
+                return b.subscribe(
+                    [cb = std::move(callback)](const KvEvent& e) { cb(event_dict(e)); });
             },
             py::arg("callback"),
             "Calls callback(event_dict) for every KV event (BlockStored, BlockRemoved, "
             "AllCleared); returns an id for unsubscribe.")
         .def("unsubscribe", &BlockManager::unsubscribe, py::arg("subscription_id"))
         .def_property_readonly("next_event_seq", &BlockManager::next_event_seq)
-        .def(
-            "metrics",
-            [](const BlockManager& b) {
-                const CacheMetrics c = b.metrics();
-                py::dict d;
-                d["num_blocks"] = c.num_blocks;
-                d["used_blocks"] = c.used_blocks;
-                d["free_blocks"] = c.free_blocks;
-                d["cached_blocks"] = c.cached_blocks;
-                d["hashed_blocks"] = c.hashed_blocks;
-                d["num_sequences"] = c.num_sequences;
-                d["queries"] = c.queries;
-                d["query_tokens"] = c.query_tokens;
-                d["hit_tokens"] = c.hit_tokens;
-                d["evictions"] = c.evictions;
-                d["stored_blocks"] = c.stored_blocks;
-                d["token_hit_rate"] = c.token_hit_rate();
-                return d;
-            })
+        .def("metrics",
+             [](const BlockManager& b) {
+                 const CacheMetrics c = b.metrics();
+                 py::dict d;
+                 d["num_blocks"] = c.num_blocks;
+                 d["used_blocks"] = c.used_blocks;
+                 d["free_blocks"] = c.free_blocks;
+                 d["cached_blocks"] = c.cached_blocks;
+                 d["hashed_blocks"] = c.hashed_blocks;
+                 d["num_sequences"] = c.num_sequences;
+                 d["queries"] = c.queries;
+                 d["query_tokens"] = c.query_tokens;
+                 d["hit_tokens"] = c.hit_tokens;
+                 d["evictions"] = c.evictions;
+                 d["stored_blocks"] = c.stored_blocks;
+                 d["token_hit_rate"] = c.token_hit_rate();
+                 return d;
+             })
         .def(
             "block_state",
             [](const BlockManager& b, BlockId id) {
                 require(id >= 0 && id < b.num_blocks(), "block ", id, " is outside [0, ",
                         b.num_blocks(), ")");
                 switch (b.block_state(id)) {
-                    case BlockState::kFree: return "free";
-                    case BlockState::kUsed: return "used";
-                    case BlockState::kCached: return "cached";
+                    case BlockState::kFree:
+                        return "free";
+                    case BlockState::kUsed:
+                        return "used";
+                    case BlockState::kCached:
+                        return "cached";
                 }
                 return "?";
             },
@@ -248,7 +251,8 @@ void bind_cache(py::module_& m) {
         });
 
     m.def(
-        "kv_event_from_json", [](const std::string& line) { return event_dict(kv_event_from_json(line)); },
+        "kv_event_from_json",
+        [](const std::string& line) { return event_dict(kv_event_from_json(line)); },
         py::arg("line"), "A KV event JSON line, checked and returned as its canonical dict.");
     m.def(
         "kv_event_to_json",
@@ -265,7 +269,9 @@ void bind_cache(py::module_& m) {
             py::arg("event"), "Applies an event (dict or JSON line).")
         .def(
             "__contains__",
-            [](const KvEventIndex& i, const std::string& h) { return i.contains(BlockHash::from_hex(h)); },
+            [](const KvEventIndex& i, const std::string& h) {
+                return i.contains(BlockHash::from_hex(h));
+            },
             py::arg("hash"))
         .def(
             "match_length",

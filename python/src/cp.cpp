@@ -21,8 +21,8 @@ py::dict choice_dict(const CpPrefillChoice& c) {
 
 // The document of `kvshard cp-plan --json` (tools/kvshard/cmd_cp_plan.cpp builds the same one;
 // tests/python/test_cli_equal.py holds the two together).
-std::string cp_plan_json(const ModelSpec& m, const ParallelConfig& p, int64_t cached,
-                         int64_t fresh, int block_size, int reuse_from) {
+std::string cp_plan_json(const ModelSpec& m, const ParallelConfig& p, int64_t cached, int64_t fresh,
+                         int block_size, int reuse_from) {
     validate(m, p);
     require(cached >= 0, "cached must be >= 0, got ", cached);
     require(fresh >= 1, "new must be >= 1 (a prefill computes at least one token), got ", fresh);
@@ -57,7 +57,8 @@ std::string cp_plan_json(const ModelSpec& m, const ParallelConfig& p, int64_t ca
     }
     nlohmann::json reuse = nullptr;
     if (reuse_from > 0)
-        reuse = nlohmann::json::parse(to_json(plan_cp_prefix_reuse(reuse_from, p.cp, cached / block_size)));
+        reuse = nlohmann::json::parse(
+            to_json(plan_cp_prefix_reuse(reuse_from, p.cp, cached / block_size)));
     nlohmann::json j = {{"model", m.name},
                         {"parallel", nlohmann::json::parse(to_json(p))},
                         {"cached", cached},

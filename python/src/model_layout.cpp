@@ -53,7 +53,8 @@ void bind_model_layout(py::module_& m) {
         .def_readonly("intermediate", &ModelSpec::intermediate)
         .def_readonly("vocab", &ModelSpec::vocab)
         .def_property_readonly(
-            "attention", [](const ModelSpec& s) { return std::string(attention_kind_name(s.attention)); })
+            "attention",
+            [](const ModelSpec& s) { return std::string(attention_kind_name(s.attention)); })
         .def_property_readonly(
             "kv_dtype", [](const ModelSpec& s) { return std::string(dtype_name(s.kv_dtype)); })
         .def_property_readonly(
@@ -90,18 +91,18 @@ void bind_model_layout(py::module_& m) {
             "from_json", [](const std::string& text) { return model_spec_from_json(text); },
             py::arg("text"))
         .def(py::self == py::self)
-        .def("__repr__",
-             [](const ModelSpec& s) {
-                 return fmt::format(
-                     "ModelSpec(name='{}', layers={}, heads={}, kv_heads={}, head_dim={}, "
-                     "attention='{}', kv_dtype='{}')",
-                     s.name, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim,
-                     attention_kind_name(s.attention), dtype_name(s.kv_dtype));
-             });
+        .def("__repr__", [](const ModelSpec& s) {
+            return fmt::format(
+                "ModelSpec(name='{}', layers={}, heads={}, kv_heads={}, head_dim={}, "
+                "attention='{}', kv_dtype='{}')",
+                s.name, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim,
+                attention_kind_name(s.attention), dtype_name(s.kv_dtype));
+        });
     py::implicitly_convertible<py::str, ModelSpec>();
 
     m.def("catalog_names", &catalog_names, "Names of the built-in models.");
-    m.def("in_catalog", [](const std::string& name) { return in_catalog(name); }, py::arg("name"));
+    m.def(
+        "in_catalog", [](const std::string& name) { return in_catalog(name); }, py::arg("name"));
     m.def(
         "catalog_model", [](const std::string& name) { return catalog_model(name); },
         py::arg("name"), "A built-in model; kvshard.Error lists the known names.");
@@ -109,7 +110,9 @@ void bind_model_layout(py::module_& m) {
           "A model from a Hugging Face config.json (Llama, Qwen2/3, Mixtral, DeepSeek-V3 ...).");
     m.def(
         "parse_hf_config",
-        [](const std::string& text, const std::string& name) { return parse_hf_config(text, name); },
+        [](const std::string& text, const std::string& name) {
+            return parse_hf_config(text, name);
+        },
         py::arg("json_text"), py::arg("name") = "config.json",
         "A model from the text of a config.json; `name` appears in error messages.");
     m.def("resolve_model", &resolve_model, py::arg("name_or_path"),
@@ -171,17 +174,16 @@ void bind_model_layout(py::module_& m) {
             },
             py::kw_only(), py::arg("dp") = 0, py::arg("pp") = 0, py::arg("cp") = 0,
             py::arg("tp") = 0)
-        .def(
-            "to_json", [](const ParallelConfig& p) { return to_json(p); })
-        .def(
-            "to_dict", [](const ParallelConfig& p) { return json_loads(to_json(p)); })
+        .def("to_json", [](const ParallelConfig& p) { return to_json(p); })
+        .def("to_dict", [](const ParallelConfig& p) { return json_loads(to_json(p)); })
         .def(py::self == py::self)
         .def("__str__", &ParallelConfig::to_string)
         .def("__repr__", &parallel_repr);
     py::implicitly_convertible<py::str, ParallelConfig>();
     m.def(
-        "parse_parallel_config", [](const std::string& text) { return parse_parallel_config(text); },
-        py::arg("text"), "Parses the CLI's layout string, e.g. 'tp=4,pp=2'.");
+        "parse_parallel_config",
+        [](const std::string& text) { return parse_parallel_config(text); }, py::arg("text"),
+        "Parses the CLI's layout string, e.g. 'tp=4,pp=2'.");
 
     py::class_<KvLayout>(m, "KvLayout",
                          "Which KV every rank holds: a pure function of (model, parallel).")
@@ -191,7 +193,8 @@ void bind_model_layout(py::module_& m) {
         .def_property_readonly("kv_heads_per_rank", &KvLayout::kv_heads_per_rank)
         .def_property_readonly("head_replication", &KvLayout::head_replication)
         .def_property_readonly(
-            "ranks", [](const KvLayout& l) -> py::object { return json_loads(to_json(l))["ranks"]; },
+            "ranks",
+            [](const KvLayout& l) -> py::object { return json_loads(to_json(l))["ranks"]; },
             "One dict per rank, as in `kvshard layout --json`.")
         .def(
             "request_kv_bytes",
@@ -219,8 +222,7 @@ void bind_model_layout(py::module_& m) {
         .def(
             "to_json", [](const KvLayout& l) { return to_json(l); },
             "The JSON of `kvshard layout --json`.")
-        .def(
-            "to_dict", [](const KvLayout& l) { return json_loads(to_json(l)); })
+        .def("to_dict", [](const KvLayout& l) { return json_loads(to_json(l)); })
         .def(py::self == py::self)
         .def("__repr__", [](const KvLayout& l) {
             return fmt::format("KvLayout(model='{}', parallel='{}', world_size={})", l.model.name,
@@ -295,7 +297,8 @@ void bind_model_layout(py::module_& m) {
                     cp_rank);
             require(seq_len >= 0, "seq_len must be >= 0, got ", seq_len);
             std::vector<std::pair<int64_t, int64_t>> out;
-            for (const auto& r : cp_token_ranges(p, cp_rank, seq_len)) out.emplace_back(r.begin, r.end);
+            for (const auto& r : cp_token_ranges(p, cp_rank, seq_len))
+                out.emplace_back(r.begin, r.end);
             return out;
         },
         py::arg("parallel"), py::arg("cp_rank"), py::arg("seq_len"),

@@ -13,7 +13,8 @@ namespace {
 
 CapacityOptions capacity_options(double mem_util, double activation_reserve_gib, int block_size,
                                  int64_t context_tokens) {
-    // As the CLI's --mem-util / --activation-reserve-gib / --block-size (tools/kvshard/options.cpp).
+    // As the CLI's --mem-util / --activation-reserve-gib / --block-size
+    // (tools/kvshard/options.cpp).
     require(activation_reserve_gib >= 0 && activation_reserve_gib <= 1 << 20,
             "activation_reserve_gib must be a number in [0, 1048576] GiB, got ",
             activation_reserve_gib);
@@ -136,13 +137,13 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
     return r;
 }
 
-#define KVSHARD_PLAN_ARGS                                                                     \
-    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("context_tokens"),        \
-        py::kw_only(), py::arg("batch") = 0, py::arg("max_batch") = 256,                      \
-        py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag",                 \
-        py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",                  \
-        py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,                                  \
-        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16
+#define KVSHARD_PLAN_ARGS                                                                    \
+    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("context_tokens"),       \
+        py::kw_only(), py::arg("batch") = 0, py::arg("max_batch") = 256,                     \
+                       py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag", \
+                       py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",  \
+                       py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,                  \
+                       py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16
 
 }  // namespace
 
@@ -197,8 +198,8 @@ void bind_planner(py::module_& m) {
         [](const ModelSpec& model, const ParallelConfig& p, const HardwareSpec& hw,
            int64_t prompt_tokens, int64_t context_tokens, int64_t batch,
            const std::string& cp_prefill, const std::string& cp_decode_merge, int pp_chunks) {
-            Workload w{.prompt_tokens = prompt_tokens, .context_tokens = context_tokens,
-                       .batch = batch};
+            Workload w{
+                .prompt_tokens = prompt_tokens, .context_tokens = context_tokens, .batch = batch};
             CostOptions o;
             o.cp_prefill = parse_cp_prefill_policy(cp_prefill);
             o.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);

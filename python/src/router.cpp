@@ -34,10 +34,10 @@ void bind_router(py::module_& m) {
     });
 
     py::class_<ReplicaLoad>(m, "ReplicaLoad", "What a replica is busy with, as the router sees it.")
-        .def(py::init([](int64_t queued_prefill_tokens, int64_t active_blocks,
-                         int64_t capacity_blocks) {
-                 return ReplicaLoad{queued_prefill_tokens, active_blocks, capacity_blocks};
-             }),
+        .def(py::init(
+                 [](int64_t queued_prefill_tokens, int64_t active_blocks, int64_t capacity_blocks) {
+                     return ReplicaLoad{queued_prefill_tokens, active_blocks, capacity_blocks};
+                 }),
              py::kw_only(), py::arg("queued_prefill_tokens") = 0, py::arg("active_blocks") = 0,
              py::arg("capacity_blocks") = 0)
         .def_readwrite("queued_prefill_tokens", &ReplicaLoad::queued_prefill_tokens)
@@ -85,8 +85,8 @@ void bind_router(py::module_& m) {
              }),
              py::arg("num_replicas"), py::arg("mode") = "exact", py::arg("ttl_s") = 120.0)
         .def_property_readonly("num_replicas", &KvIndex::num_replicas)
-        .def_property_readonly("mode",
-                               [](const KvIndex& i) { return std::string(kv_index_mode_name(i.mode())); })
+        .def_property_readonly(
+            "mode", [](const KvIndex& i) { return std::string(kv_index_mode_name(i.mode())); })
         .def(
             "block_stored",
             [](KvIndex& i, int replica, const std::vector<std::string>& hashes) {
@@ -103,9 +103,8 @@ void bind_router(py::module_& m) {
         .def(
             "apply",
             [](KvIndex& i, int replica, const py::object& event) {
-                const std::string line = py::isinstance<py::str>(event)
-                                             ? event.cast<std::string>()
-                                             : json_dumps(event);
+                const std::string line =
+                    py::isinstance<py::str>(event) ? event.cast<std::string>() : json_dumps(event);
                 i.apply(replica, kv_event_from_json(line));
             },
             py::arg("replica"), py::arg("event"), "A KV event (dict or JSON line) of a replica.")
@@ -141,19 +140,19 @@ void bind_router(py::module_& m) {
         .def_property_readonly("num_hashes", &KvIndex::num_hashes);
 
     py::class_<Router>(m, "Router", "A routing policy over a KvIndex of num_replicas replicas.")
-        .def(py::init([](int num_replicas, const std::string& policy,
-                         std::optional<PolicyParams> params, const std::string& mode,
-                         double ttl_s) {
-                 require(num_replicas >= 1 && num_replicas <= KvIndex::kMaxReplicas,
-                         "num_replicas must be in [1, ", KvIndex::kMaxReplicas, "], got ",
-                         num_replicas);
-                 const PolicyParams p = params.value_or(PolicyParams{});
-                 p.validate();
-                 return std::make_unique<Router>(num_replicas, parse_routing_policy(policy), p,
-                                                 parse_kv_index_mode(mode), ttl_s);
-             }),
-             py::arg("num_replicas"), py::arg("policy") = "kvshard",
-             py::arg("params") = py::none(), py::arg("mode") = "exact", py::arg("ttl_s") = 120.0)
+        .def(
+            py::init([](int num_replicas, const std::string& policy,
+                        std::optional<PolicyParams> params, const std::string& mode, double ttl_s) {
+                require(num_replicas >= 1 && num_replicas <= KvIndex::kMaxReplicas,
+                        "num_replicas must be in [1, ", KvIndex::kMaxReplicas, "], got ",
+                        num_replicas);
+                const PolicyParams p = params.value_or(PolicyParams{});
+                p.validate();
+                return std::make_unique<Router>(num_replicas, parse_routing_policy(policy), p,
+                                                parse_kv_index_mode(mode), ttl_s);
+            }),
+            py::arg("num_replicas"), py::arg("policy") = "kvshard", py::arg("params") = py::none(),
+            py::arg("mode") = "exact", py::arg("ttl_s") = 120.0)
         .def_property_readonly("num_replicas", &Router::num_replicas)
         .def_property_readonly(
             "policy", [](const Router& r) { return std::string(routing_policy_name(r.policy())); })
@@ -166,8 +165,8 @@ void bind_router(py::module_& m) {
                std::optional<std::vector<ReplicaLoad>> loads, double now_s) {
                 const auto hashes = hashes_from(block_hashes);
                 const auto l = loads_of(loads, r.num_replicas());
-                return decision_dict(r.route({.block_hashes = hashes, .num_tokens = num_tokens},
-                                             l, now_s));
+                return decision_dict(
+                    r.route({.block_hashes = hashes, .num_tokens = num_tokens}, l, now_s));
             },
             py::arg("block_hashes"), py::arg("num_tokens"), py::arg("loads") = py::none(),
             py::arg("now_s") = 0.0,
@@ -177,8 +176,9 @@ void bind_router(py::module_& m) {
     m.def(
         "decide_route",
         [](const std::string& policy, const std::vector<std::string>& block_hashes,
-           int64_t num_tokens, const std::vector<int>& overlap, std::optional<std::vector<ReplicaLoad>> loads,
-           std::optional<PolicyParams> params, uint64_t rr_counter) {
+           int64_t num_tokens, const std::vector<int>& overlap,
+           std::optional<std::vector<ReplicaLoad>> loads, std::optional<PolicyParams> params,
+           uint64_t rr_counter) {
             const auto hashes = hashes_from(block_hashes);
             require(!overlap.empty(), "overlap needs one entry per replica");
             const auto l = loads_of(loads, static_cast<int>(overlap.size()));

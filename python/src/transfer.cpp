@@ -31,8 +31,8 @@ TransferEndpoint endpoint(const char* side, const KvLayout& layout, int dp, int 
     e.dp = dp;
     e.block_size = block_size;
     e.order = parse_order(order);
-    e.block_tables = tables ? std::move(*tables)
-                            : sequential_block_tables(layout, block_size, num_tokens);
+    e.block_tables =
+        tables ? std::move(*tables) : sequential_block_tables(layout, block_size, num_tokens);
     return e;
 }
 
@@ -69,24 +69,24 @@ void bind_transfer(py::module_& m) {
         .def_readonly("elem_size", &TransferPlan::elem_size)
         .def_property_readonly("num_messages",
                                [](const TransferPlan& p) { return p.messages.size(); })
-        .def_property_readonly("src_layout",
-                               [](const TransferPlan& p) { return p.src.layout; })
-        .def_property_readonly("dst_layout",
-                               [](const TransferPlan& p) { return p.dst.layout; })
+        .def_property_readonly("src_layout", [](const TransferPlan& p) { return p.src.layout; })
+        .def_property_readonly("dst_layout", [](const TransferPlan& p) { return p.dst.layout; })
         .def("executable", &TransferPlan::executable,
              "True when pack/unpack can carry the plan out (one KV group).")
         .def("messages_from", &TransferPlan::messages_from, py::arg("src_rank"))
         .def("messages_to", &TransferPlan::messages_to, py::arg("dst_rank"))
         .def(
             "messages",
-            [](const TransferPlan& p) -> py::object { return json_loads(to_json(p, true))["message_list"]; },
+            [](const TransferPlan& p) -> py::object {
+                return json_loads(to_json(p, true))["message_list"];
+            },
             "One dict per message (ranks, layer and head ranges, piece count, bytes), as the "
             "'message_list' of `kvshard transfer-plan --messages --json`.")
         .def(
             "pieces",
             [](const TransferPlan& p, int message) {
-                require(message >= 0 && message < static_cast<int>(p.messages.size()),
-                        "message ", message, " is outside [0, ", p.messages.size(), ")");
+                require(message >= 0 && message < static_cast<int>(p.messages.size()), "message ",
+                        message, " is outside [0, ", p.messages.size(), ")");
                 const auto& v = p.messages[static_cast<size_t>(message)].pieces;
                 return py::array_t<TransferPiece>(static_cast<py::ssize_t>(v.size()), v.data());
             },
@@ -121,8 +121,7 @@ void bind_transfer(py::module_& m) {
             },
             py::arg("mode") = "auto", "memcpy calls of packing and unpacking the whole plan.")
         .def(
-            "to_json",
-            [](const TransferPlan& p, bool messages) { return to_json(p, messages); },
+            "to_json", [](const TransferPlan& p, bool messages) { return to_json(p, messages); },
             py::arg("messages") = false, "The JSON of `kvshard transfer-plan --json [--messages]`.")
         .def(
             "to_dict",
@@ -131,8 +130,8 @@ void bind_transfer(py::module_& m) {
         .def("__repr__", [](const TransferPlan& p) {
             return fmt::format("TransferPlan('{}' {} -> {}, tokens={}, messages={}, bytes={})",
                                p.src.layout.model.name, p.src.layout.parallel.to_string(),
-                               p.dst.layout.parallel.to_string(), p.num_tokens,
-                               p.messages.size(), p.bytes);
+                               p.dst.layout.parallel.to_string(), p.num_tokens, p.messages.size(),
+                               p.bytes);
         });
 
     m.def(
@@ -194,8 +193,7 @@ void bind_transfer(py::module_& m) {
         .def(
             "to_json", [](const TransferDescriptors& d) { return to_json(d); },
             "The descriptor part of `kvshard transfer-plan --descriptors --json`.")
-        .def(
-            "to_dict", [](const TransferDescriptors& d) { return json_loads(to_json(d)); })
+        .def("to_dict", [](const TransferDescriptors& d) { return json_loads(to_json(d)); })
         .def("__repr__", [](const TransferDescriptors& d) {
             return fmt::format("TransferDescriptors(count={}, listed={}, bytes={})",
                                d.descriptor_count, d.descriptors.size(), d.bytes);
