@@ -41,5 +41,6 @@ void bind_cp(py::module_& m);
 void bind_transfer(py::module_& m);
 void bind_cache(py::module_& m);
 void bind_router(py::module_& m);
+void bind_pack(py::module_& m);
 
 }  // namespace kvshard::python

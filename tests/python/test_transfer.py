@@ -80,3 +80,42 @@ def test_descriptors():
     assert "count=" in repr(d)
     with pytest.raises(kvshard.Error):
         kvshard.transfer_descriptors(plan, max_listed=-2)
+
+
+def coded_pool(geometry, num_blocks, rank):
+    """A float32 pool whose every element encodes (rank, layer, kv, block, head, slot, dim)."""
+    g = geometry
+    shape = (g["num_layers"], g["kv_factor"], num_blocks, g["num_heads"], g["block_size"],
+             g["head_dim"])
+    idx = np.indices(shape)
+    code = rank
+    for axis, size in enumerate(shape):
+        code = code * size + idx[axis]
+    return (code + 1).astype(np.float32)
+
+
+def test_pack_unpack_numpy_pools_tp2_to_tp1():
+    m = kvshard.catalog_model("tiny")  # fp32 KV, 4 KV heads
+    src, dst = layouts(m, "tp=2", "tp=1")
+    n, blocks = 64, 4  # 4 full blocks of 16 on each side, tables 0..3
+    plan = kvshard.transfer_plan(src, dst, n)
+    g0 = kvshard.pool_geometry(plan, True, 0)
+    assert g0["num_heads"] == 2 and g0["dtype"] == "fp32" and g0["order"] == "hnd"
+    pools = [coded_pool(kvshard.pool_geometry(plan, True, r), blocks, r) for r in range(2)]
+    gd = kvshard.pool_geometry(plan, False, 0)
+    out = np.zeros((gd["num_layers"], gd["kv_factor"], blocks, gd["num_heads"], gd["block_size"],
+                    gd["head_dim"]), dtype=np.float32)
+    for mode in ("pre-send", "post-receive"):
+        out[:] = 0
+        for i, msg in enumerate(plan.messages()):
+            payload = kvshard.pack_message(plan, i, pools[msg["src"]], mode)
+            assert payload.dtype == np.uint8 and payload.nbytes == msg["bytes"]
+            kvshard.unpack_message(plan, i, payload, out, mode)
+        # TP=1 holds all 4 heads: rank 0's heads 0-1 then rank 1's heads 2-3, value for value.
+        assert np.array_equal(out, np.concatenate(pools, axis=3)), mode
+    with pytest.raises(kvshard.Error):
+        kvshard.pack_message(plan, 0, pools[0][:, :, :1].copy()[..., :3])  # not whole blocks
+    with pytest.raises(kvshard.Error):
+        kvshard.unpack_message(plan, 0, np.zeros(3, np.uint8), out)
+    with pytest.raises(kvshard.Error):
+        kvshard.pack_message(plan, 2, pools[0])
