@@ -19,3 +19,12 @@ def test_disagg_descriptors_example():
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "llama-3.1-8b: 500 tokens" in p.stdout and "descriptors" in p.stdout
+
+
+def test_pack_numpy_example():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(pathlib.Path(kvshard.__file__).parents[1])
+    p = subprocess.run([sys.executable, str(EXAMPLES / "pack_numpy.py")], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "destination blocks equal the source blocks" in p.stdout
