@@ -1,7 +1,8 @@
 """Builds kvshard._kvshard with the project's CMake (pyproject.toml holds the metadata).
 
 Environment:
-  KVSHARD_CMAKE_BUILD_DIR  reuse this CMake build tree (e.g. build/) instead of a fresh one
+  KVSHARD_CMAKE_BUILD_DIR  reuse this CMake build tree (e.g. build/) instead of a fresh one; it
+                           keeps the interpreter it was configured for (same Python version)
   KVSHARD_BUILD_JOBS       parallel compile jobs (default: all CPUs)
 """
 
@@ -26,10 +27,10 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         reuse = os.environ.get("KVSHARD_CMAKE_BUILD_DIR")
         build = pathlib.Path(reuse or self.build_temp).resolve()
-        configure = ["cmake", "-S", str(SOURCE_DIR), "-B", str(build), "-DKVSHARD_PYTHON=ON",
-                     f"-DPython3_EXECUTABLE={sys.executable}"]
+        configure = ["cmake", "-S", str(SOURCE_DIR), "-B", str(build), "-DKVSHARD_PYTHON=ON"]
         if not reuse:
-            configure += ["-DCMAKE_BUILD_TYPE=Release", "-DKVSHARD_BUILD_TESTS=OFF",
+            configure += [f"-DPython3_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release",
+                          "-DKVSHARD_BUILD_TESTS=OFF",
                           "-DKVSHARD_BUILD_BENCH=OFF"]
             if shutil.which("ninja"):
                 configure += ["-G", "Ninja"]
