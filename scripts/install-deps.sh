@@ -12,6 +12,7 @@ PACKAGES=(
   libssl-dev libcbor-dev python3-cbor2 python3-xxhash
   libzmq3-dev cppzmq-dev libmsgpack-cxx-dev python3-zmq python3-msgpack
   libcpp-httplib-dev
+  python3-dev pybind11-dev python3-numpy python3-pytest
 )
 
 missing=()

@@ -1,0 +1,130 @@
+// Packing a transfer plan's messages from and into KV pools held in numpy arrays.
+//
+// A rank's pool is the BlockPool arena: pages in (layer, kv, block) order, each page
+// [heads, block_size, head_dim] (HND) or [block_size, heads, head_dim] (NHD). So a C-contiguous
+// array of shape [num_layers, kv_factor, num_blocks, heads, block_size, head_dim] (HND) of the KV
+// dtype is a pool; any C-contiguous array of the same bytes works. The arrays are copied into a
+// BlockPool and back (the library's pools own their memory).
+#include <cstring>
+
+#include "bindings.h"
+#include "kvshard/common/dtype.h"
+#include "kvshard/transfer/pack.h"
+#include "kvshard/transfer/transfer_plan.h"
+
+namespace kvshard::python {
+
+namespace {
+
+const TransferMessage& message_of(const TransferPlan& plan, int message) {
+    require(message >= 0 && message < static_cast<int>(plan.messages.size()), "message ", message,
+            " is outside [0, ", plan.messages.size(), ")");
+    return plan.messages[static_cast<size_t>(message)];
+}
+
+TransferMode mode_of(const TransferPlan& plan, const std::string& mode) {
+    require(plan.executable(), "a plan of several KV groups cannot be packed");
+    return resolve_mode(plan, parse_transfer_mode(mode));
+}
+
+PageGeometry side_geometry(const TransferPlan& plan, bool source, int rank) {
+    const TransferEndpoint& e = source ? plan.src : plan.dst;
+    const PageGeometry g = rank_page_geometry(e.layout, rank, e.block_size, e.order);
+    require(g.dtype != DType::kFp8,
+            "fp8 pools carry per-block scales that pack_message does not move; pack bf16, fp16 "
+            "or fp32 KV");
+    return g;
+}
+
+// A BlockPool holding a copy of `array`, whose bytes must be whole blocks of geometry g.
+BlockPool pool_of(const PageGeometry& g, const py::array& array, const char* what) {
+    require(array.flags() & py::array::c_style, what, " must be C-contiguous");
+    const auto bytes = static_cast<int64_t>(array.nbytes());
+    require(bytes > 0 && bytes % g.block_bytes() == 0, what, " holds ", bytes,
+            " bytes; a pool of this rank is a whole number of blocks of ", g.block_bytes(),
+            " bytes (num_layers ", g.num_layers, " x kv ", g.kv_factor, " x heads ", g.num_heads,
+            " x block_size ", g.block_size, " x head_dim ", g.head_dim, " x ", g.elem_size(),
+            " B)");
+    BlockPool pool(g, bytes / g.block_bytes());
+    std::memcpy(pool.arena().data(), array.data(), static_cast<size_t>(bytes));
+    return pool;
+}
+
+py::dict geometry_dict(const PageGeometry& g) {
+    py::dict d;
+    d["num_layers"] = g.num_layers;
+    d["kv_factor"] = g.kv_factor;
+    d["num_heads"] = g.num_heads;
+    d["block_size"] = g.block_size;
+    d["head_dim"] = g.head_dim;
+    d["dtype"] = std::string(dtype_name(g.dtype));
+    d["order"] = g.order == PageOrder::kHnd ? "hnd" : "nhd";
+    d["page_bytes"] = g.page_bytes();
+    d["block_bytes"] = g.block_bytes();
+    return d;
+}
+
+}  // namespace
+
+void bind_pack(py::module_& m) {
+    m.def(
+        "pool_geometry",
+        [](const TransferPlan& plan, bool source, int rank) {
+            const KvLayout& l = source ? plan.src.layout : plan.dst.layout;
+            require(rank >= 0 && rank < l.world_size(), "rank ", rank, " is outside [0, ",
+                    l.world_size(), ")");
+            const TransferEndpoint& e = source ? plan.src : plan.dst;
+            return geometry_dict(rank_page_geometry(e.layout, rank, e.block_size, e.order));
+        },
+        py::arg("plan"), py::arg("source"), py::arg("rank"),
+        "The page geometry of a rank's pool on one side of a plan: a pool array has shape "
+        "[num_layers, kv_factor, num_blocks, num_heads, block_size, head_dim] (hnd) or "
+        "[..., block_size, num_heads, head_dim] (nhd).");
+    m.def(
+        "pack_message",
+        [](const TransferPlan& plan, int message, const py::array& src_pool,
+           const std::string& mode) {
+            const TransferMessage& msg = message_of(plan, message);
+            const TransferMode mo = mode_of(plan, mode);
+            const BlockPool pool =
+                pool_of(side_geometry(plan, true, msg.src_rank), src_pool, "src_pool");
+            py::array_t<uint8_t> out(static_cast<py::ssize_t>(msg.bytes));
+            {
+                py::gil_scoped_release release;
+                pack_message(plan, msg, mo, pool,
+                             {reinterpret_cast<std::byte*>(out.mutable_data()),
+                              static_cast<size_t>(msg.bytes)});
+            }
+            return out;
+        },
+        py::arg("plan"), py::arg("message"), py::arg("src_pool"), py::arg("mode") = "auto",
+        "Message `message`'s payload (uint8 array of its bytes) packed from the source rank's "
+        "pool array.");
+    m.def(
+        "unpack_message",
+        [](const TransferPlan& plan, int message, const py::array& payload, py::array dst_pool,
+           const std::string& mode) {
+            const TransferMessage& msg = message_of(plan, message);
+            const TransferMode mo = mode_of(plan, mode);
+            require(payload.flags() & py::array::c_style, "payload must be C-contiguous");
+            require(static_cast<int64_t>(payload.nbytes()) == msg.bytes, "payload holds ",
+                    payload.nbytes(), " bytes; message ", message, " carries ", msg.bytes);
+            require(dst_pool.writeable(), "dst_pool must be writeable");
+            BlockPool pool =
+                pool_of(side_geometry(plan, false, msg.dst_rank), dst_pool, "dst_pool");
+            {
+                py::gil_scoped_release release;
+                unpack_message(plan, msg, mo,
+                               {reinterpret_cast<const std::byte*>(payload.data()),
+                                static_cast<size_t>(msg.bytes)},
+                               pool);
+            }
+            std::memcpy(dst_pool.mutable_data(), pool.arena().data(), pool.arena().size());
+        },
+        py::arg("plan"), py::arg("message"), py::arg("payload"), py::arg("dst_pool"),
+        py::arg("mode") = "auto",
+        "Writes a payload made by pack_message (same plan, message, mode) into the destination "
+        "rank's pool array, in place.");
+}
+
+}  // namespace kvshard::python

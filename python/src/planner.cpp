@@ -1,0 +1,287 @@
+// Hardware, capacity, the cost model and the planner's search.
+#include <fmt/format.h>
+
+#include "bindings.h"
+#include "kvshard/planner/capacity.h"
+#include "kvshard/planner/cost_model.h"
+#include "kvshard/planner/hardware.h"
+#include "kvshard/planner/planner.h"
+
+namespace kvshard::python {
+
+namespace {
+
+CapacityOptions capacity_options(double mem_util, double activation_reserve_gib, int block_size,
+                                 int64_t context_tokens) {
+    // As the CLI's --mem-util / --activation-reserve-gib / --block-size
+    // (tools/kvshard/options.cpp).
+    require(activation_reserve_gib >= 0 && activation_reserve_gib <= 1 << 20,
+            "activation_reserve_gib must be a number in [0, 1048576] GiB, got ",
+            activation_reserve_gib);
+    CapacityOptions o;
+    o.mem_util = mem_util;
+    o.activation_reserve_bytes = static_cast<int64_t>(activation_reserve_gib * (1 << 30));
+    o.block_size = block_size;
+    o.context_tokens = context_tokens;
+    o.validate();
+    return o;
+}
+
+py::dict weights_dict(const WeightBytes& w) {
+    py::dict d;
+    d["attention"] = w.attention;
+    d["dense_mlp"] = w.dense_mlp;
+    d["experts"] = w.experts;
+    d["embedding"] = w.embedding;
+    d["lm_head"] = w.lm_head;
+    d["norms"] = w.norms;
+    d["total"] = w.total();
+    return d;
+}
+
+py::dict capacity_dict(const CapacityReport& c) {
+    py::dict d;
+    d["limiting_rank"] = c.limiting_rank;
+    d["weight_bytes_per_gpu"] = c.weight_bytes_per_gpu;
+    d["kv_bytes_per_token"] = c.kv_bytes_per_token;
+    d["state_bytes_per_sequence"] = c.state_bytes_per_sequence;
+    d["kv_tokens_per_gpu"] = c.kv_tokens_per_gpu;
+    d["kv_blocks_per_gpu"] = c.kv_blocks_per_gpu;
+    d["max_context"] = c.max_context;
+    d["context_unbounded"] = c.context_unbounded;
+    d["request_kv_bytes"] = c.request_kv_bytes;
+    d["requests_per_replica"] = c.requests_per_replica;
+    d["max_concurrency"] = c.max_concurrency;
+    d["fits"] = c.fits;
+    d["why_not"] = c.why_not;
+    py::list ranks;
+    for (const auto& r : c.ranks) {
+        py::dict rd;
+        rd["rank"] = r.rank;
+        rd["weights"] = weights_dict(r.weights);
+        rd["kv_bytes_per_token"] = r.kv_bytes_per_token;
+        rd["state_bytes_per_sequence"] = r.state_bytes_per_sequence;
+        rd["kv_budget_bytes"] = r.kv_budget_bytes;
+        rd["kv_tokens"] = r.kv_tokens;
+        ranks.append(rd);
+    }
+    d["ranks"] = ranks;
+    return d;
+}
+
+py::dict phase_dict(const PhaseCost& p) {
+    py::dict d;
+    d["flops"] = p.flops;
+    d["hbm_bytes"] = p.hbm_bytes;
+    d["compute_s"] = p.compute_s;
+    d["memory_s"] = p.memory_s;
+    d["roofline_s"] = p.roofline_s;
+    d["attention_compute_s"] = p.attention_compute_s;
+    d["tp_bytes"] = p.tp_bytes;
+    d["tp_s"] = p.tp_s;
+    d["pp_bytes"] = p.pp_bytes;
+    d["pp_s"] = p.pp_s;
+    d["cp_bytes"] = p.cp_bytes;
+    d["cp_s"] = p.cp_s;
+    d["ep_bytes"] = p.ep_bytes;
+    d["ep_s"] = p.ep_s;
+    d["pp_bubble_s"] = p.pp_bubble_s;
+    d["total_s"] = p.total_s;
+    d["comm_bytes"] = p.comm_bytes();
+    return d;
+}
+
+py::dict cost_dict(const CostReport& c) {
+    py::dict d;
+    d["prefill"] = phase_dict(c.prefill);
+    d["decode"] = phase_dict(c.decode);
+    py::dict cp_prefill;
+    cp_prefill["pass_kv_bytes"] = c.cp_prefill.pass_kv_bytes;
+    cp_prefill["pass_kv_s"] = c.cp_prefill.pass_kv_s;
+    cp_prefill["pass_kv_hidden"] = c.cp_prefill.pass_kv_hidden;
+    cp_prefill["pass_q_bytes"] = c.cp_prefill.pass_q_bytes;
+    cp_prefill["pass_q_s"] = c.cp_prefill.pass_q_s;
+    cp_prefill["chosen"] = std::string(cp_prefill_policy_name(c.cp_prefill.chosen));
+    d["cp_prefill"] = cp_prefill;
+    py::dict cp_decode;
+    cp_decode["all_gather_bytes"] = c.cp_decode.all_gather_bytes;
+    cp_decode["all_gather_s"] = c.cp_decode.all_gather_s;
+    cp_decode["all_to_all_bytes"] = c.cp_decode.all_to_all_bytes;
+    cp_decode["all_to_all_s"] = c.cp_decode.all_to_all_s;
+    cp_decode["chosen"] = std::string(cp_merge_policy_name(c.cp_decode.chosen));
+    d["cp_decode"] = cp_decode;
+    d["ttft_s"] = c.ttft_s;
+    d["tpot_s"] = c.tpot_s;
+    d["decode_tokens_per_s"] = c.decode_tokens_per_s;
+    d["ep_link_share_for_kv"] = c.ep_link_share_for_kv;
+    return d;
+}
+
+// The request of `kvshard plan` with the CLI's defaults (tools/kvshard/cmd_plan.cpp).
+PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_t max_batch,
+                         const std::string& objective, const std::string& cp_scheme,
+                         const std::string& cp_prefill, const std::string& cp_decode_merge,
+                         int pp_chunks, double mem_util, double activation_reserve_gib,
+                         int block_size) {
+    PlanRequest r;
+    r.gpus = gpus;
+    r.context_tokens = context_tokens;
+    r.batch = batch;
+    r.max_batch = max_batch;
+    r.objective = parse_objective(objective);
+    r.cp_scheme = parse_cp_scheme(cp_scheme);
+    r.capacity = capacity_options(mem_util, activation_reserve_gib, block_size, 0);
+    r.cost.cp_prefill = parse_cp_prefill_policy(cp_prefill);
+    r.cost.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);
+    r.cost.pp_prefill_chunks = pp_chunks;
+    return r;
+}
+
+#define KVSHARD_PLAN_ARGS                                                                    \
+    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("context_tokens"),       \
+        py::kw_only(), py::arg("batch") = 0, py::arg("max_batch") = 256,                     \
+                       py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag", \
+                       py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",  \
+                       py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,                  \
+                       py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16
+
+}  // namespace
+
+void bind_planner(py::module_& m) {
+    py::class_<HardwareSpec>(m, "HardwareSpec",
+                             "A GPU and its links (a value: ==, to_dict). A str converts through "
+                             "resolve_hardware (catalog name or JSON file).")
+        .def(py::init(&resolve_hardware), py::arg("name_or_path"))
+        .def_readonly("name", &HardwareSpec::name)
+        .def_readonly("memory_bytes", &HardwareSpec::memory_bytes)
+        .def_readonly("hbm_bw", &HardwareSpec::hbm_bw)
+        .def_readonly("flops_bf16", &HardwareSpec::flops_bf16)
+        .def_readonly("flops_fp8", &HardwareSpec::flops_fp8)
+        .def_readonly("gpus_per_node", &HardwareSpec::gpus_per_node)
+        .def_readonly("nvlink_bw", &HardwareSpec::nvlink_bw)
+        .def_readonly("internode_bw", &HardwareSpec::internode_bw)
+        .def("to_json", [](const HardwareSpec& h) { return to_json(h); })
+        .def("to_dict", [](const HardwareSpec& h) { return json_loads(to_json(h)); })
+        .def_static(
+            "from_json",
+            [](const std::string& text) { return parse_hardware_json(text, "<json>"); },
+            py::arg("text"))
+        .def(py::self == py::self)
+        .def("__repr__", [](const HardwareSpec& h) {
+            return fmt::format("HardwareSpec(name='{}', memory_gib={:.0f}, gpus_per_node={})",
+                               h.name, h.memory_bytes / double(1 << 30), h.gpus_per_node);
+        });
+    py::implicitly_convertible<py::str, HardwareSpec>();
+    m.def("hardware_names", &hardware_names, "Names of the built-in GPUs.");
+    m.def("resolve_hardware", &resolve_hardware, py::arg("name_or_path"),
+          "A built-in GPU by name, or a hardware JSON file (docs/cost-model.md).");
+
+    m.def(
+        "compute_capacity",
+        [](const ModelSpec& model, const ParallelConfig& p, const HardwareSpec& hw, double mem_util,
+           double activation_reserve_gib, int block_size, int64_t context_tokens) {
+            const CapacityOptions o =
+                capacity_options(mem_util, activation_reserve_gib, block_size, context_tokens);
+            CapacityReport c;
+            {
+                py::gil_scoped_release release;
+                c = compute_capacity(model, p, hw, o);
+            }
+            return capacity_dict(c);
+        },
+        py::arg("model"), py::arg("parallel"), py::arg("hardware"), py::kw_only(),
+        py::arg("mem_util") = 0.9, py::arg("activation_reserve_gib") = 2.0,
+        py::arg("block_size") = 16, py::arg("context_tokens") = 0,
+        "Weights, KV budget and KV tokens per GPU, as a dict (per-rank figures under 'ranks').");
+    m.def(
+        "estimate_cost",
+        [](const ModelSpec& model, const ParallelConfig& p, const HardwareSpec& hw,
+           int64_t prompt_tokens, int64_t context_tokens, int64_t batch,
+           const std::string& cp_prefill, const std::string& cp_decode_merge, int pp_chunks) {
+            Workload w{
+                .prompt_tokens = prompt_tokens, .context_tokens = context_tokens, .batch = batch};
+            CostOptions o;
+            o.cp_prefill = parse_cp_prefill_policy(cp_prefill);
+            o.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);
+            o.pp_prefill_chunks = pp_chunks;
+            CostReport c;
+            {
+                py::gil_scoped_release release;
+                c = estimate_cost(model, p, hw, w, o);
+            }
+            return cost_dict(c);
+        },
+        py::arg("model"), py::arg("parallel"), py::arg("hardware"), py::kw_only(),
+        py::arg("prompt_tokens"), py::arg("context_tokens"), py::arg("batch") = 1,
+        py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",
+        py::arg("pp_chunks") = 0,
+        "TTFT of one prompt and TPOT of a decode batch from the roofline cost model, as a dict.");
+    m.def(
+        "enumerate_configs",
+        [](const ModelSpec& model, int gpus, const std::string& cp_scheme) {
+            require(gpus >= 1, "gpus must be >= 1, got ", gpus);
+            return enumerate_configs(model, gpus, parse_cp_scheme(cp_scheme));
+        },
+        py::arg("model"), py::arg("gpus"), py::arg("cp_scheme") = "zigzag",
+        "Every valid ParallelConfig of the model on `gpus` GPUs.");
+    m.def(
+        "plan",
+        [](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t context_tokens,
+           int64_t batch, int64_t max_batch, const std::string& objective,
+           const std::string& cp_scheme, const std::string& cp_prefill,
+           const std::string& cp_decode_merge, int pp_chunks, double mem_util,
+           double activation_reserve_gib, int block_size) {
+            const PlanRequest r = plan_request(gpus, context_tokens, batch, max_batch, objective,
+                                               cp_scheme, cp_prefill, cp_decode_merge, pp_chunks,
+                                               mem_util, activation_reserve_gib, block_size);
+            std::string json;
+            {
+                py::gil_scoped_release release;
+                json = plan_to_json(model, hw, r, plan(model, hw, r));
+            }
+            return json_loads(json);
+        },
+        KVSHARD_PLAN_ARGS,
+        "Every configuration ranked by the objective: the dict of `kvshard plan --json`.");
+    m.def(
+        "plan_svg",
+        [](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t context_tokens,
+           int64_t batch, int64_t max_batch, const std::string& objective,
+           const std::string& cp_scheme, const std::string& cp_prefill,
+           const std::string& cp_decode_merge, int pp_chunks, double mem_util,
+           double activation_reserve_gib, int block_size) {
+            const PlanRequest r = plan_request(gpus, context_tokens, batch, max_batch, objective,
+                                               cp_scheme, cp_prefill, cp_decode_merge, pp_chunks,
+                                               mem_util, activation_reserve_gib, block_size);
+            py::gil_scoped_release release;
+            return plan_to_svg(model, hw, r, plan(model, hw, r));
+        },
+        KVSHARD_PLAN_ARGS, "The chart of `kvshard plan --svg`, as SVG text.");
+    m.def(
+        "explain_plan",
+        [](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t context_tokens,
+           const ParallelConfig& p, int64_t batch, int64_t max_batch, const std::string& objective,
+           const std::string& cp_scheme, const std::string& cp_prefill,
+           const std::string& cp_decode_merge, int pp_chunks, double mem_util,
+           double activation_reserve_gib, int block_size) {
+            const PlanRequest r = plan_request(gpus, context_tokens, batch, max_batch, objective,
+                                               cp_scheme, cp_prefill, cp_decode_merge, pp_chunks,
+                                               mem_util, activation_reserve_gib, block_size);
+            std::string json;
+            {
+                py::gil_scoped_release release;
+                json = plan_to_json(model, hw, r, {evaluate_config(model, hw, r, p)});
+            }
+            return json_loads(json);
+        },
+        py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("context_tokens"),
+        py::arg("parallel"), py::kw_only(), py::arg("batch") = 0, py::arg("max_batch") = 256,
+        py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag",
+        py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",
+        py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,
+        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,
+        "One configuration evaluated as `kvshard plan --explain ... --json` does (the parallel "
+        "config is used as given: spell cp_scheme in it when cp > 1).");
+}
+
+}  // namespace kvshard::python

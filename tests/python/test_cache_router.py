@@ -1,0 +1,170 @@
+"""Block hashing, the block manager, KV events and the router through the Python API."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+import kvshard
+
+cbor2 = pytest.importorskip("cbor2")
+
+
+def test_hash_token_blocks():
+    tokens = list(range(40))
+    h = kvshard.hash_token_blocks(tokens, 16)
+    assert len(h) == 2 and all(len(x) == 32 for x in h)  # the partial block is not hashed
+    assert kvshard.hash_token_blocks(np.arange(40, dtype=np.int64), 16) == h
+    # Chained: the second block's hash depends on the first block's tokens.
+    assert kvshard.hash_token_blocks([1] + tokens[1:], 16)[1] != h[1]
+    assert kvshard.hash_token_blocks(tokens, 16, cache_salt="s")[0] != h[0]
+    with pytest.raises(kvshard.Error):
+        kvshard.hash_token_blocks(tokens, 0)
+
+
+def test_vllm_hashes_match_python():
+    scheme = "vllm-sha256-cbor"
+    assert scheme in kvshard.vllm_hash_schemes()
+    # vLLM: NONE_HASH = sha256_cbor(PYTHONHASHSEED); block = sha256_cbor((parent, tokens, extra)).
+    root = kvshard.vllm_none_hash(scheme, "0")
+    assert root == hashlib.sha256(cbor2.dumps("0", canonical=True)).digest()
+    tokens = list(range(100, 132))
+    want0 = hashlib.sha256(cbor2.dumps((root, tuple(tokens[:16]), None), canonical=True)).digest()
+    want1 = hashlib.sha256(cbor2.dumps((want0, tuple(tokens[16:]), None), canonical=True)).digest()
+    assert kvshard.vllm_hash_block(scheme, root, tokens[:16]) == want0
+    assert kvshard.vllm_hash_blocks(tokens, 16, root=root) == [want0, want1]
+    assert kvshard.vllm_block_cbor(root, tokens[:16]) == cbor2.dumps((root, tuple(tokens[:16]), None),
+                                                                     canonical=True)
+    salted = hashlib.sha256(cbor2.dumps((root, tuple(tokens[:16]), ("salt",)),
+                                        canonical=True)).digest()
+    assert kvshard.vllm_hash_block(scheme, root, tokens[:16], ["salt"]) == salted
+    assert kvshard.vllm_hash_blocks(tokens, 16, root=root, cache_salt="salt")[0] == salted
+    assert kvshard.vllm_event_id(want0) == int.from_bytes(want0, "big") & (2**64 - 1)
+    assert len(kvshard.vllm_none_hash("vllm-xxhash-cbor", "0")) == 16
+    with pytest.raises(kvshard.Error):
+        kvshard.vllm_none_hash("md5", "0")
+    with pytest.raises(kvshard.Error):
+        kvshard.vllm_hash_block(scheme, b"", tokens[:16])
+
+
+def test_block_manager_prefix_cache_and_events():
+    bm = kvshard.BlockManager(num_blocks=8, block_size=4)
+    events = []
+    sub = bm.subscribe(events.append)
+    prompt = list(range(10))  # 2 full blocks + 2 tokens
+    r = bm.allocate(1, prompt)
+    assert r == {"cached_tokens": 0, "cached_blocks": 0, "new_blocks": 3}
+    assert 1 in bm and 2 not in bm
+    table = bm.block_table(1)
+    assert table.dtype == np.int32 and len(table) == 3 and len(set(table)) == 3
+    assert bm.num_tokens(1) == 10
+    assert bm.block_hashes(1) == kvshard.hash_token_blocks(prompt, 4)
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    assert stored and [h for e in stored for h in e["block_hashes"]] == bm.block_hashes(1)
+    # A second sequence with the same prefix shares the two full blocks.
+    r2 = bm.allocate(2, prompt[:8] + [99, 98])
+    assert r2["cached_tokens"] == 8 and r2["cached_blocks"] == 2 and r2["new_blocks"] == 1
+    assert list(bm.block_table(2)[:2]) == list(table[:2])
+    assert bm.ref_count(int(table[0])) == 2 and bm.block_state(int(table[0])) == "used"
+    assert bm.lookup(prompt)["num_tokens"] == 8
+    bm.append(1, [10, 11])  # completes block 3 of seq 1
+    assert bm.num_tokens(1) == 12 and len(bm.block_hashes(1)) == 3
+    bm.append_tokens(2, 1)
+    assert bm.can_append(2, 1) and bm.can_allocate([1, 2, 3])
+    bm.free(1)
+    bm.free(2)
+    m = bm.metrics()
+    assert m["used_blocks"] == 0 and m["cached_blocks"] > 0 and m["hit_tokens"] == 8
+    assert m["token_hit_rate"] == pytest.approx(8 / 20)
+    assert bm.eviction_order() and bm.block_state(bm.eviction_order()[0]) == "cached"
+    bm.check_invariants()
+    bm.clear_cache()
+    assert events[-1]["type"] == "AllCleared"
+    seqs = [e["seq"] for e in events]
+    assert seqs == sorted(seqs) and bm.next_event_seq == seqs[-1] + 1
+    bm.unsubscribe(sub)
+    n = len(events)
+    bm.allocate(3, prompt)
+    assert len(events) == n
+    assert bm.num_available_blocks == 8 - 3 and "num_blocks=8" in repr(bm)
+    with pytest.raises(kvshard.OutOfBlocksError) as e:
+        bm.allocate(4, list(range(500, 524)))  # 6 blocks, 5 available
+    assert isinstance(e.value, kvshard.Error)
+    with pytest.raises(kvshard.Error):
+        bm.free(12345)
+    with pytest.raises(kvshard.Error):
+        bm.allocate(5, list(range(100)))  # longer than the whole pool
+
+
+def test_kv_events_and_index():
+    bm = kvshard.BlockManager(num_blocks=8, block_size=4)
+    events = []
+    bm.subscribe(events.append)
+    bm.allocate(1, list(range(8)))
+    line = kvshard.kv_event_to_json(events[0])
+    assert json.loads(line) == events[0]
+    assert kvshard.kv_event_from_json(line) == events[0]
+    assert json.loads(kvshard.kv_event_to_json(line, "engine-0"))["source"] == "engine-0"
+    idx = kvshard.KvEventIndex()
+    for e in events:
+        idx.apply(e)
+    hashes = bm.block_hashes(1)
+    assert len(idx) == 2 and hashes[0] in idx and idx.next_seq == events[-1]["seq"] + 1
+    assert idx.match_length(hashes + ["0" * 32]) == 2
+    with pytest.raises(kvshard.Error):
+        kvshard.kv_event_from_json('{"seq": 1, "type": "Nope"}')
+
+
+def test_kv_index_and_router():
+    names = kvshard.routing_policy_names()
+    assert {"round-robin", "least-loaded", "cache-aware", "cost", "kvshard"} <= set(names)
+    hashes = kvshard.hash_token_blocks(list(range(64)), 16)
+    idx = kvshard.KvIndex(3)
+    idx.block_stored(2, hashes[:3])
+    assert idx.prefix_overlap(hashes) == [0, 0, 3]
+    assert idx.contains(2, hashes[0]) and not idx.contains(1, hashes[0])
+    assert idx.num_blocks(2) == 3 and idx.num_hashes == 3 and idx.mode == "exact"
+    idx.block_removed(2, hashes[2:3])
+    assert idx.prefix_overlap(hashes) == [0, 0, 2]
+    idx.all_cleared(2)
+    assert idx.num_hashes == 0
+    bm = kvshard.BlockManager(num_blocks=8, block_size=16)
+    events = []
+    bm.subscribe(events.append)
+    bm.allocate(1, list(range(64)))
+    for e in events:
+        idx.apply(1, e)
+    assert idx.prefix_overlap(hashes) == [0, 4, 0]
+    approx = kvshard.KvIndex(2, mode="approximate", ttl_s=10)
+    approx.record_routed(0, hashes, 0.0)
+    assert approx.prefix_overlap(hashes) == [4, 0]
+    approx.expire(11.0)
+    assert approx.prefix_overlap(hashes) == [0, 0]
+    with pytest.raises(kvshard.Error):
+        kvshard.KvIndex(0)
+    with pytest.raises(kvshard.Error):
+        idx.num_blocks(3)
+
+    router = kvshard.Router(3, "kvshard", kvshard.PolicyParams(block_tokens=16))
+    assert router.policy == "kvshard" and router.num_replicas == 3
+    router.index.block_stored(1, hashes)
+    d = router.route(hashes, 64)
+    assert d["replica"] == 1 and d["matched_blocks"] == 4
+    busy = [kvshard.ReplicaLoad(), kvshard.ReplicaLoad(queued_prefill_tokens=10**7),
+            kvshard.ReplicaLoad()]
+    spilled = router.route(hashes, 64, busy)
+    assert spilled["replica"] != 1
+    rr = kvshard.Router(3, "round-robin")
+    assert [rr.route(hashes, 64)["replica"] for _ in range(4)] == [0, 1, 2, 0]
+    pure = kvshard.decide_route("least-loaded", hashes, 64, [0, 0, 0],
+                                [kvshard.ReplicaLoad(active_blocks=5), kvshard.ReplicaLoad(),
+                                 kvshard.ReplicaLoad(active_blocks=5)])
+    assert pure["replica"] == 1 and pure["reason"] == "least-loaded"
+    assert kvshard.ReplicaLoad(active_blocks=1) == kvshard.ReplicaLoad(active_blocks=1)
+    with pytest.raises(kvshard.Error):
+        kvshard.Router(3, "random")
+    with pytest.raises(kvshard.Error):
+        kvshard.PolicyParams(no_such_knob=1)
+    with pytest.raises(kvshard.Error):
+        router.route(hashes, 64, busy[:2])

@@ -1,0 +1,95 @@
+"""The Python API returns the documents of the CLI's --json for the README's commands."""
+
+import pytest
+
+import kvshard
+
+LAYOUTS = [
+    ("llama-3.1-70b", "tp=16", ["--tp", "16"]),
+    ("llama-3.1-8b", "tp=2,cp=4,cp_scheme=zigzag", ["--tp", "2", "--cp", "4", "--cp-scheme", "zigzag"]),
+    ("mixtral-8x7b", "tp=4,dp=2,ep=8", ["--tp", "4", "--dp", "2", "--ep", "8"]),
+    ("gpt-oss-120b", "tp=8", ["--tp", "8"]),
+    ("deepseek-v3", "tp=8,pp=2", ["--tp", "8", "--pp", "2"]),
+]
+
+
+@pytest.mark.parametrize("model,parallel,flags", LAYOUTS)
+def test_layout_equals_cli(cli_json, model, parallel, flags):
+    want = cli_json("layout", "--model", model, *flags)
+    layout = kvshard.make_layout(model, parallel)
+    assert layout.to_dict() == want
+    assert layout.ranks == want["ranks"]
+    assert layout.world_size == want["world_size"] == len(want["ranks"])
+
+
+def test_layout_error_equals_cli(cli):
+    rc, out, err = cli("layout", "--model", "llama-3.1-70b", "--tp", "12")
+    assert rc == 2
+    with pytest.raises(kvshard.Error) as e:
+        kvshard.make_layout("llama-3.1-70b", "tp=12")
+    assert isinstance(e.value, ValueError)
+    assert err.strip() == f"kvshard: error: {e.value}"
+
+
+PLANS = [
+    ("llama-3.1-405b", "h100-sxm", 16, 131072, {}, []),
+    ("llama-3.1-70b", "h200", 16, 32768, {"objective": "ttft"}, ["--objective", "ttft"]),
+    ("gpt-oss-120b", "h100-sxm", 8, 131072, {}, []),
+]
+
+
+@pytest.mark.parametrize("model,hw,gpus,context,kwargs,flags", PLANS)
+def test_plan_equals_cli(cli_json, model, hw, gpus, context, kwargs, flags):
+    want = cli_json("plan", "--model", model, "--hardware", hw, "--gpus", str(gpus), "--context",
+                    str(context), *flags)
+    got = kvshard.plan(model, hw, gpus, context, **kwargs)
+    assert got == want
+
+
+def test_explain_plan_equals_cli(cli_json):
+    want = cli_json("plan", "--model", "deepseek-v3", "--hardware", "h200", "--gpus", "16",
+                    "--context", "32768", "--explain", "pp=2,cp=8,ep=8")
+    # The CLI gives --explain the search's CP scheme (zigzag) when the string names none.
+    got = kvshard.explain_plan("deepseek-v3", "h200", 16, 32768, "pp=2,cp=8,ep=8,cp_scheme=zigzag")
+    assert got == want
+
+
+def test_cp_plan_equals_cli(cli_json):
+    want = cli_json("cp-plan", "--model", "llama-3.1-70b", "--tp", "2", "--cp", "4",
+                    "--cp-scheme", "zigzag", "--cached", "120000", "--new", "8000",
+                    "--reuse-from", "2")
+    got = kvshard.cp_plan("llama-3.1-70b", "tp=2,cp=4,cp_scheme=zigzag", 120000, 8000,
+                          reuse_from=2)
+    assert got == want
+    assert got["reuse"] is not None
+
+
+TRANSFERS = [
+    ("llama-3.1-70b", "tp=8", "tp=4,pp=2", 8192),
+    ("gpt-oss-120b", "tp=8", "tp=4", 32768),
+    ("llama-3.1-8b", "tp=2,cp=2", "tp=4", 5000),
+]
+
+
+@pytest.mark.parametrize("model,src,dst,tokens", TRANSFERS)
+def test_transfer_plan_equals_cli(cli_json, model, src, dst, tokens):
+    want = cli_json("transfer-plan", "--model", model, "--from", src, "--to", dst, "--tokens",
+                    str(tokens), "--messages")
+    plan = kvshard.transfer_plan(kvshard.make_layout(model, src), kvshard.make_layout(model, dst),
+                                 tokens)
+    assert plan.to_dict(messages=True) == want
+    assert plan.messages() == want["message_list"]
+    assert plan.num_messages == want["messages"]
+    assert plan.bytes == want["bytes"]
+
+
+def test_transfer_descriptors_equal_cli(cli_json):
+    want = cli_json("transfer-plan", "--model", "llama-3.1-70b", "--from", "tp=8", "--to", "tp=4",
+                    "--tokens", "131072", "--descriptors", "--descriptor-limit", "4")
+    m = kvshard.catalog_model("llama-3.1-70b")
+    plan = kvshard.transfer_plan(kvshard.make_layout(m, "tp=8"), kvshard.make_layout(m, "tp=4"),
+                                 131072)
+    d = kvshard.transfer_descriptors(plan, max_listed=4)
+    assert {**plan.to_dict(), **d.to_dict()} == want
+    assert len(d.descriptors) == 4
+    assert d.descriptor_count == want["descriptor_count"]

@@ -1,0 +1,121 @@
+"""Transfer plans and descriptors through the Python API."""
+
+import numpy as np
+import pytest
+
+import kvshard
+
+
+def layouts(model, src, dst):
+    return kvshard.make_layout(model, src), kvshard.make_layout(model, dst)
+
+
+def test_transfer_plan_tp8_to_tp4():
+    m = kvshard.catalog_model("llama-3.1-8b")
+    src, dst = layouts(m, "tp=8", "tp=4")
+    plan = kvshard.transfer_plan(src, dst, 1024)
+    # Every byte of KV moves once: layers * 2 * heads * head_dim * 2 B per token.
+    assert plan.bytes == plan.min_bytes == 1024 * m.kv_bytes_per_token()
+    assert plan.num_tokens == 1024 and plan.executable()
+    assert plan.src_layout == src and plan.dst_layout == dst
+    # Each decode rank gathers two prefill ranks' heads.
+    assert all(len(plan.messages_to(r)) == 2 for r in range(4))
+    assert sum(plan.needed_bytes(r) for r in range(4)) == plan.bytes
+    msgs = plan.messages()
+    assert len(msgs) == plan.num_messages == 8
+    assert [msgs[i]["dst"] for i in plan.messages_to(3)] == [3, 3]
+    assert plan.mode() in ("pre-send", "post-receive")
+    counts = plan.copy_counts("pre-send")
+    assert counts["pack"] > 0 and counts["unpack"] > 0
+    assert plan.tail_bytes() >= 0
+    assert "tokens=1024" in repr(plan)
+    with pytest.raises(kvshard.Error):
+        plan.needed_bytes(4)
+    with pytest.raises(kvshard.Error):
+        plan.mode("sideways")
+
+
+def test_transfer_plan_block_tables():
+    src, dst = layouts("llama-3.1-8b", "tp=2", "tp=2")
+    n = 64  # 4 blocks of 16
+    seq = kvshard.transfer_plan(src, dst, n)
+    shuffled = kvshard.transfer_plan(src, dst, n, src_block_tables=[[3, 2, 1, 0]],
+                                     dst_block_tables=[np.array([7, 5, 6, 4], dtype=np.int32)])
+    assert shuffled.bytes == seq.bytes
+    assert shuffled.num_messages == seq.num_messages == 2
+    for i in range(shuffled.num_messages):
+        pieces = shuffled.pieces(i)
+        assert int(pieces["count"].sum()) == n == shuffled.messages()[i]["tokens"]
+        # Source token block j lives in src table[j], destination block j in dst table[j].
+        for p in pieces:
+            j = p["token_begin"] // 16
+            assert p["src_block"] == [3, 2, 1, 0][j] and p["dst_block"] == [7, 5, 6, 4][j]
+    with pytest.raises(kvshard.Error):
+        shuffled.pieces(2)
+    with pytest.raises(kvshard.Error):
+        kvshard.transfer_plan(src, dst, n, src_block_tables=[[0]])  # too short
+    with pytest.raises(kvshard.Error):
+        kvshard.transfer_plan(src, dst, 0)
+
+
+def test_descriptors():
+    m = kvshard.catalog_model("llama-3.1-8b")
+    src, dst = layouts(m, "tp=8", "tp=4")
+    plan = kvshard.transfer_plan(src, dst, 1024)
+    d = kvshard.transfer_descriptors(plan)
+    a = d.descriptors
+    assert a.dtype.names == ("src_rank", "dst_rank", "layer_group", "src_offset", "dst_offset",
+                             "bytes")
+    assert len(a) == d.descriptor_count and int(a["bytes"].sum()) == d.bytes == plan.bytes
+    assert set(a["src_rank"]) == set(range(8)) and set(a["dst_rank"]) == set(range(4))
+    # Pool to pool per block: 8 source ranks x 32 layers x K,V x 64 blocks.
+    assert d.per_block_descriptor_count == 8 * 32 * 2 * 64
+    g = d.groups
+    assert int(g["count"].sum()) == d.descriptor_count and int(g["bytes"].sum()) == d.bytes
+    assert d.fewer_mode in ("pre-send", "post-receive")
+    assert d.to_dict()["descriptor_count"] == d.descriptor_count
+    few = kvshard.transfer_descriptors(plan, max_listed=3)
+    assert len(few.descriptors) == 3 and few.descriptor_count == d.descriptor_count
+    assert np.array_equal(few.descriptors, a[:3])
+    assert "count=" in repr(d)
+    with pytest.raises(kvshard.Error):
+        kvshard.transfer_descriptors(plan, max_listed=-2)
+
+
+def coded_pool(geometry, num_blocks, rank):
+    """A float32 pool whose every element encodes (rank, layer, kv, block, head, slot, dim)."""
+    g = geometry
+    shape = (g["num_layers"], g["kv_factor"], num_blocks, g["num_heads"], g["block_size"],
+             g["head_dim"])
+    idx = np.indices(shape)
+    code = rank
+    for axis, size in enumerate(shape):
+        code = code * size + idx[axis]
+    return (code + 1).astype(np.float32)
+
+
+def test_pack_unpack_numpy_pools_tp2_to_tp1():
+    m = kvshard.catalog_model("tiny")  # fp32 KV, 4 KV heads
+    src, dst = layouts(m, "tp=2", "tp=1")
+    n, blocks = 64, 4  # 4 full blocks of 16 on each side, tables 0..3
+    plan = kvshard.transfer_plan(src, dst, n)
+    g0 = kvshard.pool_geometry(plan, True, 0)
+    assert g0["num_heads"] == 2 and g0["dtype"] == "fp32" and g0["order"] == "hnd"
+    pools = [coded_pool(kvshard.pool_geometry(plan, True, r), blocks, r) for r in range(2)]
+    gd = kvshard.pool_geometry(plan, False, 0)
+    out = np.zeros((gd["num_layers"], gd["kv_factor"], blocks, gd["num_heads"], gd["block_size"],
+                    gd["head_dim"]), dtype=np.float32)
+    for mode in ("pre-send", "post-receive"):
+        out[:] = 0
+        for i, msg in enumerate(plan.messages()):
+            payload = kvshard.pack_message(plan, i, pools[msg["src"]], mode)
+            assert payload.dtype == np.uint8 and payload.nbytes == msg["bytes"]
+            kvshard.unpack_message(plan, i, payload, out, mode)
+        # TP=1 holds all 4 heads: rank 0's heads 0-1 then rank 1's heads 2-3, value for value.
+        assert np.array_equal(out, np.concatenate(pools, axis=3)), mode
+    with pytest.raises(kvshard.Error):
+        kvshard.pack_message(plan, 0, pools[0][:, :, :1].copy()[..., :3])  # not whole blocks
+    with pytest.raises(kvshard.Error):
+        kvshard.unpack_message(plan, 0, np.zeros(3, np.uint8), out)
+    with pytest.raises(kvshard.Error):
+        kvshard.pack_message(plan, 2, pools[0])
