@@ -343,7 +343,7 @@ void setup(CLI::App& app) {
     sub->add_option("--prefill-chunk", f->prefill_chunk,
                     "chunked prefill: at most this many tokens of each prompt per forward step "
                     "(0: a whole prompt in one step; single-group runs with cp=1)")
-        ->check(CLI::NonNegativeNumber)
+        ->check(CLI::Range(0, 1 << 20))
         ->capture_default_str();
     sub->add_option(
            "--max-memory-gib", f->max_memory_gib,
