@@ -3,8 +3,9 @@
 // A rank's pool is the BlockPool arena: pages in (layer, kv, block) order, each page
 // [heads, block_size, head_dim] (HND) or [block_size, heads, head_dim] (NHD). So a C-contiguous
 // array of shape [num_layers, kv_factor, num_blocks, heads, block_size, head_dim] (HND) of the KV
-// dtype is a pool; any C-contiguous array of the same bytes works. The arrays are copied into a
-// BlockPool and back (the library's pools own their memory).
+// dtype is a pool; any C-contiguous array of the same bytes works. A 64-byte aligned array is the
+// pool itself (a BlockPool over ExternalMemory: zero copy, written in place); any other is copied
+// into a BlockPool and back.
 #include <cstring>
 
 #include "bindings.h"
@@ -36,7 +37,8 @@ PageGeometry side_geometry(const TransferPlan& plan, bool source, int rank) {
     return g;
 }
 
-// A BlockPool holding a copy of `array`, whose bytes must be whole blocks of geometry g.
+// A BlockPool over `array` (64-byte aligned) or holding a copy of it; its bytes must be whole
+// blocks of geometry g.
 BlockPool pool_of(const PageGeometry& g, const py::array& array, const char* what) {
     require(array.flags() & py::array::c_style, what, " must be C-contiguous");
     const auto bytes = static_cast<int64_t>(array.nbytes());
@@ -45,6 +47,10 @@ BlockPool pool_of(const PageGeometry& g, const py::array& array, const char* wha
             " bytes (num_layers ", g.num_layers, " x kv ", g.kv_factor, " x heads ", g.num_heads,
             " x block_size ", g.block_size, " x head_dim ", g.head_dim, " x ", g.elem_size(),
             " B)");
+    auto* base = static_cast<std::byte*>(const_cast<void*>(array.data()));
+    if (reinterpret_cast<uintptr_t>(base) % 64 == 0)
+        return BlockPool(g, bytes / g.block_bytes(),
+                         ExternalMemory{base, static_cast<size_t>(bytes)});
     BlockPool pool(g, bytes / g.block_bytes());
     std::memcpy(pool.arena().data(), array.data(), static_cast<size_t>(bytes));
     return pool;
@@ -99,7 +105,7 @@ void bind_pack(py::module_& m) {
         },
         py::arg("plan"), py::arg("message"), py::arg("src_pool"), py::arg("mode") = "auto",
         "Message `message`'s payload (uint8 array of its bytes) packed from the source rank's "
-        "pool array.");
+        "pool array (read in place when the array is 64-byte aligned).");
     m.def(
         "unpack_message",
         [](const TransferPlan& plan, int message, const py::array& payload, py::array dst_pool,
@@ -119,7 +125,8 @@ void bind_pack(py::module_& m) {
                                 static_cast<size_t>(msg.bytes)},
                                pool);
             }
-            std::memcpy(dst_pool.mutable_data(), pool.arena().data(), pool.arena().size());
+            if (!pool.external())  // a copy: write it back
+                std::memcpy(dst_pool.mutable_data(), pool.arena().data(), pool.arena().size());
         },
         py::arg("plan"), py::arg("message"), py::arg("payload"), py::arg("dst_pool"),
         py::arg("mode") = "auto",

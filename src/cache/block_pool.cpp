@@ -13,14 +13,34 @@
 
 namespace kvshard {
 
+namespace {
+void check_geometry(const PageGeometry& g, int64_t num_blocks) {
+    require(g.block_size >= 1, "block size must be at least 1 token, got ", g.block_size);
+    require(g.num_layers >= 1 && g.num_heads >= 1 && g.head_dim >= 1 &&
+                (g.kv_factor == 1 || g.kv_factor == 2),
+            "page geometry needs at least one layer, head and element and kv_factor 1 or 2");
+    require(num_blocks >= 1, "a block pool needs at least one block, got ", num_blocks);
+}
+}  // namespace
+
+BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks, ExternalMemory memory)
+    : geometry_(geometry), num_blocks_(num_blocks), external_(true) {
+    check_geometry(geometry_, num_blocks_);
+    require(memory.base != nullptr, "external KV memory is null: give the base of the buffer");
+    require(memory.bytes >= static_cast<size_t>(arena_bytes()), "external KV memory of ",
+            memory.bytes, " bytes is too small for ", num_blocks_, " blocks of ",
+            geometry_.block_bytes(), " bytes (", arena_bytes(),
+            " bytes): give a larger buffer or fewer blocks");
+    require(reinterpret_cast<uintptr_t>(memory.base) % 64 == 0, "external KV memory at ",
+            static_cast<const void*>(memory.base),
+            " is not 64-byte aligned: allocate it on a 64-byte boundary (e.g. aligned_alloc, or a "
+            "numpy array sliced at a 64-byte offset)");
+    base_ = memory.base;
+}
+
 BlockPool::BlockPool(PageGeometry geometry, int64_t num_blocks, PoolMemory memory)
     : geometry_(geometry), num_blocks_(num_blocks) {
-    require(geometry_.block_size >= 1, "block size must be at least 1 token, got ",
-            geometry_.block_size);
-    require(geometry_.num_layers >= 1 && geometry_.num_heads >= 1 && geometry_.head_dim >= 1 &&
-                (geometry_.kv_factor == 1 || geometry_.kv_factor == 2),
-            "page geometry needs at least one layer, head and element and kv_factor 1 or 2");
-    require(num_blocks_ >= 1, "a block pool needs at least one block, got ", num_blocks_);
+    check_geometry(geometry_, num_blocks_);
     const auto bytes = static_cast<size_t>(arena_bytes());
     if (memory == PoolMemory::kShareable) {
         shared_ = std::make_unique<SharedArena>(bytes);

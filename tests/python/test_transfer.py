@@ -119,3 +119,38 @@ def test_pack_unpack_numpy_pools_tp2_to_tp1():
         kvshard.unpack_message(plan, 0, np.zeros(3, np.uint8), out)
     with pytest.raises(kvshard.Error):
         kvshard.pack_message(plan, 2, pools[0])
+
+
+def _at_offset(shape, dtype, offset):
+    """A zeroed C-contiguous array whose data starts `offset` bytes past a 64-byte boundary."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(n + 128, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
+def test_pack_unpack_in_place_and_through_a_copy_agree():
+    # A 64-byte aligned array is the pool itself (ExternalMemory, zero copy); another is copied.
+    m = kvshard.catalog_model("tiny")
+    src, dst = layouts(m, "tp=2", "tp=1")
+    n, blocks = 64, 4
+    plan = kvshard.transfer_plan(src, dst, n)
+    gd = kvshard.pool_geometry(plan, False, 0)
+    shape = (gd["num_layers"], gd["kv_factor"], blocks, gd["num_heads"], gd["block_size"],
+             gd["head_dim"])
+    results = []
+    for offset in (0, 4):
+        pools = []
+        for r in range(2):
+            g = kvshard.pool_geometry(plan, True, r)
+            p = _at_offset((g["num_layers"], g["kv_factor"], blocks, g["num_heads"],
+                            g["block_size"], g["head_dim"]), np.float32, offset)
+            p[:] = coded_pool(g, blocks, r)
+            pools.append(p)
+        out = _at_offset(shape, np.float32, offset)
+        assert (out.ctypes.data % 64 == 0) == (offset == 0)
+        for i, msg in enumerate(plan.messages()):
+            kvshard.unpack_message(plan, i, kvshard.pack_message(plan, i, pools[msg["src"]]), out)
+        assert np.array_equal(out, np.concatenate(pools, axis=3)), offset
+        results.append(out.copy())
+    assert np.array_equal(results[0], results[1])

@@ -41,6 +41,15 @@ enum class PageOrder { kHnd, kNhd };
 // shared-memory pages).
 enum class PoolMemory { kPrivate, kShareable };
 
+// Memory a caller owns (an engine's KV tensor, a numpy array, a buffer of its own): a pool built
+// over it reads and writes those bytes in the byte layout above and never allocates, frees or
+// clears them. `bytes` must hold the pool's arena_bytes(); `base` must be 64-byte aligned (the
+// copy kernels' cache-line stores).
+struct ExternalMemory {
+    std::byte* base = nullptr;
+    size_t bytes = 0;
+};
+
 struct PageGeometry {
     int num_layers = 1;   // layers held by this rank
     int kv_factor = 2;    // 2: K and V; 1: MLA latent
@@ -79,6 +88,9 @@ class BlockPool {
 
     // Throws Error when num_blocks < 1 or the geometry is empty.
     BlockPool(PageGeometry geometry, int64_t num_blocks, PoolMemory memory = PoolMemory::kPrivate);
+    // Over the caller's memory (left as it is: not cleared). Throws Error naming what is wrong
+    // when it is null, too small for num_blocks blocks of this geometry, or not 64-byte aligned.
+    BlockPool(PageGeometry geometry, int64_t num_blocks, ExternalMemory memory);
     // Sized from a memory budget: floor(budget_bytes / block_bytes) blocks; Error if not even one
     // fits.
     static BlockPool from_budget(PageGeometry geometry, int64_t budget_bytes);
@@ -129,13 +141,16 @@ class BlockPool {
     // A shareable pool's arena, for a reader in another process (SharedArenaView::open; its
     // data() is this arena()); null for a private pool.
     const SharedArenaId* shared_id() const { return shared_ ? &shared_->id() : nullptr; }
+    // True for a pool over ExternalMemory.
+    bool external() const { return external_; }
 
   private:
     PageGeometry geometry_;
     int64_t num_blocks_;
     LargeBuffer private_;                  // kPrivate
     std::unique_ptr<SharedArena> shared_;  // kShareable
-    std::byte* base_ = nullptr;            // the arena, in one or the other
+    std::byte* base_ = nullptr;            // the arena, in one or the other (or the caller's)
+    bool external_ = false;
 };
 
 // The page geometry of `rank` in a layout: its layers, its KV heads (MLA: one latent of
