@@ -63,8 +63,10 @@ TEST(ExternalPool, TransferOverCallerMemoryIsByteIdenticalToOwnPools) {
     const ModelSpec m = catalog_model("tiny");
     const int bs = 8;
     const int64_t tokens = 37;
-    TransferEndpoint src{.layout = make_layout(m, parse_parallel_config("tp=2")), .block_size = bs};
-    TransferEndpoint dst{.layout = make_layout(m, parse_parallel_config("tp=1")), .block_size = bs};
+    TransferEndpoint src, dst;
+    src.layout = make_layout(m, parse_parallel_config("tp=2"));
+    dst.layout = make_layout(m, parse_parallel_config("tp=1"));
+    src.block_size = dst.block_size = bs;
     src.block_tables = {{4, 1, 3, 0, 2}};  // scattered blocks
     dst.block_tables = {{2, 0, 4, 1, 3}};
     const TransferPlan plan = make_transfer_plan(src, dst, tokens);
