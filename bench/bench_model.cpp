@@ -132,36 +132,11 @@ void BM_StreamRead(benchmark::State& state) {
                                                 benchmark::Counter::kIsRate);
 }
 
-void BM_DecodeAttention(benchmark::State& state) {
-    const int batch = int(state.range(0));
-    const int64_t len = state.range(1);
-    Paged p = make_paged(batch, len, state.range(2) != 0, state.range(3) != 0);
-    QueryBatch qb;
-    for (int s = 0; s < batch; ++s) qb.add_sequence(1, len - 1);
-    std::vector<float> q(size_t(batch * kQHeads * kHeadDim)), out(q.size());
-    fill_random(q, 6);
-    const AttentionParams ap{.num_q_heads = kQHeads,
-                             .num_kv_heads = kKvHeads,
-                             .head_dim = kHeadDim,
-                             .scale = 1.f / 8.f,
-                             .causal = true};
-    for (auto _ : state) {
-        paged_attention(*p.pool, 0, p.kv, qb, ap, q.data(), out.data(), nullptr);
-        benchmark::DoNotOptimize(out.data());
-    }
-    const double bytes = double(batch) * double(len) * 2 * kKvHeads * kHeadDim * 4;
-    state.counters["KV_MiB"] = bytes / 1048576.0;
-    state.counters["GB/s"] =
-        benchmark::Counter(bytes * double(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
-}
-
-// One decode step of a sliding-window layer: each sequence holds `len` tokens, the query sees the
-// last `window`; only those keys' K and V count as bytes read (the kernel starts at the window's
-// first block and never touches the blocks before it).
-void BM_WindowedDecodeAttention(benchmark::State& state) {
-    const int batch = int(state.range(0));
-    const int64_t len = state.range(1), window = state.range(2);
-    Paged p = make_paged(batch, len, state.range(3) != 0, false);
+// One decode step over `batch` sequences of `len` tokens each, the query seeing the last
+// `window` of them (0: all); GB/s counts the K and V of the keys it sees.
+void decode_step(benchmark::State& state, int batch, int64_t len, int64_t window, bool scattered,
+                 bool nhd) {
+    Paged p = make_paged(batch, len, scattered, nhd);
     QueryBatch qb;
     for (int s = 0; s < batch; ++s) qb.add_sequence(1, len - 1);
     std::vector<float> q(size_t(batch * kQHeads * kHeadDim)), out(q.size());
@@ -176,10 +151,24 @@ void BM_WindowedDecodeAttention(benchmark::State& state) {
         paged_attention(*p.pool, 0, p.kv, qb, ap, q.data(), out.data(), nullptr);
         benchmark::DoNotOptimize(out.data());
     }
-    const double bytes = double(batch) * double(window) * 2 * kKvHeads * kHeadDim * 4;
+    const double seen = double(window > 0 ? std::min(window, len) : len);
+    const double bytes = double(batch) * seen * 2 * kKvHeads * kHeadDim * 4;
     state.counters["KV_MiB"] = bytes / 1048576.0;
     state.counters["GB/s"] =
         benchmark::Counter(bytes * double(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
+void BM_DecodeAttention(benchmark::State& state) {
+    decode_step(state, int(state.range(0)), state.range(1), 0, state.range(2) != 0,
+                state.range(3) != 0);
+}
+
+// One decode step of a sliding-window layer: each sequence holds `len` tokens, the query sees the
+// last `window`; only those keys' K and V count as bytes read (the kernel starts at the window's
+// first block and never touches the blocks before it).
+void BM_WindowedDecodeAttention(benchmark::State& state) {
+    decode_step(state, int(state.range(0)), state.range(1), state.range(2), state.range(3) != 0,
+                false);
 }
 
 // ---- the whole model ----
