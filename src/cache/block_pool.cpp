@@ -72,8 +72,9 @@ PageGeometry page_geometry(const KvLayout& layout, int rank, int block_size, Pag
     const RankKv& r = layout.ranks[static_cast<size_t>(rank)];
     const ModelSpec& m = layout.model;
     require(m.uniform(), m.name, " has ", m.layer_mix(),
-            ": block pools hold models whose every layer is full attention (or MLA) of one shape; "
-            "per-group pools for sliding, chunked, state and no-KV layers are not built yet");
+            ": page_geometry describes the one pool of a model whose every layer is full attention "
+            "(or MLA) of one shape; models of several KV groups keep one pool per group per rank "
+            "(RankModel::pool_at; transfer plans per group: group_transfer_plan)");
     PageGeometry g;
     g.num_layers = r.num_layers();
     g.block_size = block_size;

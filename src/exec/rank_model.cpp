@@ -195,6 +195,34 @@ RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size, R
         require(m.head_dim % 2 == 0, m.name, ": RoPE needs an even head_dim, got ", m.head_dim);
 }
 
+void RankModel::StateLayer::reserve_slot(int64_t slot) {
+    KVSHARD_CHECK(slot >= 0, "state slot ", slot);
+    if (int64_t(rec.size()) < (slot + 1) * rec_elems) {
+        rec.resize(size_t((slot + 1) * rec_elems), 0.0f);
+        conv.resize(size_t((slot + 1) * conv_elems), 0.0f);
+    }
+}
+
+RankModel::StateLayer& RankModel::state_layer(int layer) {
+    const int l = layer - weights_.shard.layer_begin;
+    require(l >= 0 && l < int(layer_state_.size()) && layer_state_[size_t(l)] >= 0, "layer ", layer,
+            " is not a state layer of this rank (layers [", weights_.shard.layer_begin, ", ",
+            weights_.shard.layer_end, "))");
+    return states_[size_t(layer_state_[size_t(l)])];
+}
+
+std::span<float> RankModel::state_conv(int layer, int32_t slot) {
+    StateLayer& st = state_layer(layer);
+    st.reserve_slot(slot);
+    return {st.conv.data() + slot * st.conv_elems, size_t(st.conv_elems)};
+}
+
+std::span<float> RankModel::state_rec(int layer, int32_t slot) {
+    StateLayer& st = state_layer(layer);
+    st.reserve_slot(slot);
+    return {st.rec.data() + slot * st.rec_elems, size_t(st.rec_elems)};
+}
+
 int64_t RankModel::state_bytes_per_sequence() const {
     int64_t n = 0;
     for (const auto& st : states_) n += (st.conv_elems + st.rec_elems) * int64_t(sizeof(float));
@@ -470,10 +498,7 @@ void RankModel::gated_deltanet_block(int l, const ForwardBatch& b, std::vector<f
         const int32_t r0 = seq_ptr[size_t(i)], r1 = seq_ptr[size_t(i) + 1];
         if (r1 == r0) continue;
         const int64_t slot = b.state_slot(i);
-        if (int64_t(st.rec.size()) < (slot + 1) * st.rec_elems) {
-            st.rec.resize(size_t((slot + 1) * st.rec_elems), 0.0f);
-            st.conv.resize(size_t((slot + 1) * st.conv_elems), 0.0f);
-        }
+        st.reserve_slot(slot);
         float* cs = st.conv.data() + slot * st.conv_elems;  // [K-1][ch], oldest first
         float* S = st.rec.data() + slot * st.rec_elems;     // [hl][kd][vd]
         if (seq_first[size_t(i)] == 0) {

@@ -2,6 +2,7 @@
 // failed, and decode the others from the prefill's first token.
 #include "kvshard/common/error.h"
 #include "kvshard/transfer/pack.h"
+#include "kvshard/transfer/state_pack.h"
 #include "serve/disagg_run.h"
 
 namespace kvshard::serve {
@@ -12,31 +13,55 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
     const int n = plan.requests, gen = opt.max_new_tokens, vocab = plan.model.vocab;
     const int d = world.rank() - plan.prefill_ranks;
     RankModel& model = side.model();
+    // One receiver per request and part this rank holds a pool of.
     std::vector<std::unique_ptr<TransferReceiver>> receivers;
-    for (int i = 0; i < n; ++i) {
-        TransferExecOptions o = xo;
-        o.schedule = plan.schedules[i];
-        receivers.push_back(std::make_unique<TransferReceiver>(
-            world, plan.transfers[i], static_cast<uint64_t>(i), d, model.pool(), o));
-    }
+    std::vector<int> receiver_request, receiver_part;
+    for (int i = 0; i < n; ++i)
+        for (int p = 0; p < static_cast<int>(plan.parts[i].size()); ++p) {
+            const DisaggPlan::TransferPart& part = plan.parts[i][p];
+            const int pool = pool_of_group(model, part.kv_group);
+            if (pool < 0) continue;
+            TransferExecOptions o = xo;
+            o.schedule = part.schedule;
+            receivers.push_back(std::make_unique<TransferReceiver>(
+                world, part.plan, part_request_id(plan, i, p), d, model.pool_at(pool), o));
+            receiver_request.push_back(i);
+            receiver_part.push_back(p);
+        }
     std::vector<TransferReceiver*> rp;
     for (auto& r : receivers) rp.push_back(r.get());
     progress_until_done({}, rp);
-    times.transfer_done = seconds_since(t0);
     std::vector<std::string> errors(static_cast<size_t>(n));
     std::vector<int32_t> failed(static_cast<size_t>(n), 0);
-    for (int i = 0; i < n; ++i) {
-        const TransferResult r = receivers[i]->finish();
+    for (size_t k = 0; k < receivers.size(); ++k) {
+        const int i = receiver_request[k];
+        const TransferResult r = receivers[k]->finish();
         times.bytes += r.bytes;
         times.messages += r.messages;
         times.direct_messages += r.direct_messages;
         times.unit_checksum_messages += r.unit_checksum_messages;
-        if (!r.ok()) {
+        if (!r.ok() && !failed[i]) {
             failed[i] = 1;
             errors[i] = std::string(transfer_status_name(r.status)) + ": " + r.error;
         }
     }
     receivers.clear();
+    // State layers: each request's state from its source ranks (sent after the prefill).
+    if (plan.has_state) {
+        const StateShard shard = rank_state_shard(plan.decode_layout, d);
+        for (int i = 0; i < n; ++i)
+            for (const TransferMessage& msg : plan.transfers[i]->messages) {
+                if (msg.dst_rank != d || !plan.transfers[i]->groups[msg.kv_group].holds_state())
+                    continue;
+                std::vector<std::byte> payload(static_cast<size_t>(msg.bytes));
+                world.recv(std::span<std::byte>(payload), msg.src_rank, kTagState);
+                unpack_state_message(*plan.transfers[i], msg, shard,
+                                     state_access(model, int32_t(i)), payload);
+                times.bytes += msg.bytes;
+                ++times.messages;
+            }
+    }
+    times.transfer_done = seconds_since(t0);
     // One verdict per request for the whole decode group.
     group.all_reduce(std::span<int32_t>(failed), ReduceOp::kMax);
     // A request whose cached prefix blocks an earlier, failed request was to write fails too.
@@ -50,12 +75,16 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
     }
     // fp8: the block scales of every message this rank received, from its source rank.
     for (int i = 0; i < n; ++i)
-        for (const TransferMessage& msg : plan.transfers[i]->messages) {
-            const int64_t count = message_scales(*plan.transfers[i], msg);
-            if (msg.dst_rank != d || count == 0) continue;
-            std::vector<float> scales(static_cast<size_t>(count));
-            world.recv(std::span<float>(scales), msg.src_rank, kTagScales);
-            unpack_scales(*plan.transfers[i], msg, scales, model.pool());
+        for (const DisaggPlan::TransferPart& part : plan.parts[i]) {
+            const int pool = pool_of_group(model, part.kv_group);
+            if (pool < 0) continue;
+            for (const TransferMessage& msg : part.plan->messages) {
+                const int64_t count = message_scales(*part.plan, msg);
+                if (msg.dst_rank != d || count == 0) continue;
+                std::vector<float> scales(static_cast<size_t>(count));
+                world.recv(std::span<float>(scales), msg.src_rank, kTagScales);
+                unpack_scales(*part.plan, msg, scales, model.pool_at(pool));
+            }
         }
 
     std::vector<int32_t> first(static_cast<size_t>(n), 0);
@@ -95,6 +124,7 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
                 const auto& table = plan.decode_tables[i];
                 fb.kv.add_sequence(std::vector<int32_t>(table.begin(), table.begin() + blocks),
                                    pos + 1, bs);
+                fb.state_slots.push_back(i);  // request i's state (state layers)
             }
             const std::vector<float> logits = model.forward(fb);
             const std::vector<int32_t> toks =

@@ -11,6 +11,22 @@
 
 namespace kvshard::serve {
 
+int pool_of_group(const RankModel& model, int kv_group) {
+    for (int i = 0; i < model.num_pools(); ++i)
+        if (model.pool_group(i) == kv_group) return i;
+    return -1;
+}
+
+StateAccess state_access(RankModel& model, int32_t slot) {
+    KVSHARD_CHECK(slot >= 0, "state slot ", slot);
+    return [&model, slot](int layer) {
+        StateRef r;
+        r.conv = model.state_conv(layer, slot);
+        r.rec = model.state_rec(layer, slot);
+        return r;
+    };
+}
+
 DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
                          const ParallelConfig& decode,
                          const std::vector<std::vector<int32_t>>& prompts, const DisaggOptions& opt,
@@ -48,9 +64,18 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
     check_cp_side("decode", decode, opt.decode_order);
     plan.cp_prefill = prefill.cp > 1;
     plan.cp_decode = decode.cp > 1;
-    require(m.uniform(), m.name, " has ", m.layer_mix(),
-            ": a disaggregated run moves the KV of models whose every layer is full attention (or "
-            "MLA) of one shape; the reference model runs this model without --prefill/--decode");
+    // Models of several KV groups (sliding, chunked, state layers beside full attention) move
+    // each token group between the ranks' pools of that group and the state as state messages.
+    if (!m.uniform()) {
+        require(decode.cp == 1, m.name, " has ", m.layer_mix(),
+                ": a disaggregated run with a cp > 1 decode side moves models whose every layer is "
+                "full attention (or MLA) of one shape; use cp=1 on the decode side for this model "
+                "(a cp > 1 prefill side works)");
+        require(m.kv_dtype == DType::kFp32, m.name, " has ", m.layer_mix(),
+                ": a disaggregated run moves its KV groups in fp32 only; use --kv-dtype fp32");
+    }
+    for (int l = 0; l < m.num_layers; ++l)
+        plan.has_state = plan.has_state || holds_state(m.layer(l).kind);
     plan.prefill = prefill;
     plan.decode = decode;
     plan.prefill_layout = make_layout(m, prefill);
@@ -76,7 +101,9 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
     plan.prefill_cached.assign(static_cast<size_t>(plan.requests), 0);
     plan.decode_cached.assign(static_cast<size_t>(plan.requests), 0);
     plan.decode_provider.assign(static_cast<size_t>(plan.requests), -1);
-    plan.prefix_cache = opt.prefix_cache && !plan.cp_prefill && !plan.cp_decode;
+    // Prefix reuse needs every group to keep the whole prefix (a windowed group's earlier request
+    // sent only its own window; a state group would need a state saved at the hit).
+    plan.prefix_cache = opt.prefix_cache && !plan.cp_prefill && !plan.cp_decode && m.uniform();
     if (plan.prefix_cache) {
         // Both sides' blocks from a prefix-caching block manager, in request order, the same on
         // every rank. The pools keep their sizes (what every request whole needs).
@@ -132,13 +159,26 @@ void make_transfer_plans(DisaggPlan& plan, const DisaggOptions& opt, const CpTab
             src, dst, plan.prompt_len[i],
             {.layers_per_group = opt.stream_layers ? 1 : 0,
              .dst_cached_tokens = plan.decode_cached.empty() ? 0 : plan.decode_cached[i]})));
-        const TransferPlan& tp = *plan.transfers.back();
-        plan.schedules.push_back(std::make_shared<const TransferSchedule>(
-            make_transfer_schedule(tp, side_pool_pages(tp, true, plan.pool_blocks(true)),
-                                   side_pool_pages(tp, false, plan.pool_blocks(false)),
-                                   {.mode = opt.transfer.mode,
-                                    .direct_read = false,
-                                    .staging_bytes = opt.transfer.staging_bytes})));
+        const auto& full = plan.transfers.back();
+        std::vector<DisaggPlan::TransferPart> parts;
+        for (int k = 0; k < static_cast<int>(full->groups.size()); ++k) {
+            if (full->groups[size_t(k)].holds_state()) continue;
+            DisaggPlan::TransferPart part;
+            part.kv_group = k;
+            part.layers = full->groups[size_t(k)].layers;
+            part.plan = full->executable()
+                            ? full
+                            : std::make_shared<const TransferPlan>(group_transfer_plan(*full, k));
+            const TransferPlan& tp = *part.plan;
+            part.schedule = std::make_shared<const TransferSchedule>(
+                make_transfer_schedule(tp, side_pool_pages(tp, true, plan.pool_blocks(true)),
+                                       side_pool_pages(tp, false, plan.pool_blocks(false)),
+                                       {.mode = opt.transfer.mode,
+                                        .direct_read = false,
+                                        .staging_bytes = opt.transfer.staging_bytes}));
+            parts.push_back(std::move(part));
+        }
+        plan.parts.push_back(std::move(parts));
     }
 }
 

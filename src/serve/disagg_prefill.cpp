@@ -6,6 +6,7 @@
 #include "kvshard/common/error.h"
 #include "kvshard/transfer/pack.h"
 #include "kvshard/transfer/source_checksums.h"
+#include "kvshard/transfer/state_pack.h"
 #include "serve/disagg_run.h"
 
 namespace kvshard::serve {
@@ -17,18 +18,35 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
     const int n = plan.requests, me = world.rank(), vocab = plan.model.vocab;
     RankModel& model = side.model();
     // Seals of this rank's pool, made as each layer's KV is written (below).
+    // (A model of one KV group only: the seals cover the rank's one pool.)
     std::shared_ptr<SourceChecksums> sums;
-    if (plan.share_pools && opt.source_checksums && opt.prefill_order == PageOrder::kHnd)
+    if (plan.share_pools && opt.source_checksums && opt.prefill_order == PageOrder::kHnd &&
+        plan.model.uniform())
         sums = std::make_shared<SourceChecksums>(model.pool());
     xo.source_checksums = sums;
+    // One sender per request and part this rank holds a pool of; senders[k] moves part
+    // sender_part[k] of request sender_request[k].
     std::vector<std::unique_ptr<TransferSender>> senders;
+    std::vector<int> sender_request, sender_part;
     const double senders_at = seconds_since(t0);
-    for (int i = 0; i < n; ++i) {
-        TransferExecOptions o = xo;
-        o.schedule = plan.schedules[i];
-        senders.push_back(std::make_unique<TransferSender>(
-            world, plan.transfers[i], static_cast<uint64_t>(i), me, model.pool(), o));
-    }
+    for (int i = 0; i < n; ++i)
+        for (int p = 0; p < static_cast<int>(plan.parts[i].size()); ++p) {
+            const DisaggPlan::TransferPart& part = plan.parts[i][p];
+            const int pool = pool_of_group(model, part.kv_group);
+            if (pool < 0) continue;
+            TransferExecOptions o = xo;
+            o.schedule = part.schedule;
+            senders.push_back(std::make_unique<TransferSender>(
+                world, part.plan, part_request_id(plan, i, p), me, model.pool_at(pool), o));
+            sender_request.push_back(i);
+            sender_part.push_back(p);
+        }
+    // Global layer `layer` written: each sender's part has its layers up to it ready.
+    auto layer_done = [&](size_t k, int layer) {
+        const int done =
+            group_layers_done(plan.parts[sender_request[k]][sender_part[k]].layers, layer);
+        if (done > 0) senders[k]->layer_ready(done - 1);
+    };
     // Every destination's answer to the hello (direct reads or messages) before the prefill
     // starts: the first layer then leaves as soon as it is done.
     for (;;) {
@@ -57,7 +75,8 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
             }
             if (layer == last_layer && static_cast<int>(seq) == n - 1)
                 times.last_layer_done = seconds_since(t0);
-            senders[static_cast<size_t>(seq)]->layer_ready(layer);
+            for (size_t k = 0; k < senders.size(); ++k)
+                if (sender_request[k] == static_cast<int>(seq)) layer_done(k, layer);
             for (auto& s : senders) s->progress();
         });
         logits.resize(static_cast<size_t>(n) * vocab);
@@ -77,9 +96,9 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
                     sums->seal_sequence(call.local_layer, plan.prefill_tables[i],
                                         plan.prompt_len[i]);
             if (call.layer == last_layer) times.last_layer_done = seconds_since(t0);
-            for (auto& s : senders) {
-                s->layer_ready(call.layer);
-                s->progress();
+            for (size_t k = 0; k < senders.size(); ++k) {
+                layer_done(k, call.layer);
+                senders[k]->progress();
             }
         });
         ForwardBatch fb;
@@ -93,9 +112,12 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
             }
             fb.queries.add_sequence(plan.prompt_len[i] - cached, cached);
             fb.kv.add_sequence(plan.prefill_tables[i], plan.prompt_len[i], opt.prefill_block_size);
+            fb.state_slots.push_back(i);  // request i's state (state layers)
         }
         logits = model.forward(fb);
         times.prefill_end = seconds_since(t0);
+        // A rank whose last layer holds no KV (state layers, layers without KV) is done here.
+        if (times.last_layer_done < 0) times.last_layer_done = times.prefill_end;
     }
     for (auto& s : senders) s->all_layers_ready();
     // Finish every transfer before anything blocking: the decode ranks need our sends to finish
@@ -111,22 +133,42 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
         }
     }
     // fp8: each message's block scales follow its pages (they are final once the prompt is
-    // written), in request and message order.
+    // written), in request, part and message order.
     std::vector<std::vector<float>> scales;
     std::vector<Request> scale_sends;
-    for (int i = 0; i < n; ++i)
-        for (const TransferMessage& msg : plan.transfers[i]->messages) {
-            if (msg.src_rank != me || message_scales(*plan.transfers[i], msg) == 0) continue;
-            scales.emplace_back(static_cast<size_t>(message_scales(*plan.transfers[i], msg)));
-            pack_scales(*plan.transfers[i], msg, model.pool(), scales.back());
-        }
-    for (int i = 0, k = 0; i < n; ++i)
-        for (const TransferMessage& msg : plan.transfers[i]->messages) {
-            if (msg.src_rank != me || message_scales(*plan.transfers[i], msg) == 0) continue;
-            scale_sends.push_back(world.isend(std::span<const float>(scales[size_t(k++)]),
+    for (size_t k = 0; k < senders.size(); ++k) {
+        const DisaggPlan::TransferPart& part = plan.parts[sender_request[k]][sender_part[k]];
+        const BlockPool& pool = model.pool_at(pool_of_group(model, part.kv_group));
+        for (const TransferMessage& msg : part.plan->messages) {
+            const int64_t count = message_scales(*part.plan, msg);
+            if (msg.src_rank != me || count == 0) continue;
+            scales.emplace_back(static_cast<size_t>(count));
+            pack_scales(*part.plan, msg, pool, scales.back());
+            scale_sends.push_back(world.isend(std::span<const float>(scales.back()),
                                               plan.prefill_ranks + msg.dst_rank, kTagScales));
         }
+    }
     wait_all(scale_sends);
+    // State layers: each request's state (final once its prompt has run) as state messages.
+    if (plan.has_state) {
+        const StateShard shard = rank_state_shard(plan.prefill_layout, me);
+        std::vector<std::vector<std::byte>> payloads;
+        std::vector<Request> state_sends;
+        for (int i = 0; i < n; ++i)
+            for (const TransferMessage& msg : plan.transfers[i]->messages) {
+                if (msg.src_rank != me || !plan.transfers[i]->groups[msg.kv_group].holds_state())
+                    continue;
+                payloads.emplace_back(static_cast<size_t>(msg.bytes));
+                // (The plain prefill keeps request i in slot i; a CP session chooses.)
+                const int32_t slot =
+                    side.cp_session ? side.cp_session->state_slot(static_cast<SeqId>(i)) : i;
+                pack_state_message(*plan.transfers[i], msg, shard, state_access(model, slot),
+                                   payloads.back());
+                state_sends.push_back(world.isend(std::span<const std::byte>(payloads.back()),
+                                                  plan.prefill_ranks + msg.dst_rank, kTagState));
+            }
+        wait_all(state_sends);
+    }
     const int prefill_last = rank_of(plan.prefill, 0, plan.prefill.pp - 1, 0, 0);
     if (me != prefill_last) return;
     std::vector<int32_t> first(static_cast<size_t>(n), 0);

@@ -93,13 +93,18 @@ DisaggReport merge_disagg_report(const DisaggPlan& plan, const DisaggOptions& op
         if (opt.max_new_tokens == 1 && rep.errors[i].empty() && !prefill_logits[i].empty())
             rep.last_logits[i] = prefill_logits[i];
     }
-    rep.mode = std::string(transfer_mode_name(resolve_mode(*plan.transfers[0], opt.transfer.mode)));
+    rep.mode =
+        std::string(transfer_mode_name(resolve_mode(*plan.parts[0][0].plan, opt.transfer.mode)));
     rep.streamed = opt.stream_layers;
     rep.prefix_cache = plan.prefix_cache;
     if (opt.prefix_cache && !plan.prefix_cache)
         rep.prefix_cache_note =
-            "the prefix cache is off: a side with cp > 1 serves each request whole (CpSession "
-            "runs without prefix reuse here)";
+            plan.model.uniform()
+                ? "the prefix cache is off: a side with cp > 1 serves each request whole "
+                  "(CpSession runs without prefix reuse here)"
+                : "the prefix cache is off: this model's windowed or state layers keep less than "
+                  "the whole prefix, and a disaggregated run reuses prefixes only where every "
+                  "layer keeps it";
     for (int i = 0; i < n; ++i) {
         rep.prompt_tokens += plan.prompt_len[i];
         rep.prefill_computed_tokens += plan.prompt_len[i] - plan.prefill_cached[i];

@@ -11,6 +11,7 @@
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/layout/kv_layout.h"
 #include "kvshard/serve/disagg.h"
+#include "kvshard/transfer/state_pack.h"
 #include "kvshard/transfer/transfer_exec.h"
 #include "kvshard/transfer/transfer_plan.h"
 #include "kvshard/transfer/transfer_schedule.h"
@@ -18,10 +19,10 @@
 
 namespace kvshard::serve {
 
-inline constexpr int kTagFirstTokens = 0x7A001;  // prefill last stage -> every decode rank
-inline constexpr int kTagDecodeTokens = 0x7A002;
+inline constexpr int kTagFirstTokens = 0x7A001;   // prefill last stage -> every decode rank
+inline constexpr int kTagDecodeTokens = 0x7A002;  // decode last stage -> earlier decode stages
 inline constexpr int kTagScales = 0x7A003;  // fp8: a message's block scales, source -> destination
-                                            // // decode last stage -> earlier decode stages
+inline constexpr int kTagState = 0x7A004;   // a state message's payload, source -> destination
 
 // Per request, per CP rank of a side: the request's blocks there.
 using CpTables = std::vector<std::vector<std::vector<int32_t>>>;
@@ -47,8 +48,19 @@ struct DisaggPlan {
     bool share_pools = false;  // prefill pools in shareable memory (direct reads)
     // One per request; with a CP side, filled by share_cp_tables once the sessions hold blocks.
     std::vector<std::shared_ptr<const TransferPlan>> transfers;
-    // How each request's messages travel, for both sides' pools (TransferExecOptions::schedule).
-    std::vector<std::shared_ptr<const TransferSchedule>> schedules;
+    // How each request's plan is carried out: one part per token group (the plan itself for a
+    // model of one group, else group_transfer_plan of each), moved by a TransferSender/Receiver
+    // pair between the ranks' pools of that group, on request id `request * parts + part`. State
+    // groups' messages go as state messages (transfer/state_pack.h) once the prefill is done.
+    struct TransferPart {
+        int kv_group = 0;
+        std::vector<int> layers;  // the group's global layers (layer j of the part's plan)
+        std::shared_ptr<const TransferPlan> plan;
+        // How its messages travel, for both sides' pools (TransferExecOptions::schedule).
+        std::shared_ptr<const TransferSchedule> schedule;
+    };
+    std::vector<std::vector<TransferPart>> parts;  // [request][part]
+    bool has_state = false;                        // the model has state layers
 
     // Blocks of each rank's pool on a side (a CP device holds one more).
     int64_t pool_blocks(bool prefill_side) const {
@@ -56,6 +68,15 @@ struct DisaggPlan {
                             : decode_blocks + (cp_decode ? 1 : 0);
     }
 };
+
+// The request id of part p of request i (its transfer's tags).
+inline uint64_t part_request_id(const DisaggPlan& plan, int i, int p) {
+    return static_cast<uint64_t>(i) * plan.parts.at(size_t(i)).size() + static_cast<uint64_t>(p);
+}
+// The index of model's pool of KV group kv_group, -1 when the rank holds no layer of it.
+int pool_of_group(const RankModel& model, int kv_group);
+// A request's state on this rank (in state slot `slot`), for pack/unpack_state_message.
+StateAccess state_access(RankModel& model, int32_t slot);
 
 // Checks the inputs and plans what can be planned before any rank holds blocks: the plain sides'
 // tables, and the transfer plans when neither side runs CP.

@@ -293,9 +293,9 @@ PageGeometry rank_page_geometry(const KvLayout& layout, int rank, int block_size
     const RankKv& r = layout.ranks[rank];
     const ModelSpec& m = layout.model;
     require(m.uniform(), m.name, " has ", m.layer_mix(),
-            ": transfer plans cover it (kvshard transfer-plan), but pack/unpack, schedules and the "
-            "executor move pools of one page shape, i.e. models whose every layer is full "
-            "attention (or MLA) of one shape; executing per-group plans is not built yet");
+            ": its plan has several KV groups; pack/unpack, schedules and the executor move pools "
+            "of one page shape, so carry it out per group: group_transfer_plan(plan, k) for each "
+            "token group, state messages (transfer/state_pack.h) for state groups");
     PageGeometry g;
     g.num_layers = r.num_layers();
     g.kv_factor = m.is_mla() ? 1 : 2;
@@ -326,6 +326,69 @@ int TransferPlan::group_layers(const TransferMessage& msg) const {
 }
 
 bool TransferPlan::executable() const { return src.layout.model.uniform(); }
+
+int group_layers_done(const std::vector<int>& layers, int layer) {
+    return static_cast<int>(std::upper_bound(layers.begin(), layers.end(), layer) - layers.begin());
+}
+
+TransferPlan group_transfer_plan(const TransferPlan& plan, int kv_group) {
+    KVSHARD_CHECK(kv_group >= 0 && kv_group < static_cast<int>(plan.groups.size()), "KV group ",
+                  kv_group, " outside the plan's ", plan.groups.size());
+    const TransferGroup& g = plan.groups[size_t(kv_group)];
+    const ModelSpec& m = plan.src.layout.model;
+    require(!g.holds_state(), "KV group ", kv_group, " of ", m.name,
+            " holds recurrent state: it moves as state messages (pack_state_message), not pages");
+    const bool mla = g.kind == LayerKind::kMla;
+    require(mla || g.num_heads == m.num_kv_heads, "KV group ", kv_group, " of ", m.name, " has ",
+            g.num_heads, " KV heads where the model has ", m.num_kv_heads,
+            ": each rank's pool of a group holds the rank's share of the model's KV heads");
+    // A model of the group's layers alone, every one the group's (full-attention or MLA) shape.
+    ModelSpec gm = m;
+    gm.name = detail::concat(m.name, " (KV group ", kv_group, ")");
+    gm.layers.clear();
+    gm.num_layers = static_cast<int>(g.layers.size());
+    if (!mla) {
+        gm.attention = AttentionKind::kGqa;
+        gm.head_dim =
+            static_cast<int>(g.vector_bytes / static_cast<int64_t>(dtype_size(m.kv_dtype)));
+    }
+    auto local = [&](int global) {  // group layers before global layer `global`
+        return static_cast<int>(std::lower_bound(g.layers.begin(), g.layers.end(), global) -
+                                g.layers.begin());
+    };
+    auto side = [&](TransferEndpoint e) {
+        e.layout.model = gm;
+        for (RankKv& r : e.layout.ranks) {
+            r.layer_begin = local(r.layer_begin);
+            r.layer_end = local(r.layer_end);
+            r.groups.clear();
+        }
+        return e;
+    };
+    TransferPlan out;
+    out.src = side(plan.src);
+    out.dst = side(plan.dst);
+    out.num_tokens = plan.num_tokens;
+    out.options = plan.options;
+    out.num_layer_groups = plan.num_layer_groups;
+    TransferGroup og = g;
+    for (int& l : og.layers) l = local(l);
+    out.groups = {og};
+    out.kv_factor = g.kv_factor;
+    out.elem_size = static_cast<int64_t>(dtype_size(m.kv_dtype));
+    out.head_dim = static_cast<int>(g.vector_bytes / out.elem_size);
+    for (const TransferMessage& msg : plan.messages) {
+        if (msg.kv_group != kv_group) continue;
+        TransferMessage t = msg;
+        t.kv_group = 0;
+        t.layer_begin = local(msg.layer_begin);
+        t.layer_end = local(msg.layer_end);
+        out.bytes += t.bytes;
+        out.messages.push_back(std::move(t));
+    }
+    for (int r = 0; r < out.dst.layout.world_size(); ++r) out.min_bytes += needed_bytes(out, r);
+    return out;
+}
 
 int64_t needed_bytes(const TransferPlan& plan, int dst_rank) {
     const KvLayout& l = plan.dst.layout;

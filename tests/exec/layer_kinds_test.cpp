@@ -153,15 +153,46 @@ INSTANTIATE_TEST_SUITE_P(
         return s;
     });
 
-// MLA between a prefill and a decode group: the latent goes once to every decode rank (each holds
-// it whole), across TP shrink and growth, a PP mismatch and a CP side; the decode side's tokens
-// equal the unsharded run's.
-class MlaDisagg : public ::testing::TestWithParam<std::pair<std::string, std::string>> {};
+// Every kind between a prefill and a decode group, across TP shrink and growth and a PP mismatch
+// (and, for MLA, a CP prefill side): the decode side's tokens equal the unsharded run's, and the
+// bytes moved are what the decode layout needs, counted here from the model: MLA's latent once per
+// decode rank, a windowed group's blocks from the one holding its first kept token, a state
+// group's state once per decode rank's share.
+struct DisaggCase {
+    std::string model, from, to;
+};
 
-TEST_P(MlaDisagg, DecodeSideEqualsUnsharded) {
-    const auto& [from, to] = GetParam();
-    const ModelSpec m = catalog_model("tiny-mla");
-    const ParallelConfig pf = parse_parallel_config(from), dc = parse_parallel_config(to);
+class KindsDisagg : public ::testing::TestWithParam<DisaggCase> {};
+
+// What decode layout `dc` needs of `prompts` (block size bs on both sides, dst tp <= H_kv or MLA).
+int64_t expected_transfer_bytes(const ModelSpec& m, const ParallelConfig& dc,
+                                const std::vector<std::vector<int32_t>>& prompts, int bs) {
+    int64_t bytes = 0;
+    for (const auto& p : prompts) {
+        const auto len = int64_t(p.size());
+        for (int l = 0; l < m.num_layers; ++l) {
+            const LayerSpec s = m.layer(l);
+            if (s.kind == LayerKind::kGatedDeltaNet) {
+                bytes += state_bytes(m.state, dc.tp) * dc.tp;
+                continue;
+            }
+            if (s.kind == LayerKind::kMla) {
+                bytes += len * int64_t{m.mla.kv_lora_rank + m.mla.qk_rope_head_dim} * 4 * dc.tp;
+                continue;
+            }
+            if (!holds_tokens(s.kind)) continue;
+            const int64_t first = first_kept_position(s.kind, s.window, len) / bs * bs;
+            bytes += (len - first) * 2 * s.num_kv_heads * s.head_dim * 4;
+        }
+    }
+    return bytes;
+}
+
+TEST_P(KindsDisagg, DecodeSideEqualsUnsharded) {
+    const auto& dcase = GetParam();
+    const ModelSpec m = model_named(dcase.model);
+    const ParallelConfig pf = parse_parallel_config(dcase.from);
+    const ParallelConfig dc = parse_parallel_config(dcase.to);
     const auto src = random_tensor_source(kSeed);
     const auto prompts = prompts_for(m);
     DisaggOptions o;
@@ -173,31 +204,89 @@ TEST_P(MlaDisagg, DecodeSideEqualsUnsharded) {
         reports[size_t(world.rank())] = disagg_generate(m, pf, dc, *src, prompts, o, world);
     });
     const DisaggReport& got = reports[0];
-    const GenerationReport& ref = unsharded("tiny-mla");
+    const GenerationReport& ref = unsharded(dcase.model);
     ASSERT_EQ(got.tokens.size(), ref.tokens.size());
+    EXPECT_EQ(got.failed_requests, 0);
     for (size_t i = 0; i < ref.tokens.size(); ++i) {
         EXPECT_EQ(got.tokens[i], ref.tokens[i]) << "prompt " << i;
         EXPECT_LT(relative_l2(got.last_logits[i], ref.last_logits[i]), 1e-4) << "prompt " << i;
     }
     EXPECT_EQ(got.transfer_bytes, got.min_bytes);
-    // Every decode rank receives the whole latent of every prompt token once.
-    int64_t tokens = 0;
-    for (const auto& p : prompts) tokens += int64_t(p.size());
-    const int64_t latent = int64_t{m.mla.kv_lora_rank + m.mla.qk_rope_head_dim} * 4;
-    EXPECT_EQ(got.min_bytes, tokens * latent * m.num_layers * dc.tp);
+    // (A CP source may no longer hold the leading slots of a windowed group's first destination
+    // block, outside the window: they are not sent.)
+    if (pf.cp == 1)
+        EXPECT_EQ(got.min_bytes, expected_transfer_bytes(m, dc, prompts, 4));
+    else
+        EXPECT_LE(got.min_bytes, expected_transfer_bytes(m, dc, prompts, 4));
 }
 
-INSTANTIATE_TEST_SUITE_P(Pairs, MlaDisagg,
-                         ::testing::Values(std::pair<std::string, std::string>{"tp=2", "tp=1"},
-                                           std::pair<std::string, std::string>{"tp=1", "tp=4"},
-                                           std::pair<std::string, std::string>{"pp=2", "tp=2"},
-                                           std::pair<std::string, std::string>{"cp=2", "tp=2"}),
-                         [](const auto& info) {
-                             std::string s = info.param.first + "_to_" + info.param.second;
-                             for (char& ch : s)
-                                 if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                             return s;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Pairs, KindsDisagg,
+    ::testing::Values(
+        DisaggCase{"tiny-mla", "tp=2", "tp=1"}, DisaggCase{"tiny-mla", "tp=1", "tp=4"},
+        DisaggCase{"tiny-mla", "pp=2", "tp=2"}, DisaggCase{"tiny-mla", "cp=2", "tp=2"},
+        DisaggCase{"tiny-swa", "tp=2", "tp=1"}, DisaggCase{"tiny-swa", "tp=1", "tp=4"},
+        DisaggCase{"tiny-swa", "pp=2", "tp=2"}, DisaggCase{"tiny-swa", "tp=4", "pp=2"},
+        // A CP prefill side: each CP rank's blocks of every group, the state from each CP rank
+        DisaggCase{"tiny-swa", "cp=2", "tp=2"},
+        DisaggCase{"tiny-swa", "cp=2,cp_scheme=zigzag", "tp=1"},
+        DisaggCase{"tiny-hybrid", "cp=2,tp=2", "tp=4"}, DisaggCase{"tiny-hybrid", "tp=2", "tp=1"},
+        DisaggCase{"tiny-hybrid", "tp=1", "tp=4"}, DisaggCase{"tiny-hybrid", "pp=2", "tp=2"},
+        DisaggCase{"tiny-hybrid", "tp=4", "pp=2,tp=2"}, DisaggCase{"tiny-chunked", "tp=2", "tp=1"},
+        DisaggCase{"tiny-chunked", "pp=2", "tp=4"}),
+    [](const auto& info) {
+        std::string s = info.param.model + "_" + info.param.from + "_to_" + info.param.to;
+        for (char& ch : s)
+            if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+        return s;
+    });
+
+// A windowed model moves less than the same shapes with every layer full attention: the windowed
+// group's bytes are what changes.
+TEST(LayerKinds, WindowedDisaggMovesOnlyTheWindow) {
+    const ModelSpec swa = catalog_model("tiny-swa");
+    ModelSpec full = swa;
+    for (auto& s : full.layers) {
+        s.kind = LayerKind::kFullAttention;
+        s.window = 0;
+    }
+    const ParallelConfig pf = parse_parallel_config("tp=2"), dc = parse_parallel_config("tp=1");
+    const auto prompts = prompts_for(swa);
+    EXPECT_LT(expected_transfer_bytes(swa, dc, prompts, 4),
+              expected_transfer_bytes(full, dc, prompts, 4));
+    const auto src = random_tensor_source(kSeed);
+    DisaggOptions o;
+    o.max_new_tokens = 2;
+    o.prefill_block_size = 4;
+    o.decode_block_size = 4;
+    auto bytes_of = [&](const ModelSpec& m) {
+        std::vector<DisaggReport> reports(3);
+        run_threads(3, [&](Communicator& world) {
+            reports[size_t(world.rank())] = disagg_generate(m, pf, dc, *src, prompts, o, world);
+        });
+        return reports[0].transfer_bytes;
+    };
+    EXPECT_EQ(bytes_of(swa), expected_transfer_bytes(swa, dc, prompts, 4));
+    EXPECT_EQ(bytes_of(full), expected_transfer_bytes(full, dc, prompts, 4));
+}
+
+// A CP decode side with a model of several KV groups is refused before anything runs, naming what
+// would work.
+TEST(LayerKinds, DisaggWithCpDecodeAndWindowsIsRefusedClearly) {
+    const ModelSpec m = catalog_model("tiny-swa");
+    const auto src = random_tensor_source(kSeed);
+    DisaggOptions o;
+    try {
+        run_threads(3, [&](Communicator& world) {
+            disagg_generate(m, parse_parallel_config("tp=1"), parse_parallel_config("cp=2"), *src,
+                            prompts_for(m), o, world);
+        });
+        FAIL() << "expected an Error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("use cp=1 on the decode side"), std::string::npos)
+            << e.what();
+    }
+}
 
 // The prefill (many rows at once, one causal conv and delta-rule sweep, windowed prefill
 // attention) and the decode (one row per step, the state carried in its slot, the window's blocks

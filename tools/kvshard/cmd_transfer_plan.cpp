@@ -111,7 +111,7 @@ void run(const TransferPlanFlags& f) {
     fmt::print("block size {} -> {}, pages {} -> {}, mode {}, {} layer group(s)\n", src.block_size,
                dst.block_size, f.order_from, f.order_to,
                plan.executable() ? std::string(transfer_mode_name(mode))
-                                 : std::string("n/a (plan only: per-group execution not built)"),
+                                 : std::string("per KV group (group plans and state messages)"),
                plan.num_layer_groups);
     fmt::print("messages {}, bytes {} ({}), min bytes {} ({})\n\n", plan.messages.size(),
                plan.bytes, bytes_text(plan.bytes), plan.min_bytes, bytes_text(plan.min_bytes));

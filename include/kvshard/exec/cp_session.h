@@ -107,6 +107,12 @@ class CpSession {
     void release(SeqId seq);
 
     const CpTokenMap& token_map(SeqId seq) const;
+    // The state slot (RankModel::state_conv / state_rec) of `seq` on this rank's device once a
+    // prefill or decode of it has run with state layers; -1 otherwise.
+    int32_t state_slot(SeqId seq) const {
+        const auto it = state_slot_.find(seq);
+        return it == state_slot_.end() ? -1 : it->second;
+    }
     const CpStepStats& last_step() const { return last_; }
     const CpCommStats& comm_total() const { return total_; }
     // Whether prefix caching is in effect (cp == 1, or interleave with unit == block size).

@@ -128,6 +128,12 @@ class RankModel {
     int pool_group(int i) const { return pool_group_.at(size_t(i)); }
     // Bytes of recurrent state (conv + delta-rule state, fp32) this rank keeps per sequence.
     int64_t state_bytes_per_sequence() const;
+    // The Gated DeltaNet state of global layer `layer` (a state layer held here) in state slot
+    // `slot`, made (zero) when new, fp32: conv [conv_kernel-1][2*keys*key_dim + heads*value_dim]
+    // and recurrent [heads][key_dim][value_dim] over this rank's key and value heads (the layout
+    // transfer/state_pack.h names). Valid until the next forward.
+    std::span<float> state_conv(int layer, int32_t slot);
+    std::span<float> state_rec(int layer, int32_t slot);
     bool first_stage() const { return comms_.prev_stage < 0; }
     bool last_stage() const { return comms_.next_stage < 0; }
     void set_attention(AttentionFn fn) { attention_ = std::move(fn); }
@@ -144,7 +150,9 @@ class RankModel {
     struct StateLayer {  // one Gated DeltaNet layer's states, [slot][...]
         int64_t conv_elems = 0, rec_elems = 0;
         std::vector<float> conv, rec;
+        void reserve_slot(int64_t slot);  // zero states up to slot
     };
+    StateLayer& state_layer(int layer);
     void attention_block(int local_layer, const ForwardBatch& b, std::vector<float>& h);
     void mla_block(int local_layer, const ForwardBatch& b, std::vector<float>& h);
     void gated_deltanet_block(int local_layer, const ForwardBatch& b, std::vector<float>& h);

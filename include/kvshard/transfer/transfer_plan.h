@@ -153,9 +153,23 @@ struct TransferPlan {
     // Layers of msg's KV group within [msg.layer_begin, msg.layer_end).
     int group_layers(const TransferMessage& msg) const;
     // Whether pack/unpack and the executor can carry the plan out: a model of one KV group whose
-    // every layer is the uniform full-attention (or MLA) layer.
+    // every layer is the uniform full-attention (or MLA) layer. Other plans are carried out per
+    // group: group_transfer_plan for each token group, pack_state_message for state groups.
     bool executable() const;
 };
+
+// The messages of token group `kv_group` (an index into plan.groups: full, sliding, chunked or MLA)
+// as an executable plan of their own, over a model of that one group: its layers renumbered 0, 1,
+// ... (layer j is global layer plan.groups[kv_group].layers[j]), each rank of both layouts holding
+// the group's layers within its layer range. Its page geometry is that of each rank's pool of the
+// group (RankModel::pool_at), so pack/unpack, schedules and the executor move it unchanged; the
+// pieces (for a windowed group, from the block holding its first kept token) and bytes are the
+// plan's, and min_bytes counts the group only. A rank's layer L of the model is done when its
+// layers [0, group_layers_done(layers, L)) of the group are (TransferSender::layer_ready).
+// Error for a state group, or a group whose KV heads differ from the model's.
+TransferPlan group_transfer_plan(const TransferPlan& plan, int kv_group);
+// The group layers among `layers` (ascending global ids) at or before global layer `layer`.
+int group_layers_done(const std::vector<int>& layers, int layer);
 
 // Throws Error when the two layouts describe different models (layers, KV groups, KV heads,
 // head_dim, MLA shape, state shape, KV dtype), a dp index is out of range, a block table is missing
