@@ -42,5 +42,7 @@ void bind_transfer(py::module_& m);
 void bind_cache(py::module_& m);
 void bind_router(py::module_& m);
 void bind_pack(py::module_& m);
+// The private submodule _bench: C++ timing loops for bench/bench_python.py.
+void bind_bench(py::module_& m);
 
 }  // namespace kvshard::python

@@ -54,4 +54,5 @@ PYBIND11_MODULE(_kvshard, m) {
     kp::bind_cache(m);
     kp::bind_router(m);
     kp::bind_pack(m);
+    kp::bind_bench(m);
 }
