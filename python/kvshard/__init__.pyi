@@ -150,6 +150,24 @@ def explain_plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_to
                  mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
                  block_size: int = 16) -> dict[str, Any]: ...
 
+def plan_disagg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_tokens: int, *,
+                ttft_slo: float, tpot_slo: float, output_tokens: int = 256,
+                prompt_samples: Sequence[int] = ..., prefix_hit_rate: float = 0.0,
+                weight_dtype: str = "model", disaggregated: bool = True, max_batch: int = 256,
+                cp_scheme: str = "zigzag", cp_prefill: str = "auto",
+                cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
+                activation_reserve_gib: float = 2.0, block_size: int = 16) -> dict[str, Any]: ...
+def plan_disagg_svg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_tokens: int, *,
+                    ttft_slo: float, tpot_slo: float, output_tokens: int = 256,
+                    prompt_samples: Sequence[int] = ..., prefix_hit_rate: float = 0.0,
+                    weight_dtype: str = "model", disaggregated: bool = True,
+                    max_batch: int = 256, cp_scheme: str = "zigzag", cp_prefill: str = "auto",
+                    cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
+                    activation_reserve_gib: float = 2.0, block_size: int = 16) -> str: ...
+def price_kv_transfer(model: ModelLike, prefill: ParallelLike, decode: ParallelLike,
+                      hardware: HardwareLike, tokens: int, *, prefill_s: float = 0.0,
+                      block_size: int = 16) -> dict[str, Any]: ...
+
 # ---- CP ----
 def cp_plan(model: ModelLike, parallel: ParallelLike, cached: int, new: int, *,
             block_size: int = 16, reuse_from: int = 0) -> dict[str, Any]: ...
