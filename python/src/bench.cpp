@@ -76,7 +76,7 @@ void bind_bench(py::module_& m) {
         py::arg("src"), py::arg("dst"), py::arg("num_tokens"), py::arg("iterations"));
     b.def(
         "route",
-        [](Router& router, const std::vector<std::string>& block_hashes, int64_t num_tokens,
+        [](Router& router, const py::object& block_hashes, int64_t num_tokens,
            const std::vector<ReplicaLoad>& loads, int64_t iterations) {
             require(static_cast<int>(loads.size()) == router.num_replicas(),
                     "one load per replica is needed");

@@ -464,7 +464,7 @@ void bind_cache(py::module_& m) {
             py::arg("hash"))
         .def(
             "match_length",
-            [](const KvEventIndex& i, const std::vector<std::string>& hashes) {
+            [](const KvEventIndex& i, const py::object& hashes) {
                 return i.match_length(hashes_from(hashes));
             },
             py::arg("hashes"), "Leading hashes of the request that the engine holds.")

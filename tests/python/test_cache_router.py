@@ -237,3 +237,17 @@ def test_kv_group_manager_from_model_and_out_of_blocks():
     with pytest.raises(kvshard.Error):
         kvshard.KvGroupManager("tiny-hybrid", 4)
     assert kvshard.KvGroupManager("tiny-hybrid", 4, enable_prefix_cache=False).num_groups == 2
+
+
+def test_block_hashes_from_any_sequence_of_hex_strings():
+    hashes = kvshard.hash_token_blocks(np.arange(64, dtype=np.int32), 16)
+    idx = kvshard.KvIndex(2)
+    idx.block_stored(1, hashes[:3])
+    for seq in (hashes, tuple(hashes), np.array(hashes)):
+        assert idx.prefix_overlap(seq) == [0, 3]
+    with pytest.raises(TypeError):
+        idx.prefix_overlap(hashes[0])  # one string, not a sequence of them
+    with pytest.raises(TypeError):
+        idx.prefix_overlap([1, 2])
+    with pytest.raises(kvshard.Error):
+        idx.prefix_overlap(["zz"])
