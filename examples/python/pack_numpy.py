@@ -15,10 +15,10 @@ import kvshard
 
 
 def pool(plan, source, rank, num_blocks):
-    g = kvshard.pool_geometry(plan, source, rank)
-    shape = (g["num_layers"], g["kv_factor"], num_blocks, g["num_heads"], g["block_size"],
-             g["head_dim"])
-    return np.zeros(shape, dtype=np.float32)  # the "tiny" model keeps fp32 KV
+    # [layers, K/V, blocks, heads, block_size, head_dim] of the KV dtype (the "tiny" model keeps
+    # fp32 KV), 64-byte aligned, so that pack and unpack work on it in place (a plain np.zeros
+    # array works too, through a copy per call).
+    return kvshard.pool_array(plan, source, rank, num_blocks)
 
 
 def main():

@@ -32,7 +32,8 @@ inline std::span<const int32_t> token_span(const TokenArray& a) {
 }
 
 // kvshard's block hashes travel as 32-digit hex strings (BlockHash::hex, the KV event wire form).
-std::vector<BlockHash> hashes_from(const std::vector<std::string>& hex);
+// Any sequence of such strings (a list, a tuple, a numpy array of str); TypeError otherwise.
+std::vector<BlockHash> hashes_from(const py::object& hex);
 std::vector<std::string> hashes_to(std::span<const BlockHash> hashes);
 
 void bind_model_layout(py::module_& m);
@@ -42,5 +43,7 @@ void bind_transfer(py::module_& m);
 void bind_cache(py::module_& m);
 void bind_router(py::module_& m);
 void bind_pack(py::module_& m);
+// The private submodule _bench: C++ timing loops for bench/bench_python.py.
+void bind_bench(py::module_& m);
 
 }  // namespace kvshard::python

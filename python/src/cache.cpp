@@ -5,6 +5,7 @@
 #include "kvshard/cache/block_hash.h"
 #include "kvshard/cache/block_manager.h"
 #include "kvshard/cache/kv_events.h"
+#include "kvshard/cache/kv_group_manager.h"
 #include "kvshard/cache/vllm_hash.h"
 
 namespace kvshard::python {
@@ -42,6 +43,192 @@ std::vector<std::byte> extra_keys_of(const std::string& cache_salt, const std::s
 
 py::array_t<int32_t> int32_array(std::span<const int32_t> v) {
     return py::array_t<int32_t>(static_cast<py::ssize_t>(v.size()), v.data());
+}
+
+const char* block_state_name(BlockState s) {
+    switch (s) {
+        case BlockState::kFree:
+            return "free";
+        case BlockState::kUsed:
+            return "used";
+        case BlockState::kCached:
+            return "cached";
+    }
+    return "?";
+}
+
+py::dict group_spec_dict(const KvGroupPoolSpec& g) {
+    py::dict d;
+    d["kind"] = std::string(layer_kind_name(g.kind));
+    d["window"] = g.window;
+    d["num_blocks"] = g.num_blocks;
+    return d;
+}
+
+// A group's pool from its dict: {"kind": "full"|"sliding"|..., "window": W, "num_blocks": N}.
+KvGroupPoolSpec group_spec_of(const py::dict& d) {
+    for (auto item : d) {
+        const auto key = item.first.cast<std::string>();
+        require(key == "kind" || key == "window" || key == "num_blocks",
+                "a KV group has no field '", key, "': its fields are kind, window, num_blocks");
+    }
+    require(d.contains("kind") && d.contains("num_blocks"),
+            "a KV group needs 'kind' and 'num_blocks' (and 'window' when windowed)");
+    KvGroupPoolSpec g;
+    g.kind = parse_layer_kind(d["kind"].cast<std::string>());
+    g.window = d.contains("window") ? d["window"].cast<int>() : 0;
+    g.num_blocks = d["num_blocks"].cast<int64_t>();
+    return g;
+}
+
+KvGroupManager group_manager(std::vector<KvGroupPoolSpec> groups, int block_size,
+                             bool enable_prefix_cache, bool deferred_commit) {
+    return KvGroupManager({.groups = std::move(groups),
+                           .block_size = block_size,
+                           .enable_prefix_cache = enable_prefix_cache,
+                           .deferred_commit = deferred_commit});
+}
+
+void bind_kv_group_manager(py::module_& m) {
+    py::class_<KvGroupManager>(
+        m, "KvGroupManager",
+        "One block table per KV group and sequence (full, sliding, chunked, MLA, state groups), "
+        "each group with its own pool of block ids, prefix cache and LRU: vLLM's hybrid KV cache "
+        "manager (docs/cache.md, 'KV groups'). Entries a windowed group dropped are -1.")
+        .def(py::init([](const std::vector<py::dict>& groups, int block_size,
+                         bool enable_prefix_cache, bool deferred_commit) {
+                 std::vector<KvGroupPoolSpec> specs;
+                 for (const auto& g : groups) specs.push_back(group_spec_of(g));
+                 return group_manager(std::move(specs), block_size, enable_prefix_cache,
+                                      deferred_commit);
+             }),
+             py::arg("groups"), py::arg("block_size") = 16, py::kw_only(),
+             py::arg("enable_prefix_cache") = true, py::arg("deferred_commit") = false,
+             "Groups as dicts {'kind', 'window', 'num_blocks'}.")
+        .def(py::init([](const ModelSpec& model, int64_t num_blocks, int block_size,
+                         bool enable_prefix_cache, bool deferred_commit) {
+                 return group_manager(group_pool_specs(kv_groups(model), num_blocks), block_size,
+                                      enable_prefix_cache, deferred_commit);
+             }),
+             py::arg("model"), py::arg("num_blocks"), py::arg("block_size") = 16, py::kw_only(),
+             py::arg("enable_prefix_cache") = true, py::arg("deferred_commit") = false,
+             "The model's KV groups (kv_groups(model)), each with num_blocks blocks.")
+        .def_property_readonly("num_groups", &KvGroupManager::num_groups)
+        .def_property_readonly("block_size", &KvGroupManager::block_size)
+        .def(
+            "group", [](const KvGroupManager& k, int g) { return group_spec_dict(k.group(g)); },
+            py::arg("g"), "Group g's pool: {'kind', 'window', 'num_blocks'}.")
+        .def("keep_from", &KvGroupManager::keep_from, py::arg("g"), py::arg("committed"),
+             py::arg("num_tokens"),
+             "The first table entry group g keeps with `committed` of num_tokens tokens "
+             "committed.")
+        .def(
+            "lookup",
+            [](const KvGroupManager& k, const TokenArray& tokens, const std::string& cache_salt,
+               const std::string& adapter_id) {
+                const auto extra = extra_keys_of(cache_salt, adapter_id);
+                return k.lookup(token_span(tokens), extra);
+            },
+            py::arg("tokens"), py::kw_only(), py::arg("cache_salt") = "",
+            py::arg("adapter_id") = "",
+            "The hybrid prefix hit in tokens: the leading whole blocks every group serves.")
+        .def(
+            "allocate",
+            [](KvGroupManager& k, SeqId seq, const TokenArray& tokens,
+               const std::string& cache_salt, const std::string& adapter_id,
+               int64_t max_cached_blocks) {
+                const auto extra = extra_keys_of(cache_salt, adapter_id);
+                const GroupAllocResult r =
+                    k.allocate(seq, token_span(tokens), extra, max_cached_blocks);
+                py::dict d;
+                d["cached_tokens"] = r.cached_tokens;
+                d["cached_blocks"] = r.cached_blocks;
+                d["new_blocks"] = r.new_blocks;
+                return d;
+            },
+            py::arg("seq"), py::arg("tokens"), py::kw_only(), py::arg("cache_salt") = "",
+            py::arg("adapter_id") = "", py::arg("max_cached_blocks") = -1,
+            "Blocks in every group for a new sequence, sharing the hybrid prefix hit: "
+            "{'cached_tokens', 'cached_blocks', 'new_blocks' (per group)}. "
+            "kvshard.OutOfBlocksError when some group lacks blocks (nothing changed).")
+        .def(
+            "can_allocate",
+            [](const KvGroupManager& k, const TokenArray& tokens, int64_t max_cached_blocks) {
+                return k.can_allocate(token_span(tokens), {}, max_cached_blocks);
+            },
+            py::arg("tokens"), py::arg("max_cached_blocks") = -1)
+        .def(
+            "append",
+            [](KvGroupManager& k, SeqId seq, const TokenArray& tokens) {
+                k.append(seq, token_span(tokens));
+            },
+            py::arg("seq"), py::arg("tokens"),
+            "Generated tokens appended; windowed groups drop what fell out of their window.")
+        .def("can_append", &KvGroupManager::can_append, py::arg("seq"), py::arg("count"))
+        .def("commit", &KvGroupManager::commit, py::arg("seq"), py::arg("num_computed_tokens"),
+             py::arg("next_query") = -1,
+             "Marks tokens computed (deferred_commit); windowed groups then drop what no query "
+             "still needs.")
+        .def("free", &KvGroupManager::free, py::arg("seq"))
+        .def("__contains__", &KvGroupManager::contains, py::arg("seq"))
+        .def("num_tokens", &KvGroupManager::num_tokens, py::arg("seq"))
+        .def("num_committed_tokens", &KvGroupManager::num_committed_tokens, py::arg("seq"))
+        .def(
+            "block_table",
+            [](const KvGroupManager& k, int g, SeqId seq) {
+                return int32_array(k.block_table(g, seq));
+            },
+            py::arg("g"), py::arg("seq"),
+            "Group g's table of the sequence as an int32 array (-1 where the group holds no "
+            "block).")
+        .def("resident_blocks", &KvGroupManager::resident_blocks, py::arg("g"), py::arg("seq"))
+        .def(
+            "paged_kv",
+            [](const KvGroupManager& k, int g, const std::vector<SeqId>& seqs) {
+                const PagedKv p = k.paged_kv(g, seqs);
+                py::dict d;
+                d["indptr"] = int32_array(p.indptr);
+                d["indices"] = int32_array(p.indices);
+                d["last_page_len"] = int32_array(p.last_page_len);
+                return d;
+            },
+            py::arg("g"), py::arg("seqs"),
+            "FlashInfer's paged-KV description of group g's blocks of these sequences: int32 "
+            "arrays indptr, indices, last_page_len.")
+        .def(
+            "subscribe",
+            [](KvGroupManager& k, py::function callback) {
+                // Delivered at the end of the manager's call, on the calling thread (which holds
+                // the GIL: no method of this class releases it).
+                return k.subscribe(
+                    [cb = std::move(callback)](const KvEvent& e) { cb(event_dict(e)); });
+            },
+            py::arg("callback"),
+            "Calls callback(event_dict) for every KV event (each names its group); returns an "
+            "id for unsubscribe.")
+        .def("unsubscribe", &KvGroupManager::unsubscribe, py::arg("subscription_id"))
+        .def_property_readonly("next_event_seq", &KvGroupManager::next_event_seq)
+        .def("num_available_blocks", &KvGroupManager::num_available_blocks, py::arg("g"))
+        .def("num_used_blocks", &KvGroupManager::num_used_blocks, py::arg("g"))
+        .def(
+            "block_state",
+            [](const KvGroupManager& k, int g, BlockId b) {
+                return block_state_name(k.block_state(g, b));
+            },
+            py::arg("g"), py::arg("block"), "'free', 'used' or 'cached'.")
+        .def("ref_count", &KvGroupManager::ref_count, py::arg("g"), py::arg("block"))
+        .def("eviction_order", &KvGroupManager::eviction_order, py::arg("g"),
+             "Group g's cached blocks, least recently used first.")
+        .def("check_invariants", &KvGroupManager::check_invariants)
+        .def("__repr__", [](const KvGroupManager& k) {
+            std::string groups;
+            for (int g = 0; g < k.num_groups(); ++g) {
+                const auto& s = k.group(g);
+                groups += fmt::format("{}{}{}:{}", g ? ", " : "", layer_kind_name(s.kind),
+                                      s.window ? fmt::format("({})", s.window) : "", s.num_blocks);
+            }
+            return fmt::format("KvGroupManager([{}], block_size={})", groups, k.block_size());
+        });
 }
 
 }  // namespace
@@ -261,6 +448,8 @@ void bind_cache(py::module_& m) {
         },
         py::arg("event"), py::arg("source") = "", "The canonical JSON line of an event dict.");
 
+    bind_kv_group_manager(m);
+
     py::class_<KvEventIndex>(m, "KvEventIndex",
                              "The set of block hashes one engine holds, kept from its KV events.")
         .def(py::init<>())
@@ -275,7 +464,7 @@ void bind_cache(py::module_& m) {
             py::arg("hash"))
         .def(
             "match_length",
-            [](const KvEventIndex& i, const std::vector<std::string>& hashes) {
+            [](const KvEventIndex& i, const py::object& hashes) {
                 return i.match_length(hashes_from(hashes));
             },
             py::arg("hashes"), "Leading hashes of the request that the engine holds.")

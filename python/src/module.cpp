@@ -13,10 +13,28 @@ std::string json_dumps(const py::handle& value) {
     return py::module_::import("json").attr("dumps")(value).cast<std::string>();
 }
 
-std::vector<BlockHash> hashes_from(const std::vector<std::string>& hex) {
+std::vector<BlockHash> hashes_from(const py::object& hex) {
+    // Read in place from the str objects (no std::string per hash): converting a list of 64
+    // hashes through std::vector<std::string> took ~6 us, 20x the routing decision itself
+    // (BENCHMARKS.md, "python").
+    if (PyUnicode_Check(hex.ptr()))
+        throw py::type_error("block hashes: a sequence of 32-digit hex strings, not one string");
+    const auto fast = py::reinterpret_steal<py::object>(
+        PySequence_Fast(hex.ptr(), "block hashes: a sequence of 32-digit hex strings"));
+    if (!fast) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
     std::vector<BlockHash> out;
-    out.reserve(hex.size());
-    for (const auto& h : hex) out.push_back(BlockHash::from_hex(h));
+    out.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!PyUnicode_Check(items[i]))
+            throw py::type_error("block hashes: a sequence of 32-digit hex strings, item " +
+                                 std::to_string(i) + " is not a str");
+        Py_ssize_t len = 0;
+        const char* text = PyUnicode_AsUTF8AndSize(items[i], &len);
+        if (!text) throw py::error_already_set();
+        out.push_back(BlockHash::from_hex({text, static_cast<size_t>(len)}));
+    }
     return out;
 }
 
@@ -54,4 +72,5 @@ PYBIND11_MODULE(_kvshard, m) {
     kp::bind_cache(m);
     kp::bind_router(m);
     kp::bind_pack(m);
+    kp::bind_bench(m);
 }

@@ -5,8 +5,13 @@
 // array of shape [num_layers, kv_factor, num_blocks, heads, block_size, head_dim] (HND) of the KV
 // dtype is a pool; any C-contiguous array of the same bytes works. A 64-byte aligned array is the
 // pool itself (a BlockPool over ExternalMemory: zero copy, written in place); any other is copied
-// into a BlockPool and back.
+// into a BlockPool and back. pool_array makes such an aligned array (numpy's own large arrays
+// start 16 bytes past a page boundary, so they would take the copy), and pack_message(out=...)
+// packs into the caller's payload buffer: a fresh 64 MiB array per call costs its page faults,
+// about as much as the pack itself (BENCHMARKS.md, "python").
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "bindings.h"
 #include "kvshard/common/dtype.h"
@@ -56,6 +61,45 @@ BlockPool pool_of(const PageGeometry& g, const py::array& array, const char* wha
     return pool;
 }
 
+// numpy's type for the KV elements of g (numpy has no bfloat16: bf16 pools hold uint16 bit
+// patterns; fp8 pools uint8 codes).
+py::dtype numpy_dtype(const PageGeometry& g) {
+    switch (g.dtype) {
+        case DType::kFp32:
+            return py::dtype::of<float>();
+        case DType::kFp16:
+            return py::dtype("float16");
+        case DType::kBf16:
+            return py::dtype::of<uint16_t>();
+        case DType::kFp8:
+            return py::dtype::of<uint8_t>();
+    }
+    return py::dtype::of<uint8_t>();
+}
+
+// The shape of a pool array of num_blocks blocks of g (HND or NHD pages).
+std::vector<py::ssize_t> pool_shape(const PageGeometry& g, int64_t num_blocks) {
+    const bool hnd = g.order == PageOrder::kHnd;
+    return {g.num_layers,
+            g.kv_factor,
+            static_cast<py::ssize_t>(num_blocks),
+            hnd ? g.num_heads : g.block_size,
+            hnd ? g.block_size : g.num_heads,
+            g.head_dim};
+}
+
+// The payload buffer of msg: `out` when given (written in place), else a new uint8 array.
+py::array payload_of(const TransferMessage& msg, const py::object& out) {
+    if (out.is_none()) return py::array_t<uint8_t>(static_cast<py::ssize_t>(msg.bytes));
+    require(py::isinstance<py::array>(out), "out must be a numpy array (or None)");
+    auto a = py::reinterpret_borrow<py::array>(out);
+    require(a.flags() & py::array::c_style, "out must be C-contiguous");
+    require(a.writeable(), "out must be writeable");
+    require(static_cast<int64_t>(a.nbytes()) == msg.bytes, "out holds ", a.nbytes(),
+            " bytes; the message carries ", msg.bytes);
+    return a;
+}
+
 py::dict geometry_dict(const PageGeometry& g) {
     py::dict d;
     d["num_layers"] = g.num_layers;
@@ -89,23 +133,55 @@ void bind_pack(py::module_& m) {
     m.def(
         "pack_message",
         [](const TransferPlan& plan, int message, const py::array& src_pool,
-           const std::string& mode) {
+           const std::string& mode, const py::object& out) {
             const TransferMessage& msg = message_of(plan, message);
             const TransferMode mo = mode_of(plan, mode);
             const BlockPool pool =
                 pool_of(side_geometry(plan, true, msg.src_rank), src_pool, "src_pool");
-            py::array_t<uint8_t> out(static_cast<py::ssize_t>(msg.bytes));
+            py::array payload = payload_of(msg, out);
             {
                 py::gil_scoped_release release;
                 pack_message(plan, msg, mo, pool,
-                             {reinterpret_cast<std::byte*>(out.mutable_data()),
+                             {static_cast<std::byte*>(payload.mutable_data()),
                               static_cast<size_t>(msg.bytes)});
             }
-            return out;
+            return payload;
         },
         py::arg("plan"), py::arg("message"), py::arg("src_pool"), py::arg("mode") = "auto",
-        "Message `message`'s payload (uint8 array of its bytes) packed from the source rank's "
-        "pool array (read in place when the array is 64-byte aligned).");
+        py::kw_only(), py::arg("out") = py::none(),
+        "Message `message`'s payload packed from the source rank's pool array (read in place "
+        "when the array is 64-byte aligned): into `out` (any C-contiguous writeable array of "
+        "exactly the message's bytes, returned) or, without it, a new uint8 array.");
+    m.def(
+        "pool_array",
+        [](const TransferPlan& plan, bool source, int rank, int64_t num_blocks) {
+            const KvLayout& l = source ? plan.src.layout : plan.dst.layout;
+            require(rank >= 0 && rank < l.world_size(), "rank ", rank, " is outside [0, ",
+                    l.world_size(), ")");
+            require(num_blocks >= 1, "num_blocks must be >= 1, got ", num_blocks);
+            const TransferEndpoint& e = source ? plan.src : plan.dst;
+            const PageGeometry g = rank_page_geometry(e.layout, rank, e.block_size, e.order);
+            const auto bytes = static_cast<size_t>(num_blocks * g.block_bytes());
+            // Over-allocated by 63 bytes and viewed from the first 64-byte boundary; the view
+            // keeps the raw array alive (its base).
+            py::array_t<uint8_t> raw(static_cast<py::ssize_t>(bytes + 63));
+            auto* p = raw.mutable_data();
+            const size_t skip = (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+            std::memset(p + skip, 0, bytes);
+            const py::dtype dt = numpy_dtype(g);
+            const auto shape = pool_shape(g, num_blocks);
+            std::vector<py::ssize_t> strides(shape.size());
+            py::ssize_t stride = dt.itemsize();
+            for (size_t i = shape.size(); i-- > 0;) {
+                strides[i] = stride;
+                stride *= shape[i];
+            }
+            return py::array(dt, shape, strides, p + skip, raw);
+        },
+        py::arg("plan"), py::arg("source"), py::arg("rank"), py::arg("num_blocks"),
+        "A zeroed, 64-byte aligned pool array of `num_blocks` blocks for a rank of one side of "
+        "the plan (the shape of pool_geometry; dtype float32, float16, or uint16 holding bf16 "
+        "bits): pack_message and unpack_message read and write it in place.");
     m.def(
         "unpack_message",
         [](const TransferPlan& plan, int message, const py::array& payload, py::array dst_pool,

@@ -4,8 +4,10 @@
 #include "bindings.h"
 #include "kvshard/planner/capacity.h"
 #include "kvshard/planner/cost_model.h"
+#include "kvshard/planner/disagg.h"
 #include "kvshard/planner/hardware.h"
 #include "kvshard/planner/planner.h"
+#include "kvshard/transfer/transfer_plan.h"
 
 namespace kvshard::python {
 
@@ -145,6 +147,57 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
                        py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,                  \
                        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16
 
+// The request of `kvshard plan --disagg` with the CLI's defaults (tools/kvshard/cmd_plan.cpp,
+// run_serving).
+ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo, double tpot_slo,
+                               int64_t output_tokens, std::vector<int64_t> prompt_samples,
+                               double prefix_hit_rate, const std::string& weight_dtype,
+                               bool disaggregated, int64_t max_batch, const std::string& cp_scheme,
+                               const std::string& cp_prefill, const std::string& cp_decode_merge,
+                               int pp_chunks, double mem_util, double activation_reserve_gib,
+                               int block_size) {
+    ServingRequest r;
+    r.gpus = gpus;
+    r.prompt_tokens = prompt_tokens;
+    r.prompt_samples = std::move(prompt_samples);
+    r.output_tokens = output_tokens;
+    r.prefix_hit_rate = prefix_hit_rate;
+    r.ttft_slo_s = ttft_slo;
+    r.tpot_slo_s = tpot_slo;
+    r.max_batch = max_batch;
+    r.cp_scheme = parse_cp_scheme(cp_scheme);
+    r.capacity = capacity_options(mem_util, activation_reserve_gib, block_size, 0);
+    r.cost.cp_prefill = parse_cp_prefill_policy(cp_prefill);
+    r.cost.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);
+    r.cost.pp_prefill_chunks = pp_chunks;
+    r.weight_dtype = parse_weight_dtype(weight_dtype);
+    r.disaggregated = disaggregated;
+    r.validate();
+    return r;
+}
+
+#define KVSHARD_SERVING_ARGS                                                                      \
+    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("prompt_tokens"),             \
+        py::kw_only(), py::arg("ttft_slo"), py::arg("tpot_slo"),                                  \
+        py::arg("output_tokens") = 256, py::arg("prompt_samples") = std::vector<int64_t>{},       \
+        py::arg("prefix_hit_rate") = 0.0, py::arg("weight_dtype") = "model",                      \
+        py::arg("disaggregated") = true, py::arg("max_batch") = 256,                              \
+        py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto",                          \
+        py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
+        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16
+
+py::dict transfer_cost_dict(const KvTransferCost& t) {
+    py::dict d;
+    d["bytes"] = t.bytes;
+    d["messages"] = t.messages;
+    d["layerwise_messages"] = t.layerwise_messages;
+    d["busiest_rank_bytes"] = t.busiest_rank_bytes;
+    d["crosses_nodes"] = t.crosses_nodes;
+    d["transfer_s"] = t.transfer_s;
+    d["exposed_s"] = t.exposed_s;
+    return d;
+}
+
 }  // namespace
 
 void bind_planner(py::module_& m) {
@@ -282,6 +335,69 @@ void bind_planner(py::module_& m) {
         py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,
         "One configuration evaluated as `kvshard plan --explain ... --json` does (the parallel "
         "config is used as given: spell cp_scheme in it when cp > 1).");
+
+    m.def(
+        "plan_disagg",
+        [](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t prompt_tokens,
+           double ttft_slo, double tpot_slo, int64_t output_tokens,
+           std::vector<int64_t> prompt_samples, double prefix_hit_rate,
+           const std::string& weight_dtype, bool disaggregated, int64_t max_batch,
+           const std::string& cp_scheme, const std::string& cp_prefill,
+           const std::string& cp_decode_merge, int pp_chunks, double mem_util,
+           double activation_reserve_gib, int block_size) {
+            const ServingRequest r = serving_request(
+                gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens, std::move(prompt_samples),
+                prefix_hit_rate, weight_dtype, disaggregated, max_batch, cp_scheme, cp_prefill,
+                cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size);
+            std::string json;
+            {
+                py::gil_scoped_release release;
+                json = serving_to_json(model, hw, r, plan_serving(model, hw, r));
+            }
+            return json_loads(json);
+        },
+        KVSHARD_SERVING_ARGS,
+        "Prefill pools x decode pools (each its own layout and instance count) ranked with the "
+        "aggregated configurations by output tokens/s per GPU under the TTFT and TPOT SLOs "
+        "(seconds): the dict of `kvshard plan --disagg --json`. prefix_hit_rate and "
+        "prompt_samples stand for what --trace measures.");
+    m.def(
+        "plan_disagg_svg",
+        [](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t prompt_tokens,
+           double ttft_slo, double tpot_slo, int64_t output_tokens,
+           std::vector<int64_t> prompt_samples, double prefix_hit_rate,
+           const std::string& weight_dtype, bool disaggregated, int64_t max_batch,
+           const std::string& cp_scheme, const std::string& cp_prefill,
+           const std::string& cp_decode_merge, int pp_chunks, double mem_util,
+           double activation_reserve_gib, int block_size) {
+            const ServingRequest r = serving_request(
+                gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens, std::move(prompt_samples),
+                prefix_hit_rate, weight_dtype, disaggregated, max_batch, cp_scheme, cp_prefill,
+                cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size);
+            py::gil_scoped_release release;
+            return serving_to_svg(model, hw, r, plan_serving(model, hw, r));
+        },
+        KVSHARD_SERVING_ARGS, "The chart of `kvshard plan --disagg --svg`, as SVG text.");
+    m.def(
+        "price_kv_transfer",
+        [](const ModelSpec& model, const ParallelConfig& prefill, const ParallelConfig& decode,
+           const HardwareSpec& hw, int64_t tokens, double prefill_s, int block_size) {
+            require(tokens >= 1 && tokens <= kMaxTransferTokens, "tokens must be in [1, ",
+                    kMaxTransferTokens, "], got ", tokens);
+            require(prefill_s >= 0, "prefill_s must be >= 0 seconds, got ", prefill_s);
+            require(block_size >= 1, "block_size must be >= 1, got ", block_size);
+            KvTransferCost t;
+            {
+                py::gil_scoped_release release;
+                t = price_kv_transfer(model, prefill, decode, hw, tokens, prefill_s, block_size);
+            }
+            return transfer_cost_dict(t);
+        },
+        py::arg("model"), py::arg("prefill"), py::arg("decode"), py::arg("hardware"),
+        py::arg("tokens"), py::kw_only(), py::arg("prefill_s") = 0.0, py::arg("block_size") = 16,
+        "One request's KV move from a prefill instance to a decode instance as plan_disagg "
+        "prices it (bytes and messages of kvshard's transfer plan, the busiest GPU's time, what "
+        "stays exposed after a prefill of prefill_s seconds), as a dict.");
 }
 
 }  // namespace kvshard::python

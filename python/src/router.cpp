@@ -89,13 +89,13 @@ void bind_router(py::module_& m) {
             "mode", [](const KvIndex& i) { return std::string(kv_index_mode_name(i.mode())); })
         .def(
             "block_stored",
-            [](KvIndex& i, int replica, const std::vector<std::string>& hashes) {
+            [](KvIndex& i, int replica, const py::object& hashes) {
                 i.block_stored(replica, hashes_from(hashes));
             },
             py::arg("replica"), py::arg("hashes"))
         .def(
             "block_removed",
-            [](KvIndex& i, int replica, const std::vector<std::string>& hashes) {
+            [](KvIndex& i, int replica, const py::object& hashes) {
                 i.block_removed(replica, hashes_from(hashes));
             },
             py::arg("replica"), py::arg("hashes"))
@@ -110,14 +110,14 @@ void bind_router(py::module_& m) {
             py::arg("replica"), py::arg("event"), "A KV event (dict or JSON line) of a replica.")
         .def(
             "record_routed",
-            [](KvIndex& i, int replica, const std::vector<std::string>& hashes, double now_s) {
+            [](KvIndex& i, int replica, const py::object& hashes, double now_s) {
                 i.record_routed(replica, hashes_from(hashes), now_s);
             },
             py::arg("replica"), py::arg("hashes"), py::arg("now_s"))
         .def("expire", &KvIndex::expire, py::arg("now_s"))
         .def(
             "prefix_overlap",
-            [](const KvIndex& i, const std::vector<std::string>& hashes) {
+            [](const KvIndex& i, const py::object& hashes) {
                 std::vector<int> out(static_cast<size_t>(i.num_replicas()));
                 i.prefix_overlap(hashes_from(hashes), out);
                 return out;
@@ -161,7 +161,7 @@ void bind_router(py::module_& m) {
             py::return_value_policy::reference_internal)
         .def(
             "route",
-            [](Router& r, const std::vector<std::string>& block_hashes, int64_t num_tokens,
+            [](Router& r, const py::object& block_hashes, int64_t num_tokens,
                std::optional<std::vector<ReplicaLoad>> loads, double now_s) {
                 const auto hashes = hashes_from(block_hashes);
                 const auto l = loads_of(loads, r.num_replicas());
@@ -175,10 +175,9 @@ void bind_router(py::module_& m) {
 
     m.def(
         "decide_route",
-        [](const std::string& policy, const std::vector<std::string>& block_hashes,
-           int64_t num_tokens, const std::vector<int>& overlap,
-           std::optional<std::vector<ReplicaLoad>> loads, std::optional<PolicyParams> params,
-           uint64_t rr_counter) {
+        [](const std::string& policy, const py::object& block_hashes, int64_t num_tokens,
+           const std::vector<int>& overlap, std::optional<std::vector<ReplicaLoad>> loads,
+           std::optional<PolicyParams> params, uint64_t rr_counter) {
             const auto hashes = hashes_from(block_hashes);
             require(!overlap.empty(), "overlap needs one entry per replica");
             const auto l = loads_of(loads, static_cast<int>(overlap.size()));

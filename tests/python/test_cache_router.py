@@ -168,3 +168,86 @@ def test_kv_index_and_router():
         kvshard.PolicyParams(no_such_knob=1)
     with pytest.raises(kvshard.Error):
         router.route(hashes, 64, busy[:2])
+
+
+def test_kv_group_manager_windows_hits_and_events():
+    groups = [{"kind": "full", "num_blocks": 16},
+              {"kind": "sliding", "window": 8, "num_blocks": 16}]
+    k = kvshard.KvGroupManager(groups, 4)
+    assert k.num_groups == 2 and k.block_size == 4
+    assert k.group(1) == {"kind": "sliding", "window": 8, "num_blocks": 16}
+    assert "sliding(8)" in repr(k)
+    events = []
+    k.subscribe(events.append)
+    tokens = np.arange(20, dtype=np.int32)
+    r = k.allocate(1, tokens)
+    assert r["cached_tokens"] == 0 and r["new_blocks"][0] == 5
+    # Full attention holds all 5 blocks; the window of 8 keeps tokens [12, 20): blocks 3 and 4.
+    full, sliding = k.block_table(0, 1), k.block_table(1, 1)
+    assert full.dtype == np.int32 and len(full) == len(sliding) == 5 and (full >= 0).all()
+    assert k.keep_from(1, 20, 20) == 3
+    assert list(sliding[:3]) == [-1, -1, -1] and (sliding[3:] >= 0).all()
+    assert k.resident_blocks(0, 1) == 5 and k.resident_blocks(1, 1) == 2
+    assert k.num_used_blocks(0) == 5 and k.num_used_blocks(1) == 2
+    assert k.num_available_blocks(0) == 11
+    assert k.block_state(0, int(full[0])) == "used" and k.ref_count(0, int(full[0])) == 1
+    pk = k.paged_kv(0, [1])
+    assert list(pk["indptr"]) == [0, 5] and list(pk["indices"]) == list(full)
+    assert list(pk["last_page_len"]) == [4]
+    assert 1 in k and k.num_tokens(1) == 20 and k.num_committed_tokens(1) == 20
+    assert k.can_append(1, 4)
+    k.append(1, [20, 21, 22, 23])
+    assert len(k.block_table(0, 1)) == 6 and k.resident_blocks(1, 1) == 2
+    assert events and all(e["type"] in ("BlockStored", "BlockRemoved", "AllCleared")
+                          for e in events)
+    assert any(e.get("group") == 1 for e in events)  # events name their group
+    k.free(1)
+    assert 1 not in k and k.eviction_order(0)
+    # A second request with the same prompt: the hybrid hit is the longest prefix of whole
+    # blocks both groups serve (the sliding group kept the last window's blocks cached).
+    hit = k.lookup(tokens)
+    assert 0 < hit <= 20 and hit % 4 == 0
+    assert k.can_allocate(tokens)
+    assert k.allocate(2, tokens)["cached_tokens"] == hit
+    k.check_invariants()
+    with pytest.raises(kvshard.Error):
+        k.allocate(2, tokens)  # sequence exists
+    with pytest.raises(kvshard.Error):
+        k.group(2)
+    with pytest.raises(kvshard.Error):
+        k.block_table(0, 99)
+    with pytest.raises(kvshard.Error):
+        kvshard.KvGroupManager([{"kind": "sliding", "num_blocks": 4}])  # no window
+    with pytest.raises(kvshard.Error):
+        kvshard.KvGroupManager([{"kind": "full", "num_blocks": 4, "windw": 2}])
+
+
+def test_kv_group_manager_from_model_and_out_of_blocks():
+    model = kvshard.catalog_model("tiny-swa")  # 2 sliding(8) + 2 full layers
+    k = kvshard.KvGroupManager(model, 4, 4)
+    kinds = sorted(k.group(g)["kind"] for g in range(k.num_groups))
+    assert kinds == sorted(g["kind"] for g in kvshard.kv_groups(model)) == ["full", "sliding"]
+    assert all(k.group(g)["num_blocks"] == 4 for g in range(k.num_groups))
+    k.allocate(1, list(range(16)))  # 4 blocks of the full group: all of them
+    assert not k.can_allocate([1, 2, 3])
+    with pytest.raises(kvshard.OutOfBlocksError):
+        k.allocate(2, [1, 2, 3])
+    assert 2 not in k  # nothing changed
+    # A state group cannot use the prefix cache.
+    with pytest.raises(kvshard.Error):
+        kvshard.KvGroupManager("tiny-hybrid", 4)
+    assert kvshard.KvGroupManager("tiny-hybrid", 4, enable_prefix_cache=False).num_groups == 2
+
+
+def test_block_hashes_from_any_sequence_of_hex_strings():
+    hashes = kvshard.hash_token_blocks(np.arange(64, dtype=np.int32), 16)
+    idx = kvshard.KvIndex(2)
+    idx.block_stored(1, hashes[:3])
+    for seq in (hashes, tuple(hashes), np.array(hashes)):
+        assert idx.prefix_overlap(seq) == [0, 3]
+    with pytest.raises(TypeError):
+        idx.prefix_overlap(hashes[0])  # one string, not a sequence of them
+    with pytest.raises(TypeError):
+        idx.prefix_overlap([1, 2])
+    with pytest.raises(kvshard.Error):
+        idx.prefix_overlap(["zz"])

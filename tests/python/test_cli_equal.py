@@ -93,3 +93,11 @@ def test_transfer_descriptors_equal_cli(cli_json):
     assert {**plan.to_dict(), **d.to_dict()} == want
     assert len(d.descriptors) == 4
     assert d.descriptor_count == want["descriptor_count"]
+
+
+def test_plan_disagg_equals_cli(cli_json):
+    # README's `--disagg` command.
+    want = cli_json("plan", "--disagg", "--model", "llama-3.1-70b", "--hardware", "h100-sxm",
+                    "--gpus", "16", "--context", "8192", "--ttft-slo", "2", "--tpot-slo", "0.05")
+    got = kvshard.plan_disagg("llama-3.1-70b", "h100-sxm", 16, 8192, ttft_slo=2, tpot_slo=0.05)
+    assert got == want

@@ -88,3 +88,44 @@ def test_cp():
         kvshard.cp_plan("llama-3.1-70b", layout.parallel, 0, 0)
     with pytest.raises(kvshard.Error):
         kvshard.cp_ring_schedule(4, 4)
+
+
+def _disagg(**kw):
+    return kvshard.plan_disagg("llama-3.1-70b", "h100-sxm", 16, 8192, ttft_slo=2, tpot_slo=0.05,
+                               **kw)
+
+
+def test_plan_disagg():
+    d = _disagg()
+    assert d["model"] == "llama-3.1-70b" and d["gpus"] == 16 and d["prompt_tokens"] == 8192
+    configs = d["configs"]
+    assert any(c["disaggregated"] for c in configs) and any(not c["disaggregated"] for c in configs)
+    # Those meeting both SLOs come first, by output tokens/s per GPU.
+    ok = [c for c in configs if c["meets_slo"]]
+    assert ok and configs[: len(ok)] == ok
+    rates = [c["tokens_per_s_per_gpu"] for c in ok]
+    assert rates == sorted(rates, reverse=True)
+    # A disaggregated entry's KV bytes per request are those of the transfer plan of its layouts.
+    dis = next(c for c in configs if c["disaggregated"])
+    src = kvshard.make_layout("llama-3.1-70b", dis["prefill"]["layout"])
+    dst = kvshard.make_layout("llama-3.1-70b", dis["decode"]["layout"])
+    assert dis["transfer"]["bytes"] == kvshard.transfer_plan(src, dst, 8192).bytes
+    priced = kvshard.price_kv_transfer("llama-3.1-70b", dis["prefill"]["layout"],
+                                       dis["decode"]["layout"], "h100-sxm", 8192,
+                                       prefill_s=dis["prefill_s"])
+    assert priced == dis["transfer"]
+    # Aggregated only, and a prefix hit that leaves less to prefill.
+    agg = _disagg(disaggregated=False)["configs"]
+    assert agg and not any(c["disaggregated"] for c in agg)
+    hit = _disagg(prefix_hit_rate=0.5)["configs"]
+    assert all(c["prefill_tokens"] == 4096 for c in hit)
+    assert _disagg(weight_dtype="fp8")["weight_dtype"] == "fp8"
+    svg = kvshard.plan_disagg_svg("llama-3.1-70b", "h100-sxm", 16, 8192, ttft_slo=2,
+                                  tpot_slo=0.05)
+    assert svg.startswith("<svg") or svg.startswith("<?xml")
+    with pytest.raises(kvshard.Error):
+        _disagg(prefix_hit_rate=1.0)
+    with pytest.raises(kvshard.Error):
+        kvshard.plan_disagg("llama-3.1-70b", "h100-sxm", 16, 8192, ttft_slo=0, tpot_slo=0.05)
+    with pytest.raises(kvshard.Error):
+        kvshard.price_kv_transfer("llama-3.1-70b", "tp=3", "tp=8", "h100-sxm", 8192)

@@ -154,3 +154,42 @@ def test_pack_unpack_in_place_and_through_a_copy_agree():
         assert np.array_equal(out, np.concatenate(pools, axis=3)), offset
         results.append(out.copy())
     assert np.array_equal(results[0], results[1])
+
+
+def test_pool_array_and_pack_into_out():
+    m = kvshard.catalog_model("tiny")
+    src, dst = layouts(m, "tp=2", "tp=1")
+    n, blocks = 64, 4
+    plan = kvshard.transfer_plan(src, dst, n)
+    g = kvshard.pool_geometry(plan, True, 0)
+    p = kvshard.pool_array(plan, True, 0, blocks)
+    # Aligned (read and written in place), zeroed, the geometry's shape and dtype.
+    assert p.ctypes.data % 64 == 0 and p.flags["C_CONTIGUOUS"] and not p.any()
+    assert p.shape == (g["num_layers"], g["kv_factor"], blocks, g["num_heads"], g["block_size"],
+                       g["head_dim"]) and p.dtype == np.float32
+    assert p.nbytes == blocks * g["block_bytes"]
+    p[...] = coded_pool(g, blocks, 0)
+    want = kvshard.pack_message(plan, 0, p)
+    # out=: written in place and returned; any dtype of exactly the message's bytes.
+    out = np.full(want.nbytes, 0xAB, np.uint8)
+    got = kvshard.pack_message(plan, 0, p, out=out)
+    assert got is out and np.array_equal(out, want)
+    out32 = np.zeros(want.nbytes // 4, np.float32)
+    kvshard.pack_message(plan, 0, p, "pre-send", out=out32)
+    assert np.array_equal(out32.view(np.uint8), kvshard.pack_message(plan, 0, p, "pre-send"))
+    # A bf16 model's pools hold the bf16 bits as uint16 (numpy has no bfloat16); NHD swaps axes.
+    b = kvshard.transfer_plan(*layouts("llama-3.1-8b", "tp=8", "tp=4"), 32, dst_order="nhd")
+    assert kvshard.pool_array(b, True, 0, 2).dtype == np.uint16
+    gd = kvshard.pool_geometry(b, False, 0)
+    assert kvshard.pool_array(b, False, 0, 2).shape == (
+        gd["num_layers"], gd["kv_factor"], 2, gd["block_size"], gd["num_heads"], gd["head_dim"])
+    with pytest.raises(kvshard.Error):
+        kvshard.pack_message(plan, 0, p, out=np.zeros(want.nbytes + 1, np.uint8))
+    with pytest.raises(kvshard.Error):
+        kvshard.pack_message(plan, 0, p, out=np.zeros(2 * want.nbytes, np.uint8)[::2])
+    with pytest.raises(kvshard.Error):
+        kvshard.pack_message(plan, 0, p, out=bytearray(want.nbytes))
+    with pytest.raises(kvshard.Error):
+        kvshard.pool_array(plan, True, 2, blocks)
+    with pytest.raises(kvshard.Error):
+        kvshard.pool_array(plan, True, 0, 0)
