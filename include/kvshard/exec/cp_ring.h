@@ -42,6 +42,25 @@ void cp_prefill_attention(Communicator& cp_comm, CpPrefillMode mode, const CpAtt
                           const float* v, float* out, CpCommStats* stats = nullptr,
                           std::span<const float> sinks = {});
 
+// One sequence of a batch prefill: its map, new tokens [new_begin, map->size()) and its q, k, v,
+// out as above.
+struct CpRingSequence {
+    const CpTokenMap* map = nullptr;
+    int64_t new_begin = 0;
+    const float* q = nullptr;
+    const float* k = nullptr;
+    const float* v = nullptr;
+    float* out = nullptr;
+};
+// The prefill attention of several sequences in ONE ring: the message of each step carries the
+// shards (pass-KV) or query shards (pass-Q) of every sequence one after the other, and pass-Q
+// returns the partials of all of them in one all_to_all_v. The bytes are the sum of the
+// sequences' own (cp_pass_kv_bytes, cp_pass_q_bytes); the rounds are those of one sequence.
+// Every rank passes the same sequences in the same order.
+void cp_prefill_attention(Communicator& cp_comm, CpPrefillMode mode, const CpAttnShape& shape,
+                          std::span<const CpRingSequence> seqs, CpCommStats* stats = nullptr,
+                          std::span<const float> sinks = {});
+
 // Merges the decode partials of every CP rank exactly; the result is the same on every rank.
 //  part_out: [rows][Hq][D], part_lse: [rows][Hq] this rank's partial over its own KV (lse = -inf
 //  where it has no visible key). out: [rows][Hq][D].
