@@ -1,4 +1,4 @@
-// generate()'s path for cp > 1: each prompt in turn on a CpSession (exec/cp_session.h).
+// generate()'s path for cp > 1: continuous batching on a CpSession (exec/cp_session.h).
 #include <algorithm>
 
 #include "kvshard/comm/threads.h"
@@ -44,6 +44,11 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
             ": the context-parallel executor replicates the experts on every rank and runs no "
             "all-to-all, so expert parallelism under CP is not executed; use --ep 1 (the planner "
             "still prices EP under CP)");
+    require(opt.arrival_step.empty() || opt.arrival_step.size() == prompts.size(),
+            "arrival_step has ", opt.arrival_step.size(), " entries for ", prompts.size(),
+            " prompts");
+    for (int a : opt.arrival_step)
+        require(a >= 0, "an arrival step is a decode step index >= 0, got ", a);
     auto body = [&](Communicator& w) {
         require(w.size() == p.world_size(), "the run has ", w.size(), " ranks but ", p.to_string(),
                 " needs dp*pp*cp*tp = ", p.world_size());
@@ -67,29 +72,73 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
         rep.rank = w.rank();
         rep.coord = c;
         std::vector<serve::RequestResult> results;
-        for (size_t i = 0; i < prompts.size(); ++i) {
-            const auto seq = static_cast<SeqId>(i);
-            auto t0 = serve::Clock::now();
-            auto logits = s.prefill(seq, prompts[i]);
-            rep.prefill_seconds += serve::seconds_since(t0);
-            row.replica_prompt_tokens += static_cast<int64_t>(prompts[i].size());
-            row.replica_hit_tokens += s.last_step().cached_tokens;
-            row.replica_computed_tokens +=
-                static_cast<int64_t>(prompts[i].size()) - s.last_step().cached_tokens;
-            rep.prefix_hit_tokens += s.last_step().local_hit_blocks * o.block_size;
-            std::vector<int32_t> toks = {argmax(logits)};
-            t0 = serve::Clock::now();
-            for (int step = 1; step < opt.max_new_tokens; ++step) {
-                logits = s.decode(seq, toks.back());
-                toks.push_back(argmax(logits));
+        // Continuous batching: the prompts that have arrived by a step join the running batch in
+        // one prefill forward, every running sequence decodes one token per step, and a sequence
+        // leaves (released, its hashed blocks stay cached) once it has max_new_tokens tokens.
+        const size_t n = prompts.size();
+        auto arrival = [&](size_t i) { return opt.arrival_step.empty() ? 0 : opt.arrival_step[i]; };
+        std::vector<size_t> order(n);
+        for (size_t i = 0; i < n; ++i) order[i] = i;
+        std::stable_sort(order.begin(), order.end(),
+                         [&](size_t a, size_t b) { return arrival(a) < arrival(b); });
+        std::vector<std::vector<int32_t>> toks(n);
+        std::vector<std::vector<float>> last(n);
+        std::vector<SeqId> running;
+        auto take = [&](const std::vector<float>& logits, const std::vector<SeqId>& seqs) {
+            for (size_t j = 0; j < seqs.size(); ++j) {
+                const auto i = static_cast<size_t>(seqs[j]);
+                last[i].assign(logits.begin() + int64_t(j) * m.vocab,
+                               logits.begin() + int64_t(j + 1) * m.vocab);
+                toks[i].push_back(argmax(last[i]));
             }
+        };
+        auto leave = [&] {
+            std::erase_if(running, [&](SeqId seq) {
+                const auto i = static_cast<size_t>(seq);
+                if (static_cast<int>(toks[i].size()) < opt.max_new_tokens) return false;
+                rep.kv_tokens += s.token_map(seq).count(c.cp);
+                // Every CP rank has the logits; the (cp, tp) = 0 rank brings them.
+                if (c.cp == 0 && c.tp == 0)
+                    results.push_back(serve::RequestResult::output(
+                        static_cast<int64_t>(i), std::move(toks[i]), std::move(last[i])));
+                s.release(seq);
+                return true;
+            });
+        };
+        size_t next = 0;
+        for (int step = 0; next < n || !running.empty(); ++step) {
+            w.keepalive();  // answers liveness probes
+            if (running.empty()) step = std::max(step, arrival(order[next]));
+            std::vector<SeqId> joining;
+            std::vector<std::vector<int32_t>> joining_tokens;
+            for (; next < n && arrival(order[next]) <= step; ++next) {
+                joining.push_back(static_cast<SeqId>(order[next]));
+                joining_tokens.push_back(prompts[order[next]]);
+            }
+            if (!joining.empty()) {
+                const auto t0 = serve::Clock::now();
+                const auto logits = s.prefill(joining, joining_tokens);
+                rep.prefill_seconds += serve::seconds_since(t0);
+                take(logits, joining);
+                for (size_t j = 0; j < joining.size(); ++j) {
+                    const CpStepStats& st = s.prefill_stats(joining[j]);
+                    const auto len = static_cast<int64_t>(joining_tokens[j].size());
+                    row.replica_prompt_tokens += len;
+                    row.replica_hit_tokens += st.cached_tokens;
+                    row.replica_computed_tokens += len - st.cached_tokens;
+                    rep.prefix_hit_tokens += st.local_hit_blocks * o.block_size;
+                }
+                running.insert(running.end(), joining.begin(), joining.end());
+                leave();
+            }
+            if (running.empty()) continue;
+            std::vector<int32_t> feed;
+            for (SeqId seq : running) feed.push_back(toks[static_cast<size_t>(seq)].back());
+            const auto t0 = serve::Clock::now();
+            const auto logits = s.decode(running, feed);
             rep.decode_seconds += serve::seconds_since(t0);
-            rep.kv_tokens += s.token_map(seq).count(c.cp);
-            // Every CP rank has the logits; the (cp, tp) = 0 rank brings them.
-            if (c.cp == 0 && c.tp == 0)
-                results.push_back(serve::RequestResult::output(static_cast<int64_t>(i),
-                                                               std::move(toks), std::move(logits)));
-            s.release(seq);
+            take(logits, running);
+            leave();
         }
         int64_t bytes_per_token = 0;  // every group's pool (the CP session keeps every token)
         for (int i = 0; i < dev.model().num_pools(); ++i)

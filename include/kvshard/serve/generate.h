@@ -38,6 +38,11 @@ struct GenerationOptions {
     CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;
     // The DP replica of each prompt (e.g. from route_prompts); empty: prompt i on replica i % dp.
     std::vector<int> replica_of;
+    // Continuous batching under CP (cp > 1): prompt i joins the running batch at decode step
+    // arrival_step[i] (>= 0; the prompts arriving at one step are prefilled together, then decode
+    // with the others), and each leaves once it has max_new_tokens tokens. Empty: every prompt at
+    // step 0. The plain runner (cp = 1) refuses it: it prefills every prompt in its first steps.
+    std::vector<int> arrival_step;
 };
 
 struct RankReport {
@@ -87,10 +92,11 @@ GenerationReport generate(const ModelSpec& m, const ParallelConfig& p, const Ten
                           const std::vector<std::vector<int32_t>>& prompts,
                           const GenerationOptions& options, Communicator* world = nullptr);
 
-// generate()'s path for cp > 1, with the same report: prefill + greedy decode of each prompt in
-// turn on a CpSession. Prompt i is sequence i; prefix caching (opt.prefix_cache) needs
-// cp_scheme = interleave with cp_interleave = opt.block_size. Collective over world
-// (world->size() == p.world_size(), dp = pp = 1); null world: one rank.
+// generate()'s path for cp > 1, with the same report: continuous batching on a CpSession (the
+// prompts that arrive at a step, opt.arrival_step, are prefilled in one forward; every running
+// sequence decodes one token per step, all in one forward). Prompt i is sequence i; prefix caching
+// (opt.prefix_cache) needs cp_scheme = interleave with cp_interleave = opt.block_size. Collective
+// over world (world->size() == p.world_size(), dp = pp = 1); null world: one rank.
 GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,
