@@ -303,11 +303,33 @@ INSTANTIATE_TEST_SUITE_P(
         return s;
     });
 
+TEST(CpContinuousBatching, TheScheduleJoinsDecodesAndLeavesByTheTable) {
+    using V = std::vector<int64_t>;
+    // 3 tokens each: the prefill's and two decode steps; nothing runs at steps 4..8 (skipped).
+    EXPECT_EQ(continuous_batch_schedule({0, 0, 2, 9}, 4, 3),
+              (std::vector<BatchStep>{{0, V{0, 1}, V{0, 1}, V{}},
+                                      {1, V{}, V{0, 1}, V{0, 1}},
+                                      {2, V{2}, V{2}, V{}},
+                                      {3, V{}, V{2}, V{2}},
+                                      {9, V{3}, V{3}, V{}},
+                                      {10, V{}, V{3}, V{3}}}));
+    // Later arrivals first in the list join at their step; one token each: no decode at all.
+    EXPECT_EQ(continuous_batch_schedule({5, 0}, 2, 1),
+              (std::vector<BatchStep>{{0, V{1}, V{}, V{1}}, {5, V{0}, V{}, V{0}}}));
+    // A request joining mid-decode decodes in the same step as the running ones.
+    EXPECT_EQ(continuous_batch_schedule({0, 1}, 2, 3),
+              (std::vector<BatchStep>{
+                  {0, V{0}, V{0}, V{}}, {1, V{1}, V{0, 1}, V{0}}, {2, V{}, V{1}, V{1}}}));
+    EXPECT_EQ(continuous_batch_schedule({}, 2, 2),
+              (std::vector<BatchStep>{{0, V{0, 1}, V{0, 1}, V{0, 1}}}));
+}
+
 TEST(CpContinuousBatching, TheRunnersRefuseBadArrivals) {
     const auto src = random_tensor_source(8);
     GenerationOptions o;
     o.arrival_step = {0, 1};
     EXPECT_THROW(generate(tiny(), ParallelConfig{}, *src, {{1, 2}, {3}}, o), Error);
+    EXPECT_THROW(continuous_batch_schedule({0, -1}, 2, 4), Error);
     o.arrival_step = {0};
     run_threads(2, [&](Communicator& w) {
         EXPECT_THROW(generate(tiny(), parse_parallel_config("cp=2"), *src, {{1, 2}, {3}}, o, &w),

@@ -102,6 +102,21 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const std::vector<std::vector<int32_t>>& prompts,
                              const GenerationOptions& opt, Communicator* world);
 
+// Continuous batching's schedule, a pure function of the arrivals (the CP runner carries it out).
+// At a step, the prompts that have arrived by then join (one batch prefill, which gives each its
+// first token), then every running prompt (those joining included) decodes one token, unless it
+// already has max_new_tokens; a prompt leaves in the step at which it reaches max_new_tokens. Steps
+// at which nothing runs and nothing arrives are skipped. arrival_step empty: all at step 0.
+struct BatchStep {
+    int step = 0;
+    std::vector<int64_t> join;    // prompts prefilled at this step, by arrival then index
+    std::vector<int64_t> decode;  // prompts decoding one token at this step, in batch order
+    std::vector<int64_t> leave;   // prompts done after this step
+    bool operator==(const BatchStep&) const = default;
+};
+std::vector<BatchStep> continuous_batch_schedule(const std::vector<int>& arrival_step,
+                                                 size_t num_prompts, int max_new_tokens);
+
 // Error unless max_new_tokens >= 1 and every prompt is non-empty with token ids in [0, vocab).
 void check_prompts(const std::vector<std::vector<int32_t>>& prompts, int vocab, int max_new_tokens);
 
