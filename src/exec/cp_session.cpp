@@ -326,12 +326,14 @@ std::vector<float> CpSession::prefill_reserved(SeqId seq) {
 
 std::vector<float> CpSession::prefill_reserved(std::span<const SeqId> seqs) {
     require(serving_, "a lending rank does not prefill");
+    for (size_t i = 0; i < seqs.size(); ++i) {  // every sequence checked before any is changed
+        require(seqs_.contains(seqs[i]) && seqs_.at(seqs[i]).reserved, "sequence ", seqs[i],
+                " has no prefill reserved");
+        for (size_t j = 0; j < i; ++j)
+            require(seqs[j] != seqs[i], "sequence ", seqs[i], " appears twice in one prefill");
+    }
     std::vector<Step> steps;
     for (SeqId seq : seqs) {
-        require(seqs_.contains(seq) && seqs_.at(seq).reserved, "sequence ", seq,
-                " has no prefill reserved");
-        for (const Step& st : steps)
-            require(st.id != seq, "sequence ", seq, " appears twice in one prefill");
         Seq& s = seqs_.at(seq);
         Step st;
         st.id = seq;
@@ -370,14 +372,18 @@ std::vector<float> CpSession::decode(std::span<const SeqId> seqs, std::span<cons
     require(seqs.size() == tokens.size(), "a decode step of ", seqs.size(), " sequences got ",
             tokens.size(), " tokens");
     const int unit = p_.cp_scheme == CpScheme::kInterleave ? p_.cp_interleave : opt_.block_size;
+    // Every sequence checked before any is changed.
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        require(seqs_.contains(seqs[i]), "sequence ", seqs[i], " is not served here");
+        require(!seqs_.at(seqs[i]).reserved, "sequence ", seqs[i],
+                " has a prefill reserved and cannot decode yet");
+        for (size_t j = 0; j < i; ++j)
+            require(seqs[j] != seqs[i], "sequence ", seqs[i], " appears twice in one decode step");
+    }
     std::vector<Step> steps;
     for (size_t i = 0; i < seqs.size(); ++i) {
         const SeqId seq = seqs[i];
-        require(seqs_.contains(seq), "sequence ", seq, " is not served here");
-        for (const Step& st : steps)
-            require(st.id != seq, "sequence ", seq, " appears twice in one decode step");
         Seq& s = seqs_.at(seq);
-        require(!s.reserved, "sequence ", seq, " has a prefill reserved and cannot decode yet");
         const int64_t pos = static_cast<int64_t>(s.tokens.size());
         s.tokens.push_back(tokens[i]);
         s.map.append_generated(1, unit);
