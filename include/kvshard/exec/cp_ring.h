@@ -2,7 +2,8 @@
 // Context-parallel attention over a CP communicator (docs/context-parallel.md §3-5): ring prefill
 // (pass-KV, pass-Q) and the exact merge of decode partials (all-gather or Helix all-to-all).
 // Every function is collective over cp_comm (the ranks with the same dp, pp, tp; rank() = CP index)
-// and works on one layer of one sequence, over this rank's heads only (TP happens around it).
+// and works on one layer of one sequence (or, cp_prefill_attention over CpRingSequence, of a
+// batch), over this rank's heads only (TP happens around it).
 #include <cstdint>
 #include <span>
 
