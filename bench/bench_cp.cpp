@@ -2,6 +2,8 @@
 // (max/mean of per-rank FLOPs from the plan, and of measured per-rank kernel time); (2) the decode
 // merge next to the decode attention it merges. Ceiling in the same run: OpenBLAS sgemm FLOP/s
 // (what the attention kernel could reach) and memcpy bandwidth (what the merge could reach).
+// (3) batched CP decode of a model (CpSession, threads backend) next to the same batch on the plain
+// executor (one RankModel, no CP) in the same run, with the share of the step spent in the merge.
 //   build/bench/bench_cp --benchmark_counters_tabular=true
 // Per-rank work is timed in thread CPU time; the threads decode step in wall time (it waits).
 #include <benchmark/benchmark.h>
@@ -20,7 +22,10 @@
 #include "kvshard/comm/threads.h"
 #include "kvshard/exec/cp_attention.h"
 #include "kvshard/exec/cp_ring.h"
+#include "kvshard/exec/cp_session.h"
+#include "kvshard/exec/rank_model.h"
 #include "kvshard/layout/cp_plan.h"
+#include "kvshard/model/catalog.h"
 
 namespace kvshard {
 namespace {
@@ -257,6 +262,132 @@ BENCHMARK(BM_CpDecodeStepThreads)
     ->ArgsProduct({{0, 1}, {2, 4}, {8192}})
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);
+
+// ---- batched decode of a model: CP next to the plain executor ----
+
+// A 4-layer GQA model (hidden 512, 8 query / 4 KV heads of 64, MLP 1024, vocab 1024, fp32): big
+// enough that a decode step is the model's work, small enough to hold 32 x 2048 tokens of KV.
+const ModelSpec& decode_model() {
+    static const ModelSpec m = [] {
+        ModelSpec s = catalog_model("small-100m");
+        s.name = "bench-cp-4l";
+        s.num_layers = 4;
+        s.hidden = 512;
+        s.num_heads = 8;
+        s.num_kv_heads = 4;
+        s.head_dim = 64;
+        s.intermediate = 1024;
+        s.vocab = 1024;
+        s.kv_dtype = s.weight_dtype = DType::kFp32;
+        s.validate();
+        return s;
+    }();
+    return m;
+}
+
+constexpr int kDecodeBlock = 16;
+constexpr int kDecodeSteps = 16;  // timed steps, after one warm-up step
+
+// Tokens per second of the plain executor (one RankModel, one thread): `batch` sequences of `ctx`
+// tokens each decode one token per step (the same position every step: the KV length stays ctx).
+double plain_decode_tokens_per_s(const TensorSource& src, int batch, int64_t ctx) {
+    const ModelSpec& m = decode_model();
+    const int64_t per_seq = (ctx + 1 + kDecodeBlock - 1) / kDecodeBlock;
+    RankModel model(load_weights(m, WeightShard::full(m), src), batch * per_seq, kDecodeBlock);
+    ForwardBatch fb;
+    for (int s = 0; s < batch; ++s) {
+        fb.token_ids.push_back(int32_t(s + 1));
+        fb.slots.push_back(ctx);
+        fb.queries.add_sequence(1, ctx);
+        std::vector<int32_t> blocks(static_cast<size_t>(per_seq));
+        std::iota(blocks.begin(), blocks.end(), int32_t(s * per_seq));
+        fb.kv.add_sequence(blocks, ctx + 1, kDecodeBlock);
+    }
+    benchmark::DoNotOptimize(model.forward(fb));  // warm-up
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < kDecodeSteps; ++i) benchmark::DoNotOptimize(model.forward(fb));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return double(batch) * kDecodeSteps / s;
+}
+
+// Batched decode on a CP group of cp threads (cp ranks, one thread each; merge all-gather or Helix
+// all-to-all), `batch` sequences of `ctx` tokens (adopted: KV in place, no prefill computed), and
+// the plain executor on the same batch right after; and the same CP steps one sequence per
+// forward (the CP group's decode before batching). Wall time of the steps (rank 0; every rank
+// waits for the others in each merge, so on a loaded machine the merge time includes waiting for
+// the slower rank). args: merge, cp, batch, ctx
+void BM_CpBatchDecode(benchmark::State& state) {
+    const auto merge = static_cast<CpDecodeMerge>(state.range(0));
+    const int cp = static_cast<int>(state.range(1));
+    const int batch = static_cast<int>(state.range(2));
+    const int64_t ctx = state.range(3);
+    set_compute_threads(1);
+    const auto src = random_tensor_source(17);
+    const ModelSpec& m = decode_model();
+    ParallelConfig p;
+    p.cp = cp;
+    p.cp_scheme = CpScheme::kZigzag;
+    double cp_s = 0, merge_s = 0, serial_s = 0;
+    for (auto _ : state) {
+        run_threads(cp, [&](Communicator& w) {
+            CpOptions o;
+            o.block_size = kDecodeBlock;
+            o.prefix_cache = false;
+            o.decode_merge = merge;
+            // ctx / cp prompt tokens and up to one block per step of generated ones, per sequence
+            o.num_blocks = int64_t{batch} *
+                           ((ctx / cp + kDecodeBlock - 1) / kDecodeBlock + 2 * kDecodeSteps + 3);
+            CpDevice dev(m, 1, 0, *src, o);
+            CpSession s(dev, w, p, o);
+            std::vector<SeqId> seqs;
+            std::vector<int32_t> feed;
+            for (int i = 0; i < batch; ++i) {
+                std::vector<int32_t> prompt(static_cast<size_t>(ctx));
+                for (int64_t t = 0; t < ctx; ++t) prompt[size_t(t)] = int32_t((i * 31 + t) % 1024);
+                s.adopt(i, prompt);
+                seqs.push_back(i);
+                feed.push_back(int32_t(i + 1));
+            }
+            s.decode(seqs, feed);  // warm-up
+            w.barrier();
+            double merged = 0;
+            const auto t0 = std::chrono::steady_clock::now();
+            for (int i = 0; i < kDecodeSteps; ++i) {
+                benchmark::DoNotOptimize(s.decode(seqs, feed));
+                merged += s.last_step().merge_seconds;
+            }
+            const double secs =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            // The same steps one sequence per forward (how a CP group decoded before batching).
+            w.barrier();
+            const auto t1 = std::chrono::steady_clock::now();
+            for (int i = 0; i < kDecodeSteps; ++i)
+                for (int j = 0; j < batch; ++j)
+                    benchmark::DoNotOptimize(s.decode(seqs[size_t(j)], feed[size_t(j)]));
+            const double serial =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+            if (w.rank() == 0) {
+                cp_s = secs;
+                merge_s = merged;
+                serial_s = serial;
+            }
+        });
+    }
+    const double cp_rate = double(batch) * kDecodeSteps / cp_s;
+    const double plain_rate = plain_decode_tokens_per_s(*src, batch, ctx);
+    state.counters["cp_tok_per_s"] = cp_rate;
+    state.counters["plain_tok_per_s"] = plain_rate;
+    state.counters["cp_over_plain"] = cp_rate / plain_rate;
+    state.counters["cp_one_seq_per_step_tok_per_s"] = double(batch) * kDecodeSteps / serial_s;
+    state.counters["merge_share"] = merge_s / cp_s;
+    state.counters["merge_ms_per_step"] = merge_s / kDecodeSteps * 1e3;
+    state.SetLabel(std::string(cp_decode_merge_name(merge)));
+}
+BENCHMARK(BM_CpBatchDecode)
+    ->ArgNames({"merge", "cp", "batch", "ctx"})
+    ->ArgsProduct({{0, 1}, {2}, {1, 8, 32}, {2048}})
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);
 
 }  // namespace
 }  // namespace kvshard

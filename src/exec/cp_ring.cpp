@@ -61,92 +61,142 @@ void run_ring(Communicator& comm, int tag, std::vector<float> (&buf)[2], Floats 
     }
 }
 
-void pass_kv(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int64_t new_begin,
-             const float* q, const float* k, const float* v, float* out, CpCommStats& st,
-             std::span<const float> sinks) {
-    const int c = comm.rank();
+// Pass-KV of a batch: one ring whose message at step s is the shards of CP rank (c - s) of every
+// sequence of the batch, one after the other (K then V of each); the work of a step is each
+// sequence's partial over its own part of the message.
+void pass_kv(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequence> seqs,
+             CpCommStats& st, std::span<const float> sinks) {
+    const int cp = comm.size(), c = comm.rank();
     const int64_t kvrow = int64_t{s.num_kv_heads} * s.head_dim;
-    const auto qp = map.positions(c, new_begin);
-    const int64_t rows = static_cast<int64_t>(qp.size()) * s.num_q_heads;
-    std::vector<float> lse(rows, kNegInf), part(rows * s.head_dim), part_lse(rows);
-    std::fill(out, out + rows * s.head_dim, 0.0f);
+    const size_t n = seqs.size();
+    // at[r][i]: where sequence i's shard of CP rank r starts in r's message; at[r][n]: its size
+    std::vector<std::vector<int64_t>> at(static_cast<size_t>(cp), std::vector<int64_t>(n + 1, 0));
+    for (int r = 0; r < cp; ++r)
+        for (size_t i = 0; i < n; ++i)
+            at[size_t(r)][i + 1] = at[size_t(r)][i] + 2 * seqs[i].map->count(r) * kvrow;
+    std::vector<std::vector<int64_t>> qp(n);
+    std::vector<std::vector<float>> lse(n), part(n), part_lse(n);
+    for (size_t i = 0; i < n; ++i) {
+        qp[i] = seqs[i].map->positions(c, seqs[i].new_begin);
+        const int64_t rows = static_cast<int64_t>(qp[i].size()) * s.num_q_heads;
+        lse[i].assign(size_t(rows), kNegInf);
+        part[i].resize(size_t(rows * s.head_dim));
+        part_lse[i].resize(size_t(rows));
+        std::fill(seqs[i].out, seqs[i].out + rows * s.head_dim, 0.0f);
+    }
 
-    // buf[s % 2] holds the shard worked on in step s: K [n][Hkv][D] then V.
+    // buf[s % 2] holds the message worked on in step s.
     std::vector<float> buf[2];
-    const int64_t own = map.count(c);
-    buf[0].resize(2 * own * kvrow);
-    std::copy(k, k + own * kvrow, buf[0].begin());
-    std::copy(v, v + own * kvrow, buf[0].begin() + own * kvrow);
+    buf[0].resize(size_t(at[size_t(c)][n]));
+    for (size_t i = 0; i < n; ++i) {
+        const int64_t own = seqs[i].map->count(c);
+        float* dst = buf[0].data() + at[size_t(c)][i];
+        std::copy(seqs[i].k, seqs[i].k + own * kvrow, dst);
+        std::copy(seqs[i].v, seqs[i].v + own * kvrow, dst + own * kvrow);
+    }
     run_ring(
-        comm, kTagPassKv, buf, [&](int owner) { return 2 * map.count(owner) * kvrow; }, st,
+        comm, kTagPassKv, buf, [&](int owner) { return at[size_t(owner)][n]; }, st,
         [&](const CpRingStep& step, const std::vector<float>& cur) {
-            const auto kp = map.positions(step.holds);
-            if (all_masked(s, qp, kp)) return;
-            const int64_t nk = static_cast<int64_t>(kp.size());
-            cp_partial_attention(s, q, qp, cur.data(), cur.data() + nk * kvrow, kp, part.data(),
-                                 part_lse.data());
-            merge_attention_into(out, lse.data(), part.data(), part_lse.data(), rows, s.head_dim);
+            for (size_t i = 0; i < n; ++i) {
+                const auto kp = seqs[i].map->positions(step.holds);
+                if (all_masked(s, qp[i], kp)) continue;
+                const int64_t nk = static_cast<int64_t>(kp.size());
+                const float* shard = cur.data() + at[size_t(step.holds)][i];
+                cp_partial_attention(s, seqs[i].q, qp[i], shard, shard + nk * kvrow, kp,
+                                     part[i].data(), part_lse[i].data());
+                merge_attention_into(seqs[i].out, lse[i].data(), part[i].data(), part_lse[i].data(),
+                                     static_cast<int64_t>(lse[i].size()), s.head_dim);
+            }
         });
-    merge_sinks(s, sinks, static_cast<int64_t>(qp.size()), out, lse.data());
+    for (size_t i = 0; i < n; ++i)
+        merge_sinks(s, sinks, static_cast<int64_t>(qp[i].size()), seqs[i].out, lse[i].data());
 }
 
-void pass_q(Communicator& comm, const CpAttnShape& s, const CpTokenMap& map, int64_t new_begin,
-            const float* q, const float* k, const float* v, float* out, CpCommStats& st,
-            std::span<const float> sinks) {
+// Pass-Q of a batch: one ring whose message at step s is the query shards of CP rank (c - s) of
+// every sequence, then one all_to_all_v that returns every sequence's partials to their owners.
+void pass_q(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequence> seqs,
+            CpCommStats& st, std::span<const float> sinks) {
     const int cp = comm.size(), c = comm.rank();
+    const size_t n = seqs.size();
     const int64_t qrow = int64_t{s.num_q_heads} * s.head_dim;
     const int64_t prow = int64_t{s.num_q_heads} * (s.head_dim + 1);  // O then LSE, per token
-    std::vector<int64_t> tq(cp);
-    for (int r = 0; r < cp; ++r) tq[r] = map.count(r, new_begin);
-    const auto kp = map.positions(c);
+    // tq[r][i]: new tokens of sequence i on CP rank r; qat[r][i]: where they start in r's
+    // message of queries (qat[r][n]: its size)
+    std::vector<std::vector<int64_t>> tq(static_cast<size_t>(cp), std::vector<int64_t>(n)),
+        qat(static_cast<size_t>(cp), std::vector<int64_t>(n + 1, 0));
+    for (int r = 0; r < cp; ++r)
+        for (size_t i = 0; i < n; ++i) {
+            tq[size_t(r)][i] = seqs[i].map->count(r, seqs[i].new_begin);
+            qat[size_t(r)][i + 1] = qat[size_t(r)][i] + tq[size_t(r)][i] * qrow;
+        }
+    std::vector<std::vector<int64_t>> kp(n);
+    for (size_t i = 0; i < n; ++i) kp[i] = seqs[i].map->positions(c);
 
-    // Partials of every rank's queries over this rank's KV: for owner r, [t_r][Hq][D] then
-    // [t_r][Hq] at offset off[r] of `parts`, the peer order of all_to_all_v.
-    std::vector<size_t> send_counts(cp), recv_counts(cp);
-    std::vector<int64_t> off(cp + 1, 0);
+    // Partials of every rank's queries over this rank's KV: for owner r, per sequence i,
+    // [tq[r][i]][Hq][D] then [tq[r][i]][Hq], at off[r] + poff[r][i] of `parts` (peer order of
+    // all_to_all_v; an owner's block is its sequences' partials one after the other).
+    std::vector<size_t> send_counts(static_cast<size_t>(cp)), recv_counts(static_cast<size_t>(cp));
+    std::vector<int64_t> off(static_cast<size_t>(cp) + 1, 0);
+    std::vector<std::vector<int64_t>> poff(static_cast<size_t>(cp), std::vector<int64_t>(n + 1, 0));
     for (int r = 0; r < cp; ++r) {
-        send_counts[r] = r == c ? 0 : static_cast<size_t>(tq[r] * prow);
-        recv_counts[r] = r == c ? 0 : static_cast<size_t>(tq[c] * prow);
-        off[r + 1] = off[r] + tq[r] * prow;
+        for (size_t i = 0; i < n; ++i)
+            poff[size_t(r)][i + 1] = poff[size_t(r)][i] + tq[size_t(r)][i] * prow;
+        off[size_t(r) + 1] = off[size_t(r)] + poff[size_t(r)][n];
     }
-    std::vector<float> parts(off[cp]);
+    for (int r = 0; r < cp; ++r) {
+        send_counts[size_t(r)] = r == c ? 0 : static_cast<size_t>(poff[size_t(r)][n]);
+        recv_counts[size_t(r)] = r == c ? 0 : static_cast<size_t>(poff[size_t(c)][n]);
+    }
+    std::vector<float> parts(static_cast<size_t>(off.back()));
 
     std::vector<float> buf[2];
-    buf[0].assign(q, q + tq[c] * qrow);
+    buf[0].resize(size_t(qat[size_t(c)][n]));
+    for (size_t i = 0; i < n; ++i)
+        std::copy(seqs[i].q, seqs[i].q + tq[size_t(c)][i] * qrow,
+                  buf[0].begin() + qat[size_t(c)][i]);
     run_ring(
-        comm, kTagPassQ, buf, [&](int owner) { return tq[owner] * qrow; }, st,
+        comm, kTagPassQ, buf, [&](int owner) { return qat[size_t(owner)][n]; }, st,
         [&](const CpRingStep& step, const std::vector<float>& cur) {
             const int h = step.holds;
-            const auto qp = map.positions(h, new_begin);
-            float* po = parts.data() + off[h];
-            float* pl = po + tq[h] * qrow;
-            if (all_masked(s, qp, kp))
-                std::fill(pl, pl + tq[h] * s.num_q_heads, kNegInf);
-            else
-                cp_partial_attention(s, cur.data(), qp, k, v, kp, po, pl);
+            for (size_t i = 0; i < n; ++i) {
+                const auto qp = seqs[i].map->positions(h, seqs[i].new_begin);
+                const int64_t t = tq[size_t(h)][i];
+                float* po = parts.data() + off[size_t(h)] + poff[size_t(h)][i];
+                float* pl = po + t * qrow;
+                if (all_masked(s, qp, kp[i]))
+                    std::fill(pl, pl + t * s.num_q_heads, kNegInf);
+                else
+                    cp_partial_attention(s, cur.data() + qat[size_t(h)][i], qp, seqs[i].k,
+                                         seqs[i].v, kp[i], po, pl);
+            }
         });
-    // Return the partials to the query owners. The own partial stays (count 0 to self).
+    // Return the partials to the query owners. The own partials stay (count 0 to self).
     std::vector<float> send_buf;
-    send_buf.reserve(off[cp] - tq[c] * prow);
+    send_buf.reserve(size_t(off[size_t(cp)] - poff[size_t(c)][n]));
     for (int r = 0; r < cp; ++r)
         if (r != c)
-            send_buf.insert(send_buf.end(), parts.begin() + off[r], parts.begin() + off[r + 1]);
-    std::vector<float> recv_buf(static_cast<size_t>(tq[c] * prow) * (cp - 1));
+            send_buf.insert(send_buf.end(), parts.begin() + off[size_t(r)],
+                            parts.begin() + off[size_t(r) + 1]);
+    const int64_t mine = poff[size_t(c)][n];
+    std::vector<float> recv_buf(static_cast<size_t>(mine) * size_t(cp - 1));
     comm.all_to_all_v<float>(send_buf, send_counts, recv_buf, recv_counts);
     st.all_to_all += as_bytes(static_cast<int64_t>(send_buf.size()));
 
-    std::vector<const float*> outs, lses;
-    const float* own = parts.data() + off[c];
-    outs.push_back(own);
-    lses.push_back(own + tq[c] * qrow);
-    for (int i = 0; i < cp - 1; ++i) {
-        const float* p = recv_buf.data() + i * tq[c] * prow;
-        outs.push_back(p);
-        lses.push_back(p + tq[c] * qrow);
+    for (size_t i = 0; i < n; ++i) {
+        const int64_t t = tq[size_t(c)][i];
+        std::vector<const float*> outs, lses;
+        const float* own = parts.data() + off[size_t(c)] + poff[size_t(c)][i];
+        outs.push_back(own);
+        lses.push_back(own + t * qrow);
+        for (int j = 0; j < cp - 1; ++j) {
+            const float* p = recv_buf.data() + j * mine + poff[size_t(c)][i];
+            outs.push_back(p);
+            lses.push_back(p + t * qrow);
+        }
+        std::vector<float> lse(size_t(t * s.num_q_heads));
+        merge_attention(outs, lses, t * s.num_q_heads, s.head_dim, seqs[i].out, lse.data());
+        merge_sinks(s, sinks, t, seqs[i].out, lse.data());
     }
-    std::vector<float> lse(tq[c] * s.num_q_heads);
-    merge_attention(outs, lses, tq[c] * s.num_q_heads, s.head_dim, out, lse.data());
-    merge_sinks(s, sinks, tq[c], out, lse.data());
 }
 
 }  // namespace
@@ -155,17 +205,28 @@ void cp_prefill_attention(Communicator& cp_comm, CpPrefillMode mode, const CpAtt
                           const CpTokenMap& map, int64_t new_begin, const float* q, const float* k,
                           const float* v, float* out, CpCommStats* stats,
                           std::span<const float> sinks) {
+    const CpRingSequence one{&map, new_begin, q, k, v, out};
+    cp_prefill_attention(cp_comm, mode, shape, std::span<const CpRingSequence>(&one, 1), stats,
+                         sinks);
+}
+
+void cp_prefill_attention(Communicator& cp_comm, CpPrefillMode mode, const CpAttnShape& shape,
+                          std::span<const CpRingSequence> seqs, CpCommStats* stats,
+                          std::span<const float> sinks) {
     KVSHARD_CHECK(sinks.empty() || int64_t(sinks.size()) == shape.num_q_heads,
                   "one sink per query head");
-    KVSHARD_CHECK(cp_comm.size() == map.cp(), "CP communicator of ", cp_comm.size(),
-                  " ranks for a token map of cp=", map.cp());
-    KVSHARD_CHECK(new_begin >= 0 && new_begin <= map.size(),
-                  "new tokens start outside the sequence");
+    for (const CpRingSequence& sq : seqs) {
+        KVSHARD_CHECK(cp_comm.size() == sq.map->cp(), "CP communicator of ", cp_comm.size(),
+                      " ranks for a token map of cp=", sq.map->cp());
+        KVSHARD_CHECK(sq.new_begin >= 0 && sq.new_begin <= sq.map->size(),
+                      "new tokens start outside the sequence");
+    }
+    if (seqs.empty()) return;
     CpCommStats st;
     if (mode == CpPrefillMode::kPassKv)
-        pass_kv(cp_comm, shape, map, new_begin, q, k, v, out, st, sinks);
+        pass_kv(cp_comm, shape, seqs, st, sinks);
     else
-        pass_q(cp_comm, shape, map, new_begin, q, k, v, out, st, sinks);
+        pass_q(cp_comm, shape, seqs, st, sinks);
     if (stats) *stats += st;
 }
 

@@ -1,6 +1,7 @@
 #include "kvshard/exec/cp_session.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <limits>
 
@@ -228,6 +229,25 @@ std::vector<float> CpSession::prefill(SeqId seq, std::span<const int32_t> tokens
     return prefill_reserved(seq);
 }
 
+std::vector<float> CpSession::prefill(std::span<const SeqId> seqs,
+                                      std::span<const std::vector<int32_t>> tokens) {
+    require(seqs.size() == tokens.size(), "a batch prefill of ", seqs.size(), " sequences got ",
+            tokens.size(), " token lists");
+    CpStepStats sum;
+    bool serves = false;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        serves = reserve(seqs[i], tokens[i]);
+        sum.blocks_moved_in += last_.blocks_moved_in;
+        sum.blocks_moved_out += last_.blocks_moved_out;
+        sum.block_bytes_moved += last_.block_bytes_moved;
+    }
+    if (!serves) {
+        last_ = sum;
+        return {};
+    }
+    return prefill_reserved(seqs);
+}
+
 bool CpSession::reserve(SeqId seq, std::span<const int32_t> tokens) {
     require(!tokens.empty(), "a prefill needs at least one token");
     require(!seqs_.contains(seq) || !seqs_.at(seq).reserved, "sequence ", seq,
@@ -301,14 +321,31 @@ bool CpSession::reserve(SeqId seq, std::span<const int32_t> tokens) {
 }
 
 std::vector<float> CpSession::prefill_reserved(SeqId seq) {
+    return prefill_reserved(std::span<const SeqId>(&seq, 1));
+}
+
+std::vector<float> CpSession::prefill_reserved(std::span<const SeqId> seqs) {
     require(serving_, "a lending rank does not prefill");
-    require(seqs_.contains(seq) && seqs_.at(seq).reserved, "sequence ", seq,
-            " has no prefill reserved");
-    Seq& s = seqs_.at(seq);
-    last_ = s.reserved->stats;
-    std::vector<int64_t> rows = std::move(s.reserved->rows);
-    s.reserved.reset();
-    return run(s, seq, std::move(rows), false);
+    for (size_t i = 0; i < seqs.size(); ++i) {  // every sequence checked before any is changed
+        require(seqs_.contains(seqs[i]) && seqs_.at(seqs[i]).reserved, "sequence ", seqs[i],
+                " has no prefill reserved");
+        for (size_t j = 0; j < i; ++j)
+            require(seqs[j] != seqs[i], "sequence ", seqs[i], " appears twice in one prefill");
+    }
+    std::vector<Step> steps;
+    for (SeqId seq : seqs) {
+        Seq& s = seqs_.at(seq);
+        Step st;
+        st.id = seq;
+        st.s = &s;
+        st.stats = s.reserved->stats;
+        st.rows = std::move(s.reserved->rows);
+        st.stored_before = st.stats.cached_tokens;
+        st.writes = true;
+        s.reserved.reset();
+        steps.push_back(std::move(st));
+    }
+    return run(steps, false);
 }
 
 void CpSession::adopt(SeqId seq, std::span<const int32_t> tokens) {
@@ -327,179 +364,311 @@ void CpSession::adopt(SeqId seq, std::span<const int32_t> tokens) {
 }
 
 std::vector<float> CpSession::decode(SeqId seq, int32_t token) {
+    return decode(std::span<const SeqId>(&seq, 1), std::span<const int32_t>(&token, 1));
+}
+
+std::vector<float> CpSession::decode(std::span<const SeqId> seqs, std::span<const int32_t> tokens) {
     require(serving_, "a lending rank does not decode");
-    last_ = {};
-    Seq& s = seqs_.at(seq);
-    const int64_t pos = static_cast<int64_t>(s.tokens.size());
-    s.tokens.push_back(token);
+    require(seqs.size() == tokens.size(), "a decode step of ", seqs.size(), " sequences got ",
+            tokens.size(), " tokens");
     const int unit = p_.cp_scheme == CpScheme::kInterleave ? p_.cp_interleave : opt_.block_size;
-    s.map.append_generated(1, unit);
-    if (s.map.owner(pos) == coord_.cp) dev_.blocks().append_tokens(seq, 1);
-    last_.cached_tokens = pos;
-    return run(s, seq, {pos}, true);
+    // Every sequence checked before any is changed.
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        require(seqs_.contains(seqs[i]), "sequence ", seqs[i], " is not served here");
+        require(!seqs_.at(seqs[i]).reserved, "sequence ", seqs[i],
+                " has a prefill reserved and cannot decode yet");
+        for (size_t j = 0; j < i; ++j)
+            require(seqs[j] != seqs[i], "sequence ", seqs[i], " appears twice in one decode step");
+    }
+    std::vector<Step> steps;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        const SeqId seq = seqs[i];
+        Seq& s = seqs_.at(seq);
+        const int64_t pos = static_cast<int64_t>(s.tokens.size());
+        s.tokens.push_back(tokens[i]);
+        s.map.append_generated(1, unit);
+        Step st;
+        st.id = seq;
+        st.s = &s;
+        st.rows = {pos};
+        st.stored_before = pos;
+        st.writes = s.map.owner(pos) == coord_.cp;
+        if (st.writes) dev_.blocks().append_tokens(seq, 1);
+        st.stats.cached_tokens = pos;
+        steps.push_back(std::move(st));
+    }
+    return run(steps, true);
 }
 
 namespace {
 
-// One MLA layer under CP (absorbed form, docs/context-parallel.md section 8): the latent row
-// [c | k_pe] is one KV head of dl + dr elements that serves as the key and as the value, so ring
-// prefill is MQA over it with outputs of dl + dr of which the first dl are the weighted latents;
-// decode merges mla_attention's partials of dl.
-void mla_cp_attention(const AttentionCall& call, Communicator& cpc, CpPrefillMode mode,
-                      const CpTokenMap& map, int64_t stored_before, bool writes, bool decode,
-                      std::span<const BlockId> table, int64_t n_local, CpCommStats& stats,
-                      CpDecodeMerge merge) {
-    const AttentionParams& ap = call.params;
-    const int dq = ap.head_dim, dl = call.mla_latent_dim, nq = ap.num_q_heads;
-    BlockPool& pool = *call.pool;
-    if (writes)
-        write_latent(pool, call.local_layer, call.batch->kv, call.batch->queries.q_indptr,
-                     call.batch->slots, call.k);
-    const int64_t n = call.batch->rows();
-    if (!decode) {
-        const auto& g = pool.geometry();
-        std::vector<float> lat(size_t(n_local * dq));
-        for (int64_t t = 0; t < n_local; ++t) {
-            const float* page = pool.page_f32(call.local_layer, 0, table[size_t(t / g.block_size)]);
-            std::copy_n(page + g.elem_in_page(0, int(t % g.block_size), 0), dq,
-                        lat.data() + t * dq);
-        }
-        std::vector<float> full(size_t(n * nq * dq));
-        const CpAttnShape shape{nq, 1, dq, ap.scale};
-        cp_prefill_attention(cpc, mode, shape, map, stored_before, call.q, lat.data(), lat.data(),
-                             full.data(), &stats);
-        for (int64_t r = 0; r < n * nq; ++r)
-            std::copy_n(full.data() + r * dq, dl, call.out + r * dl);
-        return;
+// Writes rows [r0, r0 + n) of the call, those of batch sequence i, to their slots (call.batch
+// ->slots). MLA: the latent rows.
+void write_rows(const AttentionCall& call, int i, int32_t r0, int32_t n) {
+    const PagedKv& kv = call.batch->kv;
+    PagedKv one;
+    one.indices.assign(kv.indices.begin() + kv.indptr[size_t(i)],
+                       kv.indices.begin() + kv.indptr[size_t(i) + 1]);
+    one.indptr = {0, static_cast<int32_t>(one.indices.size())};
+    one.last_page_len = {kv.last_page_len[size_t(i)]};
+    const int32_t ptr[] = {0, n};
+    const std::span<const int64_t> slots(call.batch->slots.data() + r0, size_t(n));
+    const PageGeometry& g = call.pool->geometry();
+    const int64_t row = int64_t{g.num_heads} * g.head_dim;
+    if (call.mla_latent_dim > 0)
+        write_latent(*call.pool, call.local_layer, one, ptr, slots, call.k + r0 * row);
+    else
+        write_kv(*call.pool, call.local_layer, one, ptr, slots, call.k + r0 * row,
+                 call.v + r0 * row);
+}
+
+// The latent rows [c | k_pe] of local slots [0, n) of one sequence in one MLA layer, packed
+// [n][dq] (docs/context-parallel.md section 8: under CP they are the ring's keys and values).
+void read_latents(const BlockPool& pool, int layer, std::span<const BlockId> table, int64_t n,
+                  float* lat) {
+    const auto& g = pool.geometry();
+    const int dq = g.head_dim;
+    for (int64_t t = 0; t < n; ++t) {
+        const float* page = pool.page_f32(layer, 0, table[size_t(t / g.block_size)]);
+        std::copy_n(page + g.elem_in_page(0, int(t % g.block_size), 0), dq, lat + t * dq);
     }
-    std::vector<float> part(size_t(n * nq * dl)), lse(size_t(n * nq), kNegInf);
-    const MlaParams mp{.num_heads = nq, .latent_dim = dl, .rope_dim = dq - dl, .scale = ap.scale};
-    mla_attention(pool, call.local_layer, call.batch->kv, call.batch->queries, mp, call.q,
-                  part.data(), lse.data());
-    cp_merge_partials(cpc, merge, n, nq, dl, part.data(), lse.data(), call.out, &stats);
 }
 
 }  // namespace
 
-std::vector<float> CpSession::run(Seq& s, SeqId seq, std::vector<int64_t> rows, bool decode) {
-    const int c = coord_.cp;
-    const int64_t first_new_slot = static_cast<int64_t>(s.local_pos.size());
-    const int64_t stored_before = decode ? rows.front() : last_.cached_tokens;
-    // Rows this rank stores: every prefill row; in decode the new token only on its owner.
-    std::vector<int64_t> written;
-    for (int64_t p : rows)
-        if (!decode || s.map.owner(p) == c) written.push_back(p);
-    s.local_pos.insert(s.local_pos.end(), written.begin(), written.end());
-
-    ForwardBatch fb;
-    fb.queries.q_pos = rows;
-    fb.queries.q_indptr = {0, static_cast<int32_t>(rows.size())};
-    fb.queries.kv_pos = s.local_pos;
-    fb.queries.kv_pos_indptr = {0, static_cast<int64_t>(s.local_pos.size())};
-    for (size_t i = 0; i < rows.size(); ++i) {
-        fb.token_ids.push_back(s.tokens[static_cast<size_t>(rows[i])]);
-        fb.slots.push_back(written.size() == rows.size() ? first_new_slot + static_cast<int64_t>(i)
-                                                         : -1);
+int32_t CpSession::state_slot(SeqId seq) {
+    auto [it, fresh] = state_slot_.try_emplace(seq, 0);
+    if (fresh) {
+        if (free_state_slots_.empty()) {
+            it->second = static_cast<int32_t>(state_slot_.size() - 1);
+        } else {
+            it->second = free_state_slots_.back();
+            free_state_slots_.pop_back();
+        }
     }
-    const SeqId ids[] = {seq};
+    return it->second;
+}
+
+std::vector<float> CpSession::run(std::vector<Step>& steps, bool decode) {
+    const int c = coord_.cp;
+    const int n_seq = static_cast<int>(steps.size());
+    ForwardBatch fb;
+    std::vector<SeqId> ids;
+    std::vector<int32_t> row_at = {
+        0};  // steps[i]'s rows are the batch rows [row_at[i], row_at[i+1])
+    bool all_write = true;
+    for (Step& st : steps) {
+        Seq& s = *st.s;
+        // Rows this rank stores: every prefill row; in decode the new token only on its owner.
+        const int64_t first_new_slot = static_cast<int64_t>(s.local_pos.size());
+        if (st.writes) s.local_pos.insert(s.local_pos.end(), st.rows.begin(), st.rows.end());
+        all_write = all_write && st.writes;
+        fb.queries.q_pos.insert(fb.queries.q_pos.end(), st.rows.begin(), st.rows.end());
+        fb.queries.q_indptr.push_back(static_cast<int32_t>(fb.queries.q_pos.size()));
+        if (fb.queries.kv_pos_indptr.empty()) fb.queries.kv_pos_indptr.push_back(0);
+        fb.queries.kv_pos.insert(fb.queries.kv_pos.end(), s.local_pos.begin(), s.local_pos.end());
+        fb.queries.kv_pos_indptr.push_back(static_cast<int64_t>(fb.queries.kv_pos.size()));
+        for (size_t i = 0; i < st.rows.size(); ++i) {
+            fb.token_ids.push_back(s.tokens[static_cast<size_t>(st.rows[i])]);
+            fb.slots.push_back(st.writes ? first_new_slot + static_cast<int64_t>(i) : -1);
+        }
+        row_at.push_back(static_cast<int32_t>(fb.token_ids.size()));
+        ids.push_back(st.id);
+    }
     fb.kv = dev_.blocks().paged_kv(ids);
-    KVSHARD_CHECK(fb.kv.seq_len(0, opt_.block_size) == static_cast<int64_t>(s.local_pos.size()),
-                  "block table holds ", fb.kv.seq_len(0, opt_.block_size), " tokens, expected ",
-                  s.local_pos.size());
+    std::vector<std::span<const BlockId>> tables;
+    for (int i = 0; i < n_seq; ++i) {
+        const Seq& s = *steps[size_t(i)].s;
+        KVSHARD_CHECK(fb.kv.seq_len(i, opt_.block_size) == static_cast<int64_t>(s.local_pos.size()),
+                      "block table of sequence ", ids[size_t(i)], " holds ",
+                      fb.kv.seq_len(i, opt_.block_size), " tokens, expected ", s.local_pos.size());
+        tables.push_back(dev_.blocks().block_table(ids[size_t(i)]));
+    }
 
     Communicator& cpc = *groups_.cp;
-    const auto table = dev_.blocks().block_table(seq);
-    const int64_t n_local = static_cast<int64_t>(s.local_pos.size());
-    const bool owner_writes = written.size() == rows.size();
-    const CpPrefillMode mode = last_.mode;
-    CpCommStats& stats = last_.comm;
-    const CpTokenMap& map = s.map;
+    CpCommStats ring_stats;   // prefill: the batch's rings and state-row gathers
+    CpCommStats merge_stats;  // decode: the batch's merges, shared by its sequences
+    double merge_seconds = 0;
+    auto merge = [&](int64_t rows, int heads, int dim, const float* part, const float* lse,
+                     float* out) {
+        const auto t0 = std::chrono::steady_clock::now();
+        cp_merge_partials(cpc, opt_.decode_merge, rows, heads, dim, part, lse, out, &merge_stats);
+        merge_seconds +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
     dev_.model().set_attention([&](const AttentionCall& call) {
         const AttentionParams& ap = call.params;
-        if (call.mla_latent_dim > 0) {  // MLA: the latent travels the ring as K and as V
-            mla_cp_attention(call, cpc, mode, map, stored_before, owner_writes && !rows.empty(),
-                             decode, table, n_local, stats, opt_.decode_merge);
-            if (!decode && layer_hook_) layer_hook_(seq, call.layer);
-            return;
+        const bool mla = call.mla_latent_dim > 0;
+        // Every row's KV of the layer first: a later sequence of the batch may read an earlier
+        // one's (a prefix shared within the batch), on this rank and, through the ring, others.
+        if (all_write) {
+            if (call.batch->rows() > 0) {
+                if (mla)
+                    write_latent(*call.pool, call.local_layer, call.batch->kv,
+                                 call.batch->queries.q_indptr, call.batch->slots, call.k);
+                else
+                    write_kv(*call.pool, call.local_layer, call.batch->kv,
+                             call.batch->queries.q_indptr, call.batch->slots, call.k, call.v);
+            }
+        } else {
+            for (int i = 0; i < n_seq; ++i)
+                if (steps[size_t(i)].writes && row_at[size_t(i) + 1] > row_at[size_t(i)])
+                    write_rows(call, i, row_at[size_t(i)],
+                               row_at[size_t(i) + 1] - row_at[size_t(i)]);
         }
-        const CpAttnShape shape{ap.num_q_heads, ap.num_kv_heads, ap.head_dim,
-                                ap.scale,       ap.window,       ap.chunked};
         const std::span<const float> sinks =
             call.sinks ? std::span<const float>(call.sinks, size_t(ap.num_q_heads))
                        : std::span<const float>();
-        if (owner_writes && !rows.empty())
-            write_kv(*call.pool, call.local_layer, call.batch->kv, call.batch->queries.q_indptr,
-                     call.batch->slots, call.k, call.v);
         if (!decode) {
-            const int64_t row = int64_t{ap.num_kv_heads} * ap.head_dim;
-            std::vector<float> k(n_local * row), v(n_local * row);
-            pack_kv(*call.pool, call.local_layer, table, n_local, k.data(), v.data());
-            cp_prefill_attention(cpc, mode, shape, map, stored_before, call.q, k.data(), v.data(),
-                                 call.out, &stats, sinks);
-            if (layer_hook_) layer_hook_(seq, call.layer);
-        } else {
-            const int64_t n = call.batch->rows();
-            std::vector<float> part(n * ap.num_q_heads * ap.head_dim),
-                lse(n * ap.num_q_heads, kNegInf);
-            paged_attention(*call.pool, call.local_layer, call.batch->kv, call.batch->queries, ap,
-                            call.q, part.data(), lse.data());
-            // The sinks join one rank's partial, so that the merge counts each once.
-            if (!sinks.empty() && cpc.rank() == 0)
-                apply_attention_sinks(part.data(), lse.data(), n, ap.num_q_heads, ap.head_dim,
-                                      sinks.data());
-            cp_merge_partials(cpc, opt_.decode_merge, n, ap.num_q_heads, ap.head_dim, part.data(),
-                              lse.data(), call.out, &stats);
+            // One ring for the batch per prefill mode (pass-KV sequences, then pass-Q ones; the
+            // same order on every rank), its messages the shards of every sequence of that mode.
+            // MLA: the latent rows are K and V (MQA over the latent, outputs of dl + dr of which
+            // the first dl are the weighted latents).
+            const int dq = ap.head_dim, nq = ap.num_q_heads;
+            const int dout = mla ? call.mla_latent_dim : dq;
+            const CpAttnShape shape =
+                mla ? CpAttnShape{nq, 1, dq, ap.scale}
+                    : CpAttnShape{nq, ap.num_kv_heads, dq, ap.scale, ap.window, ap.chunked};
+            const int64_t kvrow = int64_t{shape.num_kv_heads} * dq;
+            std::vector<std::vector<float>> k(static_cast<size_t>(n_seq)),
+                v(static_cast<size_t>(n_seq)), full(static_cast<size_t>(n_seq));
+            std::vector<CpRingSequence> ring[2];  // by mode: pass-KV, pass-Q
+            for (int i = 0; i < n_seq; ++i) {
+                Step& st = steps[size_t(i)];
+                const int64_t r0 = row_at[size_t(i)];
+                const int64_t n = row_at[size_t(i) + 1] - r0;
+                const int64_t n_local = static_cast<int64_t>(st.s->local_pos.size());
+                k[size_t(i)].resize(size_t(n_local * kvrow));
+                CpRingSequence rs{&st.s->map,          st.stored_before, call.q + r0 * nq * dq,
+                                  k[size_t(i)].data(), nullptr,          call.out + r0 * nq * dout};
+                if (mla) {
+                    read_latents(*call.pool, call.local_layer, tables[size_t(i)], n_local,
+                                 k[size_t(i)].data());
+                    rs.v = k[size_t(i)].data();
+                    full[size_t(i)].resize(size_t(n * nq * dq));
+                    rs.out = full[size_t(i)].data();
+                } else {
+                    v[size_t(i)].resize(size_t(n_local * kvrow));
+                    pack_kv(*call.pool, call.local_layer, tables[size_t(i)], n_local,
+                            k[size_t(i)].data(), v[size_t(i)].data());
+                    rs.v = v[size_t(i)].data();
+                }
+                ring[st.stats.mode == CpPrefillMode::kPassKv ? 0 : 1].push_back(rs);
+            }
+            cp_prefill_attention(cpc, CpPrefillMode::kPassKv, shape, ring[0], &ring_stats,
+                                 mla ? std::span<const float>() : sinks);
+            cp_prefill_attention(cpc, CpPrefillMode::kPassQ, shape, ring[1], &ring_stats,
+                                 mla ? std::span<const float>() : sinks);
+            for (int i = 0; i < n_seq; ++i) {
+                const Step& st = steps[size_t(i)];
+                if (mla) {
+                    const int64_t rows = (row_at[size_t(i) + 1] - row_at[size_t(i)]) * nq;
+                    float* out = call.out + int64_t{row_at[size_t(i)]} * nq * dout;
+                    for (int64_t r = 0; r < rows; ++r)
+                        std::copy_n(full[size_t(i)].data() + r * dq, dout, out + r * dout);
+                }
+                if (layer_hook_) layer_hook_(st.id, call.layer);
+            }
+            return;
         }
+        // Decode: each rank's partial of every row over its own pages, then one merge for the
+        // whole batch (rows = sequences).
+        const int64_t n = call.batch->rows();
+        if (mla) {
+            const int dq = ap.head_dim, dl = call.mla_latent_dim, nq = ap.num_q_heads;
+            std::vector<float> part(size_t(n * nq * dl)), lse(size_t(n * nq), kNegInf);
+            const MlaParams mp{
+                .num_heads = nq, .latent_dim = dl, .rope_dim = dq - dl, .scale = ap.scale};
+            mla_attention(*call.pool, call.local_layer, call.batch->kv, call.batch->queries, mp,
+                          call.q, part.data(), lse.data());
+            merge(n, nq, dl, part.data(), lse.data(), call.out);
+            return;
+        }
+        std::vector<float> part(n * ap.num_q_heads * ap.head_dim), lse(n * ap.num_q_heads, kNegInf);
+        paged_attention(*call.pool, call.local_layer, call.batch->kv, call.batch->queries, ap,
+                        call.q, part.data(), lse.data());
+        // The sinks join one rank's partial, so that the merge counts each once.
+        if (!sinks.empty() && cpc.rank() == 0)
+            apply_attention_sinks(part.data(), lse.data(), n, ap.num_q_heads, ap.head_dim,
+                                  sinks.data());
+        merge(n, ap.num_q_heads, ap.head_dim, part.data(), lse.data(), call.out);
     });
     // State layers: each sequence has its own state slot, and a prefill runs the recurrence over
-    // every new row of the sequence on every CP rank (the rows all-gathered in position order), so
-    // every rank holds the state and a decode step (the same row on every rank) needs no exchange.
-    if (dev_.model().state_bytes_per_sequence() > 0) {
-        auto [it, fresh] = state_slot_.try_emplace(seq, 0);
-        if (fresh) {
-            if (free_state_slots_.empty()) {
-                it->second = static_cast<int32_t>(state_slot_.size() - 1);
-            } else {
-                it->second = free_state_slots_.back();
-                free_state_slots_.pop_back();
-            }
-        }
-        fb.state_slots = {it->second};
-    }
-    if (!decode && dev_.model().state_bytes_per_sequence() > 0)
+    // every new row of each sequence on every CP rank (the rows all-gathered in position order),
+    // so every rank holds the state and a decode step (the same row on every rank) needs no
+    // exchange.
+    const bool state = dev_.model().state_bytes_per_sequence() > 0;
+    if (state)
+        for (const Step& st : steps) fb.state_slots.push_back(state_slot(st.id));
+    if (!decode && state)
         dev_.model().set_state_rows([&](const std::vector<float>& local, int64_t width) {
+            // One all-gather for the batch: rank r sends its rows of every sequence, sequence by
+            // sequence, each in position order; `g.rows` is sequence by sequence, by position.
             const int cp = cpc.size();
             StateRows g;
-            g.first_pos = stored_before;
-            const int64_t total = map.size() - stored_before;
-            std::vector<size_t> counts(static_cast<size_t>(cp));
-            for (int r = 0; r < cp; ++r)
-                counts[static_cast<size_t>(r)] =
-                    static_cast<size_t>(map.count(r, stored_before) * width) * sizeof(float);
-            std::vector<float> all(static_cast<size_t>(total * width));
+            std::vector<size_t> counts(static_cast<size_t>(cp), 0);
+            for (const Step& st : steps) {
+                const CpTokenMap& map = st.s->map;
+                for (int r = 0; r < cp; ++r)
+                    counts[size_t(r)] +=
+                        static_cast<size_t>(map.count(r, st.stored_before) * width) * sizeof(float);
+                g.first_pos.push_back(st.stored_before);
+                g.seq_ptr.push_back(g.seq_ptr.back() +
+                                    static_cast<int32_t>(map.size() - st.stored_before));
+            }
+            std::vector<float> all(static_cast<size_t>(g.seq_ptr.back() * width));
             cpc.all_gather_v(std::as_bytes(std::span<const float>(local)),
                              std::as_writable_bytes(std::span<float>(all)), counts);
-            stats.all_gather += static_cast<int64_t>(local.size() * sizeof(float)) * (cp - 1);
             g.rows.resize(all.size());
             int64_t at = 0;
             for (int r = 0; r < cp; ++r)
-                for (int64_t p : map.positions(r, stored_before)) {
-                    std::copy_n(all.data() + at * width, width,
-                                g.rows.data() + (p - stored_before) * width);
-                    ++at;
+                for (size_t i = 0; i < steps.size(); ++i) {
+                    const Step& st = steps[i];
+                    for (int64_t p : st.s->map.positions(r, st.stored_before)) {
+                        std::copy_n(all.data() + at * width, width,
+                                    g.rows.data() + (g.seq_ptr[i] + p - st.stored_before) * width);
+                        ++at;
+                    }
                 }
-            for (int64_t p : rows) g.own.push_back(p - stored_before);
+            ring_stats.all_gather += static_cast<int64_t>(local.size() * sizeof(float)) * (cp - 1);
+            for (size_t i = 0; i < steps.size(); ++i)
+                for (int64_t p : steps[i].rows)
+                    g.own.push_back(g.seq_ptr[i] + p - steps[i].stored_before);
             return g;
         });
     std::vector<float> logits = dev_.model().forward(fb);
     dev_.model().set_attention(default_attention);
     dev_.model().set_state_rows(nullptr);
-    last_.computed_tokens = static_cast<int64_t>(rows.size());
-    total_ += stats;
-    if (!decode) {  // the last token's owner has the logits
-        const int owner = s.map.owner(s.map.size() - 1);
-        cpc.broadcast(std::span<float>(logits), owner);
+    const int vocab = dev_.spec().vocab;
+    if (!decode) {
+        // The last token's owner of each sequence has its logits: the others' rows are zeroed
+        // and one sum over the CP group gives every rank every row exactly (x + 0 = x).
+        for (int i = 0; i < n_seq; ++i) {
+            const CpTokenMap& map = steps[size_t(i)].s->map;
+            if (map.owner(map.size() - 1) != c)
+                std::fill_n(logits.begin() + int64_t{i} * vocab, vocab, 0.0f);
+        }
+        cpc.all_reduce_sum(std::span<float>(logits));
     }
+    last_ = {};
+    for (Step& st : steps) {
+        st.stats.computed_tokens = static_cast<int64_t>(st.rows.size());
+        if (!decode) st.s->prefill = st.stats;
+        last_.mode = st.stats.mode;
+        last_.computed_tokens += st.stats.computed_tokens;
+        last_.cached_tokens += st.stats.cached_tokens;
+        last_.local_hit_blocks += st.stats.local_hit_blocks;
+        last_.blocks_moved_in += st.stats.blocks_moved_in;
+        last_.blocks_moved_out += st.stats.blocks_moved_out;
+        last_.block_bytes_moved += st.stats.block_bytes_moved;
+        last_.comm += st.stats.comm;
+    }
+    last_.comm += ring_stats;
+    last_.comm += merge_stats;
+    // A sequence alone in its step owns the step's traffic; in a batch it is shared (last_step()).
+    if (n_seq == 1 && !decode) steps[0].s->prefill.comm += ring_stats;
+    last_.merge_seconds = merge_seconds;
+    total_ += last_.comm;
     return logits;
 }
 

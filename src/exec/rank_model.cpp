@@ -459,7 +459,7 @@ void RankModel::gated_deltanet_block(int l, const ForwardBatch& b, std::vector<f
     std::vector<float> xn(size_t(b.rows() * h));
     rms_norm(x.data(), b.rows(), h, w.attn_norm, m.rms_norm_eps, xn.data());
     // The sequences the recurrence runs over: the batch's, or (CP prefill) the whole new rows of
-    // one sequence gathered from every CP rank, of which this rank keeps its own.
+    // each sequence gathered from every CP rank, of which this rank keeps its own.
     std::vector<int32_t> seq_ptr(b.queries.q_indptr.begin(), b.queries.q_indptr.end());
     std::vector<int64_t> seq_first, own;
     for (int i = 0; i < b.batch(); ++i)
@@ -467,12 +467,16 @@ void RankModel::gated_deltanet_block(int l, const ForwardBatch& b, std::vector<f
                                 ? b.queries.q_pos[size_t(b.queries.q_indptr[i])]
                                 : 0);
     if (state_rows_) {
-        KVSHARD_CHECK(b.batch() == 1, "gathered state rows need a batch of one sequence");
         StateRows g = state_rows_(xn, h);
+        KVSHARD_CHECK(int(g.first_pos.size()) == b.batch() &&
+                          int(g.seq_ptr.size()) == b.batch() + 1 &&
+                          int64_t{g.seq_ptr.back()} * h == int64_t(g.rows.size()),
+                      "gathered state rows describe ", g.first_pos.size(),
+                      " sequences for a batch of ", b.batch());
         xn = std::move(g.rows);
         own = std::move(g.own);
-        seq_ptr = {0, int32_t(int64_t(xn.size()) / h)};
-        seq_first = {g.first_pos};
+        seq_ptr = std::move(g.seq_ptr);
+        seq_first = std::move(g.first_pos);
     }
     const int64_t n = int64_t(xn.size()) / h;
     std::vector<float> in(size_t(n * ch)), z(size_t(n * hl * vd)), bb(size_t(n * hl)),

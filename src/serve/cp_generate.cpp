@@ -1,4 +1,4 @@
-// generate()'s path for cp > 1: each prompt in turn on a CpSession (exec/cp_session.h).
+// generate()'s path for cp > 1: continuous batching on a CpSession (exec/cp_session.h).
 #include <algorithm>
 
 #include "kvshard/comm/threads.h"
@@ -27,6 +27,46 @@ std::string cp_prefix_cache_unsupported(const ParallelConfig& p, int block_size)
                           p.to_string(), " splits blocks across ranks");
 }
 
+std::vector<BatchStep> continuous_batch_schedule(const std::vector<int>& arrival_step,
+                                                 size_t num_prompts, int max_new_tokens) {
+    require(arrival_step.empty() || arrival_step.size() == num_prompts, "arrival_step has ",
+            arrival_step.size(), " entries for ", num_prompts, " prompts");
+    for (int a : arrival_step)
+        require(a >= 0, "an arrival step is a decode step index >= 0, got ", a);
+    require(max_new_tokens >= 1, "max_new_tokens must be at least 1, got ", max_new_tokens);
+    auto arrival = [&](size_t i) { return arrival_step.empty() ? 0 : arrival_step[i]; };
+    std::vector<size_t> order(num_prompts);
+    for (size_t i = 0; i < num_prompts; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return arrival(a) < arrival(b); });
+    std::vector<BatchStep> out;
+    std::vector<int64_t> running;
+    std::vector<int> have(num_prompts, 0);  // tokens each prompt has
+    size_t next = 0;
+    for (int step = 0; next < num_prompts || !running.empty(); ++step) {
+        if (running.empty()) step = std::max(step, arrival(order[next]));
+        BatchStep bs;
+        bs.step = step;
+        for (; next < num_prompts && arrival(order[next]) <= step; ++next) {
+            bs.join.push_back(static_cast<int64_t>(order[next]));
+            have[order[next]] = 1;  // the prefill's token
+            running.push_back(static_cast<int64_t>(order[next]));
+        }
+        for (int64_t i : running)
+            if (have[size_t(i)] < max_new_tokens) {
+                bs.decode.push_back(i);
+                ++have[size_t(i)];
+            }
+        std::erase_if(running, [&](int64_t i) {
+            if (have[size_t(i)] < max_new_tokens) return false;
+            bs.leave.push_back(i);
+            return true;
+        });
+        out.push_back(std::move(bs));
+    }
+    return out;
+}
+
 GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,
@@ -44,6 +84,8 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
             ": the context-parallel executor replicates the experts on every rank and runs no "
             "all-to-all, so expert parallelism under CP is not executed; use --ep 1 (the planner "
             "still prices EP under CP)");
+    const std::vector<BatchStep> schedule =
+        continuous_batch_schedule(opt.arrival_step, prompts.size(), opt.max_new_tokens);
     auto body = [&](Communicator& w) {
         require(w.size() == p.world_size(), "the run has ", w.size(), " ranks but ", p.to_string(),
                 " needs dp*pp*cp*tp = ", p.world_size());
@@ -67,29 +109,56 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
         rep.rank = w.rank();
         rep.coord = c;
         std::vector<serve::RequestResult> results;
-        for (size_t i = 0; i < prompts.size(); ++i) {
-            const auto seq = static_cast<SeqId>(i);
-            auto t0 = serve::Clock::now();
-            auto logits = s.prefill(seq, prompts[i]);
-            rep.prefill_seconds += serve::seconds_since(t0);
-            row.replica_prompt_tokens += static_cast<int64_t>(prompts[i].size());
-            row.replica_hit_tokens += s.last_step().cached_tokens;
-            row.replica_computed_tokens +=
-                static_cast<int64_t>(prompts[i].size()) - s.last_step().cached_tokens;
-            rep.prefix_hit_tokens += s.last_step().local_hit_blocks * o.block_size;
-            std::vector<int32_t> toks = {argmax(logits)};
-            t0 = serve::Clock::now();
-            for (int step = 1; step < opt.max_new_tokens; ++step) {
-                logits = s.decode(seq, toks.back());
-                toks.push_back(argmax(logits));
+        // Continuous batching (continuous_batch_schedule): at each step the prompts that have
+        // arrived join in one prefill forward, the running ones decode one token each in one
+        // forward, and a finished one leaves (released; its hashed blocks stay cached).
+        const size_t n = prompts.size();
+        std::vector<std::vector<int32_t>> toks(n);
+        std::vector<std::vector<float>> last(n);
+        auto take = [&](const std::vector<float>& logits, const std::vector<int64_t>& ids) {
+            for (size_t j = 0; j < ids.size(); ++j) {
+                const auto i = static_cast<size_t>(ids[j]);
+                last[i].assign(logits.begin() + int64_t(j) * m.vocab,
+                               logits.begin() + int64_t(j + 1) * m.vocab);
+                toks[i].push_back(argmax(last[i]));
             }
-            rep.decode_seconds += serve::seconds_since(t0);
-            rep.kv_tokens += s.token_map(seq).count(c.cp);
-            // Every CP rank has the logits; the (cp, tp) = 0 rank brings them.
-            if (c.cp == 0 && c.tp == 0)
-                results.push_back(serve::RequestResult::output(static_cast<int64_t>(i),
-                                                               std::move(toks), std::move(logits)));
-            s.release(seq);
+        };
+        for (const BatchStep& bs : schedule) {
+            w.keepalive();  // answers liveness probes
+            if (!bs.join.empty()) {
+                const std::vector<SeqId> seqs(bs.join.begin(), bs.join.end());
+                std::vector<std::vector<int32_t>> feed;
+                for (int64_t i : bs.join) feed.push_back(prompts[size_t(i)]);
+                const auto t0 = serve::Clock::now();
+                const auto logits = s.prefill(seqs, feed);
+                rep.prefill_seconds += serve::seconds_since(t0);
+                take(logits, bs.join);
+                for (size_t j = 0; j < seqs.size(); ++j) {
+                    const CpStepStats& st = s.prefill_stats(seqs[j]);
+                    const auto len = static_cast<int64_t>(feed[j].size());
+                    row.replica_prompt_tokens += len;
+                    row.replica_hit_tokens += st.cached_tokens;
+                    row.replica_computed_tokens += len - st.cached_tokens;
+                    rep.prefix_hit_tokens += st.local_hit_blocks * o.block_size;
+                }
+            }
+            if (!bs.decode.empty()) {
+                const std::vector<SeqId> seqs(bs.decode.begin(), bs.decode.end());
+                std::vector<int32_t> feed;
+                for (int64_t i : bs.decode) feed.push_back(toks[size_t(i)].back());
+                const auto t0 = serve::Clock::now();
+                const auto logits = s.decode(seqs, feed);
+                rep.decode_seconds += serve::seconds_since(t0);
+                take(logits, bs.decode);
+            }
+            for (int64_t i : bs.leave) {
+                rep.kv_tokens += s.token_map(i).count(c.cp);
+                // Every CP rank has the logits; the (cp, tp) = 0 rank brings them.
+                if (c.cp == 0 && c.tp == 0)
+                    results.push_back(serve::RequestResult::output(i, std::move(toks[size_t(i)]),
+                                                                   std::move(last[size_t(i)])));
+                s.release(i);
+            }
         }
         int64_t bytes_per_token = 0;  // every group's pool (the CP session keeps every token)
         for (int i = 0; i < dev.model().num_pools(); ++i)

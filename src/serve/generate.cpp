@@ -60,6 +60,10 @@ GenerationReport generate(const ModelSpec& spec, const ParallelConfig& p,
             " needs dp*pp*cp*tp = ", p.world_size());
     check_prompts(prompts, m.vocab, opt.max_new_tokens);
     require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
+    require(opt.arrival_step.empty(),
+            "arrival steps (continuous batching) are served under cp > 1 "
+            "only; ",
+            p.to_string(), " prefills every prompt in its first steps: leave them empty");
     const RankKv& me = layout.ranks[size_t(rank)];
     const RankCoord c = me.coord;
     const serve::RankWiring wiring = serve::wire_rank(world, p, rank);

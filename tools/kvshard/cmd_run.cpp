@@ -44,6 +44,7 @@ struct RunFlags {
     int block_size = 16;
     bool no_prefix_cache = false;
     int64_t prefill_chunk = 0;
+    int arrive_every = 0;
     double max_memory_gib = 0;
     bool max_memory_given = false;
     double comm_timeout_s = kDefaultCommTimeoutS;
@@ -252,6 +253,9 @@ void run(const RunFlags& f) {
         require(f.prefill_chunk == 0,
                 "--prefill-chunk applies to a single-group run; a disaggregated run prefills each "
                 "prompt in one step on its prefill group: drop --prefill-chunk");
+        require(f.arrive_every == 0,
+                "--arrive-every applies to a single-group run under --cp; a disaggregated run "
+                "serves its prompts together: drop --arrive-every");
         require(p == ParallelConfig{},
                 "--tp/--pp/--cp/--dp/--ep/--cp-scheme describe a single-group run (got ",
                 p.to_string(),
@@ -280,6 +284,13 @@ void run(const RunFlags& f) {
     opt.block_size = f.block_size;
     opt.prefix_cache = !f.no_prefix_cache;
     opt.prefill_chunk_tokens = f.prefill_chunk;
+    if (f.arrive_every > 0) {
+        require(p.cp > 1,
+                "--arrive-every staggers arrivals into the CP runner's continuous "
+                "batching: give --cp 2 or more (the plain runner prefills every prompt at once)");
+        for (size_t i = 0; i < prompts.size(); ++i)
+            opt.arrival_step.push_back(static_cast<int>(i) * f.arrive_every);
+    }
     opt.cp_prefill_mode = cp_prefill_mode;
     opt.cp_decode_merge = cp_decode_merge;
     set_compute_threads(1);
@@ -343,6 +354,11 @@ void setup(CLI::App& app) {
     sub->add_option("--prefill-chunk", f->prefill_chunk,
                     "chunked prefill: at most this many tokens of each prompt per forward step "
                     "(0: a whole prompt in one step; single-group runs with cp=1)")
+        ->check(CLI::Range(0, 1 << 20))
+        ->capture_default_str();
+    sub->add_option("--arrive-every", f->arrive_every,
+                    "continuous batching under --cp: prompt i joins the running batch at decode "
+                    "step i * N (0: every prompt at once)")
         ->check(CLI::Range(0, 1 << 20))
         ->capture_default_str();
     sub->add_option(

@@ -2,7 +2,8 @@
 // Context-parallel attention over a CP communicator (docs/context-parallel.md §3-5): ring prefill
 // (pass-KV, pass-Q) and the exact merge of decode partials (all-gather or Helix all-to-all).
 // Every function is collective over cp_comm (the ranks with the same dp, pp, tp; rank() = CP index)
-// and works on one layer of one sequence, over this rank's heads only (TP happens around it).
+// and works on one layer of one sequence (or, cp_prefill_attention over CpRingSequence, of a
+// batch), over this rank's heads only (TP happens around it).
 #include <cstdint>
 #include <span>
 
@@ -40,6 +41,25 @@ struct CpCommStats {
 void cp_prefill_attention(Communicator& cp_comm, CpPrefillMode mode, const CpAttnShape& shape,
                           const CpTokenMap& map, int64_t new_begin, const float* q, const float* k,
                           const float* v, float* out, CpCommStats* stats = nullptr,
+                          std::span<const float> sinks = {});
+
+// One sequence of a batch prefill: its map, new tokens [new_begin, map->size()) and its q, k, v,
+// out as above.
+struct CpRingSequence {
+    const CpTokenMap* map = nullptr;
+    int64_t new_begin = 0;
+    const float* q = nullptr;
+    const float* k = nullptr;
+    const float* v = nullptr;
+    float* out = nullptr;
+};
+// The prefill attention of several sequences in ONE ring: the message of each step carries the
+// shards (pass-KV) or query shards (pass-Q) of every sequence one after the other, and pass-Q
+// returns the partials of all of them in one all_to_all_v. The bytes are the sum of the
+// sequences' own (cp_pass_kv_bytes, cp_pass_q_bytes); the rounds are those of one sequence.
+// Every rank passes the same sequences in the same order.
+void cp_prefill_attention(Communicator& cp_comm, CpPrefillMode mode, const CpAttnShape& shape,
+                          std::span<const CpRingSequence> seqs, CpCommStats* stats = nullptr,
                           std::span<const float> sinks = {});
 
 // Merges the decode partials of every CP rank exactly; the result is the same on every rank.

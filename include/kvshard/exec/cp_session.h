@@ -63,6 +63,7 @@ struct CpStepStats {
     int64_t blocks_moved_out = 0;   // blocks sent to other devices
     int64_t block_bytes_moved = 0;  // bytes of those blocks, sent or received
     CpCommStats comm;               // attention traffic of this step
+    double merge_seconds = 0;       // decode: wall time of this rank's merges (exchange + merge)
 };
 
 class CpSession {
@@ -103,6 +104,25 @@ class CpSession {
     void adopt(SeqId seq, std::span<const int32_t> tokens);
     // Feeds one token (usually the last greedy one) to `seq`; returns the [vocab] logits.
     std::vector<float> decode(SeqId seq, int32_t token);
+
+    // Batches (continuous batching: the caller may change the set of sequences between steps).
+    //
+    // Prefill of several sequences in one forward step: each is reserved as by reserve(seq,
+    // tokens) in the given order (its own prefix-cache hit, which may be blocks of an earlier
+    // sequence of the same batch, token map and prefill mode), then one forward runs the model
+    // over this rank's new rows of every sequence; each layer writes the KV of all the batch's
+    // rows before any attention reads it, then runs the ring of each sequence in turn. Returns
+    // [n][vocab], row i the logits of the last token of seqs[i], on every serving rank; empty on
+    // lending ranks. Collective like prefill(seq, tokens).
+    std::vector<float> prefill(std::span<const SeqId> seqs,
+                               std::span<const std::vector<int32_t>> tokens);
+    // prefill_reserved(seq) of several reserved sequences in one forward, as above.
+    std::vector<float> prefill_reserved(std::span<const SeqId> seqs);
+    // One decode step of several distinct sequences, seqs[i] fed tokens[i]: one forward over the
+    // n rows, each sequence's new token stored by its owner (its own token map), each rank's
+    // partials of all n rows over its pages, and per layer one merge for the whole batch (one
+    // all-gather of [n][Hq][D+1], or one all-to-all and one all-gather). Returns [n][vocab].
+    std::vector<float> decode(std::span<const SeqId> seqs, std::span<const int32_t> tokens);
     // Releases the sequence; its hashed blocks stay in the device's prefix cache.
     void release(SeqId seq);
 
@@ -113,7 +133,12 @@ class CpSession {
         const auto it = state_slot_.find(seq);
         return it == state_slot_.end() ? -1 : it->second;
     }
+    // The last prefill or decode step; of a batch, the sums over its sequences (mode: the last
+    // sequence's).
     const CpStepStats& last_step() const { return last_; }
+    // The last prefill of `seq`: its rows, cached tokens and prefix hits; its `comm` is the step's
+    // traffic when it was prefilled alone, zero in a batch (whose traffic is in last_step()).
+    const CpStepStats& prefill_stats(SeqId seq) const { return seqs_.at(seq).prefill; }
     const CpCommStats& comm_total() const { return total_; }
     // Whether prefix caching is in effect (cp == 1, or interleave with unit == block size).
     bool prefix_cache_active() const;
@@ -129,11 +154,23 @@ class CpSession {
             CpStepStats stats;
         };
         std::optional<Reserved> reserved;
+        CpStepStats prefill;  // its last prefill
+    };
+    // One sequence of a forward step: the rows this rank computes, whether it stores them.
+    struct Step {
+        SeqId id = 0;
+        Seq* s = nullptr;
+        std::vector<int64_t> rows;  // ascending global positions
+        int64_t stored_before = 0;  // tokens of the sequence before this step
+        bool writes = true;         // prefill: always; decode: this rank owns the new token
+        CpStepStats stats;
     };
     // Finds the longest prefix cached on the world's devices, moves the blocks that are not on
     // their owner, and returns the number of global blocks found.
     int64_t discover_and_move(std::span<const int32_t> tokens);
-    std::vector<float> run(Seq& s, SeqId seq, std::vector<int64_t> rows, bool decode);
+    // One forward step over the sequences of `steps` (every serving rank, the same order).
+    std::vector<float> run(std::vector<Step>& steps, bool decode);
+    int32_t state_slot(SeqId seq);  // state layers: the sequence's slot, assigned on first use
 
     CpDevice& dev_;
     Communicator& world_;

@@ -86,13 +86,16 @@ struct AttentionCall {
 };
 using AttentionFn = std::function<void(const AttentionCall&)>;
 
-// Context parallelism over a state layer: the recurrence runs over every new row of the sequence
-// in position order, so the rows are gathered from every CP rank (`rows`: [N][width] in position
-// order, the first at first_pos; own[i]: the index in rows of this rank's local row i).
+// Context parallelism over a state layer: the recurrence runs over every new row of each
+// sequence in position order, so the rows are gathered from every CP rank. rows: [N][width], the
+// batch's sequences one after the other, each in position order; sequence i (of the batch) is
+// rows [seq_ptr[i], seq_ptr[i+1]), the first at position first_pos[i]; own[j]: the index in rows
+// of this rank's local row j.
 struct StateRows {
     std::vector<float> rows;
     std::vector<int64_t> own;
-    int64_t first_pos = 0;
+    std::vector<int32_t> seq_ptr{0};  // batch + 1 entries
+    std::vector<int64_t> first_pos;   // batch entries
 };
 // Given this rank's rows [n][width] of the layer's normed input, the gathered rows.
 using StateRowsFn = std::function<StateRows(const std::vector<float>& local, int64_t width)>;

@@ -38,6 +38,11 @@ struct GenerationOptions {
     CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;
     // The DP replica of each prompt (e.g. from route_prompts); empty: prompt i on replica i % dp.
     std::vector<int> replica_of;
+    // Continuous batching under CP (cp > 1): prompt i joins the running batch at decode step
+    // arrival_step[i] (>= 0; the prompts arriving at one step are prefilled together, then decode
+    // with the others), and each leaves once it has max_new_tokens tokens. Empty: every prompt at
+    // step 0. The plain runner (cp = 1) refuses it: it prefills every prompt in its first steps.
+    std::vector<int> arrival_step;
 };
 
 struct RankReport {
@@ -87,14 +92,30 @@ GenerationReport generate(const ModelSpec& m, const ParallelConfig& p, const Ten
                           const std::vector<std::vector<int32_t>>& prompts,
                           const GenerationOptions& options, Communicator* world = nullptr);
 
-// generate()'s path for cp > 1, with the same report: prefill + greedy decode of each prompt in
-// turn on a CpSession. Prompt i is sequence i; prefix caching (opt.prefix_cache) needs
-// cp_scheme = interleave with cp_interleave = opt.block_size. Collective over world
-// (world->size() == p.world_size(), dp = pp = 1); null world: one rank.
+// generate()'s path for cp > 1, with the same report: continuous batching on a CpSession (the
+// prompts that arrive at a step, opt.arrival_step, are prefilled in one forward; every running
+// sequence decodes one token per step, all in one forward). Prompt i is sequence i; prefix caching
+// (opt.prefix_cache) needs cp_scheme = interleave with cp_interleave = opt.block_size. Collective
+// over world (world->size() == p.world_size(), dp = pp = 1); null world: one rank.
 GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
                              const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,
                              const GenerationOptions& opt, Communicator* world);
+
+// Continuous batching's schedule, a pure function of the arrivals (the CP runner carries it out).
+// At a step, the prompts that have arrived by then join (one batch prefill, which gives each its
+// first token), then every running prompt (those joining included) decodes one token, unless it
+// already has max_new_tokens; a prompt leaves in the step at which it reaches max_new_tokens. Steps
+// at which nothing runs and nothing arrives are skipped. arrival_step empty: all at step 0.
+struct BatchStep {
+    int step = 0;
+    std::vector<int64_t> join;    // prompts prefilled at this step, by arrival then index
+    std::vector<int64_t> decode;  // prompts decoding one token at this step, in batch order
+    std::vector<int64_t> leave;   // prompts done after this step
+    bool operator==(const BatchStep&) const = default;
+};
+std::vector<BatchStep> continuous_batch_schedule(const std::vector<int>& arrival_step,
+                                                 size_t num_prompts, int max_new_tokens);
 
 // Error unless max_new_tokens >= 1 and every prompt is non-empty with token ids in [0, vocab).
 void check_prompts(const std::vector<std::vector<int32_t>>& prompts, int vocab, int max_new_tokens);
