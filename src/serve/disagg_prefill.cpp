@@ -161,7 +161,7 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
                 payloads.emplace_back(static_cast<size_t>(msg.bytes));
                 // (The plain prefill keeps request i in slot i; a CP session chooses.)
                 const int32_t slot =
-                    side.cp_session ? side.cp_session->state_slot(static_cast<SeqId>(i)) : i;
+                    side.cp_session ? side.cp_session->held_state_slot(static_cast<SeqId>(i)) : i;
                 pack_state_message(*plan.transfers[i], msg, shard, state_access(model, slot),
                                    payloads.back());
                 state_sends.push_back(world.isend(std::span<const std::byte>(payloads.back()),

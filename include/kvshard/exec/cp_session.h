@@ -129,7 +129,7 @@ class CpSession {
     const CpTokenMap& token_map(SeqId seq) const;
     // The state slot (RankModel::state_conv / state_rec) of `seq` on this rank's device once a
     // prefill or decode of it has run with state layers; -1 otherwise.
-    int32_t state_slot(SeqId seq) const {
+    int32_t held_state_slot(SeqId seq) const {
         const auto it = state_slot_.find(seq);
         return it == state_slot_.end() ? -1 : it->second;
     }
