@@ -103,7 +103,8 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
         }
     }
     // Prefill pools in shareable memory where this process can make it (else messages).
-    plan.share_pools = opt.transfer.direct_read && SharedArena::supported();
+    // RMA reads need no shared memory: the prefill pools stay private.
+    plan.share_pools = opt.transfer.direct_read && !opt.rma_read && SharedArena::supported();
     if (!plan.cp_prefill && !plan.cp_decode) {  // the plain executors' blocks are known now
         CpTables st, dt;
         for (int i = 0; i < plan.requests; ++i) {

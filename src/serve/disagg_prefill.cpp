@@ -18,7 +18,8 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
     RankModel& model = side.model();
     // Seals of this rank's pool, made as each layer's KV is written (below).
     std::shared_ptr<SourceChecksums> sums;
-    if (plan.share_pools && opt.source_checksums && opt.prefill_order == PageOrder::kHnd)
+    if ((plan.share_pools || opt.rma_read) && opt.source_checksums &&
+        opt.prefill_order == PageOrder::kHnd)
         sums = std::make_shared<SourceChecksums>(model.pool());
     xo.source_checksums = sums;
     std::vector<std::unique_ptr<TransferSender>> senders;
