@@ -155,15 +155,34 @@ INSTANTIATE_TEST_SUITE_P(Cases, RmaRead,
                                                               TransferMode::kPostReceive),
                                             ::testing::Bool()));
 
-// Sealed HND sources of whole blocks: every read is checked by unit checksums.
-TEST(RmaReadChecks, SealedReadsUseUnitChecksums) {
-    const Case c{llama_mini(), "tp=2", "tp=1", 64};
-    auto plan = plan_of(c, 0);
-    testing::Side src = testing::make_source(plan->src, c.tokens);
-    testing::Side dst = testing::make_destination(plan->dst);
-    const Outcome r = run_transfer(plan, src, dst, TransferMode::kPreSend, true, true);
-    expect_ok(r);
-    EXPECT_EQ(unit_read(r), static_cast<int>(plan->messages.size()));
+// Sequential block tables: a TP reshape's message is one run of the source pool in post-receive
+// order, read staged (one get per chunk of it, then scattered); sealed, every read is checked by
+// unit checksums, unsealed in post-receive mode by the payload's checksum. Byte-identical either
+// way.
+TEST(RmaReadChecks, StagedReadsOfOneSourceRun) {
+    for (const Case& c :
+         {Case{llama_mini(), "tp=2", "tp=1", 64}, Case{llama_mini(), "tp=4", "tp=2", 48},
+          Case{llama_mini(), "tp=2", "tp=1", 64, 16, 64}})
+        for (bool seal : {true, false}) {
+            SCOPED_TRACE(c.from + " -> " + c.to + (seal ? " sealed" : ""));
+            auto plan = plan_of(c, 0);
+            for (const TransferMessage& msg : plan->messages)
+                EXPECT_GE(
+                    contiguous_payload_offset(
+                        *plan, msg, TransferMode::kPostReceive, true,
+                        rank_page_geometry(plan->src.layout, msg.src_rank, c.bs_from, c.order_from),
+                        testing::pool_blocks(plan->src)),
+                    0);
+            testing::Side src = testing::make_source(plan->src, c.tokens);
+            testing::Side a = testing::make_destination(plan->dst);
+            testing::Side b = testing::make_destination(plan->dst);
+            const Outcome r = run_transfer(plan, src, a, TransferMode::kPostReceive, true, seal);
+            expect_ok(r);
+            EXPECT_EQ(direct_read(r), static_cast<int>(plan->messages.size()));
+            EXPECT_EQ(unit_read(r), seal ? static_cast<int>(plan->messages.size()) : 0);
+            expect_ok(run_transfer(plan, src, b, TransferMode::kPostReceive, false, false));
+            EXPECT_TRUE(same_pools(a, b));
+        }
 }
 
 // The checksums from the landed bytes equal the source's, for both modes and page orders.
