@@ -59,7 +59,7 @@ namespace {
 constexpr int64_t kChunkBytes = int64_t{256} << 10;
 // Gets of the chunked read in flight at once (a transport that moves them asynchronously, e.g.
 // osc pt2pt over TCP, keeps the pipe full; CMA copies inside the get call).
-constexpr size_t kChunksInFlight = 4;
+constexpr size_t kChunksInFlight = 16;
 
 struct Unit {
     int64_t dst = 0, bytes = 0;  // offset in the destination pool's arena
