@@ -7,9 +7,11 @@
 // The executor (transfer_exec.h) uses it when TransferExecOptions::rma_window is set on both
 // sides: the source's hello offers the window instead of a shared arena, the destination accepts,
 // and each direct-read header (the message's checksum, unit or payload XXH3) is followed by
-// rma_read_message: one get per descriptor of the message (descriptors.h, message_descriptors:
-// maximal runs contiguous in both pools), completion of all of them, then the checksum of the
-// bytes as they landed in the destination pool against the header's. fp8 scales are not read this
+// rma_read_message: gets of the message's descriptors (descriptors.h, message_descriptors:
+// maximal runs contiguous in both pools) straight into the destination pool, or, where the
+// message is many descriptors but one run of the source pool (a TP reshape), gets of that run into
+// a staging buffer that is then scattered; completion, then the checksum of the bytes as they
+// landed against the header's. fp8 scales are not read this
 // way: an fp8 plan is declined (its messages go as two-sided messages).
 #include <cstdint>
 #include <memory>
@@ -45,8 +47,8 @@ std::string rma_readable(const TransferPlan& plan, const TransferMessage& msg,
                          int64_t src_num_blocks, int64_t region_bytes);
 
 // Reads plan.messages[message_index] from the source pool of world rank src_world (src_num_blocks
-// blocks, exposed in `window`) into dst: one get per descriptor of the message, all posted, then
-// waited for. Returns the checksum of what landed: with `units`, unit_checksum's value (pack.h);
+// blocks, exposed in `window`) into dst (docs/transfer.md, "RMA read": per descriptor, chunked,
+// or staged), waiting for every get. Returns the checksum of what landed: with `units`, unit_checksum's value (pack.h);
 // otherwise hash_payload's (XXH3_64 of the payload in mode's wire order). Error as rma_readable.
 uint64_t rma_read_message(Window& window, int src_world, int64_t src_num_blocks,
                           const TransferPlan& plan, int message_index, TransferMode mode,
