@@ -48,8 +48,9 @@ std::string rma_readable(const TransferPlan& plan, const TransferMessage& msg,
 
 // Reads plan.messages[message_index] from the source pool of world rank src_world (src_num_blocks
 // blocks, exposed in `window`) into dst (docs/transfer.md, "RMA read": per descriptor, chunked,
-// or staged), waiting for every get. Returns the checksum of what landed: with `units`, unit_checksum's value (pack.h);
-// otherwise hash_payload's (XXH3_64 of the payload in mode's wire order). Error as rma_readable.
+// or staged), waiting for every get. Returns the checksum of what landed: with `units`,
+// unit_checksum's value (pack.h); otherwise hash_payload's (XXH3_64 of the payload in mode's wire
+// order). Error as rma_readable.
 uint64_t rma_read_message(Window& window, int src_world, int64_t src_num_blocks,
                           const TransferPlan& plan, int message_index, TransferMode mode,
                           bool units, BlockPool& dst);
