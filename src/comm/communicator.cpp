@@ -230,6 +230,37 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key) {
     return do_split(color, key);
 }
 
+// ---- windows ----
+
+std::unique_ptr<Window> Communicator::create_window(std::span<std::byte> region) {
+    return do_create_window(region);
+}
+
+std::unique_ptr<Window> Communicator::do_create_window(std::span<std::byte>) {
+    throw Error(detail::concat("the ", backend_name(backend()),
+                               " communicator has no one-sided reads (windows)"));
+}
+
+Request Window::get(std::span<std::byte> out, int target, int64_t offset) {
+    std::byte* const outs[] = {out.data()};
+    const int64_t offsets[] = {offset};
+    const int64_t sizes[] = {static_cast<int64_t>(out.size())};
+    return get_many(outs, offsets, sizes, target);
+}
+
+Request Window::get_many(std::span<std::byte* const> outs, std::span<const int64_t> offsets,
+                         std::span<const int64_t> sizes, int target) {
+    require(outs.size() == offsets.size() && outs.size() == sizes.size(),
+            "window get_many: ", outs.size(), " buffers, ", offsets.size(), " offsets and ",
+            sizes.size(), " sizes: give one of each per read");
+    const int64_t have = region_bytes(target);
+    for (size_t i = 0; i < sizes.size(); ++i)
+        require(offsets[i] >= 0 && sizes[i] >= 0 && offsets[i] <= have - sizes[i], "window get of ",
+                sizes[i], " bytes at offset ", offsets[i], " of rank ", target,
+                " lies outside its region of ", have, " bytes");
+    return do_get_many(outs, offsets, sizes, target);
+}
+
 // ---- helpers shared by the backends ----
 
 namespace detail {

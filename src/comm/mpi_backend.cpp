@@ -314,6 +314,107 @@ class MpiRequest final : public detail::RequestImpl {
     std::shared_ptr<Watchdog> dog_;
 };
 
+// Reads of a window: one MPI_Rget per chunk of each read; complete (the bytes are in the
+// buffers) when every MPI request is. An RMA request cannot be cancelled: destroying a pending one
+// waits for it.
+class MpiGetRequest final : public detail::RequestImpl {
+  public:
+    MpiGetRequest(std::vector<MPI_Request> reqs, int target, std::shared_ptr<Watchdog> dog)
+        : reqs_(std::move(reqs)), target_(target), dog_(std::move(dog)) {}
+    ~MpiGetRequest() override {
+        if (mpi_is_finalized()) return;
+        MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
+    }
+    bool test() override {
+        int flag = 0;
+        check_mpi(
+            MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE),
+            "Testall (window reads)");
+        return flag != 0;
+    }
+    void wait() override {
+        int rc = MPI_SUCCESS;
+        dog_->wait(
+            [&] {
+                int flag = 0;
+                rc = MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag,
+                                 MPI_STATUSES_IGNORE);
+                return flag != 0 || rc != MPI_SUCCESS;
+            },
+            detail::concat("a window read from rank ", target_));
+        check_mpi(rc, "Waitall (window reads)");
+    }
+
+  private:
+    std::vector<MPI_Request> reqs_;
+    int target_;
+    std::shared_ptr<Watchdog> dog_;
+};
+
+// MPI_Win_create over each rank's region (displacement unit 1: offsets are bytes), with one
+// passive-target epoch to every rank for the window's life (MPI_Win_lock_all, shared, no check:
+// nobody takes an exclusive lock), so reads need no synchronization call of the target.
+class MpiWindow final : public Window {
+  public:
+    MpiWindow(MPI_Comm comm, std::span<std::byte> region, std::vector<int64_t> sizes,
+              std::shared_ptr<Watchdog> dog)
+        : sizes_(std::move(sizes)), dog_(std::move(dog)) {
+        const int rc =
+            MPI_Win_create(region.empty() ? nullptr : region.data(),
+                           static_cast<MPI_Aint>(region.size()), 1, MPI_INFO_NULL, comm, &win_);
+        // OpenMPI 4.1 with shared memory off (--mca btl self,tcp): osc rdma finds no BTL that
+        // can read remote memory and the window fails; osc pt2pt emulates the reads with
+        // messages.
+        if (rc != MPI_SUCCESS)
+            throw Error(detail::concat(
+                "MPI Win_create failed: ", mpi_error_string(rc),
+                " (no one-sided component works over this transport; with OpenMPI over TCP add "
+                "--mca osc pt2pt, or use messages: --direct-read off)"));
+        check_mpi(MPI_Win_set_errhandler(win_, MPI_ERRORS_RETURN), "Win_set_errhandler");
+        check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_), "Win_lock_all");
+    }
+    ~MpiWindow() override {
+        if (mpi_is_finalized()) return;
+        MPI_Win_unlock_all(win_);
+        MPI_Win_free(&win_);
+    }
+    int64_t region_bytes(int target) const override {
+        require(target >= 0 && target < static_cast<int>(sizes_.size()), "window target ", target,
+                " is not a rank of its ", sizes_.size(), "-rank communicator");
+        return sizes_[static_cast<std::size_t>(target)];
+    }
+
+  protected:
+    Request do_get_many(std::span<std::byte* const> outs, std::span<const int64_t> offsets,
+                        std::span<const int64_t> sizes, int target) override {
+        std::vector<MPI_Request> reqs;
+        reqs.reserve(outs.size());
+        for (std::size_t i = 0; i < outs.size(); ++i) {
+            const auto bytes = static_cast<std::size_t>(sizes[i]);
+            if (bytes == 0) continue;
+            for (std::size_t c = 0; c < num_chunks(bytes); ++c) {
+                MPI_Request r = MPI_REQUEST_NULL;
+                const int n = chunk_len(bytes, c);
+                const int rc = MPI_Rget(outs[i] + c * kMaxChunk, n, MPI_BYTE, target,
+                                        static_cast<MPI_Aint>(offsets[i] + c * kMaxChunk), n,
+                                        MPI_BYTE, win_, &r);
+                if (rc != MPI_SUCCESS) {
+                    MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+                    check_mpi(rc, "Rget");
+                }
+                reqs.push_back(r);
+            }
+        }
+        if (reqs.empty()) return Request();
+        return Request(std::make_unique<MpiGetRequest>(std::move(reqs), target, dog_));
+    }
+
+  private:
+    MPI_Win win_ = MPI_WIN_NULL;
+    std::vector<int64_t> sizes_;
+    std::shared_ptr<Watchdog> dog_;
+};
+
 class MpiCommunicator final : public Communicator {
   public:
     // Takes ownership of `comm` (freed in the destructor).
@@ -546,6 +647,12 @@ class MpiCommunicator final : public Communicator {
             ro += recv_counts[p];
         }
         exchange(sends, recvs, "all_to_all_v");
+    }
+
+    std::unique_ptr<Window> do_create_window(std::span<std::byte> region) override {
+        // Under the timeout: MPI_Win_create itself cannot be interrupted.
+        std::vector<int64_t> sizes = all_gather_value(static_cast<int64_t>(region.size()));
+        return std::make_unique<MpiWindow>(comm_, region, std::move(sizes), dog_);
     }
 
     std::unique_ptr<Communicator> do_split(int color, int key) override {

@@ -345,6 +345,36 @@ bool ThreadRequest::test() {
 
 void ThreadRequest::wait() { wait_op(*g_, *op_, world_rank_); }
 
+// A window on threads: every rank's region lies in this process, so a read is a memcpy, done when
+// posted (the request is complete).
+class ThreadWindow final : public Window {
+  public:
+    struct Region {
+        std::byte* data = nullptr;
+        int64_t bytes = 0;
+    };
+    explicit ThreadWindow(std::vector<Region> regions) : regions_(std::move(regions)) {}
+    int64_t region_bytes(int target) const override { return region(target).bytes; }
+
+  protected:
+    Request do_get_many(std::span<std::byte* const> outs, std::span<const int64_t> offsets,
+                        std::span<const int64_t> sizes, int target) override {
+        const Region& r = region(target);
+        for (size_t i = 0; i < outs.size(); ++i)
+            if (sizes[i] > 0)
+                std::memcpy(outs[i], r.data + offsets[i], static_cast<size_t>(sizes[i]));
+        return Request();
+    }
+
+  private:
+    const Region& region(int target) const {
+        require(target >= 0 && target < static_cast<int>(regions_.size()), "window target ", target,
+                " is not a rank of its ", regions_.size(), "-rank communicator");
+        return regions_[static_cast<size_t>(target)];
+    }
+    std::vector<Region> regions_;
+};
+
 class ThreadCommunicator final : public Communicator {
   public:
     ThreadCommunicator(std::shared_ptr<Group> g, int rank) : g_(std::move(g)), rank_(rank) {}
@@ -478,6 +508,11 @@ class ThreadCommunicator final : public Communicator {
         int key;
         std::shared_ptr<Group> created;  // set by the leader of each color between barriers
     };
+
+    std::unique_ptr<Window> do_create_window(std::span<std::byte> region) override {
+        return std::make_unique<ThreadWindow>(all_gather_value(
+            ThreadWindow::Region{region.data(), static_cast<int64_t>(region.size())}));
+    }
 
     std::unique_ptr<Communicator> do_split(int color, int key) override {
         World& w = *g_->world;

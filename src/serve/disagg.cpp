@@ -1,6 +1,7 @@
 #include "kvshard/serve/disagg.h"
 
 #include "kvshard/common/error.h"
+#include "kvshard/transfer/rma_read.h"
 #include "serve/disagg_run.h"
 
 namespace kvshard {
@@ -11,6 +12,15 @@ void DisaggOptions::validate() const {
             "block sizes must be at least 1, got prefill ", prefill_block_size, ", decode ",
             decode_block_size);
     transfer.validate();
+    require(!rma_read || transfer.direct_read,
+            "RMA reads are direct reads: they need transfer.direct_read (--direct-read rma sets "
+            "both)");
+    require(!rma_read || prefill_order == decode_order,
+            "RMA reads post one MPI_Rget per run contiguous in both pools; between ",
+            prefill_order == PageOrder::kHnd ? "HND" : "NHD", " and ",
+            decode_order == PageOrder::kHnd ? "HND" : "NHD",
+            " pools every run is one head vector: use the same page order on both sides, or "
+            "messages (--direct-read off), which reshape on one side");
 }
 
 DisaggReport disagg_generate(const ModelSpec& m, const ParallelConfig& prefill,
@@ -31,6 +41,11 @@ DisaggReport disagg_generate(const ModelSpec& m, const ParallelConfig& prefill,
     xo.dst_world_base = plan.prefill_ranks;
     xo.arena_views = std::make_shared<SharedArenaViews>();  // this rank's, for its requests
     xo.staging_pool = StagingPool::create();                // this rank's, shared by its requests
+    // RMA reads: a window over every prefill pool, made collectively here, freed (collectively)
+    // when xo goes at the end of the run on every rank.
+    if (opt.rma_read)
+        xo.rma_window =
+            std::make_shared<RmaPoolWindow>(world, is_prefill ? &side.model().pool() : nullptr);
     if (plan.cp_prefill || plan.cp_decode) share_cp_tables(plan, opt, side, world);
     world.barrier();
     const auto t0 = Clock::now();

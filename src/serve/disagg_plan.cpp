@@ -73,6 +73,9 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
                 "(a cp > 1 prefill side works)");
         require(m.kv_dtype == DType::kFp32, m.name, " has ", m.layer_mix(),
                 ": a disaggregated run moves its KV groups in fp32 only; use --kv-dtype fp32");
+        require(!opt.rma_read, m.name, " has ", m.layer_mix(),
+                ": RMA reads expose one pool per prefill rank, and this model keeps one per KV "
+                "group; use --direct-read on (shared memory) or off (messages)");
     }
     for (int l = 0; l < m.num_layers; ++l)
         plan.has_state = plan.has_state || holds_state(m.layer(l).kind);
@@ -130,7 +133,8 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
         }
     }
     // Prefill pools in shareable memory where this process can make it (else messages).
-    plan.share_pools = opt.transfer.direct_read && SharedArena::supported();
+    // RMA reads need no shared memory: the prefill pools stay private.
+    plan.share_pools = opt.transfer.direct_read && !opt.rma_read && SharedArena::supported();
     if (!plan.cp_prefill && !plan.cp_decode) {  // the plain executors' blocks are known now
         CpTables st, dt;
         for (int i = 0; i < plan.requests; ++i) {

@@ -20,8 +20,8 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
     // Seals of this rank's pool, made as each layer's KV is written (below).
     // (A model of one KV group only: the seals cover the rank's one pool.)
     std::shared_ptr<SourceChecksums> sums;
-    if (plan.share_pools && opt.source_checksums && opt.prefill_order == PageOrder::kHnd &&
-        plan.model.uniform())
+    if ((plan.share_pools || opt.rma_read) && opt.source_checksums &&
+        opt.prefill_order == PageOrder::kHnd && plan.model.uniform())
         sums = std::make_shared<SourceChecksums>(model.pool());
     xo.source_checksums = sums;
     // One sender per request and part this rank holds a pool of; senders[k] moves part

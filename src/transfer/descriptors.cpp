@@ -13,14 +13,11 @@ struct Run {
     int64_t src = 0, dst = 0, bytes = 0;
 };
 
-const PoolRegion& region_of(const TransferPlan& plan, std::span<const PoolRegion> regions,
-                            bool source_side, int rank) {
+// r, checked to be the pool of `rank` of that side.
+const PoolRegion& checked_region(const TransferPlan& plan, const PoolRegion& r, bool source_side,
+                                 int rank) {
     const char* side = source_side ? "source" : "destination";
-    require(rank >= 0 && rank < static_cast<int>(regions.size()), "the ", side,
-            " pool region of rank ", rank, " is missing (", regions.size(),
-            " given): give one per rank of that side's layout");
     const TransferEndpoint& e = source_side ? plan.src : plan.dst;
-    const PoolRegion& r = regions[static_cast<size_t>(rank)];
     require(r.pages.geometry == rank_page_geometry(e.layout, rank, e.block_size, e.order), "the ",
             side, " pool of rank ", rank,
             " does not have that rank's page geometry: build it with side_pool_regions or "
@@ -28,6 +25,14 @@ const PoolRegion& region_of(const TransferPlan& plan, std::span<const PoolRegion
     require(r.base >= 0, "the ", side, " pool of rank ", rank, " starts at a negative offset ",
             r.base);
     return r;
+}
+
+const PoolRegion& region_of(const TransferPlan& plan, std::span<const PoolRegion> regions,
+                            bool source_side, int rank) {
+    require(rank >= 0 && rank < static_cast<int>(regions.size()), "the ",
+            source_side ? "source" : "destination", " pool region of rank ", rank, " is missing (",
+            regions.size(), " given): give one per rank of that side's layout");
+    return checked_region(plan, regions[static_cast<size_t>(rank)], source_side, rank);
 }
 
 // Appends r to runs, merged into the last run where it continues it on both sides.
@@ -180,6 +185,26 @@ TransferDescriptors make_transfer_descriptors(const TransferPlan& plan,
     }
     out.fewer_mode = out.pre_send_count < out.post_receive_count ? TransferMode::kPreSend
                                                                  : TransferMode::kPostReceive;
+    return out;
+}
+
+std::vector<TransferDescriptor> message_descriptors(const TransferPlan& plan, int message_index,
+                                                    const PoolRegion& src_region,
+                                                    const PoolRegion& dst_region) {
+    require(plan.executable(), plan.src.layout.model.name, " has ",
+            plan.src.layout.model.layer_mix(),
+            ": descriptors cover pools of one page shape (models whose every layer is full "
+            "attention or MLA of one shape)");
+    require(message_index >= 0 && message_index < static_cast<int>(plan.messages.size()),
+            "message ", message_index, " is not one of the plan's ", plan.messages.size());
+    const TransferMessage& msg = plan.messages[static_cast<size_t>(message_index)];
+    const PoolRegion& src = checked_region(plan, src_region, true, msg.src_rank);
+    const PoolRegion& dst = checked_region(plan, dst_region, false, msg.dst_rank);
+    std::vector<Run> runs;
+    message_runs(plan, msg, src, dst, runs);
+    std::vector<TransferDescriptor> out;
+    for (const Run& r : merge_both(runs))
+        out.push_back({msg.src_rank, msg.dst_rank, msg.layer_group, r.src, r.dst, r.bytes});
     return out;
 }
 

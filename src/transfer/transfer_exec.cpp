@@ -14,6 +14,7 @@
 
 #include "kvshard/common/error.h"
 #include "kvshard/common/xxh3.h"
+#include "kvshard/transfer/rma_read.h"
 
 namespace kvshard {
 namespace {
@@ -391,7 +392,13 @@ struct TransferSender::Impl {
                 q.hello.arena_bytes = shared->bytes;
                 q.hello.num_blocks = pool.num_blocks();
             }
-            q.replied = shared == nullptr;  // offering nothing, it needs no answer: messages
+            if (opt.direct_read && opt.rma_window) {  // readable through the window too
+                q.hello.flags |= TransferHello::kRmaWindow;
+                q.hello.num_blocks = pool.num_blocks();
+            }
+            // Offering nothing, it needs no answer: messages.
+            q.replied =
+                (q.hello.flags & (TransferHello::kShareable | TransferHello::kRmaWindow)) == 0;
             seal_hello(q.hello);
             const int dest = opt.dst_world_base + q.rank;
             q.hello_req =
@@ -602,7 +609,8 @@ struct TransferSender::Impl {
                 if (a.kind == TransferAck::kReply) {
                     q.replied = true;
                     q.direct = (a.flags & TransferAck::kDirectRead) != 0 &&
-                               (q.hello.flags & TransferHello::kShareable) != 0;
+                               (q.hello.flags &
+                                (TransferHello::kShareable | TransferHello::kRmaWindow)) != 0;
                 } else if (a.kind == TransferAck::kCredit) {
                     q.credited = std::max(q.credited, static_cast<int>(a.count));
                 }
@@ -755,6 +763,7 @@ struct TransferReceiver::Impl {
         Request hello_req;
         bool hello_done = false;
         bool reads_in_place = false;                  // direct read from its pool
+        bool rma = false;                             // ... through opt.rma_window
         std::shared_ptr<const SharedArenaView> view;  // ... mapped here
         SourceArena arena;
         size_t next = 0;
@@ -851,6 +860,8 @@ struct TransferReceiver::Impl {
     // it, its arena maps here and holds every block the plan names.
     bool accept_direct(Source& s) {
         const TransferHello& h = s.hello;
+        if (opt.direct_read && opt.rma_window && (h.flags & TransferHello::kRmaWindow) != 0)
+            return s.rma = accept_rma(s);
         if (!opt.direct_read || (h.flags & TransferHello::kShareable) == 0) return false;
         if (!views)
             views = opt.arena_views ? opt.arena_views : std::make_shared<SharedArenaViews>();
@@ -871,6 +882,15 @@ struct TransferReceiver::Impl {
             for (const auto& p : plan->messages[i].pieces)
                 if (p.src_block >= h.num_blocks) return false;
         s.arena = {s.view->data(), static_cast<int64_t>(s.view->size()), h.num_blocks};
+        return true;
+    }
+
+    // RMA read (rma_read.h): every message of this source can be read through the window.
+    bool accept_rma(Source& s) {
+        const int64_t exposed = opt.rma_window->region_bytes(src_world(s));
+        for (int i : s.messages)
+            if (!rma_readable(*plan, plan->messages[i], s.hello.num_blocks, exposed).empty())
+                return false;
         return true;
     }
 
@@ -1038,9 +1058,14 @@ struct TransferReceiver::Impl {
         const TransferMessage& msg = plan->messages[idx];
         const auto tu = Clock::now();
         const bool units = (s.header.flags & TransferHeader::kUnitChecksum) != 0;
-        if (result.status == TransferStatus::kOk &&
-            (units ? copy_direct_units(*plan, msg, s.arena, pool)
-                   : copy_direct(*plan, msg, mode, s.arena, pool)) != s.header.payload_xxh3)
+        auto read = [&] {
+            if (s.rma)
+                return rma_read_message(opt.rma_window->window(), src_world(s), s.hello.num_blocks,
+                                        *plan, idx, mode, units, pool);
+            return units ? copy_direct_units(*plan, msg, s.arena, pool)
+                         : copy_direct(*plan, msg, mode, s.arena, pool);
+        };
+        if (result.status == TransferStatus::kOk && read() != s.header.payload_xxh3)
             checksum_failed(idx, s.rank);
         if (units && result.status == TransferStatus::kOk) ++result.unit_checksum_messages;
         result.pack_seconds += seconds_since(tu);

@@ -79,7 +79,8 @@ TEST(RunCli, BadInputExitsTwoWithAMessage) {
     expect_refused(disagg + "--sender-sleep-us -5",
                    "--sender-sleep-us must be between 0 (spin) and");
     expect_refused(disagg + "--check-thread-bytes -2", "--check-thread-bytes must be -1 (never)");
-    expect_refused(disagg + "--direct-read maybe", "--direct-read must be on or off, got 'maybe'");
+    expect_refused(disagg + "--direct-read maybe",
+                   "--direct-read must be on, rma or off, got 'maybe'");
     expect_refused(disagg + "--direct-window -1", "--direct-window must be between 0 (no bound)");
 }
 

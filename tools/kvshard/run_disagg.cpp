@@ -82,7 +82,9 @@ void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
     sub->add_option("--direct-read", f.direct_read,
                     "disaggregated run: on: the prefill pools are shareable and each decode rank "
                     "on the same host reads its KV from them in place (one copy, only headers "
-                    "travel); off: the KV travels in messages")
+                    "travel); rma: each decode rank reads its KV from the prefill pools through an "
+                    "MPI RMA window (MPI_Rget of each contiguous run, then a checksum check), "
+                    "which works across hosts; off: the KV travels in messages")
         ->capture_default_str();
     sub->add_option("--direct-window", f.direct_window,
                     "disaggregated run, direct read: messages a prefill rank announces to one "
@@ -108,8 +110,8 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     require(f.check_thread_bytes >= -1,
             "--check-thread-bytes must be -1 (never) or a byte count >= 0, got ",
             f.check_thread_bytes);
-    require(f.direct_read == "on" || f.direct_read == "off",
-            "--direct-read must be on or off, got '", f.direct_read, "'");
+    require(f.direct_read == "on" || f.direct_read == "off" || f.direct_read == "rma",
+            "--direct-read must be on, rma or off, got '", f.direct_read, "'");
     require(f.source_checksums == "on" || f.source_checksums == "off",
             "--source-checksums must be on or off, got '", f.source_checksums, "'");
     require(f.direct_window >= 0 && f.direct_window <= 1000000,
@@ -133,7 +135,8 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     opt.transfer.staging_bytes = f.staging_mib << 20;
     opt.transfer.sender_idle_sleep_us = f.sender_sleep_us;
     opt.transfer.offload_check_bytes = f.check_thread_bytes;
-    opt.transfer.direct_read = f.direct_read == "on";
+    opt.transfer.direct_read = f.direct_read != "off";
+    opt.rma_read = f.direct_read == "rma";
     opt.transfer.direct_window = f.direct_window;
     opt.source_checksums = f.source_checksums == "on";
     set_compute_threads(1);

@@ -131,6 +131,40 @@ class [[nodiscard]] Request {
 // Waits for every request (in order); the first failure is thrown after all were waited for.
 void wait_all(std::span<Request> requests);
 
+// A memory window (one-sided reads, MPI RMA): every rank of a communicator exposes one region of
+// its memory, and any rank may read bytes of any rank's region without that rank taking part
+// (MPI: MPI_Win_create over the regions, a passive-target epoch opened with MPI_Win_lock_all,
+// reads posted as MPI_Rget; threads: a memcpy from the peer's region, which lies in this process).
+// Made by Communicator::create_window, collectively.
+//  - The bytes read are those the region holds when the read happens: the owner must not write
+//    the bytes a peer reads until the peer said it is done (the window orders nothing by itself).
+//  - Destroy a window on every rank together (MPI_Win_free is collective), after every read of
+//    it completed; the regions must outlive it.
+//  - Like its communicator, a window is used by one thread at a time (MPI: the thread of
+//    mpi_init()).
+class Window {
+  public:
+    Window() = default;
+    Window(const Window&) = delete;
+    Window& operator=(const Window&) = delete;
+    virtual ~Window() = default;
+
+    // Bytes of rank `target`'s region.
+    virtual int64_t region_bytes(int target) const = 0;
+    // Starts reading out.size() bytes at byte `offset` of rank `target`'s region into `out`; the
+    // bytes are in `out` once the request completed (test() true or wait() returned). Error when
+    // the range lies outside that region.
+    Request get(std::span<std::byte> out, int target, int64_t offset);
+    // Several reads from one target as one request: read i puts sizes[i] bytes from
+    // offsets[i] at outs[i]. Cheaper than one request per read where there are many.
+    Request get_many(std::span<std::byte* const> outs, std::span<const int64_t> offsets,
+                     std::span<const int64_t> sizes, int target);
+
+  protected:
+    virtual Request do_get_many(std::span<std::byte* const> outs, std::span<const int64_t> offsets,
+                                std::span<const int64_t> sizes, int target) = 0;
+};
+
 class Communicator {
   public:
     static constexpr int kMaxTag = (1 << 20) - 1;  // user tags are 0..kMaxTag on every backend
@@ -263,6 +297,11 @@ class Communicator {
     // rank). color == kUndefinedColor returns nullptr. Collective over this communicator.
     std::unique_ptr<Communicator> split(int color, int key);
 
+    // ---- one-sided reads ----
+    // A window over `region` of this rank (may be empty) and the regions every other rank passes
+    // (Window above). Collective over this communicator.
+    std::unique_ptr<Window> create_window(std::span<std::byte> region);
+
   protected:
     virtual void do_send(std::span<const std::byte> data, int dest, int tag) = 0;
     virtual void do_recv(std::span<std::byte> data, int source, int tag) = 0;
@@ -282,6 +321,8 @@ class Communicator {
     // all_gather_v. Backends may override with the same arithmetic order.
     virtual void do_all_reduce(std::span<std::byte> data, detail::ElemType type, ReduceOp op);
     virtual std::unique_ptr<Communicator> do_split(int color, int key) = 0;
+    // Default: Error (a backend without one-sided reads).
+    virtual std::unique_ptr<Window> do_create_window(std::span<std::byte> region);
 
   private:
     void check_peer(int peer, const char* what) const;

@@ -48,6 +48,10 @@ struct DisaggOptions {
     // writing it (source_checksums.h), and a message that reads whole sealed blocks is checked by
     // its unit checksum instead of a checksum pass over the source when it is sent.
     bool source_checksums = true;
+    // Direct reads through a window over each prefill pool (rma_read.h: MPI RMA, MPI_Rget of the
+    // descriptors, then the checksum of what landed) instead of shared memory, so they work
+    // across hosts; needs transfer.direct_read and the same page order on both sides.
+    bool rma_read = false;
     std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side: empty = automatic
     CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;  // a CP decode side
     // The transfer: mode, staging_bytes, timeout_s, sender_idle_sleep_us, offload_check_bytes,

@@ -89,6 +89,12 @@ TransferDescriptors make_transfer_descriptors(const TransferPlan& plan,
                                               std::span<const PoolRegion> dst_regions,
                                               const DescriptorOptions& options = {});
 
+// The descriptors of one message of the plan (plan.messages[message_index]): its group of
+// make_transfer_descriptors, in the same order, with the same checks of the two regions.
+std::vector<TransferDescriptor> message_descriptors(const TransferPlan& plan, int message_index,
+                                                    const PoolRegion& src_region,
+                                                    const PoolRegion& dst_region);
+
 // {"descriptor_count", "per_block_descriptor_count", "pre_send_count", "post_receive_count",
 //  "pages_differ", "fewer_mode", "bytes", "groups": [{"src", "dst", "layer_group", "count",
 //  "bytes"}], "descriptors": [[src, src_offset, dst, dst_offset, bytes, layer_group], ...],

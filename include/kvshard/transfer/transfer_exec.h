@@ -49,6 +49,8 @@
 
 namespace kvshard {
 
+class RmaPoolWindow;  // rma_read.h
+
 enum class TransferStatus : uint32_t {
     kOk = 0,
     kSourceAborted = 1,     // the source failed the request (fail()) and said so
@@ -89,6 +91,9 @@ static_assert(sizeof(TransferHeader) == 64);
 struct TransferHello {
     static constexpr uint32_t kMagic = 0x4948564B;  // "KVHI"
     static constexpr uint16_t kShareable = 1;       // flags: the source pool can be read in place
+    // flags: the source pool is exposed in TransferExecOptions::rma_window (rma_read.h) and can be
+    // read in place through it, from any host; num_blocks is its block count.
+    static constexpr uint16_t kRmaWindow = 2;
     uint32_t magic = kMagic;
     uint16_t version = TransferHeader::kVersion;
     uint16_t flags = 0;
@@ -201,6 +206,12 @@ struct TransferExecOptions {
     // every message of its source directly instead). Null: each sender / receiver makes the
     // schedule of its own side from its pool. Its mode and its pages of this rank must match.
     std::shared_ptr<const TransferSchedule> schedule;
+    // Direct read over one-sided communication (rma_read.h): non-null on both sides (the same
+    // window, made collectively over `world`), a direct read goes through this window (MPI RMA:
+    // one MPI_Rget per descriptor of the message, then the checksum of what landed) instead of
+    // through shared memory, so it works across hosts. Needs direct_read; a source offers it
+    // whatever its pool's memory kind, and a destination declines it for fp8 plans (messages).
+    std::shared_ptr<RmaPoolWindow> rma_window;
 
     // Error naming the field unless every value is in range.
     void validate() const;
