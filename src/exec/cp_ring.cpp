@@ -37,19 +37,30 @@ void merge_sinks(const CpAttnShape& s, std::span<const float> sinks, int64_t tok
     apply_attention_sinks(out, lse, tokens, s.num_q_heads, s.head_dim, sinks.data());
 }
 
+// The ring steps the batch needs under the layer's window (cp_window_ring_steps; cp without one).
+int ring_steps(const CpAttnShape& s, int cp, std::span<const CpRingSequence> seqs) {
+    if (s.window <= 0) return cp;
+    int steps = 1;
+    for (const CpRingSequence& q : seqs)
+        steps = std::max(steps, cp_window_ring_steps(*q.map, q.new_begin, s.chunked, s.window));
+    return steps;
+}
+
 // The ring of pass-KV and pass-Q: buf[s % 2] holds the shard worked on in step s. work(step, cur)
 // runs while the shard goes on to next() and the one of step s + 1 (`floats(owner)` floats of
-// CP rank owner's) arrives from prev().
+// CP rank owner's) arrives from prev(). Only steps [0, steps) run (every rank stops after the same
+// step, which sends nothing).
 template <typename Floats, typename Work>
-void run_ring(Communicator& comm, int tag, std::vector<float> (&buf)[2], Floats floats,
+void run_ring(Communicator& comm, int tag, std::vector<float> (&buf)[2], Floats floats, int steps,
               CpCommStats& st, Work work) {
     const int cp = comm.size(), c = comm.rank();
     const int next = cp_ring_next(cp, c), prev = cp_ring_prev(cp, c);
     for (const CpRingStep& step : cp_ring_schedule(cp, c)) {
+        if (step.step >= steps) break;
         std::vector<float>& cur = buf[step.step % 2];
         std::vector<float>& nxt = buf[(step.step + 1) % 2];
         Request send, recv;
-        if (step.sends >= 0) {
+        if (step.sends >= 0 && step.step + 1 < steps) {
             nxt.resize(static_cast<size_t>(floats(step.receives)));
             recv = comm.irecv(std::span<float>(nxt), prev, tag);
             send = comm.isend(std::span<const float>(cur), next, tag);
@@ -95,7 +106,8 @@ void pass_kv(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSeq
         std::copy(seqs[i].v, seqs[i].v + own * kvrow, dst + own * kvrow);
     }
     run_ring(
-        comm, kTagPassKv, buf, [&](int owner) { return at[size_t(owner)][n]; }, st,
+        comm, kTagPassKv, buf, [&](int owner) { return at[size_t(owner)][n]; },
+        ring_steps(s, cp, seqs), st,
         [&](const CpRingStep& step, const std::vector<float>& cur) {
             for (size_t i = 0; i < n; ++i) {
                 const auto kp = seqs[i].map->positions(step.holds);
@@ -154,8 +166,19 @@ void pass_q(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequ
     for (size_t i = 0; i < n; ++i)
         std::copy(seqs[i].q, seqs[i].q + tq[size_t(c)][i] * qrow,
                   buf[0].begin() + qat[size_t(c)][i]);
+    // Under a window the ring may stop early: the owners of the steps it skips see none of this
+    // rank's keys, so their partials are empty (out 0, lse -inf).
+    const int steps = ring_steps(s, cp, seqs);
+    for (int step = steps; step < cp; ++step) {
+        const int h = (c - step + cp) % cp;
+        for (size_t i = 0; i < n; ++i) {
+            const int64_t t = tq[size_t(h)][i];
+            float* pl = parts.data() + off[size_t(h)] + poff[size_t(h)][i] + t * qrow;
+            std::fill(pl, pl + t * s.num_q_heads, kNegInf);
+        }
+    }
     run_ring(
-        comm, kTagPassQ, buf, [&](int owner) { return qat[size_t(owner)][n]; }, st,
+        comm, kTagPassQ, buf, [&](int owner) { return qat[size_t(owner)][n]; }, steps, st,
         [&](const CpRingStep& step, const std::vector<float>& cur) {
             const int h = step.holds;
             for (size_t i = 0; i < n; ++i) {

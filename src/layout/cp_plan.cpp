@@ -127,6 +127,31 @@ std::vector<CpRingStep> cp_ring_schedule(int cp, int cp_rank) {
     return steps;
 }
 
+int cp_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, int window) {
+    const int cp = map.cp();
+    if (window <= 0) return cp;
+    std::vector<std::vector<int64_t>> q(static_cast<size_t>(cp)), k(static_cast<size_t>(cp));
+    for (int c = 0; c < cp; ++c) {
+        q[size_t(c)] = map.positions(c, new_begin);
+        k[size_t(c)] = map.positions(c);
+    }
+    // Whether some query of qp sees a key of kp (both ascending).
+    auto sees = [&](const std::vector<int64_t>& qp, const std::vector<int64_t>& kp) {
+        if (qp.empty() || kp.empty() || kp.front() > qp.back()) return false;
+        for (int64_t p : qp) {
+            const int64_t first = chunked ? p - p % window : std::max<int64_t>(0, p - window + 1);
+            const auto it = std::lower_bound(kp.begin(), kp.end(), first);
+            if (it != kp.end() && *it <= p) return true;
+        }
+        return false;
+    };
+    int steps = 1;  // step 0: each rank's own keys
+    for (int s = 1; s < cp; ++s)
+        for (int c = 0; c < cp; ++c)
+            if (sees(q[size_t(c)], k[size_t(mod(c - s, cp))])) steps = s + 1;
+    return steps;
+}
+
 CpPrefillBytes cp_pass_kv_bytes(const KvLayout& layout, int rank, const CpTokenMap& map) {
     const RankKv& r = layout.ranks.at(rank);
     const int cp = layout.parallel.cp;
@@ -135,6 +160,16 @@ CpPrefillBytes cp_pass_kv_bytes(const KvLayout& layout, int rank, const CpTokenM
     if (cp == 1) return b;
     const int64_t tokens = map.size() - map.count(cp_ring_next(cp, r.coord.cp));
     b.ring = tokens * r.kv_bytes_per_token;
+    // A windowed group's ring stops after the steps its window needs (cp_window_ring_steps): it
+    // sends the shards of steps [0, steps - 1) only.
+    for (const RankKvGroup& g : r.groups) {
+        if (g.window <= 0 || g.bytes_per_token == 0) continue;
+        const int steps =
+            cp_window_ring_steps(map, 0, g.kind == LayerKind::kChunkedLocal, g.window);
+        int64_t sent = 0;
+        for (int s = 0; s + 1 < steps; ++s) sent += map.count(mod(r.coord.cp - s, cp));
+        b.ring -= (tokens - sent) * g.bytes_per_token;
+    }
     return b;
 }
 
@@ -152,6 +187,16 @@ CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMa
     const int64_t other_tokens = fresh - map.count(r.coord.cp, new_begin);
     b.ring = q_tokens * r.num_layers() * hq * d * elem_size(layout);
     b.all_to_all = other_tokens * r.num_layers() * hq * (d + 1) * 4;
+    // A windowed group's ring stops after the steps its window needs (its all-to-all stays).
+    for (const RankKvGroup& g : r.groups) {
+        if (g.window <= 0 || g.layers.empty()) continue;
+        const int steps =
+            cp_window_ring_steps(map, new_begin, g.kind == LayerKind::kChunkedLocal, g.window);
+        int64_t sent = 0;
+        for (int s = 0; s + 1 < steps; ++s) sent += map.count(mod(r.coord.cp - s, cp), new_begin);
+        b.ring -=
+            (q_tokens - sent) * static_cast<int64_t>(g.layers.size()) * hq * d * elem_size(layout);
+    }
     return b;
 }
 

@@ -79,6 +79,12 @@ struct CpRingStep {
 int cp_ring_next(int cp, int cp_rank);
 int cp_ring_prev(int cp, int cp_rank);
 std::vector<CpRingStep> cp_ring_schedule(int cp, int cp_rank);
+// The ring steps a layer of a sequence placed by `map` needs: 1 + the last step s at which some CP
+// rank's new queries (positions >= new_begin) see a key of the CP rank s behind it, causally and
+// within a sliding window of `window` tokens (keys (p - W, p]) or, chunked, the query's chunk of
+// `window` tokens; window 0 (full attention, MLA): cp. The ring stops after that step: later
+// steps would move shards no query attends to (docs/context-parallel.md §8).
+int cp_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, int window);
 
 // Bytes rank `rank` of `layout` sends for one sequence placed by `map`, all its layers together.
 struct CpPrefillBytes {
