@@ -1,5 +1,8 @@
 #include "kvshard/router/vllm_event_ingest.h"
 
+#include <algorithm>
+#include <limits>
+
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -28,21 +31,32 @@ void VllmEventIngest::clear_replica(int replica) {
     held_[static_cast<size_t>(replica)] = Held{};
 }
 
-void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys) {
-    index_->block_stored(replica, keys);
+namespace {
+// The cap's key of a block: its index key with the group in the (otherwise zero) high half.
+BlockHash held_key(const BlockHash& k, int group) {
+    return BlockHash{k.lo, k.hi ^ static_cast<uint64_t>(group)};
+}
+}  // namespace
+
+void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys, int group) {
+    index_->block_stored(replica, keys, group);
     Held& h = held_[static_cast<size_t>(replica)];
     for (const auto& k : keys) {
-        h.latest[k] = ++h.generation;
-        h.order.emplace_back(k, h.generation);
+        const BlockHash hk = held_key(k, group);
+        h.latest[hk] = ++h.generation;
+        h.order.emplace_back(hk, h.generation);
     }
     auto& s = status_[static_cast<size_t>(replica)];
     while (static_cast<int64_t>(h.latest.size()) > max_blocks_ && !h.order.empty()) {
-        const auto [key, gen] = h.order.front();
+        const auto [hk, gen] = h.order.front();
         h.order.pop_front();
-        const auto it = h.latest.find(key);
+        const auto it = h.latest.find(hk);
         if (it == h.latest.end() || it->second != gen) continue;  // removed or stored again since
         h.latest.erase(it);
-        index_->block_removed(replica, std::span<const BlockHash>(&key, 1));
+        // vLLM keys have hi == 0, so hk.hi is the group (kvshard's own keys never come here).
+        const BlockHash key{hk.lo, 0};
+        index_->block_removed(replica, std::span<const BlockHash>(&key, 1),
+                              static_cast<int>(hk.hi));
         ++s.evicted;
     }
     // Stale FIFO entries (re-stored or removed keys) are dropped once they outnumber live ones.
@@ -56,10 +70,23 @@ void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys) {
     }
 }
 
-void VllmEventIngest::removed(int replica, std::span<const BlockHash> keys) {
-    index_->block_removed(replica, keys);
+void VllmEventIngest::removed(int replica, std::span<const BlockHash> keys, int group) {
+    index_->block_removed(replica, keys, group);
     Held& h = held_[static_cast<size_t>(replica)];
-    for (const auto& k : keys) h.latest.erase(k);
+    for (const auto& k : keys) h.latest.erase(held_key(k, group));
+}
+
+std::optional<int> vllm_group_window_blocks(std::string_view kind,
+                                            std::optional<int64_t> sliding_window,
+                                            int64_t block_size) {
+    if (kind == "mamba") return 1;  // the state saved in the block before the hit
+    if ((kind == "sliding_window" || kind == "sliding_window_mla") && sliding_window &&
+        *sliding_window >= 1 && block_size >= 1) {
+        // vLLM's SlidingWindowManager: cdiv(sliding_window - 1, block_size) contiguous blocks.
+        const int64_t w = (*sliding_window - 1 + block_size - 1) / block_size;
+        return static_cast<int>(std::min<int64_t>(w, std::numeric_limits<int>::max()));
+    }
+    return std::nullopt;
 }
 
 const VllmFeedStatus& VllmEventIngest::status(int replica) const {
@@ -130,19 +157,30 @@ void VllmEventIngest::apply(int replica, const VllmEventBatch& b) {
     std::vector<BlockHash> keys;
     for (const auto& e : b.events) {
         const bool gpu = !e.medium || *e.medium == "GPU";
-        const bool group0 = !e.group_idx || *e.group_idx == 0;
-        if (e.kind != VllmEventKind::kAllBlocksCleared && (!gpu || !group0)) {
+        const int64_t group = e.group_idx.value_or(0);
+        if (e.kind != VllmEventKind::kAllBlocksCleared &&
+            (!gpu || group < 0 || group >= KvIndex::kMaxGroups)) {
             ++s.ignored;
             continue;
         }
+        const int g = static_cast<int>(group);
         keys.clear();
         for (uint64_t id : e.block_hashes) keys.push_back(vllm_index_key(id));
         switch (e.kind) {
             case VllmEventKind::kBlockStored:
-                stored(replica, keys);
+                if (e.kv_cache_spec_kind) {
+                    const auto w = vllm_group_window_blocks(
+                        *e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_size);
+                    if (w) {
+                        index_->set_group_window(replica, g, *w);
+                    } else {
+                        index_->set_group_full(replica, g);
+                    }
+                }
+                stored(replica, keys, g);
                 break;
             case VllmEventKind::kBlockRemoved:
-                removed(replica, keys);
+                removed(replica, keys, g);
                 break;
             case VllmEventKind::kAllBlocksCleared:
                 clear_replica(replica);
