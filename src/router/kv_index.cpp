@@ -54,13 +54,13 @@ void KvIndex::set_bit(int replica, BlockHash h, int group) {
 
 void KvIndex::clear_bit(int replica, BlockHash h, int group) {
     auto& masks = masks_[static_cast<size_t>(group)];
-    const auto it = masks.find(h);
+    uint64_t* m = masks.find(h);
     const uint64_t bit = uint64_t{1} << replica;
-    if (it == masks.end() || !(it->second & bit)) return;
-    it->second &= ~bit;
+    if (!m || !(*m & bit)) return;
+    *m &= ~bit;
     --counts_[static_cast<size_t>(replica)];
     --group_counts_[static_cast<size_t>(replica)][static_cast<size_t>(group)];
-    if (it->second == 0) masks.erase(it);
+    if (*m == 0) masks.erase(h);
 }
 
 void KvIndex::block_stored(int replica, std::span<const BlockHash> hashes, int group) {
@@ -76,6 +76,9 @@ void KvIndex::block_stored(int replica, std::span<const BlockHash> hashes, int g
     if (hashes.empty()) return;
     groups_[r] |= uint64_t{1} << group;
     if (group != 0) hybrid_ |= uint64_t{1} << replica;
+    auto& masks = masks_[g];
+    if (masks.size() + hashes.size() <= masks.capacity())
+        for (BlockHash h : hashes) masks.prefetch(h);  // (a growing table moves them)
     for (BlockHash h : hashes) set_bit(replica, h, group);
 }
 
@@ -83,6 +86,7 @@ void KvIndex::block_removed(int replica, std::span<const BlockHash> hashes, int 
     check_replica(replica);
     check_group(group);
     if (static_cast<size_t>(group) >= masks_.size()) return;
+    for (BlockHash h : hashes) masks_[static_cast<size_t>(group)].prefetch(h);
     for (BlockHash h : hashes) clear_bit(replica, h, group);
 }
 
@@ -117,10 +121,10 @@ void KvIndex::all_cleared(int replica) {
     check_replica(replica);
     const uint64_t bit = uint64_t{1} << replica;
     for (auto& masks : masks_) {
-        for (auto it = masks.begin(); it != masks.end();) {
-            it->second &= ~bit;
-            it = it->second == 0 ? masks.erase(it) : std::next(it);
-        }
+        masks.rewrite([bit](const BlockHash&, uint64_t& m) {
+            m &= ~bit;
+            return m != 0;
+        });
     }
     const auto r = static_cast<size_t>(replica);
     counts_[r] = 0;
@@ -202,8 +206,8 @@ void KvIndex::prefix_overlap(std::span<const BlockHash> hashes, std::span<int> o
     int pos = 0;
     const MaskMap& masks = masks_[0];
     for (; pos < static_cast<int>(hashes.size()) && alive != 0; ++pos) {
-        const auto it = masks.find(hashes[static_cast<size_t>(pos)]);
-        const uint64_t now = it == masks.end() ? 0 : (alive & it->second);
+        const uint64_t* m = masks.find(hashes[static_cast<size_t>(pos)]);
+        const uint64_t now = m ? (alive & *m) : 0;
         uint64_t dropped = alive & ~now;
         while (dropped) {
             out[static_cast<size_t>(std::countr_zero(dropped))] = pos;
@@ -226,8 +230,8 @@ void KvIndex::hybrid_overlap(std::span<const BlockHash> hashes, std::span<int> o
         if (h.empty() && n > 0) {
             h.resize(static_cast<size_t>(n));
             for (int pos = 0; pos < n; ++pos) {
-                const auto it = masks_[g].find(hashes[static_cast<size_t>(pos)]);
-                h[static_cast<size_t>(pos)] = it == masks_[g].end() ? 0 : it->second;
+                const uint64_t* m = masks_[g].find(hashes[static_cast<size_t>(pos)]);
+                h[static_cast<size_t>(pos)] = m ? *m : 0;
             }
         }
         return h;
@@ -275,8 +279,8 @@ bool KvIndex::contains(int replica, BlockHash h, int group) const {
     check_replica(replica);
     if (group < 0 || static_cast<size_t>(group) >= masks_.size()) return false;
     const auto& masks = masks_[static_cast<size_t>(group)];
-    const auto it = masks.find(h);
-    return it != masks.end() && (it->second >> replica & 1);
+    const uint64_t* m = masks.find(h);
+    return m && (*m >> replica & 1);
 }
 
 }  // namespace kvshard

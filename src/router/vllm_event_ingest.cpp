@@ -38,33 +38,61 @@ BlockHash held_key(const BlockHash& k, int group) {
 }
 }  // namespace
 
-void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys, int group) {
-    index_->block_stored(replica, keys, group);
+void VllmEventIngest::start_tracking(int replica) {
     Held& h = held_[static_cast<size_t>(replica)];
+    h.latest.clear();
+    for (const auto& [hk, gen] : h.order) {
+        const BlockHash key{hk.lo, 0};  // vLLM keys have hi == 0: hk.hi is the group
+        if (index_->contains(replica, key, static_cast<int>(hk.hi))) h.latest[hk] = gen;
+    }
+    std::deque<std::pair<BlockHash, uint64_t>> live;
+    for (const auto& e : h.order) {
+        const uint64_t* latest = h.latest.find(e.first);
+        if (latest && *latest == e.second) live.push_back(e);
+    }
+    h.order.swap(live);
+    h.tracking = true;
+}
+
+void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys, int group) {
+    Held& h = held_[static_cast<size_t>(replica)];
+    if (h.tracking)
+        for (const auto& k : keys) h.latest.prefetch(held_key(k, group));  // overlaps the index's
+    index_->block_stored(replica, keys, group);
     for (const auto& k : keys) {
         const BlockHash hk = held_key(k, group);
-        h.latest[hk] = ++h.generation;
+        ++h.generation;
+        if (h.tracking) h.latest[hk] = h.generation;
         h.order.emplace_back(hk, h.generation);
+    }
+    if (!h.tracking) {
+        // Until the replica nears its cap, a store is one append: the map of latest stores is
+        // built from the FIFO (and the index) once it is needed, or once dead entries (removed or
+        // re-stored blocks) would make the FIFO outgrow the blocks held.
+        const int64_t held = index_->num_blocks(replica);
+        if (held > max_blocks_ / 2 ||
+            h.order.size() > 2 * static_cast<size_t>(held) + kCompactSlack)
+            start_tracking(replica);
+        if (!h.tracking) return;
     }
     auto& s = status_[static_cast<size_t>(replica)];
     while (static_cast<int64_t>(h.latest.size()) > max_blocks_ && !h.order.empty()) {
         const auto [hk, gen] = h.order.front();
         h.order.pop_front();
-        const auto it = h.latest.find(hk);
-        if (it == h.latest.end() || it->second != gen) continue;  // removed or stored again since
-        h.latest.erase(it);
-        // vLLM keys have hi == 0, so hk.hi is the group (kvshard's own keys never come here).
+        const uint64_t* latest = h.latest.find(hk);
+        if (!latest || *latest != gen) continue;  // removed or stored again since
+        h.latest.erase(hk);
         const BlockHash key{hk.lo, 0};
         index_->block_removed(replica, std::span<const BlockHash>(&key, 1),
                               static_cast<int>(hk.hi));
         ++s.evicted;
     }
     // Stale FIFO entries (re-stored or removed keys) are dropped once they outnumber live ones.
-    if (h.order.size() > 2 * h.latest.size() + 1024) {
+    if (h.order.size() > 2 * h.latest.size() + kCompactSlack) {
         std::deque<std::pair<BlockHash, uint64_t>> live;
         for (const auto& e : h.order) {
-            const auto it = h.latest.find(e.first);
-            if (it != h.latest.end() && it->second == e.second) live.push_back(e);
+            const uint64_t* latest = h.latest.find(e.first);
+            if (latest && *latest == e.second) live.push_back(e);
         }
         h.order.swap(live);
     }
@@ -73,7 +101,8 @@ void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys, int g
 void VllmEventIngest::removed(int replica, std::span<const BlockHash> keys, int group) {
     index_->block_removed(replica, keys, group);
     Held& h = held_[static_cast<size_t>(replica)];
-    for (const auto& k : keys) h.latest.erase(held_key(k, group));
+    if (h.tracking)
+        for (const auto& k : keys) h.latest.erase(held_key(k, group));
 }
 
 std::optional<int> vllm_group_window_blocks(std::string_view kind,

@@ -3,6 +3,7 @@
 // (kvshard/router/vllm_event_ingest.h) that feeds a KvIndex from decoded batches.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 #include "kvshard/cache/vllm_hash.h"
@@ -522,6 +523,45 @@ TEST(VllmIngest, TheIndexCapDropsTheOldestStoredBlocks) {
     EXPECT_EQ(index.num_blocks(0), 3);
     EXPECT_EQ(ingest.status(0).evicted, 2);
     EXPECT_THROW(VllmEventIngest(index, 0), Error);
+}
+
+// Randomized: the cap against a naive LRU by latest store, through stores, re-stores and
+// removals in two groups; caps small enough that the store-order map is built mid-stream (the
+// replica past half its cap) and large enough that it is built to compact the FIFO first.
+TEST(VllmIngest, TheIndexCapMatchesANaiveLruUnderRandomEvents) {
+    for (int64_t cap : {int64_t{40}, int64_t{100000}}) {
+        SCOPED_TRACE("cap " + std::to_string(cap));
+        std::mt19937_64 rng(static_cast<uint64_t>(cap));
+        KvIndex index(1);
+        VllmEventIngest ingest(index, cap);
+        std::vector<std::pair<uint64_t, int>> lru;  // (id, group), oldest first
+        auto find = [&](uint64_t id, int g) {
+            return std::find(lru.begin(), lru.end(), std::make_pair(id, g));
+        };
+        int64_t evicted = 0;
+        for (uint64_t seq = 0; seq < 6000; ++seq) {
+            const int g = static_cast<int>(rng() % 2);
+            std::vector<uint64_t> ids;
+            for (int k = 0; k < 3; ++k) ids.push_back(1 + rng() % 120);
+            VllmKvEvent e = rng() % 3 == 0 ? removed(ids) : stored(ids, std::nullopt, {}, 16);
+            e.group_idx = g;
+            for (uint64_t id : ids) {
+                if (auto it = find(id, g); it != lru.end()) lru.erase(it);
+                if (e.kind == VllmEventKind::kBlockStored) lru.emplace_back(id, g);
+            }
+            while (static_cast<int64_t>(lru.size()) > cap) {
+                lru.erase(lru.begin());
+                ++evicted;
+            }
+            const auto s = encode_vllm_seq(seq);
+            const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, {e}, 0});
+            ASSERT_EQ(ingest.on_batch(0, s, p).outcome, VllmEventIngest::Outcome::kApplied);
+            ASSERT_EQ(index.num_blocks(0), static_cast<int64_t>(lru.size())) << "seq " << seq;
+            for (const auto& [id, gg] : lru)
+                ASSERT_TRUE(index.contains(0, vllm_index_key(id), gg)) << "seq " << seq;
+            ASSERT_EQ(ingest.status(0).evicted, evicted) << "seq " << seq;
+        }
+    }
 }
 
 }  // namespace

@@ -34,6 +34,7 @@
 
 #include "kvshard/cache/block_hash.h"
 #include "kvshard/cache/kv_events.h"
+#include "kvshard/router/block_hash_map.h"
 
 namespace kvshard {
 
@@ -93,7 +94,7 @@ class KvIndex {
     uint64_t groups(int replica) const { return groups_[static_cast<size_t>(replica)]; }
 
   private:
-    using MaskMap = std::unordered_map<BlockHash, uint64_t, BlockHashHasher>;
+    using MaskMap = BlockHashMap<uint64_t>;
     void set_bit(int replica, BlockHash h, int group = 0);
     void clear_bit(int replica, BlockHash h, int group = 0);
     void check_replica(int replica) const;

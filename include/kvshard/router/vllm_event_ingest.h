@@ -40,6 +40,7 @@
 #include "kvshard/cache/block_hash.h"
 #include "kvshard/cache/vllm_hash.h"
 #include "kvshard/cache/vllm_kv_events.h"
+#include "kvshard/router/block_hash_map.h"
 #include "kvshard/router/kv_index.h"
 
 namespace kvshard {
@@ -108,14 +109,18 @@ class VllmEventIngest {
     void stored(int replica, std::span<const BlockHash> keys, int group);
     void removed(int replica, std::span<const BlockHash> keys, int group);
 
-    // Per replica, the blocks held in the index in store order: key -> generation of its latest
-    // store, and a FIFO of (key, generation); an entry whose generation is not the key's latest
-    // is stale and skipped.
+    // Per replica, the blocks held in the index in store order: a FIFO of (key, generation) and,
+    // once tracking (the replica past half its cap, or a FIFO to compact), key -> generation of
+    // its latest store; a FIFO entry whose generation is not the key's latest is stale and
+    // skipped. Keys are (block, group): the group in the key's high half.
     struct Held {
-        std::unordered_map<BlockHash, uint64_t, BlockHashHasher> latest;
+        BlockHashMap<uint64_t> latest;
         std::deque<std::pair<BlockHash, uint64_t>> order;
         uint64_t generation = 0;
+        bool tracking = false;
     };
+    static constexpr size_t kCompactSlack = 1024;
+    void start_tracking(int replica);
 
     KvIndex* index_;
     int64_t max_blocks_;
