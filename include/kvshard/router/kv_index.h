@@ -24,7 +24,8 @@
 //   windowed, w blocks (set_group_window): blocks [max(0, k - w), k) are held (only the window
 //     before position k is read; vLLM's sliding window needs ceil((window - 1) / block_size)
 //     blocks, Mamba state 1: the block at k - 1).
-// k = 0 is always served. A replica that published only group 0 walks group 0 alone, as before.
+// k = 0 is always served. While no replica has more than a full-attention group 0, the walk of
+// group 0 alone (with its early exit) answers; otherwise the fixed point answers for every replica.
 #include <cstdint>
 #include <deque>
 #include <span>
