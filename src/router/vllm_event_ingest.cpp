@@ -150,21 +150,20 @@ VllmEventIngest::Result VllmEventIngest::on_batch(int replica, std::span<const u
                                       " bytes; vLLM sends 8 (big-endian)");
     Result result;
     const bool first = !s.last_seq || accept_next_[static_cast<size_t>(replica)];
-    if (!first) {
-        if (*seq > *s.last_seq + 1) {
-            ++s.gaps;
-            return {Outcome::kGap, *s.last_seq + 1};
-        }
-        if (*seq <= *s.last_seq) {
-            // A publisher restart: its cache started empty.
-            ++s.restarts;
-            clear_replica(replica);
-            s.stale = false;
-            result.outcome = Outcome::kRestarted;
-        }
+    if (!first && *seq > *s.last_seq + 1) {
+        ++s.gaps;
+        return {Outcome::kGap, *s.last_seq + 1};
     }
+    // Decoded before a sequence going back clears the replica: a malformed message changes nothing.
     const VllmDecodeResult d = decode_vllm_event_batch(payload);
     if (!d.batch) return malformed(replica, d.error);
+    if (!first && *seq <= *s.last_seq) {
+        // A publisher restart: its cache started empty.
+        ++s.restarts;
+        clear_replica(replica);
+        s.stale = false;
+        result.outcome = Outcome::kRestarted;
+    }
     accept_next_[static_cast<size_t>(replica)] = false;
     s.last_seq = *seq;
     ++s.batches;

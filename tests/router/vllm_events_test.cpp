@@ -390,6 +390,12 @@ TEST(VllmIngest, MalformedIsCountedAndDoesNotAdvance) {
     // seq 1 is still the next one expected.
     EXPECT_EQ(f.send(1, 1, {stored({2}, 1, {}, 16)}).outcome, Outcome::kApplied);
     EXPECT_EQ(f.overlap(1, {1, 2}), 2);
+    // A malformed payload with an old sequence number is no restart: nothing is cleared.
+    const auto old_seq = encode_vllm_seq(0);
+    const std::span<const uint8_t> stale_garbage[3] = {topic, old_seq, junk};
+    EXPECT_EQ(f.ingest.on_message(1, stale_garbage).outcome, Outcome::kMalformed);
+    EXPECT_EQ(f.ingest.status(1).restarts, 0);
+    EXPECT_EQ(f.overlap(1, {1, 2}), 2);
 }
 
 TEST(VllmIngest, OtherTiersStayOutOfTheIndex) {
