@@ -12,7 +12,7 @@
 //    or call mark_stale(): the replica's part of the index is cleared and flagged stale (it then
 //    holds only what later events tell, a subset of the truth) until an AllBlocksCleared resets it.
 //  - seq <= last (the publisher restarted and counts from 0 again): the replica is cleared, then
-//    the batch is applied.
+//    the batch is applied (only a batch that decodes: a malformed one changes nothing).
 //  - a malformed message (not 3 frames, a sequence frame not 8 bytes, a payload that does not
 //    decode) is counted and dropped; the sequence number does not advance, so the next good batch
 //    shows the gap.
