@@ -19,7 +19,9 @@ void check_equal(const BlockHashMap<uint64_t>& m,
         const uint64_t* v = m.find(key);
         const auto it = ref.find(key);
         ASSERT_EQ(v != nullptr, it != ref.end()) << "step " << step << " key " << k;
-        if (v) ASSERT_EQ(*v, it->second) << "step " << step << " key " << k;
+        if (v) {
+            ASSERT_EQ(*v, it->second) << "step " << step << " key " << k;
+        }
     }
 }
 
