@@ -5,8 +5,15 @@
 //     service = VllmEventSubscriber (receive, decode, sequence checks, KvIndex updates).
 //  2. Routes: R prompts of 64 blocks against an index of 8 replicas.
 //     raw     = hashing the prompt (vLLM sha256_cbor) + KvIndex::prefix_overlap, in process;
-//     service = POST /route over HTTP/1.1 keep-alive to RouterHttpServer (p50 / p99 latency).
-// Usage: bench_router_service [events N] [routes R]
+//     service = POST /route over HTTP/1.1 keep-alive to RouterHttpServer (p50 / p99 latency);
+//     http    = the HTTP ceiling: the same bodies POSTed to a no-op handler of a cpp-httplib
+//               server set up as RouterHttpServer is (TCP_NODELAY, keep-alive), answering a
+//               fixed reply of a route reply's size. A route over HTTP costs at least
+//               raw + http per request: "serial ceiling" = 1 / (1 / raw + 1 / http).
+// Each measurement runs `rounds` times, raw and service back to back (their order alternating
+// from round to round); reported: the median rate of each and the median of the rounds' ratios
+// (the machine is shared: the ratio of two neighbouring runs is steadier than either rate).
+// Usage: bench_router_service [events N] [routes R] [rounds K]
 #include <httplib.h>
 
 #include <algorithm>
@@ -128,19 +135,61 @@ double percentile(std::vector<double> v, double p) {
     return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
 }
 
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+struct HttpRun {
+    double per_s = 0;
+    std::vector<double> latency_s;
+    int errors = 0;
+};
+
+HttpRun post_all(int port, const std::string& path, const std::vector<std::string>& bodies, int n) {
+    httplib::Client client("127.0.0.1", port);
+    client.set_keep_alive(true);
+    client.set_tcp_nodelay(true);
+    HttpRun run;
+    run.latency_s.reserve(static_cast<size_t>(n));
+    const auto t0 = Clock::now();
+    for (int i = 0; i < n; ++i) {
+        const auto a = Clock::now();
+        auto res = client.Post(path.c_str(), bodies[static_cast<size_t>(i) % bodies.size()],
+                               "application/json");
+        run.latency_s.push_back(seconds_since(a));
+        if (!res || res->status != 200) ++run.errors;
+    }
+    run.per_s = n / seconds_since(t0);
+    return run;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     std::setvbuf(stdout, nullptr, _IOLBF, 0);
     const int n_events = argc > 1 ? std::atoi(argv[1]) : 50000;
     const int n_routes = argc > 2 ? std::atoi(argv[2]) : 5000;
+    const int rounds = argc > 3 ? std::max(1, std::atoi(argv[3])) : 3;
     const auto payloads = make_payloads(n_events);
-    std::printf("events: %d batches of 1 BlockStored (4 blocks), loopback ZMQ\n", n_events);
-    const double raw_ev = raw_events_per_s(payloads);
-    const double svc_ev = service_events_per_s(payloads);
-    std::printf("  raw receive + decode   %10.0f events/s\n", raw_ev);
-    std::printf("  VllmEventSubscriber    %10.0f events/s   (%.2f of raw)\n", svc_ev,
-                svc_ev / raw_ev);
+    std::printf("events: %d batches of 1 BlockStored (4 blocks), loopback ZMQ, %d rounds\n",
+                n_events, rounds);
+    std::vector<double> raw_ev, svc_ev, ratio_ev;
+    for (int k = 0; k < rounds; ++k) {
+        if (k % 2 == 0) {
+            raw_ev.push_back(raw_events_per_s(payloads));
+            svc_ev.push_back(service_events_per_s(payloads));
+        } else {
+            svc_ev.push_back(service_events_per_s(payloads));
+            raw_ev.push_back(raw_events_per_s(payloads));
+        }
+        ratio_ev.push_back(svc_ev.back() / raw_ev.back());
+        std::printf("  round %d: raw %.0f, service %.0f events/s (%.2f)\n", k + 1, raw_ev.back(),
+                    svc_ev.back(), ratio_ev.back());
+    }
+    std::printf("  raw receive + decode   %10.0f events/s\n", median(raw_ev));
+    std::printf("  VllmEventSubscriber    %10.0f events/s   (median of the rounds' ratios: %.2f)\n",
+                median(svc_ev), median(ratio_ev));
 
     // Routes: 8 replicas, replica r holds the first 8 * r blocks of every prompt.
     constexpr int kReplicas = 8, kBlocks = 64, kBs = 16, kPrompts = 64;
@@ -154,13 +203,15 @@ int main(int argc, char** argv) {
         for (int r = 0; r < kReplicas; ++r)
             index.block_stored(r, std::span<const BlockHash>(keys.data(), 8 * r));
     }
-    std::vector<int> overlap(kReplicas);
-    auto t0 = Clock::now();
-    for (int i = 0; i < n_routes; ++i) {
-        const auto keys = vllm_prompt_keys(hasher, root, prompts[i % kPrompts], kBs);
-        index.prefix_overlap(keys, overlap);
-    }
-    const double raw_routes = n_routes / seconds_since(t0);
+    auto raw_routes_per_s = [&] {
+        std::vector<int> overlap(kReplicas);
+        const auto t0 = Clock::now();
+        for (int i = 0; i < n_routes; ++i) {
+            const auto keys = vllm_prompt_keys(hasher, root, prompts[i % kPrompts], kBs);
+            index.prefix_overlap(keys, overlap);
+        }
+        return n_routes / seconds_since(t0);
+    };
 
     RouteServiceConfig cfg;
     for (int r = 0; r < kReplicas; ++r) cfg.replica_names.push_back("r" + std::to_string(r));
@@ -168,33 +219,67 @@ int main(int argc, char** argv) {
     RouteService svc(cfg, [&index](const auto& fn) { fn(index, nullptr); });
     RouterHttpServer http(svc, {});
     std::thread server([&] { http.run(); });
-    httplib::Client client("127.0.0.1", http.port());
-    client.set_keep_alive(true);
-    client.set_tcp_nodelay(true);
     std::vector<std::string> bodies;
     for (const auto& p : prompts)
         bodies.push_back(nlohmann::json{{"token_ids", p}, {"request_id", ""}}.dump());
-    std::vector<double> lat;
-    lat.reserve(static_cast<size_t>(n_routes));
+
+    // The HTTP ceiling: the same library and settings, a handler that does nothing.
+    httplib::Client probe("127.0.0.1", http.port());
+    const auto sample = probe.Post("/route", bodies[0], "application/json");
+    const std::string fixed_reply(sample ? sample->body.size() : 200, ' ');
+    httplib::Server noop;
+    noop.set_tcp_nodelay(true);
+    noop.set_keep_alive_max_count(RouterHttpOptions{}.keep_alive_max_requests);
+    noop.set_payload_max_length(RouterHttpOptions{}.max_body_bytes);
+    noop.Post("/noop", [&fixed_reply](const httplib::Request&, httplib::Response& res) {
+        res.set_content(fixed_reply, "application/json");
+    });
+    const int noop_port = noop.bind_to_any_port("127.0.0.1");
+    std::thread noop_thread([&] { noop.listen_after_bind(); });
+
+    std::vector<double> raw_rt, svc_rt, http_rt, p50, p99, of_raw, of_http, of_serial;
     int errors = 0;
-    t0 = Clock::now();
-    for (int i = 0; i < n_routes; ++i) {
-        const auto a = Clock::now();
-        auto res =
-            client.Post("/route", bodies[static_cast<size_t>(i % kPrompts)], "application/json");
-        lat.push_back(seconds_since(a));
-        if (!res || res->status != 200) ++errors;
+    for (int k = 0; k < rounds; ++k) {
+        HttpRun s, e;
+        double raw = 0;
+        if (k % 2 == 0) {
+            raw = raw_routes_per_s();
+            s = post_all(http.port(), "/route", bodies, n_routes);
+            e = post_all(noop_port, "/noop", bodies, n_routes);
+        } else {
+            e = post_all(noop_port, "/noop", bodies, n_routes);
+            s = post_all(http.port(), "/route", bodies, n_routes);
+            raw = raw_routes_per_s();
+        }
+        raw_rt.push_back(raw);
+        svc_rt.push_back(s.per_s);
+        http_rt.push_back(e.per_s);
+        of_raw.push_back(s.per_s / raw);
+        of_http.push_back(s.per_s / e.per_s);
+        of_serial.push_back(s.per_s * (1.0 / raw + 1.0 / e.per_s));
+        p50.push_back(percentile(s.latency_s, 0.5));
+        p99.push_back(percentile(s.latency_s, 0.99));
+        errors += s.errors + e.errors;
+        std::printf(
+            "  round %d: raw %.0f, service %.0f, http no-op %.0f routes/s (%.2f / %.2f / %.2f)\n",
+            k + 1, raw, s.per_s, e.per_s, of_raw.back(), of_http.back(), of_serial.back());
     }
-    const double svc_routes = n_routes / seconds_since(t0);
     http.stop();
     server.join();
+    noop.stop();
+    noop_thread.join();
+    const double raw = median(raw_rt), service = median(svc_rt), http_ceiling = median(http_rt);
+    const double serial = 1.0 / (1.0 / raw + 1.0 / http_ceiling);
     std::printf("routes: %d prompts of %d blocks (%d tokens), %d replicas, one client\n", n_routes,
                 kBlocks, kBlocks * kBs, kReplicas);
-    std::printf("  raw hash + index lookup %9.0f routes/s\n", raw_routes);
+    std::printf("  raw hash + index lookup %9.0f routes/s\n", raw);
+    std::printf("  HTTP no-op, same bodies %9.0f requests/s\n", http_ceiling);
+    std::printf("  serial ceiling          %9.0f routes/s   (1 / (1/raw + 1/http))\n", serial);
+    std::printf("  POST /route (HTTP)      %9.0f routes/s   p50 %.0f us  p99 %.0f us  errors %d\n",
+                service, 1e6 * median(p50), 1e6 * median(p99), errors);
     std::printf(
-        "  POST /route (HTTP)      %9.0f routes/s   (%.2f of raw)  p50 %.0f us  p99 %.0f us"
-        "  errors %d\n",
-        svc_routes, svc_routes / raw_routes, 1e6 * percentile(lat, 0.5),
-        1e6 * percentile(lat, 0.99), errors);
+        "  median of the rounds' ratios: %.2f of raw, %.2f of http no-op, %.2f of serial "
+        "ceiling\n",
+        median(of_raw), median(of_http), median(of_serial));
     return errors == 0 ? 0 : 1;
 }

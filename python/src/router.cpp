@@ -89,16 +89,21 @@ void bind_router(py::module_& m) {
             "mode", [](const KvIndex& i) { return std::string(kv_index_mode_name(i.mode())); })
         .def(
             "block_stored",
-            [](KvIndex& i, int replica, const py::object& hashes) {
-                i.block_stored(replica, hashes_from(hashes));
+            [](KvIndex& i, int replica, const py::object& hashes, int group) {
+                i.block_stored(replica, hashes_from(hashes), group);
             },
-            py::arg("replica"), py::arg("hashes"))
+            py::arg("replica"), py::arg("hashes"), py::arg("group") = 0,
+            "group: the KV cache group (hybrid models; vLLM's group_idx).")
         .def(
             "block_removed",
-            [](KvIndex& i, int replica, const py::object& hashes) {
-                i.block_removed(replica, hashes_from(hashes));
+            [](KvIndex& i, int replica, const py::object& hashes, int group) {
+                i.block_removed(replica, hashes_from(hashes), group);
             },
-            py::arg("replica"), py::arg("hashes"))
+            py::arg("replica"), py::arg("hashes"), py::arg("group") = 0)
+        .def("set_group_window", &KvIndex::set_group_window, py::arg("replica"), py::arg("group"),
+             py::arg("window_blocks"),
+             "The group serves a prefix when its last window_blocks blocks before it are held.")
+        .def("set_group_full", &KvIndex::set_group_full, py::arg("replica"), py::arg("group"))
         .def("all_cleared", &KvIndex::all_cleared, py::arg("replica"))
         .def(
             "apply",
@@ -125,10 +130,10 @@ void bind_router(py::module_& m) {
             py::arg("hashes"), "Leading blocks of the request each replica holds.")
         .def(
             "contains",
-            [](const KvIndex& i, int replica, const std::string& h) {
-                return i.contains(replica, BlockHash::from_hex(h));
+            [](const KvIndex& i, int replica, const std::string& h, int group) {
+                return i.contains(replica, BlockHash::from_hex(h), group);
             },
-            py::arg("replica"), py::arg("hash"))
+            py::arg("replica"), py::arg("hash"), py::arg("group") = 0)
         .def(
             "num_blocks",
             [](const KvIndex& i, int replica) {

@@ -116,9 +116,17 @@ bool str_is(const msgpack::object& o, std::string_view s) {
 }
 
 // Field order of each event in the positional form (the struct's declaration order, tag first).
-constexpr std::string_view kStoredFields[] = {"block_hashes", "parent_block_hash", "token_ids",
-                                              "block_size",   "lora_id",           "medium",
-                                              "lora_name",    "extra_keys",        "group_idx"};
+constexpr std::string_view kStoredFields[] = {"block_hashes",
+                                              "parent_block_hash",
+                                              "token_ids",
+                                              "block_size",
+                                              "lora_id",
+                                              "medium",
+                                              "lora_name",
+                                              "extra_keys",
+                                              "group_idx",
+                                              "kv_cache_spec_kind",
+                                              "kv_cache_spec_sliding_window"};
 constexpr std::string_view kRemovedFields[] = {"block_hashes", "medium", "group_idx"};
 
 // Sets one field of `e` from its wire value. Unknown fields are ignored (newer vLLM adds some).
@@ -143,9 +151,12 @@ void set_field(VllmKvEvent& e, std::string_view name, const msgpack::object& v) 
         e.lora_name = as_opt_str(v, name);
     } else if (name == "group_idx") {
         e.group_idx = as_opt_int(v, name);
+    } else if (name == "kv_cache_spec_kind") {
+        e.kv_cache_spec_kind = as_opt_str(v, name);
+    } else if (name == "kv_cache_spec_sliding_window") {
+        e.kv_cache_spec_sliding_window = as_opt_int(v, name);
     }
-    // extra_keys (per-block tuples of MM ids, LoRA name, salt) and the kv_cache_spec_* fields are
-    // accepted and not kept.
+    // extra_keys (per-block tuples of MM ids, LoRA name, salt) are accepted and not kept.
 }
 
 VllmEventKind parse_tag(const msgpack::object& tag) {
@@ -298,12 +309,18 @@ void pack_event(msgpack::packer<msgpack::sbuffer>& pk, const VllmKvEvent& e, Vll
         pack_opt(pk, v, [&](const std::string& x) { pack_str(pk, x); });
     };
     if (e.kind == VllmEventKind::kBlockStored) {
-        // Required: tag + 7 fields; then extra_keys (always nil here) and group_idx only when set.
-        const uint32_t n = 8 + (e.group_idx ? 2 : 0);
+        // Required: tag + 7 fields; then extra_keys (always nil here), group_idx,
+        // kv_cache_spec_kind and kv_cache_spec_sliding_window: positional up to the last one set
+        // (trailing defaults are omitted), the map form only those set.
+        const int trailing = e.kv_cache_spec_sliding_window ? 4
+                             : e.kv_cache_spec_kind         ? 3
+                             : e.group_idx                  ? 2
+                                                            : 0;
         if (map) {
-            pk.pack_map(n - (e.group_idx ? 1 : 0));  // map form omits the nil extra_keys
+            pk.pack_map(8 + (e.group_idx ? 1 : 0) + (e.kv_cache_spec_kind ? 1 : 0) +
+                        (e.kv_cache_spec_sliding_window ? 1 : 0));
         } else {
-            pk.pack_array(n);
+            pk.pack_array(static_cast<uint32_t>(8 + trailing));
         }
         key("type");
         pack_str(pk, "BlockStored");
@@ -322,10 +339,18 @@ void pack_event(msgpack::packer<msgpack::sbuffer>& pk, const VllmKvEvent& e, Vll
         opt_str(e.medium);
         key("lora_name");
         opt_str(e.lora_name);
-        if (e.group_idx) {
-            if (!map) pk.pack_nil();  // extra_keys, positional
+        if (!map && trailing > 0) pk.pack_nil();  // extra_keys, positional
+        if (map ? e.group_idx.has_value() : trailing >= 2) {
             key("group_idx");
-            pack_int(pk, *e.group_idx);
+            opt_int(e.group_idx);
+        }
+        if (map ? e.kv_cache_spec_kind.has_value() : trailing >= 3) {
+            key("kv_cache_spec_kind");
+            opt_str(e.kv_cache_spec_kind);
+        }
+        if (map ? e.kv_cache_spec_sliding_window.has_value() : trailing >= 4) {
+            key("kv_cache_spec_sliding_window");
+            opt_int(e.kv_cache_spec_sliding_window);
         }
     } else if (e.kind == VllmEventKind::kBlockRemoved) {
         const uint32_t n = 3 + (e.group_idx ? 1 : 0);
@@ -423,7 +448,13 @@ std::vector<uint8_t> encode_vllm_event_batch(const VllmEventBatch& batch, VllmWi
     } else {
         pk.pack_array(n);
     }
-    pk.pack_double(batch.ts);
+    // msgspec writes a float as float64 always; msgpack-cxx's pack_double writes a whole number
+    // as an integer, so the 9 bytes are written here.
+    uint64_t bits = 0;
+    std::memcpy(&bits, &batch.ts, sizeof bits);
+    char f64[9] = {static_cast<char>(0xcb)};
+    for (int i = 0; i < 8; ++i) f64[1 + i] = static_cast<char>(bits >> (56 - 8 * i));
+    buf.write(f64, sizeof f64);
     if (map) pack_str(pk, "events");
     pk.pack_array(static_cast<uint32_t>(batch.events.size()));
     for (const auto& e : batch.events) pack_event(pk, e, form);

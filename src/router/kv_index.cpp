@@ -24,6 +24,10 @@ KvIndex::KvIndex(int num_replicas, KvIndexMode mode, double ttl_s)
     require(mode == KvIndexMode::kExact || ttl_s > 0,
             "KV index: approximate mode needs ttl_s > 0, got ", ttl_s);
     counts_.assign(static_cast<size_t>(num_replicas), 0);
+    masks_.resize(1);
+    group_counts_.assign(static_cast<size_t>(num_replicas), std::vector<int64_t>(1, 0));
+    groups_.assign(static_cast<size_t>(num_replicas), 0);
+    window_.assign(static_cast<size_t>(num_replicas), std::vector<int>(1, -1));
     next_seq_.assign(static_cast<size_t>(num_replicas), -1);
     if (mode == KvIndexMode::kApproximate) expiry_of_.resize(static_cast<size_t>(num_replicas));
 }
@@ -33,44 +37,116 @@ void KvIndex::check_replica(int replica) const {
                   num_replicas_);
 }
 
-void KvIndex::set_bit(int replica, BlockHash h) {
+void KvIndex::check_group(int group) const {
+    require(group >= 0 && group < kMaxGroups, "KV index: KV cache group ", group, " is outside 0..",
+            kMaxGroups - 1);
+}
+
+void KvIndex::set_bit(int replica, BlockHash h, int group) {
     const uint64_t bit = uint64_t{1} << replica;
-    uint64_t& m = masks_[h];
+    uint64_t& m = masks_[static_cast<size_t>(group)][h];
     if (!(m & bit)) {
         m |= bit;
         ++counts_[static_cast<size_t>(replica)];
+        ++group_counts_[static_cast<size_t>(replica)][static_cast<size_t>(group)];
     }
 }
 
-void KvIndex::clear_bit(int replica, BlockHash h) {
-    const auto it = masks_.find(h);
+void KvIndex::clear_bit(int replica, BlockHash h, int group) {
+    auto& masks = masks_[static_cast<size_t>(group)];
+    uint64_t* m = masks.find(h);
     const uint64_t bit = uint64_t{1} << replica;
-    if (it == masks_.end() || !(it->second & bit)) return;
-    it->second &= ~bit;
+    if (!m || !(*m & bit)) return;
+    *m &= ~bit;
     --counts_[static_cast<size_t>(replica)];
-    if (it->second == 0) masks_.erase(it);
+    --group_counts_[static_cast<size_t>(replica)][static_cast<size_t>(group)];
+    if (*m == 0) masks.erase(h);
 }
 
-void KvIndex::block_stored(int replica, std::span<const BlockHash> hashes) {
+void KvIndex::block_stored(int replica, std::span<const BlockHash> hashes, int group) {
     check_replica(replica);
-    for (BlockHash h : hashes) set_bit(replica, h);
+    check_group(group);
+    const auto g = static_cast<size_t>(group);
+    const auto r = static_cast<size_t>(replica);
+    if (g >= masks_.size()) masks_.resize(g + 1);
+    if (g >= group_counts_[r].size()) {
+        group_counts_[r].resize(g + 1, 0);
+        window_[r].resize(g + 1, -1);
+    }
+    if (hashes.empty()) return;
+    groups_[r] |= uint64_t{1} << group;
+    if (group != 0) hybrid_ |= uint64_t{1} << replica;
+    auto& masks = masks_[g];
+    if (masks.size() + hashes.size() <= masks.capacity())
+        for (BlockHash h : hashes) masks.prefetch(h);  // (a growing table moves them)
+    for (BlockHash h : hashes) set_bit(replica, h, group);
 }
 
-void KvIndex::block_removed(int replica, std::span<const BlockHash> hashes) {
+void KvIndex::block_removed(int replica, std::span<const BlockHash> hashes, int group) {
     check_replica(replica);
-    for (BlockHash h : hashes) clear_bit(replica, h);
+    check_group(group);
+    if (static_cast<size_t>(group) >= masks_.size()) return;
+    for (BlockHash h : hashes) masks_[static_cast<size_t>(group)].prefetch(h);
+    for (BlockHash h : hashes) clear_bit(replica, h, group);
+}
+
+void KvIndex::set_group_window(int replica, int group, int window_blocks) {
+    check_replica(replica);
+    check_group(group);
+    require(window_blocks >= 0, "KV index: a group's window is >= 0 blocks, got ", window_blocks);
+    const auto r = static_cast<size_t>(replica);
+    const auto g = static_cast<size_t>(group);
+    if (g >= window_[r].size()) {
+        window_[r].resize(g + 1, -1);
+        group_counts_[r].resize(g + 1, 0);
+    }
+    if (g >= masks_.size()) masks_.resize(g + 1);
+    window_[r][g] = window_blocks;
+    hybrid_ |= uint64_t{1} << replica;
+}
+
+void KvIndex::set_group_full(int replica, int group) {
+    check_replica(replica);
+    check_group(group);
+    const auto r = static_cast<size_t>(replica);
+    const auto g = static_cast<size_t>(group);
+    if (g < window_[r].size()) window_[r][g] = -1;
+    bool hybrid = false;
+    for (size_t i = 0; i < window_[r].size(); ++i)
+        hybrid = hybrid || window_[r][i] >= 0 || (i > 0 && (groups_[r] >> i & 1));
+    if (!hybrid) hybrid_ &= ~(uint64_t{1} << replica);
 }
 
 void KvIndex::all_cleared(int replica) {
     check_replica(replica);
     const uint64_t bit = uint64_t{1} << replica;
-    for (auto it = masks_.begin(); it != masks_.end();) {
-        it->second &= ~bit;
-        it = it->second == 0 ? masks_.erase(it) : std::next(it);
+    for (auto& masks : masks_) {
+        masks.rewrite([bit](const BlockHash&, uint64_t& m) {
+            m &= ~bit;
+            return m != 0;
+        });
     }
-    counts_[static_cast<size_t>(replica)] = 0;
-    next_seq_[static_cast<size_t>(replica)] = -1;
-    if (mode_ == KvIndexMode::kApproximate) expiry_of_[static_cast<size_t>(replica)].clear();
+    const auto r = static_cast<size_t>(replica);
+    counts_[r] = 0;
+    std::fill(group_counts_[r].begin(), group_counts_[r].end(), 0);
+    groups_[r] = 0;
+    bool windowed = false;
+    for (int w : window_[r]) windowed = windowed || w >= 0;
+    if (!windowed) hybrid_ &= ~bit;
+    next_seq_[r] = -1;
+    if (mode_ == KvIndexMode::kApproximate) expiry_of_[r].clear();
+}
+
+int64_t KvIndex::num_blocks(int replica, int group) const {
+    check_replica(replica);
+    const auto& c = group_counts_[static_cast<size_t>(replica)];
+    return group >= 0 && static_cast<size_t>(group) < c.size() ? c[static_cast<size_t>(group)] : 0;
+}
+
+int64_t KvIndex::num_hashes() const {
+    int64_t n = 0;
+    for (const auto& m : masks_) n += static_cast<int64_t>(m.size());
+    return n;
 }
 
 void KvIndex::apply(int replica, const KvEvent& event) {
@@ -82,10 +158,10 @@ void KvIndex::apply(int replica, const KvEvent& event) {
     next = static_cast<int64_t>(event.seq) + 1;
     switch (event.kind) {
         case KvEventKind::kBlockStored:
-            block_stored(replica, event.block_hashes);
+            block_stored(replica, event.block_hashes, event.group);
             break;
         case KvEventKind::kBlockRemoved:
-            block_removed(replica, event.block_hashes);
+            block_removed(replica, event.block_hashes, event.group);
             break;
         case KvEventKind::kAllCleared:
             all_cleared(replica);
@@ -101,6 +177,7 @@ void KvIndex::record_routed(int replica, std::span<const BlockHash> hashes, doub
     auto& expiry = expiry_of_[static_cast<size_t>(replica)];
     for (BlockHash h : hashes) {
         set_bit(replica, h);
+        groups_[static_cast<size_t>(replica)] |= 1;
         expiry[h] = at;
         expiries_.push_back({at, h, replica});
     }
@@ -123,12 +200,14 @@ void KvIndex::expire(double now_s) {
 void KvIndex::prefix_overlap(std::span<const BlockHash> hashes, std::span<int> out) const {
     KVSHARD_CHECK(static_cast<int>(out.size()) == num_replicas_, "out has ", out.size(),
                   " entries for ", num_replicas_, " replicas");
+    if (hybrid_ != 0) return hybrid_overlap(hashes, out);
     const uint64_t all = num_replicas_ == 64 ? ~uint64_t{0} : (uint64_t{1} << num_replicas_) - 1;
     uint64_t alive = all;
     int pos = 0;
+    const MaskMap& masks = masks_[0];
     for (; pos < static_cast<int>(hashes.size()) && alive != 0; ++pos) {
-        const auto it = masks_.find(hashes[static_cast<size_t>(pos)]);
-        const uint64_t now = it == masks_.end() ? 0 : (alive & it->second);
+        const uint64_t* m = masks.find(hashes[static_cast<size_t>(pos)]);
+        const uint64_t now = m ? (alive & *m) : 0;
         uint64_t dropped = alive & ~now;
         while (dropped) {
             out[static_cast<size_t>(std::countr_zero(dropped))] = pos;
@@ -142,10 +221,66 @@ void KvIndex::prefix_overlap(std::span<const BlockHash> hashes, std::span<int> o
     }
 }
 
-bool KvIndex::contains(int replica, BlockHash h) const {
+void KvIndex::hybrid_overlap(std::span<const BlockHash> hashes, std::span<int> out) const {
+    const int n = static_cast<int>(hashes.size());
+    // held[g][pos]: the replicas holding block pos in group g. Filled lazily, group by group.
+    std::vector<std::vector<uint64_t>> held(masks_.size());
+    auto held_of = [&](size_t g) -> const std::vector<uint64_t>& {
+        auto& h = held[g];
+        if (h.empty() && n > 0) {
+            h.resize(static_cast<size_t>(n));
+            for (int pos = 0; pos < n; ++pos) {
+                const uint64_t* m = masks_[g].find(hashes[static_cast<size_t>(pos)]);
+                h[static_cast<size_t>(pos)] = m ? *m : 0;
+            }
+        }
+        return h;
+    };
+    for (int r = 0; r < num_replicas_; ++r) {
+        const auto ru = static_cast<size_t>(r);
+        const uint64_t bit = uint64_t{1} << r;
+        // Group 0 always takes part (a replica that stored nothing there holds no prefix).
+        const uint64_t gs = groups_[ru] | 1;
+        int k = n;
+        for (bool lowered = true; lowered && k > 0;) {
+            lowered = false;
+            for (size_t g = 0; g < masks_.size() && k > 0; ++g) {
+                if (!(gs >> g & 1)) continue;
+                const auto& h = held_of(g);
+                const int w = g < window_[ru].size() ? window_[ru][g] : -1;
+                int hit = 0;
+                if (w < 0) {  // full attention: the held run from block 0
+                    while (hit < k && (h[static_cast<size_t>(hit)] & bit)) ++hit;
+                } else if (w == 0) {
+                    hit = k;
+                } else {  // the largest j <= k with blocks [max(0, j - w), j) held
+                    int run = 0;
+                    hit = -1;
+                    for (int i = k - 1; i >= 0; --i) {
+                        run = (h[static_cast<size_t>(i)] & bit) ? run + 1 : 0;
+                        if (run == w) {
+                            hit = i + w;
+                            break;
+                        }
+                    }
+                    if (hit < 0) hit = run;  // the run from block 0, shorter than the window
+                }
+                if (hit < k) {
+                    k = hit;
+                    lowered = true;
+                }
+            }
+        }
+        out[ru] = k;
+    }
+}
+
+bool KvIndex::contains(int replica, BlockHash h, int group) const {
     check_replica(replica);
-    const auto it = masks_.find(h);
-    return it != masks_.end() && (it->second >> replica & 1);
+    if (group < 0 || static_cast<size_t>(group) >= masks_.size()) return false;
+    const auto& masks = masks_[static_cast<size_t>(group)];
+    const uint64_t* m = masks.find(h);
+    return m && (*m >> replica & 1);
 }
 
 }  // namespace kvshard

@@ -2,13 +2,133 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "kvshard/common/error.h"
 
 namespace kvshard {
+namespace {
+
+constexpr int64_t kMaxTokenId = std::numeric_limits<int32_t>::max();
+
+template <class Int>
+[[noreturn]] void token_out_of_range(size_t i, Int v) {
+    throw Error(detail::concat("\"token_ids\"[", i, "] = ", v,
+                               " is out of range; token ids are 0 to ", kMaxTokenId));
+}
+
+// The one-pass reader of the usual /route body. nullopt on anything it does not handle (the full
+// parser then decides, and says what is wrong): other keys, a key twice, escapes or non-ASCII
+// text, numbers that are not plain non-negative integers of int32, bad JSON.
+std::optional<RouteRequestBody> parse_route_request_fast(std::string_view body) {
+    const char* p = body.data();
+    const char* const end = p + body.size();
+    auto ws = [&] {
+        while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t')) ++p;
+    };
+    auto eat = [&](char c) {
+        ws();
+        if (p == end || *p != c) return false;
+        ++p;
+        return true;
+    };
+    // A string without escapes, control characters or non-ASCII bytes; p after its closing quote.
+    auto plain_string = [&](std::string_view& out) {
+        if (!eat('"')) return false;
+        const char* q = p;
+        while (q < end && *q != '"') {
+            const auto c = static_cast<unsigned char>(*q);
+            if (c == '\\' || c < 0x20 || c >= 0x80) return false;
+            ++q;
+        }
+        if (q == end) return false;
+        out = std::string_view(p, static_cast<size_t>(q - p));
+        p = q + 1;
+        return true;
+    };
+    RouteRequestBody out;
+    bool have_tokens = false, have_id = false;
+    if (!eat('{')) return std::nullopt;
+    do {
+        std::string_view key;
+        if (!plain_string(key) || !eat(':')) return std::nullopt;
+        if (key == "token_ids" && !have_tokens) {
+            have_tokens = true;
+            if (!eat('[')) return std::nullopt;
+            ws();
+            if (p < end && *p == ']') {
+                ++p;
+            } else {
+                out.token_ids.reserve(body.size() / 4);
+                do {
+                    ws();
+                    // JSON integers: no sign here (negative ids are errors: the full parser
+                    // words them), no leading zeros, no fraction or exponent.
+                    if (p == end || *p < '0' || *p > '9') return std::nullopt;
+                    if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') return std::nullopt;
+                    int64_t v = 0;
+                    const auto r = std::from_chars(p, end, v);
+                    if (r.ec != std::errc() || v > kMaxTokenId) return std::nullopt;
+                    p = r.ptr;
+                    if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) return std::nullopt;
+                    out.token_ids.push_back(static_cast<int32_t>(v));
+                } while (eat(','));
+                if (!eat(']')) return std::nullopt;
+            }
+        } else if (key == "request_id" && !have_id) {
+            have_id = true;
+            std::string_view id;
+            if (!plain_string(id)) return std::nullopt;
+            out.request_id.assign(id);
+        } else {
+            return std::nullopt;
+        }
+    } while (eat(','));
+    if (!eat('}')) return std::nullopt;
+    ws();
+    if (p != end || !have_tokens) return std::nullopt;
+    return out;
+}
+
+}  // namespace
+
+RouteRequestBody parse_route_request(std::string_view body) {
+    if (auto fast = parse_route_request_fast(body)) return std::move(*fast);
+    nlohmann::json j;
+    try {
+        j = nlohmann::json::parse(body);
+    } catch (const std::exception&) {
+        throw Error(
+            "the body is not JSON; expected {\"token_ids\": [...], \"request_id\": \"...\"}");
+    }
+    if (!j.is_object() || !j.contains("token_ids") || !j["token_ids"].is_array())
+        throw Error("expected {\"token_ids\": [int, ...], \"request_id\": \"...\"}");
+    RouteRequestBody out;
+    const auto& tokens = j["token_ids"];
+    out.token_ids.reserve(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        if (!tokens[i].is_number_integer()) throw Error("\"token_ids\" must hold integers only");
+        if (tokens[i].is_number_unsigned()) {
+            const auto v = tokens[i].get<uint64_t>();
+            if (v > static_cast<uint64_t>(kMaxTokenId)) token_out_of_range(i, v);
+            out.token_ids.push_back(static_cast<int32_t>(v));
+            continue;
+        }
+        const auto v = tokens[i].get<int64_t>();
+        if (v < 0 || v > kMaxTokenId) token_out_of_range(i, v);
+        out.token_ids.push_back(static_cast<int32_t>(v));
+    }
+    if (j.contains("request_id")) {
+        if (!j["request_id"].is_string()) throw Error("\"request_id\" must be a string");
+        out.request_id = j["request_id"].get<std::string>();
+    }
+    return out;
+}
 
 RouteService::RouteService(RouteServiceConfig config, IndexAccess index)
     : config_(std::move(config)), index_(std::move(index)) {
@@ -27,21 +147,36 @@ RouteService::RouteService(RouteServiceConfig config, IndexAccess index)
     // Route latency buckets, seconds (Prometheus histogram upper bounds).
     latency_bounds_s_ = {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 1e-1};
     latency_counts_.assign(latency_bounds_s_.size() + 1, 0);
+    for (size_t r = 0; r < config_.replica_names.size(); ++r) {
+        names_sorted_.push_back(r);
+        names_json_.push_back(nlohmann::json(config_.replica_names[r]).dump());
+    }
+    // nlohmann::json objects order their keys as std::map<std::string> does.
+    std::stable_sort(names_sorted_.begin(), names_sorted_.end(), [this](size_t a, size_t b) {
+        return config_.replica_names[a] < config_.replica_names[b];
+    });
 }
 
 RouteOutcome RouteService::route(const std::string& request_id,
                                  std::span<const int64_t> token_ids) {
-    const auto t0 = std::chrono::steady_clock::now();
-    require(!token_ids.empty(), "\"token_ids\" is empty; a prompt has at least one token");
     std::vector<int32_t> tokens;
     tokens.reserve(token_ids.size());
     for (size_t i = 0; i < token_ids.size(); ++i) {
-        require(token_ids[i] >= 0 && token_ids[i] <= std::numeric_limits<int32_t>::max(),
-                "\"token_ids\"[", i, "] = ", token_ids[i], " is out of range; token ids are 0 to ",
-                std::numeric_limits<int32_t>::max());
+        if (token_ids[i] < 0 || token_ids[i] > kMaxTokenId) token_out_of_range(i, token_ids[i]);
         tokens.push_back(static_cast<int32_t>(token_ids[i]));
     }
-    VllmBlockHasher hasher(config_.scheme);
+    return route(request_id, tokens);
+}
+
+RouteOutcome RouteService::route(const std::string& request_id, std::span<const int32_t> tokens) {
+    const auto t0 = std::chrono::steady_clock::now();
+    require(!tokens.empty(), "\"token_ids\" is empty; a prompt has at least one token");
+    for (size_t i = 0; i < tokens.size(); ++i)
+        if (tokens[i] < 0) token_out_of_range(i, tokens[i]);
+    // One hasher per thread: its CBOR buffer is reused from request to request.
+    thread_local std::optional<VllmBlockHasher> tl_hasher;
+    if (!tl_hasher || tl_hasher->scheme() != config_.scheme) tl_hasher.emplace(config_.scheme);
+    VllmBlockHasher& hasher = *tl_hasher;
     const auto keys = vllm_prompt_keys(hasher, root_, tokens, config_.block_size);
     const int n = num_replicas();
     RouteOutcome out;
@@ -82,6 +217,32 @@ RouteOutcome RouteService::route(const std::string& request_id,
     ++latency_counts_[b];
     latency_sum_s_ += dt;
     return out;
+}
+
+std::string RouteService::route_reply_json(const RouteOutcome& o) const {
+    std::string s;
+    s.reserve(64 + names_json_.size() * 48);
+    auto per_replica = [&](const char* key, const auto& values) {
+        s += key;
+        s += '{';
+        bool first = true;
+        for (size_t r : names_sorted_) {
+            if (!first) s += ',';
+            first = false;
+            s += names_json_[r];
+            s += ':';
+            s += std::to_string(values[r]);
+        }
+        s += '}';
+    };
+    per_replica("{\"load\":", o.load_blocks);
+    per_replica(",\"matched_blocks\":", o.matched_blocks);
+    s += ",\"reason\":\"";
+    s += route_reason_name(o.reason);  // lowercase words and '-': nothing to escape
+    s += "\",\"replica\":";
+    s += names_json_[static_cast<size_t>(o.replica)];
+    s += '}';
+    return s;
 }
 
 bool RouteService::finished(const std::string& request_id) {

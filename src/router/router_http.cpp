@@ -28,6 +28,9 @@ struct RouterHttpServer::Impl {
         check_listen_address(options);
         server.set_payload_max_length(options.max_body_bytes);
         server.set_tcp_nodelay(true);  // small JSON replies: no Nagle delay
+        // cpp-httplib closes a keep-alive connection after 5 requests by default: a router's
+        // client (a gateway) keeps one open for many, and a reconnect costs more than a route.
+        server.set_keep_alive_max_count(options.keep_alive_max_requests);
         server.Post("/route", [this](const httplib::Request& req, httplib::Response& res) {
             route(req, res);
         });
@@ -55,44 +58,10 @@ struct RouterHttpServer::Impl {
     }
 
     void route(const httplib::Request& req, httplib::Response& res) {
-        nlohmann::json body;
         try {
-            body = nlohmann::json::parse(req.body);
-        } catch (const std::exception&) {
-            return reply_error(res, *svc,
-                               "the body is not JSON; expected {\"token_ids\": [...], "
-                               "\"request_id\": \"...\"}");
-        }
-        if (!body.is_object() || !body.contains("token_ids") || !body["token_ids"].is_array())
-            return reply_error(res, *svc,
-                               "expected {\"token_ids\": [int, ...], \"request_id\": \"...\"}");
-        std::vector<int64_t> tokens;
-        tokens.reserve(body["token_ids"].size());
-        for (const auto& t : body["token_ids"]) {
-            if (!t.is_number_integer())
-                return reply_error(res, *svc, "\"token_ids\" must hold integers only");
-            tokens.push_back(t.get<int64_t>());
-        }
-        std::string id;
-        if (body.contains("request_id")) {
-            if (!body["request_id"].is_string())
-                return reply_error(res, *svc, "\"request_id\" must be a string");
-            id = body["request_id"].get<std::string>();
-        }
-        try {
-            const RouteOutcome o = svc->route(id, tokens);
-            nlohmann::json matched = nlohmann::json::object(), load = nlohmann::json::object();
-            for (int r = 0; r < svc->num_replicas(); ++r) {
-                const auto& name = svc->config().replica_names[static_cast<size_t>(r)];
-                matched[name] = o.matched_blocks[static_cast<size_t>(r)];
-                load[name] = o.load_blocks[static_cast<size_t>(r)];
-            }
-            res.set_content(nlohmann::json{{"replica", o.replica_name},
-                                           {"matched_blocks", matched},
-                                           {"load", load},
-                                           {"reason", std::string(route_reason_name(o.reason))}}
-                                .dump(),
-                            "application/json");
+            const RouteRequestBody body = parse_route_request(req.body);
+            const RouteOutcome o = svc->route(body.request_id, body.token_ids);
+            res.set_content(svc->route_reply_json(o), "application/json");
         } catch (const Error& e) {
             reply_error(res, *svc, e.what());
         }

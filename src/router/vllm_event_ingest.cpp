@@ -1,5 +1,8 @@
 #include "kvshard/router/vllm_event_ingest.h"
 
+#include <algorithm>
+#include <limits>
+
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -28,38 +31,91 @@ void VllmEventIngest::clear_replica(int replica) {
     held_[static_cast<size_t>(replica)] = Held{};
 }
 
-void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys) {
-    index_->block_stored(replica, keys);
+namespace {
+// The cap's key of a block: its index key with the group in the (otherwise zero) high half.
+BlockHash held_key(const BlockHash& k, int group) {
+    return BlockHash{k.lo, k.hi ^ static_cast<uint64_t>(group)};
+}
+}  // namespace
+
+void VllmEventIngest::start_tracking(int replica) {
     Held& h = held_[static_cast<size_t>(replica)];
+    h.latest.clear();
+    for (const auto& [hk, gen] : h.order) {
+        const BlockHash key{hk.lo, 0};  // vLLM keys have hi == 0: hk.hi is the group
+        if (index_->contains(replica, key, static_cast<int>(hk.hi))) h.latest[hk] = gen;
+    }
+    std::deque<std::pair<BlockHash, uint64_t>> live;
+    for (const auto& e : h.order) {
+        const uint64_t* latest = h.latest.find(e.first);
+        if (latest && *latest == e.second) live.push_back(e);
+    }
+    h.order.swap(live);
+    h.tracking = true;
+}
+
+void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys, int group) {
+    Held& h = held_[static_cast<size_t>(replica)];
+    if (h.tracking)
+        for (const auto& k : keys) h.latest.prefetch(held_key(k, group));  // overlaps the index's
+    index_->block_stored(replica, keys, group);
     for (const auto& k : keys) {
-        h.latest[k] = ++h.generation;
-        h.order.emplace_back(k, h.generation);
+        const BlockHash hk = held_key(k, group);
+        ++h.generation;
+        if (h.tracking) h.latest[hk] = h.generation;
+        h.order.emplace_back(hk, h.generation);
+    }
+    if (!h.tracking) {
+        // Until the replica nears its cap, a store is one append: the map of latest stores is
+        // built from the FIFO (and the index) once it is needed, or once dead entries (removed or
+        // re-stored blocks) would make the FIFO outgrow the blocks held.
+        const int64_t held = index_->num_blocks(replica);
+        if (held > max_blocks_ / 2 ||
+            h.order.size() > 2 * static_cast<size_t>(held) + kCompactSlack)
+            start_tracking(replica);
+        if (!h.tracking) return;
     }
     auto& s = status_[static_cast<size_t>(replica)];
     while (static_cast<int64_t>(h.latest.size()) > max_blocks_ && !h.order.empty()) {
-        const auto [key, gen] = h.order.front();
+        const auto [hk, gen] = h.order.front();
         h.order.pop_front();
-        const auto it = h.latest.find(key);
-        if (it == h.latest.end() || it->second != gen) continue;  // removed or stored again since
-        h.latest.erase(it);
-        index_->block_removed(replica, std::span<const BlockHash>(&key, 1));
+        const uint64_t* latest = h.latest.find(hk);
+        if (!latest || *latest != gen) continue;  // removed or stored again since
+        h.latest.erase(hk);
+        const BlockHash key{hk.lo, 0};
+        index_->block_removed(replica, std::span<const BlockHash>(&key, 1),
+                              static_cast<int>(hk.hi));
         ++s.evicted;
     }
     // Stale FIFO entries (re-stored or removed keys) are dropped once they outnumber live ones.
-    if (h.order.size() > 2 * h.latest.size() + 1024) {
+    if (h.order.size() > 2 * h.latest.size() + kCompactSlack) {
         std::deque<std::pair<BlockHash, uint64_t>> live;
         for (const auto& e : h.order) {
-            const auto it = h.latest.find(e.first);
-            if (it != h.latest.end() && it->second == e.second) live.push_back(e);
+            const uint64_t* latest = h.latest.find(e.first);
+            if (latest && *latest == e.second) live.push_back(e);
         }
         h.order.swap(live);
     }
 }
 
-void VllmEventIngest::removed(int replica, std::span<const BlockHash> keys) {
-    index_->block_removed(replica, keys);
+void VllmEventIngest::removed(int replica, std::span<const BlockHash> keys, int group) {
+    index_->block_removed(replica, keys, group);
     Held& h = held_[static_cast<size_t>(replica)];
-    for (const auto& k : keys) h.latest.erase(k);
+    if (h.tracking)
+        for (const auto& k : keys) h.latest.erase(held_key(k, group));
+}
+
+std::optional<int> vllm_group_window_blocks(std::string_view kind,
+                                            std::optional<int64_t> sliding_window,
+                                            int64_t block_size) {
+    if (kind == "mamba") return 1;  // the state saved in the block before the hit
+    if ((kind == "sliding_window" || kind == "sliding_window_mla") && sliding_window &&
+        *sliding_window >= 1 && block_size >= 1) {
+        // vLLM's SlidingWindowManager: cdiv(sliding_window - 1, block_size) contiguous blocks.
+        const int64_t w = (*sliding_window - 1 + block_size - 1) / block_size;
+        return static_cast<int>(std::min<int64_t>(w, std::numeric_limits<int>::max()));
+    }
+    return std::nullopt;
 }
 
 const VllmFeedStatus& VllmEventIngest::status(int replica) const {
@@ -94,21 +150,20 @@ VllmEventIngest::Result VllmEventIngest::on_batch(int replica, std::span<const u
                                       " bytes; vLLM sends 8 (big-endian)");
     Result result;
     const bool first = !s.last_seq || accept_next_[static_cast<size_t>(replica)];
-    if (!first) {
-        if (*seq > *s.last_seq + 1) {
-            ++s.gaps;
-            return {Outcome::kGap, *s.last_seq + 1};
-        }
-        if (*seq <= *s.last_seq) {
-            // A publisher restart: its cache started empty.
-            ++s.restarts;
-            clear_replica(replica);
-            s.stale = false;
-            result.outcome = Outcome::kRestarted;
-        }
+    if (!first && *seq > *s.last_seq + 1) {
+        ++s.gaps;
+        return {Outcome::kGap, *s.last_seq + 1};
     }
+    // Decoded before a sequence going back clears the replica: a malformed message changes nothing.
     const VllmDecodeResult d = decode_vllm_event_batch(payload);
     if (!d.batch) return malformed(replica, d.error);
+    if (!first && *seq <= *s.last_seq) {
+        // A publisher restart: its cache started empty.
+        ++s.restarts;
+        clear_replica(replica);
+        s.stale = false;
+        result.outcome = Outcome::kRestarted;
+    }
     accept_next_[static_cast<size_t>(replica)] = false;
     s.last_seq = *seq;
     ++s.batches;
@@ -130,19 +185,30 @@ void VllmEventIngest::apply(int replica, const VllmEventBatch& b) {
     std::vector<BlockHash> keys;
     for (const auto& e : b.events) {
         const bool gpu = !e.medium || *e.medium == "GPU";
-        const bool group0 = !e.group_idx || *e.group_idx == 0;
-        if (e.kind != VllmEventKind::kAllBlocksCleared && (!gpu || !group0)) {
+        const int64_t group = e.group_idx.value_or(0);
+        if (e.kind != VllmEventKind::kAllBlocksCleared &&
+            (!gpu || group < 0 || group >= KvIndex::kMaxGroups)) {
             ++s.ignored;
             continue;
         }
+        const int g = static_cast<int>(group);
         keys.clear();
         for (uint64_t id : e.block_hashes) keys.push_back(vllm_index_key(id));
         switch (e.kind) {
             case VllmEventKind::kBlockStored:
-                stored(replica, keys);
+                if (e.kv_cache_spec_kind) {
+                    const auto w = vllm_group_window_blocks(
+                        *e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_size);
+                    if (w) {
+                        index_->set_group_window(replica, g, *w);
+                    } else {
+                        index_->set_group_full(replica, g);
+                    }
+                }
+                stored(replica, keys, g);
                 break;
             case VllmEventKind::kBlockRemoved:
-                removed(replica, keys);
+                removed(replica, keys, g);
                 break;
             case VllmEventKind::kAllBlocksCleared:
                 clear_replica(replica);

@@ -129,6 +129,17 @@ def test_kv_index_and_router():
     assert idx.prefix_overlap(hashes) == [0, 0, 2]
     idx.all_cleared(2)
     assert idx.num_hashes == 0
+    # A hybrid model: a second KV group bounds the prefix; as a 1-block window it needs only the
+    # block before the hit.
+    idx.block_stored(0, hashes)
+    idx.block_stored(0, hashes[3:4], group=1)
+    assert idx.prefix_overlap(hashes)[0] == 0
+    assert idx.contains(0, hashes[3], group=1) and not idx.contains(0, hashes[0], group=1)
+    idx.set_group_window(0, 1, 1)
+    assert idx.prefix_overlap(hashes)[0] == 4
+    idx.set_group_full(0, 1)
+    assert idx.prefix_overlap(hashes)[0] == 0
+    idx.all_cleared(0)
     bm = kvshard.BlockManager(num_blocks=8, block_size=16)
     events = []
     bm.subscribe(events.append)

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "kvshard/cache/vllm_hash.h"
 #include "kvshard/cache/vllm_kv_events.h"
@@ -85,6 +86,105 @@ TEST(RouteService, RefusesBadInput) {
     EXPECT_THROW(svc.route("r", big), Error);
     RouteServiceConfig none;
     EXPECT_THROW(RouteService(none, [](const auto&) {}), Error);
+}
+
+// The /route body the simple way (nlohmann::json), for the one-pass reader to agree with.
+std::optional<RouteRequestBody> reference_parse(const std::string& body) {
+    nlohmann::json j = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("token_ids") ||
+        !j["token_ids"].is_array())
+        return std::nullopt;
+    RouteRequestBody out;
+    for (const auto& t : j["token_ids"]) {
+        if (!t.is_number_integer()) return std::nullopt;
+        if (t.is_number_unsigned() ? t.get<uint64_t>() > 2147483647u
+                                   : (t.get<int64_t>() < 0 || t.get<int64_t>() > 2147483647))
+            return std::nullopt;
+        out.token_ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+    }
+    if (j.contains("request_id")) {
+        if (!j["request_id"].is_string()) return std::nullopt;
+        out.request_id = j["request_id"].get<std::string>();
+    }
+    return out;
+}
+
+TEST(RouteService, RouteBodiesParseAsAFullJsonParserSays) {
+    const std::vector<std::string> bodies = {
+        R"({"token_ids": [1, 2, 3], "request_id": "r-1"})",
+        R"({"token_ids":[0,2147483647]})",
+        " \n{ \"request_id\" : \"x\" ,\t\"token_ids\" : [ 5 , 6 ] }\r\n",
+        R"({"token_ids": []})",
+        R"({"token_ids": [1], "model": "m", "n": [1, {"a": 2}]})",  // other keys: ignored
+        R"({"token_ids": [1], "request_id": "a\"b\u00e9"})",        // escapes
+        "{\"token_ids\": [1], \"request_id\": \"caf\xc3\xa9\"}",    // UTF-8 text
+        R"({"token_ids": [1], "token_ids": [2]})",                  // a key twice
+        R"({"token_ids": [-1]})",
+        R"({"token_ids": [-0]})",
+        R"({"token_ids": [2147483648]})",
+        R"({"token_ids": [18446744073709551616]})",
+        R"({"token_ids": [1.0]})",
+        R"({"token_ids": [1e3]})",
+        R"({"token_ids": [01]})",
+        R"({"token_ids": [1,]})",
+        R"({"token_ids": [1 2]})",
+        R"({"token_ids": "1,2"})",
+        R"({"token_ids": [true]})",
+        R"({"token_ids": [1]} x)",
+        R"({"token_ids": [1]}})",
+        R"({"token_ids": [1], "request_id": 7})",
+        R"({"request_id": "r"})",
+        R"([1, 2])",
+        R"({"token_ids": [1)",
+        R"({"token_ids": [1], })",
+        R"({})",
+        "",
+        "{\"token_ids\": [1], \"request_id\": \"a\tb\"}",  // a raw control character
+    };
+    for (const auto& b : bodies) {
+        SCOPED_TRACE(b);
+        const auto want = reference_parse(b);
+        if (!want) {
+            EXPECT_THROW(parse_route_request(b), Error);
+            continue;
+        }
+        RouteRequestBody got;
+        ASSERT_NO_THROW(got = parse_route_request(b));
+        EXPECT_EQ(got.token_ids, want->token_ids);
+        EXPECT_EQ(got.request_id, want->request_id);
+    }
+    try {
+        parse_route_request(R"({"token_ids": [3, 4294967296]})");
+        ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+        EXPECT_STREQ(e.what(),
+                     "\"token_ids\"[1] = 4294967296 is out of range; token ids are 0 to "
+                     "2147483647");
+    }
+}
+
+TEST(RouteService, TheRouteReplyIsWhatNlohmannJsonWrites) {
+    KvIndex index(3);
+    RouteServiceConfig c;
+    c.replica_names = {"b/dp1", "a\"q", "b/dp0"};  // unsorted, one to escape
+    c.block_size = 4;
+    RouteService svc(c, [&index](const auto& fn) { fn(index, nullptr); });
+    const std::vector<int64_t> prompt = {1, 2, 3, 4, 5};
+    for (const char* id : {"x", "y", "z"}) {
+        const RouteOutcome o = svc.route(id, prompt);
+        nlohmann::json matched = nlohmann::json::object(), load = nlohmann::json::object();
+        for (size_t r = 0; r < 3; ++r) {
+            matched[c.replica_names[r]] = o.matched_blocks[r];
+            load[c.replica_names[r]] = o.load_blocks[r];
+        }
+        const std::string want =
+            nlohmann::json{{"replica", o.replica_name},
+                           {"matched_blocks", matched},
+                           {"load", load},
+                           {"reason", std::string(route_reason_name(o.reason))}}
+                .dump();
+        EXPECT_EQ(svc.route_reply_json(o), want);
+    }
 }
 
 }  // namespace

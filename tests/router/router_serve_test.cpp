@@ -219,18 +219,41 @@ TEST(RouterServe, RoutesByVllmEventsAndStopsOnSigterm) {
     EXPECT_EQ(replicas()[1]["stale"], false);
     EXPECT_EQ(replicas()[1]["index_blocks"], 1);
 
-    // Malformed frames are counted.
+    // A hybrid model on a: a second KV group that holds only block 0 bounds a's prefix to 1 block
+    // (group 0 still holds 2); then the group names itself a sliding window of 1 token (no block
+    // before the hit is needed) and no longer bounds it.
+    {
+        json g1 = stored(0, 1);
+        g1["group_idx"] = 1;
+        ASSERT_TRUE(pa.send(batch(2, {g1})));
+        ASSERT_TRUE(eventually([&] { return seq_of(0) == 2; }));
+        j = route();
+        EXPECT_EQ(j["matched_blocks"]["a"], 1);
+        json swa = stored(0, 1);
+        swa["group_idx"] = 1;
+        swa["kv_cache_spec_kind"] = "sliding_window";
+        swa["kv_cache_spec_sliding_window"] = 1;
+        ASSERT_TRUE(pa.send(batch(3, {swa})));
+        ASSERT_TRUE(eventually([&] { return seq_of(0) == 3; }));
+        j = route();
+        EXPECT_EQ(j["matched_blocks"]["a"], 2);
+    }
+
+    // Malformed frames are counted (and one with an old sequence number clears nothing). 7 routes
+    // so far, with the one below.
     ASSERT_TRUE(pa.send({{"frames_hex", {"", "0000000000000002", "c1"}}}));
     ASSERT_TRUE(pa.send({{"frames_hex", {"00"}}}));
     ASSERT_TRUE(eventually([&] { return replicas()[0]["malformed"] == 2; }));
+    EXPECT_EQ(replicas()[0]["restarts"], 0);
+    EXPECT_EQ(route()["matched_blocks"]["a"], 2);
     const auto metrics = http(port, "GET", "/metrics");
     EXPECT_EQ(metrics.status, 200);
     EXPECT_NE(metrics.body.find("kvshard_router_malformed_total{replica=\"a\"} 2"),
               std::string::npos)
         << metrics.body;
-    EXPECT_NE(metrics.body.find("kvshard_router_routes_total 4"), std::string::npos);
+    EXPECT_NE(metrics.body.find("kvshard_router_routes_total 7"), std::string::npos);
     EXPECT_NE(metrics.body.find("kvshard_router_gaps_total{replica=\"b\"} 1"), std::string::npos);
-    EXPECT_NE(metrics.body.find("kvshard_router_route_seconds_count 4"), std::string::npos);
+    EXPECT_NE(metrics.body.find("kvshard_router_route_seconds_count 7"), std::string::npos);
 
     // Bad requests: 400 with a message.
     for (const std::string& bad :

@@ -3,6 +3,7 @@
 // (kvshard/router/vllm_event_ingest.h) that feeds a KvIndex from decoded batches.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 #include "kvshard/cache/vllm_hash.h"
@@ -101,6 +102,50 @@ std::vector<CodecCase> codec_cases() {
                            {{"tag", "AllBlocksCleared"}}}}};
             cases.push_back({spec, b, true, f});
         }
+        {  // A hybrid model's groups: group_idx with the newest revision's kv_cache_spec_* fields
+           // (a kind alone, then a kind and its window; trailing defaults omitted).
+            VllmEventBatch b;
+            b.ts = 4.0;
+            auto full = stored({11, 12}, std::nullopt, {1, 2, 3, 4}, 2);
+            full.group_idx = 0;
+            full.kv_cache_spec_kind = "full_attention";
+            auto swa = stored({11, 12}, std::nullopt, {1, 2, 3, 4}, 2);
+            swa.group_idx = 1;
+            swa.kv_cache_spec_kind = "sliding_window";
+            swa.kv_cache_spec_sliding_window = 4096;
+            auto gone = removed({11});
+            gone.group_idx = 1;
+            b.events = {full, swa, gone};
+            json spec = {{"ts", 4.0},
+                         {"form", form},
+                         {"events",
+                          {{{"tag", "BlockStored"},
+                            {"block_hashes", {11, 12}},
+                            {"parent_block_hash", nullptr},
+                            {"token_ids", {1, 2, 3, 4}},
+                            {"block_size", 2},
+                            {"lora_id", nullptr},
+                            {"medium", "GPU"},
+                            {"lora_name", nullptr},
+                            {"group_idx", 0},
+                            {"kv_cache_spec_kind", "full_attention"}},
+                           {{"tag", "BlockStored"},
+                            {"block_hashes", {11, 12}},
+                            {"parent_block_hash", nullptr},
+                            {"token_ids", {1, 2, 3, 4}},
+                            {"block_size", 2},
+                            {"lora_id", nullptr},
+                            {"medium", "GPU"},
+                            {"lora_name", nullptr},
+                            {"group_idx", 1},
+                            {"kv_cache_spec_kind", "sliding_window"},
+                            {"kv_cache_spec_sliding_window", 4096}},
+                           {{"tag", "BlockRemoved"},
+                            {"block_hashes", {11}},
+                            {"medium", "GPU"},
+                            {"group_idx", 1}}}}};
+            cases.push_back({spec, b, true, f});
+        }
         {  // Hashes as bytes (the raw digest): the id is the last 8 bytes, big-endian; extra
            // fields of newer revisions (extra_keys, kv_cache_spec_kind) are accepted.
             VllmEventBatch b;
@@ -108,6 +153,7 @@ std::vector<CodecCase> codec_cases() {
             auto s = stored({0x2233445566778899ull, 0x0102ull}, 0x1112131415161718ull, {5, 6}, 1);
             s.hashes_as_bytes = true;
             s.medium = "CPU";
+            s.kv_cache_spec_kind = "full_attention";
             b.events.push_back(s);
             json spec = {
                 {"ts", 2.0},
@@ -344,20 +390,106 @@ TEST(VllmIngest, MalformedIsCountedAndDoesNotAdvance) {
     // seq 1 is still the next one expected.
     EXPECT_EQ(f.send(1, 1, {stored({2}, 1, {}, 16)}).outcome, Outcome::kApplied);
     EXPECT_EQ(f.overlap(1, {1, 2}), 2);
+    // A malformed payload with an old sequence number is no restart: nothing is cleared.
+    const auto old_seq = encode_vllm_seq(0);
+    const std::span<const uint8_t> stale_garbage[3] = {topic, old_seq, junk};
+    EXPECT_EQ(f.ingest.on_message(1, stale_garbage).outcome, Outcome::kMalformed);
+    EXPECT_EQ(f.ingest.status(1).restarts, 0);
+    EXPECT_EQ(f.overlap(1, {1, 2}), 2);
 }
 
-TEST(VllmIngest, OtherTiersAndGroupsStayOutOfTheIndex) {
+TEST(VllmIngest, OtherTiersStayOutOfTheIndex) {
     Feed f;
     auto cpu = stored({1, 2}, std::nullopt, {}, 16);
     cpu.medium = "CPU";
-    auto group1 = stored({1, 2}, std::nullopt, {}, 16);
-    group1.group_idx = 1;
     auto unnamed = stored({1}, std::nullopt, {}, 16);
     unnamed.medium.reset();
-    f.send(0, 0, {cpu, group1, unnamed});
+    auto far_group = stored({1, 2}, std::nullopt, {}, 16);
+    far_group.group_idx = KvIndex::kMaxGroups;
+    f.send(0, 0, {cpu, unnamed, far_group});
     EXPECT_EQ(f.overlap(0, {1, 2}), 1);
     EXPECT_EQ(f.ingest.status(0).ignored, 2);
     EXPECT_EQ(f.ingest.status(0).events, 1);
+}
+
+// A hybrid model (vLLM's group_idx): each group stores and evicts on its own, and a prefix counts
+// only as far as every group serves it.
+TEST(VllmIngest, HybridGroupsEachBoundTheOverlap) {
+    Feed f;
+    auto g0 = stored({1, 2, 3, 4}, std::nullopt, {}, 16);
+    g0.group_idx = 0;
+    auto g1 = stored({1, 2}, std::nullopt, {}, 16);  // no kind: the full-attention rule
+    g1.group_idx = 1;
+    f.send(0, 0, {g0, g1});
+    EXPECT_EQ(f.overlap(0, {1, 2, 3, 4}), 2);
+    EXPECT_EQ(f.index.num_blocks(0, 0), 4);
+    EXPECT_EQ(f.index.num_blocks(0, 1), 2);
+    EXPECT_EQ(f.index.num_blocks(0), 6);
+    auto g1_more = stored({3, 4}, 2, {}, 16);
+    g1_more.group_idx = 1;
+    f.send(0, 1, {g1_more});
+    EXPECT_EQ(f.overlap(0, {1, 2, 3, 4}), 4);
+    auto g1_gone = removed({3});
+    g1_gone.group_idx = 1;
+    f.send(0, 2, {g1_gone});  // only group 1 lost block 3
+    EXPECT_EQ(f.overlap(0, {1, 2, 3, 4}), 2);
+    EXPECT_TRUE(f.index.contains(0, vllm_index_key(3), 0));
+    EXPECT_FALSE(f.index.contains(0, vllm_index_key(3), 1));
+    // A sliding-window group (33 tokens, 16-token blocks: the last 2 blocks before the hit)
+    // serves 4 blocks with blocks 2 and 3 (indices) alone.
+    auto swa = stored({3, 4}, 2, {}, 16);
+    swa.group_idx = 1;
+    swa.kv_cache_spec_kind = "sliding_window";
+    swa.kv_cache_spec_sliding_window = 33;
+    auto swa_gone = removed({1, 2});
+    swa_gone.group_idx = 1;
+    f.send(0, 3, {swa, swa_gone});
+    EXPECT_EQ(f.overlap(0, {1, 2, 3, 4}), 4);
+    // 3 blocks: the window before 3 is ids 2 and 3; id 2 is gone, and so is id 1 (no shorter
+    // run from block 0 either).
+    EXPECT_EQ(f.overlap(0, {1, 2, 3}), 0);
+    // Replica 1 published group 0 only: the walk of group 0 alone.
+    f.send(1, 0, {stored({1, 2, 3}, std::nullopt, {}, 16)});
+    EXPECT_EQ(f.overlap(1, {1, 2, 3, 4}), 3);
+    // Then a Mamba group with the state after block id 2 only: the hit ends there.
+    auto mamba = stored({2}, 1, {}, 16);
+    mamba.group_idx = 2;
+    mamba.kv_cache_spec_kind = "mamba";
+    f.send(1, 1, {mamba});
+    EXPECT_EQ(f.overlap(1, {1, 2, 3, 4}), 2);
+    // AllBlocksCleared empties every group.
+    f.send(0, 4, {cleared()});
+    EXPECT_EQ(f.overlap(0, {1, 2, 3, 4}), 0);
+    EXPECT_EQ(f.index.num_blocks(0), 0);
+    EXPECT_EQ(f.index.groups(0), 0u);
+}
+
+TEST(VllmIngest, GroupWindowRules) {
+    EXPECT_EQ(vllm_group_window_blocks("sliding_window", 4096, 16), 256);  // cdiv(4095, 16)
+    EXPECT_EQ(vllm_group_window_blocks("sliding_window", 4097, 16), 256);
+    EXPECT_EQ(vllm_group_window_blocks("sliding_window", 4098, 16), 257);
+    EXPECT_EQ(vllm_group_window_blocks("sliding_window_mla", 1, 16), 0);
+    EXPECT_EQ(vllm_group_window_blocks("mamba", std::nullopt, 16), 1);
+    EXPECT_EQ(vllm_group_window_blocks("sliding_window", std::nullopt, 16), std::nullopt);
+    EXPECT_EQ(vllm_group_window_blocks("full_attention", std::nullopt, 16), std::nullopt);
+    EXPECT_EQ(vllm_group_window_blocks("chunked_local_attention", 8192, 16), std::nullopt);
+}
+
+TEST(VllmIngest, TheIndexCapCountsEachGroupsBlocks) {
+    KvIndex index(1);
+    VllmEventIngest ingest(index, 3);
+    auto g0 = stored({1, 2}, std::nullopt, {}, 16);
+    g0.group_idx = 0;
+    auto g1 = stored({1, 2}, std::nullopt, {}, 16);
+    g1.group_idx = 1;
+    const auto s = encode_vllm_seq(0);
+    const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, {g0, g1}, 0});
+    ingest.on_batch(0, s, p);
+    // Four (block, group) entries over a cap of 3: the oldest, group 0's block 1, is dropped.
+    EXPECT_EQ(ingest.status(0).evicted, 1);
+    EXPECT_FALSE(index.contains(0, vllm_index_key(1), 0));
+    EXPECT_TRUE(index.contains(0, vllm_index_key(1), 1));
+    EXPECT_EQ(index.num_blocks(0), 3);
 }
 
 TEST(VllmIngest, PromptKeysAreTheEventIdsOfVllmHashes) {
@@ -397,6 +529,45 @@ TEST(VllmIngest, TheIndexCapDropsTheOldestStoredBlocks) {
     EXPECT_EQ(index.num_blocks(0), 3);
     EXPECT_EQ(ingest.status(0).evicted, 2);
     EXPECT_THROW(VllmEventIngest(index, 0), Error);
+}
+
+// Randomized: the cap against a naive LRU by latest store, through stores, re-stores and
+// removals in two groups; caps small enough that the store-order map is built mid-stream (the
+// replica past half its cap) and large enough that it is built to compact the FIFO first.
+TEST(VllmIngest, TheIndexCapMatchesANaiveLruUnderRandomEvents) {
+    for (int64_t cap : {int64_t{40}, int64_t{100000}}) {
+        SCOPED_TRACE("cap " + std::to_string(cap));
+        std::mt19937_64 rng(static_cast<uint64_t>(cap));
+        KvIndex index(1);
+        VllmEventIngest ingest(index, cap);
+        std::vector<std::pair<uint64_t, int>> lru;  // (id, group), oldest first
+        auto find = [&](uint64_t id, int g) {
+            return std::find(lru.begin(), lru.end(), std::make_pair(id, g));
+        };
+        int64_t evicted = 0;
+        for (uint64_t seq = 0; seq < 6000; ++seq) {
+            const int g = static_cast<int>(rng() % 2);
+            std::vector<uint64_t> ids;
+            for (int k = 0; k < 3; ++k) ids.push_back(1 + rng() % 120);
+            VllmKvEvent e = rng() % 3 == 0 ? removed(ids) : stored(ids, std::nullopt, {}, 16);
+            e.group_idx = g;
+            for (uint64_t id : ids) {
+                if (auto it = find(id, g); it != lru.end()) lru.erase(it);
+                if (e.kind == VllmEventKind::kBlockStored) lru.emplace_back(id, g);
+            }
+            while (static_cast<int64_t>(lru.size()) > cap) {
+                lru.erase(lru.begin());
+                ++evicted;
+            }
+            const auto s = encode_vllm_seq(seq);
+            const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, {e}, 0});
+            ASSERT_EQ(ingest.on_batch(0, s, p).outcome, VllmEventIngest::Outcome::kApplied);
+            ASSERT_EQ(index.num_blocks(0), static_cast<int64_t>(lru.size())) << "seq " << seq;
+            for (const auto& [id, gg] : lru)
+                ASSERT_TRUE(index.contains(0, vllm_index_key(id), gg)) << "seq " << seq;
+            ASSERT_EQ(ingest.status(0).evicted, evicted) << "seq " << seq;
+        }
+    }
 }
 
 }  // namespace

@@ -41,7 +41,11 @@ struct VllmKvEvent {
     std::optional<std::string> medium;          // "GPU", "CPU", ...; nullopt when null/absent
     std::optional<std::string> lora_name;       // Stored
     std::optional<int64_t> group_idx;           // Stored / Removed: the KV cache group
-    bool hashes_as_bytes = false;               // decoded: some hash was bytes on the wire
+    // Stored, newest revisions: the group's KVCacheSpecKind value ("full_attention",
+    // "sliding_window", "mamba", ...) and its sliding window in tokens.
+    std::optional<std::string> kv_cache_spec_kind;
+    std::optional<int64_t> kv_cache_spec_sliding_window;
+    bool hashes_as_bytes = false;  // decoded: some hash was bytes on the wire
 
     bool operator==(const VllmKvEvent&) const = default;
 };

@@ -22,6 +22,7 @@ struct RouterHttpOptions {
     int port = 0;               // 0: any free port (port() says which)
     bool allow_remote = false;  // binding to a non-loopback address needs this
     size_t max_body_bytes = 8 << 20;
+    size_t keep_alive_max_requests = 100000;  // requests per connection before it is closed
 };
 
 // Error unless host is a loopback address (127.x.x.x, ::1, localhost) or allow_remote is set.

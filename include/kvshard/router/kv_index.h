@@ -13,6 +13,19 @@
 //    (route_recorded): a routed request's blocks are assumed cached on that replica for ttl_s
 //    seconds after the last time a request routed there used them (SGLang's approximate tree).
 // At most kMaxReplicas replicas (one bit each).
+//
+// KV cache groups (hybrid models: vLLM's group_idx, KvEvent::group): a model whose layers keep
+// different KV (full attention, a sliding window, Mamba state) caches each block once per group,
+// and each group stores and evicts on its own. The index keeps one map per group. A replica's
+// prefix overlap is then the longest k that every group it has published serves, found as a
+// fixed point (vLLM's HybridKVCacheCoordinator; KvGroupManager::hybrid_hit_blocks): each group in
+// turn lowers k to the longest hit <= k it serves, until none lowers it. A group serves k when
+//   full attention (the default rule): blocks [0, k) are held;
+//   windowed, w blocks (set_group_window): blocks [max(0, k - w), k) are held (only the window
+//     before position k is read; vLLM's sliding window needs ceil((window - 1) / block_size)
+//     blocks, Mamba state 1: the block at k - 1).
+// k = 0 is always served. While no replica has more than a full-attention group 0, the walk of
+// group 0 alone (with its early exit) answers; otherwise the fixed point answers for every replica.
 #include <cstdint>
 #include <deque>
 #include <span>
@@ -22,6 +35,7 @@
 
 #include "kvshard/cache/block_hash.h"
 #include "kvshard/cache/kv_events.h"
+#include "kvshard/router/block_hash_map.h"
 
 namespace kvshard {
 
@@ -32,6 +46,7 @@ KvIndexMode parse_kv_index_mode(std::string_view s);
 class KvIndex {
   public:
     static constexpr int kMaxReplicas = 64;
+    static constexpr int kMaxGroups = 64;
 
     // Throws Error when num_replicas is outside [1, kMaxReplicas] or ttl_s <= 0 in approximate
     // mode.
@@ -43,9 +58,17 @@ class KvIndex {
 
     // Exact mode: the events of replica `replica`'s block store. Storing a hash twice or removing
     // a hash the replica does not hold is harmless (idempotent set semantics).
-    void block_stored(int replica, std::span<const BlockHash> hashes);
-    void block_removed(int replica, std::span<const BlockHash> hashes);
+    // `group` is the KV cache group, 0 to kMaxGroups - 1 (Error otherwise); a group takes part in
+    // the replica's overlap from its first stored block on, until all_cleared.
+    void block_stored(int replica, std::span<const BlockHash> hashes, int group = 0);
+    void block_removed(int replica, std::span<const BlockHash> hashes, int group = 0);
+    // Every group of the replica (their rules are kept: they describe the model, not the cache).
     void all_cleared(int replica);
+    // Group `group` of `replica` serves a prefix k when its last `window_blocks` blocks before k
+    // are held (window_blocks >= 0; 0: it never limits the overlap). Error on bad arguments.
+    void set_group_window(int replica, int group, int window_blocks);
+    // Back to the full-attention rule (the default).
+    void set_group_full(int replica, int group);
     // Any of the three, as published by a BlockManager (kvshard/cache/kv_events.h). The first event
     // of a replica fixes where its feed starts; after that an event whose sequence number is not
     // the next one throws Error naming both (a lost or replayed event: that replica's part of the
@@ -62,16 +85,23 @@ class KvIndex {
     // out[r] = number of leading blocks of `hashes` that replica r holds. out.size() ==
     // num_replicas.
     void prefix_overlap(std::span<const BlockHash> hashes, std::span<int> out) const;
-    bool contains(int replica, BlockHash h) const;
-    // Blocks the index believes replica r holds.
+    bool contains(int replica, BlockHash h, int group = 0) const;
+    // Blocks the index believes replica r holds, over all its groups / in one group.
     int64_t num_blocks(int replica) const { return counts_[static_cast<size_t>(replica)]; }
-    // Distinct hashes held by at least one replica.
-    int64_t num_hashes() const { return static_cast<int64_t>(masks_.size()); }
+    int64_t num_blocks(int replica, int group) const;
+    // Distinct (hash, group) pairs held by at least one replica.
+    int64_t num_hashes() const;
+    // Groups replica r has stored blocks in since its last all_cleared (bit g: group g).
+    uint64_t groups(int replica) const { return groups_[static_cast<size_t>(replica)]; }
 
   private:
-    void set_bit(int replica, BlockHash h);
-    void clear_bit(int replica, BlockHash h);
+    using MaskMap = BlockHashMap<uint64_t>;
+    void set_bit(int replica, BlockHash h, int group = 0);
+    void clear_bit(int replica, BlockHash h, int group = 0);
     void check_replica(int replica) const;
+    void check_group(int group) const;
+    // prefix_overlap when some replica has groups besides a full-attention group 0.
+    void hybrid_overlap(std::span<const BlockHash> hashes, std::span<int> out) const;
 
     struct Expiry {
         double at;
@@ -81,9 +111,15 @@ class KvIndex {
     int num_replicas_;
     KvIndexMode mode_;
     double ttl_s_;
-    std::unordered_map<BlockHash, uint64_t, BlockHashHasher>
-        masks_;                      // hash -> bit r set when replica r holds it
-    std::vector<int64_t> counts_;    // blocks per replica
+    std::vector<MaskMap> masks_;   // [group]: hash -> bit r set when replica r holds it
+    std::vector<int64_t> counts_;  // blocks per replica, all groups
+    std::vector<std::vector<int64_t>> group_counts_;  // [replica][group]
+    std::vector<uint64_t> groups_;                    // [replica]: groups with a stored block
+    // [replica][group]: -1 full attention, else the window in blocks (set_group_window).
+    std::vector<std::vector<int>> window_;
+    // Bit r: replica r has a group other than 0, or a windowed group 0 (prefix_overlap's slow
+    // path).
+    uint64_t hybrid_ = 0;
     std::vector<int64_t> next_seq_;  // next event number per replica; -1 before its first event
     // Approximate mode: latest expiry per (replica, hash) and a FIFO of expiries (non-decreasing
     // because time only moves forward); a popped entry clears its bit only if not refreshed since.

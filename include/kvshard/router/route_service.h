@@ -11,6 +11,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -30,6 +31,19 @@ struct RouteServiceConfig {
     int block_size = 16;
     size_t max_tracked_requests = 1 << 20;  // routed, unfinished requests kept for load
 };
+
+// The body of POST /route: {"token_ids": [int, ...], "request_id": "..."}.
+struct RouteRequestBody {
+    std::vector<int32_t> token_ids;
+    std::string request_id;  // empty when absent
+};
+
+// Parses a /route body. Error (its message is the 400 reply's) when it is not JSON, not an object,
+// has no "token_ids" array of integers, a token id is outside 0..2^31-1, or "request_id" is not a
+// string; other keys are ignored. The usual shape (those two keys, plain integers, a request id
+// without escapes) is read in one pass; anything else goes through a full JSON parser, with the
+// same result.
+RouteRequestBody parse_route_request(std::string_view body);
 
 struct RouteOutcome {
     int replica = 0;
@@ -52,6 +66,10 @@ class RouteService {
     // Error on a token id outside 0..2^31-1 or an empty prompt. A request id seen before and not
     // finished is routed again and its old load released first.
     RouteOutcome route(const std::string& request_id, std::span<const int64_t> token_ids);
+    RouteOutcome route(const std::string& request_id, std::span<const int32_t> token_ids);
+    // The /route reply of an outcome: {"load": {name: blocks}, "matched_blocks": {name: n},
+    // "reason", "replica"} (keys in sorted order, byte for byte what nlohmann::json writes).
+    std::string route_reply_json(const RouteOutcome& o) const;
     // Releases the load of a routed request; false when the id is unknown (or already finished).
     bool finished(const std::string& request_id);
 
@@ -68,6 +86,9 @@ class RouteService {
     RouteServiceConfig config_;
     IndexAccess index_;
     VllmBlockHash root_;
+    // route_reply_json: replica indices in name order and their names as JSON strings.
+    std::vector<size_t> names_sorted_;
+    std::vector<std::string> names_json_;
     mutable std::mutex mu_;
     uint64_t rr_counter_ = 0;
     std::vector<int64_t> load_;

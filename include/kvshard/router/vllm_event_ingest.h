@@ -12,26 +12,35 @@
 //    or call mark_stale(): the replica's part of the index is cleared and flagged stale (it then
 //    holds only what later events tell, a subset of the truth) until an AllBlocksCleared resets it.
 //  - seq <= last (the publisher restarted and counts from 0 again): the replica is cleared, then
-//    the batch is applied.
+//    the batch is applied (only a batch that decodes: a malformed one changes nothing).
 //  - a malformed message (not 3 frames, a sequence frame not 8 bytes, a payload that does not
 //    decode) is counted and dropped; the sequence number does not advance, so the next good batch
 //    shows the gap.
-// Only events of the GPU tier (medium "GPU" or null) and of KV cache group 0 (group_idx 0 or
-// null) enter the index; the others are counted. A vLLM block id maps to the index key
-// vllm_index_key(id). The index holds at most max_blocks_per_replica blocks per replica: past it
-// the replica's oldest stored blocks (by their last BlockStored) are dropped from the index and
-// counted (bounded memory; a dropped block only costs a missed hit).
+// Only events of the GPU tier (medium "GPU" or null) enter the index; the others are counted.
+// Each KV cache group (group_idx; null is group 0) has its own part of the index, and a route's
+// overlap is the longest prefix every group of the replica serves (kv_index.h). A BlockStored
+// that names its group's kv_cache_spec_kind sets the group's rule: "sliding_window" /
+// "sliding_window_mla" with kv_cache_spec_sliding_window = W tokens needs only the last
+// ceil((W - 1) / block_size) blocks before the hit, "mamba" only the block before it; every other
+// kind, and a group whose kind was never named (revisions before the field), needs every block of
+// the prefix (full attention; for a windowed group that may undercount a hit, never overcount).
+// A group_idx outside 0..KvIndex::kMaxGroups - 1 is counted as ignored. A vLLM block id maps to the
+// index key vllm_index_key(id). The index holds at most max_blocks_per_replica blocks per replica:
+// past it the replica's oldest stored blocks (by their last BlockStored) are dropped from the index
+// and counted (bounded memory; a dropped block only costs a missed hit).
 #include <cstdint>
 #include <deque>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
 #include "kvshard/cache/block_hash.h"
 #include "kvshard/cache/vllm_hash.h"
 #include "kvshard/cache/vllm_kv_events.h"
+#include "kvshard/router/block_hash_map.h"
 #include "kvshard/router/kv_index.h"
 
 namespace kvshard {
@@ -45,12 +54,19 @@ std::vector<BlockHash> vllm_prompt_keys(VllmBlockHasher& hasher, const VllmBlock
                                         std::span<const int32_t> tokens, int block_size,
                                         const VllmExtraKeys& keys = {});
 
+// The window rule of a KV cache group from its BlockStored's kv_cache_spec_kind: the blocks
+// before a hit the group must hold (KvIndex::set_group_window), or nullopt for every block (full
+// attention, and kinds whose hit rule the router does not model).
+std::optional<int> vllm_group_window_blocks(std::string_view kind,
+                                            std::optional<int64_t> sliding_window,
+                                            int64_t block_size);
+
 struct VllmFeedStatus {
     std::optional<uint64_t> last_seq;  // nullopt before the first batch
     bool stale = false;
     int64_t batches = 0;     // batches applied
     int64_t events = 0;      // events applied to the index
-    int64_t ignored = 0;     // events of another tier or group
+    int64_t ignored = 0;     // events of another tier (or a group_idx out of range)
     int64_t gaps = 0;        // gaps seen
     int64_t restarts = 0;    // sequence went back
     int64_t malformed = 0;   // messages dropped
@@ -90,17 +106,21 @@ class VllmEventIngest {
     void apply(int replica, const VllmEventBatch& b);
     Result malformed(int replica, std::string why);
     void clear_replica(int replica);
-    void stored(int replica, std::span<const BlockHash> keys);
-    void removed(int replica, std::span<const BlockHash> keys);
+    void stored(int replica, std::span<const BlockHash> keys, int group);
+    void removed(int replica, std::span<const BlockHash> keys, int group);
 
-    // Per replica, the blocks held in the index in store order: key -> generation of its latest
-    // store, and a FIFO of (key, generation); an entry whose generation is not the key's latest
-    // is stale and skipped.
+    // Per replica, the blocks held in the index in store order: a FIFO of (key, generation) and,
+    // once tracking (the replica past half its cap, or a FIFO to compact), key -> generation of
+    // its latest store; a FIFO entry whose generation is not the key's latest is stale and
+    // skipped. Keys are (block, group): the group in the key's high half.
     struct Held {
-        std::unordered_map<BlockHash, uint64_t, BlockHashHasher> latest;
+        BlockHashMap<uint64_t> latest;
         std::deque<std::pair<BlockHash, uint64_t>> order;
         uint64_t generation = 0;
+        bool tracking = false;
     };
+    static constexpr size_t kCompactSlack = 1024;
+    void start_tracking(int replica);
 
     KvIndex* index_;
     int64_t max_blocks_;
