@@ -6,6 +6,18 @@
 
 namespace kvshard {
 
+const char* prefill_route_name(PrefillRoute r) {
+    return r == PrefillRoute::kLeastTokens ? "least-tokens" : "round-robin";
+}
+
+PrefillRoute parse_prefill_route(const std::string& s) {
+    if (s == "round-robin") return PrefillRoute::kRoundRobin;
+    if (s == "least-tokens") return PrefillRoute::kLeastTokens;
+    throw Error(detail::concat("prefill route '", s,
+                               "': valid are round-robin (request i to replica i % dp) and "
+                               "least-tokens (to the replica with the fewest prompt tokens)"));
+}
+
 void DisaggOptions::validate() const {
     require(max_new_tokens >= 1, "max_new_tokens must be at least 1, got ", max_new_tokens);
     require(prefill_block_size >= 1 && decode_block_size >= 1,

@@ -13,11 +13,14 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
     const int n = plan.requests, gen = opt.max_new_tokens, vocab = plan.model.vocab;
     const int d = world.rank() - plan.prefill_ranks;
     RankModel& model = side.model();
+    // This rank's replica's requests (all of them with dp = 1).
+    const int replica = side.coord.dp;
+    auto mine = [&](int i) { return plan.serves(false, replica, i); };
     // One receiver per request and part this rank holds a pool of.
     std::vector<std::unique_ptr<TransferReceiver>> receivers;
     std::vector<int> receiver_request, receiver_part;
     for (int i = 0; i < n; ++i)
-        for (int p = 0; p < static_cast<int>(plan.parts[i].size()); ++p) {
+        for (int p = 0; p < static_cast<int>(plan.parts[i].size()) && mine(i); ++p) {
             const DisaggPlan::TransferPart& part = plan.parts[i][p];
             const int pool = pool_of_group(model, part.kv_group);
             if (pool < 0) continue;
@@ -62,7 +65,7 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
             }
     }
     times.transfer_done = seconds_since(t0);
-    // One verdict per request for the whole decode group.
+    // One verdict per request for the whole decode side (a replica's ranks flag only its own).
     group.all_reduce(std::span<int32_t>(failed), ReduceOp::kMax);
     // A request whose cached prefix blocks an earlier, failed request was to write fails too.
     for (int i = 0; i < n; ++i) {
@@ -87,13 +90,19 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
             }
         }
 
+    // The first tokens from every prefill replica's last stage, each for its own requests.
     std::vector<int32_t> first(static_cast<size_t>(n), 0);
-    world.recv(std::span<int32_t>(first), rank_of(plan.prefill, 0, plan.prefill.pp - 1, 0, 0),
-               kTagFirstTokens);
+    for (int r = 0; r < plan.prefill.dp; ++r) {
+        std::vector<int32_t> from(static_cast<size_t>(n), 0);
+        world.recv(std::span<int32_t>(from), rank_of(plan.prefill, r, plan.prefill.pp - 1, 0, 0),
+                   kTagFirstTokens);
+        for (int i = 0; i < n; ++i)
+            if (plan.serves(true, r, i)) first[i] = from[i];
+    }
     std::vector<std::vector<int32_t>> out(static_cast<size_t>(n));
     std::vector<int> active;
     for (int i = 0; i < n; ++i)
-        if (!failed[i]) {
+        if (mine(i) && !failed[i]) {
             out[i].push_back(first[i]);
             active.push_back(i);
         }
@@ -144,7 +153,7 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
         RequestResult r;
         r.id = i;
         r.error = errors[i];
-        if (brings) {
+        if (brings && mine(i)) {
             r.has_output = true;
             r.tokens = std::move(out[i]);
             r.failed = failed[i] != 0;

@@ -1,6 +1,7 @@
 // A disaggregated run's plans: the inputs checked, each side's blocks, and one transfer plan per
 // request, the same on every rank.
 #include <algorithm>
+#include <deque>
 #include <map>
 
 #include "common/byte_buffer.h"
@@ -27,6 +28,32 @@ StateAccess state_access(RankModel& model, int32_t slot) {
     };
 }
 
+namespace {
+
+// Request i's replica on each side (docs/transfer.md, "Several replicas on a side").
+void assign_replicas(DisaggPlan& plan, const std::vector<int64_t>& decode_len,
+                     const DisaggOptions& opt) {
+    const int n = plan.requests, pdp = plan.prefill.dp, ddp = plan.decode.dp;
+    std::vector<int64_t> prompt_tokens(static_cast<size_t>(pdp), 0);
+    std::vector<int64_t> decode_blocks(static_cast<size_t>(ddp), 0);
+    for (int i = 0; i < n; ++i) {
+        int p = i % pdp;
+        if (opt.prefill_route == PrefillRoute::kLeastTokens)
+            p = static_cast<int>(std::min_element(prompt_tokens.begin(), prompt_tokens.end()) -
+                                 prompt_tokens.begin());
+        prompt_tokens[size_t(p)] += plan.prompt_len[i];
+        plan.prefill_replica.push_back(p);
+        // Pools of one size: the most free blocks is the fewest assigned (first of equals).
+        const int d = static_cast<int>(
+            std::min_element(decode_blocks.begin(), decode_blocks.end()) - decode_blocks.begin());
+        decode_blocks[size_t(d)] +=
+            (decode_len[i] + opt.decode_block_size - 1) / opt.decode_block_size;
+        plan.decode_replica.push_back(d);
+    }
+}
+
+}  // namespace
+
 DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
                          const ParallelConfig& decode,
                          const std::vector<std::vector<int32_t>>& prompts, const DisaggOptions& opt,
@@ -43,9 +70,12 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
             dtype_name(m.kv_dtype),
             " with a cp > 1 side: the context-parallel executor stores fp32 KV only; use "
             "--kv-dtype fp32, or cp=1 on both sides");
-    require(
-        prefill.dp == 1 && decode.dp == 1,
-        "disaggregated runs serve one replica on each side: use dp=1 for --prefill and --decode");
+    // Several replicas on a side (dp > 1) are groups of the plain executor; the CP executor
+    // serves one group.
+    require((prefill.cp == 1 || prefill.dp == 1) && (decode.cp == 1 || decode.dp == 1),
+            "a disaggregated side with cp > 1 serves one replica: use dp=1 with cp > 1 (got "
+            "--prefill ",
+            prefill.to_string(), ", --decode ", decode.to_string(), ")");
     // A side with cp > 1 runs the CP executor (CpSession) on a cp x tp grid, one request after
     // another. A CP prefill side reserves every request's blocks before the start, so the plans are
     // known and each layer is sent as its ring attention finishes; a CP decode side allocates its
@@ -98,9 +128,33 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
         plan.prompt_len.push_back(static_cast<int64_t>(p.size()));
         decode_len.push_back(static_cast<int64_t>(p.size()) + opt.max_new_tokens);
     }
-    plan.prefill_tables =
-        consecutive_tables(plan.prompt_len, opt.prefill_block_size, plan.prefill_blocks);
-    plan.decode_tables = consecutive_tables(decode_len, opt.decode_block_size, plan.decode_blocks);
+    assign_replicas(plan, decode_len, opt);
+    // Each replica's requests get consecutive blocks of its pools; the pools are the size of the
+    // largest replica's need.
+    auto replica_tables = [&](const std::vector<int>& replica_of, int dp,
+                              const std::vector<int64_t>& lengths, int block_size,
+                              int64_t& blocks) {
+        std::vector<std::vector<int32_t>> tables(static_cast<size_t>(plan.requests));
+        blocks = 1;
+        for (int r = 0; r < dp; ++r) {
+            std::vector<int> mine;
+            std::vector<int64_t> len;
+            for (int i = 0; i < plan.requests; ++i)
+                if (replica_of[i] == r) {
+                    mine.push_back(i);
+                    len.push_back(lengths[i]);
+                }
+            int64_t used = 0;
+            auto t = consecutive_tables(len, block_size, used);
+            for (size_t k = 0; k < mine.size(); ++k) tables[mine[k]] = std::move(t[k]);
+            blocks = std::max(blocks, used);
+        }
+        return tables;
+    };
+    plan.prefill_tables = replica_tables(plan.prefill_replica, prefill.dp, plan.prompt_len,
+                                         opt.prefill_block_size, plan.prefill_blocks);
+    plan.decode_tables = replica_tables(plan.decode_replica, decode.dp, decode_len,
+                                        opt.decode_block_size, plan.decode_blocks);
     plan.prefill_cached.assign(static_cast<size_t>(plan.requests), 0);
     plan.decode_cached.assign(static_cast<size_t>(plan.requests), 0);
     plan.decode_provider.assign(static_cast<size_t>(plan.requests), -1);
@@ -108,14 +162,22 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
     // sent only its own window; a state group would need a state saved at the hit).
     plan.prefix_cache = opt.prefix_cache && !plan.cp_prefill && !plan.cp_decode && m.uniform();
     if (plan.prefix_cache) {
-        // Both sides' blocks from a prefix-caching block manager, in request order, the same on
-        // every rank. The pools keep their sizes (what every request whole needs).
+        // Both sides' blocks from a prefix-caching block manager per replica, in request order,
+        // the same on every rank. The pools keep their sizes (what every request whole needs).
         const int pbs = opt.prefill_block_size, dbs = opt.decode_block_size;
-        BlockManager pm({.num_blocks = plan.prefill_blocks, .block_size = pbs});
-        BlockManager dm({.num_blocks = plan.decode_blocks, .block_size = dbs});
-        std::map<int32_t, int> first_holder;  // decode block -> the request that allocated it
+        std::deque<BlockManager> pms, dms;  // (not movable)
+        for (int r = 0; r < prefill.dp; ++r)
+            pms.emplace_back(
+                BlockManagerConfig{.num_blocks = plan.prefill_blocks, .block_size = pbs});
+        for (int r = 0; r < decode.dp; ++r)
+            dms.emplace_back(
+                BlockManagerConfig{.num_blocks = plan.decode_blocks, .block_size = dbs});
+        // (decode replica, decode block) -> the request that allocated it
+        std::map<std::pair<int, int32_t>, int> first_holder;
         for (int i = 0; i < plan.requests; ++i) {
             const int64_t len = plan.prompt_len[i];
+            BlockManager& pm = pms[size_t(plan.prefill_replica[i])];
+            BlockManager& dm = dms[size_t(plan.decode_replica[i])];
             // At least the last prompt token is computed (its logits) and sent.
             const AllocResult a = pm.allocate(i, prompts[i], {}, (len - 1) / pbs);
             const AllocResult d = dm.allocate(i, prompts[i], {}, (len - 1) / dbs);
@@ -126,7 +188,8 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
             plan.prefill_tables[i].assign(pt.begin(), pt.end());
             plan.decode_tables[i].assign(dt.begin(), dt.end());
             for (size_t b = 0; b < dt.size(); ++b) {
-                const auto [it, fresh] = first_holder.emplace(dt[b], i);
+                const auto [it, fresh] =
+                    first_holder.emplace(std::pair(plan.decode_replica[i], dt[b]), i);
                 if (!fresh && int64_t(b) * dbs < d.cached_tokens)
                     plan.decode_provider[i] = std::max(plan.decode_provider[i], it->second);
             }
@@ -150,12 +213,12 @@ void make_transfer_plans(DisaggPlan& plan, const DisaggOptions& opt, const CpTab
                          const CpTables& dst_tables) {
     for (int i = 0; i < plan.requests; ++i) {
         TransferEndpoint src{.layout = plan.prefill_layout,
-                             .dp = 0,
+                             .dp = plan.prefill_replica[i],
                              .block_size = opt.prefill_block_size,
                              .order = opt.prefill_order,
                              .block_tables = src_tables[i]};
         TransferEndpoint dst{.layout = plan.decode_layout,
-                             .dp = 0,
+                             .dp = plan.decode_replica[i],
                              .block_size = opt.decode_block_size,
                              .order = opt.decode_order,
                              .block_tables = dst_tables[i]};

@@ -17,6 +17,9 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
                       RankTimes& times, std::vector<RequestResult>& results) {
     const int n = plan.requests, me = world.rank(), vocab = plan.model.vocab;
     RankModel& model = side.model();
+    // This rank's replica's requests (all of them with dp = 1).
+    const int replica = side.coord.dp;
+    auto mine = [&](int i) { return plan.serves(true, replica, i); };
     // Seals of this rank's pool, made as each layer's KV is written (below).
     // (A model of one KV group only: the seals cover the rank's one pool.)
     std::shared_ptr<SourceChecksums> sums;
@@ -30,7 +33,7 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
     std::vector<int> sender_request, sender_part;
     const double senders_at = seconds_since(t0);
     for (int i = 0; i < n; ++i)
-        for (int p = 0; p < static_cast<int>(plan.parts[i].size()); ++p) {
+        for (int p = 0; p < static_cast<int>(plan.parts[i].size()) && mine(i); ++p) {
             const DisaggPlan::TransferPart& part = plan.parts[i][p];
             const int pool = pool_of_group(model, part.kv_group);
             if (pool < 0) continue;
@@ -93,16 +96,21 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
             default_attention(call);  // writes this layer's KV, then attends
             if (sums)                 // while that KV is still in cache
                 for (int i = 0; i < n; ++i)
-                    sums->seal_sequence(call.local_layer, plan.prefill_tables[i],
-                                        plan.prompt_len[i]);
+                    if (mine(i))
+                        sums->seal_sequence(call.local_layer, plan.prefill_tables[i],
+                                            plan.prompt_len[i]);
             if (call.layer == last_layer) times.last_layer_done = seconds_since(t0);
             for (size_t k = 0; k < senders.size(); ++k) {
                 layer_done(k, call.layer);
                 senders[k]->progress();
             }
         });
+        // One batch of this replica's requests; logits row k is request batch[k]'s.
         ForwardBatch fb;
+        std::vector<int> batch;
         for (int i = 0; i < n; ++i) {
+            if (!mine(i)) continue;
+            batch.push_back(i);
             // Tokens an earlier request's blocks hold are not computed again (same forward: its
             // KV is written layer by layer before this request attends to it).
             const int64_t cached = plan.prefill_cached[i];
@@ -114,7 +122,16 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
             fb.kv.add_sequence(plan.prefill_tables[i], plan.prompt_len[i], opt.prefill_block_size);
             fb.state_slots.push_back(i);  // request i's state (state layers)
         }
-        logits = model.forward(fb);
+        if (!batch.empty()) {
+            const std::vector<float> lg = model.forward(fb);
+            if (static_cast<int64_t>(lg.size()) == int64_t{vocab} * int64_t(batch.size())) {
+                logits.assign(static_cast<size_t>(n) * vocab, 0.0f);
+                for (size_t k = 0; k < batch.size(); ++k)
+                    std::copy(lg.begin() + static_cast<int64_t>(k) * vocab,
+                              lg.begin() + static_cast<int64_t>(k + 1) * vocab,
+                              logits.begin() + int64_t{batch[k]} * vocab);
+            }
+        }
         times.prefill_end = seconds_since(t0);
         // A rank whose last layer holds no KV (state layers, layers without KV) is done here.
         if (times.last_layer_done < 0) times.last_layer_done = times.prefill_end;
@@ -169,17 +186,21 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
             }
         wait_all(state_sends);
     }
-    const int prefill_last = rank_of(plan.prefill, 0, plan.prefill.pp - 1, 0, 0);
+    // Each replica's last stage sends the first tokens of its requests (0 for the others) to
+    // every decode rank.
+    const int prefill_last = rank_of(plan.prefill, replica, plan.prefill.pp - 1, 0, 0);
     if (me != prefill_last) return;
     std::vector<int32_t> first(static_cast<size_t>(n), 0);
     for (int i = 0; i < n; ++i)
-        first[i] = argmax({logits.data() + int64_t{i} * vocab, static_cast<size_t>(vocab)});
+        if (mine(i))
+            first[i] = argmax({logits.data() + int64_t{i} * vocab, static_cast<size_t>(vocab)});
     std::vector<Request> reqs;
     for (int d = 0; d < plan.decode_ranks; ++d)
         reqs.push_back(
             world.isend(std::span<const int32_t>(first), plan.prefill_ranks + d, kTagFirstTokens));
     wait_all(reqs);
     for (int i = 0; i < n; ++i) {
+        if (!mine(i)) continue;
         RequestResult r;
         r.id = i;
         r.last_logits.assign(logits.begin() + int64_t{i} * vocab,

@@ -33,6 +33,8 @@ DisaggReport merge_disagg_report(const DisaggPlan& plan, const DisaggOptions& op
     rep.tokens.resize(n);
     rep.last_logits.resize(n);
     rep.errors.resize(n);
+    rep.prefill_replica = plan.prefill_replica;
+    rep.decode_replica = plan.decode_replica;
     std::vector<std::vector<float>> prefill_logits(static_cast<size_t>(n));
     std::vector<int32_t> failed_flags(static_cast<size_t>(n), 0);
     rep.transfer_start_s = -1;

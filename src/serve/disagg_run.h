@@ -35,7 +35,10 @@ struct DisaggPlan {
     int prefill_ranks = 0, decode_ranks = 0;  // world ranks [0, P) and [P, P + D)
     int requests = 0;
     std::vector<int64_t> prompt_len;
-    // The plain executors' blocks: request i's consecutive tables on each side, and the pools.
+    // Per request: the replica (dp index) of each side that serves it (0 with dp = 1).
+    std::vector<int> prefill_replica, decode_replica;
+    // The plain executors' blocks: request i's consecutive tables on each side (in its replica's
+    // pools), and the pools (every replica's the same size: the largest replica's need).
     std::vector<std::vector<int32_t>> prefill_tables, decode_tables;
     // With the prefix cache: per request, the leading tokens the prefill side shares with an
     // earlier request (not computed), the decode side's (not sent), and the earlier request whose
@@ -62,6 +65,10 @@ struct DisaggPlan {
     std::vector<std::vector<TransferPart>> parts;  // [request][part]
     bool has_state = false;                        // the model has state layers
 
+    // Whether request i is served by replica `dp` of a side.
+    bool serves(bool prefill_side, int dp, int i) const {
+        return (prefill_side ? prefill_replica : decode_replica).at(size_t(i)) == dp;
+    }
     // Blocks of each rank's pool on a side (a CP device holds one more).
     int64_t pool_blocks(bool prefill_side) const {
         return prefill_side ? prefill_blocks + (cp_prefill ? 1 : 0)

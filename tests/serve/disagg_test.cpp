@@ -2,6 +2,8 @@
 // logits equal to the unsharded model's.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "kvshard/comm/threads.h"
 #include "kvshard/exec/rank_model.h"
 #include "kvshard/model/catalog.h"
@@ -37,6 +39,7 @@ struct DisaggCase {
     bool direct = true;  // decode ranks read the prefill pools in place (false: messages)
     bool seal = true;    // the prefill ranks seal their KV as they write it
     bool prefix_cache = true;
+    PrefillRoute route = PrefillRoute::kRoundRobin;
 };
 
 void PrintTo(const DisaggCase& c, std::ostream* os) {
@@ -59,6 +62,7 @@ DisaggReport run_case(const DisaggCase& c, const std::vector<std::vector<int32_t
     opt.transfer.direct_read = c.direct;
     opt.source_checksums = c.seal;
     opt.prefix_cache = c.prefix_cache;
+    opt.prefill_route = c.route;
     DisaggReport out;
     run_threads(pp.world_size() + pd.world_size(), [&](Communicator& world) {
         // corrupt >= 0: the prefill ranks' link spoils one payload of that request
@@ -305,6 +309,81 @@ TEST(DisaggFailure, CorruptRequestFailsAloneWithCpSides) {
     }
 }
 
+// Several prefill and several decode groups (dp > 1 on both sides): each request is prefilled by
+// its prefill replica, moved to its decode replica and decoded there; every request's tokens are
+// the unsharded model's, every replica serves some request, and each request's KV moves once.
+TEST(DisaggReplicas, TwoPrefillTwoDecodeGroupsMatchUnshardedModel) {
+    set_compute_threads(1);
+    for (DisaggCase c : {
+             DisaggCase{"tiny", "dp=2,tp=2", "dp=2,tp=1"},
+             DisaggCase{"tiny", "dp=2,pp=2", "dp=2,tp=2", 8, 4, PageOrder::kHnd, PageOrder::kNhd},
+             DisaggCase{"tiny", "dp=2,tp=2", "dp=2,pp=2", 16, 16, PageOrder::kHnd, PageOrder::kHnd,
+                        TransferMode::kAuto, true, false},  // messages
+             DisaggCase{"tiny", "dp=3", "dp=2,tp=2", 4, 16, PageOrder::kHnd, PageOrder::kHnd,
+                        TransferMode::kPostReceive, true, true, true, true,
+                        PrefillRoute::kLeastTokens},
+             DisaggCase{"tiny-swa", "dp=2,tp=2", "dp=2,tp=1", 4, 4},
+             DisaggCase{"tiny-swa", "dp=2,pp=2", "dp=2,tp=2", 4, 8},
+         }) {
+        SCOPED_TRACE(c.model + " " + c.prefill + " -> " + c.decode);
+        const ModelSpec m = catalog_model(c.model);
+        // Six prompts of different lengths; prompt 4 starts with prompt 0 (a prefix hit where
+        // both land on the same replica of a side).
+        auto prompts = prompts_for(m, 6, 9);
+        prompts[4].insert(prompts[4].begin(), prompts[0].begin(), prompts[0].end());
+        const auto src = random_tensor_source(11);
+        const int gen = 5;
+        const DisaggReport r = run_case(c, prompts, *src, gen);
+        GenerationOptions go;
+        go.max_new_tokens = gen;
+        const GenerationReport ref = generate(m, ParallelConfig{}, *src, prompts, go);
+        ASSERT_EQ(r.failed_requests, 0);
+        ASSERT_EQ(r.prefill_replica.size(), prompts.size());
+        ASSERT_EQ(r.decode_replica.size(), prompts.size());
+        for (size_t i = 0; i < prompts.size(); ++i) {
+            EXPECT_EQ(r.errors[i], "");
+            EXPECT_EQ(r.tokens[i], ref.tokens[i]) << "prompt " << i;
+            EXPECT_LT(relative_l2(r.last_logits[i], ref.last_logits[i]), 1e-4) << "prompt " << i;
+        }
+        const ParallelConfig pp = parse_parallel_config(c.prefill),
+                             pd = parse_parallel_config(c.decode);
+        for (int k = 0; k < pp.dp; ++k)
+            EXPECT_NE(std::count(r.prefill_replica.begin(), r.prefill_replica.end(), k), 0)
+                << "prefill replica " << k << " served nothing";
+        for (int k = 0; k < pd.dp; ++k)
+            EXPECT_NE(std::count(r.decode_replica.begin(), r.decode_replica.end(), k), 0)
+                << "decode replica " << k << " served nothing";
+        if (c.route == PrefillRoute::kRoundRobin)
+            for (size_t i = 0; i < prompts.size(); ++i)
+                EXPECT_EQ(r.prefill_replica[i], int(i) % pp.dp);
+        EXPECT_EQ(r.transfer_bytes, r.min_bytes);
+        EXPECT_GT(r.messages, 0);
+    }
+}
+
+// The decode replica of each request is the one with the most free KV blocks (the fewest
+// assigned), ties to the lowest; least-tokens sends each prompt to the prefill replica with the
+// fewest prompt tokens so far.
+TEST(DisaggReplicas, AssignmentFollowsFreeBlocksAndRoute) {
+    set_compute_threads(1);
+    const ModelSpec m = catalog_model("tiny");
+    const auto src = random_tensor_source(3);
+    // Lengths 30, 2, 2, 2 with block size 4 and 2 new tokens: 8, 1, 1, 1 blocks.
+    std::vector<std::vector<int32_t>> prompts;
+    for (int len : {30, 2, 2, 2}) prompts.emplace_back(static_cast<size_t>(len), 5);
+    DisaggCase c{"tiny", "dp=2", "dp=2", 4, 4};
+    c.prefix_cache = false;
+    c.route = PrefillRoute::kLeastTokens;
+    const DisaggReport r = run_case(c, prompts, *src, 2);
+    ASSERT_EQ(r.failed_requests, 0);
+    EXPECT_EQ(r.decode_replica, (std::vector<int>{0, 1, 1, 1}));
+    EXPECT_EQ(r.prefill_replica, (std::vector<int>{0, 1, 1, 1}));
+    c.route = PrefillRoute::kRoundRobin;
+    const DisaggReport rr = run_case(c, prompts, *src, 2);
+    EXPECT_EQ(rr.prefill_replica, (std::vector<int>{0, 1, 0, 1}));
+    EXPECT_EQ(rr.tokens, r.tokens);
+}
+
 TEST(DisaggFailure, RejectsUnsupportedLayouts) {
     const ModelSpec m = catalog_model("tiny");
     const auto src = random_tensor_source(1);
@@ -338,6 +417,19 @@ TEST(DisaggFailure, RejectsUnsupportedLayouts) {
                                      parse_parallel_config("tp=1"), *src, prompts, {}, world),
                      Error);
     });
+    run_threads(5, [&](Communicator& world) {  // a CP side serves one replica
+        try {
+            disagg_generate(m, parse_parallel_config("dp=2,cp=2"), parse_parallel_config("tp=1"),
+                            *src, prompts, {}, world);
+            ADD_FAILURE() << "prefill dp=2,cp=2 accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("a disaggregated side with cp > 1 serves one "
+                                                 "replica: use dp=1 with cp > 1"),
+                      std::string::npos)
+                << e.what();
+        }
+    });
+    EXPECT_THROW(parse_prefill_route("random"), Error);
 }
 
 }  // namespace

@@ -70,6 +70,28 @@ TEST(Hardening, CpPrefixCacheOffIsReported) {
     EXPECT_NE(text.out.find("note: the prefix cache is off"), std::string::npos) << text.out;
 }
 
+// Several prefill and decode groups: the number of groups given twice and disagreeing, an unknown
+// route and a CP side with dp > 1 are refused; a run reports each request's groups in --json.
+TEST(Hardening, DisaggReplicaFlags) {
+    expect_refused("run --model tiny --prefill dp=2,tp=2 --prefill-replicas 3 --decode tp=1",
+                   "--prefill 'dp=2,tp=2' names dp=2 but --prefill-replicas says 3");
+    expect_refused("run --model tiny --prefill tp=1 --decode tp=1 --decode-replicas -1",
+                   "--decode-replicas must be between 1 and 4096 groups, got -1");
+    expect_refused("run --model tiny --prefill dp=2 --decode tp=1 --prefill-route random",
+                   "--prefill-route must be round-robin");
+    expect_refused("run --model tiny --prefill dp=2,cp=2 --decode tp=1",
+                   "a disaggregated side with cp > 1 serves one replica");
+    const auto r = kvshard(
+        "run --model tiny --prefill tp=2 --prefill-replicas 2 --decode-replicas 2 --decode tp=1 "
+        "--prompts 3 --prompt-len 12 --gen 3 --verify --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j.at("prefill_replica").get<std::vector<int>>(), (std::vector<int>{0, 1, 0}));
+    EXPECT_EQ(j.at("decode_replica").get<std::vector<int>>(), (std::vector<int>{0, 1, 0}));
+    EXPECT_EQ(j.at("prefill_route").get<std::string>(), "round-robin");
+    EXPECT_EQ(j.at("prefill").at("ranks").get<int>(), 4);
+}
+
 // The memory a run would hold is estimated and refused before anything is allocated: an 8B model's
 // fp32 weights, a 2e9-token prompt, 1e8 prompts, a 2^31-1-token block; and the limit's own range.
 TEST(Hardening, RunMemoryCheckedBeforeAllocating) {

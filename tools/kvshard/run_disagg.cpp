@@ -23,12 +23,28 @@ PageOrder parse_order(const std::string& flag, const std::string& s) {
     throw Error(fmt::format("{} '{}': valid page orders are hnd, nhd", flag, s));
 }
 
-ParallelConfig parse_side(const char* flag, const std::string& text, const ModelSpec& m) {
+// replicas: --prefill-replicas / --decode-replicas (0: not given), the layout's dp.
+ParallelConfig parse_side(const char* flag, const std::string& text, int replicas,
+                          const ModelSpec& m) {
     require(!text.empty(), flag,
             " is missing: a disaggregated run needs both --prefill and --decode, e.g. "
             "--prefill tp=8 --decode tp=4");
+    require(replicas >= 0 && replicas <= 4096, flag,
+            "-replicas must be between 1 and 4096 groups, got ", replicas);
+    ParallelConfig p;
     try {
-        ParallelConfig p = parse_parallel_config(text);
+        p = parse_parallel_config(text);
+    } catch (const Error& e) {
+        throw Error(fmt::format("{} '{}': {}", flag, text, e.what()));
+    }
+    if (replicas > 0) {
+        require(p.dp == 1 || p.dp == replicas, flag, " '", text, "' names dp=", p.dp, " but ", flag,
+                "-replicas says ", replicas,
+                ": give the number of groups once (dp in the layout or the flag), or the same in "
+                "both");
+        p.dp = replicas;
+    }
+    try {
         validate(m, p);
         return p;
     } catch (const Error& e) {
@@ -96,12 +112,22 @@ void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
                     "sealed blocks is checked against those seals, with no checksum pass over the "
                     "prefill pool when it is sent; off: every message is checksummed when sent")
         ->capture_default_str();
+    sub->add_option("--prefill-replicas", f.prefill_replicas,
+                    "disaggregated run: prefill groups of the --prefill layout (its dp; the "
+                    "requests go to them by --prefill-route)");
+    sub->add_option("--decode-replicas", f.decode_replicas,
+                    "disaggregated run: decode groups of the --decode layout (its dp; each request "
+                    "goes to the one with the most free KV blocks)");
+    sub->add_option("--prefill-route", f.prefill_route,
+                    "disaggregated run, several prefill groups: round-robin (request i to group i "
+                    "% dp) or least-tokens (to the group with the fewest prompt tokens so far)")
+        ->capture_default_str();
 }
 
 int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     const ModelSpec& m = in.model;
-    const ParallelConfig pp = parse_side("--prefill", f.prefill, m);
-    const ParallelConfig pd = parse_side("--decode", f.decode, m);
+    const ParallelConfig pp = parse_side("--prefill", f.prefill, f.prefill_replicas, m);
+    const ParallelConfig pd = parse_side("--decode", f.decode, f.decode_replicas, m);
     require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
             "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
     require(f.sender_sleep_us >= 0 && f.sender_sleep_us <= 1000000,
@@ -128,6 +154,11 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     opt.prefill_order = parse_order("--prefill-order", f.prefill_order);
     opt.decode_order = parse_order("--decode-order", f.decode_order);
     opt.transfer.mode = parse_transfer_mode(f.transfer_mode);
+    require(f.prefill_route == "round-robin" || f.prefill_route == "least-tokens",
+            "--prefill-route must be round-robin (request i to group i % dp) or least-tokens (to "
+            "the group with the fewest prompt tokens so far), got '",
+            f.prefill_route, "'");
+    opt.prefill_route = parse_prefill_route(f.prefill_route);
     opt.cp_prefill_mode = in.cp_prefill_mode;
     opt.cp_decode_merge = in.cp_decode_merge;
     opt.stream_layers = !f.no_stream;
@@ -200,6 +231,9 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                                 {"prompts", in.prompts.size()},
                                 {"gen", in.gen},
                                 {"tokens", r.tokens},
+                                {"prefill_replica", r.prefill_replica},
+                                {"decode_replica", r.decode_replica},
+                                {"prefill_route", prefill_route_name(opt.prefill_route)},
                                 {"failed_requests", r.failed_requests},
                                 {"errors", r.errors},
                                 {"kv_dtype", dtype_name(m.kv_dtype)},
@@ -236,6 +270,14 @@ int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
                 r.mode, r.streamed ? "layer by layer" : "after prefill", bytes_text(r.tail_bytes),
                 r.transfer_seconds * 1e3, r.exposed_seconds * 1e3, r.hidden_fraction * 100);
             fmt::print("decode: {:.2f} ms\n", r.decode_seconds * 1e3);
+            if (pp.dp > 1 || pd.dp > 1) {
+                std::string served;
+                for (size_t i = 0; i < in.prompts.size(); ++i)
+                    served += fmt::format("{}{}->{}", i ? ", " : "", r.prefill_replica[i],
+                                          r.decode_replica[i]);
+                fmt::print("replicas (prefill -> decode) per request ({} prefill route): {}\n",
+                           prefill_route_name(opt.prefill_route), served);
+            }
             for (size_t i = 0; i < in.prompts.size(); ++i)
                 if (!r.errors[i].empty()) fmt::print("request {} failed: {}\n", i, r.errors[i]);
             if (!r.tokens.empty() && !r.tokens[0].empty()) {

@@ -28,12 +28,15 @@ struct DisaggFlags {
     std::string direct_read = "on";
     int direct_window = DisaggOptions{}.transfer.direct_window;
     std::string source_checksums = "on";
+    int prefill_replicas = 0, decode_replicas = 0;  // 0: the layout's dp (1 unless it names one)
+    std::string prefill_route = "round-robin";
     bool enabled() const { return !prefill.empty() || !decode.empty(); }
 };
 
 // Adds --prefill, --decode, --decode-block-size, --prefill-order, --decode-order, --transfer-mode,
 // --no-stream, --staging-mib, --sender-sleep-us, --check-thread-bytes, --direct-read,
-// --direct-window to `kvshard run`.
+// --direct-window, --source-checksums, --prefill-replicas, --decode-replicas, --prefill-route to
+// `kvshard run`.
 void add_disagg_options(CLI::App* sub, DisaggFlags& f);
 
 struct DisaggRunInput {

@@ -9,6 +9,15 @@
 // first greedy token goes from the prefill group's last stage to the decode group, which decodes
 // the other max_new_tokens - 1 tokens. A request whose transfer fails is reported and not decoded;
 // the others go on. A side with cp > 1 runs the CP executor (see disagg_generate).
+//
+// A side with dp > 1 is that many groups (replicas) of its layout, world ranks in the layout's
+// rank order. Every rank decides the same assignment: request i's prefill replica by
+// DisaggOptions::prefill_route, its decode replica by free KV capacity (each request, in order,
+// to the decode replica with the most free blocks, ties to the lowest index; every decode
+// replica's pool has the same size, so that is the one with the fewest blocks assigned so far,
+// a request counted whole: ceil((prompt + max_new_tokens) / decode_block_size) blocks). Each
+// prefill replica prefills its requests in one batch, each decode replica decodes its own, and
+// request i's KV moves between the ranks of its two replicas only.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -33,6 +42,15 @@ inline TransferExecOptions disagg_transfer_defaults() {
     return o;
 }
 
+// How the prefill side's replicas (dp > 1) are given the requests.
+enum class PrefillRoute {
+    kRoundRobin,   // request i to replica i % dp
+    kLeastTokens,  // to the replica with the fewest prompt tokens so far (ties: lowest index)
+};
+// "round-robin", "least-tokens"; parse: Error naming the valid ones.
+const char* prefill_route_name(PrefillRoute r);
+PrefillRoute parse_prefill_route(const std::string& s);
+
 struct DisaggOptions {
     int max_new_tokens = 16;  // the first comes from prefill, the rest from decode
     int prefill_block_size = 16;
@@ -43,6 +61,7 @@ struct DisaggOptions {
     // Prefix cache on both plain sides (not with a CP side): a request's leading full blocks that
     // an earlier request of the run already holds are not computed on the prefill side (at least
     // the last prompt token is) and not sent to the decode side, whose blocks for them are shared.
+    // With dp > 1 each replica has its own cache: a hit needs the earlier request on the same one.
     bool prefix_cache = true;
     // Direct read from HND prefill pools: each prefill rank seals every layer's KV right after
     // writing it (source_checksums.h), and a message that reads whole sealed blocks is checked by
@@ -52,7 +71,8 @@ struct DisaggOptions {
     // descriptors, then the checksum of what landed) instead of shared memory, so they work
     // across hosts; needs transfer.direct_read and the same page order on both sides.
     bool rma_read = false;
-    std::optional<CpPrefillMode> cp_prefill_mode;  // a CP prefill side: empty = automatic
+    PrefillRoute prefill_route = PrefillRoute::kRoundRobin;  // a prefill side with dp > 1
+    std::optional<CpPrefillMode> cp_prefill_mode;            // a CP prefill side: empty = automatic
     CpDecodeMerge cp_decode_merge = CpDecodeMerge::kAllGather;  // a CP decode side
     // The transfer: mode, staging_bytes, timeout_s, sender_idle_sleep_us, offload_check_bytes,
     // direct_read (the prefill pools are shareable and each decode rank on the same host reads its
@@ -69,6 +89,8 @@ struct DisaggReport {
     std::vector<std::vector<int32_t>> tokens;     // per prompt; empty for a failed request
     std::vector<std::vector<float>> last_logits;  // per prompt: [vocab] of the last step
     std::vector<std::string> errors;              // per prompt: empty when its transfer succeeded
+    // Per prompt: the prefill and the decode replica (dp index) that served it.
+    std::vector<int> prefill_replica, decode_replica;
     int failed_requests = 0;
     // The prefix cache (DisaggOptions::prefix_cache): on or not, and why not (a CP side); prompt
     // tokens, those the prefill computed, and those the decode side already held (not sent).
@@ -98,15 +120,15 @@ struct DisaggReport {
 };
 
 // Collective over `world` (size prefill.world_size() + decode.world_size()); every rank returns the
-// whole report. dp must be 1 on both sides (Error otherwise). A side with cp > 1 (pp = ep = 1, HND
-// pages) runs the CP executor (CpSession), one request after another: a CP prefill side reserves
-// every request's blocks before the start (CpSession::reserve) and streams each layer from the
-// session's layer hook; a CP decode side takes each request in before the transfer
-// (CpSession::adopt: its blocks for the positions its CP scheme gives it) and decodes with merged
-// partial attention. The model computes in fp32; both sides' pools store m.kv_dtype (the transfer
-// moves the stored bytes unchanged; fp8: each message's block scales follow once the prefill is
-// done, pack_scales). fp8 needs one block size on both sides; a KV dtype other than fp32 with a
-// cp > 1 side is refused (Error).
+// whole report. A side with dp > 1 serves its requests on several replicas (above; not with a
+// cp > 1 side, Error). A side with cp > 1 (pp = ep = 1, HND pages) runs the CP executor
+// (CpSession), one request after another: a CP prefill side reserves every request's blocks before
+// the start (CpSession::reserve) and streams each layer from the session's layer hook; a CP decode
+// side takes each request in before the transfer (CpSession::adopt: its blocks for the positions
+// its CP scheme gives it) and decodes with merged partial attention. The model computes in fp32;
+// both sides' pools store m.kv_dtype (the transfer moves the stored bytes unchanged; fp8: each
+// message's block scales follow once the prefill is done, pack_scales). fp8 needs one block size on
+// both sides; a KV dtype other than fp32 with a cp > 1 side is refused (Error).
 DisaggReport disagg_generate(const ModelSpec& m, const ParallelConfig& prefill,
                              const ParallelConfig& decode, const TensorSource& weights,
                              const std::vector<std::vector<int32_t>>& prompts,
