@@ -16,28 +16,24 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
     // This rank's replica's requests (all of them with dp = 1).
     const int replica = side.coord.dp;
     auto mine = [&](int i) { return plan.serves(false, replica, i); };
-    // One receiver per request and part this rank holds a pool of.
+    // One receiver per part this rank carries (receivers[k] moves parts[k]).
+    const std::vector<RankPart> parts = rank_parts(plan, false, replica, model);
     std::vector<std::unique_ptr<TransferReceiver>> receivers;
-    std::vector<int> receiver_request, receiver_part;
-    for (int i = 0; i < n; ++i)
-        for (int p = 0; p < static_cast<int>(plan.parts[i].size()) && mine(i); ++p) {
-            const DisaggPlan::TransferPart& part = plan.parts[i][p];
-            const int pool = pool_of_group(model, part.kv_group);
-            if (pool < 0) continue;
-            TransferExecOptions o = xo;
-            o.schedule = part.schedule;
-            receivers.push_back(std::make_unique<TransferReceiver>(
-                world, part.plan, part_request_id(plan, i, p), d, model.pool_at(pool), o));
-            receiver_request.push_back(i);
-            receiver_part.push_back(p);
-        }
+    for (const RankPart& rp : parts) {
+        const DisaggPlan::TransferPart& part = plan.parts[rp.request][rp.part];
+        TransferExecOptions o = xo;
+        o.schedule = part.schedule;
+        receivers.push_back(std::make_unique<TransferReceiver>(
+            world, part.plan, part_request_id(plan, rp.request, rp.part), d, model.pool_at(rp.pool),
+            o));
+    }
     std::vector<TransferReceiver*> rp;
     for (auto& r : receivers) rp.push_back(r.get());
     progress_until_done({}, rp);
     std::vector<std::string> errors(static_cast<size_t>(n));
     std::vector<int32_t> failed(static_cast<size_t>(n), 0);
     for (size_t k = 0; k < receivers.size(); ++k) {
-        const int i = receiver_request[k];
+        const int i = parts[k].request;
         const TransferResult r = receivers[k]->finish();
         times.bytes += r.bytes;
         times.messages += r.messages;
@@ -77,18 +73,16 @@ void run_decode_side(const DisaggPlan& plan, const DisaggOptions& opt, SideExecu
         }
     }
     // fp8: the block scales of every message this rank received, from its source rank.
-    for (int i = 0; i < n; ++i)
-        for (const DisaggPlan::TransferPart& part : plan.parts[i]) {
-            const int pool = pool_of_group(model, part.kv_group);
-            if (pool < 0) continue;
-            for (const TransferMessage& msg : part.plan->messages) {
-                const int64_t count = message_scales(*part.plan, msg);
-                if (msg.dst_rank != d || count == 0) continue;
-                std::vector<float> scales(static_cast<size_t>(count));
-                world.recv(std::span<float>(scales), msg.src_rank, kTagScales);
-                unpack_scales(*part.plan, msg, scales, model.pool_at(pool));
-            }
+    for (const RankPart& rp : parts) {
+        const TransferPlan& tp = *plan.parts[rp.request][rp.part].plan;
+        for (const TransferMessage& msg : tp.messages) {
+            const int64_t count = message_scales(tp, msg);
+            if (msg.dst_rank != d || count == 0) continue;
+            std::vector<float> scales(static_cast<size_t>(count));
+            world.recv(std::span<float>(scales), msg.src_rank, kTagScales);
+            unpack_scales(tp, msg, scales, model.pool_at(rp.pool));
         }
+    }
 
     // The first tokens from every prefill replica's last stage, each for its own requests.
     std::vector<int32_t> first(static_cast<size_t>(n), 0);

@@ -18,6 +18,19 @@ int pool_of_group(const RankModel& model, int kv_group) {
     return -1;
 }
 
+std::vector<RankPart> rank_parts(const DisaggPlan& plan, bool prefill_side, int replica,
+                                 const RankModel& model) {
+    std::vector<RankPart> out;
+    for (int i = 0; i < plan.requests; ++i) {
+        if (!plan.serves(prefill_side, replica, i)) continue;
+        for (int p = 0; p < static_cast<int>(plan.parts[i].size()); ++p) {
+            const int pool = pool_of_group(model, plan.parts[i][p].kv_group);
+            if (pool >= 0) out.push_back({.request = i, .part = p, .pool = pool});
+        }
+    }
+    return out;
+}
+
 StateAccess state_access(RankModel& model, int32_t slot) {
     KVSHARD_CHECK(slot >= 0, "state slot ", slot);
     return [&model, slot](int layer) {

@@ -27,27 +27,22 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
         opt.prefill_order == PageOrder::kHnd && plan.model.uniform())
         sums = std::make_shared<SourceChecksums>(model.pool());
     xo.source_checksums = sums;
-    // One sender per request and part this rank holds a pool of; senders[k] moves part
-    // sender_part[k] of request sender_request[k].
+    // One sender per part this rank carries (senders[k] moves parts[k]).
+    const std::vector<RankPart> parts = rank_parts(plan, true, replica, model);
     std::vector<std::unique_ptr<TransferSender>> senders;
-    std::vector<int> sender_request, sender_part;
     const double senders_at = seconds_since(t0);
-    for (int i = 0; i < n; ++i)
-        for (int p = 0; p < static_cast<int>(plan.parts[i].size()) && mine(i); ++p) {
-            const DisaggPlan::TransferPart& part = plan.parts[i][p];
-            const int pool = pool_of_group(model, part.kv_group);
-            if (pool < 0) continue;
-            TransferExecOptions o = xo;
-            o.schedule = part.schedule;
-            senders.push_back(std::make_unique<TransferSender>(
-                world, part.plan, part_request_id(plan, i, p), me, model.pool_at(pool), o));
-            sender_request.push_back(i);
-            sender_part.push_back(p);
-        }
+    for (const RankPart& rp : parts) {
+        const DisaggPlan::TransferPart& part = plan.parts[rp.request][rp.part];
+        TransferExecOptions o = xo;
+        o.schedule = part.schedule;
+        senders.push_back(std::make_unique<TransferSender>(
+            world, part.plan, part_request_id(plan, rp.request, rp.part), me,
+            model.pool_at(rp.pool), o));
+    }
     // Global layer `layer` written: each sender's part has its layers up to it ready.
     auto layer_done = [&](size_t k, int layer) {
         const int done =
-            group_layers_done(plan.parts[sender_request[k]][sender_part[k]].layers, layer);
+            group_layers_done(plan.parts[parts[k].request][parts[k].part].layers, layer);
         if (done > 0) senders[k]->layer_ready(done - 1);
     };
     // Every destination's answer to the hello (direct reads or messages) before the prefill
@@ -79,7 +74,7 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
             if (layer == last_layer && static_cast<int>(seq) == n - 1)
                 times.last_layer_done = seconds_since(t0);
             for (size_t k = 0; k < senders.size(); ++k)
-                if (sender_request[k] == static_cast<int>(seq)) layer_done(k, layer);
+                if (parts[k].request == static_cast<int>(seq)) layer_done(k, layer);
             for (auto& s : senders) s->progress();
         });
         logits.resize(static_cast<size_t>(n) * vocab);
@@ -153,14 +148,13 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
     // written), in request, part and message order.
     std::vector<std::vector<float>> scales;
     std::vector<Request> scale_sends;
-    for (size_t k = 0; k < senders.size(); ++k) {
-        const DisaggPlan::TransferPart& part = plan.parts[sender_request[k]][sender_part[k]];
-        const BlockPool& pool = model.pool_at(pool_of_group(model, part.kv_group));
-        for (const TransferMessage& msg : part.plan->messages) {
-            const int64_t count = message_scales(*part.plan, msg);
+    for (const RankPart& rp : parts) {
+        const TransferPlan& tp = *plan.parts[rp.request][rp.part].plan;
+        for (const TransferMessage& msg : tp.messages) {
+            const int64_t count = message_scales(tp, msg);
             if (msg.src_rank != me || count == 0) continue;
             scales.emplace_back(static_cast<size_t>(count));
-            pack_scales(*part.plan, msg, pool, scales.back());
+            pack_scales(tp, msg, model.pool_at(rp.pool), scales.back());
             scale_sends.push_back(world.isend(std::span<const float>(scales.back()),
                                               plan.prefill_ranks + msg.dst_rank, kTagScales));
         }

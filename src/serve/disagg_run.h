@@ -82,6 +82,14 @@ inline uint64_t part_request_id(const DisaggPlan& plan, int i, int p) {
 }
 // The index of model's pool of KV group kv_group, -1 when the rank holds no layer of it.
 int pool_of_group(const RankModel& model, int kv_group);
+// A part this rank carries: part `part` of request `request`, with its pool here (`pool`).
+struct RankPart {
+    int request = 0, part = 0, pool = 0;
+};
+// The parts this rank (holding `model`, in side replica `replica`) carries, in (request, part)
+// order: every part of the replica's requests whose KV group has a pool here.
+std::vector<RankPart> rank_parts(const DisaggPlan& plan, bool prefill_side, int replica,
+                                 const RankModel& model);
 // A request's state on this rank (in state slot `slot`), for pack/unpack_state_message.
 StateAccess state_access(RankModel& model, int32_t slot);
 
