@@ -40,30 +40,43 @@ void pack_kv(const BlockPool& pool, int layer, std::span<const BlockId> table, i
     }
 }
 
-// Bytes of one block over all layers and K/V, in page order, to and from a buffer.
-std::vector<std::byte> read_block(const BlockPool& pool, BlockId b) {
-    const PageGeometry& g = pool.geometry();
+// Bytes of one block over every pool of the device (each KV group's), all its layers and K/V, in
+// page order, to and from a buffer.
+int64_t block_bytes_of(const RankModel& model) {
+    int64_t n = 0;
+    for (int i = 0; i < model.num_pools(); ++i) n += model.pool_at(i).geometry().block_bytes();
+    return n;
+}
+
+std::vector<std::byte> read_block(const RankModel& model, BlockId b) {
     std::vector<std::byte> out;
-    out.reserve(static_cast<size_t>(g.block_bytes()));
-    for (int l = 0; l < g.num_layers; ++l)
-        for (int kv = 0; kv < g.kv_factor; ++kv) {
-            const std::byte* p = pool.page(l, kv, b);
-            out.insert(out.end(), p, p + g.page_bytes());
-        }
+    out.reserve(static_cast<size_t>(block_bytes_of(model)));
+    for (int i = 0; i < model.num_pools(); ++i) {
+        const BlockPool& pool = model.pool_at(i);
+        const PageGeometry& g = pool.geometry();
+        for (int l = 0; l < g.num_layers; ++l)
+            for (int kv = 0; kv < g.kv_factor; ++kv) {
+                const std::byte* p = pool.page(l, kv, b);
+                out.insert(out.end(), p, p + g.page_bytes());
+            }
+    }
     return out;
 }
 
-void write_block(BlockPool& pool, BlockId b, std::span<const std::byte> bytes) {
-    const PageGeometry& g = pool.geometry();
-    KVSHARD_CHECK(static_cast<int64_t>(bytes.size()) == g.block_bytes(), "block of ", bytes.size(),
-                  " bytes, expected ", g.block_bytes());
+void write_block(RankModel& model, BlockId b, std::span<const std::byte> bytes) {
+    KVSHARD_CHECK(static_cast<int64_t>(bytes.size()) == block_bytes_of(model), "block of ",
+                  bytes.size(), " bytes, expected ", block_bytes_of(model));
     size_t at = 0;
-    for (int l = 0; l < g.num_layers; ++l)
-        for (int kv = 0; kv < g.kv_factor; ++kv) {
-            std::memcpy(pool.page(l, kv, b), bytes.data() + at,
-                        static_cast<size_t>(g.page_bytes()));
-            at += static_cast<size_t>(g.page_bytes());
-        }
+    for (int i = 0; i < model.num_pools(); ++i) {
+        BlockPool& pool = model.pool_at(i);
+        const PageGeometry& g = pool.geometry();
+        for (int l = 0; l < g.num_layers; ++l)
+            for (int kv = 0; kv < g.kv_factor; ++kv) {
+                std::memcpy(pool.page(l, kv, b), bytes.data() + at,
+                            static_cast<size_t>(g.page_bytes()));
+                at += static_cast<size_t>(g.page_bytes());
+            }
+    }
 }
 
 // The device's slice: the whole model's layers, its TP share (weight_shard of a tp-only layout).
@@ -87,10 +100,34 @@ CpDevice::CpDevice(const ModelSpec& m, int tp, int tp_rank, const TensorSource& 
         opt.block_size, RankComms{}, PageOrder::kHnd, opt.pool_memory);
 }
 
+CpDevice::CpDevice(const ModelSpec& m, const ParallelConfig& p, int rank,
+                   const TensorSource& weights, const CpOptions& opt)
+    : tp_(p.tp),
+      tp_rank_(0),
+      block_size_(opt.block_size),
+      pp_(p.pp),
+      ep_(p.ep),
+      blocks_(BlockManagerConfig{opt.num_blocks, opt.block_size, opt.prefix_cache}) {
+    require(p.dp == 1, "a context-parallel device serves one replica (dp=1), got ", p.to_string());
+    require(rank >= 0 && rank < p.world_size(), "rank ", rank, " is outside ", p.to_string(), " (",
+            p.world_size(), " ranks)");
+    const ModelSpec spec = fp32_spec(m);
+    const RankCoord c = rank_coord(p, rank);
+    tp_rank_ = c.tp;
+    pp_rank_ = c.pp;
+    ep_rank_ = c.ep;
+    model_ = std::make_unique<RankModel>(
+        load_weights(spec, weight_shard(make_layout(spec, p), rank), weights), opt.num_blocks,
+        opt.block_size, RankComms{}, PageOrder::kHnd, opt.pool_memory);
+}
+
 CpSession::CpSession(CpDevice& device, Communicator& world, const ParallelConfig& p, CpOptions opt)
     : dev_(device), world_(world), p_(p), opt_(opt) {
-    require(p.dp == 1 && p.pp == 1, "context parallelism runs with dp=1 and pp=1 here, got ",
+    require(p.dp == 1, "context parallelism runs one replica (dp=1) per session, got ",
             p.to_string());
+    require(device.pp() == p.pp && device.ep() == p.ep,
+            "this device holds a slice for pp=", device.pp(), " ep=", device.ep(),
+            " but the run uses ", p.to_string(), ": build the device with the run's layout");
     require(world.size() >= p.world_size(), "the run has ", world.size(), " ranks but ",
             p.to_string(), " needs ", p.world_size());
     require(device.tp() == p.tp, "this device holds a tp=", device.tp(),
@@ -104,10 +141,16 @@ CpSession::CpSession(CpDevice& device, Communicator& world, const ParallelConfig
     coord_ = rank_coord(p, world.rank());
     require(device.tp_rank() == coord_.tp, "rank ", world.rank(), " is tp index ", coord_.tp,
             " but its device holds tp slice ", device.tp_rank());
+    require(device.pp_rank() == coord_.pp && device.ep_rank() == coord_.ep, "rank ", world.rank(),
+            " is stage ", coord_.pp, ", ep index ", coord_.ep, " but its device holds stage ",
+            device.pp_rank(), ", ep index ", device.ep_rank());
     groups_ = make_groups(*serving_comm_, p);
     RankComms comms;
-    comms.world = serving_comm_.get();
+    comms.world = serving_comm_.get();  // serving rank i is world rank i
     comms.tp = p.tp > 1 ? groups_.tp.get() : nullptr;
+    comms.ep = p.ep > 1 ? groups_.ep.get() : nullptr;
+    if (coord_.pp > 0) comms.prev_stage = rank_of(p, 0, coord_.pp - 1, coord_.cp, coord_.tp);
+    if (coord_.pp < p.pp - 1) comms.next_stage = rank_of(p, 0, coord_.pp + 1, coord_.cp, coord_.tp);
     dev_.model().set_comms(comms);
 }
 
@@ -132,8 +175,10 @@ int64_t CpSession::discover_and_move(std::span<const int32_t> tokens) {
     const int64_t limit = std::min<int64_t>(static_cast<int64_t>(hashes.size()), (len - 1) / B);
     BlockManager& bm = dev_.blocks();
 
-    // Every device says which of the prompt's blocks it holds: [tp, tp_rank, has[0..limit)].
-    std::vector<int32_t> mine = {dev_.tp(), dev_.tp_rank()};
+    // Every device says which of the prompt's blocks it holds: [tp, tp_rank, pp, pp_rank,
+    // has[0..limit)]. A block moves only between devices of the same TP index and stage (the same
+    // heads of the same layers).
+    std::vector<int32_t> mine = {dev_.tp(), dev_.tp_rank(), dev_.pp(), dev_.pp_rank()};
     for (int64_t b = 0; b < limit; ++b)
         mine.push_back(
             bm.lookup_hashes(std::span(&hashes[static_cast<size_t>(b)], 1)).blocks.empty() ? 0 : 1);
@@ -144,37 +189,44 @@ int64_t CpSession::discover_and_move(std::span<const int32_t> tokens) {
         std::memcpy(&x, blobs[static_cast<size_t>(d)].data() + i * 4, 4);
         return x;
     };
-    auto has = [&](int d, int64_t b) { return info(d, 0) == p_.tp && info(d, 2 + b) != 0; };
-    auto holder = [&](int64_t b, int t) {  // the lowest device of TP index t holding block b
+    auto has = [&](int d, int64_t b) {
+        return info(d, 0) == p_.tp && info(d, 2) == p_.pp && info(d, 4 + b) != 0;
+    };
+    auto slice = [&](int d, int t, int s) { return info(d, 1) == t && info(d, 3) == s; };
+    // The lowest device of TP index t in stage s holding block b.
+    auto holder = [&](int64_t b, int t, int s) {
         for (int d = 0; d < W; ++d)
-            if (info(d, 1) == t && has(d, b)) return d;
+            if (slice(d, t, s) && has(d, b)) return d;
         return -1;
     };
     int64_t K = 0;
     for (; K < limit; ++K) {
         bool everywhere = true;
-        for (int t = 0; t < p_.tp && everywhere; ++t) everywhere = holder(K, t) >= 0;
+        for (int s = 0; s < p_.pp && everywhere; ++s)
+            for (int t = 0; t < p_.tp && everywhere; ++t) everywhere = holder(K, t, s) >= 0;
         if (!everywhere) break;
     }
 
-    // Moves (plan_cp_prefix_moves, per TP index t over the devices of that index): block b (< K)
-    // belongs to CP rank b % cp; a device of the serving group that lacks it receives it from the
-    // lowest device of its TP index that holds it. Same order on every rank: by block, then TP.
+    // Moves (plan_cp_prefix_moves, per stage s and TP index t over the devices of that slice):
+    // block b (< K) belongs to CP rank b % cp; a device of the serving group that lacks it receives
+    // it from the lowest device of its slice that holds it. Same order on every rank: by block,
+    // then stage and TP.
     struct Move {
         int64_t b;
         int src, dst;
     };
     std::vector<Move> moves;
-    for (int t = 0; t < p_.tp; ++t) {
-        std::vector<std::vector<int>> holders(static_cast<size_t>(K));
-        for (int64_t b = 0; b < K; ++b)
-            for (int d = 0; d < W; ++d)
-                if (info(d, 1) == t && has(d, b)) holders[static_cast<size_t>(b)].push_back(d);
-        std::vector<int> dst_device;
-        for (int c = 0; c < p_.cp; ++c) dst_device.push_back(rank_of(p_, 0, 0, c, t));
-        for (const CpBlockMove& m : plan_cp_prefix_moves(holders, dst_device).moves)
-            moves.push_back({m.block, m.src, m.dst});
-    }
+    for (int s = 0; s < p_.pp; ++s)
+        for (int t = 0; t < p_.tp; ++t) {
+            std::vector<std::vector<int>> holders(static_cast<size_t>(K));
+            for (int64_t b = 0; b < K; ++b)
+                for (int d = 0; d < W; ++d)
+                    if (slice(d, t, s) && has(d, b)) holders[static_cast<size_t>(b)].push_back(d);
+            std::vector<int> dst_device;
+            for (int c = 0; c < p_.cp; ++c) dst_device.push_back(rank_of(p_, 0, s, c, t));
+            for (const CpBlockMove& m : plan_cp_prefix_moves(holders, dst_device).moves)
+                moves.push_back({m.block, m.src, m.dst});
+        }
     std::stable_sort(moves.begin(), moves.end(),
                      [](const Move& a, const Move& b) { return a.b < b.b; });
     const int me = world_.rank();
@@ -182,12 +234,12 @@ int64_t CpSession::discover_and_move(std::span<const int32_t> tokens) {
     std::vector<Request> reqs;
     std::vector<std::pair<int64_t, BlockId>> imported;  // (global block, local block id)
     std::vector<SeqId> tmps;
-    const int64_t block_bytes = dev_.model().pool().geometry().block_bytes();
+    const int64_t block_bytes = block_bytes_of(dev_.model());
     for (const Move& m : moves) {
         if (m.src == me) {
             const auto found = bm.lookup_hashes(std::span(&hashes[static_cast<size_t>(m.b)], 1));
             KVSHARD_CHECK(!found.blocks.empty(), "block ", m.b, " announced but not found");
-            out_bufs.push_back(read_block(dev_.model().pool(), found.blocks.front()));
+            out_bufs.push_back(read_block(dev_.model(), found.blocks.front()));
             ++last_.blocks_moved_out;
             last_.block_bytes_moved += block_bytes;
         }
@@ -219,7 +271,7 @@ int64_t CpSession::discover_and_move(std::span<const int32_t> tokens) {
     }
     wait_all(reqs);
     for (size_t i = 0; i < imported.size(); ++i)
-        write_block(dev_.model().pool(), imported[i].second, in_bufs[i]);
+        write_block(dev_.model(), imported[i].second, in_bufs[i]);
     for (SeqId t : tmps) bm.free(t);  // the imported blocks stay, cached under their hashes
     return K;
 }
@@ -640,7 +692,7 @@ std::vector<float> CpSession::run(std::vector<Step>& steps, bool decode) {
     dev_.model().set_attention(default_attention);
     dev_.model().set_state_rows(nullptr);
     const int vocab = dev_.spec().vocab;
-    if (!decode) {
+    if (!decode && dev_.model().last_stage()) {
         // The last token's owner of each sequence has its logits: the others' rows are zeroed
         // and one sum over the CP group gives every rank every row exactly (x + 0 = x).
         for (int i = 0; i < n_seq; ++i) {
@@ -649,6 +701,10 @@ std::vector<float> CpSession::run(std::vector<Step>& steps, bool decode) {
                 std::fill_n(logits.begin() + int64_t{i} * vocab, vocab, 0.0f);
         }
         cpc.all_reduce_sum(std::span<float>(logits));
+    }
+    if (p_.pp > 1) {  // the last stage's logits to every stage (the same (cp, tp) of each)
+        logits.resize(static_cast<size_t>(n_seq) * static_cast<size_t>(vocab));
+        groups_.pp->broadcast(std::span<float>(logits), p_.pp - 1);
     }
     last_ = {};
     for (Step& st : steps) {

@@ -80,10 +80,8 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
     require(m.kv_dtype == DType::kFp32, "--kv-dtype ", dtype_name(m.kv_dtype), " with cp=", p.cp,
             ": the context-parallel executor (its KV ring and prefix moves) stores fp32 KV only; "
             "use --kv-dtype fp32 under CP, or cp=1 for bf16, fp16 or fp8 pools");
-    require(p.ep == 1, "ep=", p.ep, " with cp=", p.cp,
-            ": the context-parallel executor replicates the experts on every rank and runs no "
-            "all-to-all, so expert parallelism under CP is not executed; use --ep 1 (the planner "
-            "still prices EP under CP)");
+    require(p.dp == 1, "dp=", p.dp, " with cp=", p.cp,
+            ": the context-parallel executor serves one replica; use dp=1 with cp > 1");
     const std::vector<BatchStep> schedule =
         continuous_batch_schedule(opt.arrival_step, prompts.size(), opt.max_new_tokens);
     auto body = [&](Communicator& w) {
@@ -102,7 +100,7 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
             o.num_blocks = serve::blocks_for(lengths, opt.max_new_tokens, o.block_size);
         }
         const RankCoord c = rank_coord(p, w.rank());
-        CpDevice dev(m, p.tp, c.tp, weights, o);
+        CpDevice dev(m, p, w.rank(), weights, o);  // its stage, TP slice and experts
         CpSession s(dev, w, p, o);
         serve::GroupRow row;
         RankReport& rep = row.report;
@@ -153,8 +151,9 @@ GenerationReport cp_generate(const ModelSpec& m, const ParallelConfig& p,
             }
             for (int64_t i : bs.leave) {
                 rep.kv_tokens += s.token_map(i).count(c.cp);
-                // Every CP rank has the logits; the (cp, tp) = 0 rank brings them.
-                if (c.cp == 0 && c.tp == 0)
+                // Every rank has the logits (the last stage's, broadcast); the first stage's
+                // (cp, tp) = 0 rank brings them.
+                if (c.pp == 0 && c.cp == 0 && c.tp == 0)
                     results.push_back(serve::RequestResult::output(i, std::move(toks[size_t(i)]),
                                                                    std::move(last[size_t(i)])));
                 s.release(i);

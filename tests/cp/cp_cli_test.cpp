@@ -44,7 +44,7 @@ TEST(CpCli, RunCp2Tp2InterleaveWithPrefixCacheAndHelixMergeVerifies) {
 TEST(CpCli, BadCpFlagsExitTwo) {
     for (const char* args :
          {"run --model tiny --cp 2 --cp-prefill ring",
-          "run --model tiny --cp 2 --cp-decode-merge tree", "run --model tiny --cp 2 --pp 2"}) {
+          "run --model tiny --cp 2 --cp-decode-merge tree", "run --model tiny --cp 2 --dp 2"}) {
         const Result r = run_cli(args);
         EXPECT_EQ(r.status, 2) << args << "\n" << r.out;
         EXPECT_NE(r.out.find("kvshard: error:"), std::string::npos) << r.out;

@@ -145,7 +145,11 @@ INSTANTIATE_TEST_SUITE_P(
         // State layers under CP: the recurrence over the gathered rows on every rank
         GridCase{"tiny-hybrid", "cp=2"}, GridCase{"tiny-hybrid", "cp=2,cp_scheme=zigzag"},
         GridCase{"tiny-hybrid", "cp=2,cp_scheme=interleave,cp_interleave=4"},
-        GridCase{"tiny-hybrid", "cp=4,tp=2,cp_scheme=zigzag"}),
+        GridCase{"tiny-hybrid", "cp=4,tp=2,cp_scheme=zigzag"},
+        // CP with PP: each stage a cp x tp grid of its layers (tiny-hybrid's stage 0 holds only
+        // state layers)
+        GridCase{"tiny-swa", "cp=2,tp=2,pp=2"}, GridCase{"tiny-mla", "cp=2,pp=2,cp_scheme=zigzag"},
+        GridCase{"tiny-hybrid", "cp=2,pp=2"}, GridCase{"tiny-chunked", "cp=2,pp=2"}),
     [](const auto& info) {
         std::string s = info.param.model + "_" + info.param.parallel;
         for (char& ch : s)

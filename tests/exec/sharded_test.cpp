@@ -1,7 +1,7 @@
 // Sharded runs on the threads backend against the unsharded run of the same weights: last-step
 // logits within 1e-4 relative L2, identical greedy tokens for 32 steps, every rank's KV bytes as
 // the layout predicts. Grid: TP (incl. replicated KV heads), PP (uneven), EP over TP and DP ranks,
-// and mixes.
+// CP with TP, PP and EP, and mixes.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -93,6 +93,7 @@ TEST_P(ShardedTest, MatchesUnsharded) {
     for (const auto& r : got.ranks) {
         EXPECT_GT(r.kv_tokens, 0) << "rank " << r.rank;
         EXPECT_EQ(r.kv_bytes, r.kv_bytes_predicted) << "rank " << r.rank;
+        if (p.cp > 1) continue;  // the CP session reports the bytes of the tokens it holds
         // fp32: whole blocks of the rank's bytes per token (no scales)
         const int64_t block =
             int64_t{options().block_size} * layout.ranks[size_t(r.rank)].kv_bytes_per_token;
@@ -106,25 +107,37 @@ TEST_P(ShardedTest, MatchesUnsharded) {
     for (const auto& r : got.ranks)
         if (r.coord.pp == 0 && r.coord.tp == 0) total += r.kv_tokens;
     if (p.dp <= 2) {
-        EXPECT_EQ(total, ref.ranks[0].kv_tokens);
-        EXPECT_EQ(got.prefix_hit_tokens, ref.prefix_hit_tokens);
+        // The CP session counts every sequence's tokens (over the CP ranks of a stage), a shared
+        // prefix once per sequence; the unsharded run counts a cached prefix once.
+        EXPECT_EQ(total, ref.ranks[0].kv_tokens + (p.cp > 1 ? ref.prefix_hit_tokens : 0));
+        // Under a CP scheme that splits blocks across ranks the cache is off (and says so).
+        EXPECT_EQ(got.prefix_hit_tokens, got.prefix_cache ? ref.prefix_hit_tokens : 0);
+        EXPECT_EQ(got.prefix_cache, p.cp == 1 || p.cp_scheme == CpScheme::kInterleave);
     }
     EXPECT_EQ(ref.prefix_hit_tokens, 8 + 16);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Grid, ShardedTest,
-    ::testing::Values(GridCase{"tiny", "tp=1"}, GridCase{"tiny", "tp=2"}, GridCase{"tiny", "tp=4"},
-                      GridCase{"tiny", "tp=8"},  // 8 > 4 KV heads: each KV head on 2 ranks
-                      GridCase{"tiny", "pp=2"}, GridCase{"tiny", "pp=3"},  // 2+1+1 layers
-                      GridCase{"tiny", "pp=2,pp_layers=3/1"}, GridCase{"tiny", "dp=2"},
-                      GridCase{"tiny", "tp=2,pp=2"}, GridCase{"tiny", "tp=8,pp=2"},
-                      GridCase{"tiny", "dp=2,tp=2,pp=2"}, GridCase{"tiny-moe", "tp=1"},
-                      GridCase{"tiny-moe", "tp=2,ep=2"}, GridCase{"tiny-moe", "dp=2,ep=2"},
-                      GridCase{"tiny-moe", "tp=4,ep=4"}, GridCase{"tiny-moe", "dp=2,tp=2,ep=4"},
-                      GridCase{"tiny-moe", "tp=4,ep=2"}, GridCase{"tiny-moe", "dp=4,ep=4"},
-                      GridCase{"tiny-moe", "tp=2,pp=3,ep=2"},
-                      GridCase{"tiny-moe", "dp=2,tp=2,pp=2,ep=4"}),
+    ::testing::Values(
+        GridCase{"tiny", "tp=1"}, GridCase{"tiny", "tp=2"}, GridCase{"tiny", "tp=4"},
+        GridCase{"tiny", "tp=8"},  // 8 > 4 KV heads: each KV head on 2 ranks
+        GridCase{"tiny", "pp=2"}, GridCase{"tiny", "pp=3"},  // 2+1+1 layers
+        GridCase{"tiny", "pp=2,pp_layers=3/1"}, GridCase{"tiny", "dp=2"},
+        GridCase{"tiny", "tp=2,pp=2"}, GridCase{"tiny", "tp=8,pp=2"},
+        GridCase{"tiny", "dp=2,tp=2,pp=2"}, GridCase{"tiny-moe", "tp=1"},
+        GridCase{"tiny-moe", "tp=2,ep=2"}, GridCase{"tiny-moe", "dp=2,ep=2"},
+        GridCase{"tiny-moe", "tp=4,ep=4"}, GridCase{"tiny-moe", "dp=2,tp=2,ep=4"},
+        GridCase{"tiny-moe", "tp=4,ep=2"}, GridCase{"tiny-moe", "dp=4,ep=4"},
+        GridCase{"tiny-moe", "tp=2,pp=3,ep=2"}, GridCase{"tiny-moe", "dp=2,tp=2,pp=2,ep=4"},
+        // Context parallelism with PP (each stage a cp x tp grid) and with EP
+        // (the experts spread over CP ranks); interleave at the block size keeps
+        // the prefix cache on.
+        GridCase{"tiny", "cp=2,tp=2,pp=2"},
+        GridCase{"tiny", "cp=2,pp=2,cp_scheme=interleave,cp_interleave=8"},
+        GridCase{"tiny", "cp=2,tp=2,pp=3,cp_scheme=zigzag"}, GridCase{"tiny-moe", "cp=2,ep=2"},
+        GridCase{"tiny-moe", "cp=2,ep=2,cp_scheme=interleave,cp_interleave=8"},
+        GridCase{"tiny-moe", "cp=2,tp=2,ep=4"}, GridCase{"tiny-moe", "cp=2,tp=2,pp=2,ep=2"}),
     [](const auto& info) {
         std::string s = info.param.model + "_" + info.param.parallel;
         for (char& ch : s)

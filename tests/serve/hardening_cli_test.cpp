@@ -20,9 +20,9 @@ void expect_refused(const std::string& args, const std::string& needle) {
 }
 
 TEST(Hardening, RefusedInsteadOfIgnoredOrWrapped) {
-    // EP under CP: the executor replicated the experts while the table printed them split.
-    expect_refused("run --model tiny-moe --cp 2 --ep 2 --gen 2",
-                   "expert parallelism under CP is not executed");
+    // DP under CP: one CP session serves one replica.
+    expect_refused("run --model tiny --cp 2 --dp 2 --gen 2",
+                   "the context-parallel executor serves one replica");
     // --seed -1 became 2^64 - 1.
     expect_refused("run --model tiny --seed -1 --gen 2",
                    "--seed must be in [0, 9223372036854775807]");

@@ -195,8 +195,6 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
 void run(const RunFlags& f) {
     ModelSpec m = load_model(f.model);
     const ParallelConfig p = to_parallel_config(f.parallel);
-    require(p.cp == 1 || (p.dp == 1 && p.pp == 1),
-            "context parallelism runs with --dp 1 --pp 1 here (got ", p.to_string(), ")");
     validate(m, p);
     require(f.gen >= 1, "--gen must be at least 1, got ", f.gen);
     require(f.block_size >= 1 && f.block_size <= 1 << 20,

@@ -3,8 +3,13 @@
 // §8): every CP rank runs the model over the new tokens it owns, attention is the CP ring (prefill)
 // or the merged partials (decode), and the prefix cache works across CP ranks and CP sizes.
 //
-// A CpDevice is what outlives a request and a CP size: one device's weight slice (its TP index),
-// KV pool and BlockManager. A CpSession is one collective run over a world of devices.
+// A CpDevice is what outlives a request and a CP size: one device's weight slice (its TP index,
+// and its pipeline stage and experts where the layout has pp or ep > 1), KV pools and BlockManager.
+// A CpSession is one collective run over a world of devices. With pp > 1 each stage is a cp x tp
+// grid of its layers: stage s's rank (cp c, tp t) hands its rows on to stage s+1's rank (c, t),
+// every stage runs its own rings and merges, and the last stage's logits are broadcast back to
+// every stage. With ep > 1 the routed experts are spread over the EP groups of a stage (the
+// layout's EP numbering), so the CP ranks of a group dispatch their own rows to each other.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -40,15 +45,24 @@ class CpDevice {
     // The device holds the TP slice tp_rank of tp of model m (fp32 weights and KV).
     CpDevice(const ModelSpec& m, int tp, int tp_rank, const TensorSource& weights,
              const CpOptions& opt);
+    // The device of rank `rank` under layout p (p.dp == 1): its stage's layers, its TP slice and,
+    // with ep > 1, its experts (weight_shard of make_layout(m, p)).
+    CpDevice(const ModelSpec& m, const ParallelConfig& p, int rank, const TensorSource& weights,
+             const CpOptions& opt);
     RankModel& model() { return *model_; }
     BlockManager& blocks() { return blocks_; }
     const ModelSpec& spec() const { return model_->spec(); }
     int tp() const { return tp_; }
     int tp_rank() const { return tp_rank_; }
+    int pp() const { return pp_; }
+    int pp_rank() const { return pp_rank_; }
+    int ep() const { return ep_; }
+    int ep_rank() const { return ep_rank_; }
     int block_size() const { return block_size_; }
 
   private:
     int tp_, tp_rank_, block_size_;
+    int pp_ = 1, pp_rank_ = 0, ep_ = 1, ep_rank_ = 0;
     std::unique_ptr<RankModel> model_;
     BlockManager blocks_;
 };
@@ -69,8 +83,9 @@ struct CpStepStats {
 class CpSession {
   public:
     // Collective over `world`. Ranks [0, p.world_size()) serve under p (the layout's rank order,
-    // their devices must hold TP index rank % p.tp); the others only lend cached blocks in prefill.
-    // Requires dp = pp = 1 and the device's tp == p.tp.
+    // their devices must hold the slice of their coordinates: TP index, stage, experts); the others
+    // only lend cached blocks in prefill (to devices of the same tp and pp sizes, TP index and
+    // stage). Requires dp = 1 and the device's tp, pp and ep equal to p's.
     CpSession(CpDevice& device, Communicator& world, const ParallelConfig& p, CpOptions opt);
     CpSession(const CpSession&) = delete;
     CpSession& operator=(const CpSession&) = delete;
