@@ -149,6 +149,18 @@ void default_attention(const AttentionCall& c) {
 RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms,
                      PageOrder order, PoolMemory memory)
     : weights_(std::move(weights)), comms_(comms), attention_(default_attention) {
+    build(num_blocks, block_size, order, memory, nullptr);
+}
+
+RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size,
+                     const std::vector<ExternalMemory>& pool_memory, RankComms comms,
+                     PageOrder order)
+    : weights_(std::move(weights)), comms_(comms), attention_(default_attention) {
+    build(num_blocks, block_size, order, PoolMemory::kPrivate, &pool_memory);
+}
+
+void RankModel::build(int64_t num_blocks, int block_size, PageOrder order, PoolMemory memory,
+                      const std::vector<ExternalMemory>* external) {
     const ModelSpec& m = weights_.spec;
     const WeightShard& sh = weights_.shard;
     const int n_local = sh.num_layers();
@@ -183,11 +195,22 @@ RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size, R
                 layer_pool_[size_t(here[j])] = pi;
                 layer_in_pool_[size_t(here[j])] = int(j);
             }
-            pools_.emplace_back(group_geometry(weights_, g, int(here.size()), block_size, order),
-                                num_blocks, memory);
+            const PageGeometry geo =
+                group_geometry(weights_, g, int(here.size()), block_size, order);
+            if (external) {
+                require(size_t(pi) < external->size(), "this rank holds more pools than the ",
+                        external->size(), " memory region(s) given: one per pool (KV group held)");
+                pools_.emplace_back(geo, num_blocks, (*external)[size_t(pi)]);
+            } else {
+                pools_.emplace_back(geo, num_blocks, memory);
+            }
             pool_group_.push_back(int(gi));
         }
     }
+    if (external)
+        require(external->size() == pools_.size(), external->size(),
+                " memory region(s) given but this rank holds ", pools_.size(),
+                " pool(s): one per KV group held");
     if (m.is_mla())
         require(m.mla.qk_rope_head_dim % 2 == 0, m.name,
                 ": RoPE needs an even qk_rope_head_dim, got ", m.mla.qk_rope_head_dim);

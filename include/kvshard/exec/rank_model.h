@@ -118,6 +118,12 @@ class RankModel {
     // kShareable: a transfer's destination in another process may read it in place).
     RankModel(ModelWeights weights, int64_t num_blocks, int block_size, RankComms comms = {},
               PageOrder order = PageOrder::kHnd, PoolMemory memory = PoolMemory::kPrivate);
+    // The same, with pool i over pool_memory[i], memory the caller owns (an engine's KV tensors;
+    // BlockPool's ExternalMemory rules): one entry per pool this rank holds (rank_page_geometry
+    // of its groups, kv_groups order), each of at least num_blocks blocks. Error otherwise.
+    RankModel(ModelWeights weights, int64_t num_blocks, int block_size,
+              const std::vector<ExternalMemory>& pool_memory, RankComms comms = {},
+              PageOrder order = PageOrder::kHnd);
 
     const ModelWeights& weights() const { return weights_; }
     const ModelSpec& spec() const { return weights_.spec; }
@@ -150,6 +156,9 @@ class RankModel {
     std::vector<float> forward(const ForwardBatch& b);
 
   private:
+    // The layers, pools (over `external` when given, else of `memory`) and states.
+    void build(int64_t num_blocks, int block_size, PageOrder order, PoolMemory memory,
+               const std::vector<ExternalMemory>* external);
     struct StateLayer {  // one Gated DeltaNet layer's states, [slot][...]
         int64_t conv_elems = 0, rec_elems = 0;
         std::vector<float> conv, rec;
