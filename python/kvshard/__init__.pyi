@@ -235,6 +235,13 @@ def pool_array(plan: TransferPlan, source: bool, rank: int,
                num_blocks: int) -> npt.NDArray[Any]: ...
 def unpack_message(plan: TransferPlan, message: int, payload: npt.NDArray[Any],
                    dst_pool: npt.NDArray[Any], mode: str = "auto") -> None: ...
+def prefill_into(layout: KvLayout, tokens: Tokens, block_table: Tokens,
+                 pools: list[Any], *, block_size: int = 16, order: str = "hnd",
+                 seed: int = 1) -> npt.NDArray[np.float32]: ...
+def prefill_own_pools(layout: KvLayout, tokens: Tokens, block_table: Tokens, num_blocks: int, *,
+                      block_size: int = 16, order: str = "hnd",
+                      seed: int = 1) -> tuple[npt.NDArray[np.float32],
+                                              list[list[npt.NDArray[np.uint8]]]]: ...
 
 # ---- cache ----
 def hash_token_blocks(tokens: Tokens, block_size: int, *, cache_salt: str = "",

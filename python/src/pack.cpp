@@ -15,6 +15,7 @@
 
 #include "bindings.h"
 #include "kvshard/common/dtype.h"
+#include "kvshard/serve/engine_prefill.h"
 #include "kvshard/transfer/pack.h"
 #include "kvshard/transfer/transfer_plan.h"
 
@@ -114,9 +115,100 @@ py::dict geometry_dict(const PageGeometry& g) {
     return d;
 }
 
+PageOrder order_of(const std::string& s) {
+    require(s == "hnd" || s == "nhd", "order must be 'hnd' or 'nhd', got '", s, "'");
+    return s == "hnd" ? PageOrder::kHnd : PageOrder::kNhd;
+}
+
+// The caller's memory of one pool: a C-contiguous, writeable, 64-byte aligned array (written in
+// place: a copy would leave the caller's array unwritten, so any other is refused).
+ExternalMemory memory_of(const py::handle& h, int rank) {
+    require(py::isinstance<py::array>(h), "pools[", rank,
+            "] must be a numpy array (or a list of them, one per KV group the rank holds)");
+    auto a = py::reinterpret_borrow<py::array>(h);
+    require(a.flags() & py::array::c_style, "pools[", rank, "] must be C-contiguous");
+    require(a.writeable(), "pools[", rank, "] must be writeable");
+    auto* base = static_cast<std::byte*>(a.mutable_data());
+    require(reinterpret_cast<uintptr_t>(base) % 64 == 0, "pools[", rank,
+            "] must start on a 64-byte boundary (the prefill writes it in place): make it with "
+            "kvshard.pool_array");
+    return ExternalMemory{base, static_cast<size_t>(a.nbytes())};
+}
+
+py::array_t<float> logits_array(const std::vector<float>& v) {
+    py::array_t<float> out(static_cast<py::ssize_t>(v.size()));
+    std::copy(v.begin(), v.end(), out.mutable_data());
+    return out;
+}
+
 }  // namespace
 
 void bind_pack(py::module_& m) {
+    m.def(
+        "prefill_into",
+        [](const KvLayout& layout, const TokenArray& tokens, const TokenArray& block_table,
+           const py::list& pools, int block_size, const std::string& order, uint64_t seed) {
+            std::vector<std::vector<ExternalMemory>> mem;
+            std::vector<py::object> keep;  // the arrays stay alive (and unchanged) meanwhile
+            for (size_t r = 0; r < pools.size(); ++r) {
+                const py::handle h = pools[r];
+                std::vector<ExternalMemory> rank;
+                if (py::isinstance<py::list>(h) || py::isinstance<py::tuple>(h)) {
+                    for (const py::handle x : h) rank.push_back(memory_of(x, int(r)));
+                } else {
+                    rank.push_back(memory_of(h, int(r)));
+                }
+                keep.push_back(py::reinterpret_borrow<py::object>(h));
+                mem.push_back(std::move(rank));
+            }
+            const EnginePrefillOptions opt{.block_size = block_size, .order = order_of(order)};
+            const auto weights = random_tensor_source(seed);
+            std::vector<float> logits;
+            {
+                py::gil_scoped_release release;
+                logits = prefill_into_memory(layout, *weights, token_span(tokens),
+                                             token_span(block_table), mem, opt);
+            }
+            return logits_array(logits);
+        },
+        py::arg("layout"), py::arg("tokens"), py::arg("block_table"), py::arg("pools"),
+        py::kw_only(), py::arg("block_size") = 16, py::arg("order") = "hnd", py::arg("seed") = 1,
+        "The reference model's prefill of `tokens` under `layout` (dp=1, cp=1; random weights of "
+        "`seed`, as `kvshard run --seed`), each rank's KV written in place into the caller's pool "
+        "arrays: pools[r] is rank r's pool (a 64-byte aligned C-contiguous array of whole blocks, "
+        "e.g. kvshard.pool_array of a transfer plan whose source is this layout; a list of them "
+        "for a rank holding several KV groups), block_table the sequence's blocks (the same on "
+        "every rank). Only the named blocks' written slots change. Returns the last token's "
+        "[vocab] logits.");
+    m.def(
+        "prefill_own_pools",
+        [](const KvLayout& layout, const TokenArray& tokens, const TokenArray& block_table,
+           int64_t num_blocks, int block_size, const std::string& order, uint64_t seed) {
+            const EnginePrefillOptions opt{.block_size = block_size, .order = order_of(order)};
+            const auto weights = random_tensor_source(seed);
+            std::vector<std::vector<std::vector<std::byte>>> pools;
+            std::vector<float> logits;
+            {
+                py::gil_scoped_release release;
+                logits = prefill_into_own_pools(layout, *weights, token_span(tokens),
+                                                token_span(block_table), num_blocks, pools, opt);
+            }
+            py::list out;
+            for (const auto& rank : pools) {
+                py::list rl;
+                for (const auto& bytes : rank) {
+                    py::array_t<uint8_t> a(static_cast<py::ssize_t>(bytes.size()));
+                    std::memcpy(a.mutable_data(), bytes.data(), bytes.size());
+                    rl.append(a);
+                }
+                out.append(rl);
+            }
+            return py::make_tuple(logits_array(logits), out);
+        },
+        py::arg("layout"), py::arg("tokens"), py::arg("block_table"), py::arg("num_blocks"),
+        py::kw_only(), py::arg("block_size") = 16, py::arg("order") = "hnd", py::arg("seed") = 1,
+        "The same prefill as prefill_into on kvshard's own pools of num_blocks blocks: returns "
+        "(logits, pools), pools[r][i] the bytes (uint8) of rank r's pool i after it.");
     m.def(
         "pool_geometry",
         [](const TransferPlan& plan, bool source, int rank) {

@@ -152,11 +152,11 @@ RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size, R
     build(num_blocks, block_size, order, memory, nullptr);
 }
 
-RankModel::RankModel(ModelWeights weights, int64_t num_blocks, int block_size,
+RankModel::RankModel(ModelWeights weights, int block_size,
                      const std::vector<ExternalMemory>& pool_memory, RankComms comms,
                      PageOrder order)
     : weights_(std::move(weights)), comms_(comms), attention_(default_attention) {
-    build(num_blocks, block_size, order, PoolMemory::kPrivate, &pool_memory);
+    build(0, block_size, order, PoolMemory::kPrivate, &pool_memory);
 }
 
 void RankModel::build(int64_t num_blocks, int block_size, PageOrder order, PoolMemory memory,
@@ -200,7 +200,13 @@ void RankModel::build(int64_t num_blocks, int block_size, PageOrder order, PoolM
             if (external) {
                 require(size_t(pi) < external->size(), "this rank holds more pools than the ",
                         external->size(), " memory region(s) given: one per pool (KV group held)");
-                pools_.emplace_back(geo, num_blocks, (*external)[size_t(pi)]);
+                const ExternalMemory& mem = (*external)[size_t(pi)];
+                require(mem.bytes > 0 && mem.bytes % size_t(geo.block_bytes()) == 0, "pool ", pi,
+                        "'s memory holds ", mem.bytes, " bytes, not a whole number of blocks of ",
+                        geo.block_bytes(), " bytes (layers ", geo.num_layers, " x kv ",
+                        geo.kv_factor, " x heads ", geo.num_heads, " x block_size ", geo.block_size,
+                        " x head_dim ", geo.head_dim, " x ", geo.elem_size(), " B)");
+                pools_.emplace_back(geo, int64_t(mem.bytes / size_t(geo.block_bytes())), mem);
             } else {
                 pools_.emplace_back(geo, num_blocks, memory);
             }

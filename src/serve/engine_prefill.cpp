@@ -81,13 +81,18 @@ std::vector<float> prefill_into_memory(const KvLayout& layout, const TensorSourc
     check_inputs(layout, tokens, block_table, opt);
     require(static_cast<int>(memory.size()) == layout.world_size(), "memory for ", memory.size(),
             " rank(s) given but ", layout.parallel.to_string(), " has ", layout.world_size());
-    const int64_t blocks = *std::max_element(block_table.begin(), block_table.end()) + 1;
+    const int32_t last = *std::max_element(block_table.begin(), block_table.end());
     return run_prefill(
         layout, weights, tokens, block_table, opt,
         [&](int rank, ModelWeights w, RankComms comms) {
             try {
-                return RankModel(std::move(w), blocks, opt.block_size, memory[size_t(rank)], comms,
-                                 opt.order);
+                RankModel model(std::move(w), opt.block_size, memory[size_t(rank)], comms,
+                                opt.order);
+                for (int i = 0; i < model.num_pools(); ++i)
+                    require(last < model.pool_at(i).num_blocks(), "block ", last,
+                            " of the block table is outside pool ", i, "'s ",
+                            model.pool_at(i).num_blocks(), " blocks");
+                return model;
             } catch (const Error& e) {
                 throw Error(detail::concat("rank ", rank, "'s memory: ", e.what()));
             }

@@ -193,3 +193,64 @@ def test_pool_array_and_pack_into_out():
         kvshard.pool_array(plan, True, 2, blocks)
     with pytest.raises(kvshard.Error):
         kvshard.pool_array(plan, True, 0, 0)
+
+
+def test_prefill_into_numpy_pools_then_transfer_equals_own_pools():
+    # The engine's side: a TP=2 prefill writes its KV in place into numpy pool arrays (the
+    # engine's memory) at the blocks its block table names, then the KV moves to TP=1. Both are
+    # byte-identical to the same prefill on kvshard's own pools.
+    m = kvshard.catalog_model("tiny")
+    src, dst = layouts(m, "tp=2", "tp=1")
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, m.vocab, 40).astype(np.int32)
+    bs, blocks = 8, 8
+    table = np.array([6, 1, 4, 0, 3], dtype=np.int32)  # 40 tokens: 5 full blocks
+    plan = kvshard.transfer_plan(src, dst, len(tokens), src_block_size=bs, dst_block_size=bs,
+                                 src_block_tables=[table], dst_block_tables=[[0, 1, 2, 3, 4]])
+    pools = [kvshard.pool_array(plan, True, r, blocks) for r in range(2)]
+    for p in pools:
+        p.fill(-7.0)  # the engine's bytes before the prefill
+    logits = kvshard.prefill_into(src, tokens, table, pools, block_size=bs, seed=3)
+    own_logits, own = kvshard.prefill_own_pools(src, tokens, table, blocks, block_size=bs, seed=3)
+    assert logits.shape == (m.vocab,) and np.array_equal(logits, own_logits)
+    for r in range(2):
+        mine = pools[r]
+        theirs = own[r][0].view(np.float32).reshape(mine.shape)
+        assert np.array_equal(mine[:, :, table], theirs[:, :, table]), r
+        untouched = np.setdiff1d(np.arange(blocks), table)
+        assert np.all(mine[:, :, untouched] == -7.0), r
+        assert np.any(mine[:, :, table] != 0.0)
+    # The transfer from the engine's arrays and from kvshard's own pools gives the same bytes.
+    outs = []
+    for srcs in (pools, [own[r][0].view(np.float32).reshape(pools[r].shape) for r in range(2)]):
+        out = kvshard.pool_array(plan, False, 0, 5)
+        for i, msg in enumerate(plan.messages()):
+            kvshard.unpack_message(plan, i, kvshard.pack_message(plan, i, srcs[msg["src"]]), out)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+    # TP=1 holds rank 0's heads then rank 1's: the same values as the prefill wrote.
+    assert np.array_equal(outs[0], np.concatenate([p[:, :, table] for p in pools], axis=3))
+    # The first greedy token equals the CLI's unsharded run of the same weights and prompt.
+    assert int(np.argmax(logits)) == int(np.argmax(
+        kvshard.prefill_own_pools(dst, tokens, [0, 1, 2, 3, 4], 5, block_size=bs, seed=3)[0]))
+
+
+def test_prefill_into_refuses_what_it_cannot_write_in_place():
+    m = kvshard.catalog_model("tiny")
+    src, dst = layouts(m, "tp=2", "tp=1")
+    plan = kvshard.transfer_plan(src, dst, 16, src_block_size=8, dst_block_size=8)
+    good = [kvshard.pool_array(plan, True, r, 2) for r in range(2)]
+    tokens = np.arange(16, dtype=np.int32)
+    shifted = _at_offset(good[0].shape, np.float32, 4)  # a copy would leave it unwritten
+    with pytest.raises(kvshard.Error, match="64-byte boundary"):
+        kvshard.prefill_into(src, tokens, [0, 1], [shifted, good[1]], block_size=8)
+    with pytest.raises(kvshard.Error, match="appears twice"):
+        kvshard.prefill_into(src, tokens, [1, 1], good, block_size=8)
+    with pytest.raises(kvshard.Error, match="memory for 1 rank"):
+        kvshard.prefill_into(src, tokens, [0, 1], good[:1], block_size=8)
+    with pytest.raises(kvshard.Error, match="outside pool 0's 2 blocks"):
+        kvshard.prefill_into(src, tokens, [0, 5], good, block_size=8)
+    with pytest.raises(kvshard.Error, match="not a whole number of blocks"):
+        kvshard.prefill_into(src, tokens, [0, 1], [good[0].reshape(-1)[:-4], good[1]], block_size=8)
+    with pytest.raises(kvshard.Error, match="order must be"):
+        kvshard.prefill_into(src, tokens, [0, 1], good, block_size=8, order="xyz")

@@ -178,7 +178,10 @@ TEST(EnginePrefill, BadInputIsRefusedWithWhatIsWrong) {
               std::string::npos);
     EXPECT_NE(error_of({0, 1, 2}, {{{a.p + 8, n}}, {{b.p, n}}}, layout).find("64-byte aligned"),
               std::string::npos);
-    EXPECT_NE(error_of({0, 1, 5}, ok, layout).find("too small"), std::string::npos);
+    EXPECT_NE(error_of({0, 1, 5}, ok, layout).find("outside pool 0's 4 blocks"), std::string::npos);
+    EXPECT_NE(error_of({0, 1, 2}, {{{a.p, n - 4}}, {{b.p, n}}}, layout)
+                  .find("not a whole number of blocks"),
+              std::string::npos);
     EXPECT_NE(error_of({0, 1, 2}, {{}, {{b.p, n}}}, layout).find("one per pool"),
               std::string::npos);
     EXPECT_NE(error_of({0, 1, 2}, ok, make_layout(m, parse_parallel_config("cp=2")))

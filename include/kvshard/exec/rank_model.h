@@ -120,10 +120,10 @@ class RankModel {
               PageOrder order = PageOrder::kHnd, PoolMemory memory = PoolMemory::kPrivate);
     // The same, with pool i over pool_memory[i], memory the caller owns (an engine's KV tensors;
     // BlockPool's ExternalMemory rules): one entry per pool this rank holds (rank_page_geometry
-    // of its groups, kv_groups order), each of at least num_blocks blocks. Error otherwise.
-    RankModel(ModelWeights weights, int64_t num_blocks, int block_size,
-              const std::vector<ExternalMemory>& pool_memory, RankComms comms = {},
-              PageOrder order = PageOrder::kHnd);
+    // of its groups, kv_groups order), each a whole number of blocks, all of which the pool spans
+    // (the page offsets depend on the block count). Error otherwise.
+    RankModel(ModelWeights weights, int block_size, const std::vector<ExternalMemory>& pool_memory,
+              RankComms comms = {}, PageOrder order = PageOrder::kHnd);
 
     const ModelWeights& weights() const { return weights_; }
     const ModelSpec& spec() const { return weights_.spec; }

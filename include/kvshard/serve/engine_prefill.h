@@ -22,8 +22,9 @@ struct EnginePrefillOptions {
 
 // Runs the prefill of `tokens` under layout.parallel (dp = 1, cp = 1; tp, pp and ep any) on
 // threads, one per rank. memory[r][i]: rank r's pool i (one per KV group the rank holds, in
-// kv_groups order, each of the geometry rank_page_geometry gives and at least as many blocks as
-// the block table names); every pool of every rank must hold the same number of blocks.
+// kv_groups order, a whole number of blocks of the geometry rank_page_geometry gives, every one of
+// them the pool's: the page offsets depend on the block count), holding every block id the table
+// names.
 // block_table: the sequence's blocks (ceil(len / block_size) distinct ids), the same on every
 // rank. Returns the last token's [vocab] logits. Error naming what is wrong before anything runs.
 std::vector<float> prefill_into_memory(const KvLayout& layout, const TensorSource& weights,
