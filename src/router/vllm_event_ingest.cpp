@@ -132,16 +132,18 @@ VllmEventIngest::Result VllmEventIngest::malformed(int replica, std::string why)
 }
 
 VllmEventIngest::Result VllmEventIngest::on_message(
-    int replica, std::span<const std::span<const uint8_t>> frames) {
+    int replica, std::span<const std::span<const uint8_t>> frames,
+    const VllmDecodeResult* decoded) {
     (void)status(replica);
     if (frames.size() != 3)
         return malformed(replica, "a message has " + std::to_string(frames.size()) +
                                       " frames; vLLM sends 3 (topic, sequence, payload)");
-    return on_batch(replica, frames[1], frames[2]);
+    return on_batch(replica, frames[1], frames[2], false, decoded);
 }
 
 VllmEventIngest::Result VllmEventIngest::on_batch(int replica, std::span<const uint8_t> seq_frame,
-                                                  std::span<const uint8_t> payload, bool replayed) {
+                                                  std::span<const uint8_t> payload, bool replayed,
+                                                  const VllmDecodeResult* decoded) {
     (void)status(replica);
     auto& s = status_[static_cast<size_t>(replica)];
     const auto seq = decode_vllm_seq(seq_frame);
@@ -155,7 +157,9 @@ VllmEventIngest::Result VllmEventIngest::on_batch(int replica, std::span<const u
         return {Outcome::kGap, *s.last_seq + 1};
     }
     // Decoded before a sequence going back clears the replica: a malformed message changes nothing.
-    const VllmDecodeResult d = decode_vllm_event_batch(payload);
+    VllmDecodeResult own;
+    if (!decoded) own = decode_vllm_event_batch(payload);
+    const VllmDecodeResult& d = decoded ? *decoded : own;
     if (!d.batch) return malformed(replica, d.error);
     if (!first && *seq <= *s.last_seq) {
         // A publisher restart: its cache started empty.

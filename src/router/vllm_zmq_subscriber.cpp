@@ -38,6 +38,9 @@ struct VllmEventSubscriber::Impl {
     VllmEventIngest ingest;
     std::atomic<bool> running{true};
     std::thread thread;
+    // The receiving thread's buffers, kept from message to message.
+    std::vector<zmq::message_t> parts_scratch;
+    std::vector<std::span<const uint8_t>> frames_scratch;
 
     Impl(KvIndex& idx, std::vector<VllmEventEndpoint> eps, VllmSubscriberOptions opt)
         : index(&idx),
@@ -101,12 +104,18 @@ struct VllmEventSubscriber::Impl {
 
     void handle(size_t i, std::vector<zmq::message_t>& parts) {
         const int replica = endpoints[i].replica;
-        std::vector<std::span<const uint8_t>> frames;
-        for (const auto& p : parts) frames.push_back(bytes_of(p));
+        frames_scratch.clear();
+        for (const auto& p : parts) frames_scratch.push_back(bytes_of(p));
+        const std::span<const std::span<const uint8_t>> frames = frames_scratch;
+        // The payload is decoded before the lock is taken: routes wait only for the index
+        // updates, not for the msgpack decode.
+        VllmDecodeResult decoded;
+        if (frames.size() == 3) decoded = decode_vllm_event_batch(frames[2]);
+        const VllmDecodeResult* pre = frames.size() == 3 ? &decoded : nullptr;
         VllmEventIngest::Result r;
         {
             std::lock_guard<std::mutex> lock(mu);
-            r = ingest.on_message(replica, frames);
+            r = ingest.on_message(replica, frames, pre);
         }
         if (r.outcome != VllmEventIngest::Outcome::kGap) return;
         if (!endpoints[i].replay_endpoint.empty()) {
@@ -116,12 +125,12 @@ struct VllmEventSubscriber::Impl {
             const auto seq = decode_vllm_seq(frames[1]);
             const auto& last = ingest.status(replica).last_seq;
             if (seq && last && *last >= *seq) return;
-            r = ingest.on_message(replica, frames);
+            r = ingest.on_message(replica, frames, pre);
             if (r.outcome != VllmEventIngest::Outcome::kGap) return;
         }
         std::lock_guard<std::mutex> lock(mu);
         ingest.mark_stale(replica);
-        ingest.on_message(replica, frames);
+        ingest.on_message(replica, frames, pre);
     }
 
     void run() {
@@ -136,7 +145,8 @@ struct VllmEventSubscriber::Impl {
             for (size_t i = 0; i < subs.size(); ++i) {
                 if (!(items[i].revents & ZMQ_POLLIN)) continue;
                 for (int n = 0; n < kBurst && running; ++n) {
-                    std::vector<zmq::message_t> parts;
+                    std::vector<zmq::message_t>& parts = parts_scratch;
+                    parts.clear();
                     zmq::recv_result_t got;
                     try {
                         got = zmq::recv_multipart(subs[i], std::back_inserter(parts),

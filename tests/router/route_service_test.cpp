@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 
 #include "kvshard/cache/vllm_hash.h"
 #include "kvshard/cache/vllm_kv_events.h"
@@ -160,6 +161,43 @@ TEST(RouteService, RouteBodiesParseAsAFullJsonParserSays) {
         EXPECT_STREQ(e.what(),
                      "\"token_ids\"[1] = 4294967296 is out of range; token ids are 0 to "
                      "2147483647");
+    }
+}
+
+// Long token lists (the one-pass reader takes up to 8 bytes at a time): numbers of 1 to 11
+// digits, whitespace or none around the commas, now and then a leading zero, a sign, a fraction,
+// a value past 2^31 - 1 or a non-digit glued to a number.
+TEST(RouteService, LongRandomTokenListsParseAsAFullJsonParserSays) {
+    std::mt19937_64 rng(7);
+    const char* const glue[] = {"", " ", "\n", " \t "};
+    const char* const odd[] = {"0", "-", ".5", "e1", "x", "00", "-0"};
+    for (int round = 0; round < 400; ++round) {
+        std::string body = round % 2 ? R"({"request_id":"r","token_ids":[)" : R"({"token_ids":[)";
+        const int n = static_cast<int>(rng() % 300);
+        for (int i = 0; i < n; ++i) {
+            if (i) body += glue[rng() % 4], body += ',', body += glue[rng() % 4];
+            const int digits = 1 + static_cast<int>(rng() % (round % 5 == 0 ? 11 : 10));
+            uint64_t v = rng() % 10;
+            for (int d = 1; d < digits; ++d) v = v * 10 + rng() % 10;
+            if (round % 3 == 0 && rng() % 200 == 0) {
+                body += odd[rng() % 7];
+                body += std::to_string(v);
+            } else {
+                body += std::to_string(v);
+                if (round % 3 == 0 && rng() % 200 == 0) body += odd[rng() % 7];
+            }
+        }
+        body += round % 2 ? "]}" : R"(],"request_id":"q"})";
+        SCOPED_TRACE(body);
+        const auto want = reference_parse(body);
+        if (!want) {
+            EXPECT_THROW(parse_route_request(body), Error);
+            continue;
+        }
+        RouteRequestBody got;
+        ASSERT_NO_THROW(got = parse_route_request(body));
+        EXPECT_EQ(got.token_ids, want->token_ids);
+        EXPECT_EQ(got.request_id, want->request_id);
     }
 }
 

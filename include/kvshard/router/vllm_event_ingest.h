@@ -91,10 +91,14 @@ class VllmEventIngest {
                              int64_t max_blocks_per_replica = kDefaultMaxBlocksPerReplica);
 
     // One message as received: frames[0] topic, frames[1] sequence, frames[2] payload.
-    Result on_message(int replica, std::span<const std::span<const uint8_t>> frames);
+    // `decoded`, when given, is decode_vllm_event_batch(frames[2]) done by the caller (outside
+    // whatever lock guards this object and the index); the result is the same.
+    Result on_message(int replica, std::span<const std::span<const uint8_t>> frames,
+                      const VllmDecodeResult* decoded = nullptr);
     // The same from already split parts (a replay reply has no topic).
     Result on_batch(int replica, std::span<const uint8_t> seq_frame,
-                    std::span<const uint8_t> payload, bool replayed = false);
+                    std::span<const uint8_t> payload, bool replayed = false,
+                    const VllmDecodeResult* decoded = nullptr);
     // After a gap that will not be replayed: clear the replica, flag it stale and accept `seq` as
     // the new position (the batch that showed the gap is applied with on_batch next).
     void mark_stale(int replica);
