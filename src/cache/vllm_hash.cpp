@@ -1,10 +1,12 @@
 #include "kvshard/cache/vllm_hash.h"
 
 #include <cbor/encoding.h>
+#include <openssl/evp.h>
 #include <openssl/sha.h>
 #include <xxhash.h>
 
 #include <cstring>
+#include <memory>
 
 #include "kvshard/common/error.h"
 
@@ -80,10 +82,25 @@ void encode_block(std::vector<uint8_t>& out, std::span<const uint8_t> parent,
     }
 }
 
+// SHA-256 through EVP with the algorithm fetched once per process and a context per thread:
+// OpenSSL 3's one-shot SHA256() fetches the implementation (a lookup under a lock) on every call,
+// which a prompt of many blocks pays once per block.
+void sha256(std::span<const uint8_t> data, uint8_t* md) {
+    static EVP_MD* const alg = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+    thread_local const std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(),
+                                                                              EVP_MD_CTX_free);
+    unsigned int len = 0;
+    KVSHARD_CHECK(alg != nullptr && ctx != nullptr &&
+                      EVP_DigestInit_ex2(ctx.get(), alg, nullptr) == 1 &&
+                      EVP_DigestUpdate(ctx.get(), data.data(), data.size()) == 1 &&
+                      EVP_DigestFinal_ex(ctx.get(), md, &len) == 1 && len == SHA256_DIGEST_LENGTH,
+                  "OpenSSL's SHA-256 failed");
+}
+
 VllmBlockHash digest(VllmHashScheme s, std::span<const uint8_t> data) {
     if (s == VllmHashScheme::kSha256Cbor) {
         uint8_t md[SHA256_DIGEST_LENGTH];
-        SHA256(data.data(), data.size(), md);
+        sha256(data, md);
         return VllmBlockHash(std::span<const uint8_t>(md, sizeof md));
     }
     // xxhash.xxh3_128_digest: XXH128's canonical form, high 64 bits first, each big-endian.
