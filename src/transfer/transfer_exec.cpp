@@ -472,14 +472,17 @@ struct TransferSender::Impl {
         if (msg.layer_end > ready_end) return false;
         if (!to.replied) return false;  // how it takes its messages is not known yet
         if (to.direct) {
-            if (opt.direct_window > 0 && to.announced - to.credited >= opt.direct_window)
-                return false;  // its reads are behind: announce no further ahead
             // Only the header travels; the destination reads the bytes from my pool.
             const auto tp = Clock::now();
-            f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
-            f.header.flags = TransferHeader::kDirect;
             std::optional<uint64_t> units;
             if (opt.source_checksums) units = unit_checksum(*plan, msg, *opt.source_checksums);
+            // The bound keeps a checksum pass just ahead of the destination's read; a message
+            // announced from the seals makes no pass and is not held back (waiting for a credit
+            // would only add a round trip per message to the destination's reads).
+            if (!units && opt.direct_window > 0 && to.announced - to.credited >= opt.direct_window)
+                return false;  // its reads are behind: announce no further ahead
+            f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
+            f.header.flags = TransferHeader::kDirect;
             if (units) {  // sealed when written: no pass over the bytes
                 f.header.payload_xxh3 = *units;
                 f.header.flags |= TransferHeader::kUnitChecksum;

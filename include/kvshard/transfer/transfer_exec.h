@@ -16,7 +16,7 @@
 //    the same host, could map it): a 64-byte header with the payload's checksum, and no payload;
 //    the destination copies the bytes straight from the source pool into its own (copy_direct:
 //    one copy) and checks the checksum, then credits the source, which announces at most
-//    `direct_window` messages ahead of those credits;
+//    `direct_window` messages ahead of those credits (those announced from seals: unbounded);
 //  - messages: the header and then the payload, packed (keeping at most `staging_bytes` of packed
 //    payloads in flight: back-pressure, it packs the next one only when an earlier send completed)
 //    or sent straight from the pool where it is one run of it. The receiver posts a payload
@@ -190,8 +190,10 @@ struct TransferExecOptions {
     // pool and only headers travel. Both sides must allow it; false: always messages.
     bool direct_read = true;
     // Direct read: messages a source announces to one destination ahead of the destination's
-    // credits. Where it makes a checksum pass (no seals), that pass then reads what the destination
-    // reads next: a bound keeps those bytes in the shared cache in between. 0: no bound.
+    // credits, of those it announces with a checksum pass (no seals): that pass then reads what
+    // the destination reads next, and the bound keeps those bytes in the shared cache in between.
+    // A message announced from the seals (unit checksum) makes no pass and is not bounded: the
+    // destination then finds its next header waiting instead of a credit round trip. 0: no bound.
     int direct_window = 2;
     // Sender, direct read: the seals of its pool (source_checksums.h: computed when the KV was
     // written; the same pool as the sender's, Error otherwise). A message whose pieces read whole
@@ -238,7 +240,8 @@ struct TransferResult {
     double last_send_s = -1;    // sender: when the last message went out
     int64_t peak_staging = 0;   // most payload bytes held at once
     int peak_direct_ahead = 0;  // sender: most messages announced to one destination ahead of
-                                // its credits (at most direct_window when that is > 0)
+                                // its credits (at most direct_window when that is > 0 and no
+                                // message was announced from seals)
     bool ok() const { return status == TransferStatus::kOk; }
 };
 
