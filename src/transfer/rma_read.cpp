@@ -1,6 +1,7 @@
 #include "kvshard/transfer/rma_read.h"
 
 #include <algorithm>
+#include <cstring>
 #include <deque>
 #include <vector>
 
@@ -31,9 +32,16 @@ void check_destination(const TransferPlan& plan, const TransferMessage& msg, con
 
 }  // namespace
 
-RmaPoolWindow::RmaPoolWindow(Communicator& world, BlockPool* pool)
+RmaPoolWindow::RmaPoolWindow(Communicator& world, BlockPool* pool, int64_t pack_bytes)
     : window_(world.create_window(pool != nullptr ? pool->arena() : std::span<std::byte>())),
-      backend_(world.backend()) {}
+      backend_(world.backend()) {
+    require(pack_bytes >= 0, "the pack area must be at least 0 bytes, got ", pack_bytes);
+    if (pool != nullptr && pack_bytes > 0) {
+        pack_mem_ = allocate_large(static_cast<size_t>(pack_bytes));
+        pack_area_ = std::span<std::byte>(pack_mem_.get(), static_cast<size_t>(pack_bytes));
+    }
+    pack_window_ = world.create_window(pack_area_);  // collective, empty where none
+}
 
 std::string rma_readable(const TransferPlan& plan, const TransferMessage& msg,
                          int64_t src_num_blocks, int64_t region_bytes) {
@@ -131,6 +139,9 @@ uint64_t read_units_chunked(Window& window, int src_world, std::vector<TransferD
                            src_world, d.src_offset + at);
             c.dst_end = d.dst_offset + at + n;
             in_flight.push_back(std::move(c));
+            // A transport that copies inside the get (CMA on one host) has landed it already:
+            // hash it now, while it is in cache, not kChunksInFlight chunks later.
+            while (!in_flight.empty() && in_flight.front().req.test()) land_one();
         }
     while (!in_flight.empty()) land_one();
     KVSHARD_CHECK(next_unit == units.size(), "every unit of the message lies in its runs");
@@ -140,11 +151,13 @@ uint64_t read_units_chunked(Window& window, int src_world, std::vector<TransferD
 // Staged: where the message's payload in post-receive order (the source's page order) is one run
 // of the source pool but many runs pool to pool (a TP reshape: each source head range is a part of
 // every destination page), one get per chunk of that run into a staging buffer beats one get per
-// descriptor (each get has a fixed cost: 16 KiB gets measured 3x slower than one big one), and
-// the destination scatters it (unpack_message, post-receive). Checked while staged: the units lie
-// one after the other in unit order (an HND source's post-receive payload), or the stream is the
-// post-receive payload itself.
-uint64_t read_staged(Window& window, int src_world, int64_t src_offset, const TransferPlan& plan,
+// descriptor (each get has a fixed cost: 16 KiB gets measured 3x slower than one big one). Each
+// chunk, once landed, is checked (the units lie one after the other in unit order in an HND
+// source's post-receive payload, or the stream is the post-receive payload itself) and its part
+// of every run (`runs`: the message's descriptors, pool to pool) is copied into the pool, while
+// it is in cache: the staging buffer is read once, right after it was written.
+uint64_t read_staged(Window& window, int src_world, int64_t src_offset,
+                     std::vector<TransferDescriptor> runs, const TransferPlan& plan,
                      const TransferMessage& msg, bool units, BlockPool& dst) {
     thread_local LargeBuffer staging;
     thread_local int64_t capacity = 0;
@@ -153,6 +166,15 @@ uint64_t read_staged(Window& window, int src_world, int64_t src_offset, const Tr
         capacity = msg.bytes;
     }
     std::byte* buf = staging.get();
+    std::byte* base = dst.arena().data();
+    std::sort(runs.begin(), runs.end(),
+              [](const TransferDescriptor& a, const TransferDescriptor& b) {
+                  return a.src_offset < b.src_offset;
+              });
+    for (const TransferDescriptor& d : runs)
+        KVSHARD_CHECK(
+            d.src_offset >= src_offset && d.src_offset + d.bytes <= src_offset + msg.bytes,
+            "every run of a staged message lies in its source run");
     thread_local std::vector<int64_t> unit_bytes;
     thread_local std::vector<uint64_t> hashes;
     unit_bytes.clear();
@@ -171,8 +193,9 @@ uint64_t read_staged(Window& window, int src_world, int64_t src_offset, const Tr
         int64_t end = 0;
     };
     std::deque<Chunk> in_flight;
-    size_t next_unit = 0;
-    int64_t hashed = 0;  // staging bytes hashed so far
+    size_t next_unit = 0, next_run = 0;
+    int64_t hashed = 0;     // staging bytes hashed so far
+    int64_t scattered = 0;  // staging bytes copied into the pool so far (runs in source order)
     auto land_one = [&] {
         Chunk c = std::move(in_flight.front());
         in_flight.pop_front();
@@ -180,12 +203,24 @@ uint64_t read_staged(Window& window, int src_world, int64_t src_offset, const Tr
         if (!units) {
             stream.update(buf + hashed, static_cast<size_t>(c.end - hashed));
             hashed = c.end;
-            return;
+        } else {
+            for (; next_unit < unit_bytes.size() && hashed + unit_bytes[next_unit] <= c.end;
+                 ++next_unit) {
+                hashes.push_back(xxh3_64(buf + hashed, static_cast<size_t>(unit_bytes[next_unit])));
+                hashed += unit_bytes[next_unit];
+            }
         }
-        for (; next_unit < unit_bytes.size() && hashed + unit_bytes[next_unit] <= c.end;
-             ++next_unit) {
-            hashes.push_back(xxh3_64(buf + hashed, static_cast<size_t>(unit_bytes[next_unit])));
-            hashed += unit_bytes[next_unit];
+        // Every byte below c.end has landed: copy the runs' parts there (a run cut by the chunk's
+        // end goes on with the next chunk).
+        for (; next_run < runs.size(); ++next_run) {
+            const TransferDescriptor& d = runs[next_run];
+            const int64_t b = d.src_offset - src_offset, e = b + d.bytes;
+            const int64_t from = std::max(b, scattered), to = std::min(e, c.end);
+            if (to > from)
+                std::memcpy(base + d.dst_offset + (from - b), buf + from,
+                            static_cast<size_t>(to - from));
+            scattered = std::max(scattered, to);
+            if (e > c.end) break;
         }
     };
     for (int64_t at = 0; at < msg.bytes; at += kChunkBytes) {
@@ -196,11 +231,12 @@ uint64_t read_staged(Window& window, int src_world, int64_t src_offset, const Tr
                            src_offset + at);
         c.end = at + n;
         in_flight.push_back(std::move(c));
+        // Landed inside the get (CMA): checked and scattered now, from cache.
+        while (!in_flight.empty() && in_flight.front().req.test()) land_one();
     }
     while (!in_flight.empty()) land_one();
     KVSHARD_CHECK(hashed == msg.bytes, "the staged payload was hashed whole");
-    unpack_message(plan, msg, TransferMode::kPostReceive,
-                   std::span<const std::byte>(buf, static_cast<size_t>(msg.bytes)), dst);
+    KVSHARD_CHECK(next_run == runs.size(), "every run of the staged message was copied");
     return units ? xxh3_64(hashes.data(), hashes.size() * sizeof(uint64_t)) : stream.digest();
 }
 
@@ -225,7 +261,8 @@ uint64_t rma_read_message(Window& window, int src_world, int64_t src_num_blocks,
         (units ? plan.src.order == PageOrder::kHnd : mode == TransferMode::kPostReceive)) {
         const int64_t off = contiguous_payload_offset(plan, msg, TransferMode::kPostReceive, true,
                                                       src.pages.geometry, src_num_blocks);
-        if (off >= 0) return read_staged(window, src_world, off, plan, msg, units, dst);
+        if (off >= 0)
+            return read_staged(window, src_world, off, std::move(runs), plan, msg, units, dst);
     }
     // HND destination, unit checksums: chunked, each unit hashed from cache.
     if (units && dst.geometry().order == PageOrder::kHnd)
@@ -243,6 +280,81 @@ uint64_t rma_read_message(Window& window, int src_world, int64_t src_num_blocks,
         sizes.push_back(d.bytes);
     }
     window.get_many(outs, offsets, sizes, src_world).wait();
+    return units ? landed_unit_checksum(plan, msg, dst) : landed_payload_hash(plan, msg, mode, dst);
+}
+
+bool rma_pack_helps(const TransferPlan& plan, int message_index, int64_t src_num_blocks,
+                    TransferMode mode, const BlockPool& dst) {
+    const TransferMessage& msg = plan.messages.at(static_cast<size_t>(message_index));
+    const PoolRegion src{
+        {rank_page_geometry(plan.src.layout, msg.src_rank, plan.src.block_size, plan.src.order),
+         src_num_blocks},
+        0};
+    const std::vector<TransferDescriptor> runs =
+        message_descriptors(plan, message_index, src, PoolRegion{pool_pages(dst), 0});
+    if (runs.size() <= 2 || msg.bytes >= static_cast<int64_t>(runs.size()) * kChunkBytes)
+        return false;
+    const bool staged_order =
+        plan.src.order == PageOrder::kHnd || mode == TransferMode::kPostReceive;
+    return !(staged_order && contiguous_payload_offset(plan, msg, TransferMode::kPostReceive, true,
+                                                       src.pages.geometry, src_num_blocks) >= 0);
+}
+
+std::vector<int64_t> rma_pack_offsets(const TransferPlan& plan, int src_rank, int dst_rank,
+                                      int64_t pack_bytes) {
+    std::vector<int> dsts;
+    for (const TransferMessage& m : plan.messages)
+        if (m.src_rank == src_rank && std::find(dsts.begin(), dsts.end(), m.dst_rank) == dsts.end())
+            dsts.push_back(m.dst_rank);
+    const auto at = std::find(dsts.begin(), dsts.end(), dst_rank);
+    if (at == dsts.end()) return {};
+    const int64_t part = pack_bytes / static_cast<int64_t>(dsts.size()) / 64 * 64;
+    const int64_t base = part * (at - dsts.begin());
+    std::vector<int64_t> out;
+    int64_t p = 0;
+    for (const TransferMessage& m : plan.messages) {
+        if (m.src_rank != src_rank || m.dst_rank != dst_rank) continue;
+        if (m.bytes > part) return {};
+        if (p + m.bytes > part) p = 0;
+        out.push_back(base + p);
+        p += (m.bytes + 63) / 64 * 64;
+    }
+    return out;
+}
+
+uint64_t rma_read_packed(Window& pack_window, int src_world, int64_t offset,
+                         const TransferPlan& plan, int message_index, TransferMode mode, bool units,
+                         BlockPool& dst) {
+    const TransferMessage& msg = plan.messages.at(static_cast<size_t>(message_index));
+    check_destination(plan, msg, dst);
+    require(message_scales(plan, msg) == 0, "a packed RMA read of message ", message_index,
+            ": the KV is fp8");
+    require(offset >= 0 && offset + msg.bytes <= pack_window.region_bytes(src_world),
+            "a packed RMA read of message ", message_index, " at ", offset, " lies outside the ",
+            pack_window.region_bytes(src_world), "-byte pack area of rank ", src_world);
+    const int64_t in_pool = contiguous_payload_offset(plan, msg, mode, false, dst);
+    if (in_pool >= 0) {  // one run of my pool: straight in
+        std::vector<TransferDescriptor> run(1);
+        run[0].src_offset = offset;
+        run[0].dst_offset = in_pool;
+        run[0].bytes = msg.bytes;
+        if (units && dst.geometry().order == PageOrder::kHnd)
+            return read_units_chunked(pack_window, src_world, std::move(run), plan, msg, dst);
+        pack_window
+            .get(dst.arena().subspan(static_cast<size_t>(in_pool), static_cast<size_t>(msg.bytes)),
+                 src_world, offset)
+            .wait();
+    } else {  // staged, then unpacked
+        thread_local LargeBuffer staging;
+        thread_local int64_t capacity = 0;
+        if (capacity < msg.bytes) {
+            staging = allocate_large(static_cast<size_t>(msg.bytes));
+            capacity = msg.bytes;
+        }
+        const std::span<std::byte> buf(staging.get(), static_cast<size_t>(msg.bytes));
+        pack_window.get(buf, src_world, offset).wait();
+        unpack_message(plan, msg, mode, buf, dst);
+    }
     return units ? landed_unit_checksum(plan, msg, dst) : landed_payload_hash(plan, msg, mode, dst);
 }
 

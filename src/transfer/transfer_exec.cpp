@@ -262,13 +262,15 @@ std::string check_header(const TransferHeader& h, const TransferPlan& plan, uint
                               " (", h.src_rank, "->", h.dst_rank, ") where request ", request_id,
                               " message ", message_index, " (", m.src_rank, "->", m.dst_rank,
                               ") was expected");
-    const uint32_t known = TransferHeader::kDirect | TransferHeader::kUnitChecksum;
-    if ((h.flags & ~known) != 0 || ((h.flags & TransferHeader::kUnitChecksum) != 0 &&
-                                    (h.flags & TransferHeader::kDirect) == 0))
-        return detail::concat("header flags ", h.flags, " are not a valid combination (",
-                              TransferHeader::kDirect, " direct read, ",
-                              TransferHeader::kDirect | TransferHeader::kUnitChecksum,
-                              " direct read with a unit checksum, or 0)");
+    const uint32_t known =
+        TransferHeader::kDirect | TransferHeader::kUnitChecksum | TransferHeader::kPacked;
+    if ((h.flags & ~known) != 0 ||
+        ((h.flags & (TransferHeader::kUnitChecksum | TransferHeader::kPacked)) != 0 &&
+         (h.flags & TransferHeader::kDirect) == 0))
+        return detail::concat(
+            "header flags ", h.flags, " are not a valid combination (", TransferHeader::kDirect,
+            " direct read, ", TransferHeader::kDirect | TransferHeader::kUnitChecksum,
+            " direct read with a unit checksum, plus ", TransferHeader::kPacked, " packed, or 0)");
     if (h.status == static_cast<uint32_t>(TransferStatus::kOk) &&
         h.payload_bytes != static_cast<uint64_t>(m.bytes))
         return detail::concat("header announces ", h.payload_bytes,
@@ -356,6 +358,11 @@ struct TransferSender::Impl {
         bool closed = false;   // acked, so it listens no more
         int announced = 0;     // direct: messages announced to it
         int credited = 0;      // direct: messages it has read
+        // RMA, packed (it asked for it): my messages to it in order, and where each goes in my
+        // pack area (rma_pack_offsets).
+        bool packed = false;
+        std::vector<int> pair_messages;
+        std::vector<int64_t> pack_offsets;
     };
     std::vector<Peer> peers;  // stable: requests point into it
     TransferResult result;
@@ -433,6 +440,43 @@ struct TransferSender::Impl {
             b.payload_req = world.isend(data, dest, transfer_tag(request_id, kPayloadKind));
     }
 
+    // The destination asked for packed reads: where each of my messages to it goes.
+    void start_packing(Peer& q) {
+        q.packed = true;
+        q.pack_offsets = rma_pack_offsets(*plan, src_rank, q.rank,
+                                          static_cast<int64_t>(opt.rma_window->pack_area().size()));
+        for (size_t i = 0; i < plan->messages.size(); ++i)
+            if (plan->messages[i].src_rank == src_rank && plan->messages[i].dst_rank == q.rank)
+                q.pair_messages.push_back(static_cast<int>(i));
+        require(q.pack_offsets.size() == q.pair_messages.size(), "source rank ", src_rank,
+                ": destination rank ", q.rank,
+                " asked for packed reads, but a message does not fit the pack area");
+    }
+
+    // Packed: writes message idx into my pack area once no uncredited message of that
+    // destination lies over its bytes; false while one does. xxh3: its payload's XXH3, computed
+    // while packing, where asked.
+    bool pack_for(Peer& q, int idx, uint64_t* xxh3) {
+        const size_t k = static_cast<size_t>(
+            std::lower_bound(q.pair_messages.begin(), q.pair_messages.end(), idx) -
+            q.pair_messages.begin());
+        KVSHARD_CHECK(k < q.pair_messages.size() && q.pair_messages[k] == idx,
+                      "a packed message is one of the pair's");
+        const TransferMessage& msg = plan->messages[idx];
+        const int64_t at = q.pack_offsets[k], end = at + msg.bytes;
+        for (size_t j = static_cast<size_t>(q.credited); j < k; ++j) {
+            const int64_t b = q.pack_offsets[j];
+            if (b < end && at < b + plan->messages[q.pair_messages[j]].bytes) return false;
+        }
+        const std::span<std::byte> out = opt.rma_window->pack_area().subspan(
+            static_cast<size_t>(at), static_cast<size_t>(msg.bytes));
+        const TransferMessage* msgs[] = {&msg};
+        const std::span<std::byte> outs[] = {out};
+        pack_messages(*plan, msgs, mode, pool, outs,
+                      xxh3 != nullptr ? std::span<uint64_t>(xxh3, 1) : std::span<uint64_t>());
+        return true;
+    }
+
     // Accounts for the message at `next`, sent without a batch (kind: the counter of its kind),
     // and moves on.
     void sent_one(const TransferMessage& msg, int& kind) {
@@ -483,12 +527,22 @@ struct TransferSender::Impl {
                 return false;  // its reads are behind: announce no further ahead
             f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
             f.header.flags = TransferHeader::kDirect;
+            uint64_t packed_xxh3 = 0;
+            if (to.packed) {  // into my pack area first (its checksum while packing)
+                if (!pack_for(to, idx, units ? nullptr : &packed_xxh3)) {
+                    result.pack_seconds += seconds_since(tp);
+                    return false;  // its bytes there are still to be read
+                }
+                f.header.flags |= TransferHeader::kPacked;
+                ++result.packed_messages;
+            }
             if (units) {  // sealed when written: no pass over the bytes
                 f.header.payload_xxh3 = *units;
                 f.header.flags |= TransferHeader::kUnitChecksum;
                 ++result.unit_checksum_messages;
             } else {
-                f.header.payload_xxh3 = hash_payload(*plan, msg, mode, pool);
+                f.header.payload_xxh3 =
+                    to.packed ? packed_xxh3 : hash_payload(*plan, msg, mode, pool);
             }
             seal_header(f.header);
             result.pack_seconds += seconds_since(tp);
@@ -614,6 +668,16 @@ struct TransferSender::Impl {
                     q.direct = (a.flags & TransferAck::kDirectRead) != 0 &&
                                (q.hello.flags &
                                 (TransferHello::kShareable | TransferHello::kRmaWindow)) != 0;
+                    if (q.direct && (a.flags & TransferAck::kPacked) != 0) {
+                        if ((q.hello.flags & TransferHello::kRmaWindow) == 0) {
+                            set_status(TransferStatus::kBadHeader,
+                                       detail::concat("destination rank ", q.rank,
+                                                      " asked for packed reads without a window"));
+                            q.closed = true;
+                            break;
+                        }
+                        start_packing(q);
+                    }
                 } else if (a.kind == TransferAck::kCredit) {
                     q.credited = std::max(q.credited, static_cast<int>(a.count));
                 }
@@ -767,6 +831,7 @@ struct TransferReceiver::Impl {
         bool hello_done = false;
         bool reads_in_place = false;                  // direct read from its pool
         bool rma = false;                             // ... through opt.rma_window
+        std::vector<int64_t> pack_offsets;            // ... packed by it (rma_pack_offsets)
         std::shared_ptr<const SharedArenaView> view;  // ... mapped here
         SourceArena arena;
         size_t next = 0;
@@ -897,6 +962,27 @@ struct TransferReceiver::Impl {
         return true;
     }
 
+    // RMA: whether to ask this source to pack its messages (rma_pack_helps for one of them, and
+    // each fits its part of the source's pack area); sets s.pack_offsets.
+    bool want_packed(Source& s) {
+        const int64_t area = opt.rma_window->pack_bytes(src_world(s));
+        if (area <= 0) return false;
+        bool helps = false;
+        for (int i : s.messages)
+            if (rma_pack_helps(*plan, i, s.hello.num_blocks, mode, pool)) {
+                helps = true;
+                break;
+            }
+        // Credits count messages in order, which both sides must see in plan order.
+        if (!helps || !std::is_sorted(s.messages.begin(), s.messages.end())) return false;
+        s.pack_offsets = rma_pack_offsets(*plan, s.rank, dst_rank, area);
+        if (s.pack_offsets.size() != s.messages.size()) {
+            s.pack_offsets.clear();
+            return false;
+        }
+        return true;
+    }
+
     void checksum_failed(int message, int src) {
         set_status(TransferStatus::kChecksumMismatch,
                    detail::concat("destination rank ", dst_rank, ": message ", message,
@@ -918,8 +1004,9 @@ struct TransferReceiver::Impl {
                 return moved;
             }
             s.reads_in_place = accept_direct(s);
-            send_control(s, TransferAck::kReply, s.reads_in_place ? TransferAck::kDirectRead : 0,
-                         0);
+            uint16_t reply = s.reads_in_place ? TransferAck::kDirectRead : 0;
+            if (s.reads_in_place && s.rma && want_packed(s)) reply |= TransferAck::kPacked;
+            send_control(s, TransferAck::kReply, reply, 0);
         }
         for (;;) {
             if (s.next >= s.messages.size()) return moved;
@@ -989,12 +1076,18 @@ struct TransferReceiver::Impl {
                     return moved;
                 }
                 const bool direct = (s.header.flags & TransferHeader::kDirect) != 0;
-                if (direct != s.reads_in_place) {
-                    set_status(TransferStatus::kBadHeader,
-                               detail::concat(
-                                   "destination rank ", dst_rank, " from source rank ", s.rank,
-                                   ": a ", direct ? "direct-read" : "message", " header where ",
-                                   s.reads_in_place ? "direct reads" : "messages", " were agreed"));
+                const bool packed = (s.header.flags & TransferHeader::kPacked) != 0;
+                if (direct != s.reads_in_place || packed != !s.pack_offsets.empty()) {
+                    set_status(
+                        TransferStatus::kBadHeader,
+                        detail::concat(
+                            "destination rank ", dst_rank, " from source rank ", s.rank, ": a ",
+                            direct ? (packed ? "packed direct-read" : "direct-read") : "message",
+                            " header where ",
+                            s.reads_in_place
+                                ? (s.pack_offsets.empty() ? "direct reads" : "packed direct reads")
+                                : "messages",
+                            " were agreed"));
                     s.payload_req = Request();
                     s.direct = {};
                     s.payload_posted = false;
@@ -1062,6 +1155,9 @@ struct TransferReceiver::Impl {
         const auto tu = Clock::now();
         const bool units = (s.header.flags & TransferHeader::kUnitChecksum) != 0;
         auto read = [&] {
+            if (s.rma && !s.pack_offsets.empty())
+                return rma_read_packed(opt.rma_window->pack_window(), src_world(s),
+                                       s.pack_offsets[s.next], *plan, idx, mode, units, pool);
             if (s.rma)
                 return rma_read_message(opt.rma_window->window(), src_world(s), s.hello.num_blocks,
                                         *plan, idx, mode, units, pool);
@@ -1071,6 +1167,8 @@ struct TransferReceiver::Impl {
         if (result.status == TransferStatus::kOk && read() != s.header.payload_xxh3)
             checksum_failed(idx, s.rank);
         if (units && result.status == TransferStatus::kOk) ++result.unit_checksum_messages;
+        if (!s.pack_offsets.empty() && result.status == TransferStatus::kOk)
+            ++result.packed_messages;
         result.pack_seconds += seconds_since(tu);
         landed(idx, /*direct=*/true);
         send_control(s, TransferAck::kCredit, 0, static_cast<uint32_t>(s.next + 1));

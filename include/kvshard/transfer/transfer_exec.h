@@ -71,6 +71,9 @@ struct TransferHeader {
     // With kDirect: payload_xxh3 is the message's unit checksum (pack.h, unit_checksum) from the
     // source's seals, not the XXH3 of its bytes.
     static constexpr uint32_t kUnitChecksum = 2;
+    // With kDirect, RMA read: the payload was packed, in wire order, into the source's pack area
+    // (rma_read.h, RmaPoolWindow), where the destination reads it (rma_pack_offsets: where).
+    static constexpr uint32_t kPacked = 4;
     uint32_t magic = kMagic;
     uint16_t version = kVersion;
     uint16_t mode = 0;  // 0 pre-send, 1 post-receive: the payload's wire order
@@ -82,7 +85,7 @@ struct TransferHeader {
     uint64_t payload_bytes = 0;  // 0 when status != kOk (no payload follows)
     uint64_t payload_xxh3 = 0;   // XXH3_64bits(payload), seed 0 (kUnitChecksum: the unit one)
     uint32_t status = 0;         // TransferStatus; kSourceAborted: no payload follows
-    uint32_t flags = 0;          // kDirect, kUnitChecksum
+    uint32_t flags = 0;          // kDirect, kUnitChecksum, kPacked
     uint64_t header_xxh3 = 0;    // XXH3_64bits of the 56 bytes above
 };
 static_assert(sizeof(TransferHeader) == 64);
@@ -117,6 +120,8 @@ struct TransferAck {
     static constexpr uint32_t kMagic = 0x4B41564B;                 // "KVAK"
     static constexpr uint16_t kDone = 0, kReply = 1, kCredit = 2;  // kind
     static constexpr uint16_t kDirectRead = 1;  // reply flags: messages come as direct reads
+    // reply flags, with kDirectRead through the RMA window: pack them into the pack area first
+    static constexpr uint16_t kPacked = 2;
     uint32_t magic = kMagic;
     uint16_t kind = kDone;
     uint16_t flags = 0;
@@ -233,7 +238,8 @@ struct TransferResult {
     int zero_copy_messages = 0;      // sent from / received into the pool itself (no staging copy)
     int direct_messages = 0;         // read by the destination straight from the source pool
     int unit_checksum_messages = 0;  // of those, checked by unit checksums (no source pass)
-    double seconds = 0;              // from construction to done
+    int packed_messages = 0;  // of the direct ones, packed into the source's RMA pack area first
+    double seconds = 0;       // from construction to done
     double pack_seconds =
         0;  // sender: packing + checksums; receiver: checks, unpacking, direct reads
     double first_send_s = -1;   // sender: when the first message went out, from construction
