@@ -829,9 +829,17 @@ struct TransferReceiver::Impl {
         TransferHello hello;
         Request hello_req;
         bool hello_done = false;
-        bool reads_in_place = false;                  // direct read from its pool
-        bool rma = false;                             // ... through opt.rma_window
-        std::vector<int64_t> pack_offsets;            // ... packed by it (rma_pack_offsets)
+        bool reads_in_place = false;        // direct read from its pool
+        bool rma = false;                   // ... through opt.rma_window
+        std::vector<int64_t> pack_offsets;  // ... packed by it (rma_pack_offsets)
+        // RMA: direct-read headers taken but not read yet (read together: rma_read_messages).
+        struct Announced {
+            int message = 0;
+            size_t position = 0;  // in `messages`
+            uint64_t want = 0;    // the header's checksum
+            bool units = false;
+        };
+        std::vector<Announced> announced;
         std::shared_ptr<const SharedArenaView> view;  // ... mapped here
         SourceArena arena;
         size_t next = 0;
@@ -990,6 +998,42 @@ struct TransferReceiver::Impl {
     }
 
     bool step_source(Source& s) {
+        const bool moved = take_headers(s);
+        if (s.announced.empty()) return moved;
+        read_announced(s);
+        return true;
+    }
+
+    // RMA: reads every announced message of s at once (their gets in one pipeline where they go
+    // straight into the pool), checks each, and credits the source once for them all.
+    void read_announced(Source& s) {
+        const auto tu = Clock::now();
+        std::vector<RmaReadJob> jobs;
+        for (const auto& a : s.announced)
+            jobs.push_back({a.message, a.units,
+                            s.pack_offsets.empty() ? int64_t{-1} : s.pack_offsets[a.position]});
+        std::vector<uint64_t> got;
+        if (result.status == TransferStatus::kOk)
+            got = rma_read_messages(*opt.rma_window, src_world(s), s.hello.num_blocks, *plan, jobs,
+                                    mode, pool);
+        for (size_t k = 0; k < s.announced.size(); ++k) {
+            const auto& a = s.announced[k];
+            if (result.status != TransferStatus::kOk) break;
+            if (got[k] != a.want) {
+                checksum_failed(a.message, s.rank);
+                break;
+            }
+            if (a.units) ++result.unit_checksum_messages;
+            if (!s.pack_offsets.empty()) ++result.packed_messages;
+        }
+        result.pack_seconds += seconds_since(tu);
+        for (const auto& a : s.announced) landed(a.message, /*direct=*/true);
+        send_control(s, TransferAck::kCredit, 0,
+                     static_cast<uint32_t>(s.announced.back().position + 1));
+        s.announced.clear();
+    }
+
+    bool take_headers(Source& s) {
         bool moved = false;
         if (!s.hello_done) {
             if (s.next >= s.messages.size() || !s.hello_req.test()) return false;
@@ -1094,6 +1138,14 @@ struct TransferReceiver::Impl {
                     s.next = s.messages.size();
                     return moved;
                 }
+                if (direct && s.rma) {  // read with the others that are here already
+                    s.announced.push_back({idx, s.next, s.header.payload_xxh3,
+                                           (s.header.flags & TransferHeader::kUnitChecksum) != 0});
+                    s.have_header = false;
+                    s.header_posted = false;
+                    ++s.next;
+                    continue;
+                }
                 if (direct) {
                     read_in_place(s, idx);
                     s.have_header = false;
@@ -1155,20 +1207,12 @@ struct TransferReceiver::Impl {
         const auto tu = Clock::now();
         const bool units = (s.header.flags & TransferHeader::kUnitChecksum) != 0;
         auto read = [&] {
-            if (s.rma && !s.pack_offsets.empty())
-                return rma_read_packed(opt.rma_window->pack_window(), src_world(s),
-                                       s.pack_offsets[s.next], *plan, idx, mode, units, pool);
-            if (s.rma)
-                return rma_read_message(opt.rma_window->window(), src_world(s), s.hello.num_blocks,
-                                        *plan, idx, mode, units, pool);
             return units ? copy_direct_units(*plan, msg, s.arena, pool)
                          : copy_direct(*plan, msg, mode, s.arena, pool);
         };
         if (result.status == TransferStatus::kOk && read() != s.header.payload_xxh3)
             checksum_failed(idx, s.rank);
         if (units && result.status == TransferStatus::kOk) ++result.unit_checksum_messages;
-        if (!s.pack_offsets.empty() && result.status == TransferStatus::kOk)
-            ++result.packed_messages;
         result.pack_seconds += seconds_since(tu);
         landed(idx, /*direct=*/true);
         send_control(s, TransferAck::kCredit, 0, static_cast<uint32_t>(s.next + 1));

@@ -91,6 +91,21 @@ uint64_t rma_read_message(Window& window, int src_world, int64_t src_num_blocks,
                           const TransferPlan& plan, int message_index, TransferMode mode,
                           bool units, BlockPool& dst);
 
+// Several messages of one source, in order, each read as rma_read_message (pack_offset < 0) or
+// rma_read_packed (pack_offset: where it lies in the source's pack area) would, checked by unit
+// checksums where `units`; consecutive ones that go straight into an HND pool with unit checksums
+// share one pipeline of gets (the next message's gets are posted while the previous one's land).
+// Returns each message's checksum of what landed.
+struct RmaReadJob {
+    int message_index = 0;
+    bool units = false;
+    int64_t pack_offset = -1;
+};
+std::vector<uint64_t> rma_read_messages(RmaPoolWindow& window, int src_world,
+                                        int64_t src_num_blocks, const TransferPlan& plan,
+                                        std::span<const RmaReadJob> jobs, TransferMode mode,
+                                        BlockPool& dst);
+
 // The checksums of msg computed from its bytes where they lie in the destination pool (after any
 // transfer of it): landed_unit_checksum equals unit_checksum (source seals) and landed_payload_hash
 // equals hash_payload (the source's bytes in mode's wire order) when the bytes arrived intact.
