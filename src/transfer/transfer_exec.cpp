@@ -366,6 +366,13 @@ struct TransferSender::Impl {
     };
     std::vector<Peer> peers;  // stable: requests point into it
     TransferResult result;
+    bool pack_area_held = false;  // opt.rma_window's pack area is this request's (acquire)
+
+    ~Impl() { release_pack_area(); }
+    void release_pack_area() {
+        if (pack_area_held) opt.rma_window->release_pack_area();
+        pack_area_held = false;
+    }
 
     Impl(Communicator& w, std::shared_ptr<const TransferPlan> p, uint64_t rid, int r,
          const BlockPool& pl, TransferExecOptions o)
@@ -402,6 +409,8 @@ struct TransferSender::Impl {
             if (opt.direct_read && opt.rma_window) {  // readable through the window too
                 q.hello.flags |= TransferHello::kRmaWindow;
                 q.hello.num_blocks = pool.num_blocks();
+                if (k == 0) pack_area_held = opt.rma_window->acquire_pack_area();
+                if (pack_area_held) q.hello.flags |= TransferHello::kPackArea;
             }
             // Offering nothing, it needs no answer: messages.
             q.replied =
@@ -669,10 +678,10 @@ struct TransferSender::Impl {
                                (q.hello.flags &
                                 (TransferHello::kShareable | TransferHello::kRmaWindow)) != 0;
                     if (q.direct && (a.flags & TransferAck::kPacked) != 0) {
-                        if ((q.hello.flags & TransferHello::kRmaWindow) == 0) {
+                        if ((q.hello.flags & TransferHello::kPackArea) == 0) {
                             set_status(TransferStatus::kBadHeader,
                                        detail::concat("destination rank ", q.rank,
-                                                      " asked for packed reads without a window"));
+                                                      " asked for packed reads, not offered"));
                             q.closed = true;
                             break;
                         }
@@ -685,6 +694,11 @@ struct TransferSender::Impl {
                                         transfer_tag(request_id, kAckKind));
             }
         }
+        // Every destination answered and none packs: the pack area goes back for other requests.
+        if (pack_area_held && std::all_of(peers.begin(), peers.end(), [](const Peer& q) {
+                return (q.replied || q.closed) && !q.packed;
+            }))
+            release_pack_area();
         for (auto it = in_flight.begin(); it != in_flight.end();) {
             const bool dropped = peer(it->dst).closed;  // never matched: cancel
             if (!dropped && (!it->header_req.test() ||
@@ -786,7 +800,10 @@ bool TransferSender::progress() {
         s.time_out();
         done_ = true;
     }
-    if (done_) s.result.seconds = seconds_since(s.t0);
+    if (done_) {
+        s.result.seconds = seconds_since(s.t0);
+        s.release_pack_area();  // its destinations are done with it (or timed out)
+    }
     return done_;
 }
 
@@ -974,7 +991,7 @@ struct TransferReceiver::Impl {
     // each fits its part of the source's pack area); sets s.pack_offsets.
     bool want_packed(Source& s) {
         const int64_t area = opt.rma_window->pack_bytes(src_world(s));
-        if (area <= 0) return false;
+        if (area <= 0 || (s.hello.flags & TransferHello::kPackArea) == 0) return false;
         bool helps = false;
         for (int i : s.messages)
             if (rma_pack_helps(*plan, i, s.hello.num_blocks, mode, pool)) {

@@ -237,6 +237,69 @@ TEST(RmaReadChecks, PackedReadsOfManySmallRuns) {
             }
 }
 
+// Two requests at once from the same sources (as a server runs them): the pack area is one
+// request's at a time, so the first packs and the second, offered none, reads run by run; both
+// byte-identical to messages.
+TEST(RmaReadChecks, ConcurrentRequestsShareThePackAreaOneAtATime) {
+    const Case c{llama_mini(), "tp=1", "tp=2", 64};
+    auto plan = plan_of(c, 0);
+    const int n = static_cast<int>(plan->messages.size());
+    testing::Side src = testing::make_source(plan->src, c.tokens);
+    auto sums = testing::seal_source(src, plan->num_tokens);
+    testing::Side want = testing::make_destination(plan->dst);
+    expect_ok(run_transfer(plan, src, want, TransferMode::kPreSend, false, false));
+    testing::Side a = testing::make_destination(plan->dst);
+    testing::Side b = testing::make_destination(plan->dst);
+    const int P = plan->src.layout.world_size(), D = plan->dst.layout.world_size();
+    std::vector<TransferResult> first(static_cast<size_t>(P + D)), second(first.size());
+    std::mutex mu;
+    run_threads(P + D, [&](Communicator& world) {
+        const int me = world.rank();
+        const bool source = me < P;
+        const int local = source ? me : me - P;
+        TransferExecOptions o;
+        o.mode = TransferMode::kPreSend;
+        o.dst_world_base = P;
+        o.rma_window =
+            std::make_shared<RmaPoolWindow>(world, source ? src.pools[local].get() : nullptr);
+        TransferResult r1, r2;
+        if (source) {
+            o.source_checksums = std::shared_ptr<const SourceChecksums>(
+                sums[static_cast<size_t>(local)].get(), [](const SourceChecksums*) {});
+            TransferSender s1(world, plan, 7, local, *src.pools[local], o);
+            TransferSender s2(world, plan, 8, local, *src.pools[local], o);
+            s1.all_layers_ready();
+            s2.all_layers_ready();
+            TransferSender* both[] = {&s1, &s2};
+            progress_until_done(both, {});
+            r1 = s1.finish();
+            r2 = s2.finish();
+        } else {
+            TransferReceiver t1(world, plan, 7, local, *a.pools[local], o);
+            TransferReceiver t2(world, plan, 8, local, *b.pools[local], o);
+            TransferReceiver* both[] = {&t1, &t2};
+            progress_until_done({}, both);
+            r1 = t1.finish();
+            r2 = t2.finish();
+        }
+        world.barrier();
+        std::lock_guard lk(mu);
+        first[static_cast<size_t>(me)] = r1;
+        second[static_cast<size_t>(me)] = r2;
+    });
+    int packed1 = 0, packed2 = 0;
+    for (int me = P; me < P + D; ++me) {
+        EXPECT_TRUE(first[static_cast<size_t>(me)].ok()) << first[static_cast<size_t>(me)].error;
+        EXPECT_TRUE(second[static_cast<size_t>(me)].ok()) << second[static_cast<size_t>(me)].error;
+        packed1 += first[static_cast<size_t>(me)].packed_messages;
+        packed2 += second[static_cast<size_t>(me)].packed_messages;
+    }
+    EXPECT_EQ(packed1, n);
+    EXPECT_EQ(packed2, 0);
+    EXPECT_TRUE(same_pools(a, want));
+    EXPECT_TRUE(same_pools(b, want));
+}
+
 // A corrupted pack area fails the request by its checksum (sealed: the bytes landed are checked
 // against the seals, not against what was packed).
 TEST(RmaReadChecks, PackedReadOfChangedBytesFailsItsChecksum) {

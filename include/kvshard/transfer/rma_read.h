@@ -13,6 +13,7 @@
 // a staging buffer that is then scattered; completion, then the checksum of the bytes as they
 // landed against the header's. fp8 scales are not read this
 // way: an fp8 plan is declined (its messages go as two-sided messages).
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -48,8 +49,14 @@ class RmaPoolWindow {
     Window& pack_window() { return *pack_window_; }
     int64_t pack_bytes(int world_rank) const { return pack_window_->region_bytes(world_rank); }
     std::span<std::byte> pack_area() { return pack_area_; }
+    // One request at a time packs into the area: a sender takes it (false: none, or another
+    // request holds it; that request's destinations then read run by run) and gives it back
+    // when its destinations are done with it.
+    bool acquire_pack_area() { return !pack_area_.empty() && !pack_busy_.exchange(true); }
+    void release_pack_area() { pack_busy_.store(false); }
 
   private:
+    std::atomic<bool> pack_busy_{false};
     LargeBuffer pack_mem_;
     std::span<std::byte> pack_area_;
     std::unique_ptr<Window> window_, pack_window_;

@@ -97,6 +97,9 @@ struct TransferHello {
     // flags: the source pool is exposed in TransferExecOptions::rma_window (rma_read.h) and can be
     // read in place through it, from any host; num_blocks is its block count.
     static constexpr uint16_t kRmaWindow = 2;
+    // flags, with kRmaWindow: this request holds the source's pack area (RmaPoolWindow; one
+    // request at a time), so the destination may ask for packed reads.
+    static constexpr uint16_t kPackArea = 4;
     uint32_t magic = kMagic;
     uint16_t version = TransferHeader::kVersion;
     uint16_t flags = 0;
