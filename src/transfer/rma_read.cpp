@@ -184,13 +184,11 @@ uint64_t read_units_chunked(Window& window, int src_world, std::vector<TransferD
 // Staged: where the message's payload in post-receive order (the source's page order) is one run
 // of the source pool but many runs pool to pool (a TP reshape: each source head range is a part of
 // every destination page), one get per chunk of that run into a staging buffer beats one get per
-// descriptor (each get has a fixed cost: 16 KiB gets measured 3x slower than one big one). Each
-// chunk, once landed, is checked (the units lie one after the other in unit order in an HND
-// source's post-receive payload, or the stream is the post-receive payload itself) and its part
-// of every run (`runs`: the message's descriptors, pool to pool) is copied into the pool, while
-// it is in cache: the staging buffer is read once, right after it was written.
-uint64_t read_staged(Window& window, int src_world, int64_t src_offset,
-                     std::vector<TransferDescriptor> runs, const TransferPlan& plan,
+// descriptor (each get has a fixed cost: 16 KiB gets measured 3x slower than one big one), and
+// the destination scatters it (unpack_message, post-receive). Checked while staged: the units lie
+// one after the other in unit order (an HND source's post-receive payload), or the stream is the
+// post-receive payload itself.
+uint64_t read_staged(Window& window, int src_world, int64_t src_offset, const TransferPlan& plan,
                      const TransferMessage& msg, bool units, BlockPool& dst) {
     thread_local LargeBuffer staging;
     thread_local int64_t capacity = 0;
@@ -199,15 +197,6 @@ uint64_t read_staged(Window& window, int src_world, int64_t src_offset,
         capacity = msg.bytes;
     }
     std::byte* buf = staging.get();
-    std::byte* base = dst.arena().data();
-    std::sort(runs.begin(), runs.end(),
-              [](const TransferDescriptor& a, const TransferDescriptor& b) {
-                  return a.src_offset < b.src_offset;
-              });
-    for (const TransferDescriptor& d : runs)
-        KVSHARD_CHECK(
-            d.src_offset >= src_offset && d.src_offset + d.bytes <= src_offset + msg.bytes,
-            "every run of a staged message lies in its source run");
     thread_local std::vector<int64_t> unit_bytes;
     thread_local std::vector<uint64_t> hashes;
     unit_bytes.clear();
@@ -226,9 +215,8 @@ uint64_t read_staged(Window& window, int src_world, int64_t src_offset,
         int64_t end = 0;
     };
     std::deque<Chunk> in_flight;
-    size_t next_unit = 0, next_run = 0;
-    int64_t hashed = 0;     // staging bytes hashed so far
-    int64_t scattered = 0;  // staging bytes copied into the pool so far (runs in source order)
+    size_t next_unit = 0;
+    int64_t hashed = 0;  // staging bytes hashed so far
     auto land_one = [&] {
         Chunk c = std::move(in_flight.front());
         in_flight.pop_front();
@@ -236,24 +224,12 @@ uint64_t read_staged(Window& window, int src_world, int64_t src_offset,
         if (!units) {
             stream.update(buf + hashed, static_cast<size_t>(c.end - hashed));
             hashed = c.end;
-        } else {
-            for (; next_unit < unit_bytes.size() && hashed + unit_bytes[next_unit] <= c.end;
-                 ++next_unit) {
-                hashes.push_back(xxh3_64(buf + hashed, static_cast<size_t>(unit_bytes[next_unit])));
-                hashed += unit_bytes[next_unit];
-            }
+            return;
         }
-        // Every byte below c.end has landed: copy the runs' parts there (a run cut by the chunk's
-        // end goes on with the next chunk).
-        for (; next_run < runs.size(); ++next_run) {
-            const TransferDescriptor& d = runs[next_run];
-            const int64_t b = d.src_offset - src_offset, e = b + d.bytes;
-            const int64_t from = std::max(b, scattered), to = std::min(e, c.end);
-            if (to > from)
-                std::memcpy(base + d.dst_offset + (from - b), buf + from,
-                            static_cast<size_t>(to - from));
-            scattered = std::max(scattered, to);
-            if (e > c.end) break;
+        for (; next_unit < unit_bytes.size() && hashed + unit_bytes[next_unit] <= c.end;
+             ++next_unit) {
+            hashes.push_back(xxh3_64(buf + hashed, static_cast<size_t>(unit_bytes[next_unit])));
+            hashed += unit_bytes[next_unit];
         }
     };
     for (int64_t at = 0; at < msg.bytes; at += kChunkBytes) {
@@ -264,12 +240,11 @@ uint64_t read_staged(Window& window, int src_world, int64_t src_offset,
                            src_offset + at);
         c.end = at + n;
         in_flight.push_back(std::move(c));
-        // Landed inside the get (CMA): checked and scattered now, from cache.
-        while (!in_flight.empty() && in_flight.front().req.test()) land_one();
     }
     while (!in_flight.empty()) land_one();
     KVSHARD_CHECK(hashed == msg.bytes, "the staged payload was hashed whole");
-    KVSHARD_CHECK(next_run == runs.size(), "every run of the staged message was copied");
+    unpack_message(plan, msg, TransferMode::kPostReceive,
+                   std::span<const std::byte>(buf, static_cast<size_t>(msg.bytes)), dst);
     return units ? xxh3_64(hashes.data(), hashes.size() * sizeof(uint64_t)) : stream.digest();
 }
 
@@ -294,8 +269,7 @@ uint64_t rma_read_message(Window& window, int src_world, int64_t src_num_blocks,
         (units ? plan.src.order == PageOrder::kHnd : mode == TransferMode::kPostReceive)) {
         const int64_t off = contiguous_payload_offset(plan, msg, TransferMode::kPostReceive, true,
                                                       src.pages.geometry, src_num_blocks);
-        if (off >= 0)
-            return read_staged(window, src_world, off, std::move(runs), plan, msg, units, dst);
+        if (off >= 0) return read_staged(window, src_world, off, plan, msg, units, dst);
     }
     // HND destination, unit checksums: chunked, each unit hashed from cache.
     if (units && dst.geometry().order == PageOrder::kHnd)
