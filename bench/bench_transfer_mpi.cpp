@@ -251,6 +251,7 @@ int main(int argc, char** argv) {
     std::vector<double> t_transfer, t_mpi, t_mpi_msgs, t_get, t_get_runs;
     int direct_messages = 0;  // of the last repetition, over all destination ranks
     int unit_messages = 0;    // of those, checked by unit checksums
+    int packed_messages = 0;  // of those, packed into the source's RMA pack area first
     for (int rep = 0; rep < a.reps + 1; ++rep) {  // the first round warms up
         world->barrier();
         double t0 = now();
@@ -273,6 +274,7 @@ int main(int argc, char** argv) {
             if (!res.ok()) std::fprintf(stderr, "rank %d: %s\n", me, res.error.c_str());
             direct_messages = res.direct_messages;
             unit_messages = res.unit_checksum_messages;
+            packed_messages = res.packed_messages;
             if (std::getenv("KVSHARD_BENCH_VERBOSE"))
                 std::fprintf(stderr, "rank %d recv: %.4f s, xxh3+unpack %.4f s\n", me, res.seconds,
                              res.pack_seconds);
@@ -345,6 +347,8 @@ int main(int argc, char** argv) {
         static_cast<int>(world->all_reduce_value<int32_t>(direct_messages, ReduceOp::kSum));
     unit_messages =
         static_cast<int>(world->all_reduce_value<int32_t>(unit_messages, ReduceOp::kSum));
+    packed_messages =
+        static_cast<int>(world->all_reduce_value<int32_t>(packed_messages, ReduceOp::kSum));
     seal_s = world->all_reduce_value<double>(seal_s, ReduceOp::kMax);
     if (me == 0) {
         const double tt = median(t_transfer), tm = median(t_mpi), tg = median(t_get),
@@ -356,6 +360,7 @@ int main(int argc, char** argv) {
             "\"bytes\": %lld, \"block_size\": \"%d->%d\", \"order\": \"%s->%s\", \"mode\": \"%s\", "
             "\"offload_check_bytes\": %lld, \"sender_sleep_us\": %d, \"direct\": %s, "
             "\"direct_window\": %d, \"direct_messages\": %d, \"unit_checksum_messages\": %d, "
+            "\"packed_messages\": %d, "
             "\"seal_s\": %.6f, \"transfer_s\": %.6f, "
             "\"mpi_s\": %.6f, "
             "\"transfer_GBps\": %.3f, "
@@ -369,10 +374,10 @@ int main(int argc, char** argv) {
             a.order_to == PageOrder::kHnd ? "hnd" : "nhd",
             std::string(transfer_mode_name(resolve_mode(*plan, xo.mode))).c_str(),
             static_cast<long long>(a.offload_check_bytes), a.sender_sleep_us,
-            a.direct ? "true" : "false", a.direct_window, direct_messages, unit_messages, seal_s,
-            tt, tm, gb / tt, gb / tm, tm / tt, median(t_mpi_msgs), median(t_mpi_msgs) / tt,
-            a.rma ? "true" : "false", tg, gb / tg, tg / tt, static_cast<long long>(run_count), tr,
-            gb / tr, tr / tt);
+            a.direct ? "true" : "false", a.direct_window, direct_messages, unit_messages,
+            packed_messages, seal_s, tt, tm, gb / tt, gb / tm, tm / tt, median(t_mpi_msgs),
+            median(t_mpi_msgs) / tt, a.rma ? "true" : "false", tg, gb / tg, tg / tt,
+            static_cast<long long>(run_count), tr, gb / tr, tr / tt);
     }
     return 0;
 }

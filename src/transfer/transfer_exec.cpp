@@ -262,13 +262,15 @@ std::string check_header(const TransferHeader& h, const TransferPlan& plan, uint
                               " (", h.src_rank, "->", h.dst_rank, ") where request ", request_id,
                               " message ", message_index, " (", m.src_rank, "->", m.dst_rank,
                               ") was expected");
-    const uint32_t known = TransferHeader::kDirect | TransferHeader::kUnitChecksum;
-    if ((h.flags & ~known) != 0 || ((h.flags & TransferHeader::kUnitChecksum) != 0 &&
-                                    (h.flags & TransferHeader::kDirect) == 0))
-        return detail::concat("header flags ", h.flags, " are not a valid combination (",
-                              TransferHeader::kDirect, " direct read, ",
-                              TransferHeader::kDirect | TransferHeader::kUnitChecksum,
-                              " direct read with a unit checksum, or 0)");
+    const uint32_t known =
+        TransferHeader::kDirect | TransferHeader::kUnitChecksum | TransferHeader::kPacked;
+    if ((h.flags & ~known) != 0 ||
+        ((h.flags & (TransferHeader::kUnitChecksum | TransferHeader::kPacked)) != 0 &&
+         (h.flags & TransferHeader::kDirect) == 0))
+        return detail::concat(
+            "header flags ", h.flags, " are not a valid combination (", TransferHeader::kDirect,
+            " direct read, ", TransferHeader::kDirect | TransferHeader::kUnitChecksum,
+            " direct read with a unit checksum, plus ", TransferHeader::kPacked, " packed, or 0)");
     if (h.status == static_cast<uint32_t>(TransferStatus::kOk) &&
         h.payload_bytes != static_cast<uint64_t>(m.bytes))
         return detail::concat("header announces ", h.payload_bytes,
@@ -356,9 +358,21 @@ struct TransferSender::Impl {
         bool closed = false;   // acked, so it listens no more
         int announced = 0;     // direct: messages announced to it
         int credited = 0;      // direct: messages it has read
+        // RMA, packed (it asked for it): my messages to it in order, and where each goes in my
+        // pack area (rma_pack_offsets).
+        bool packed = false;
+        std::vector<int> pair_messages;
+        std::vector<int64_t> pack_offsets;
     };
     std::vector<Peer> peers;  // stable: requests point into it
     TransferResult result;
+    bool pack_area_held = false;  // opt.rma_window's pack area is this request's (acquire)
+
+    ~Impl() { release_pack_area(); }
+    void release_pack_area() {
+        if (pack_area_held) opt.rma_window->release_pack_area();
+        pack_area_held = false;
+    }
 
     Impl(Communicator& w, std::shared_ptr<const TransferPlan> p, uint64_t rid, int r,
          const BlockPool& pl, TransferExecOptions o)
@@ -395,6 +409,8 @@ struct TransferSender::Impl {
             if (opt.direct_read && opt.rma_window) {  // readable through the window too
                 q.hello.flags |= TransferHello::kRmaWindow;
                 q.hello.num_blocks = pool.num_blocks();
+                if (k == 0) pack_area_held = opt.rma_window->acquire_pack_area();
+                if (pack_area_held) q.hello.flags |= TransferHello::kPackArea;
             }
             // Offering nothing, it needs no answer: messages.
             q.replied =
@@ -431,6 +447,43 @@ struct TransferSender::Impl {
             b.direct.empty() ? std::span<const std::byte>(b.payload) : b.direct;
         if (!data.empty())
             b.payload_req = world.isend(data, dest, transfer_tag(request_id, kPayloadKind));
+    }
+
+    // The destination asked for packed reads: where each of my messages to it goes.
+    void start_packing(Peer& q) {
+        q.packed = true;
+        q.pack_offsets = rma_pack_offsets(*plan, src_rank, q.rank,
+                                          static_cast<int64_t>(opt.rma_window->pack_area().size()));
+        for (size_t i = 0; i < plan->messages.size(); ++i)
+            if (plan->messages[i].src_rank == src_rank && plan->messages[i].dst_rank == q.rank)
+                q.pair_messages.push_back(static_cast<int>(i));
+        require(q.pack_offsets.size() == q.pair_messages.size(), "source rank ", src_rank,
+                ": destination rank ", q.rank,
+                " asked for packed reads, but a message does not fit the pack area");
+    }
+
+    // Packed: writes message idx into my pack area once no uncredited message of that
+    // destination lies over its bytes; false while one does. xxh3: its payload's XXH3, computed
+    // while packing, where asked.
+    bool pack_for(Peer& q, int idx, uint64_t* xxh3) {
+        const size_t k = static_cast<size_t>(
+            std::lower_bound(q.pair_messages.begin(), q.pair_messages.end(), idx) -
+            q.pair_messages.begin());
+        KVSHARD_CHECK(k < q.pair_messages.size() && q.pair_messages[k] == idx,
+                      "a packed message is one of the pair's");
+        const TransferMessage& msg = plan->messages[idx];
+        const int64_t at = q.pack_offsets[k], end = at + msg.bytes;
+        for (size_t j = static_cast<size_t>(q.credited); j < k; ++j) {
+            const int64_t b = q.pack_offsets[j];
+            if (b < end && at < b + plan->messages[q.pair_messages[j]].bytes) return false;
+        }
+        const std::span<std::byte> out = opt.rma_window->pack_area().subspan(
+            static_cast<size_t>(at), static_cast<size_t>(msg.bytes));
+        const TransferMessage* msgs[] = {&msg};
+        const std::span<std::byte> outs[] = {out};
+        pack_messages(*plan, msgs, mode, pool, outs,
+                      xxh3 != nullptr ? std::span<uint64_t>(xxh3, 1) : std::span<uint64_t>());
+        return true;
     }
 
     // Accounts for the message at `next`, sent without a batch (kind: the counter of its kind),
@@ -472,20 +525,33 @@ struct TransferSender::Impl {
         if (msg.layer_end > ready_end) return false;
         if (!to.replied) return false;  // how it takes its messages is not known yet
         if (to.direct) {
-            if (opt.direct_window > 0 && to.announced - to.credited >= opt.direct_window)
-                return false;  // its reads are behind: announce no further ahead
             // Only the header travels; the destination reads the bytes from my pool.
             const auto tp = Clock::now();
-            f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
-            f.header.flags = TransferHeader::kDirect;
             std::optional<uint64_t> units;
             if (opt.source_checksums) units = unit_checksum(*plan, msg, *opt.source_checksums);
+            // The bound keeps a checksum pass just ahead of the destination's read; a message
+            // announced from the seals makes no pass and is not held back (waiting for a credit
+            // would only add a round trip per message to the destination's reads).
+            if (!units && opt.direct_window > 0 && to.announced - to.credited >= opt.direct_window)
+                return false;  // its reads are behind: announce no further ahead
+            f.header.payload_bytes = static_cast<uint64_t>(msg.bytes);
+            f.header.flags = TransferHeader::kDirect;
+            uint64_t packed_xxh3 = 0;
+            if (to.packed) {  // into my pack area first (its checksum while packing)
+                if (!pack_for(to, idx, units ? nullptr : &packed_xxh3)) {
+                    result.pack_seconds += seconds_since(tp);
+                    return false;  // its bytes there are still to be read
+                }
+                f.header.flags |= TransferHeader::kPacked;
+                ++result.packed_messages;
+            }
             if (units) {  // sealed when written: no pass over the bytes
                 f.header.payload_xxh3 = *units;
                 f.header.flags |= TransferHeader::kUnitChecksum;
                 ++result.unit_checksum_messages;
             } else {
-                f.header.payload_xxh3 = hash_payload(*plan, msg, mode, pool);
+                f.header.payload_xxh3 =
+                    to.packed ? packed_xxh3 : hash_payload(*plan, msg, mode, pool);
             }
             seal_header(f.header);
             result.pack_seconds += seconds_since(tp);
@@ -611,6 +677,16 @@ struct TransferSender::Impl {
                     q.direct = (a.flags & TransferAck::kDirectRead) != 0 &&
                                (q.hello.flags &
                                 (TransferHello::kShareable | TransferHello::kRmaWindow)) != 0;
+                    if (q.direct && (a.flags & TransferAck::kPacked) != 0) {
+                        if ((q.hello.flags & TransferHello::kPackArea) == 0) {
+                            set_status(TransferStatus::kBadHeader,
+                                       detail::concat("destination rank ", q.rank,
+                                                      " asked for packed reads, not offered"));
+                            q.closed = true;
+                            break;
+                        }
+                        start_packing(q);
+                    }
                 } else if (a.kind == TransferAck::kCredit) {
                     q.credited = std::max(q.credited, static_cast<int>(a.count));
                 }
@@ -618,6 +694,11 @@ struct TransferSender::Impl {
                                         transfer_tag(request_id, kAckKind));
             }
         }
+        // Every destination answered and none packs: the pack area goes back for other requests.
+        if (pack_area_held && std::all_of(peers.begin(), peers.end(), [](const Peer& q) {
+                return (q.replied || q.closed) && !q.packed;
+            }))
+            release_pack_area();
         for (auto it = in_flight.begin(); it != in_flight.end();) {
             const bool dropped = peer(it->dst).closed;  // never matched: cancel
             if (!dropped && (!it->header_req.test() ||
@@ -719,7 +800,10 @@ bool TransferSender::progress() {
         s.time_out();
         done_ = true;
     }
-    if (done_) s.result.seconds = seconds_since(s.t0);
+    if (done_) {
+        s.result.seconds = seconds_since(s.t0);
+        s.release_pack_area();  // its destinations are done with it (or timed out)
+    }
     return done_;
 }
 
@@ -762,8 +846,17 @@ struct TransferReceiver::Impl {
         TransferHello hello;
         Request hello_req;
         bool hello_done = false;
-        bool reads_in_place = false;                  // direct read from its pool
-        bool rma = false;                             // ... through opt.rma_window
+        bool reads_in_place = false;        // direct read from its pool
+        bool rma = false;                   // ... through opt.rma_window
+        std::vector<int64_t> pack_offsets;  // ... packed by it (rma_pack_offsets)
+        // RMA: direct-read headers taken but not read yet (read together: rma_read_messages).
+        struct Announced {
+            int message = 0;
+            size_t position = 0;  // in `messages`
+            uint64_t want = 0;    // the header's checksum
+            bool units = false;
+        };
+        std::vector<Announced> announced;
         std::shared_ptr<const SharedArenaView> view;  // ... mapped here
         SourceArena arena;
         size_t next = 0;
@@ -894,6 +987,27 @@ struct TransferReceiver::Impl {
         return true;
     }
 
+    // RMA: whether to ask this source to pack its messages (rma_pack_helps for one of them, and
+    // each fits its part of the source's pack area); sets s.pack_offsets.
+    bool want_packed(Source& s) {
+        const int64_t area = opt.rma_window->pack_bytes(src_world(s));
+        if (area <= 0 || (s.hello.flags & TransferHello::kPackArea) == 0) return false;
+        bool helps = false;
+        for (int i : s.messages)
+            if (rma_pack_helps(*plan, i, s.hello.num_blocks, mode, pool)) {
+                helps = true;
+                break;
+            }
+        // Credits count messages in order, which both sides must see in plan order.
+        if (!helps || !std::is_sorted(s.messages.begin(), s.messages.end())) return false;
+        s.pack_offsets = rma_pack_offsets(*plan, s.rank, dst_rank, area);
+        if (s.pack_offsets.size() != s.messages.size()) {
+            s.pack_offsets.clear();
+            return false;
+        }
+        return true;
+    }
+
     void checksum_failed(int message, int src) {
         set_status(TransferStatus::kChecksumMismatch,
                    detail::concat("destination rank ", dst_rank, ": message ", message,
@@ -901,6 +1015,42 @@ struct TransferReceiver::Impl {
     }
 
     bool step_source(Source& s) {
+        const bool moved = take_headers(s);
+        if (s.announced.empty()) return moved;
+        read_announced(s);
+        return true;
+    }
+
+    // RMA: reads every announced message of s at once (their gets in one pipeline where they go
+    // straight into the pool), checks each, and credits the source once for them all.
+    void read_announced(Source& s) {
+        const auto tu = Clock::now();
+        std::vector<RmaReadJob> jobs;
+        for (const auto& a : s.announced)
+            jobs.push_back({a.message, a.units,
+                            s.pack_offsets.empty() ? int64_t{-1} : s.pack_offsets[a.position]});
+        std::vector<uint64_t> got;
+        if (result.status == TransferStatus::kOk)
+            got = rma_read_messages(*opt.rma_window, src_world(s), s.hello.num_blocks, *plan, jobs,
+                                    mode, pool);
+        for (size_t k = 0; k < s.announced.size(); ++k) {
+            const auto& a = s.announced[k];
+            if (result.status != TransferStatus::kOk) break;
+            if (got[k] != a.want) {
+                checksum_failed(a.message, s.rank);
+                break;
+            }
+            if (a.units) ++result.unit_checksum_messages;
+            if (!s.pack_offsets.empty()) ++result.packed_messages;
+        }
+        result.pack_seconds += seconds_since(tu);
+        for (const auto& a : s.announced) landed(a.message, /*direct=*/true);
+        send_control(s, TransferAck::kCredit, 0,
+                     static_cast<uint32_t>(s.announced.back().position + 1));
+        s.announced.clear();
+    }
+
+    bool take_headers(Source& s) {
         bool moved = false;
         if (!s.hello_done) {
             if (s.next >= s.messages.size() || !s.hello_req.test()) return false;
@@ -915,8 +1065,9 @@ struct TransferReceiver::Impl {
                 return moved;
             }
             s.reads_in_place = accept_direct(s);
-            send_control(s, TransferAck::kReply, s.reads_in_place ? TransferAck::kDirectRead : 0,
-                         0);
+            uint16_t reply = s.reads_in_place ? TransferAck::kDirectRead : 0;
+            if (s.reads_in_place && s.rma && want_packed(s)) reply |= TransferAck::kPacked;
+            send_control(s, TransferAck::kReply, reply, 0);
         }
         for (;;) {
             if (s.next >= s.messages.size()) return moved;
@@ -986,17 +1137,31 @@ struct TransferReceiver::Impl {
                     return moved;
                 }
                 const bool direct = (s.header.flags & TransferHeader::kDirect) != 0;
-                if (direct != s.reads_in_place) {
-                    set_status(TransferStatus::kBadHeader,
-                               detail::concat(
-                                   "destination rank ", dst_rank, " from source rank ", s.rank,
-                                   ": a ", direct ? "direct-read" : "message", " header where ",
-                                   s.reads_in_place ? "direct reads" : "messages", " were agreed"));
+                const bool packed = (s.header.flags & TransferHeader::kPacked) != 0;
+                if (direct != s.reads_in_place || packed != !s.pack_offsets.empty()) {
+                    set_status(
+                        TransferStatus::kBadHeader,
+                        detail::concat(
+                            "destination rank ", dst_rank, " from source rank ", s.rank, ": a ",
+                            direct ? (packed ? "packed direct-read" : "direct-read") : "message",
+                            " header where ",
+                            s.reads_in_place
+                                ? (s.pack_offsets.empty() ? "direct reads" : "packed direct reads")
+                                : "messages",
+                            " were agreed"));
                     s.payload_req = Request();
                     s.direct = {};
                     s.payload_posted = false;
                     s.next = s.messages.size();
                     return moved;
+                }
+                if (direct && s.rma) {  // read with the others that are here already
+                    s.announced.push_back({idx, s.next, s.header.payload_xxh3,
+                                           (s.header.flags & TransferHeader::kUnitChecksum) != 0});
+                    s.have_header = false;
+                    s.header_posted = false;
+                    ++s.next;
+                    continue;
                 }
                 if (direct) {
                     read_in_place(s, idx);
@@ -1059,9 +1224,6 @@ struct TransferReceiver::Impl {
         const auto tu = Clock::now();
         const bool units = (s.header.flags & TransferHeader::kUnitChecksum) != 0;
         auto read = [&] {
-            if (s.rma)
-                return rma_read_message(opt.rma_window->window(), src_world(s), s.hello.num_blocks,
-                                        *plan, idx, mode, units, pool);
             return units ? copy_direct_units(*plan, msg, s.arena, pool)
                          : copy_direct(*plan, msg, mode, s.arena, pool);
         };

@@ -86,6 +86,10 @@ TEST_P(TransferRmaMpiTest, ByteIdenticalToMessages) {
         for (const auto& msg : plan->messages) mine += msg.dst_rank == me - P;
         EXPECT_EQ(r.direct_messages, mine);  // every one read through the window
         EXPECT_EQ(mr.direct_messages, 0);
+        // TP1 -> TP2: half of every source page, many small runs: packed by the source.
+        if (p.from == "tp=1" && p.to == "tp=2") {
+            EXPECT_EQ(r.packed_messages, mine);
+        }
         if (seal && p.bs_to >= p.bs_from) {  // else a source block splits: no unit checksum
             EXPECT_EQ(r.unit_checksum_messages, mine);
         }
@@ -104,6 +108,7 @@ INSTANTIATE_TEST_SUITE_P(Pairs, TransferRmaMpiTest,
                                                               RmaPair{"tp=2", "tp=1", 64, 16, 16},
                                                               RmaPair{"tp=1", "tp=2", 50, 16, 16,
                                                                       PageOrder::kNhd},
+                                                              RmaPair{"tp=1", "tp=2", 64, 16, 16},
                                                               RmaPair{"tp=2", "tp=1", 45, 16, 8}),
                                             ::testing::Bool()));
 

@@ -39,7 +39,8 @@ struct Outcome {
 // messages); seal: the senders announce unit checksums from seals.
 Outcome run_transfer(const std::shared_ptr<TransferPlan>& plan, testing::Side& src,
                      testing::Side& dst, TransferMode mode, bool rma, bool seal,
-                     bool receivers_rma = true) {
+                     bool receivers_rma = true,
+                     int64_t pack_bytes = RmaPoolWindow::kDefaultPackBytes) {
     const int P = plan->src.layout.world_size(), D = plan->dst.layout.world_size();
     std::vector<std::unique_ptr<SourceChecksums>> sums;
     if (seal) sums = testing::seal_source(src, plan->num_tokens);
@@ -57,8 +58,8 @@ Outcome run_transfer(const std::shared_ptr<TransferPlan>& plan, testing::Side& s
         o.direct_read = rma;
         std::shared_ptr<RmaPoolWindow> window;
         if (rma) {
-            window =
-                std::make_shared<RmaPoolWindow>(world, source ? src.pools[local].get() : nullptr);
+            window = std::make_shared<RmaPoolWindow>(
+                world, source ? src.pools[local].get() : nullptr, pack_bytes);
             if (source || receivers_rma) o.rma_window = window;
         }
         TransferResult r;
@@ -83,6 +84,16 @@ Outcome run_transfer(const std::shared_ptr<TransferPlan>& plan, testing::Side& s
 int direct_read(const Outcome& r) {
     int n = 0;
     for (const auto& d : r.dst) n += d.direct_messages;
+    return n;
+}
+int packed_read(const Outcome& r) {
+    int n = 0;
+    for (const auto& d : r.dst) n += d.packed_messages;
+    return n;
+}
+int packed_sent(const Outcome& r) {
+    int n = 0;
+    for (const auto& s : r.src) n += s.packed_messages;
     return n;
 }
 int unit_read(const Outcome& r) {
@@ -183,6 +194,152 @@ TEST(RmaReadChecks, StagedReadsOfOneSourceRun) {
             expect_ok(run_transfer(plan, src, b, TransferMode::kPostReceive, false, false));
             EXPECT_TRUE(same_pools(a, b));
         }
+}
+
+// Where each destination reads a part of every source page (TP1 -> TP2: many small runs, none
+// of them one run of the source pool), the source packs each message into its pack area and the
+// destination reads it there: byte-identical to messages, sealed or not, in both modes; with a
+// pack area that holds only a few messages the source waits for credits before it reuses it;
+// with none, or one too small for a message, the runs are read one by one.
+TEST(RmaReadChecks, PackedReadsOfManySmallRuns) {
+    for (const Case& c :
+         {Case{llama_mini(), "tp=1", "tp=2", 64}, Case{llama_mini(), "tp=2", "tp=4", 80}})
+        for (TransferMode mode : {TransferMode::kPreSend, TransferMode::kPostReceive})
+            for (bool seal : {true, false}) {
+                auto plan = plan_of(c, 0);
+                const int n = static_cast<int>(plan->messages.size());
+                int64_t largest = 0;
+                for (const TransferMessage& m : plan->messages)
+                    largest = std::max(largest, m.bytes);
+                testing::Side src = testing::make_source(plan->src, c.tokens);
+                testing::Side b = testing::make_destination(plan->dst);
+                expect_ok(run_transfer(plan, src, b, mode, false, false));
+                // Every message of a pair in its part, a part holding three messages (reused),
+                // none, one smaller than a message.
+                const int dsts_per_src =
+                    plan->dst.layout.world_size() /
+                    std::min(plan->dst.layout.world_size(), plan->src.layout.world_size());
+                for (int64_t pack : {RmaPoolWindow::kDefaultPackBytes,
+                                     dsts_per_src * (3 * largest + 192), int64_t{0}, largest / 2}) {
+                    SCOPED_TRACE(c.from + " -> " + c.to + " " +
+                                 std::string(transfer_mode_name(mode)) + (seal ? " sealed" : "") +
+                                 " pack area " + std::to_string(pack));
+                    const bool fits = pack >= dsts_per_src * largest;
+                    testing::Side a = testing::make_destination(plan->dst);
+                    const Outcome r = run_transfer(plan, src, a, mode, true, seal, true, pack);
+                    expect_ok(r);
+                    EXPECT_EQ(direct_read(r), n);
+                    EXPECT_EQ(packed_read(r), fits ? n : 0);
+                    EXPECT_EQ(packed_sent(r), fits ? n : 0);
+                    EXPECT_EQ(unit_read(r), seal ? n : 0);
+                    EXPECT_TRUE(same_pools(a, b));
+                }
+            }
+}
+
+// Two requests at once from the same sources (as a server runs them): the pack area is one
+// request's at a time, so the first packs and the second, offered none, reads run by run; both
+// byte-identical to messages.
+TEST(RmaReadChecks, ConcurrentRequestsShareThePackAreaOneAtATime) {
+    const Case c{llama_mini(), "tp=1", "tp=2", 64};
+    auto plan = plan_of(c, 0);
+    const int n = static_cast<int>(plan->messages.size());
+    testing::Side src = testing::make_source(plan->src, c.tokens);
+    auto sums = testing::seal_source(src, plan->num_tokens);
+    testing::Side want = testing::make_destination(plan->dst);
+    expect_ok(run_transfer(plan, src, want, TransferMode::kPreSend, false, false));
+    testing::Side a = testing::make_destination(plan->dst);
+    testing::Side b = testing::make_destination(plan->dst);
+    const int P = plan->src.layout.world_size(), D = plan->dst.layout.world_size();
+    std::vector<TransferResult> first(static_cast<size_t>(P + D)), second(first.size());
+    std::mutex mu;
+    run_threads(P + D, [&](Communicator& world) {
+        const int me = world.rank();
+        const bool source = me < P;
+        const int local = source ? me : me - P;
+        TransferExecOptions o;
+        o.mode = TransferMode::kPreSend;
+        o.dst_world_base = P;
+        o.rma_window =
+            std::make_shared<RmaPoolWindow>(world, source ? src.pools[local].get() : nullptr);
+        TransferResult r1, r2;
+        if (source) {
+            o.source_checksums = std::shared_ptr<const SourceChecksums>(
+                sums[static_cast<size_t>(local)].get(), [](const SourceChecksums*) {});
+            TransferSender s1(world, plan, 7, local, *src.pools[local], o);
+            TransferSender s2(world, plan, 8, local, *src.pools[local], o);
+            s1.all_layers_ready();
+            s2.all_layers_ready();
+            TransferSender* both[] = {&s1, &s2};
+            progress_until_done(both, {});
+            r1 = s1.finish();
+            r2 = s2.finish();
+        } else {
+            TransferReceiver t1(world, plan, 7, local, *a.pools[local], o);
+            TransferReceiver t2(world, plan, 8, local, *b.pools[local], o);
+            TransferReceiver* both[] = {&t1, &t2};
+            progress_until_done({}, both);
+            r1 = t1.finish();
+            r2 = t2.finish();
+        }
+        world.barrier();
+        std::lock_guard lk(mu);
+        first[static_cast<size_t>(me)] = r1;
+        second[static_cast<size_t>(me)] = r2;
+    });
+    int packed1 = 0, packed2 = 0;
+    for (int me = P; me < P + D; ++me) {
+        EXPECT_TRUE(first[static_cast<size_t>(me)].ok()) << first[static_cast<size_t>(me)].error;
+        EXPECT_TRUE(second[static_cast<size_t>(me)].ok()) << second[static_cast<size_t>(me)].error;
+        packed1 += first[static_cast<size_t>(me)].packed_messages;
+        packed2 += second[static_cast<size_t>(me)].packed_messages;
+    }
+    EXPECT_EQ(packed1, n);
+    EXPECT_EQ(packed2, 0);
+    EXPECT_TRUE(same_pools(a, want));
+    EXPECT_TRUE(same_pools(b, want));
+}
+
+// A corrupted pack area fails the request by its checksum (sealed: the bytes landed are checked
+// against the seals, not against what was packed).
+TEST(RmaReadChecks, PackedReadOfChangedBytesFailsItsChecksum) {
+    const Case c{llama_mini(), "tp=1", "tp=2", 64};
+    auto plan = plan_of(c, 0);
+    testing::Side src = testing::make_source(plan->src, c.tokens);
+    auto sums = testing::seal_source(src, plan->num_tokens);
+    // Change a source byte after sealing: the packed copy carries it, the seals do not.
+    src.pools[0]->arena()[0] ^= std::byte{1};
+    testing::Side a = testing::make_destination(plan->dst);
+    const int P = plan->src.layout.world_size(), D = plan->dst.layout.world_size();
+    std::vector<TransferResult> dst(static_cast<size_t>(D));
+    std::mutex mu;
+    run_threads(P + D, [&](Communicator& world) {
+        const int me = world.rank();
+        const bool source = me < P;
+        const int local = source ? me : me - P;
+        TransferExecOptions o;
+        o.mode = TransferMode::kPreSend;
+        o.dst_world_base = P;
+        auto window =
+            std::make_shared<RmaPoolWindow>(world, source ? src.pools[local].get() : nullptr);
+        o.rma_window = window;
+        if (source) {
+            o.source_checksums = std::shared_ptr<const SourceChecksums>(
+                sums[static_cast<size_t>(local)].get(), [](const SourceChecksums*) {});
+            TransferSender s(world, plan, 7, local, *src.pools[local], o);
+            s.all_layers_ready();
+            s.finish();
+        } else {
+            TransferReceiver t(world, plan, 7, local, *a.pools[local], o);
+            const TransferResult r = t.finish();
+            std::lock_guard lk(mu);
+            dst[static_cast<size_t>(local)] = r;
+        }
+        world.barrier();
+    });
+    int mismatches = 0;
+    for (const auto& r : dst) mismatches += r.status == TransferStatus::kChecksumMismatch;
+    EXPECT_EQ(mismatches, 1);  // the destination that reads byte 0 of the source pool
 }
 
 // The checksums from the landed bytes equal the source's, for both modes and page orders.

@@ -16,7 +16,7 @@
 //    the same host, could map it): a 64-byte header with the payload's checksum, and no payload;
 //    the destination copies the bytes straight from the source pool into its own (copy_direct:
 //    one copy) and checks the checksum, then credits the source, which announces at most
-//    `direct_window` messages ahead of those credits;
+//    `direct_window` messages ahead of those credits (those announced from seals: unbounded);
 //  - messages: the header and then the payload, packed (keeping at most `staging_bytes` of packed
 //    payloads in flight: back-pressure, it packs the next one only when an earlier send completed)
 //    or sent straight from the pool where it is one run of it. The receiver posts a payload
@@ -71,6 +71,9 @@ struct TransferHeader {
     // With kDirect: payload_xxh3 is the message's unit checksum (pack.h, unit_checksum) from the
     // source's seals, not the XXH3 of its bytes.
     static constexpr uint32_t kUnitChecksum = 2;
+    // With kDirect, RMA read: the payload was packed, in wire order, into the source's pack area
+    // (rma_read.h, RmaPoolWindow), where the destination reads it (rma_pack_offsets: where).
+    static constexpr uint32_t kPacked = 4;
     uint32_t magic = kMagic;
     uint16_t version = kVersion;
     uint16_t mode = 0;  // 0 pre-send, 1 post-receive: the payload's wire order
@@ -82,7 +85,7 @@ struct TransferHeader {
     uint64_t payload_bytes = 0;  // 0 when status != kOk (no payload follows)
     uint64_t payload_xxh3 = 0;   // XXH3_64bits(payload), seed 0 (kUnitChecksum: the unit one)
     uint32_t status = 0;         // TransferStatus; kSourceAborted: no payload follows
-    uint32_t flags = 0;          // kDirect, kUnitChecksum
+    uint32_t flags = 0;          // kDirect, kUnitChecksum, kPacked
     uint64_t header_xxh3 = 0;    // XXH3_64bits of the 56 bytes above
 };
 static_assert(sizeof(TransferHeader) == 64);
@@ -94,6 +97,9 @@ struct TransferHello {
     // flags: the source pool is exposed in TransferExecOptions::rma_window (rma_read.h) and can be
     // read in place through it, from any host; num_blocks is its block count.
     static constexpr uint16_t kRmaWindow = 2;
+    // flags, with kRmaWindow: this request holds the source's pack area (RmaPoolWindow; one
+    // request at a time), so the destination may ask for packed reads.
+    static constexpr uint16_t kPackArea = 4;
     uint32_t magic = kMagic;
     uint16_t version = TransferHeader::kVersion;
     uint16_t flags = 0;
@@ -117,6 +123,8 @@ struct TransferAck {
     static constexpr uint32_t kMagic = 0x4B41564B;                 // "KVAK"
     static constexpr uint16_t kDone = 0, kReply = 1, kCredit = 2;  // kind
     static constexpr uint16_t kDirectRead = 1;  // reply flags: messages come as direct reads
+    // reply flags, with kDirectRead through the RMA window: pack them into the pack area first
+    static constexpr uint16_t kPacked = 2;
     uint32_t magic = kMagic;
     uint16_t kind = kDone;
     uint16_t flags = 0;
@@ -190,8 +198,10 @@ struct TransferExecOptions {
     // pool and only headers travel. Both sides must allow it; false: always messages.
     bool direct_read = true;
     // Direct read: messages a source announces to one destination ahead of the destination's
-    // credits. Where it makes a checksum pass (no seals), that pass then reads what the destination
-    // reads next: a bound keeps those bytes in the shared cache in between. 0: no bound.
+    // credits, of those it announces with a checksum pass (no seals): that pass then reads what
+    // the destination reads next, and the bound keeps those bytes in the shared cache in between.
+    // A message announced from the seals (unit checksum) makes no pass and is not bounded: the
+    // destination then finds its next header waiting instead of a credit round trip. 0: no bound.
     int direct_window = 2;
     // Sender, direct read: the seals of its pool (source_checksums.h: computed when the KV was
     // written; the same pool as the sender's, Error otherwise). A message whose pieces read whole
@@ -231,14 +241,16 @@ struct TransferResult {
     int zero_copy_messages = 0;      // sent from / received into the pool itself (no staging copy)
     int direct_messages = 0;         // read by the destination straight from the source pool
     int unit_checksum_messages = 0;  // of those, checked by unit checksums (no source pass)
-    double seconds = 0;              // from construction to done
+    int packed_messages = 0;  // of the direct ones, packed into the source's RMA pack area first
+    double seconds = 0;       // from construction to done
     double pack_seconds =
         0;  // sender: packing + checksums; receiver: checks, unpacking, direct reads
     double first_send_s = -1;   // sender: when the first message went out, from construction
     double last_send_s = -1;    // sender: when the last message went out
     int64_t peak_staging = 0;   // most payload bytes held at once
     int peak_direct_ahead = 0;  // sender: most messages announced to one destination ahead of
-                                // its credits (at most direct_window when that is > 0)
+                                // its credits (at most direct_window when that is > 0 and no
+                                // message was announced from seals)
     bool ok() const { return status == TransferStatus::kOk; }
 };
 
