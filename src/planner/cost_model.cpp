@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <vector>
 
 #include "kvshard/common/error.h"
@@ -27,7 +28,7 @@ double all_to_all_s(double bytes, int n, double bw, double hop_s) {
 
 double send_s(double bytes, double bw, double hop_s) { return bytes / bw + hop_s; }
 
-bool group_crosses_nodes(const ParallelConfig& p, GroupKind g, int gpus_per_node) {
+GroupSpan group_span(const ParallelConfig& p, GroupKind g, int gpus_per_node) {
     std::vector<int> members;
     switch (g) {
         case GroupKind::kTp:
@@ -52,9 +53,73 @@ bool group_crosses_nodes(const ParallelConfig& p, GroupKind g, int gpus_per_node
             }
             break;
     }
-    for (int r : members)
-        if (r / gpus_per_node != members.front() / gpus_per_node) return true;
-    return false;
+    std::map<int, int> per_node;
+    for (int r : members) ++per_node[r / gpus_per_node];
+    GroupSpan s;
+    s.n = static_cast<int>(members.size());
+    s.nodes = static_cast<int>(per_node.size());
+    s.per_node = 0;
+    for (const auto& [node, count] : per_node) s.per_node = std::max(s.per_node, count);
+    return s;
+}
+
+bool group_crosses_nodes(const ParallelConfig& p, GroupKind g, int gpus_per_node) {
+    return group_span(p, g, gpus_per_node).crosses_nodes();
+}
+
+namespace {
+
+// floor(log2 k): the depth of a binary tree over k nodes (NCCL's log2i).
+int tree_depth(int k) {
+    int d = 0;
+    while ((2 << d) <= k) ++d;
+    return d;
+}
+
+// Seconds per byte a rank sends in a ring across nodes: a share 1/g over its NIC, (g-1)/g over
+// NVLink, concurrently; the slower path sets the rate.
+double ring_s_per_byte(const GroupSpan& s, const HardwareSpec& hw) {
+    const double g = s.per_node;
+    return std::max(1.0 / (g * hw.link_bw(true)), (g - 1) / (g * hw.link_bw(false)));
+}
+
+// Latency of `steps` ring steps of which `inter` cross nodes (NCCL's tuner, src/graph/tuning.cc:
+// nInterSteps = 2(nNodes-1) for an all-reduce, nNodes-1 for an all-gather).
+double ring_latency_s(int steps, int inter, const HardwareSpec& hw) {
+    return inter * hw.hop_latency_s(true) + (steps - inter) * hw.hop_latency_s(false);
+}
+
+}  // namespace
+
+double all_reduce_s(double bytes, const GroupSpan& s, const HardwareSpec& hw) {
+    if (s.n <= 1) return 0;
+    if (!s.crosses_nodes())
+        return ring_all_reduce_s(bytes, s.n, hw.link_bw(false), hw.hop_latency_s(false));
+    const double n = s.n, g = s.per_node;
+    const double ring = ring_latency_s(2 * (s.n - 1), 2 * (s.nodes - 1), hw) +
+                        2.0 * (n - 1) / n * bytes * ring_s_per_byte(s, hw);
+    const double tree_bw =
+        std::max(g > 1 ? 1.0 / hw.link_bw(false) : 0.0, 1.0 / (g * hw.link_bw(true)));
+    const double tree = 2 * (g - 1) * hw.hop_latency_s(false) +
+                        2.0 * tree_depth(s.nodes) * hw.hop_latency_s(true) + 2 * bytes * tree_bw;
+    return std::min(ring, tree);
+}
+
+double all_gather_s(double bytes, const GroupSpan& s, const HardwareSpec& hw) {
+    if (s.n <= 1) return 0;
+    if (!s.crosses_nodes())
+        return ring_all_gather_s(bytes, s.n, hw.link_bw(false), hw.hop_latency_s(false));
+    const double n = s.n;
+    return ring_latency_s(s.n - 1, s.nodes - 1, hw) + (n - 1) / n * bytes * ring_s_per_byte(s, hw);
+}
+
+double all_to_all_s(double bytes, const GroupSpan& s, const HardwareSpec& hw) {
+    if (s.n <= 1) return 0;
+    if (!s.crosses_nodes())
+        return all_to_all_s(bytes, s.n, hw.link_bw(false), hw.hop_latency_s(false));
+    const double n = s.n, g = s.per_node;
+    return (g - 1) * hw.hop_latency_s(false) + (n - g) * hw.hop_latency_s(true) +
+           bytes * std::max((g - 1) / n / hw.link_bw(false), (n - g) / n / hw.link_bw(true));
 }
 
 int64_t cp_pass_kv_bytes_sent(const KvLayout& layout, int rank, int64_t context_tokens) {
@@ -131,6 +196,8 @@ struct StageCost {
 struct Links {
     double tp_bw, tp_hop, cp_bw, cp_hop, pp_bw, pp_hop, ep_bw, ep_hop;
     double launch;  // per collective call (HardwareSpec::collective_launch_s)
+    // The groups as placed on nodes, for the collectives priced hierarchically across nodes.
+    GroupSpan tp, cp, ep;
 };
 
 class Model {
@@ -146,6 +213,10 @@ class Model {
         link(GroupKind::kCp, l_.cp_bw, l_.cp_hop);
         link(GroupKind::kPp, l_.pp_bw, l_.pp_hop);
         link(GroupKind::kEp, l_.ep_bw, l_.ep_hop);
+        l_.tp = group_span(p, GroupKind::kTp, hw.gpus_per_node);
+        l_.cp = group_span(p, GroupKind::kCp, hw.gpus_per_node);
+        l_.ep = group_span(p, GroupKind::kEp, hw.gpus_per_node);
+        l_.ep.n = p.ep;
         l_.launch = hw.collective_launch_s;
         // Per-layer bytes per token (and state bytes per sequence) on the TP rank 0 of its stage.
         layer_kv_.assign(m.num_layers, 0.0);
@@ -256,7 +327,7 @@ class Model {
             const int n_ar = (moe && p_.ep > 1) ? 1 : 2;
             if (p_.tp > 1) {
                 c.tp_bytes += n_ar * 2.0 * (p_.tp - 1) / p_.tp * ar;
-                c.tp_s += n_ar * (ring_all_reduce_s(ar, p_.tp, l_.tp_bw, l_.tp_hop) + l_.launch);
+                c.tp_s += n_ar * (all_reduce_s(ar, l_.tp, hw_) + l_.launch);
             }
             if (moe && p_.ep > 1) add_ep(c, T / p_.tp);
             if (p_.cp > 1 && holds_tokens(m_.layer(l).kind)) {
@@ -268,8 +339,7 @@ class Model {
                 const double q_step = T * q_heads() * qk_dim(l) * a;
                 const double q_send = send_s(q_step, l_.cp_bw, l_.cp_hop) + l_.launch;
                 const double part = T * q_heads() * (v_dim(l) + 1) * 4.0;  // fp32 partial O, LSE
-                const double q_a2a =
-                    all_to_all_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop) + l_.launch;
+                const double q_a2a = all_to_all_s(p_.cp * part, l_.cp, hw_) + l_.launch;
                 const double q_exposed = (p_.cp - 1) * std::max(0.0, q_send - step_attn) + q_a2a;
                 auto& cpp = c.cp_prefill;
                 cpp.pass_kv_bytes += (p_.cp - 1) * kv_step;
@@ -333,7 +403,7 @@ class Model {
             const int n_ar = (moe && p_.ep > 1) ? 1 : 2;
             if (p_.tp > 1) {
                 c.tp_bytes += n_ar * 2.0 * (p_.tp - 1) / p_.tp * ar;
-                c.tp_s += n_ar * (ring_all_reduce_s(ar, p_.tp, l_.tp_bw, l_.tp_hop) + l_.launch);
+                c.tp_s += n_ar * (all_reduce_s(ar, l_.tp, hw_) + l_.launch);
             }
             if (moe && p_.ep > 1) add_ep(c, B / (p_.tp * p_.cp));
             if (p_.cp > 1 && holds_tokens(m_.layer(l).kind)) {
@@ -341,12 +411,10 @@ class Model {
                 const double part = B * q_heads() * (v_dim(l) + 1) * 4.0;  // fp32 partial O, LSE
                 const double merged = B * q_heads() * v_dim(l) * a;
                 auto& d = c.cp_decode;
-                const double ag_s =
-                    ring_all_gather_s(p_.cp * part, p_.cp, l_.cp_bw, l_.cp_hop) + l_.launch;
+                const double ag_s = all_gather_s(p_.cp * part, l_.cp, hw_) + l_.launch;
                 const double ag_b = double(p_.cp - 1) * part;
-                const double aa_s = all_to_all_s(part, p_.cp, l_.cp_bw, l_.cp_hop) +
-                                    ring_all_gather_s(merged, p_.cp, l_.cp_bw, l_.cp_hop) +
-                                    2 * l_.launch;
+                const double aa_s = all_to_all_s(part, l_.cp, hw_) +
+                                    all_gather_s(merged, l_.cp, hw_) + 2 * l_.launch;
                 const double aa_b = double(p_.cp - 1) / p_.cp * (part + merged);
                 d.all_gather_s += ag_s;
                 d.all_gather_bytes += ag_b;
@@ -379,7 +447,7 @@ class Model {
     void add_ep(StageCost& c, double tokens) const {
         const double buf = tokens * m_.moe.experts_per_token * m_.hidden * o_.activation_bytes;
         c.ep_bytes += 2 * double(p_.ep - 1) / p_.ep * buf;
-        c.ep_s += 2 * (all_to_all_s(buf, p_.ep, l_.ep_bw, l_.ep_hop) + l_.launch);
+        c.ep_s += 2 * (all_to_all_s(buf, l_.ep, hw_) + l_.launch);
     }
 
     const ModelSpec& m_;

@@ -2,11 +2,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <vector>
 
 #include "kvshard/common/error.h"
 #include "kvshard/layout/cp_plan.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/cost_model.h"
+#include "kvshard/planner/hardware.h"
 
 namespace kvshard {
 namespace {
@@ -50,6 +52,44 @@ TEST(Collectives, GroupsCrossNodesByRankPlacement) {
     EXPECT_TRUE(group_crosses_nodes(cfg(8, 1, 1, 2), GroupKind::kDp, 8));
     EXPECT_FALSE(group_crosses_nodes(cfg(4, 1, 1, 2, 8), GroupKind::kEp, 8));
     EXPECT_TRUE(group_crosses_nodes(cfg(8, 1, 1, 2, 16), GroupKind::kEp, 8));
+}
+
+TEST(Collectives, GroupSpanCountsNodesAndRanksPerNode) {
+    auto span = [](const ParallelConfig& p, GroupKind g) {
+        const GroupSpan s = group_span(p, g, 8);
+        return std::vector<int>{s.n, s.nodes, s.per_node};
+    };
+    EXPECT_EQ(span(cfg(8), GroupKind::kTp), (std::vector<int>{8, 1, 8}));
+    EXPECT_EQ(span(cfg(16), GroupKind::kTp), (std::vector<int>{16, 2, 8}));
+    EXPECT_EQ(span(cfg(32), GroupKind::kTp), (std::vector<int>{32, 4, 8}));
+    EXPECT_EQ(span(cfg(8, 1, 2), GroupKind::kCp), (std::vector<int>{2, 2, 1}));  // ranks 0 and 8
+    EXPECT_EQ(span(cfg(1, 1, 16), GroupKind::kCp), (std::vector<int>{16, 2, 8}));
+}
+
+// Across nodes (docs/cost-model.md, "Collectives across nodes"): k nodes, g ranks per node.
+TEST(Collectives, HierarchicalAcrossNodes) {
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    const double nv = hw.link_bw(false), nic = hw.link_bw(true);
+    const double a = hw.hop_latency_s(false), x = hw.hop_latency_s(true);
+    GroupSpan one{8, 1, 8}, two{16, 2, 8}, pair{2, 2, 1}, four{32, 4, 8};
+    // Inside a node: the ring formulas.
+    EXPECT_DOUBLE_EQ(all_reduce_s(1e6, one, hw), ring_all_reduce_s(1e6, 8, nv, a));
+    EXPECT_DOUBLE_EQ(all_gather_s(1e6, one, hw), ring_all_gather_s(1e6, 8, nv, a));
+    EXPECT_DOUBLE_EQ(all_to_all_s(1e6, one, hw), all_to_all_s(1e6, 8, nv, a));
+    // One rank per node: every step crosses, at the NIC's rate (the flat ring across nodes).
+    EXPECT_DOUBLE_EQ(all_reduce_s(1e6, pair, hw), ring_all_reduce_s(1e6, 2, nic, x));
+    EXPECT_DOUBLE_EQ(all_gather_s(1e6, pair, hw), ring_all_gather_s(1e6, 2, nic, x));
+    EXPECT_DOUBLE_EQ(all_to_all_s(1e6, pair, hw), all_to_all_s(1e6, 2, nic, x));
+    // Small: the tree, 2 (g-1) NVLink steps and 2 floor(log2 k) node-to-node steps.
+    EXPECT_NEAR(all_reduce_s(8, two, hw), 14 * a + 2 * x, 1e-9);
+    EXPECT_NEAR(all_reduce_s(8, four, hw), 14 * a + 4 * x, 1e-9);
+    // Large: the ring, 1/8 of each rank's bytes over its NIC (8 x 40 GB/s of bus bandwidth).
+    const double big = 8.0 * (1 << 30);
+    EXPECT_NEAR(all_reduce_s(big, four, hw),
+                2 * 3 * x + 2 * 28 * a + 2.0 * 31 / 32 * big / (8 * nic), 1e-9);
+    EXPECT_NEAR(all_gather_s(big, two, hw), x + 14 * a + 15.0 / 16 * big / (8 * nic), 1e-9);
+    // All-to-all: 7 messages inside the node, 8 across; 8/16 of the bytes over the NIC.
+    EXPECT_NEAR(all_to_all_s(big, two, hw), 7 * a + 8 * x + 0.5 * big / nic, 1e-9);
 }
 
 // The ring simulated step by step: in step s, CP rank c forwards the shard first owned by (c - s)

@@ -27,6 +27,32 @@ double send_s(double bytes, double bw, double hop_s);
 enum class GroupKind { kTp, kCp, kPp, kEp, kDp };
 bool group_crosses_nodes(const ParallelConfig& p, GroupKind g, int gpus_per_node);
 
+// A group as placed on nodes: n ranks on `nodes` nodes, at most `per_node` of them on one node.
+struct GroupSpan {
+    int n = 1, nodes = 1, per_node = 1;
+    bool crosses_nodes() const { return nodes > 1; }
+};
+GroupSpan group_span(const ParallelConfig& p, GroupKind g, int gpus_per_node);
+
+// ---- collectives over a group as placed (docs/cost-model.md, "Collectives across nodes") -----
+// Inside one node: the ring formulas above at the NVLink rate and alpha (hw.link_bw(false),
+// hw.hop_latency_s(false)). Across k nodes with g ranks per node, priced the way NCCL runs them:
+// - ring: every rank sends 2(n-1)/n * bytes (all-reduce; (n-1)/n all-gather), a share 1/g of it
+//   over its own NIC (the g rings' node-to-node edges striped over the node's g NICs) and (g-1)/g
+//   over NVLink, the slower of the two paths setting the rate; of the ring's 2(n-1) steps
+//   (all-reduce; n-1 all-gather) 2(k-1) (k-1) cross nodes at the inter-node alpha, the others at
+//   the NVLink alpha (the step counts of NCCL's tuner, src/graph/tuning.cc);
+// - tree (all-reduce only): a chain inside each node (g-1 steps up, g-1 down, NVLink alpha) and a
+//   binary tree across nodes (floor(log2 k) steps up and down, inter-node alpha); each rank sends
+//   2 * bytes, its node's node-to-node traffic (2 * bytes) striped over the g NICs;
+//   an all-reduce takes the faster of ring and tree (NCCL's tuner picks per size);
+// - all-to-all: g-1 messages inside the node, n-g across, the bytes split the same way over
+//   NVLink and the NIC (the slower path sets the rate).
+// Without collective_launch_s (added per call by the cost model). 0 when n <= 1.
+double all_reduce_s(double bytes, const GroupSpan& g, const HardwareSpec& hw);
+double all_gather_s(double bytes, const GroupSpan& g, const HardwareSpec& hw);
+double all_to_all_s(double bytes, const GroupSpan& g, const HardwareSpec& hw);
+
 // ---- CP pass-KV ring ---------------------------------------------------------------------
 // Bytes `rank` sends over the CP ring during one pass-KV prefill of a sequence of `context_tokens`
 // tokens (cached + new), summed over the rank's layers. In ring step s = 0..cp-2, CP rank c

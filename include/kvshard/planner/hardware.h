@@ -28,14 +28,14 @@ struct HardwareSpec {
     double nvlink_efficiency = 0.8;     // NCCL bus bandwidth / NVLink datasheet rate
     double internode_efficiency = 0.8;  // NCCL bus bandwidth / NIC line rate
     // Alpha-beta model (docs/cost-model.md, "Collectives"): a collective call costs
-    // collective_launch_s + messages * alpha + bytes / bandwidth, where a ring all-reduce over n
-    // ranks sends 2(n-1) messages per rank, an all-gather or all-to-all n-1, a send 1, and alpha is
-    // the per-message latency of the slowest link the group uses. Defaults calibrated against
-    // Meta's CP inference measurements (arXiv:2411.01783) and kept inside the ranges
-    // ../shared/reference/hardware.md gives; each comparison is in BENCHMARKS.md ("Planner") and
-    // tests/planner/calibration_test.cpp.
+    // collective_launch_s + messages * alpha + bytes / bandwidth (a ring all-reduce over n ranks
+    // sends 2(n-1) messages per rank, an all-gather or all-to-all n-1, a send 1); inside a node
+    // alpha is nvlink_hop_latency_s, and a group spanning nodes is priced as NCCL's ring and tree,
+    // only node-to-node steps at internode_hop_latency_s ("Collectives across nodes"). Defaults
+    // checked against Meta's CP measurements (arXiv:2411.01783) and nccl-tests runs: BENCHMARKS.md
+    // ("Planner"), tests/planner/calibration_test.cpp; ranges from ../shared/reference/hardware.md.
     double nvlink_hop_latency_s = 1e-6;      // alpha per message inside a node (NVLink/NVSwitch)
-    double internode_hop_latency_s = 30e-6;  // alpha per message across nodes (IB, GPUDirect RDMA)
+    double internode_hop_latency_s = 30e-6;  // alpha per node-to-node step (IB, GPUDirect RDMA)
     // Fixed cost of one collective call on the critical path: the kernel launch and the wait for
     // the group's ranks to meet (CUDA-graph launched decode keeps this small).
     double collective_launch_s = 5e-6;
@@ -45,7 +45,7 @@ struct HardwareSpec {
     double achieved_hbm_bw() const { return hbm_bw * hbm_efficiency; }
     // Achieved FLOP/s for GEMMs whose weights have type `weights`.
     double achieved_flops(DType weights) const;
-    // Achieved bandwidth and per-hop latency of the slowest link a group uses.
+    // Achieved bandwidth and per-hop latency of one link: NVLink, or the GPU's NIC across nodes.
     double link_bw(bool crosses_nodes) const;
     double hop_latency_s(bool crosses_nodes) const;
 
