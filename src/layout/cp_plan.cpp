@@ -333,4 +333,59 @@ std::string to_json(const CpPrefixReusePlan& plan) {
     return j.dump(2);
 }
 
+std::string cp_plan_report_json(const ModelSpec& m, const ParallelConfig& p, int64_t cached,
+                                int64_t fresh, int block_size, int reuse_from) {
+    validate(m, p);
+    require(cached >= 0, "the cached prefix must be >= 0 tokens, got ", cached);
+    require(fresh >= 1, "the new tokens must be >= 1 (a prefill computes at least one token), got ",
+            fresh);
+    require(block_size >= 1, "the block size must be >= 1, got ", block_size);
+    require(reuse_from >= 0, "the CP size to reuse from must be >= 1 (or 0: none), got ",
+            reuse_from);
+    const KvLayout l = make_layout(m, p);
+    CpTokenMap map(p.cp);
+    map.append(cached, p.cp_scheme, p.cp_interleave);
+    map.append(fresh, p.cp_scheme, p.cp_interleave);
+    const CpPrefillChoice choice = choose_cp_prefill(l, cached, fresh);
+    const auto pairs = cp_causal_pairs(map, cached);
+    nlohmann::json ranks = nlohmann::json::array();
+    for (const auto& r : l.ranks) {
+        if (r.coord.dp != 0) continue;
+        const int c = r.coord.cp;
+        const auto kv = cp_pass_kv_bytes(l, r.coord.rank, map);
+        const auto q = cp_pass_q_bytes(l, r.coord.rank, map, cached);
+        ranks.push_back({{"rank", r.coord.rank},
+                         {"cp", c},
+                         {"tp", r.coord.tp},
+                         {"pp", r.coord.pp},
+                         {"tokens", map.count(c)},
+                         {"new_tokens", map.count(c, cached)},
+                         {"causal_pairs", pairs[static_cast<size_t>(c)]},
+                         {"pass_kv_bytes", kv.total()},
+                         {"pass_q_ring_bytes", q.ring},
+                         {"pass_q_all_to_all_bytes", q.all_to_all},
+                         {"decode_all_gather_bytes",
+                          cp_decode_merge_bytes(l, r.coord.rank, CpDecodeMerge::kAllGather)},
+                         {"decode_all_to_all_bytes",
+                          cp_decode_merge_bytes(l, r.coord.rank, CpDecodeMerge::kAllToAll)}});
+    }
+    nlohmann::json reuse = nullptr;
+    if (reuse_from > 0)
+        reuse = nlohmann::json::parse(
+            to_json(plan_cp_prefix_reuse(reuse_from, p.cp, cached / block_size)));
+    nlohmann::json j = {{"model", m.name},
+                        {"parallel", nlohmann::json::parse(to_json(p))},
+                        {"cached", cached},
+                        {"new", fresh},
+                        {"choice",
+                         {{"mode", cp_prefill_mode_name(choice.mode)},
+                          {"new_fraction", choice.new_fraction},
+                          {"threshold", choice.threshold},
+                          {"pass_kv_bytes", choice.pass_kv_bytes},
+                          {"pass_q_bytes", choice.pass_q_bytes}}},
+                        {"ranks", ranks},
+                        {"reuse", reuse}};
+    return j.dump(2);
+}
+
 }  // namespace kvshard

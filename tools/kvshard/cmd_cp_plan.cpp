@@ -35,62 +35,23 @@ void run(const CpPlanFlags& f) {
     require(f.block_size >= 1, "--block-size must be >= 1, got ", f.block_size);
     require(f.reuse_from >= 0, "--reuse-from must be a CP size >= 1 (or 0: none), got ",
             f.reuse_from);
-    const KvLayout l = make_layout(m, p);
-    CpTokenMap map(p.cp);
-    map.append(f.cached, p.cp_scheme, p.cp_interleave);
-    map.append(f.fresh, p.cp_scheme, p.cp_interleave);
-    const CpPrefillChoice choice = choose_cp_prefill(l, f.cached, f.fresh);
-    const auto pairs = cp_causal_pairs(map, f.cached);
-
-    nlohmann::json ranks = nlohmann::json::array();
-    for (const auto& r : l.ranks) {
-        if (r.coord.dp != 0) continue;
-        const int c = r.coord.cp;
-        const auto kv = cp_pass_kv_bytes(l, r.coord.rank, map);
-        const auto q = cp_pass_q_bytes(l, r.coord.rank, map, f.cached);
-        ranks.push_back({{"rank", r.coord.rank},
-                         {"cp", c},
-                         {"tp", r.coord.tp},
-                         {"pp", r.coord.pp},
-                         {"tokens", map.count(c)},
-                         {"new_tokens", map.count(c, f.cached)},
-                         {"causal_pairs", pairs[static_cast<size_t>(c)]},
-                         {"pass_kv_bytes", kv.total()},
-                         {"pass_q_ring_bytes", q.ring},
-                         {"pass_q_all_to_all_bytes", q.all_to_all},
-                         {"decode_all_gather_bytes",
-                          cp_decode_merge_bytes(l, r.coord.rank, CpDecodeMerge::kAllGather)},
-                         {"decode_all_to_all_bytes",
-                          cp_decode_merge_bytes(l, r.coord.rank, CpDecodeMerge::kAllToAll)}});
-    }
-    nlohmann::json reuse = nullptr;
-    if (f.reuse_from > 0) {
-        const auto plan = plan_cp_prefix_reuse(f.reuse_from, p.cp, f.cached / f.block_size);
-        reuse = nlohmann::json::parse(to_json(plan));
-    }
+    const std::string doc =
+        cp_plan_report_json(m, p, f.cached, f.fresh, f.block_size, f.reuse_from);
     if (f.json) {
-        nlohmann::json j = {{"model", m.name},
-                            {"parallel", nlohmann::json::parse(to_json(p))},
-                            {"cached", f.cached},
-                            {"new", f.fresh},
-                            {"choice",
-                             {{"mode", cp_prefill_mode_name(choice.mode)},
-                              {"new_fraction", choice.new_fraction},
-                              {"threshold", choice.threshold},
-                              {"pass_kv_bytes", choice.pass_kv_bytes},
-                              {"pass_q_bytes", choice.pass_q_bytes}}},
-                            {"ranks", ranks},
-                            {"reuse", reuse}};
-        print_json(j.dump(2));
+        print_json(doc);
         return;
     }
+    const nlohmann::json j = nlohmann::json::parse(doc);
+    const nlohmann::json& choice = j["choice"];
+    const nlohmann::json& ranks = j["ranks"];
+    const nlohmann::json& reuse = j["reuse"];
     fmt::print("{}: {}; {} cached + {} new tokens\n", m.name, p.to_string(), f.cached, f.fresh);
     fmt::print(
         "prefill: {} (new fraction {:.4f} {} threshold {:.4f}); all ranks move {} B pass-KV, {} B "
         "pass-Q\n\n",
-        cp_prefill_mode_name(choice.mode), choice.new_fraction,
-        choice.mode == CpPrefillMode::kPassQ ? "<" : ">=", choice.threshold, choice.pass_kv_bytes,
-        choice.pass_q_bytes);
+        choice["mode"].get<std::string>(), choice["new_fraction"].get<double>(),
+        choice["mode"] == "pass-q" ? "<" : ">=", choice["threshold"].get<double>(),
+        choice["pass_kv_bytes"].get<int64_t>(), choice["pass_q_bytes"].get<int64_t>());
     fmt::print("{:>5} {:>3} {:>3} {:>10} {:>10} {:>14} {:>14} {:>14} {:>12} {:>12}  {}\n", "rank",
                "cp", "tp", "tokens", "new", "causal_pairs", "pass_kv_B", "pass_q_B", "dec_ag_B",
                "dec_a2a_B", "rule (each segment)");

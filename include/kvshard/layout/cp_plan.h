@@ -175,4 +175,13 @@ CpPrefixReusePlan plan_cp_prefix_moves(const std::vector<std::vector<int>>& hold
 
 std::string to_json(const CpPrefixReusePlan& plan);
 
+// The plan of one request under CP, as `kvshard cp-plan --json` prints it and kvshard.cp_plan
+// returns it (docs/context-parallel.md §9): model, parallel, cached, new, the automatic prefill
+// choice, per rank of DP replica 0 its tokens, new tokens, causal pairs, pass-KV and pass-Q bytes
+// and decode merge bytes, and with reuse_from > 0 the prefix-reuse plan from that CP size over the
+// cached blocks of block_size tokens (else null). Error on invalid input (cached < 0, fresh < 1,
+// block_size < 1, reuse_from < 0, or a model and layout that do not fit).
+std::string cp_plan_report_json(const ModelSpec& m, const ParallelConfig& p, int64_t cached,
+                                int64_t fresh, int block_size, int reuse_from);
+
 }  // namespace kvshard
