@@ -619,7 +619,7 @@ std::vector<float> CpSession::run(std::vector<Step>& steps, bool decode) {
                     for (int64_t r = 0; r < rows; ++r)
                         std::copy_n(full[size_t(i)].data() + r * dq, dout, out + r * dout);
                 }
-                if (layer_hook_) layer_hook_(st.id, call.layer);
+                if (layer_hook_) layer_hook_(st.id, call.layer, call.local_layer);
             }
             return;
         }

@@ -96,10 +96,6 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
     // with merged partial attention.
     auto check_cp_side = [](const char* side, const ParallelConfig& p, PageOrder order) {
         if (p.cp == 1) return;
-        require(p.pp == 1 && p.ep == 1, "a ", side,
-                " side with cp > 1 runs context parallelism on a cp x tp grid: use pp=1 and ep=1 "
-                "with it, got --",
-                side, " ", p.to_string());
         require(order == PageOrder::kHnd, "a ", side, " side with cp > 1 stores HND pages: use --",
                 side, "-order hnd with it");
     };
@@ -282,7 +278,7 @@ SideExecutor make_side_executor(const DisaggPlan& plan, const DisaggOptions& opt
         co.prefill_mode = opt.cp_prefill_mode;
         co.decode_merge = opt.cp_decode_merge;
         co.pool_memory = memory;
-        side.cp_device = std::make_unique<CpDevice>(plan.model, pc.tp, side.coord.tp, weights, co);
+        side.cp_device = std::make_unique<CpDevice>(plan.model, pc, local, weights, co);
         side.cp_session = std::make_unique<CpSession>(*side.cp_device, group, pc, co);
         for (int i = 0; i < plan.requests; ++i) {
             if (is_prefill)

@@ -64,12 +64,12 @@ void run_prefill_side(const DisaggPlan& plan, const DisaggOptions& opt,
         // One prompt after another (CpSession serves one sequence per prefill call); the logits of
         // its last token come back on every CP rank.
         CpSession& session = *side.cp_session;
-        session.set_layer_hook([&](SeqId seq, int layer) {
+        session.set_layer_hook([&](SeqId seq, int layer, int pool_layer) {
             if (sums) {  // this CP rank's blocks of the prompt, over the tokens it holds
                 const int i = static_cast<int>(seq);
                 const int64_t held =
                     cp_token_count(plan.prefill, side.coord.cp, plan.prompt_len[i]);
-                sums->seal_sequence(layer, side.cp_device->blocks().block_table(seq), held);
+                sums->seal_sequence(pool_layer, side.cp_device->blocks().block_table(seq), held);
             }
             if (layer == last_layer && static_cast<int>(seq) == n - 1)
                 times.last_layer_done = seconds_since(t0);

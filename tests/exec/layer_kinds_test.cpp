@@ -237,7 +237,10 @@ INSTANTIATE_TEST_SUITE_P(
         DisaggCase{"tiny-hybrid", "cp=2,tp=2", "tp=4"}, DisaggCase{"tiny-hybrid", "tp=2", "tp=1"},
         DisaggCase{"tiny-hybrid", "tp=1", "tp=4"}, DisaggCase{"tiny-hybrid", "pp=2", "tp=2"},
         DisaggCase{"tiny-hybrid", "tp=4", "pp=2,tp=2"}, DisaggCase{"tiny-chunked", "tp=2", "tp=1"},
-        DisaggCase{"tiny-chunked", "pp=2", "tp=4"}),
+        DisaggCase{"tiny-chunked", "pp=2", "tp=4"},
+        // A CP x PP prefill side: each stage's CP ranks send their groups' blocks and states
+        DisaggCase{"tiny-swa", "cp=2,pp=2", "tp=2"}, DisaggCase{"tiny-mla", "cp=2,pp=2", "tp=1"},
+        DisaggCase{"tiny-hybrid", "cp=2,pp=2", "tp=2"}),
     [](const auto& info) {
         std::string s = info.param.model + "_" + info.param.from + "_to_" + info.param.to;
         for (char& ch : s)

@@ -137,7 +137,13 @@ INSTANTIATE_TEST_SUITE_P(
         DisaggCase{"tiny", "cp=2,cp_scheme=zigzag", "cp=3,cp_scheme=interleave,cp_interleave=4", 16,
                    4},
         DisaggCase{"tiny", "cp=2,tp=2", "tp=2,pp=2", 16, 16, PageOrder::kHnd, PageOrder::kNhd,
-                   TransferMode::kPostReceive, true, false}),
+                   TransferMode::kPostReceive, true, false},
+        // CP with PP (each stage's layers sent by that stage's CP ranks) and with EP.
+        DisaggCase{"tiny", "cp=2,pp=2", "tp=2"}, DisaggCase{"tiny", "cp=2,tp=2,pp=2", "tp=4,pp=2"},
+        DisaggCase{"tiny", "tp=2", "cp=2,pp=2", 16, 8},
+        DisaggCase{"tiny", "cp=2,pp=2,cp_scheme=zigzag", "cp=2,tp=2,pp=2"},
+        DisaggCase{"tiny-moe", "cp=2,ep=2", "cp=2,ep=2"},
+        DisaggCase{"tiny-moe", "cp=2,tp=2,ep=4", "tp=2,ep=2"}),
     [](const auto& info) { return "pair" + std::to_string(info.index); });
 
 // Seals made as prefill writes each layer: where the messages read whole blocks (same block size,
@@ -393,28 +399,11 @@ TEST(DisaggFailure, RejectsUnsupportedLayouts) {
                                      parse_parallel_config("tp=2"), *src, prompts, {}, world),
                      Error);  // 2 + 2 ranks needed, 3 given
     });
-    run_threads(5, [&](Communicator& world) {  // CP decode runs with pp=1 and HND pages
-        try {
-            disagg_generate(m, parse_parallel_config("tp=1"), parse_parallel_config("cp=2,pp=2"),
-                            *src, prompts, {}, world);
-            ADD_FAILURE() << "decode cp=2,pp=2 accepted";
-        } catch (const Error& e) {
-            EXPECT_NE(std::string(e.what()).find("a decode side with cp > 1 runs context "
-                                                 "parallelism on a cp x tp grid: use pp=1"),
-                      std::string::npos)
-                << e.what();
-        }
-    });
     run_threads(3, [&](Communicator& world) {
         DisaggOptions o;
         o.decode_order = PageOrder::kNhd;
         EXPECT_THROW(disagg_generate(m, parse_parallel_config("tp=1"),
                                      parse_parallel_config("cp=2"), *src, prompts, o, world),
-                     Error);
-    });
-    run_threads(5, [&](Communicator& world) {  // CP prefill runs with pp=1
-        EXPECT_THROW(disagg_generate(m, parse_parallel_config("cp=2,pp=2"),
-                                     parse_parallel_config("tp=1"), *src, prompts, {}, world),
                      Error);
     });
     run_threads(5, [&](Communicator& world) {  // a CP side serves one replica

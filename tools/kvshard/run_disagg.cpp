@@ -63,12 +63,12 @@ std::string bytes_text(int64_t b) {
 void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
     sub->add_option(
         "--prefill", f.prefill,
-        "disaggregated run: the prefill group's layout, e.g. tp=8, tp=4,pp=2 or cp=2,tp=2 (cp > 1: "
-        "context-parallel prefill with pp=1) (with --decode)");
+        "disaggregated run: the prefill group's layout, e.g. tp=8, tp=4,pp=2 or cp=2,tp=2,pp=2 "
+        "(cp > 1: context-parallel prefill, dp=1) (with --decode)");
     sub->add_option(
         "--decode", f.decode,
         "disaggregated run: the decode group's layout, e.g. tp=4, tp=2,pp=2 or cp=2,tp=2 "
-        "(cp > 1: context-parallel decode with pp=1)");
+        "(cp > 1: context-parallel decode, dp=1)");
     sub->add_option("--decode-block-size", f.decode_block_size,
                     "disaggregated run: decode block size (default: --block-size)");
     sub->add_option("--prefill-order", f.prefill_order,

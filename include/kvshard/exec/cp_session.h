@@ -109,7 +109,9 @@ class CpSession {
     std::vector<float> prefill_reserved(SeqId seq);
     // Called on every serving rank after each layer's prefill attention, once that layer's KV of
     // the sequence is in the pool (e.g. to send it on). Empty: none.
-    using LayerHook = std::function<void(SeqId seq, int layer)>;
+    // `layer` is the global layer index, `pool_layer` its index in its pool (the rank's layers
+    // of its KV group: under PP a stage's pool holds only its layers).
+    using LayerHook = std::function<void(SeqId seq, int layer, int pool_layer)>;
     void set_layer_hook(LayerHook hook) { layer_hook_ = std::move(hook); }
     // Takes in a new sequence whose KV is computed elsewhere (a disaggregated prefill): builds
     // its token map for `tokens`, allocates this rank's blocks for the positions it holds (not
