@@ -103,7 +103,7 @@ TEST(DisaggRunCli, CpPrefillVerifies) {
 
 // A context-parallel decode side: the KV lands on the CP ranks its scheme names, decode merges the
 // ranks' partial attention; a CP decode side with pp > 1 is refused (exit 2, says what would work).
-TEST(DisaggRunCli, CpDecodeVerifiesAndPpIsRefused) {
+TEST(DisaggRunCli, CpDecodeVerifiesWithPpAndDpIsRefused) {
     const auto r = run_cli(
         "run --model tiny --prefill tp=2 --decode cp=2,tp=2 --prompts 2 --prompt-len 20 --gen 4 "
         "--verify --json");
@@ -115,11 +115,20 @@ TEST(DisaggRunCli, CpDecodeVerifiesAndPpIsRefused) {
     EXPECT_EQ(j["transfer"]["streamed"], true);
     EXPECT_EQ(j["transfer"]["bytes"], j["transfer"]["min_bytes"]);
 
+    // A CP decode side with PP: each stage's CP ranks receive their layers.
+    const auto pp = run_cli(
+        "run --model tiny --prefill tp=2 --decode cp=2,pp=2 --prompts 2 --prompt-len 20 --gen 4 "
+        "--verify --json");
+    ASSERT_EQ(pp.status, 0) << pp.out;
+    const auto jp = nlohmann::json::parse(pp.out);
+    EXPECT_EQ(jp["verify"]["tokens_match"], true);
+    EXPECT_EQ(jp["decode"]["ranks"], 4);
+    EXPECT_EQ(jp["transfer"]["bytes"], jp["transfer"]["min_bytes"]);
+
     const auto bad =
-        run_cli("run --model tiny --prefill tp=2 --decode cp=2,pp=2 --prompts 1 --gen 2");
+        run_cli("run --model tiny --prefill tp=2 --decode dp=2,cp=2 --prompts 1 --gen 2");
     EXPECT_EQ(bad.status, 2) << bad.out;
-    EXPECT_NE(bad.out.find("kvshard: error: a decode side with cp > 1 runs context parallelism on "
-                           "a cp x tp grid: use pp=1"),
+    EXPECT_NE(bad.out.find("kvshard: error: a disaggregated side with cp > 1 serves one replica"),
               std::string::npos)
         << bad.out;
 }
