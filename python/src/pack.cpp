@@ -115,11 +115,6 @@ py::dict geometry_dict(const PageGeometry& g) {
     return d;
 }
 
-PageOrder order_of(const std::string& s) {
-    require(s == "hnd" || s == "nhd", "order must be 'hnd' or 'nhd', got '", s, "'");
-    return s == "hnd" ? PageOrder::kHnd : PageOrder::kNhd;
-}
-
 // The caller's memory of one pool: a C-contiguous, writeable, 64-byte aligned array (written in
 // place: a copy would leave the caller's array unwritten, so any other is refused).
 ExternalMemory memory_of(const py::handle& h, int rank) {
@@ -161,7 +156,8 @@ void bind_pack(py::module_& m) {
                 keep.push_back(py::reinterpret_borrow<py::object>(h));
                 mem.push_back(std::move(rank));
             }
-            const EnginePrefillOptions opt{.block_size = block_size, .order = order_of(order)};
+            const EnginePrefillOptions opt{.block_size = block_size,
+                                           .order = parse_page_order(order)};
             const auto weights = random_tensor_source(seed);
             std::vector<float> logits;
             {
@@ -184,7 +180,8 @@ void bind_pack(py::module_& m) {
         "prefill_own_pools",
         [](const KvLayout& layout, const TokenArray& tokens, const TokenArray& block_table,
            int64_t num_blocks, int block_size, const std::string& order, uint64_t seed) {
-            const EnginePrefillOptions opt{.block_size = block_size, .order = order_of(order)};
+            const EnginePrefillOptions opt{.block_size = block_size,
+                                           .order = parse_page_order(order)};
             const auto weights = random_tensor_source(seed);
             std::vector<std::vector<std::vector<std::byte>>> pools;
             std::vector<float> logits;

@@ -14,12 +14,6 @@ namespace {
 
 using BlockTables = std::vector<std::vector<int32_t>>;
 
-PageOrder parse_order(const std::string& s) {
-    if (s == "hnd" || s == "HND") return PageOrder::kHnd;
-    if (s == "nhd" || s == "NHD") return PageOrder::kNhd;
-    throw Error(fmt::format("unknown page order '{}': valid are hnd, nhd", s));
-}
-
 TransferEndpoint endpoint(const char* side, const KvLayout& layout, int dp, int block_size,
                           const std::string& order, std::optional<BlockTables> tables,
                           int64_t num_tokens) {
@@ -30,7 +24,7 @@ TransferEndpoint endpoint(const char* side, const KvLayout& layout, int dp, int 
     e.layout = layout;
     e.dp = dp;
     e.block_size = block_size;
-    e.order = parse_order(order);
+    e.order = parse_page_order(order);
     e.block_tables =
         tables ? std::move(*tables) : sequential_block_tables(layout, block_size, num_tokens);
     return e;

@@ -13,6 +13,12 @@
 
 namespace kvshard {
 
+PageOrder parse_page_order(std::string_view s) {
+    if (s == "hnd" || s == "HND") return PageOrder::kHnd;
+    if (s == "nhd" || s == "NHD") return PageOrder::kNhd;
+    throw Error(detail::concat("page order must be one of hnd, nhd, got '", s, "'"));
+}
+
 namespace {
 void check_geometry(const PageGeometry& g, int64_t num_blocks) {
     require(g.block_size >= 1, "block size must be at least 1 token, got ", g.block_size);

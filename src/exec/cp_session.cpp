@@ -79,26 +79,18 @@ void write_block(RankModel& model, BlockId b, std::span<const std::byte> bytes) 
     }
 }
 
-// The device's slice: the whole model's layers, its TP share (weight_shard of a tp-only layout).
-WeightShard device_shard(const ModelSpec& m, int tp, int tp_rank) {
+ParallelConfig tp_only(int tp) {
     ParallelConfig p;
     p.tp = tp;
-    return weight_shard(make_layout(m, p), tp_rank);
+    return p;
 }
 
 }  // namespace
 
+// The device's slice: the whole model's layers, its TP share (rank tp_rank of a tp-only layout).
 CpDevice::CpDevice(const ModelSpec& m, int tp, int tp_rank, const TensorSource& weights,
                    const CpOptions& opt)
-    : tp_(tp),
-      tp_rank_(tp_rank),
-      block_size_(opt.block_size),
-      blocks_(BlockManagerConfig{opt.num_blocks, opt.block_size, opt.prefix_cache}) {
-    const ModelSpec spec = fp32_spec(m);
-    model_ = std::make_unique<RankModel>(
-        load_weights(spec, device_shard(spec, tp, tp_rank), weights), opt.num_blocks,
-        opt.block_size, RankComms{}, PageOrder::kHnd, opt.pool_memory);
-}
+    : CpDevice(m, tp_only(tp), tp_rank, weights, opt) {}
 
 CpDevice::CpDevice(const ModelSpec& m, const ParallelConfig& p, int rank,
                    const TensorSource& weights, const CpOptions& opt)

@@ -45,12 +45,6 @@ int64_t pool_blocks(const TransferEndpoint& e) {
     return n;
 }
 
-PageOrder parse_order(const std::string& s) {
-    if (s == "hnd" || s == "HND") return PageOrder::kHnd;
-    if (s == "nhd" || s == "NHD") return PageOrder::kNhd;
-    throw Error(fmt::format("unknown page order '{}': valid are hnd, nhd", s));
-}
-
 std::string bytes_text(int64_t b) {
     if (b >= (int64_t{1} << 30)) return fmt::format("{:.2f} GiB", b / 1073741824.0);
     if (b >= (int64_t{1} << 20)) return fmt::format("{:.2f} MiB", b / 1048576.0);
@@ -68,7 +62,7 @@ TransferEndpoint endpoint(const char* side, const ModelSpec& m, const std::strin
     }
     e.dp = dp;
     e.block_size = block_size;
-    e.order = parse_order(order);
+    e.order = parse_page_order(order);
     require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
     e.block_tables = sequential_block_tables(e.layout, block_size, tokens);
     return e;

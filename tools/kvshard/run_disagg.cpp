@@ -18,9 +18,11 @@ namespace kvshard::cli {
 namespace {
 
 PageOrder parse_order(const std::string& flag, const std::string& s) {
-    if (s == "hnd" || s == "HND") return PageOrder::kHnd;
-    if (s == "nhd" || s == "NHD") return PageOrder::kNhd;
-    throw Error(fmt::format("{} '{}': valid page orders are hnd, nhd", flag, s));
+    try {
+        return parse_page_order(s);
+    } catch (const Error& e) {
+        throw Error(flag + ": " + e.what());
+    }
 }
 
 // replicas: --prefill-replicas / --decode-replicas (0: not given), the layout's dp.

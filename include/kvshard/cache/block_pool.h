@@ -25,6 +25,7 @@
 #include <cstring>
 #include <memory>
 #include <span>
+#include <string_view>
 
 #include "kvshard/common/dtype.h"
 #include "kvshard/common/large_alloc.h"
@@ -35,6 +36,8 @@ namespace kvshard {
 struct KvLayout;
 
 enum class PageOrder { kHnd, kNhd };
+// "hnd" or "nhd" (either case); Error naming the valid ones otherwise.
+PageOrder parse_page_order(std::string_view s);
 
 // Where a pool's arena lives: private memory (allocate_large: huge pages from 2 MiB up), or
 // shareable memory (SharedArena: other processes on the host may map it read-only; the kernel's
