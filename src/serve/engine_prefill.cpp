@@ -21,7 +21,8 @@ void check_inputs(const KvLayout& layout, std::span<const int32_t> tokens,
             "a prefill into the caller's memory runs one replica without "
             "context parallelism (dp=1, cp=1; tp, pp and ep any), got ",
             p.to_string());
-    require(opt.block_size >= 1, "block size must be at least 1, got ", opt.block_size);
+    require(opt.block_size >= 1 && opt.block_size <= (1 << 20),
+            "block size must be in [1, 2^20] tokens, got ", opt.block_size);
     require(!tokens.empty(), "a prefill needs at least one token");
     for (int32_t t : tokens)
         require(t >= 0 && t < layout.model.vocab, "token id ", t, " is outside the vocabulary [0, ",
@@ -105,6 +106,8 @@ std::vector<float> prefill_into_own_pools(
     std::span<const int32_t> block_table, int64_t num_blocks,
     std::vector<std::vector<std::vector<std::byte>>>& pools_out, const EnginePrefillOptions& opt) {
     check_inputs(layout, tokens, block_table, opt);
+    require(num_blocks >= 1 && num_blocks <= (int64_t{1} << 26),
+            "the pools' block count must be in [1, 2^26], got ", num_blocks);
     for (int32_t b : block_table)
         require(b < num_blocks, "block ", b, " is outside the pools' ", num_blocks, " blocks");
     pools_out.assign(size_t(layout.world_size()), {});

@@ -189,5 +189,19 @@ TEST(EnginePrefill, BadInputIsRefusedWithWhatIsWrong) {
               std::string::npos);
 }
 
+TEST(EnginePrefill, OwnPoolsOfAnAbsurdSizeAreRefused) {
+    const ModelSpec m = catalog_model("tiny");
+    const KvLayout layout = make_layout(m, ParallelConfig{});
+    const auto weights = random_tensor_source(3);
+    const std::vector<int32_t> tokens{1, 2, 3}, table{0};
+    std::vector<std::vector<std::vector<std::byte>>> out;
+    for (int64_t blocks : {int64_t{0}, int64_t{-1}, int64_t{1} << 40})
+        EXPECT_THROW(prefill_into_own_pools(layout, *weights, tokens, table, blocks, out), Error)
+            << blocks;
+    EXPECT_THROW(
+        prefill_into_own_pools(layout, *weights, tokens, table, 4, out, {.block_size = 1 << 30}),
+        Error);
+}
+
 }  // namespace
 }  // namespace kvshard
