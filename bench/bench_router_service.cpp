@@ -10,11 +10,18 @@
 //               server set up as RouterHttpServer is (TCP_NODELAY, keep-alive), answering a
 //               fixed reply of a route reply's size. A route over HTTP costs at least
 //               raw + http per request: "serial ceiling" = 1 / (1 / raw + 1 / http).
+//     tcp     = the transport's ceiling: a bare TCP round trip on loopback (TCP_NODELAY, one
+//               connection, blocking send/recv) of a request's and a reply's bytes as they go
+//               on the wire (headers included), no HTTP at all; no server can answer faster.
 // Each measurement runs `rounds` times, raw and service back to back (their order alternating
 // from round to round); reported: the median rate of each and the median of the rounds' ratios
 // (the machine is shared: the ratio of two neighbouring runs is steadier than either rate).
 // Usage: bench_router_service [events N] [routes R] [rounds K]
 #include <httplib.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -164,6 +171,61 @@ HttpRun post_all(int port, const std::string& path, const std::vector<std::strin
     return run;
 }
 
+// Sends all of buf / receives exactly buf.size() bytes on a blocking socket.
+bool send_all(int fd, const std::string& buf) {
+    for (size_t at = 0; at < buf.size();) {
+        const ssize_t k = ::send(fd, buf.data() + at, buf.size() - at, MSG_NOSIGNAL);
+        if (k <= 0) return false;
+        at += static_cast<size_t>(k);
+    }
+    return true;
+}
+bool recv_all(int fd, std::string& buf) {
+    for (size_t at = 0; at < buf.size();) {
+        const ssize_t k = ::recv(fd, buf.data() + at, buf.size() - at, 0);
+        if (k <= 0) return false;
+        at += static_cast<size_t>(k);
+    }
+    return true;
+}
+
+// The bare TCP round trip: n requests of request_bytes answered by reply_bytes, one connection.
+double tcp_round_trips_per_s(size_t request_bytes, size_t reply_bytes, int n) {
+    const int one = 1;
+    const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (lfd < 0 || ::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(lfd, 1) != 0 || ::getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+        return 0;
+    std::thread server([&] {
+        const int fd = ::accept(lfd, nullptr, nullptr);
+        if (fd < 0) return;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        std::string req(request_bytes, '\0'), rep(reply_bytes, 'r');
+        for (int i = 0; i < n && recv_all(fd, req) && send_all(fd, rep); ++i) {
+        }
+        ::close(fd);
+    });
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    double per_s = 0;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+        std::string req(request_bytes, 'q'), rep(reply_bytes, '\0');
+        const auto t0 = Clock::now();
+        int done = 0;
+        for (; done < n && send_all(fd, req) && recv_all(fd, rep); ++done) {
+        }
+        per_s = done == n ? n / seconds_since(t0) : 0;
+    }
+    ::close(fd);
+    server.join();
+    ::close(lfd);
+    return per_s;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -237,7 +299,16 @@ int main(int argc, char** argv) {
     const int noop_port = noop.bind_to_any_port("127.0.0.1");
     std::thread noop_thread([&] { noop.listen_after_bind(); });
 
-    std::vector<double> raw_rt, svc_rt, http_rt, p50, p99, of_raw, of_http, of_serial;
+    // The bytes of a request and a reply as they go on the wire: cpp-httplib's client request
+    // line and headers (Host, Accept, User-Agent, Connection, Content-Type, Content-Length)
+    // are about 150 bytes, a reply's status line and headers about 130.
+    size_t body_bytes = 0;
+    for (const auto& b : bodies) body_bytes += b.size();
+    const size_t request_bytes = body_bytes / bodies.size() + 150,
+                 reply_bytes = fixed_reply.size() + 130;
+
+    std::vector<double> raw_rt, svc_rt, http_rt, tcp_rt, p50, p99, of_raw, of_http, of_serial,
+        of_tcp;
     int errors = 0;
     for (int k = 0; k < rounds; ++k) {
         HttpRun s, e;
@@ -251,18 +322,22 @@ int main(int argc, char** argv) {
             s = post_all(http.port(), "/route", bodies, n_routes);
             raw = raw_routes_per_s();
         }
+        tcp_rt.push_back(tcp_round_trips_per_s(request_bytes, reply_bytes, n_routes));
         raw_rt.push_back(raw);
         svc_rt.push_back(s.per_s);
         http_rt.push_back(e.per_s);
         of_raw.push_back(s.per_s / raw);
         of_http.push_back(s.per_s / e.per_s);
         of_serial.push_back(s.per_s * (1.0 / raw + 1.0 / e.per_s));
+        of_tcp.push_back(tcp_rt.back() / raw);
         p50.push_back(percentile(s.latency_s, 0.5));
         p99.push_back(percentile(s.latency_s, 0.99));
         errors += s.errors + e.errors;
         std::printf(
-            "  round %d: raw %.0f, service %.0f, http no-op %.0f routes/s (%.2f / %.2f / %.2f)\n",
-            k + 1, raw, s.per_s, e.per_s, of_raw.back(), of_http.back(), of_serial.back());
+            "  round %d: raw %.0f, service %.0f, http no-op %.0f, tcp %.0f routes/s (%.2f / %.2f / "
+            "%.2f; tcp / raw %.2f)\n",
+            k + 1, raw, s.per_s, e.per_s, tcp_rt.back(), of_raw.back(), of_http.back(),
+            of_serial.back(), of_tcp.back());
     }
     http.stop();
     server.join();
@@ -273,6 +348,9 @@ int main(int argc, char** argv) {
     std::printf("routes: %d prompts of %d blocks (%d tokens), %d replicas, one client\n", n_routes,
                 kBlocks, kBlocks * kBs, kReplicas);
     std::printf("  raw hash + index lookup %9.0f routes/s\n", raw);
+    std::printf("  TCP round trip (%zu B / %zu B) %.0f round trips/s   (median of the rounds' "
+                "tcp / raw: %.2f)\n",
+                request_bytes, reply_bytes, median(tcp_rt), median(of_tcp));
     std::printf("  HTTP no-op, same bodies %9.0f requests/s\n", http_ceiling);
     std::printf("  serial ceiling          %9.0f routes/s   (1 / (1/raw + 1/http))\n", serial);
     std::printf("  POST /route (HTTP)      %9.0f routes/s   p50 %.0f us  p99 %.0f us  errors %d\n",
