@@ -23,7 +23,7 @@ double ring_all_gather_s(double bytes, int n, double bw, double hop_s) {
 
 double all_to_all_s(double bytes, int n, double bw, double hop_s) {
     if (n <= 1) return 0;
-    return double(n - 1) / n * bytes / bw + double(n - 1) * hop_s;
+    return double(n - 1) / n * bytes / bw + hop_s;
 }
 
 double send_s(double bytes, double bw, double hop_s) { return bytes / bw + hop_s; }
@@ -118,7 +118,7 @@ double all_to_all_s(double bytes, const GroupSpan& s, const HardwareSpec& hw) {
     if (!s.crosses_nodes())
         return all_to_all_s(bytes, s.n, hw.link_bw(false), hw.hop_latency_s(false));
     const double n = s.n, g = s.per_node;
-    return (g - 1) * hw.hop_latency_s(false) + (n - g) * hw.hop_latency_s(true) +
+    return (g > 1 ? hw.hop_latency_s(false) : 0.0) + hw.hop_latency_s(true) +
            bytes * std::max((g - 1) / n / hw.link_bw(false), (n - g) / n / hw.link_bw(true));
 }
 

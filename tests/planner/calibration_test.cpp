@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <string>
 
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/cost_model.h"
@@ -231,6 +232,42 @@ TEST(Calibration, CrossNodeSmallAllReduceIsHierarchical) {
         t, hw.collective_launch_s + 14 * hw.nvlink_hop_latency_s + 2 * hw.internode_hop_latency_s,
         1e-9);
     EXPECT_LT(t, 0.1 * (hw.collective_launch_s + 30 * hw.internode_hop_latency_s));
+}
+
+// ---- EP all-to-all (dispatch and combine) ------------------------------------------------------
+
+// DeepEP's low-latency kernels (deepseek-ai/DeepEP README, "Low-latency kernels with pure RDMA";
+// read in the copy of that README at github.com/dxdyt/blog-web, content/posts/DeepEP.md, commit
+// 0964aa6): H800 GPUs, each with a CX7 InfiniBand 400 Gb/s NIC (the catalog's h100-sxm NIC), the
+// DeepSeek-V3/R1 decode setting: 128 tokens per batch, hidden 7168, top-8 experts, FP8 dispatch
+// (7168 bytes + 56 fp32 scales per token and expert), BF16 combine. Latency per dispatch / combine
+// at EP 16, 32, 64, 128, 256 (8 GPUs per node): 118, 155, 173, 192, 194 us / 195, 273, 314, 369,
+// 360 us. The time grows with the share of the bytes that leaves the node ((N - 8) / N) and stops
+// growing from EP 128: every peer's message is in flight at once, so the latency is paid once,
+// not once per peer (before, the model charged (N - g) inter-node alphas in a row: its EP 256 /
+// EP 16 ratio was 22 for the dispatch, 13x the measured 1.64). EP 8 is not compared: those runs
+// sent even the intra-node traffic through the NIC (pure RDMA), which the model does not price.
+TEST(Calibration, DeepEpLowLatencyAllToAllAcrossEpSizes) {
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    auto t = [&](double bytes, int ep) {
+        GroupSpan g;
+        g.n = ep;
+        g.nodes = ep / 8;
+        g.per_node = 8;
+        return all_to_all_s(bytes, g, hw) + hw.collective_launch_s;
+    };
+    const double dispatch = 128.0 * 8 * (7168 + 7168 / 128 * 4), combine = 128.0 * 8 * 7168 * 2;
+    const struct {
+        int ep;
+        double dispatch_us, combine_us;
+    } rows[] = {{32, 155, 273}, {64, 173, 314}, {128, 192, 369}, {256, 194, 360}};
+    for (const auto& r : rows) {
+        const std::string what = "DeepEP low-latency, EP " + std::to_string(r.ep) + " / EP 16";
+        expect_ratio_within(t(dispatch, r.ep) / t(dispatch, 16), r.dispatch_us / 118.0,
+                            (what + ", dispatch").c_str());
+        expect_ratio_within(t(combine, r.ep) / t(combine, 16), r.combine_us / 195.0,
+                            (what + ", combine").c_str());
+    }
 }
 
 }  // namespace

@@ -35,7 +35,7 @@ TEST(Collectives, RingFormulas) {
     // all-reduce: 2(n-1)/n * bytes / bw + 2(n-1) * hop
     EXPECT_DOUBLE_EQ(ring_all_reduce_s(8e6, 4, 1e9, 1e-6), 2.0 * 3 / 4 * 8e6 / 1e9 + 6e-6);
     EXPECT_DOUBLE_EQ(ring_all_gather_s(8e6, 4, 1e9, 1e-6), 3.0 / 4 * 8e6 / 1e9 + 3e-6);
-    EXPECT_DOUBLE_EQ(all_to_all_s(8e6, 4, 1e9, 1e-6), 3.0 / 4 * 8e6 / 1e9 + 3e-6);
+    EXPECT_DOUBLE_EQ(all_to_all_s(8e6, 4, 1e9, 1e-6), 3.0 / 4 * 8e6 / 1e9 + 1e-6);  // posted together
     EXPECT_DOUBLE_EQ(send_s(1e6, 1e9, 2e-6), 1e-3 + 2e-6);
     EXPECT_EQ(ring_all_reduce_s(8e6, 1, 1e9, 1e-6), 0);
     EXPECT_EQ(ring_all_gather_s(8e6, 1, 1e9, 1e-6), 0);
@@ -88,8 +88,10 @@ TEST(Collectives, HierarchicalAcrossNodes) {
     EXPECT_NEAR(all_reduce_s(big, four, hw),
                 2 * 3 * x + 2 * 28 * a + 2.0 * 31 / 32 * big / (8 * nic), 1e-9);
     EXPECT_NEAR(all_gather_s(big, two, hw), x + 14 * a + 15.0 / 16 * big / (8 * nic), 1e-9);
-    // All-to-all: 7 messages inside the node, 8 across; 8/16 of the bytes over the NIC.
-    EXPECT_NEAR(all_to_all_s(big, two, hw), 7 * a + 8 * x + 0.5 * big / nic, 1e-9);
+    // All-to-all: 7 messages inside the node and 8 across, posted together (one latency of
+    // each); 8/16 of the bytes over the NIC.
+    EXPECT_NEAR(all_to_all_s(big, two, hw), a + x + 0.5 * big / nic, 1e-9);
+    EXPECT_NEAR(all_to_all_s(8, GroupSpan{256, 32, 8}, hw), a + x + 8 * 248.0 / 256 / nic, 1e-12);
 }
 
 // The ring simulated step by step: in step s, CP rank c forwards the shard first owned by (c - s)

@@ -17,7 +17,8 @@ namespace kvshard {
 double ring_all_reduce_s(double bytes, int n, double bw, double hop_s);
 // all-gather / reduce-scatter: (n-1)/n * bytes / bw + (n-1) * hop
 double ring_all_gather_s(double bytes, int n, double bw, double hop_s);
-// all-to-all: (n-1)/n * bytes / bw + (n-1) * hop (n-1 pairwise exchanges)
+// all-to-all: (n-1)/n * bytes / bw + hop (the n-1 pairwise exchanges posted together, as NCCL's
+// grouped send/recv and DeepEP do: one message latency, not n-1 in a row; docs/cost-model.md)
 double all_to_all_s(double bytes, int n, double bw, double hop_s);
 // point-to-point send: bytes / bw + hop
 double send_s(double bytes, double bw, double hop_s);
@@ -46,8 +47,9 @@ GroupSpan group_span(const ParallelConfig& p, GroupKind g, int gpus_per_node);
 //   binary tree across nodes (floor(log2 k) steps up and down, inter-node alpha); each rank sends
 //   2 * bytes, its node's node-to-node traffic (2 * bytes) striped over the g NICs;
 //   an all-reduce takes the faster of ring and tree (NCCL's tuner picks per size);
-// - all-to-all: g-1 messages inside the node, n-g across, the bytes split the same way over
-//   NVLink and the NIC (the slower path sets the rate).
+// - all-to-all: the g-1 messages inside the node and the n-g across posted together (one NVLink
+//   and one inter-node latency), the bytes split the same way over NVLink and the NIC (the slower
+//   path sets the rate).
 // Without collective_launch_s (added per call by the cost model). 0 when n <= 1.
 double all_reduce_s(double bytes, const GroupSpan& g, const HardwareSpec& hw);
 double all_gather_s(double bytes, const GroupSpan& g, const HardwareSpec& hw);
