@@ -348,9 +348,10 @@ int main(int argc, char** argv) {
     std::printf("routes: %d prompts of %d blocks (%d tokens), %d replicas, one client\n", n_routes,
                 kBlocks, kBlocks * kBs, kReplicas);
     std::printf("  raw hash + index lookup %9.0f routes/s\n", raw);
-    std::printf("  TCP round trip (%zu B / %zu B) %.0f round trips/s   (median of the rounds' "
-                "tcp / raw: %.2f)\n",
-                request_bytes, reply_bytes, median(tcp_rt), median(of_tcp));
+    std::printf(
+        "  TCP round trip (%zu B / %zu B) %.0f round trips/s   (median of the rounds' "
+        "tcp / raw: %.2f)\n",
+        request_bytes, reply_bytes, median(tcp_rt), median(of_tcp));
     std::printf("  HTTP no-op, same bodies %9.0f requests/s\n", http_ceiling);
     std::printf("  serial ceiling          %9.0f routes/s   (1 / (1/raw + 1/http))\n", serial);
     std::printf("  POST /route (HTTP)      %9.0f routes/s   p50 %.0f us  p99 %.0f us  errors %d\n",

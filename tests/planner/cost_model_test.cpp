@@ -35,7 +35,8 @@ TEST(Collectives, RingFormulas) {
     // all-reduce: 2(n-1)/n * bytes / bw + 2(n-1) * hop
     EXPECT_DOUBLE_EQ(ring_all_reduce_s(8e6, 4, 1e9, 1e-6), 2.0 * 3 / 4 * 8e6 / 1e9 + 6e-6);
     EXPECT_DOUBLE_EQ(ring_all_gather_s(8e6, 4, 1e9, 1e-6), 3.0 / 4 * 8e6 / 1e9 + 3e-6);
-    EXPECT_DOUBLE_EQ(all_to_all_s(8e6, 4, 1e9, 1e-6), 3.0 / 4 * 8e6 / 1e9 + 1e-6);  // posted together
+    EXPECT_DOUBLE_EQ(all_to_all_s(8e6, 4, 1e9, 1e-6),
+                     3.0 / 4 * 8e6 / 1e9 + 1e-6);  // posted together
     EXPECT_DOUBLE_EQ(send_s(1e6, 1e9, 2e-6), 1e-3 + 2e-6);
     EXPECT_EQ(ring_all_reduce_s(8e6, 1, 1e9, 1e-6), 0);
     EXPECT_EQ(ring_all_gather_s(8e6, 1, 1e9, 1e-6), 0);
