@@ -13,6 +13,8 @@
 //     tcp     = the transport's ceiling: a bare TCP round trip on loopback (TCP_NODELAY, one
 //               connection, blocking send/recv) of a request's and a reply's bytes as they go
 //               on the wire (headers included), no HTTP at all; no server can answer faster.
+//               Also over 2, 4 and 8 connections at once: what any number of clients could get
+//               through the loopback in total.
 // Each measurement runs `rounds` times, raw and service back to back (their order alternating
 // from round to round); reported: the median rate of each and the median of the rounds' ratios
 // (the machine is shared: the ratio of two neighbouring runs is steadier than either rate).
@@ -226,6 +228,24 @@ double tcp_round_trips_per_s(size_t request_bytes, size_t reply_bytes, int n) {
     return per_s;
 }
 
+// The same round trips over `conns` connections at once (a thread and a server thread each):
+// what any number of keep-alive clients could get through the loopback in total.
+double tcp_parallel_round_trips_per_s(size_t request_bytes, size_t reply_bytes, int n, int conns) {
+    std::vector<std::thread> clients;
+    std::vector<double> rates(static_cast<size_t>(conns), 0);
+    const auto t0 = Clock::now();
+    for (int c = 0; c < conns; ++c)
+        clients.emplace_back([&, c] {
+            rates[static_cast<size_t>(c)] =
+                tcp_round_trips_per_s(request_bytes, reply_bytes, n / conns);
+        });
+    for (auto& t : clients) t.join();
+    const double dt = seconds_since(t0);
+    for (double r : rates)
+        if (r <= 0) return 0;
+    return (n / conns) * conns / dt;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -352,6 +372,12 @@ int main(int argc, char** argv) {
         "  TCP round trip (%zu B / %zu B) %.0f round trips/s   (median of the rounds' "
         "tcp / raw: %.2f)\n",
         request_bytes, reply_bytes, median(tcp_rt), median(of_tcp));
+    for (int conns : {2, 4, 8}) {
+        const double r =
+            tcp_parallel_round_trips_per_s(request_bytes, reply_bytes, n_routes, conns);
+        std::printf("  TCP round trips, %d connections at once: %.0f round trips/s (%.2f of raw)\n",
+                    conns, r, r / raw);
+    }
     std::printf("  HTTP no-op, same bodies %9.0f requests/s\n", http_ceiling);
     std::printf("  serial ceiling          %9.0f routes/s   (1 / (1/raw + 1/http))\n", serial);
     std::printf("  POST /route (HTTP)      %9.0f routes/s   p50 %.0f us  p99 %.0f us  errors %d\n",

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <bit>
 
+#include "cache/block_lru.h"
+
 namespace kvshard {
 
 // ---------------------------------------------------------------- hash index
@@ -575,48 +577,18 @@ std::vector<BlockId> BlockManager::eviction_order() const {
 // ---------------------------------------------------------------- LRU
 
 void BlockManager::lru_push_back(BlockId b) {
-    Block& m = blocks_[static_cast<size_t>(b)];
-    KVSHARD_CHECK(!m.in_lru, "block ", b, " already in the LRU list");
-    m.in_lru = true;
-    m.lru_prev = lru_tail_;
-    m.lru_next = -1;
-    if (lru_tail_ >= 0)
-        blocks_[static_cast<size_t>(lru_tail_)].lru_next = b;
-    else
-        lru_head_ = b;
-    lru_tail_ = b;
+    detail::lru_link_back(blocks_, lru_head_, lru_tail_, b);
 }
 
-void BlockManager::lru_remove(BlockId b) {
-    Block& m = blocks_[static_cast<size_t>(b)];
-    KVSHARD_CHECK(m.in_lru, "block ", b, " not in the LRU list");
-    if (m.lru_prev >= 0)
-        blocks_[static_cast<size_t>(m.lru_prev)].lru_next = m.lru_next;
-    else
-        lru_head_ = m.lru_next;
-    if (m.lru_next >= 0)
-        blocks_[static_cast<size_t>(m.lru_next)].lru_prev = m.lru_prev;
-    else
-        lru_tail_ = m.lru_prev;
-    m.lru_prev = m.lru_next = -1;
-    m.in_lru = false;
-}
+void BlockManager::lru_remove(BlockId b) { detail::lru_unlink(blocks_, lru_head_, lru_tail_, b); }
 
 // ---------------------------------------------------------------- events
 
 int BlockManager::subscribe(KvEventCallback callback) {
-    require(static_cast<bool>(callback), "cannot subscribe an empty callback");
-    const int id = next_subscriber_id_++;
-    subscribers_.emplace_back(id, std::move(callback));
-    return id;
+    return subscribers_.add(std::move(callback));
 }
 
-void BlockManager::unsubscribe(int subscription_id) {
-    const auto it = std::find_if(subscribers_.begin(), subscribers_.end(),
-                                 [&](const auto& s) { return s.first == subscription_id; });
-    require(it != subscribers_.end(), "no subscription with id ", subscription_id);
-    subscribers_.erase(it);
-}
+void BlockManager::unsubscribe(int subscription_id) { subscribers_.remove(subscription_id); }
 
 void BlockManager::begin_op() {
     publishing_ = !subscribers_.empty();
@@ -638,12 +610,7 @@ KvEvent* BlockManager::event_for(KvEventKind kind, bool force_new) {
 
 void BlockManager::flush_events() {
     open_kind_.reset();
-    if (pending_.empty()) return;
-    // Deliver from a local list: a callback may query the manager.
-    std::vector<KvEvent> events;
-    events.swap(pending_);
-    for (const KvEvent& e : events)
-        for (const auto& sub : subscribers_) sub.second(e);
+    subscribers_.deliver(pending_);
 }
 
 // ---------------------------------------------------------------- invariants

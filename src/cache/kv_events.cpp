@@ -1,11 +1,34 @@
 #include "kvshard/cache/kv_events.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <ostream>
 
 #include "kvshard/common/error.h"
 
 namespace kvshard {
+
+int KvEventSubscribers::add(KvEventCallback callback) {
+    require(static_cast<bool>(callback), "cannot subscribe an empty callback");
+    const int id = next_id_++;
+    subs_.emplace_back(id, std::move(callback));
+    return id;
+}
+
+void KvEventSubscribers::remove(int subscription_id) {
+    const auto it = std::find_if(subs_.begin(), subs_.end(),
+                                 [&](const auto& s) { return s.first == subscription_id; });
+    require(it != subs_.end(), "no subscription with id ", subscription_id);
+    subs_.erase(it);
+}
+
+void KvEventSubscribers::deliver(std::vector<KvEvent>& pending) const {
+    if (pending.empty()) return;
+    std::vector<KvEvent> events;
+    events.swap(pending);
+    for (const KvEvent& e : events)
+        for (const auto& sub : subs_) sub.second(e);
+}
 
 std::string_view kv_event_kind_name(KvEventKind k) {
     switch (k) {

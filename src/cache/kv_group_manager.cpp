@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "cache/block_lru.h"
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -562,48 +563,20 @@ std::vector<BlockId> KvGroupManager::eviction_order(int g) const {
 // ---------------------------------------------------------------- LRU
 
 void KvGroupManager::lru_push_back(Pool& p, BlockId b) {
-    Block& m = p.blocks[static_cast<size_t>(b)];
-    KVSHARD_CHECK(!m.in_lru, "block ", b, " already in the LRU list");
-    m.in_lru = true;
-    m.lru_prev = p.lru_tail;
-    m.lru_next = -1;
-    if (p.lru_tail >= 0)
-        p.blocks[static_cast<size_t>(p.lru_tail)].lru_next = b;
-    else
-        p.lru_head = b;
-    p.lru_tail = b;
+    detail::lru_link_back(p.blocks, p.lru_head, p.lru_tail, b);
 }
 
 void KvGroupManager::lru_remove(Pool& p, BlockId b) {
-    Block& m = p.blocks[static_cast<size_t>(b)];
-    KVSHARD_CHECK(m.in_lru, "block ", b, " not in the LRU list");
-    if (m.lru_prev >= 0)
-        p.blocks[static_cast<size_t>(m.lru_prev)].lru_next = m.lru_next;
-    else
-        p.lru_head = m.lru_next;
-    if (m.lru_next >= 0)
-        p.blocks[static_cast<size_t>(m.lru_next)].lru_prev = m.lru_prev;
-    else
-        p.lru_tail = m.lru_prev;
-    m.lru_prev = m.lru_next = -1;
-    m.in_lru = false;
+    detail::lru_unlink(p.blocks, p.lru_head, p.lru_tail, b);
 }
 
 // ---------------------------------------------------------------- events
 
 int KvGroupManager::subscribe(KvEventCallback callback) {
-    require(static_cast<bool>(callback), "cannot subscribe an empty callback");
-    const int id = next_subscriber_id_++;
-    subscribers_.emplace_back(id, std::move(callback));
-    return id;
+    return subscribers_.add(std::move(callback));
 }
 
-void KvGroupManager::unsubscribe(int subscription_id) {
-    const auto it = std::find_if(subscribers_.begin(), subscribers_.end(),
-                                 [&](const auto& s) { return s.first == subscription_id; });
-    require(it != subscribers_.end(), "no subscription with id ", subscription_id);
-    subscribers_.erase(it);
-}
+void KvGroupManager::unsubscribe(int subscription_id) { subscribers_.remove(subscription_id); }
 
 void KvGroupManager::begin_op() {
     publishing_ = !subscribers_.empty();
@@ -630,11 +603,7 @@ KvEvent* KvGroupManager::removed_event(int g) {
 
 void KvGroupManager::flush_events() {
     open_removed_group_ = -1;
-    if (pending_.empty()) return;
-    std::vector<KvEvent> events;
-    events.swap(pending_);
-    for (const KvEvent& e : events)
-        for (const auto& sub : subscribers_) sub.second(e);
+    subscribers_.deliver(pending_);
 }
 
 // ---------------------------------------------------------------- invariants

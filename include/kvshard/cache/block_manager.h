@@ -280,8 +280,7 @@ class BlockManager {
     std::vector<KvEvent> pending_;          // events of the current operation, delivered at its end
     bool publishing_ = false;               // someone listens during the current operation
     std::optional<KvEventKind> open_kind_;  // kind of the last event of the current operation
-    std::vector<std::pair<int, KvEventCallback>> subscribers_;
-    int next_subscriber_id_ = 0;
+    KvEventSubscribers subscribers_;
 };
 
 }  // namespace kvshard

@@ -45,6 +45,24 @@ struct KvEvent {
 
 using KvEventCallback = std::function<void(const KvEvent&)>;
 
+// The subscriptions of one event source (BlockManager, KvGroupManager): callbacks by id, each
+// event delivered to every one in subscription order.
+class KvEventSubscribers {
+  public:
+    // Throws Error on an empty callback. Returns the id for remove().
+    int add(KvEventCallback callback);
+    // Throws Error when no subscription has that id.
+    void remove(int subscription_id);
+    bool empty() const { return subs_.empty(); }
+    // Delivers `pending` (and clears it) from a local copy, so a callback may query the source
+    // or cause new events to be collected for a later delivery.
+    void deliver(std::vector<KvEvent>& pending) const;
+
+  private:
+    std::vector<std::pair<int, KvEventCallback>> subs_;
+    int next_id_ = 0;
+};
+
 // One JSON object, no newline:
 //   {"seq":3,"type":"BlockStored","block_hashes":["<32 hex>",...],"parent_hash":"<32 hex>"|null,
 //    "num_tokens":32,"block_size":16,"block_ids":[4,5]}

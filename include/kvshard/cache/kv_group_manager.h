@@ -211,8 +211,7 @@ class KvGroupManager {
     std::vector<KvEvent> pending_;
     bool publishing_ = false;
     int open_removed_group_ = -1;  // the group of the open BlockRemoved event (-1: none)
-    std::vector<std::pair<int, KvEventCallback>> subscribers_;
-    int next_subscriber_id_ = 0;
+    KvEventSubscribers subscribers_;
 };
 
 }  // namespace kvshard
