@@ -15,6 +15,7 @@
 //               on the wire (headers included), no HTTP at all; no server can answer faster.
 //               Also over 2, 4 and 8 connections at once: what any number of clients could get
 //               through the loopback in total.
+//     parallel = POST /route from 2, 4 and 8 keep-alive clients at once, routes/s in total.
 // Each measurement runs `rounds` times, raw and service back to back (their order alternating
 // from round to round); reported: the median rate of each and the median of the rounds' ratios
 // (the machine is shared: the ratio of two neighbouring runs is steadier than either rate).
@@ -228,6 +229,22 @@ double tcp_round_trips_per_s(size_t request_bytes, size_t reply_bytes, int n) {
     return per_s;
 }
 
+// POST /route from `clients` keep-alive clients at once (a thread each), n requests in all.
+double post_parallel_per_s(int port, const std::vector<std::string>& bodies, int n, int clients,
+                           int& errors) {
+    std::vector<std::thread> threads;
+    std::vector<HttpRun> runs(static_cast<size_t>(clients));
+    const auto t0 = Clock::now();
+    for (int c = 0; c < clients; ++c)
+        threads.emplace_back([&, c] {
+            runs[static_cast<size_t>(c)] = post_all(port, "/route", bodies, n / clients);
+        });
+    for (auto& t : threads) t.join();
+    const double dt = seconds_since(t0);
+    for (const HttpRun& r : runs) errors += r.errors;
+    return (n / clients) * clients / dt;
+}
+
 // The same round trips over `conns` connections at once (a thread and a server thread each):
 // what any number of keep-alive clients could get through the loopback in total.
 double tcp_parallel_round_trips_per_s(size_t request_bytes, size_t reply_bytes, int n, int conns) {
@@ -359,6 +376,12 @@ int main(int argc, char** argv) {
             k + 1, raw, s.per_s, e.per_s, tcp_rt.back(), of_raw.back(), of_http.back(),
             of_serial.back(), of_tcp.back());
     }
+    // Several clients at once (a router answers many gateways): the server's thread pool
+    // serves their connections concurrently.
+    std::vector<std::pair<int, double>> parallel;
+    for (int clients : {2, 4, 8})
+        parallel.emplace_back(clients,
+                              post_parallel_per_s(http.port(), bodies, n_routes, clients, errors));
     http.stop();
     server.join();
     noop.stop();
@@ -382,6 +405,9 @@ int main(int argc, char** argv) {
     std::printf("  serial ceiling          %9.0f routes/s   (1 / (1/raw + 1/http))\n", serial);
     std::printf("  POST /route (HTTP)      %9.0f routes/s   p50 %.0f us  p99 %.0f us  errors %d\n",
                 service, 1e6 * median(p50), 1e6 * median(p99), errors);
+    for (const auto& [clients, per_s] : parallel)
+        std::printf("  POST /route, %d clients at once %7.0f routes/s   (%.2f of raw)\n", clients,
+                    per_s, per_s / raw);
     std::printf(
         "  median of the rounds' ratios: %.2f of raw, %.2f of http no-op, %.2f of serial "
         "ceiling\n",
