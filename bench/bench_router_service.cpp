@@ -12,7 +12,8 @@
 //               raw + http per request: "serial ceiling" = 1 / (1 / raw + 1 / http).
 //     tcp     = the transport's ceiling: a bare TCP round trip on loopback (TCP_NODELAY, one
 //               connection, blocking send/recv) of a request's and a reply's bytes as they go
-//               on the wire (headers included), no HTTP at all; no server can answer faster.
+//               on the wire (headers included), no HTTP at all; no server answers one
+//               connection faster.
 //               Also over 2, 4 and 8 connections at once: what any number of clients could get
 //               through the loopback in total.
 //     parallel = POST /route from 2, 4 and 8 keep-alive clients at once, routes/s in total.
@@ -229,18 +230,23 @@ double tcp_round_trips_per_s(size_t request_bytes, size_t reply_bytes, int n) {
     return per_s;
 }
 
+// Runs job(0) .. job(k - 1) on k threads at once; returns the wall time until the last ends.
+template <typename Job>
+double seconds_at_once(int k, Job job) {
+    std::vector<std::thread> threads;
+    const auto t0 = Clock::now();
+    for (int c = 0; c < k; ++c) threads.emplace_back([&job, c] { job(c); });
+    for (auto& t : threads) t.join();
+    return seconds_since(t0);
+}
+
 // POST /route from `clients` keep-alive clients at once (a thread each), n requests in all.
 double post_parallel_per_s(int port, const std::vector<std::string>& bodies, int n, int clients,
                            int& errors) {
-    std::vector<std::thread> threads;
     std::vector<HttpRun> runs(static_cast<size_t>(clients));
-    const auto t0 = Clock::now();
-    for (int c = 0; c < clients; ++c)
-        threads.emplace_back([&, c] {
-            runs[static_cast<size_t>(c)] = post_all(port, "/route", bodies, n / clients);
-        });
-    for (auto& t : threads) t.join();
-    const double dt = seconds_since(t0);
+    const double dt = seconds_at_once(clients, [&](int c) {
+        runs[static_cast<size_t>(c)] = post_all(port, "/route", bodies, n / clients);
+    });
     for (const HttpRun& r : runs) errors += r.errors;
     return (n / clients) * clients / dt;
 }
@@ -248,16 +254,11 @@ double post_parallel_per_s(int port, const std::vector<std::string>& bodies, int
 // The same round trips over `conns` connections at once (a thread and a server thread each):
 // what any number of keep-alive clients could get through the loopback in total.
 double tcp_parallel_round_trips_per_s(size_t request_bytes, size_t reply_bytes, int n, int conns) {
-    std::vector<std::thread> clients;
     std::vector<double> rates(static_cast<size_t>(conns), 0);
-    const auto t0 = Clock::now();
-    for (int c = 0; c < conns; ++c)
-        clients.emplace_back([&, c] {
-            rates[static_cast<size_t>(c)] =
-                tcp_round_trips_per_s(request_bytes, reply_bytes, n / conns);
-        });
-    for (auto& t : clients) t.join();
-    const double dt = seconds_since(t0);
+    const double dt = seconds_at_once(conns, [&](int c) {
+        rates[static_cast<size_t>(c)] =
+            tcp_round_trips_per_s(request_bytes, reply_bytes, n / conns);
+    });
     for (double r : rates)
         if (r <= 0) return 0;
     return (n / conns) * conns / dt;
