@@ -31,7 +31,13 @@ struct RouterHttpServer::Impl {
     int port = 0;
 
     Impl(RouteService& s, RouterHttpOptions o) : svc(&s), options(std::move(o)) {
-        check_listen_address(options);
+        check_http_options(options);
+        // One pool thread per connection being served (see RouterHttpOptions::threads); the
+        // library's default is max(8, cores - 1), which a ninth keep-alive client would wait on.
+        server.new_task_queue = [n = static_cast<size_t>(options.threads)] {
+            return new httplib::ThreadPool(n);
+        };
+        server.set_keep_alive_timeout(options.keep_alive_timeout_s);
         server.set_payload_max_length(options.max_body_bytes);
         server.set_tcp_nodelay(true);  // small JSON replies: no Nagle delay
         // cpp-httplib closes a keep-alive connection after 5 requests by default: a router's

@@ -6,8 +6,12 @@
 
 namespace kvshard {
 
-void check_listen_address(const RouterHttpOptions& o) {
+void check_http_options(const RouterHttpOptions& o) {
     require(o.port >= 0 && o.port <= 65535, "the listen port must be 0 to 65535, got ", o.port);
+    require(o.threads >= 1 && o.threads <= 4096, "--http-threads must be 1 to 4096, got ",
+            o.threads);
+    require(o.keep_alive_timeout_s >= 1 && o.keep_alive_timeout_s <= 3600,
+            "--keep-alive-timeout-s must be 1 to 3600, got ", o.keep_alive_timeout_s);
     const bool loopback = o.host == "localhost" || o.host == "::1" || o.host.rfind("127.", 0) == 0;
     require(loopback || o.allow_remote, "refusing to listen on '", o.host,
             "': the router binds to loopback (127.0.0.1, ::1, localhost) unless --allow-remote is "

@@ -8,11 +8,14 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <poll.h>
+
 #include <chrono>
 #include <functional>
 #include <thread>
 
 #include "cli_runner.h"
+#include "kvshard/common/error.h"
 #include "kvshard/router/http_server.h"
 #include "kvshard/router/vllm_event_subscriber.h"
 #include "python_helpers.h"
@@ -283,6 +286,89 @@ TEST(RouterServe, RoutesByVllmEventsAndStopsOnSigterm) {
     EXPECT_NE(router.read_line().find("stopped"), std::string::npos);
 }
 
+// A keep-alive connection to 127.0.0.1:port that has sent GET /healthz and may have its reply.
+class KeepAliveClient {
+  public:
+    explicit KeepAliveClient(int port) : fd_(socket(AF_INET, SOCK_STREAM, 0)) {
+        sockaddr_in addr{};
+        addr.sin_family = AF_INET;
+        addr.sin_port = htons(static_cast<uint16_t>(port));
+        addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        if (connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return;
+        const std::string req = "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+        (void)!write(fd_, req.data(), req.size());
+    }
+    ~KeepAliveClient() { close(fd_); }
+    // True once the reply ("ok\n") has arrived; waits up to wait_ms for more bytes.
+    bool answered(int wait_ms) {
+        pollfd p{fd_, POLLIN, 0};
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+        while (got_.find("\r\n\r\nok\n") == std::string::npos) {
+            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  deadline - std::chrono::steady_clock::now())
+                                  .count();
+            if (left <= 0 || poll(&p, 1, static_cast<int>(left)) <= 0) return false;
+            char buf[512];
+            const ssize_t n = read(fd_, buf, sizeof buf);
+            if (n <= 0) return false;
+            got_.append(buf, static_cast<size_t>(n));
+        }
+        return true;
+    }
+
+  private:
+    int fd_;
+    std::string got_;
+};
+
+// RouterHttpOptions::threads is the number of keep-alive clients served at once: with 3 threads,
+// 3 open connections are answered and a fourth waits until one of them closes. The default pool
+// serves 9 at once (cpp-httplib's own default, 8 threads on this machine, would not).
+TEST(RouterServe, ServesAsManyKeepAliveClientsAsThreads) {
+    if (!RouterHttpServer::available()) GTEST_SKIP() << "built without cpp-httplib";
+    KvIndex index(1);
+    RouteServiceConfig c;
+    c.replica_names = {"a"};
+    c.block_size = 4;
+    RouteService svc(c, [&index](const auto& fn) { fn(index, nullptr); });
+    {
+        RouterHttpOptions o;
+        o.threads = 3;
+        o.keep_alive_timeout_s = 600;
+        RouterHttpServer server(svc, o);
+        std::thread serving([&] { server.run(); });
+        std::vector<std::unique_ptr<KeepAliveClient>> held;
+        for (int i = 0; i < 3; ++i) {
+            held.push_back(std::make_unique<KeepAliveClient>(server.port()));
+            EXPECT_TRUE(held.back()->answered(20000)) << "client " << i;
+        }
+        KeepAliveClient fourth(server.port());
+        EXPECT_FALSE(fourth.answered(500)) << "a fourth client was served by 3 busy threads";
+        held.pop_back();  // one connection closes: its thread takes the fourth
+        EXPECT_TRUE(fourth.answered(20000));
+        held.clear();
+        server.stop();
+        serving.join();
+    }
+    {
+        RouterHttpServer server(svc, RouterHttpOptions{});
+        std::thread serving([&] { server.run(); });
+        std::vector<std::unique_ptr<KeepAliveClient>> held;
+        for (int i = 0; i < 9; ++i)
+            held.push_back(std::make_unique<KeepAliveClient>(server.port()));
+        for (int i = 0; i < 9; ++i) EXPECT_TRUE(held[i]->answered(20000)) << "client " << i;
+        held.clear();
+        server.stop();
+        serving.join();
+    }
+    RouterHttpOptions bad;
+    bad.threads = 0;
+    EXPECT_THROW(check_http_options(bad), Error);
+    bad.threads = 1;
+    bad.keep_alive_timeout_s = 0;
+    EXPECT_THROW(check_http_options(bad), Error);
+}
+
 TEST(RouterServe, RefusesBadFlags) {
     struct Bad {
         std::string args, message;
@@ -296,6 +382,10 @@ TEST(RouterServe, RefusesBadFlags) {
         {"router serve --engine a=tcp://127.0.0.1:1,zz=1 --hash-seed 0", "unknown option"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --hash md5", "vllm-sha256-cbor"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --listen nope", "HOST:PORT"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --http-threads 0",
+         "--http-threads must be 1 to 4096"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --keep-alive-timeout-s 0",
+         "--keep-alive-timeout-s must be 1 to 3600"},
     };
     for (const auto& b : bad) {
         const auto r = test::run_cli(b.args);

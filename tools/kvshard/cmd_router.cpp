@@ -31,6 +31,8 @@ struct ServeFlags {
     bool allow_remote = false;
     int replay_timeout_ms = 1000;
     int64_t index_cap_blocks = VllmEventIngest::kDefaultMaxBlocksPerReplica;
+    int http_threads = RouterHttpOptions{}.threads;
+    int keep_alive_timeout_s = RouterHttpOptions{}.keep_alive_timeout_s;
 };
 
 int g_stop_pipe_write = -1;
@@ -56,7 +58,9 @@ RouterHttpOptions listen_options(const ServeFlags& f) {
         throw Error(detail::concat("--listen '", f.listen, "': the port is not a number"));
     }
     o.allow_remote = f.allow_remote;
-    check_listen_address(o);
+    o.threads = f.http_threads;
+    o.keep_alive_timeout_s = f.keep_alive_timeout_s;
+    check_http_options(o);
     return o;
 }
 
@@ -148,6 +152,11 @@ void setup(CLI::App& app) {
                     "how long to wait for an engine's replay after a gap");
     sub->add_option("--index-cap-blocks", f->index_cap_blocks,
                     "blocks the index keeps per replica; past it the oldest are dropped");
+    sub->add_option("--http-threads", f->http_threads,
+                    "connections served at once (a keep-alive client holds one until it closes "
+                    "or idles past --keep-alive-timeout-s)");
+    sub->add_option("--keep-alive-timeout-s", f->keep_alive_timeout_s,
+                    "seconds an idle keep-alive connection is kept open");
     sub->callback([f] { serve(*f); });
 }
 

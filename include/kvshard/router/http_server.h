@@ -23,10 +23,16 @@ struct RouterHttpOptions {
     bool allow_remote = false;  // binding to a non-loopback address needs this
     size_t max_body_bytes = 8 << 20;
     size_t keep_alive_max_requests = 100000;  // requests per connection before it is closed
+    // Threads that serve connections. cpp-httplib holds a thread for a keep-alive connection
+    // until the client closes it or it stays idle for keep_alive_timeout_s, so this is also the
+    // number of clients served at once: one more waits for a thread.
+    int threads = 64;
+    int keep_alive_timeout_s = 5;  // an idle keep-alive connection is closed after this
 };
 
-// Error unless host is a loopback address (127.x.x.x, ::1, localhost) or allow_remote is set.
-void check_listen_address(const RouterHttpOptions& o);
+// Error unless host is a loopback address (127.x.x.x, ::1, localhost) or allow_remote is set,
+// the port is 0 to 65535, threads is 1 to 4096 and keep_alive_timeout_s is 1 to 3600.
+void check_http_options(const RouterHttpOptions& o);
 
 class RouterHttpServer {
   public:
