@@ -1,8 +1,12 @@
 // The cpp-httplib backend of RouterHttpServer (built when httplib.h is found; else
 // router_http_missing.cpp).
 #include <httplib.h>
+#include <sys/socket.h>
 
+#include <chrono>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "kvshard/common/error.h"
 #include "kvshard/router/http_server.h"
@@ -15,6 +19,11 @@ namespace {
 // "application/json"): a route reply is a few dozen bytes, and brotli cost about 0.7 ms of it.
 // tests/router/router_serve_test.cpp checks that a reply to such a client is plain.
 constexpr const char* kJson = "application/json; charset=utf-8";
+
+// The accept queue of the listening socket (the kernel caps it at net.core.somaxconn). Debian's
+// cpp-httplib is a compiled library that listens with a backlog of 5: gateways that connect at once
+// overflow it, and each dropped SYN waits for the kernel's 1 s retry.
+constexpr int kListenBacklog = 4096;
 
 void reply_error(httplib::Response& res, RouteService& svc, const std::string& what) {
     svc.count_bad_request();
@@ -29,6 +38,14 @@ struct RouterHttpServer::Impl {
     RouterHttpOptions options;
     httplib::Server server;
     int port = 0;
+    int listen_fd = -1;
+    // cpp-httplib's stop() does nothing until listen has begun (is_running()), so a stop() that
+    // comes first would be lost and run() would serve on; these let stop() wait for it, or keep
+    // run() from starting.
+    std::mutex run_mutex;
+    bool run_called = false;
+    bool stop_requested = false;
+    std::atomic<bool> run_returned{false};
 
     Impl(RouteService& s, RouterHttpOptions o) : svc(&s), options(std::move(o)) {
         check_http_options(options);
@@ -40,6 +57,14 @@ struct RouterHttpServer::Impl {
         server.set_keep_alive_timeout(options.keep_alive_timeout_s);
         server.set_payload_max_length(options.max_body_bytes);
         server.set_tcp_nodelay(true);  // small JSON replies: no Nagle delay
+        // The library's default options set SO_REUSEPORT, with which a second router on the same
+        // port binds too and takes half the connections; SO_REUSEADDR alone refuses it. The
+        // socket is kept to widen its backlog once it listens.
+        server.set_socket_options([this](socket_t sock) {
+            int yes = 1;
+            ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+            listen_fd = sock;
+        });
         // cpp-httplib closes a keep-alive connection after 5 requests by default: a router's
         // client (a gateway) keeps one open for many, and a reconnect costs more than a route.
         server.set_keep_alive_max_count(options.keep_alive_max_requests);
@@ -67,6 +92,9 @@ struct RouterHttpServer::Impl {
         }
         require(port > 0, "cannot listen on ", options.host, ":", options.port,
                 " (in use, or not an address of this machine)");
+        // listen() on a listening socket sets its backlog anew (Linux, POSIX leaves it open).
+        require(::listen(listen_fd, kListenBacklog) == 0, "cannot widen the accept queue of ",
+                options.host, ":", port);
     }
 
     void route(const httplib::Request& req, httplib::Response& res) {
@@ -89,10 +117,26 @@ RouterHttpServer::~RouterHttpServer() { stop(); }
 
 int RouterHttpServer::port() const { return impl_->port; }
 
-void RouterHttpServer::run() { impl_->server.listen_after_bind(); }
+void RouterHttpServer::run() {
+    {
+        std::lock_guard<std::mutex> lock(impl_->run_mutex);
+        if (impl_->stop_requested) return;
+        impl_->run_called = true;
+    }
+    impl_->server.listen_after_bind();
+    impl_->run_returned = true;
+}
 
 void RouterHttpServer::stop() {
-    if (impl_) impl_->server.stop();
+    if (!impl_) return;
+    {
+        std::lock_guard<std::mutex> lock(impl_->run_mutex);
+        impl_->stop_requested = true;
+        if (!impl_->run_called) return;  // run() will not start serving
+    }
+    while (!impl_->server.is_running() && !impl_->run_returned)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    impl_->server.stop();
 }
 
 }  // namespace kvshard

@@ -5,12 +5,18 @@
 // get 400; SIGTERM stops it cleanly.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <poll.h>
 
 #include <chrono>
+#include <fstream>
 #include <functional>
 #include <thread>
 
@@ -52,6 +58,43 @@ json batch(int seq, std::vector<json> events, bool drop = false) {
               {"batch", {{"ts", 1.0 + seq}, {"events", events}, {"dp", 0}, {"form", "map"}}}};
     if (drop) b["drop"] = true;
     return b;
+}
+
+// The accept-queue limit of the IPv4 TCP listener on `port`, as the kernel reports it over
+// sock_diag (what `ss -ltn` prints as Send-Q); -1 if no listener is found.
+int listen_backlog(int port) {
+    const int nl = ::socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+    if (nl < 0) return -1;
+    struct {
+        nlmsghdr h;
+        inet_diag_req_v2 r;
+    } req{};
+    req.h.nlmsg_len = sizeof(req);
+    req.h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+    req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
+    req.r.sdiag_family = AF_INET;
+    req.r.sdiag_protocol = IPPROTO_TCP;
+    req.r.idiag_states = 1u << 10;  // TCP_LISTEN
+    int found = -1;
+    if (::send(nl, &req, sizeof(req), 0) == static_cast<ssize_t>(sizeof(req))) {
+        alignas(nlmsghdr) char buf[16384];
+        for (bool done = false; !done;) {
+            const ssize_t n = ::recv(nl, buf, sizeof(buf), 0);
+            if (n <= 0) break;
+            int len = static_cast<int>(n);
+            for (auto* h = reinterpret_cast<nlmsghdr*>(buf); NLMSG_OK(h, len);
+                 h = NLMSG_NEXT(h, len)) {
+                if (h->nlmsg_type == NLMSG_DONE || h->nlmsg_type == NLMSG_ERROR) {
+                    done = true;
+                    break;
+                }
+                const auto* m = static_cast<const inet_diag_msg*>(NLMSG_DATA(h));
+                if (ntohs(m->id.idiag_sport) == port) found = static_cast<int>(m->idiag_wqueue);
+            }
+        }
+    }
+    ::close(nl);
+    return found;
 }
 
 struct HttpReply {
@@ -324,6 +367,63 @@ class KeepAliveClient {
 // RouterHttpOptions::threads is the number of keep-alive clients served at once: with 3 threads,
 // 3 open connections are answered and a fourth waits until one of them closes. The default pool
 // serves 9 at once (cpp-httplib's own default, 8 threads on this machine, would not).
+// Gateways that connect at once must not overflow the accept queue (cpp-httplib's default backlog
+// is 5; an overflowed SYN waits for the kernel's 1 s retry): the listener's queue is 4096, or
+// net.core.somaxconn where that is smaller.
+TEST(RouterServe, ListensWithABacklogForManyGatewaysAtOnce) {
+    if (!RouterHttpServer::available()) GTEST_SKIP() << "built without cpp-httplib";
+    int somaxconn = 4096;
+    std::ifstream("/proc/sys/net/core/somaxconn") >> somaxconn;
+    // The probe reads a backlog of 5 where 5 was asked, so it can tell the two apart.
+    const int plain = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(plain, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    ASSERT_EQ(::listen(plain, 5), 0);
+    socklen_t al = sizeof(a);
+    ::getsockname(plain, reinterpret_cast<sockaddr*>(&a), &al);
+    EXPECT_EQ(listen_backlog(ntohs(a.sin_port)), 5);
+    ::close(plain);
+
+    KvIndex index(1);
+    RouteServiceConfig c;
+    c.replica_names = {"a"};
+    c.block_size = 4;
+    RouteService svc(c, [&index](const auto& fn) { fn(index, nullptr); });
+    RouterHttpServer server(svc, RouterHttpOptions{});
+    std::thread serving([&] { server.run(); });
+    EXPECT_EQ(listen_backlog(server.port()), std::min(4096, somaxconn));
+    // A second router on the same port is refused (not let in beside the first by SO_REUSEPORT).
+    RouterHttpOptions same;
+    same.port = server.port();
+    EXPECT_THROW(RouterHttpServer(svc, same), Error);
+    server.stop();
+    serving.join();
+}
+
+// A stop() that comes before run() has begun listening is not lost (cpp-httplib's own stop() does
+// nothing then, and run() would serve on): run() returns, whichever thread gets there first.
+TEST(RouterServe, AStopBeforeRunIsNotLost) {
+    if (!RouterHttpServer::available()) GTEST_SKIP() << "built without cpp-httplib";
+    KvIndex index(1);
+    RouteServiceConfig c;
+    c.replica_names = {"a"};
+    c.block_size = 4;
+    RouteService svc(c, [&index](const auto& fn) { fn(index, nullptr); });
+    {
+        RouterHttpServer server(svc, RouterHttpOptions{});
+        server.stop();
+        server.run();  // returns at once
+    }
+    for (int i = 0; i < 50; ++i) {
+        RouterHttpServer server(svc, RouterHttpOptions{});
+        std::thread serving([&] { server.run(); });
+        server.stop();  // races run(): may come before or after it begins listening
+        serving.join();
+    }
+}
+
 TEST(RouterServe, ServesAsManyKeepAliveClientsAsThreads) {
     if (!RouterHttpServer::available()) GTEST_SKIP() << "built without cpp-httplib";
     KvIndex index(1);
@@ -342,10 +442,13 @@ TEST(RouterServe, ServesAsManyKeepAliveClientsAsThreads) {
             held.push_back(std::make_unique<KeepAliveClient>(server.port()));
             EXPECT_TRUE(held.back()->answered(20000)) << "client " << i;
         }
-        KeepAliveClient fourth(server.port());
-        EXPECT_FALSE(fourth.answered(500)) << "a fourth client was served by 3 busy threads";
+        auto fourth = std::make_unique<KeepAliveClient>(server.port());
+        EXPECT_FALSE(fourth->answered(500)) << "a fourth client was served by 3 busy threads";
         held.pop_back();  // one connection closes: its thread takes the fourth
-        EXPECT_TRUE(fourth.answered(20000));
+        EXPECT_TRUE(fourth->answered(20000));
+        // Every connection closes before stop(): the server waits for an idle one to time out
+        // (600 s here), so one left open would hold run() that long.
+        fourth.reset();
         held.clear();
         server.stop();
         serving.join();

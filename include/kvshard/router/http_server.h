@@ -44,7 +44,8 @@ class RouterHttpServer {
     RouterHttpServer& operator=(const RouterHttpServer&) = delete;
 
     int port() const;
-    // Serves until stop() (from another thread); returns then.
+    // Serves until stop() (from another thread); returns then. A stop() that comes before run()
+    // (or before it has begun listening) is not lost: run() returns at once.
     void run();
     void stop();
 
