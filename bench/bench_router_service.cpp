@@ -257,14 +257,14 @@ struct ParallelRun {
 };
 
 // POST /route from `clients` keep-alive clients at once (a thread each), n requests in all.
-ParallelRun post_parallel(int port, const std::vector<std::string>& bodies, int n, int clients,
-                          int& errors) {
+ParallelRun post_parallel(int port, const char* path, const std::vector<std::string>& bodies, int n,
+                          int clients, int& errors) {
     std::vector<HttpRun> runs(static_cast<size_t>(clients));
     std::vector<double> client_cpu(static_cast<size_t>(clients), 0);
     const double self0 = cpu_seconds(RUSAGE_SELF);
     const double dt = seconds_at_once(clients, [&](int c) {
         const double t0 = cpu_seconds(RUSAGE_THREAD);
-        runs[static_cast<size_t>(c)] = post_all(port, "/route", bodies, n / clients);
+        runs[static_cast<size_t>(c)] = post_all(port, path, bodies, n / clients);
         client_cpu[static_cast<size_t>(c)] = cpu_seconds(RUSAGE_THREAD) - t0;
     });
     double server_cpu = cpu_seconds(RUSAGE_SELF) - self0;
@@ -405,10 +405,16 @@ int main(int argc, char** argv) {
     }
     // Several clients at once (a router answers many gateways): the server's thread pool
     // serves their connections concurrently.
-    std::vector<std::pair<int, ParallelRun>> parallel;
+    // The no-op server the same way: its CPU per request is what HTTP alone costs the server.
+    struct AtOnce {
+        int clients;
+        ParallelRun route, noop;
+    };
+    std::vector<AtOnce> parallel;
     for (int clients : {1, 2, 4, 8})
-        parallel.emplace_back(clients,
-                              post_parallel(http.port(), bodies, n_routes, clients, errors));
+        parallel.push_back({clients,
+                            post_parallel(http.port(), "/route", bodies, n_routes, clients, errors),
+                            post_parallel(noop_port, "/noop", bodies, n_routes, clients, errors)});
     http.stop();
     server.join();
     noop.stop();
@@ -435,12 +441,14 @@ int main(int argc, char** argv) {
     // On 2 cores the clients share the machine with the server, so routes/s at once is bounded by
     // both; the server's own CPU per route against the raw route's (one thread, 1 / raw) says what
     // a server core answers, whatever the clients cost.
-    for (const auto& [clients, p] : parallel)
+    for (const auto& [clients, p, q] : parallel)
         std::printf(
-            "  POST /route, %d clients at once %7.0f routes/s   (%.2f of raw); server CPU %.1f "
-            "us/route (raw %.1f us: %.2f of raw per core)\n",
-            clients, p.per_s, p.per_s / raw, 1e6 * p.server_cpu_s_per_route, 1e6 / raw,
-            (1.0 / raw) / p.server_cpu_s_per_route);
+            "  POST /route, %d clients at once %7.0f routes/s   (%.2f of raw, %.2f of http no-op "
+            "%.0f/s); server CPU %.1f us/route, no-op %.1f us/request: the route's own %.1f us "
+            "(raw %.1f us)\n",
+            clients, p.per_s, p.per_s / raw, p.per_s / q.per_s, q.per_s,
+            1e6 * p.server_cpu_s_per_route, 1e6 * q.server_cpu_s_per_route,
+            1e6 * (p.server_cpu_s_per_route - q.server_cpu_s_per_route), 1e6 / raw);
     std::printf(
         "  median of the rounds' ratios: %.2f of raw, %.2f of http no-op, %.2f of serial "
         "ceiling\n",
