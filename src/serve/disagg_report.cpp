@@ -95,8 +95,7 @@ DisaggReport merge_disagg_report(const DisaggPlan& plan, const DisaggOptions& op
         if (opt.max_new_tokens == 1 && rep.errors[i].empty() && !prefill_logits[i].empty())
             rep.last_logits[i] = prefill_logits[i];
     }
-    rep.mode =
-        std::string(transfer_mode_name(resolve_mode(*plan.parts[0][0].plan, opt.transfer.mode)));
+    rep.mode = group_modes_text(*plan.transfers[0], opt.transfer.mode);
     rep.streamed = opt.stream_layers;
     rep.prefix_cache = plan.prefix_cache;
     if (opt.prefix_cache && !plan.prefix_cache)

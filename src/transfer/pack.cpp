@@ -468,6 +468,49 @@ TransferMode resolve_mode(const TransferPlan& plan, TransferMode mode) {
     return plan.src.order != plan.dst.order ? TransferMode::kPostReceive : TransferMode::kPreSend;
 }
 
+std::vector<std::optional<TransferMode>> resolve_group_modes(const TransferPlan& plan,
+                                                             TransferMode mode) {
+    if (plan.executable()) return {resolve_mode(plan, mode)};
+    std::vector<std::optional<TransferMode>> modes;
+    for (size_t k = 0; k < plan.groups.size(); ++k) {
+        if (plan.groups[k].holds_state())
+            modes.emplace_back(std::nullopt);
+        else
+            modes.emplace_back(resolve_mode(group_transfer_plan(plan, static_cast<int>(k)), mode));
+    }
+    return modes;
+}
+
+std::string group_modes_text(const TransferPlan& plan, TransferMode mode) {
+    const auto modes = resolve_group_modes(plan, mode);
+    std::optional<TransferMode> common;
+    bool same = true;
+    for (const auto& m : modes) {
+        if (!m) continue;
+        if (common && *common != *m) same = false;
+        common = m;
+    }
+    if (!common) return "none";
+    if (same) return std::string(transfer_mode_name(*common));
+    std::string text;
+    for (size_t k = 0; k < modes.size(); ++k) {
+        if (!modes[k]) continue;
+        const TransferGroup& g = plan.groups[k];
+        if (!text.empty()) text += ", ";
+        text += std::to_string(k);
+        text += ' ';
+        text += layer_kind_name(g.kind);
+        if (g.window > 0) {
+            text += '(';
+            text += std::to_string(g.window);
+            text += ')';
+        }
+        text += ": ";
+        text += transfer_mode_name(*modes[k]);
+    }
+    return text;
+}
+
 int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessage& msg,
                                   TransferMode mode, bool source_side, const BlockPool& pool) {
     check_pool(plan, msg, source_side, pool, msg.bytes);

@@ -8,6 +8,7 @@
 
 #include "cli_runner.h"
 #include "kvshard/common/error.h"
+#include "kvshard/transfer/pack.h"
 #include "transfer/transfer_harness.h"
 
 #include <nlohmann/json.hpp>
@@ -235,6 +236,54 @@ TEST(TransferPlanGroups, ExecutionRefusesNonUniformModels) {
         testing::make_endpoint(catalog_model("tiny-swa"), "tp=1", 16, PageOrder::kHnd, 40);
     const auto dst = testing::make_endpoint(catalog_model("tiny"), "tp=1", 16, PageOrder::kHnd, 40);
     EXPECT_THROW(make_transfer_plan(src, dst, 40), Error);
+}
+
+// Each KV group of a plan that is carried out per group moves in the mode of its own group plan
+// (what the executor uses); state groups in none. The CLI prints that, not a placeholder.
+TEST(TransferPlanGroups, ResolvesEachGroupsMode) {
+    const ModelSpec m = catalog_model("tiny-swa");
+    const auto src = testing::make_endpoint(m, "tp=2", 16, PageOrder::kHnd, 100);
+    const auto dst = testing::make_endpoint(m, "tp=1", 16, PageOrder::kNhd, 100);
+    const TransferPlan plan = make_transfer_plan(src, dst, 100);
+    ASSERT_FALSE(plan.executable());
+    for (const TransferMode asked :
+         {TransferMode::kAuto, TransferMode::kPreSend, TransferMode::kPostReceive}) {
+        const auto modes = resolve_group_modes(plan, asked);
+        ASSERT_EQ(modes.size(), plan.groups.size());
+        for (size_t k = 0; k < modes.size(); ++k) {
+            ASSERT_TRUE(modes[k].has_value()) << k;
+            EXPECT_EQ(*modes[k],
+                      resolve_mode(group_transfer_plan(plan, static_cast<int>(k)), asked));
+            if (asked != TransferMode::kAuto) EXPECT_EQ(*modes[k], asked);
+        }
+        EXPECT_EQ(group_modes_text(plan, asked), transfer_mode_name(*modes[0]));
+    }
+    // HND -> NHD ties on copies and transposes in the receiver.
+    EXPECT_EQ(group_modes_text(plan, TransferMode::kAuto), "post-receive");
+
+    const ModelSpec h = catalog_model("tiny-hybrid");
+    const TransferPlan hp = plan_for(h, "tp=2", "tp=1", 100);
+    const auto hm = resolve_group_modes(hp, TransferMode::kAuto);
+    ASSERT_EQ(hm.size(), hp.groups.size());
+    int state = 0;
+    for (size_t k = 0; k < hm.size(); ++k) {
+        EXPECT_EQ(hm[k].has_value(), !hp.groups[k].holds_state()) << k;
+        state += hp.groups[k].holds_state();
+    }
+    EXPECT_EQ(state, 1);
+    EXPECT_EQ(group_modes_text(hp, TransferMode::kAuto), "pre-send");
+    // A uniform model: the plan's own mode.
+    const TransferPlan up = plan_for(catalog_model("tiny"), "tp=2", "tp=1", 40);
+    EXPECT_EQ(resolve_group_modes(up, TransferMode::kAuto),
+              (std::vector<std::optional<TransferMode>>{resolve_mode(up, TransferMode::kAuto)}));
+
+    using kvshard::test::run_cli;
+    const auto r = run_cli(
+        "transfer-plan --model tiny-hybrid --from tp=2 --to tp=1 --tokens 100 --order-to nhd");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("mode post-receive,"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("whole state"), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("per KV group"), std::string::npos) << r.out;
 }
 
 TEST(TransferPlanGroups, Cli) {

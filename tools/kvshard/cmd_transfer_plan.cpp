@@ -105,21 +105,24 @@ void run(const TransferPlanFlags& f) {
     fmt::print("block size {} -> {}, pages {} -> {}, mode {}, {} layer group(s)\n", src.block_size,
                dst.block_size, f.order_from, f.order_to,
                plan.executable() ? std::string(transfer_mode_name(mode))
-                                 : std::string("per KV group (group plans and state messages)"),
+                                 : group_modes_text(plan, parse_transfer_mode(f.mode)),
                plan.num_layer_groups);
     fmt::print("messages {}, bytes {} ({}), min bytes {} ({})\n\n", plan.messages.size(),
                plan.bytes, bytes_text(plan.bytes), plan.min_bytes, bytes_text(plan.min_bytes));
     if (!m.uniform()) {
-        fmt::print("{:>5} {:>14} {:>7} {:>11} {:>9} {:>14}\n", "group", "kind", "layers",
-                   "first_kept", "messages", "bytes");
+        fmt::print("{:>5} {:>14} {:>7} {:>11} {:>9} {:>14} {:>13}\n", "group", "kind", "layers",
+                   "first_kept", "messages", "bytes", "mode");
         const auto totals = group_totals(plan);
+        const auto modes = resolve_group_modes(plan, parse_transfer_mode(f.mode));
         for (size_t k = 0; k < plan.groups.size(); ++k) {
             const TransferGroup& g = plan.groups[k];
             std::string kind(layer_kind_name(g.kind));
             if (g.window > 0) kind += fmt::format("({})", g.window);
-            fmt::print("{:>5} {:>14} {:>7} {:>11} {:>9} {:>14}\n", k, kind, g.layers.size(),
-                       g.holds_state() ? std::string("state") : std::to_string(g.first_kept),
-                       totals[k].messages, bytes_text(totals[k].bytes));
+            fmt::print(
+                "{:>5} {:>14} {:>7} {:>11} {:>9} {:>14} {:>13}\n", k, kind, g.layers.size(),
+                g.holds_state() ? std::string("state") : std::to_string(g.first_kept),
+                totals[k].messages, bytes_text(totals[k].bytes),
+                modes[k] ? std::string(transfer_mode_name(*modes[k])) : std::string("whole state"));
         }
         fmt::print("\n");
     }

@@ -102,8 +102,8 @@ struct DisaggReport {
     int64_t messages = 0;
     int64_t direct_messages = 0;  // of those, read by the decode rank straight from a prefill pool
     int64_t unit_checksum_messages = 0;  // of those, checked against the prefill's seals
-    std::string mode;                    // the resolved transfer mode of the first request
-    bool streamed = false;               // sent layer by layer (false: after prefill)
+    std::string mode;            // the first request's resolved transfer mode(s): group_modes_text
+    bool streamed = false;       // sent layer by layer (false: after prefill)
     double prefill_seconds = 0;  // from the common start to the end of the slowest prefill rank
     double transfer_start_s = 0, transfer_end_s = 0;  // first message sent, last message landed
     double transfer_seconds = 0;                      // transfer_end_s - transfer_start_s

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -41,6 +42,18 @@ CopyCounts count_copies(const TransferPlan& plan, TransferMode mode);
 // kAuto -> the mode whose pack + unpack take fewer memcpy calls (fewer, longer copies run faster);
 // on a tie, pre-send. Other modes are returned as they are.
 TransferMode resolve_mode(const TransferPlan& plan, TransferMode mode);
+
+// The mode each of plan.groups moves in under `mode`: a token group's is resolve_mode of its own
+// plan (the plan itself for a model of one group, else group_transfer_plan), which is what the
+// executor and `kvshard run --prefill ... --decode ...` use; a state group's is nullopt (its state
+// messages are copied whole, with no page reshape).
+std::vector<std::optional<TransferMode>> resolve_group_modes(const TransferPlan& plan,
+                                                             TransferMode mode);
+
+// The modes of resolve_group_modes in a line: one name where every token group resolves to the
+// same mode ("pre-send"), else each group's ("0 sliding(128): pre-send, 1 full: post-receive");
+// "none" for a plan of state groups only.
+std::string group_modes_text(const TransferPlan& plan, TransferMode mode);
 
 // Writes message `msg`'s payload (msg.bytes bytes) from the source rank's pool into `out`.
 // `pool` must have the source rank's page geometry (rank_page_geometry); Error otherwise, or when a
