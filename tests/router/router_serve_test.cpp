@@ -364,6 +364,18 @@ class KeepAliveClient {
     std::string got_;
 };
 
+// A route service over one empty replica "a" (block size 4), for the HTTP server's own tests.
+struct OneReplica {
+    KvIndex index{1};
+    RouteService svc{config(), [this](const auto& fn) { fn(index, nullptr); }};
+    static RouteServiceConfig config() {
+        RouteServiceConfig c;
+        c.replica_names = {"a"};
+        c.block_size = 4;
+        return c;
+    }
+};
+
 // RouterHttpOptions::threads is the number of keep-alive clients served at once: with 3 threads,
 // 3 open connections are answered and a fourth waits until one of them closes. The default pool
 // serves 9 at once (cpp-httplib's own default, 8 threads on this machine, would not).
@@ -386,11 +398,8 @@ TEST(RouterServe, ListensWithABacklogForManyGatewaysAtOnce) {
     EXPECT_EQ(listen_backlog(ntohs(a.sin_port)), 5);
     ::close(plain);
 
-    KvIndex index(1);
-    RouteServiceConfig c;
-    c.replica_names = {"a"};
-    c.block_size = 4;
-    RouteService svc(c, [&index](const auto& fn) { fn(index, nullptr); });
+    OneReplica one;
+    RouteService& svc = one.svc;
     RouterHttpServer server(svc, RouterHttpOptions{});
     std::thread serving([&] { server.run(); });
     EXPECT_EQ(listen_backlog(server.port()), std::min(4096, somaxconn));
@@ -406,11 +415,8 @@ TEST(RouterServe, ListensWithABacklogForManyGatewaysAtOnce) {
 // nothing then, and run() would serve on): run() returns, whichever thread gets there first.
 TEST(RouterServe, AStopBeforeRunIsNotLost) {
     if (!RouterHttpServer::available()) GTEST_SKIP() << "built without cpp-httplib";
-    KvIndex index(1);
-    RouteServiceConfig c;
-    c.replica_names = {"a"};
-    c.block_size = 4;
-    RouteService svc(c, [&index](const auto& fn) { fn(index, nullptr); });
+    OneReplica one;
+    RouteService& svc = one.svc;
     {
         RouterHttpServer server(svc, RouterHttpOptions{});
         server.stop();
@@ -426,11 +432,8 @@ TEST(RouterServe, AStopBeforeRunIsNotLost) {
 
 TEST(RouterServe, ServesAsManyKeepAliveClientsAsThreads) {
     if (!RouterHttpServer::available()) GTEST_SKIP() << "built without cpp-httplib";
-    KvIndex index(1);
-    RouteServiceConfig c;
-    c.replica_names = {"a"};
-    c.block_size = 4;
-    RouteService svc(c, [&index](const auto& fn) { fn(index, nullptr); });
+    OneReplica one;
+    RouteService& svc = one.svc;
     {
         RouterHttpOptions o;
         o.threads = 3;
