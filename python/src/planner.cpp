@@ -186,6 +186,40 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
         py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
         py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16
 
+// A binding of (model, hardware, gpus, context_tokens, KVSHARD_PLAN_ARGS' keywords) that builds
+// the PlanRequest and returns fn(model, hardware, request).
+template <typename F>
+auto with_plan_request(F fn) {
+    return [fn](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t context_tokens,
+                int64_t batch, int64_t max_batch, const std::string& objective,
+                const std::string& cp_scheme, const std::string& cp_prefill,
+                const std::string& cp_decode_merge, int pp_chunks, double mem_util,
+                double activation_reserve_gib, int block_size) {
+        return fn(
+            model, hw,
+            plan_request(gpus, context_tokens, batch, max_batch, objective, cp_scheme, cp_prefill,
+                         cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size));
+    };
+}
+
+// The same for KVSHARD_SERVING_ARGS and the ServingRequest.
+template <typename F>
+auto with_serving_request(F fn) {
+    return [fn](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t prompt_tokens,
+                double ttft_slo, double tpot_slo, int64_t output_tokens,
+                std::vector<int64_t> prompt_samples, double prefix_hit_rate,
+                const std::string& weight_dtype, bool disaggregated, int64_t max_batch,
+                const std::string& cp_scheme, const std::string& cp_prefill,
+                const std::string& cp_decode_merge, int pp_chunks, double mem_util,
+                double activation_reserve_gib, int block_size) {
+        return fn(model, hw,
+                  serving_request(gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens,
+                                  std::move(prompt_samples), prefix_hit_rate, weight_dtype,
+                                  disaggregated, max_batch, cp_scheme, cp_prefill, cp_decode_merge,
+                                  pp_chunks, mem_util, activation_reserve_gib, block_size));
+    };
+}
+
 py::dict transfer_cost_dict(const KvTransferCost& t) {
     py::dict d;
     d["bytes"] = t.bytes;
@@ -279,36 +313,22 @@ void bind_planner(py::module_& m) {
         "Every valid ParallelConfig of the model on `gpus` GPUs.");
     m.def(
         "plan",
-        [](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t context_tokens,
-           int64_t batch, int64_t max_batch, const std::string& objective,
-           const std::string& cp_scheme, const std::string& cp_prefill,
-           const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-           double activation_reserve_gib, int block_size) {
-            const PlanRequest r = plan_request(gpus, context_tokens, batch, max_batch, objective,
-                                               cp_scheme, cp_prefill, cp_decode_merge, pp_chunks,
-                                               mem_util, activation_reserve_gib, block_size);
+        with_plan_request([](const ModelSpec& model, const HardwareSpec& hw, const PlanRequest& r) {
             std::string json;
             {
                 py::gil_scoped_release release;
                 json = plan_to_json(model, hw, r, plan(model, hw, r));
             }
             return json_loads(json);
-        },
+        }),
         KVSHARD_PLAN_ARGS,
         "Every configuration ranked by the objective: the dict of `kvshard plan --json`.");
     m.def(
         "plan_svg",
-        [](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t context_tokens,
-           int64_t batch, int64_t max_batch, const std::string& objective,
-           const std::string& cp_scheme, const std::string& cp_prefill,
-           const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-           double activation_reserve_gib, int block_size) {
-            const PlanRequest r = plan_request(gpus, context_tokens, batch, max_batch, objective,
-                                               cp_scheme, cp_prefill, cp_decode_merge, pp_chunks,
-                                               mem_util, activation_reserve_gib, block_size);
+        with_plan_request([](const ModelSpec& model, const HardwareSpec& hw, const PlanRequest& r) {
             py::gil_scoped_release release;
             return plan_to_svg(model, hw, r, plan(model, hw, r));
-        },
+        }),
         KVSHARD_PLAN_ARGS, "The chart of `kvshard plan --svg`, as SVG text.");
     m.def(
         "explain_plan",
@@ -336,48 +356,28 @@ void bind_planner(py::module_& m) {
         "One configuration evaluated as `kvshard plan --explain ... --json` does (the parallel "
         "config is used as given: spell cp_scheme in it when cp > 1).");
 
-    m.def(
-        "plan_disagg",
-        [](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t prompt_tokens,
-           double ttft_slo, double tpot_slo, int64_t output_tokens,
-           std::vector<int64_t> prompt_samples, double prefix_hit_rate,
-           const std::string& weight_dtype, bool disaggregated, int64_t max_batch,
-           const std::string& cp_scheme, const std::string& cp_prefill,
-           const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-           double activation_reserve_gib, int block_size) {
-            const ServingRequest r = serving_request(
-                gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens, std::move(prompt_samples),
-                prefix_hit_rate, weight_dtype, disaggregated, max_batch, cp_scheme, cp_prefill,
-                cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size);
-            std::string json;
-            {
-                py::gil_scoped_release release;
-                json = serving_to_json(model, hw, r, plan_serving(model, hw, r));
-            }
-            return json_loads(json);
-        },
-        KVSHARD_SERVING_ARGS,
-        "Prefill pools x decode pools (each its own layout and instance count) ranked with the "
-        "aggregated configurations by output tokens/s per GPU under the TTFT and TPOT SLOs "
-        "(seconds): the dict of `kvshard plan --disagg --json`. prefix_hit_rate and "
-        "prompt_samples stand for what --trace measures.");
-    m.def(
-        "plan_disagg_svg",
-        [](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t prompt_tokens,
-           double ttft_slo, double tpot_slo, int64_t output_tokens,
-           std::vector<int64_t> prompt_samples, double prefix_hit_rate,
-           const std::string& weight_dtype, bool disaggregated, int64_t max_batch,
-           const std::string& cp_scheme, const std::string& cp_prefill,
-           const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-           double activation_reserve_gib, int block_size) {
-            const ServingRequest r = serving_request(
-                gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens, std::move(prompt_samples),
-                prefix_hit_rate, weight_dtype, disaggregated, max_batch, cp_scheme, cp_prefill,
-                cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size);
-            py::gil_scoped_release release;
-            return serving_to_svg(model, hw, r, plan_serving(model, hw, r));
-        },
-        KVSHARD_SERVING_ARGS, "The chart of `kvshard plan --disagg --svg`, as SVG text.");
+    m.def("plan_disagg",
+          with_serving_request(
+              [](const ModelSpec& model, const HardwareSpec& hw, const ServingRequest& r) {
+                  std::string json;
+                  {
+                      py::gil_scoped_release release;
+                      json = serving_to_json(model, hw, r, plan_serving(model, hw, r));
+                  }
+                  return json_loads(json);
+              }),
+          KVSHARD_SERVING_ARGS,
+          "Prefill pools x decode pools (each its own layout and instance count) ranked with the "
+          "aggregated configurations by output tokens/s per GPU under the TTFT and TPOT SLOs "
+          "(seconds): the dict of `kvshard plan --disagg --json`. prefix_hit_rate and "
+          "prompt_samples stand for what --trace measures.");
+    m.def("plan_disagg_svg",
+          with_serving_request(
+              [](const ModelSpec& model, const HardwareSpec& hw, const ServingRequest& r) {
+                  py::gil_scoped_release release;
+                  return serving_to_svg(model, hw, r, plan_serving(model, hw, r));
+              }),
+          KVSHARD_SERVING_ARGS, "The chart of `kvshard plan --disagg --svg`, as SVG text.");
     m.def(
         "price_kv_transfer",
         [](const ModelSpec& model, const ParallelConfig& prefill, const ParallelConfig& decode,
