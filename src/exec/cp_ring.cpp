@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "kvshard/attention/merge.h"
@@ -21,13 +22,7 @@ int64_t as_bytes(int64_t floats) { return floats * static_cast<int64_t>(sizeof(f
 // a window, a shard whose keys all lie before every query's window is skipped too.
 bool all_masked(const CpAttnShape& s, const std::vector<int64_t>& qp,
                 const std::vector<int64_t>& kp) {
-    if (qp.empty() || kp.empty() || kp.front() > qp.back()) return true;
-    if (s.window <= 0) return false;
-    for (int64_t p : qp) {  // any query with a key in [first visible, p]?
-        const auto it = std::lower_bound(kp.begin(), kp.end(), cp_first_visible(s, p));
-        if (it != kp.end() && *it <= p) return false;
-    }
-    return true;
+    return !cp_shard_sees(qp, kp, s.chunked, s.window);
 }
 
 // Merges the sink partial (lse = sink, out = 0) into every row of out/lse [rows][Hq][D].
@@ -37,12 +32,15 @@ void merge_sinks(const CpAttnShape& s, std::span<const float> sinks, int64_t tok
     apply_attention_sinks(out, lse, tokens, s.num_q_heads, s.head_dim, sinks.data());
 }
 
-// The ring steps the batch needs under the layer's window (cp_window_ring_steps; cp without one).
-int ring_steps(const CpAttnShape& s, int cp, std::span<const CpRingSequence> seqs) {
+// The ring steps the batch needs under the layer's window (cp_window_ring_steps for pass-KV,
+// cp_pass_q_window_ring_steps for pass-Q; cp without a window).
+int ring_steps(const CpAttnShape& s, int cp, std::span<const CpRingSequence> seqs, bool pass_q) {
     if (s.window <= 0) return cp;
     int steps = 1;
     for (const CpRingSequence& q : seqs)
-        steps = std::max(steps, cp_window_ring_steps(*q.map, q.new_begin, s.chunked, s.window));
+        steps = std::max(
+            steps, pass_q ? cp_pass_q_window_ring_steps(*q.map, q.new_begin, s.chunked, s.window)
+                          : cp_window_ring_steps(*q.map, q.new_begin, s.chunked, s.window));
     return steps;
 }
 
@@ -107,7 +105,7 @@ void pass_kv(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSeq
     }
     run_ring(
         comm, kTagPassKv, buf, [&](int owner) { return at[size_t(owner)][n]; },
-        ring_steps(s, cp, seqs), st,
+        ring_steps(s, cp, seqs, false), st,
         [&](const CpRingStep& step, const std::vector<float>& cur) {
             for (size_t i = 0; i < n; ++i) {
                 const auto kp = seqs[i].map->positions(step.holds);
@@ -145,9 +143,7 @@ void pass_q(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequ
     for (size_t i = 0; i < n; ++i) kp[i] = seqs[i].map->positions(c);
 
     // Partials of every rank's queries over this rank's KV: for owner r, per sequence i,
-    // [tq[r][i]][Hq][D] then [tq[r][i]][Hq], at off[r] + poff[r][i] of `parts` (peer order of
-    // all_to_all_v; an owner's block is its sequences' partials one after the other).
-    std::vector<size_t> send_counts(static_cast<size_t>(cp)), recv_counts(static_cast<size_t>(cp));
+    // [tq[r][i]][Hq][D] then [tq[r][i]][Hq], at off[r] + poff[r][i] of `parts`.
     std::vector<int64_t> off(static_cast<size_t>(cp) + 1, 0);
     std::vector<std::vector<int64_t>> poff(static_cast<size_t>(cp), std::vector<int64_t>(n + 1, 0));
     for (int r = 0; r < cp; ++r) {
@@ -155,9 +151,28 @@ void pass_q(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequ
             poff[size_t(r)][i + 1] = poff[size_t(r)][i] + tq[size_t(r)][i] * prow;
         off[size_t(r) + 1] = off[size_t(r)] + poff[size_t(r)][n];
     }
+    // Only partials that hold something travel: rank c returns owner r's partial of sequence i
+    // when some query of r's sees some key of c's (sends[r][i]), and receives holder h's when some
+    // query of its own sees some key of h's (gets[h][i]). Both sides decide from the token maps
+    // alone, so they agree; a partial that is not sent would be empty (out 0, lse -inf).
+    std::vector<std::vector<char>> sends(static_cast<size_t>(cp), std::vector<char>(n, 0)),
+        gets(static_cast<size_t>(cp), std::vector<char>(n, 0));
+    std::vector<size_t> send_counts(static_cast<size_t>(cp), 0),
+        recv_counts(static_cast<size_t>(cp), 0);
     for (int r = 0; r < cp; ++r) {
-        send_counts[size_t(r)] = r == c ? 0 : static_cast<size_t>(poff[size_t(r)][n]);
-        recv_counts[size_t(r)] = r == c ? 0 : static_cast<size_t>(poff[size_t(c)][n]);
+        if (r == c) continue;
+        for (size_t i = 0; i < n; ++i) {
+            const int64_t to = tq[size_t(r)][i], mine = tq[size_t(c)][i];
+            if (to > 0 && !all_masked(s, seqs[i].map->positions(r, seqs[i].new_begin), kp[i])) {
+                sends[size_t(r)][i] = 1;
+                send_counts[size_t(r)] += static_cast<size_t>(to * prow);
+            }
+            if (mine > 0 && !all_masked(s, seqs[i].map->positions(c, seqs[i].new_begin),
+                                        seqs[i].map->positions(r))) {
+                gets[size_t(r)][i] = 1;
+                recv_counts[size_t(r)] += static_cast<size_t>(mine * prow);
+            }
+        }
     }
     std::vector<float> parts(static_cast<size_t>(off.back()));
 
@@ -168,7 +183,7 @@ void pass_q(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequ
                   buf[0].begin() + qat[size_t(c)][i]);
     // Under a window the ring may stop early: the owners of the steps it skips see none of this
     // rank's keys, so their partials are empty (out 0, lse -inf).
-    const int steps = ring_steps(s, cp, seqs);
+    const int steps = ring_steps(s, cp, seqs, true);
     for (int step = steps; step < cp; ++step) {
         const int h = (c - step + cp) % cp;
         for (size_t i = 0; i < n; ++i) {
@@ -195,26 +210,33 @@ void pass_q(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequ
         });
     // Return the partials to the query owners. The own partials stay (count 0 to self).
     std::vector<float> send_buf;
-    send_buf.reserve(size_t(off[size_t(cp)] - poff[size_t(c)][n]));
+    send_buf.reserve(std::accumulate(send_counts.begin(), send_counts.end(), size_t{0}));
     for (int r = 0; r < cp; ++r)
-        if (r != c)
-            send_buf.insert(send_buf.end(), parts.begin() + off[size_t(r)],
-                            parts.begin() + off[size_t(r) + 1]);
-    const int64_t mine = poff[size_t(c)][n];
-    std::vector<float> recv_buf(static_cast<size_t>(mine) * size_t(cp - 1));
+        for (size_t i = 0; i < n; ++i)
+            if (sends[size_t(r)][i])
+                send_buf.insert(send_buf.end(), parts.begin() + off[size_t(r)] + poff[size_t(r)][i],
+                                parts.begin() + off[size_t(r)] + poff[size_t(r)][i + 1]);
+    std::vector<float> recv_buf(std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0}));
     comm.all_to_all_v<float>(send_buf, send_counts, recv_buf, recv_counts);
     st.all_to_all += as_bytes(static_cast<int64_t>(send_buf.size()));
 
+    // at[h]: where holder h's next partial starts in recv_buf (peers in rank order, each its
+    // received sequences in order).
+    std::vector<int64_t> at(static_cast<size_t>(cp), 0);
+    for (int h = 1; h < cp; ++h)
+        at[size_t(h)] = at[size_t(h) - 1] + static_cast<int64_t>(recv_counts[size_t(h) - 1]);
     for (size_t i = 0; i < n; ++i) {
         const int64_t t = tq[size_t(c)][i];
         std::vector<const float*> outs, lses;
         const float* own = parts.data() + off[size_t(c)] + poff[size_t(c)][i];
         outs.push_back(own);
         lses.push_back(own + t * qrow);
-        for (int j = 0; j < cp - 1; ++j) {
-            const float* p = recv_buf.data() + j * mine + poff[size_t(c)][i];
+        for (int h = 0; h < cp; ++h) {
+            if (!gets[size_t(h)][i]) continue;
+            const float* p = recv_buf.data() + at[size_t(h)];
             outs.push_back(p);
             lses.push_back(p + t * qrow);
+            at[size_t(h)] += t * prow;
         }
         std::vector<float> lse(size_t(t * s.num_q_heads));
         merge_attention(outs, lses, t * s.num_q_heads, s.head_dim, seqs[i].out, lse.data());

@@ -127,7 +127,12 @@ std::vector<CpRingStep> cp_ring_schedule(int cp, int cp_rank) {
     return steps;
 }
 
-int cp_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, int window) {
+namespace {
+
+// 1 + the last step s at which some rank's new queries see the keys of the rank s behind it
+// (keys_behind) or s ahead of it.
+int window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, int window,
+                      bool keys_behind) {
     const int cp = map.cp();
     if (window <= 0) return cp;
     std::vector<std::vector<int64_t>> q(static_cast<size_t>(cp)), k(static_cast<size_t>(cp));
@@ -135,21 +140,36 @@ int cp_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked,
         q[size_t(c)] = map.positions(c, new_begin);
         k[size_t(c)] = map.positions(c);
     }
-    // Whether some query of qp sees a key of kp (both ascending).
-    auto sees = [&](const std::vector<int64_t>& qp, const std::vector<int64_t>& kp) {
-        if (qp.empty() || kp.empty() || kp.front() > qp.back()) return false;
-        for (int64_t p : qp) {
-            const int64_t first = chunked ? p - p % window : std::max<int64_t>(0, p - window + 1);
-            const auto it = std::lower_bound(kp.begin(), kp.end(), first);
-            if (it != kp.end() && *it <= p) return true;
-        }
-        return false;
-    };
     int steps = 1;  // step 0: each rank's own keys
     for (int s = 1; s < cp; ++s)
         for (int c = 0; c < cp; ++c)
-            if (sees(q[size_t(c)], k[size_t(mod(c - s, cp))])) steps = s + 1;
+            if (cp_shard_sees(q[size_t(c)], k[size_t(mod(keys_behind ? c - s : c + s, cp))],
+                              chunked, window))
+                steps = s + 1;
     return steps;
+}
+
+}  // namespace
+
+int cp_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, int window) {
+    return window_ring_steps(map, new_begin, chunked, window, true);
+}
+
+int cp_pass_q_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked,
+                                int window) {
+    return window_ring_steps(map, new_begin, chunked, window, false);
+}
+
+bool cp_shard_sees(std::span<const int64_t> q_pos, std::span<const int64_t> kv_pos, bool chunked,
+                   int window) {
+    if (q_pos.empty() || kv_pos.empty() || kv_pos.front() > q_pos.back()) return false;
+    if (window <= 0) return true;
+    for (int64_t p : q_pos) {
+        const int64_t first = chunked ? p - p % window : std::max<int64_t>(0, p - window + 1);
+        const auto it = std::lower_bound(kv_pos.begin(), kv_pos.end(), first);
+        if (it != kv_pos.end() && *it <= p) return true;
+    }
+    return false;
 }
 
 CpPrefillBytes cp_pass_kv_bytes(const KvLayout& layout, int rank, const CpTokenMap& map) {
@@ -184,18 +204,32 @@ CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMa
     const int64_t d = layout.model.head_dim;
     const int64_t fresh = map.size() - new_begin;
     const int64_t q_tokens = fresh - map.count(cp_ring_next(cp, r.coord.cp), new_begin);
-    const int64_t other_tokens = fresh - map.count(r.coord.cp, new_begin);
+    // The all-to-all returns owner o's partials (fp32 output and LSE per query head and token)
+    // only where some new query of o's sees a key of this rank's: causally, and for a windowed
+    // group inside its window (cp_shard_sees); a partial without one would be empty.
+    const int64_t unit = hq * (d + 1) * 4;
+    const std::vector<int64_t> keys = map.positions(r.coord.cp);
+    auto returned_tokens = [&](bool chunked, int window) {
+        int64_t t = 0;
+        for (int o = 0; o < cp; ++o)
+            if (o != r.coord.cp &&
+                cp_shard_sees(map.positions(o, new_begin), keys, chunked, window))
+                t += map.count(o, new_begin);
+        return t;
+    };
+    const int64_t returned = returned_tokens(false, 0);
     b.ring = q_tokens * r.num_layers() * hq * d * elem_size(layout);
-    b.all_to_all = other_tokens * r.num_layers() * hq * (d + 1) * 4;
-    // A windowed group's ring stops after the steps its window needs (its all-to-all stays).
+    b.all_to_all = returned * r.num_layers() * unit;
+    // A windowed group's ring stops after the steps its window needs, and returns fewer partials.
     for (const RankKvGroup& g : r.groups) {
         if (g.window <= 0 || g.layers.empty()) continue;
-        const int steps =
-            cp_window_ring_steps(map, new_begin, g.kind == LayerKind::kChunkedLocal, g.window);
+        const bool chunked = g.kind == LayerKind::kChunkedLocal;
+        const auto layers = static_cast<int64_t>(g.layers.size());
+        const int steps = cp_pass_q_window_ring_steps(map, new_begin, chunked, g.window);
         int64_t sent = 0;
         for (int s = 0; s + 1 < steps; ++s) sent += map.count(mod(r.coord.cp - s, cp), new_begin);
-        b.ring -=
-            (q_tokens - sent) * static_cast<int64_t>(g.layers.size()) * hq * d * elem_size(layout);
+        b.ring -= (q_tokens - sent) * layers * hq * d * elem_size(layout);
+        b.all_to_all -= (returned - returned_tokens(chunked, g.window)) * layers * unit;
     }
     return b;
 }

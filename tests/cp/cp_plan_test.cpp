@@ -153,8 +153,13 @@ TEST(CpPrefillChoice, PassQWinsExactlyBelowTheThreshold) {
                         q += cp_pass_q_bytes(l, r, map, cached).total();
                     }
                     EXPECT_EQ(c.pass_kv_bytes, kv);
-                    EXPECT_EQ(c.pass_q_bytes, q);
-                    EXPECT_EQ(c.mode == CpPrefillMode::kPassQ, q < kv);
+                    // Partials that see no key are not returned: the choice's count (Meta's)
+                    // bounds the sum, and equals it once every rank holds a cached key.
+                    EXPECT_LE(q, c.pass_q_bytes);
+                    if (cached >= 100) {
+                        EXPECT_EQ(c.pass_q_bytes, q);
+                        EXPECT_EQ(c.mode == CpPrefillMode::kPassQ, q < kv);
+                    }
                     const double frac = double(fresh) / double(cached + fresh);
                     if (std::abs(frac - th) > 1e-9) {
                         EXPECT_EQ(c.mode == CpPrefillMode::kPassQ, frac < th)

@@ -37,6 +37,23 @@ TEST(RunCli, JsonReportsVerifyAndKvBytesPerRank) {
     EXPECT_EQ(j["tokens"][0].size(), 8u);
 }
 
+// Pass-Q under windowed layers at cp = 4 with shards that are not mirror-symmetric (contiguous,
+// interleaved): the ring must run the steps that pair each query with the previous shard's keys
+// (cp_pass_q_window_ring_steps). Before that fix these runs failed --verify (relative L2 2.5e-2).
+TEST(RunCli, PassQUnderWindowsEqualsUnshardedForEveryScheme) {
+    // (Chunked layers: CpRing.WindowedPrefillEqualsUnshardedAndReturnsOnlyPartialsThatSeeKeys.)
+    for (const char* scheme : {"contiguous", "interleave --cp-interleave 4", "zigzag"}) {
+        const std::string args = std::string("run --model tiny-swa") +
+                                 " --cp 4 --cp-prefill pass-q --cp-scheme " + scheme +
+                                 " --prompt-len 64 --gen 4 --verify --json";
+        const Result r = run_cli(args);
+        ASSERT_EQ(r.status, 0) << args << "\n" << r.out;
+        const auto j = nlohmann::json::parse(r.out);
+        EXPECT_TRUE(j["verify"]["tokens_match"].get<bool>()) << args;
+        EXPECT_LT(j["verify"]["max_rel_err"].get<double>(), 1e-4) << args;
+    }
+}
+
 TEST(RunCli, DumpLogitsWritesNpy) {
     const auto path = std::filesystem::temp_directory_path() /
                       ("kvshard_logits_" + std::to_string(getpid()) + ".npy");

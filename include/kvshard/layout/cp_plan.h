@@ -3,6 +3,7 @@
 // pass-KV vs pass-Q, decode placement, and prefix-cache reuse across CP sizes.
 // Formulas, rules and their derivations: docs/context-parallel.md.
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,17 @@ std::vector<CpRingStep> cp_ring_schedule(int cp, int cp_rank);
 // `window` tokens; window 0 (full attention, MLA): cp. The ring stops after that step: later
 // steps would move shards no query attends to (docs/context-parallel.md §8).
 int cp_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, int window);
+// The same for pass-Q, whose ring carries the queries: at step s rank c pairs the new queries of
+// the CP rank s behind it with its own keys, so the step is needed when some rank's queries see a
+// key of the rank s ahead of it (cyclically). Mirror image of cp_window_ring_steps: the two agree
+// where placement is symmetric (zigzag), not for contiguous or interleaved shards at cp >= 3.
+int cp_pass_q_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, int window);
+
+// Whether some query at q_pos sees some key at kv_pos (both ascending): causally (key <= query)
+// and, under a window (window > 0), inside it (sliding: the last `window` positions; chunked: the
+// query's chunk). A shard pair that does not is skipped: no ring step, no partial returned.
+bool cp_shard_sees(std::span<const int64_t> q_pos, std::span<const int64_t> kv_pos, bool chunked,
+                   int window);
 
 // Bytes rank `rank` of `layout` sends for one sequence placed by `map`, all its layers together.
 struct CpPrefillBytes {
@@ -96,8 +108,9 @@ struct CpPrefillBytes {
 // planner's cp_pass_kv_bytes_sent(layout, rank, n) when map == cp_prompt_map(layout.parallel, n).
 CpPrefillBytes cp_pass_kv_bytes(const KvLayout& layout, int rank, const CpTokenMap& map);
 // pass-Q for the new tokens [new_begin, map.size()): Q of those tokens minus the next rank's,
-// in the KV dtype; then, for every other rank's new tokens, the fp32 partial output (D) and fp32
-// LSE per query head.
+// in the KV dtype (windowed groups: only the steps cp_pass_q_window_ring_steps runs); then, for
+// the new tokens of every other rank whose queries see one of this rank's keys (cp_shard_sees,
+// per layer kind), the fp32 partial output (D) and fp32 LSE per query head.
 CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMap& map,
                                int64_t new_begin);
 
@@ -113,6 +126,10 @@ struct CpPrefillChoice {
     double new_fraction = 1.0;  // fresh / (cached + fresh)
     double threshold = 0.0;     // cp_pass_q_threshold
     int64_t pass_kv_bytes = 0;  // totals over all ranks of the layout
+    // Meta's count: every rank's partials returned to every other. The ring returns only those
+    // that see a key (cp_pass_q_bytes), so this is an upper bound, equal to the sum of
+    // cp_pass_q_bytes where every rank holds a key before every new query (a cached prefix
+    // spread over all ranks, full attention).
     int64_t pass_q_bytes = 0;
 };
 // 2 * Hkv_r * e_kv * D / (Hq_r * (e_kv * D + 4 * D + 4)), summed over the layers of one CP slice.
