@@ -159,6 +159,8 @@ void pass_q(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequ
         gets(static_cast<size_t>(cp), std::vector<char>(n, 0));
     std::vector<size_t> send_counts(static_cast<size_t>(cp), 0),
         recv_counts(static_cast<size_t>(cp), 0);
+    std::vector<std::vector<int64_t>> own_q(n);
+    for (size_t i = 0; i < n; ++i) own_q[i] = seqs[i].map->positions(c, seqs[i].new_begin);
     for (int r = 0; r < cp; ++r) {
         if (r == c) continue;
         for (size_t i = 0; i < n; ++i) {
@@ -167,8 +169,7 @@ void pass_q(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequ
                 sends[size_t(r)][i] = 1;
                 send_counts[size_t(r)] += static_cast<size_t>(to * prow);
             }
-            if (mine > 0 && !all_masked(s, seqs[i].map->positions(c, seqs[i].new_begin),
-                                        seqs[i].map->positions(r))) {
+            if (mine > 0 && !all_masked(s, own_q[i], seqs[i].map->positions(r))) {
                 gets[size_t(r)][i] = 1;
                 recv_counts[size_t(r)] += static_cast<size_t>(mine * prow);
             }
@@ -182,16 +183,8 @@ void pass_q(Communicator& comm, const CpAttnShape& s, std::span<const CpRingSequ
         std::copy(seqs[i].q, seqs[i].q + tq[size_t(c)][i] * qrow,
                   buf[0].begin() + qat[size_t(c)][i]);
     // Under a window the ring may stop early: the owners of the steps it skips see none of this
-    // rank's keys, so their partials are empty (out 0, lse -inf).
+    // rank's keys, so their partials are neither computed nor sent (sends[][] is 0 for them).
     const int steps = ring_steps(s, cp, seqs, true);
-    for (int step = steps; step < cp; ++step) {
-        const int h = (c - step + cp) % cp;
-        for (size_t i = 0; i < n; ++i) {
-            const int64_t t = tq[size_t(h)][i];
-            float* pl = parts.data() + off[size_t(h)] + poff[size_t(h)][i] + t * qrow;
-            std::fill(pl, pl + t * s.num_q_heads, kNegInf);
-        }
-    }
     run_ring(
         comm, kTagPassQ, buf, [&](int owner) { return qat[size_t(owner)][n]; }, steps, st,
         [&](const CpRingStep& step, const std::vector<float>& cur) {

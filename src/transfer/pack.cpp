@@ -482,7 +482,13 @@ std::vector<std::optional<TransferMode>> resolve_group_modes(const TransferPlan&
 }
 
 std::string group_modes_text(const TransferPlan& plan, TransferMode mode) {
-    const auto modes = resolve_group_modes(plan, mode);
+    return group_modes_text(plan, resolve_group_modes(plan, mode));
+}
+
+std::string group_modes_text(const TransferPlan& plan,
+                             std::span<const std::optional<TransferMode>> modes) {
+    require(modes.size() == plan.groups.size() || (plan.executable() && modes.size() == 1),
+            "group_modes_text: ", modes.size(), " modes for ", plan.groups.size(), " KV groups");
     std::optional<TransferMode> common;
     bool same = true;
     for (const auto& m : modes) {

@@ -82,6 +82,8 @@ void run(const TransferPlanFlags& f) {
     // there is no copy count to choose a mode by.
     const TransferMode mode = plan.executable() ? resolve_mode(plan, parse_transfer_mode(f.mode))
                                                 : parse_transfer_mode(f.mode);
+    // The mode each KV group moves in (one entry for a model of one group).
+    const auto modes = resolve_group_modes(plan, mode);
     std::optional<TransferDescriptors> desc;
     if (f.descriptors) {
         require(f.descriptor_limit >= -1, "--descriptor-limit must be -1 (all) or at least 0, got ",
@@ -102,18 +104,17 @@ void run(const TransferPlanFlags& f) {
     }
     fmt::print("{}: {} tokens, {} -> {}\n", m.name, f.tokens, src.layout.parallel.to_string(),
                dst.layout.parallel.to_string());
-    fmt::print("block size {} -> {}, pages {} -> {}, mode {}, {} layer group(s)\n", src.block_size,
-               dst.block_size, f.order_from, f.order_to,
-               plan.executable() ? std::string(transfer_mode_name(mode))
-                                 : group_modes_text(plan, parse_transfer_mode(f.mode)),
-               plan.num_layer_groups);
+    fmt::print(
+        "block size {} -> {}, pages {} -> {}, mode {}, {} layer group(s)\n", src.block_size,
+        dst.block_size, f.order_from, f.order_to,
+        plan.executable() ? std::string(transfer_mode_name(mode)) : group_modes_text(plan, modes),
+        plan.num_layer_groups);
     fmt::print("messages {}, bytes {} ({}), min bytes {} ({})\n\n", plan.messages.size(),
                plan.bytes, bytes_text(plan.bytes), plan.min_bytes, bytes_text(plan.min_bytes));
     if (!m.uniform()) {
         fmt::print("{:>5} {:>14} {:>7} {:>11} {:>9} {:>14} {:>13}\n", "group", "kind", "layers",
                    "first_kept", "messages", "bytes", "mode");
         const auto totals = group_totals(plan);
-        const auto modes = resolve_group_modes(plan, parse_transfer_mode(f.mode));
         for (size_t k = 0; k < plan.groups.size(); ++k) {
             const TransferGroup& g = plan.groups[k];
             std::string kind(layer_kind_name(g.kind));

@@ -54,6 +54,9 @@ std::vector<std::optional<TransferMode>> resolve_group_modes(const TransferPlan&
 // same mode ("pre-send"), else each group's ("0 sliding(128): pre-send, 1 full: post-receive");
 // "none" for a plan of state groups only.
 std::string group_modes_text(const TransferPlan& plan, TransferMode mode);
+// The same line for modes already resolved (one per plan.groups entry, as resolve_group_modes).
+std::string group_modes_text(const TransferPlan& plan,
+                             std::span<const std::optional<TransferMode>> modes);
 
 // Writes message `msg`'s payload (msg.bytes bytes) from the source rank's pool into `out`.
 // `pool` must have the source rank's page geometry (rank_page_geometry); Error otherwise, or when a
