@@ -91,10 +91,28 @@ double ring_latency_s(int steps, int inter, const HardwareSpec& hw) {
 
 }  // namespace
 
+double node_all_reduce_s(double bytes, int n, const HardwareSpec& hw) {
+    if (n <= 1) return 0;
+    const double bw = hw.link_bw(false);
+    double t = std::min(
+        ring_all_reduce_s(bytes, n, bw * hw.nvlink_ll_bw_fraction, hw.nvlink_hop_latency_s),
+        ring_all_reduce_s(bytes, n, bw, hw.nvlink_simple_hop_latency_s));
+    if (hw.nvls_bus_bw > 0 && n == hw.gpus_per_node)
+        t = std::min(t, hw.nvls_latency_s + 2.0 * (n - 1) / n * bytes / hw.nvls_bus_bw);
+    return t;
+}
+
+double node_all_gather_s(double bytes, int n, const HardwareSpec& hw) {
+    if (n <= 1) return 0;
+    const double bw = hw.link_bw(false);
+    return std::min(
+        ring_all_gather_s(bytes, n, bw * hw.nvlink_ll_bw_fraction, hw.nvlink_hop_latency_s),
+        ring_all_gather_s(bytes, n, bw, hw.nvlink_simple_hop_latency_s));
+}
+
 double all_reduce_s(double bytes, const GroupSpan& s, const HardwareSpec& hw) {
     if (s.n <= 1) return 0;
-    if (!s.crosses_nodes())
-        return ring_all_reduce_s(bytes, s.n, hw.link_bw(false), hw.hop_latency_s(false));
+    if (!s.crosses_nodes()) return node_all_reduce_s(bytes, s.n, hw);
     const double n = s.n, g = s.per_node;
     const double ring = ring_latency_s(2 * (s.n - 1), 2 * (s.nodes - 1), hw) +
                         2.0 * (n - 1) / n * bytes * ring_s_per_byte(s, hw);
@@ -107,8 +125,7 @@ double all_reduce_s(double bytes, const GroupSpan& s, const HardwareSpec& hw) {
 
 double all_gather_s(double bytes, const GroupSpan& s, const HardwareSpec& hw) {
     if (s.n <= 1) return 0;
-    if (!s.crosses_nodes())
-        return ring_all_gather_s(bytes, s.n, hw.link_bw(false), hw.hop_latency_s(false));
+    if (!s.crosses_nodes()) return node_all_gather_s(bytes, s.n, hw);
     const double n = s.n;
     return ring_latency_s(s.n - 1, s.nodes - 1, hw) + (n - 1) / n * bytes * ring_s_per_byte(s, hw);
 }

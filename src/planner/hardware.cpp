@@ -31,12 +31,21 @@ HardwareSpec make(std::string name, int64_t memory_gib, double hbm_tbps, double 
     return h;
 }
 
+// NVLink SHARP's all-reduce bus bandwidth on a full 8-GPU host: ~480 GB/s on H100 (S. Jeaugey,
+// NVIDIA, NVIDIA/nccl-tests issue #212; NVIDIA/nccl issue #1442: "a 30% improvement" over the
+// ring's 370). H200 has the same NVSwitch. A100's NVSwitch has no SHARP; for B200 no figure was
+// found, so none is priced (docs/cost-model.md, "Protocols inside a node").
+HardwareSpec with_nvls(HardwareSpec h, double nvls_bus_gbps) {
+    h.nvls_bus_bw = nvls_bus_gbps * kGB;
+    return h;
+}
+
 // ../shared/reference/hardware.md (datasheets; NVIDIA aiconfigurator system files use the same).
 const std::map<std::string, HardwareSpec, std::less<>>& catalog() {
     static const std::map<std::string, HardwareSpec, std::less<>> kCatalog = {
         {"a100-80g", make("a100-80g", 80, 2.039, 312, 0, 300, 25)},
-        {"h100-sxm", make("h100-sxm", 80, 3.35, 989, 1979, 450, 50)},
-        {"h200", make("h200", 141, 4.8, 989, 1979, 450, 50)},
+        {"h100-sxm", with_nvls(make("h100-sxm", 80, 3.35, 989, 1979, 450, 50), 480)},
+        {"h200", with_nvls(make("h200", 141, 4.8, 989, 1979, 450, 50), 480)},
         {"b200", make("b200", 180, 7.7, 2250, 4500, 900, 100)},
     };
     return kCatalog;
@@ -89,6 +98,14 @@ void HardwareSpec::validate() const {
             "': internode_hop_latency_s must be in [0, 1] s, got ", internode_hop_latency_s);
     require(collective_launch_s >= 0 && collective_launch_s <= 1, "hardware '", name,
             "': collective_launch_s must be in [0, 1] s, got ", collective_launch_s);
+    efficiency(nvlink_ll_bw_fraction, "nvlink_ll_bw_fraction");
+    require(nvlink_simple_hop_latency_s >= 0 && nvlink_simple_hop_latency_s <= 1, "hardware '",
+            name, "': nvlink_simple_hop_latency_s must be in [0, 1] s, got ",
+            nvlink_simple_hop_latency_s);
+    require(std::isfinite(nvls_bus_bw) && nvls_bus_bw >= 0 && nvls_bus_bw < 1e30, "hardware '",
+            name, "': nvls_bus_bw must be >= 0 and finite (0: no NVLink SHARP), got ", nvls_bus_bw);
+    require(nvls_latency_s >= 0 && nvls_latency_s <= 1, "hardware '", name,
+            "': nvls_latency_s must be in [0, 1] s, got ", nvls_latency_s);
     require(flops_fp8 < 1e30, "hardware '", name, "': flops_fp8 must be finite, got ", flops_fp8);
 }
 
@@ -137,7 +154,12 @@ HardwareSpec parse_hardware_json(std::string_view json_text, const std::string& 
                                          "internode_efficiency",
                                          "nvlink_hop_latency_s",
                                          "internode_hop_latency_s",
-                                         "collective_launch_s"};
+                                         "collective_launch_s",
+                                         "nvlink_ll_bw_fraction",
+                                         "nvlink_simple_hop_latency_s",
+                                         "nvls_bus_bw",
+                                         "nvls_bus_bw_gbps",
+                                         "nvls_latency_s"};
     for (const auto& [key, _] : j.items()) {
         bool known = false;
         for (const char* k : kKnown) known = known || key == k;
@@ -210,6 +232,13 @@ HardwareSpec parse_hardware_json(std::string_view json_text, const std::string& 
     optional(h.nvlink_hop_latency_s, "nvlink_hop_latency_s");
     optional(h.internode_hop_latency_s, "internode_hop_latency_s");
     optional(h.collective_launch_s, "collective_launch_s");
+    optional(h.nvlink_ll_bw_fraction, "nvlink_ll_bw_fraction");
+    optional(h.nvlink_simple_hop_latency_s, "nvlink_simple_hop_latency_s");
+    if (j.contains("nvls_bus_bw"))
+        h.nvls_bus_bw = number("nvls_bus_bw");
+    else if (j.contains("nvls_bus_bw_gbps"))
+        h.nvls_bus_bw = number("nvls_bus_bw_gbps") * kGB;
+    optional(h.nvls_latency_s, "nvls_latency_s");
     try {
         h.validate();
     } catch (const Error& e) {
@@ -250,7 +279,11 @@ std::string to_json(const HardwareSpec& h) {
                         {"internode_efficiency", h.internode_efficiency},
                         {"nvlink_hop_latency_s", h.nvlink_hop_latency_s},
                         {"internode_hop_latency_s", h.internode_hop_latency_s},
-                        {"collective_launch_s", h.collective_launch_s}};
+                        {"collective_launch_s", h.collective_launch_s},
+                        {"nvlink_ll_bw_fraction", h.nvlink_ll_bw_fraction},
+                        {"nvlink_simple_hop_latency_s", h.nvlink_simple_hop_latency_s},
+                        {"nvls_bus_bw", h.nvls_bus_bw},
+                        {"nvls_latency_s", h.nvls_latency_s}};
     return j.dump(2);
 }
 

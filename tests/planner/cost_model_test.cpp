@@ -73,9 +73,10 @@ TEST(Collectives, HierarchicalAcrossNodes) {
     const double nv = hw.link_bw(false), nic = hw.link_bw(true);
     const double a = hw.hop_latency_s(false), x = hw.hop_latency_s(true);
     GroupSpan one{8, 1, 8}, two{16, 2, 8}, pair{2, 2, 1}, four{32, 4, 8};
-    // Inside a node: the ring formulas.
-    EXPECT_DOUBLE_EQ(all_reduce_s(1e6, one, hw), ring_all_reduce_s(1e6, 8, nv, a));
-    EXPECT_DOUBLE_EQ(all_gather_s(1e6, one, hw), ring_all_gather_s(1e6, 8, nv, a));
+    // Inside a node: node_all_reduce_s / node_all_gather_s ("Protocols inside a node", below);
+    // all-to-all at the NVLink rate and alpha.
+    EXPECT_DOUBLE_EQ(all_reduce_s(1e6, one, hw), node_all_reduce_s(1e6, 8, hw));
+    EXPECT_DOUBLE_EQ(all_gather_s(1e6, one, hw), node_all_gather_s(1e6, 8, hw));
     EXPECT_DOUBLE_EQ(all_to_all_s(1e6, one, hw), all_to_all_s(1e6, 8, nv, a));
     // One rank per node: every step crosses, at the NIC's rate (the flat ring across nodes).
     EXPECT_DOUBLE_EQ(all_reduce_s(1e6, pair, hw), ring_all_reduce_s(1e6, 2, nic, x));
@@ -93,6 +94,47 @@ TEST(Collectives, HierarchicalAcrossNodes) {
     // each); 8/16 of the bytes over the NIC.
     EXPECT_NEAR(all_to_all_s(big, two, hw), a + x + 0.5 * big / nic, 1e-9);
     EXPECT_NEAR(all_to_all_s(8, GroupSpan{256, 32, 8}, hw), a + x + 8 * 248.0 / 256 / nic, 1e-12);
+}
+
+// Inside a node (docs/cost-model.md, "Protocols inside a node"): the low-latency protocols below a
+// few MiB (the NVLink alpha, a share of the rate), Simple above (its own alpha, the full rate),
+// NVLink SHARP for large all-reduces over a whole H100 host; each term is the one that changes
+// when it is switched off.
+TEST(Collectives, ProtocolsInsideANode) {
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    const double nv = hw.link_bw(false), a = hw.nvlink_hop_latency_s;
+    const double ll_bw = nv * hw.nvlink_ll_bw_fraction, sa = hw.nvlink_simple_hop_latency_s;
+    // 16 KiB (a decode all-reduce): the low-latency ring.
+    EXPECT_DOUBLE_EQ(node_all_reduce_s(16384, 8, hw), ring_all_reduce_s(16384, 8, ll_bw, a));
+    EXPECT_DOUBLE_EQ(node_all_gather_s(16384, 4, hw), ring_all_gather_s(16384, 4, ll_bw, a));
+    // 64 MiB over 4 of the node's 8 GPUs: the Simple ring (no NVLS on part of a node).
+    const double mid = 64.0 * (1 << 20);
+    EXPECT_DOUBLE_EQ(node_all_reduce_s(mid, 4, hw), ring_all_reduce_s(mid, 4, nv, sa));
+    // 1 GiB over all 8: NVLink SHARP, 480 GB/s of bus bandwidth.
+    const double big = 1.0 * (1 << 30);
+    EXPECT_DOUBLE_EQ(node_all_reduce_s(big, 8, hw), hw.nvls_latency_s + 1.75 * big / 480e9);
+    EXPECT_LT(node_all_reduce_s(big, 8, hw), ring_all_reduce_s(big, 8, nv, sa));
+    // Switched off, each changes the price: no SHARP -> the Simple ring; a low-latency protocol at
+    // the full rate and Simple's alpha at the NVLink one -> the single alpha-beta ring of before.
+    HardwareSpec no_nvls = hw;
+    no_nvls.nvls_bus_bw = 0;
+    EXPECT_DOUBLE_EQ(node_all_reduce_s(big, 8, no_nvls), ring_all_reduce_s(big, 8, nv, sa));
+    HardwareSpec one_protocol = no_nvls;
+    one_protocol.nvlink_ll_bw_fraction = 1;
+    one_protocol.nvlink_simple_hop_latency_s = a;
+    for (double bytes : {16384.0, mid, big})
+        EXPECT_DOUBLE_EQ(node_all_reduce_s(bytes, 8, one_protocol),
+                         ring_all_reduce_s(bytes, 8, nv, a));
+    EXPECT_GT(node_all_reduce_s(1 << 20, 8, hw), node_all_reduce_s(1 << 20, 8, one_protocol));
+    // A100's NVSwitch has no SHARP.
+    EXPECT_EQ(hardware_by_name("a100-80g").nvls_bus_bw, 0);
+    // The planner's prefill of a TP 8 model sees it: 70B at 32K on one H100 host.
+    const ModelSpec m = catalog_model("llama-3.1-70b");
+    Workload w;
+    w.prompt_tokens = w.context_tokens = 32768;
+    const double with = estimate_cost(m, cfg(8), hw, w).prefill.tp_s;
+    const double without = estimate_cost(m, cfg(8), no_nvls, w).prefill.tp_s;
+    EXPECT_LT(with, 0.9 * without);
 }
 
 // The ring simulated step by step: in step s, CP rank c forwards the shard first owned by (c - s)

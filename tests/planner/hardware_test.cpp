@@ -39,6 +39,17 @@ TEST(Hardware, JsonOverridesAndRoundTrips) {
     EXPECT_DOUBLE_EQ(h.hbm_bw, 3.35e12);
     const auto full = parse_hardware_json(to_json(hardware_by_name("b200")), "b.json");
     EXPECT_EQ(full, hardware_by_name("b200"));
+    EXPECT_EQ(parse_hardware_json(to_json(hardware_by_name("h100-sxm")), "h.json"),
+              hardware_by_name("h100-sxm"));
+    // The protocol and NVLS terms (docs/cost-model.md, "Protocols inside a node").
+    h = parse_hardware_json(R"({"base": "h100-sxm", "nvls_bus_bw_gbps": 0,
+        "nvlink_ll_bw_fraction": 1, "nvlink_simple_hop_latency_s": 1e-6, "nvls_latency_s": 2e-5})",
+                            "p.json");
+    EXPECT_EQ(h.nvls_bus_bw, 0);
+    EXPECT_DOUBLE_EQ(h.nvlink_ll_bw_fraction, 1);
+    EXPECT_DOUBLE_EQ(h.nvlink_simple_hop_latency_s, 1e-6);
+    EXPECT_DOUBLE_EQ(h.nvls_latency_s, 2e-5);
+    EXPECT_DOUBLE_EQ(hardware_by_name("h100-sxm").nvls_bus_bw, 480e9);
     h = parse_hardware_json(R"({"name": "mi300x", "memory_gib": 192, "hbm_bw_gbps": 5300,
         "flops_bf16_tflops": 1307, "nvlink_bw_gbps": 448, "internode_bw_gbps": 50})",
                             "m.json");
@@ -69,6 +80,13 @@ TEST(Hardware, BadInputsNameTheProblem) {
     // Found by fuzz_hardware_json: a value outside int's range was cast (undefined behaviour).
     expect_error(R"({"base": "h100-sxm", "gpus_per_node": 450000000000.0})",
                  "'gpus_per_node' must be an integer in [1, 2^20], got 4.5e+11");
+    expect_error(R"({"base": "h100-sxm", "nvlink_ll_bw_fraction": 0})",
+                 "nvlink_ll_bw_fraction must be in (0, 1]");
+    expect_error(R"({"base": "h100-sxm", "nvls_bus_bw": -1})", "nvls_bus_bw must be >= 0");
+    expect_error(R"({"base": "h100-sxm", "nvls_latency_s": 5})",
+                 "nvls_latency_s must be in [0, 1]");
+    expect_error(R"({"base": "h100-sxm", "nvlink_simple_hop_latency_s": -1})",
+                 "nvlink_simple_hop_latency_s must be in [0, 1]");
     EXPECT_THROW(hardware_by_name("h300"), Error);
     EXPECT_THROW(resolve_hardware("/nonexistent/hw.json"), Error);
 }

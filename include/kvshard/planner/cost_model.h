@@ -35,9 +35,19 @@ struct GroupSpan {
 };
 GroupSpan group_span(const ParallelConfig& p, GroupKind g, int gpus_per_node);
 
+// ---- collectives inside one node (docs/cost-model.md, "Protocols inside a node") -------------
+// n ranks on one node's NVLink: the faster of the ring under NCCL's low-latency protocols
+// (hw.nvlink_hop_latency_s per step, hw.nvlink_ll_bw_fraction of hw.link_bw(false)) and under
+// its Simple protocol (hw.nvlink_simple_hop_latency_s per step, the full rate); an all-reduce over
+// all of a node's GPUs (n == hw.gpus_per_node) may also take NVLink SHARP where hw.nvls_bus_bw >
+// 0: hw.nvls_latency_s + 2(n-1)/n * bytes / hw.nvls_bus_bw. Without collective_launch_s.
+double node_all_reduce_s(double bytes, int n, const HardwareSpec& hw);
+double node_all_gather_s(double bytes, int n, const HardwareSpec& hw);
+
 // ---- collectives over a group as placed (docs/cost-model.md, "Collectives across nodes") -----
-// Inside one node: the ring formulas above at the NVLink rate and alpha (hw.link_bw(false),
-// hw.hop_latency_s(false)). Across k nodes with g ranks per node, priced the way NCCL runs them:
+// Inside one node: node_all_reduce_s / node_all_gather_s, and all-to-all at the NVLink rate and
+// alpha (hw.link_bw(false), hw.hop_latency_s(false)). Across k nodes with g ranks per node, priced
+// the way NCCL runs them:
 // - ring: every rank sends 2(n-1)/n * bytes (all-reduce; (n-1)/n all-gather), a share 1/g of it
 //   over its own NIC (the g rings' node-to-node edges striped over the node's g NICs) and (g-1)/g
 //   over NVLink, the slower of the two paths setting the rate; of the ring's 2(n-1) steps

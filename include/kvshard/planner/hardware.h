@@ -39,6 +39,20 @@ struct HardwareSpec {
     // Fixed cost of one collective call on the critical path: the kernel launch and the wait for
     // the group's ranks to meet (CUDA-graph launched decode keeps this small).
     double collective_launch_s = 5e-6;
+    // NCCL's protocols and NVLink SHARP inside a node (docs/cost-model.md, "Protocols inside a
+    // node"): an all-reduce or all-gather over NVLink takes the fastest of
+    // - the low-latency protocols (LL/LL128): alpha nvlink_hop_latency_s per step, at a share
+    //   nvlink_ll_bw_fraction of the link rate (fitted to a CUDA-graph launched 4 x H100 run,
+    //   1 KiB to 4 MiB; NCCL's tuner: LL 1/4, LL128 0.92);
+    // - the Simple protocol: nvlink_simple_hop_latency_s per step (NCCL's tuner, hwLat NVLink Ring
+    //   Simple), at the full link rate;
+    // - for an all-reduce over all of a node's GPUs where nvls_bus_bw > 0, NVLink SHARP (NVLS, the
+    //   switch reduces): nvls_latency_s + 2(n-1)/n * bytes / nvls_bus_bw (a bus bandwidth, as
+    //   nccl-tests reports it; 0: the switch has none).
+    double nvlink_ll_bw_fraction = 0.54;
+    double nvlink_simple_hop_latency_s = 3.4e-6;
+    double nvls_bus_bw = 0;
+    double nvls_latency_s = 50e-6;
 
     bool operator==(const HardwareSpec&) const = default;
 
