@@ -357,9 +357,9 @@ bool CpSession::reserve(SeqId seq, std::span<const int32_t> tokens) {
         bm.append_tokens(seq, static_cast<int64_t>(rows.size()));
     }
     last_.cached_tokens = stored;
-    // The mode: given, else the cheaper in bytes for `stored` cached and the new tokens.
-    last_.mode = opt_.prefill_mode ? *opt_.prefill_mode
-                                   : choose_cp_prefill(layout_, stored, len - stored).mode;
+    // The mode: given, else the one that sends fewer bytes for this placement (`stored` cached).
+    last_.mode =
+        opt_.prefill_mode ? *opt_.prefill_mode : choose_cp_prefill(layout_, s.map, stored).mode;
     s.reserved = Seq::Reserved{std::move(rows), last_};
     return true;
 }

@@ -282,6 +282,22 @@ CpPrefillChoice choose_cp_prefill(const KvLayout& layout, int64_t cached, int64_
     return c;
 }
 
+CpPrefillChoice choose_cp_prefill(const KvLayout& layout, const CpTokenMap& map, int64_t cached) {
+    require(cached >= 0 && cached < map.size(),
+            "a prefill needs at least one new token (cached=", cached, " of ", map.size(),
+            " placed)");
+    CpPrefillChoice c;
+    c.new_fraction = static_cast<double>(map.size() - cached) / static_cast<double>(map.size());
+    c.threshold = cp_pass_q_threshold(layout);
+    for (int r = 0; r < layout.world_size(); ++r) {
+        c.pass_kv_bytes += cp_pass_kv_bytes(layout, r, map).total();
+        c.pass_q_bytes += cp_pass_q_bytes(layout, r, map, cached).total();
+    }
+    c.mode = (layout.parallel.cp > 1 && c.pass_q_bytes < c.pass_kv_bytes) ? CpPrefillMode::kPassQ
+                                                                          : CpPrefillMode::kPassKv;
+    return c;
+}
+
 std::string_view cp_decode_merge_name(CpDecodeMerge m) {
     return m == CpDecodeMerge::kAllGather ? "all-gather" : "all-to-all";
 }
@@ -380,7 +396,8 @@ std::string cp_plan_report_json(const ModelSpec& m, const ParallelConfig& p, int
     CpTokenMap map(p.cp);
     map.append(cached, p.cp_scheme, p.cp_interleave);
     map.append(fresh, p.cp_scheme, p.cp_interleave);
-    const CpPrefillChoice choice = choose_cp_prefill(l, cached, fresh);
+    const CpPrefillChoice choice = choose_cp_prefill(l, map, cached);
+    const CpPrefillChoice rule = choose_cp_prefill(l, cached, fresh);
     const auto pairs = cp_causal_pairs(map, cached);
     nlohmann::json ranks = nlohmann::json::array();
     for (const auto& r : l.ranks) {
@@ -416,7 +433,9 @@ std::string cp_plan_report_json(const ModelSpec& m, const ParallelConfig& p, int
                           {"new_fraction", choice.new_fraction},
                           {"threshold", choice.threshold},
                           {"pass_kv_bytes", choice.pass_kv_bytes},
-                          {"pass_q_bytes", choice.pass_q_bytes}}},
+                          {"pass_q_bytes", choice.pass_q_bytes},
+                          {"rule_mode", cp_prefill_mode_name(rule.mode)},
+                          {"rule_pass_q_bytes", rule.pass_q_bytes}}},
                         {"ranks", ranks},
                         {"reuse", reuse}};
     return j.dump(2);

@@ -64,15 +64,34 @@ TEST(CpPlanCli, JsonChoiceBytesAndReuse) {
     EXPECT_LT(j["choice"]["pass_q_bytes"].get<int64_t>(),
               j["choice"]["pass_kv_bytes"].get<int64_t>());
     ASSERT_EQ(j["ranks"].size(), 32u);
-    int64_t kv = 0, tokens = 0;
+    int64_t kv = 0, q = 0, tokens = 0;
     for (const auto& rk : j["ranks"]) {
         kv += rk["pass_kv_bytes"].get<int64_t>();
+        q += rk["pass_q_ring_bytes"].get<int64_t>() + rk["pass_q_all_to_all_bytes"].get<int64_t>();
         if (rk["tp"] == 0) tokens += rk["tokens"].get<int64_t>();
     }
     EXPECT_EQ(kv, j["choice"]["pass_kv_bytes"].get<int64_t>());
+    EXPECT_EQ(q, j["choice"]["pass_q_bytes"].get<int64_t>());
+    EXPECT_EQ(j["choice"]["rule_mode"], "pass-q");
+    EXPECT_GE(j["choice"]["rule_pass_q_bytes"].get<int64_t>(), q);
     EXPECT_EQ(tokens, 129000);
     EXPECT_EQ(j["reuse"]["blocks"], 8000);
     EXPECT_EQ(j["reuse"]["kept"], 4000);  // blocks b with b % 8 == b % 4
+}
+
+// Where the windows make Meta's rule and the exact bytes disagree, the plan takes the fewer bytes
+// and prints both (docs/context-parallel.md section 4).
+TEST(CpPlanCli, ChoiceFollowsTheExactBytesUnderWindows) {
+    const Result r =
+        run_cli("cp-plan --model tiny-swa --cp 4 --cp-scheme contiguous --cached 64 --new 40");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("prefill: pass-kv, the fewer bytes: all ranks move 212992 B pass-KV, "
+                         "215040 B pass-Q"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("Meta's rule: new fraction 0.3846 < threshold 0.4706, pass-q"),
+              std::string::npos)
+        << r.out;
 }
 
 TEST(CpPlanCli, FullPrefillPassesKvAndBadInputExitsTwo) {

@@ -128,6 +128,54 @@ TEST(CpRing, PassKvBytesFollowTheScheduleShardSizes) {
             }
 }
 
+// The choice from a placement's exact bytes: the sums of cp_pass_kv_bytes and cp_pass_q_bytes over
+// the ranks, pass-Q iff strictly fewer; it agrees with Meta's closed form where that count is exact
+// (full attention, a cached prefix on every rank) and follows the bytes where it is not.
+TEST(CpPrefillChoice, ExactChoiceFollowsThePlacementsBytes) {
+    struct Case {
+        const char* model;
+        int cp;
+        CpScheme scheme;
+        int64_t cached, fresh;
+    } cases[] = {{"tiny", 4, CpScheme::kZigzag, 100, 7},
+                 {"tiny", 4, CpScheme::kContiguous, 0, 40},
+                 {"llama-3.1-8b", 4, CpScheme::kZigzag, 1000, 100},
+                 {"tiny-swa", 4, CpScheme::kContiguous, 64, 40},
+                 {"tiny-swa", 3, CpScheme::kZigzag, 1000, 1000},
+                 {"tiny-swa", 4, CpScheme::kZigzag, 1000, 1000}};
+    int disagreements = 0;
+    for (const Case& k : cases) {
+        const auto l = make_layout(catalog_model(k.model), cfg(k.cp, k.scheme, 1, 1));
+        CpTokenMap map(k.cp);
+        map.append(k.cached, k.scheme);
+        map.append(k.fresh, k.scheme);
+        const auto exact = choose_cp_prefill(l, map, k.cached);
+        const auto rule = choose_cp_prefill(l, k.cached, k.fresh);
+        int64_t kv = 0, q = 0;
+        for (int r = 0; r < l.world_size(); ++r) {
+            kv += cp_pass_kv_bytes(l, r, map).total();
+            q += cp_pass_q_bytes(l, r, map, k.cached).total();
+        }
+        EXPECT_EQ(exact.pass_kv_bytes, kv) << k.model;
+        EXPECT_EQ(exact.pass_q_bytes, q) << k.model;
+        EXPECT_EQ(exact.mode == CpPrefillMode::kPassQ, q < kv) << k.model;
+        EXPECT_DOUBLE_EQ(exact.new_fraction, rule.new_fraction);
+        EXPECT_DOUBLE_EQ(exact.threshold, rule.threshold);
+        const bool full = std::string(k.model) != "tiny-swa";
+        if (full && k.cached > 0) EXPECT_EQ(exact.mode, rule.mode) << k.model;
+        disagreements += exact.mode != rule.mode;
+    }
+    // tiny-swa: the shortened pass-KV ring wins where the rule says pass-Q (64 + 40, contiguous),
+    // the unreturned partials let pass-Q win where it says pass-KV (1000 + 1000, zigzag).
+    EXPECT_EQ(disagreements, 3);
+    CpTokenMap all_cached(2);
+    all_cached.append(8, CpScheme::kZigzag);
+    EXPECT_THROW(
+        choose_cp_prefill(make_layout(catalog_model("tiny"), cfg(2, CpScheme::kZigzag, 1, 1)),
+                          all_cached, 8),
+        Error);
+}
+
 TEST(CpPrefillChoice, PassQWinsExactlyBelowTheThreshold) {
     for (const char* name : {"tiny", "llama-3.1-70b", "llama-3.1-8b"}) {
         const auto model = catalog_model(name);

@@ -9,6 +9,7 @@
 #include "kvshard/comm/threads.h"
 #include "kvshard/exec/cp_session.h"
 #include "kvshard/layout/cp_plan.h"
+#include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/model/weights.h"
 
@@ -77,6 +78,41 @@ TEST(CpWindowRing, PrefillSendsOnlyTheStepsTheWindowNeeds) {
     const int64_t per_token_layer = 2 * 4 * 8 * 4;
     EXPECT_EQ(all_full, 4 * 3 * 16 * 4 * per_token_layer);
     EXPECT_EQ(windowed, 4 * (3 * 16 * 2 + 1 * 16 * 2) * per_token_layer);
+}
+
+// The automatic mode counts the bytes this placement sends, windows included: tiny-swa, cp=4
+// contiguous, a 40-token turn after 64 cached tokens. Meta's closed form (every partial returned,
+// every ring step run) says pass-Q; the windowed layers' shortened pass-KV ring sends fewer bytes
+// (212,992 against pass-Q's 215,040), so the session passes KV, and sends exactly that.
+TEST(CpWindowRing, AutomaticModeCountsTheWindowsBytes) {
+    const ModelSpec swa = catalog_model("tiny-swa");
+    std::mt19937 rng(5);
+    std::vector<int32_t> prompt(104);
+    for (auto& t : prompt) t = int32_t(rng() % uint32_t(swa.vocab));
+    const auto src = random_tensor_source(9);
+    const ParallelConfig p = cp_config(4, CpScheme::kContiguous);
+    const KvLayout layout = make_layout(swa, p);
+    EXPECT_EQ(choose_cp_prefill(layout, 64, 40).mode, CpPrefillMode::kPassQ);  // Meta's rule
+    std::vector<int64_t> sent(4);
+    run_threads(4, [&](Communicator& w) {
+        CpOptions o;
+        o.block_size = 4;
+        o.num_blocks = 64;
+        CpDevice dev(swa, 1, 0, *src, o);
+        CpSession s(dev, w, p, o);
+        s.prefill(0, std::vector<int32_t>(prompt.begin(), prompt.begin() + 64));
+        s.prefill(0, std::vector<int32_t>(prompt.begin() + 64, prompt.end()));
+        EXPECT_EQ(s.last_step().cached_tokens, 64);
+        EXPECT_EQ(s.last_step().mode, CpPrefillMode::kPassKv);
+        const auto exact = choose_cp_prefill(s.layout(), s.token_map(0), 64);
+        EXPECT_EQ(exact.mode, CpPrefillMode::kPassKv);
+        EXPECT_EQ(exact.pass_kv_bytes, 212992);
+        EXPECT_EQ(exact.pass_q_bytes, 215040);
+        sent[size_t(w.rank())] = s.last_step().comm.total();
+    });
+    int64_t total = 0;
+    for (int64_t b : sent) total += b;
+    EXPECT_EQ(total, 212992);
 }
 
 }  // namespace

@@ -46,12 +46,15 @@ void run(const CpPlanFlags& f) {
     const nlohmann::json& ranks = j["ranks"];
     const nlohmann::json& reuse = j["reuse"];
     fmt::print("{}: {}; {} cached + {} new tokens\n", m.name, p.to_string(), f.cached, f.fresh);
+    const double frac = choice["new_fraction"].get<double>(),
+                 threshold = choice["threshold"].get<double>();
     fmt::print(
-        "prefill: {} (new fraction {:.4f} {} threshold {:.4f}); all ranks move {} B pass-KV, {} B "
-        "pass-Q\n\n",
-        choice["mode"].get<std::string>(), choice["new_fraction"].get<double>(),
-        choice["mode"] == "pass-q" ? "<" : ">=", choice["threshold"].get<double>(),
-        choice["pass_kv_bytes"].get<int64_t>(), choice["pass_q_bytes"].get<int64_t>());
+        "prefill: {}, the fewer bytes: all ranks move {} B pass-KV, {} B pass-Q\n"
+        "Meta's rule: new fraction {:.4f} {} threshold {:.4f}, {} ({} B pass-Q, every partial "
+        "returned)\n\n",
+        choice["mode"].get<std::string>(), choice["pass_kv_bytes"].get<int64_t>(),
+        choice["pass_q_bytes"].get<int64_t>(), frac, frac < threshold ? "<" : ">=", threshold,
+        choice["rule_mode"].get<std::string>(), choice["rule_pass_q_bytes"].get<int64_t>());
     fmt::print("{:>5} {:>3} {:>3} {:>10} {:>10} {:>14} {:>14} {:>14} {:>12} {:>12}  {}\n", "rank",
                "cp", "tp", "tokens", "new", "causal_pairs", "pass_kv_B", "pass_q_B", "dec_ag_B",
                "dec_a2a_B", "rule (each segment)");

@@ -135,6 +135,14 @@ struct CpPrefillChoice {
 // 2 * Hkv_r * e_kv * D / (Hq_r * (e_kv * D + 4 * D + 4)), summed over the layers of one CP slice.
 double cp_pass_q_threshold(const KvLayout& layout);
 CpPrefillChoice choose_cp_prefill(const KvLayout& layout, int64_t cached, int64_t fresh);
+// The same choice from one placement's exact bytes, what the executor sends: pass_kv_bytes and
+// pass_q_bytes are the sums over the layout's ranks of cp_pass_kv_bytes(map) and
+// cp_pass_q_bytes(map, cached), so a windowed group's shortened ring and the partials that see no
+// key are left out; pass-Q iff strictly fewer. Where Meta's count is exact (full attention, a
+// cached prefix spread over every rank) it agrees with the closed form; elsewhere it can differ
+// (a full prefill of contiguous shards returns half of Meta's partials). new_fraction and
+// threshold are the closed form's. Throws Error when map holds no new token after `cached`.
+CpPrefillChoice choose_cp_prefill(const KvLayout& layout, const CpTokenMap& map, int64_t cached);
 
 // ---------------------------------------------------------------------------------------------
 // Decode: every CP rank attends the new queries to its own shard and the (O, LSE) partials are
