@@ -640,7 +640,9 @@ TEST_P(BlockManagerModel, RandomOperationsAgreeWithTheReference) {
     EXPECT_GT(model.evictions_seen(), 0);
     EXPECT_GT(model.out_of_blocks_seen(), 0);
     // Deferred: allocations met blocks inside their allocate-commit window (and did not hit them).
-    if (p.deferred) EXPECT_GT(model.uncommitted_skips(), 0);
+    if (p.deferred) {
+        EXPECT_GT(model.uncommitted_skips(), 0);
+    }
     std::printf(
         "hit blocks %lld, evictions %lld, out-of-blocks %lld, duplicate blocks %lld, "
         "uncommitted blocks not hit %lld\n",

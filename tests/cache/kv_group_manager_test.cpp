@@ -685,7 +685,9 @@ class GroupModel {
         for (int g = 0; g < ngroups(); ++g) {
             const int64_t got = m_.group_hit_blocks(g, h, len, -1);
             ASSERT_TRUE(serves(g, h, len, got));
-            if (!p_.prefix_cache) ASSERT_EQ(got, 0);
+            if (!p_.prefix_cache) {
+                ASSERT_EQ(got, 0);
+            }
         }
         ASSERT_TRUE(take_events().empty());
     }
@@ -716,7 +718,9 @@ class GroupModel {
                 const auto id = static_cast<BlockId>(b);
                 ASSERT_EQ(m_.ref_count(g, id), r.ref[b]) << "group " << g << " block " << b;
                 ASSERT_EQ(m_.registered_hash(g, id), r.reg[b]) << "group " << g << " block " << b;
-                if (!state(g)) ASSERT_EQ(m_.block_computed(g, id), r.written[b]);
+                if (!state(g)) {
+                    ASSERT_EQ(m_.block_computed(g, id), r.written[b]);
+                }
             }
             ASSERT_EQ(m_.eviction_order(g), std::vector<BlockId>(r.lru.begin(), r.lru.end()));
             ASSERT_EQ(m_.num_available_blocks(g), r.available());

@@ -162,7 +162,9 @@ TEST(CpPrefillChoice, ExactChoiceFollowsThePlacementsBytes) {
         EXPECT_DOUBLE_EQ(exact.new_fraction, rule.new_fraction);
         EXPECT_DOUBLE_EQ(exact.threshold, rule.threshold);
         const bool full = std::string(k.model) != "tiny-swa";
-        if (full && k.cached > 0) EXPECT_EQ(exact.mode, rule.mode) << k.model;
+        if (full && k.cached > 0) {
+            EXPECT_EQ(exact.mode, rule.mode) << k.model;
+        }
         disagreements += exact.mode != rule.mode;
     }
     // tiny-swa: the shortened pass-KV ring wins where the rule says pass-Q (64 + 40, contiguous),

@@ -48,7 +48,7 @@ struct Family {
     std::vector<int> tps;      // valid TP sizes among 1, 2, 4, 8
     int64_t latent_bytes = 0;  // MLA: per token and layer, whole (replicated over tp)
     int64_t indexer_bytes = 0;
-    std::function<int64_t(int tp)> state;  // per state layer and sequence
+    std::function<int64_t(int tp)> state{};  // per state layer and sequence
 };
 
 std::vector<L> pattern(int n, const std::function<L(int)>& f) {

@@ -359,9 +359,10 @@ TEST(DisaggReplicas, TwoPrefillTwoDecodeGroupsMatchUnshardedModel) {
         for (int k = 0; k < pd.dp; ++k)
             EXPECT_NE(std::count(r.decode_replica.begin(), r.decode_replica.end(), k), 0)
                 << "decode replica " << k << " served nothing";
-        if (c.route == PrefillRoute::kRoundRobin)
+        if (c.route == PrefillRoute::kRoundRobin) {
             for (size_t i = 0; i < prompts.size(); ++i)
                 EXPECT_EQ(r.prefill_replica[i], int(i) % pp.dp);
+        }
         EXPECT_EQ(r.transfer_bytes, r.min_bytes);
         EXPECT_GT(r.messages, 0);
     }

@@ -32,7 +32,9 @@ TEST(PlanTraceWorkload, LengthsAreTheTracesAndTheHitRateIsTheReplays) {
     // Spreading requests without looking at prefixes finds no more of them cached.
     const TraceWorkload rr = plan_trace_workload(trace, m, hw, r, RoutingPolicy::kRoundRobin);
     EXPECT_EQ(rr.replicas, kv.replicas);
-    if (kv.replicas > 1) EXPECT_LE(rr.token_hit_rate, kv.token_hit_rate);
+    if (kv.replicas > 1) {
+        EXPECT_LE(rr.token_hit_rate, kv.token_hit_rate);
+    }
 }
 
 }  // namespace

@@ -134,7 +134,9 @@ TEST(TransferPlanGroups, WindowedPiecesStartAtTheKeptBlock) {
             for (const auto& piece : msg.pieces) {
                 EXPECT_GE(piece.token_begin, cached);
                 // Nothing before the destination block holding the first kept token.
-                if (g.first_kept > 0) EXPECT_GE(piece.token_begin, g.first_kept / bs_to * bs_to);
+                if (g.first_kept > 0) {
+                    EXPECT_GE(piece.token_begin, g.first_kept / bs_to * bs_to);
+                }
                 EXPECT_LE(piece.src_slot + piece.count, bs_from);
                 EXPECT_LE(piece.dst_slot + piece.count, bs_to);
             }
@@ -188,7 +190,9 @@ TEST(TransferPlanGroups, StateGroupMovesExactlyItsState) {
                 EXPECT_EQ(static_cast<int>(distinct.size()), std::max(1, m.state.groups / tp_to));
             }
             EXPECT_EQ(plan.bytes, plan.min_bytes);
-            if (previous >= 0) EXPECT_EQ(state, previous);  // the same at every length
+            if (previous >= 0) {
+                EXPECT_EQ(state, previous);  // the same at every length
+            }
             previous = state;
         }
     }
@@ -254,7 +258,9 @@ TEST(TransferPlanGroups, ResolvesEachGroupsMode) {
             ASSERT_TRUE(modes[k].has_value()) << k;
             EXPECT_EQ(*modes[k],
                       resolve_mode(group_transfer_plan(plan, static_cast<int>(k)), asked));
-            if (asked != TransferMode::kAuto) EXPECT_EQ(*modes[k], asked);
+            if (asked != TransferMode::kAuto) {
+                EXPECT_EQ(*modes[k], asked);
+            }
         }
         EXPECT_EQ(group_modes_text(plan, asked), transfer_mode_name(*modes[0]));
     }

@@ -20,7 +20,7 @@ struct PromptSpec {
     int length = 32;
     int shared_prefix = 0;
     uint64_t seed = 1;
-    std::vector<int32_t> token_ids;
+    std::vector<int32_t> token_ids{};
 };
 // Error (naming the `kvshard run` flag) when a field is out of range or an id is outside [0,
 // vocab).
