@@ -69,10 +69,17 @@ int CpTokenMap::owner(int64_t pos) const {
     return segment_owner(*it, cp_, pos);
 }
 
-std::vector<int64_t> CpTokenMap::positions(int cp_rank, int64_t begin, int64_t end) const {
+std::vector<TokenRange> CpTokenMap::ranges(int cp_rank, int64_t begin, int64_t end) const {
     KVSHARD_CHECK(cp_rank >= 0 && cp_rank < cp_, "cp rank ", cp_rank, " out of range");
     if (end < 0) end = size();
-    std::vector<int64_t> out;
+    std::vector<TokenRange> out;
+    auto add = [&](int64_t b, int64_t e) {
+        if (b >= e) return;
+        if (!out.empty() && out.back().end == b)
+            out.back().end = e;
+        else
+            out.push_back({b, e});
+    };
     for (const auto& s : segments_) {
         const int64_t b = std::max(begin, s.begin), e = std::min(end, s.end);
         if (b >= e) continue;
@@ -81,21 +88,27 @@ std::vector<int64_t> CpTokenMap::positions(int cp_rank, int64_t begin, int64_t e
             int64_t u = b / s.unit;
             u -= mod(u - cp_rank, cp_);
             for (int64_t t = u * s.unit; t < e; t += int64_t{s.unit} * cp_)
-                for (int64_t x = std::max(t, b); x < std::min(e, t + s.unit); ++x) out.push_back(x);
+                add(std::max(t, b), std::min(e, t + s.unit));
         } else {
-            const auto ranges =
-                cp_token_ranges(cp_only(cp_, s.scheme, 1), cp_rank, s.end - s.begin);
-            for (const auto& r : ranges)
-                for (int64_t x = std::max(b, s.begin + r.begin); x < std::min(e, s.begin + r.end);
-                     ++x)
-                    out.push_back(x);
+            for (const auto& r :
+                 cp_token_ranges(cp_only(cp_, s.scheme, 1), cp_rank, s.end - s.begin))
+                add(std::max(b, s.begin + r.begin), std::min(e, s.begin + r.end));
         }
     }
     return out;
 }
 
+std::vector<int64_t> CpTokenMap::positions(int cp_rank, int64_t begin, int64_t end) const {
+    std::vector<int64_t> out;
+    for (const TokenRange& r : ranges(cp_rank, begin, end))
+        for (int64_t x = r.begin; x < r.end; ++x) out.push_back(x);
+    return out;
+}
+
 int64_t CpTokenMap::count(int cp_rank, int64_t begin, int64_t end) const {
-    return static_cast<int64_t>(positions(cp_rank, begin, end).size());
+    int64_t n = 0;
+    for (const TokenRange& r : ranges(cp_rank, begin, end)) n += r.size();
+    return n;
 }
 
 int64_t cp_token_count(const ParallelConfig& p, int cp_rank, int64_t n) {
@@ -135,10 +148,10 @@ int window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, in
                       bool keys_behind) {
     const int cp = map.cp();
     if (window <= 0) return cp;
-    std::vector<std::vector<int64_t>> q(static_cast<size_t>(cp)), k(static_cast<size_t>(cp));
+    std::vector<std::vector<TokenRange>> q(static_cast<size_t>(cp)), k(static_cast<size_t>(cp));
     for (int c = 0; c < cp; ++c) {
-        q[size_t(c)] = map.positions(c, new_begin);
-        k[size_t(c)] = map.positions(c);
+        q[size_t(c)] = map.ranges(c, new_begin);
+        k[size_t(c)] = map.ranges(c);
     }
     int steps = 1;  // step 0: each rank's own keys
     for (int s = 1; s < cp; ++s)
@@ -168,6 +181,28 @@ bool cp_shard_sees(std::span<const int64_t> q_pos, std::span<const int64_t> kv_p
         const int64_t first = chunked ? p - p % window : std::max<int64_t>(0, p - window + 1);
         const auto it = std::lower_bound(kv_pos.begin(), kv_pos.end(), first);
         if (it != kv_pos.end() && *it <= p) return true;
+    }
+    return false;
+}
+
+bool cp_shard_sees(std::span<const TokenRange> q, std::span<const TokenRange> kv, bool chunked,
+                   int window) {
+    // For queries [a, b] the best keys are in the last run that starts at or before b: every
+    // earlier run ends before that one begins. Some key k <= b of it is seen iff its largest such
+    // key, min(end - 1, b), is at or after the first key a's window keeps.
+    for (const TokenRange& r : q) {
+        if (r.size() <= 0) continue;
+        const int64_t a = r.begin, b = r.end - 1;
+        auto it = std::upper_bound(kv.begin(), kv.end(), b,
+                                   [](int64_t x, const TokenRange& k) { return x < k.begin; });
+        if (it == kv.begin()) continue;
+        --it;
+        const int64_t last = std::min(it->end - 1, b);
+        if (last < it->begin) continue;
+        const int64_t first = window <= 0 ? 0
+                              : chunked   ? a - a % window
+                                          : std::max<int64_t>(0, a - window + 1);
+        if (last >= first) return true;
     }
     return false;
 }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <random>
 #include <set>
 
 #include "kvshard/common/error.h"
@@ -86,6 +87,44 @@ TEST(CpTokenMap, DecodeSpreadsGeneratedBlocksRoundRobin) {
     for (int c = 0; c < 3; ++c) gen[c] = m.count(c, 10);
     EXPECT_LE(*std::max_element(gen.begin(), gen.end()) - *std::min_element(gen.begin(), gen.end()),
               16);
+}
+
+// ranges() lists positions() as maximal runs, and the visibility test over runs (what the planner
+// asks of long prompts) agrees with the one over positions on maps of mixed schemes, every pair of
+// ranks, sliding and chunked windows, with and without a cached part.
+TEST(CpTokenMap, RangesAndTheirVisibilityAgreeWithPositions) {
+    std::mt19937 rng(11);
+    const CpScheme schemes[] = {CpScheme::kContiguous, CpScheme::kZigzag, CpScheme::kInterleave};
+    for (int trial = 0; trial < 200; ++trial) {
+        const int cp = 2 + int(rng() % 4);
+        CpTokenMap map(cp);
+        for (int seg = 0, n = 1 + int(rng() % 3); seg < n; ++seg)
+            map.append(1 + int64_t(rng() % 60), schemes[rng() % 3], 1 + int(rng() % 5));
+        const int64_t new_begin = int64_t(rng() % uint64_t(map.size()));
+        for (int c = 0; c < cp; ++c) {
+            const auto pos = map.positions(c, new_begin);
+            const auto runs = map.ranges(c, new_begin);
+            std::vector<int64_t> expanded;
+            for (size_t i = 0; i < runs.size(); ++i) {
+                ASSERT_LT(runs[i].begin, runs[i].end);
+                if (i > 0) ASSERT_LT(runs[i - 1].end, runs[i].begin);  // disjoint, not adjacent
+                for (int64_t x = runs[i].begin; x < runs[i].end; ++x) expanded.push_back(x);
+            }
+            ASSERT_EQ(expanded, pos);
+            ASSERT_EQ(map.count(c, new_begin), int64_t(pos.size()));
+        }
+        for (int q = 0; q < cp; ++q)
+            for (int k = 0; k < cp; ++k)
+                for (bool chunked : {false, true})
+                    for (int window : {0, 1, 3, 8, 20}) {
+                        const bool by_pos = cp_shard_sees(map.positions(q, new_begin),
+                                                          map.positions(k), chunked, window);
+                        const bool by_run =
+                            cp_shard_sees(map.ranges(q, new_begin), map.ranges(k), chunked, window);
+                        ASSERT_EQ(by_pos, by_run) << "trial " << trial << " q " << q << " k " << k
+                                                  << " chunked " << chunked << " w " << window;
+                    }
+    }
 }
 
 TEST(CpRing, EveryRankSeesEveryShardOnceAndSendsWhatTheNextReceives) {

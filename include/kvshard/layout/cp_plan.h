@@ -47,6 +47,8 @@ class CpTokenMap {
     int owner(int64_t pos) const;
     // Ascending global positions of [begin, end) (end < 0: the whole sequence) stored on cp_rank.
     std::vector<int64_t> positions(int cp_rank, int64_t begin = 0, int64_t end = -1) const;
+    // The same positions as ascending, disjoint, maximal runs (adjacent runs merged).
+    std::vector<TokenRange> ranges(int cp_rank, int64_t begin = 0, int64_t end = -1) const;
     int64_t count(int cp_rank, int64_t begin = 0, int64_t end = -1) const;
 
     bool operator==(const CpTokenMap&) const = default;
@@ -96,6 +98,10 @@ int cp_pass_q_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool c
 // and, under a window (window > 0), inside it (sliding: the last `window` positions; chunked: the
 // query's chunk). A shard pair that does not is skipped: no ring step, no partial returned.
 bool cp_shard_sees(std::span<const int64_t> q_pos, std::span<const int64_t> kv_pos, bool chunked,
+                   int window);
+// The same over runs of positions (CpTokenMap::ranges): O(runs of q x log runs of kv), so the
+// planner can ask it of a million-token prompt.
+bool cp_shard_sees(std::span<const TokenRange> q, std::span<const TokenRange> kv, bool chunked,
                    int window);
 
 // Bytes rank `rank` of `layout` sends for one sequence placed by `map`, all its layers together.
