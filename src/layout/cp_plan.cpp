@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "kvshard/common/error.h"
 
@@ -153,13 +154,14 @@ int window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, in
         q[size_t(c)] = map.ranges(c, new_begin);
         k[size_t(c)] = map.ranges(c);
     }
-    int steps = 1;  // step 0: each rank's own keys
-    for (int s = 1; s < cp; ++s)
+    // The last step any rank needs, searched from the end (the first hit is the answer); step 0,
+    // each rank's own keys, always runs.
+    for (int s = cp - 1; s >= 1; --s)
         for (int c = 0; c < cp; ++c)
             if (cp_shard_sees(q[size_t(c)], k[size_t(mod(keys_behind ? c - s : c + s, cp))],
                               chunked, window))
-                steps = s + 1;
-    return steps;
+                return s + 1;
+    return 1;
 }
 
 }  // namespace
@@ -171,6 +173,21 @@ int cp_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked,
 int cp_pass_q_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked,
                                 int window) {
     return window_ring_steps(map, new_begin, chunked, window, false);
+}
+
+std::pair<int, int> cp_prompt_window_ring_steps(const ParallelConfig& p, int64_t n, bool chunked,
+                                                int window) {
+    int64_t len = n;
+    if (p.cp_scheme == CpScheme::kInterleave && window > 0) {
+        int64_t period = int64_t{p.cp_interleave} * p.cp;
+        if (chunked) period = std::lcm(period, int64_t{window});
+        // Positions from window - 1 on have whole windows; ownership and (chunked) chunk starts
+        // repeat every period, so one period of them after the first window shows every case.
+        if (period <= n) len = std::min(n, period + window);
+    }
+    const CpTokenMap map = cp_prompt_map(p, len);
+    return {cp_window_ring_steps(map, 0, chunked, window),
+            cp_pass_q_window_ring_steps(map, 0, chunked, window)};
 }
 
 bool cp_shard_sees(std::span<const int64_t> q_pos, std::span<const int64_t> kv_pos, bool chunked,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <tuple>
 #include <vector>
 
 #include "kvshard/common/error.h"
@@ -305,6 +306,24 @@ class Model {
     }
     double q_heads() const { return double(m_.num_heads) / p_.tp; }
 
+    // Ring steps {pass-KV, pass-Q} of layer l's CP prefill of a prompt of S tokens: cp for full
+    // attention; for a windowed layer the executor's counts over the prompt's placement
+    // (cp_prompt_window_ring_steps), remembered per (kind, window, S).
+    std::pair<int, int> ring_steps(int l, double S) const {
+        const LayerSpec ls = m_.layer(l);
+        const bool windowed = ls.window > 0 && (ls.kind == LayerKind::kSlidingWindow ||
+                                                ls.kind == LayerKind::kChunkedLocal);
+        if (!windowed) return {p_.cp, p_.cp};
+        const bool chunked = ls.kind == LayerKind::kChunkedLocal;
+        const auto n = static_cast<int64_t>(S);
+        const auto key = std::make_tuple(chunked, ls.window, n);
+        auto it = ring_steps_.find(key);
+        if (it == ring_steps_.end())
+            it = ring_steps_.emplace(key, cp_prompt_window_ring_steps(p_, n, chunked, ls.window))
+                     .first;
+        return it->second;
+    }
+
     // Prefill of one sequence of S tokens (T = S / cp on each CP rank) through stage `s`.
     StageCost prefill_stage(int s, double S) const {
         const RankKv& rk = layout_.ranks[rank_of(p_, 0, s, 0, 0)];
@@ -348,28 +367,36 @@ class Model {
             }
             if (moe && p_.ep > 1) add_ep(c, T / p_.tp);
             if (p_.cp > 1 && holds_tokens(m_.layer(l).kind)) {
-                // Per ring step, one block's transfer against one block's attention compute.
-                const double step_attn = attn_s / p_.cp;
+                // The ring steps the executor runs (cp for full attention; a windowed layer's
+                // stop once no query's window reaches further, layout/cp_plan.h): per step one
+                // shard's transfer against that step's share of the attention compute. Pass-Q
+                // returns the partials of the steps it ran.
+                const auto [kv_steps, q_steps] = ring_steps(l, S);
                 const double kv_step = T * kv_layer;
                 const double kv_send = send_s(kv_step, l_.cp_bw, l_.cp_hop) + l_.launch;
-                const double kv_exposed = (p_.cp - 1) * std::max(0.0, kv_send - step_attn);
+                const double kv_exposed =
+                    (kv_steps - 1) * std::max(0.0, kv_send - attn_s / kv_steps);
                 const double q_step = T * q_heads() * qk_dim(l) * a;
                 const double q_send = send_s(q_step, l_.cp_bw, l_.cp_hop) + l_.launch;
                 const double part = T * q_heads() * (v_dim(l) + 1) * 4.0;  // fp32 partial O, LSE
-                const double q_a2a = all_to_all_s(p_.cp * part, l_.cp, hw_) + l_.launch;
-                const double q_exposed = (p_.cp - 1) * std::max(0.0, q_send - step_attn) + q_a2a;
+                // The all-to-all sends (q_steps - 1) partials: a buffer of cp * part scaled so.
+                const double returned = double(q_steps - 1) / (p_.cp - 1);
+                const double q_a2a =
+                    q_steps > 1 ? all_to_all_s(p_.cp * part * returned, l_.cp, hw_) + l_.launch
+                                : 0.0;
+                const double q_exposed =
+                    (q_steps - 1) * std::max(0.0, q_send - attn_s / q_steps) + q_a2a;
                 auto& cpp = c.cp_prefill;
-                cpp.pass_kv_bytes += (p_.cp - 1) * kv_step;
-                cpp.pass_kv_s += (p_.cp - 1) * kv_send;
-                cpp.pass_kv_hidden = kv_send <= step_attn;
-                cpp.pass_q_bytes += (p_.cp - 1) * q_step + double(p_.cp - 1) / p_.cp * p_.cp * part;
+                cpp.pass_kv_bytes += (kv_steps - 1) * kv_step;
+                cpp.pass_kv_s += (kv_steps - 1) * kv_send;
+                cpp.pass_kv_hidden = kv_send <= attn_s / kv_steps;
+                cpp.pass_q_bytes += (q_steps - 1) * (q_step + part);
                 cpp.pass_q_s += q_exposed;
                 const bool use_q =
                     o_.cp_prefill == CpPrefillPolicy::kPassQ ||
                     (o_.cp_prefill == CpPrefillPolicy::kAuto && q_exposed < kv_exposed);
                 cpp.chosen = use_q ? CpPrefillPolicy::kPassQ : CpPrefillPolicy::kPassKv;
-                c.cp_bytes +=
-                    use_q ? (p_.cp - 1) * q_step + double(p_.cp - 1) * part : (p_.cp - 1) * kv_step;
+                c.cp_bytes += use_q ? (q_steps - 1) * (q_step + part) : (kv_steps - 1) * kv_step;
                 c.cp_s += use_q ? q_exposed : kv_exposed;
             }
         }
@@ -473,6 +500,7 @@ class Model {
     const CostOptions& o_;
     KvLayout layout_;
     std::vector<double> layer_kv_, layer_state_;  // per layer, on TP rank 0 of its stage
+    mutable std::map<std::tuple<bool, int, int64_t>, std::pair<int, int>> ring_steps_;
     Links l_{};
     double flops_ = 0, hbm_ = 0, we_ = 0;
 };

@@ -127,6 +127,29 @@ TEST(CpTokenMap, RangesAndTheirVisibilityAgreeWithPositions) {
     }
 }
 
+// The prompt form (what the planner asks for every configuration) equals the counts over the full
+// map, for every scheme; interleaved placements are counted over one period past the first
+// window, which must not change the answer.
+TEST(CpWindowSteps, PromptFormEqualsTheFullMapsCount) {
+    for (CpScheme scheme : {CpScheme::kContiguous, CpScheme::kZigzag, CpScheme::kInterleave})
+        for (int cp : {2, 3, 4, 8})
+            for (int unit : {1, 3, 16})
+                for (int64_t n : {1, 7, 64, 100, 1000, 4099})
+                    for (bool chunked : {false, true})
+                        for (int window : {1, 5, 16, 128}) {
+                            ParallelConfig p = cfg(cp, scheme, unit);
+                            const CpTokenMap map = cp_prompt_map(p, n);
+                            const auto got = cp_prompt_window_ring_steps(p, n, chunked, window);
+                            ASSERT_EQ(got.first, cp_window_ring_steps(map, 0, chunked, window))
+                                << cp_scheme_name(scheme) << " cp " << cp << " unit " << unit
+                                << " n " << n << " chunked " << chunked << " w " << window;
+                            ASSERT_EQ(got.second,
+                                      cp_pass_q_window_ring_steps(map, 0, chunked, window))
+                                << cp_scheme_name(scheme) << " cp " << cp << " unit " << unit
+                                << " n " << n << " chunked " << chunked << " w " << window;
+                        }
+}
+
 TEST(CpRing, EveryRankSeesEveryShardOnceAndSendsWhatTheNextReceives) {
     for (int cp : {1, 2, 3, 4, 8}) {
         for (int c = 0; c < cp; ++c) {

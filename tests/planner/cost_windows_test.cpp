@@ -2,6 +2,7 @@
 // with at most W keys in prefill; state layers read and write their state.
 #include <gtest/gtest.h>
 
+#include "kvshard/layout/cp_plan.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/cost_model.h"
 #include "kvshard/planner/hardware.h"
@@ -35,6 +36,36 @@ TEST(CostWindows, WindowedLayersReadTheirWindowOnly) {
                 1e-9 * full.prefill.flops);
     EXPECT_LT(win.ttft_s, full.ttft_s);
     EXPECT_LT(win.tpot_s, full.tpot_s);
+}
+
+// CP prefill under windows: the planner counts the ring steps the executor runs. gpt-oss-120b at
+// cp=4, 32K tokens: over contiguous shards a sliding layer's ring stops after one transfer (its
+// queries reach back into the previous rank's shard only), so the pass-KV bytes are the
+// executor's count, below those of the same model with every layer full; over zigzag shards the
+// mirrored chunk needs the next rank's keys, the last step, and nothing is saved.
+TEST(CostWindows, CpPrefillRingStopsWhereTheExecutorsDoes) {
+    const ModelSpec m = catalog_model("gpt-oss-120b");
+    const int64_t S = 32768;
+    Workload w;
+    w.prompt_tokens = w.context_tokens = S;
+    for (CpScheme scheme : {CpScheme::kContiguous, CpScheme::kZigzag}) {
+        ParallelConfig p;
+        p.cp = 4;
+        p.cp_scheme = scheme;
+        const HardwareSpec hw = hardware_by_name("h100-sxm");
+        const CostReport win = estimate_cost(m, p, hw, w);
+        const CostReport full = estimate_cost(with_full_attention(m), p, hw, w);
+        const int64_t exact = cp_pass_kv_bytes(make_layout(m, p), 0, cp_prompt_map(p, S)).total();
+        EXPECT_DOUBLE_EQ(win.cp_prefill.pass_kv_bytes, double(exact)) << cp_scheme_name(scheme);
+        if (scheme == CpScheme::kContiguous) {
+            // 18 full layers send 3 shards, 18 sliding layers 1.
+            EXPECT_NEAR(win.cp_prefill.pass_kv_bytes / full.cp_prefill.pass_kv_bytes,
+                        (18.0 * 3 + 18.0 * 1) / (36.0 * 3), 1e-12);
+            EXPECT_LT(win.cp_prefill.pass_kv_s, full.cp_prefill.pass_kv_s);
+        } else {
+            EXPECT_DOUBLE_EQ(win.cp_prefill.pass_kv_bytes, full.cp_prefill.pass_kv_bytes);
+        }
+    }
 }
 
 TEST(CostWindows, StateLayersReadAndWriteTheirState) {

@@ -93,6 +93,13 @@ int cp_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked,
 // key of the rank s ahead of it (cyclically). Mirror image of cp_window_ring_steps: the two agree
 // where placement is symmetric (zigzag), not for contiguous or interleaved shards at cp >= 3.
 int cp_pass_q_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool chunked, int window);
+// Both counts {pass-KV, pass-Q} for a whole prompt of n tokens placed by p (cp_prompt_map), as the
+// planner asks them for every configuration. Interleaved placements are periodic (period
+// unit x cp, and the chunk length for chunked windows), so the count over n tokens equals the
+// count over the first min(n, period + window) tokens: every later query's window and owners
+// repeat an earlier one's. The others are counted over the map itself.
+std::pair<int, int> cp_prompt_window_ring_steps(const ParallelConfig& p, int64_t n, bool chunked,
+                                                int window);
 
 // Whether some query at q_pos sees some key at kv_pos (both ascending): causally (key <= query)
 // and, under a window (window > 0), inside it (sliding: the last `window` positions; chunked: the
