@@ -190,16 +190,25 @@ std::pair<int, int> cp_prompt_window_ring_steps(const ParallelConfig& p, int64_t
             cp_pass_q_window_ring_steps(map, 0, chunked, window)};
 }
 
+namespace {
+
+// Ascending positions as maximal runs.
+std::vector<TokenRange> runs_of(std::span<const int64_t> pos) {
+    std::vector<TokenRange> out;
+    for (int64_t p : pos) {
+        if (!out.empty() && out.back().end == p)
+            ++out.back().end;
+        else
+            out.push_back({p, p + 1});
+    }
+    return out;
+}
+
+}  // namespace
+
 bool cp_shard_sees(std::span<const int64_t> q_pos, std::span<const int64_t> kv_pos, bool chunked,
                    int window) {
-    if (q_pos.empty() || kv_pos.empty() || kv_pos.front() > q_pos.back()) return false;
-    if (window <= 0) return true;
-    for (int64_t p : q_pos) {
-        const int64_t first = chunked ? p - p % window : std::max<int64_t>(0, p - window + 1);
-        const auto it = std::lower_bound(kv_pos.begin(), kv_pos.end(), first);
-        if (it != kv_pos.end() && *it <= p) return true;
-    }
-    return false;
+    return cp_shard_sees(runs_of(q_pos), runs_of(kv_pos), chunked, window);
 }
 
 bool cp_shard_sees(std::span<const TokenRange> q, std::span<const TokenRange> kv, bool chunked,
@@ -214,8 +223,8 @@ bool cp_shard_sees(std::span<const TokenRange> q, std::span<const TokenRange> kv
                                    [](int64_t x, const TokenRange& k) { return x < k.begin; });
         if (it == kv.begin()) continue;
         --it;
-        const int64_t last = std::min(it->end - 1, b);
-        if (last < it->begin) continue;
+        const int64_t last =
+            std::min(it->end - 1, b);  // >= it->begin: the run starts at or before b
         const int64_t first = window <= 0 ? 0
                               : chunked   ? a - a % window
                                           : std::max<int64_t>(0, a - window + 1);
@@ -260,12 +269,11 @@ CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMa
     // only where some new query of o's sees a key of this rank's: causally, and for a windowed
     // group inside its window (cp_shard_sees); a partial without one would be empty.
     const int64_t unit = hq * (d + 1) * 4;
-    const std::vector<int64_t> keys = map.positions(r.coord.cp);
+    const std::vector<TokenRange> keys = map.ranges(r.coord.cp);
     auto returned_tokens = [&](bool chunked, int window) {
         int64_t t = 0;
         for (int o = 0; o < cp; ++o)
-            if (o != r.coord.cp &&
-                cp_shard_sees(map.positions(o, new_begin), keys, chunked, window))
+            if (o != r.coord.cp && cp_shard_sees(map.ranges(o, new_begin), keys, chunked, window))
                 t += map.count(o, new_begin);
         return t;
     };
