@@ -541,6 +541,37 @@ int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessag
     return runs == 1 && wire_off == 0 && len == msg.bytes ? pool_off : -1;
 }
 
+std::vector<CopyRun> message_copy_runs(const TransferPlan& plan, const TransferMessage& msg,
+                                       TransferMode mode, bool source_side,
+                                       const PageGeometry& geometry, int64_t num_blocks) {
+    require(mode != TransferMode::kAuto,
+            "message_copy_runs needs a resolved mode (call resolve_mode)");
+    const TransferEndpoint& side = source_side ? plan.src : plan.dst;
+    const int rank = source_side ? msg.src_rank : msg.dst_rank;
+    const PageGeometry want = rank_page_geometry(side.layout, rank, side.block_size, side.order);
+    require(geometry == want, "message_copy_runs: the ", source_side ? "source" : "destination",
+            " geometry of rank ", rank, " is not that rank's (", want.num_layers, " layers, ",
+            want.num_heads, " heads, block size ", want.block_size, ")");
+    for (const auto& p : msg.pieces) {
+        const int32_t b = source_side ? p.src_block : p.dst_block;
+        require(b >= 0 && b < num_blocks, "block ", b, " of rank ", rank,
+                " is outside its pool of ", num_blocks, " blocks");
+    }
+    struct Collect {
+        std::vector<CopyRun> runs;
+        void operator()(int64_t pool_off, int64_t wire_off, int64_t len) {
+            runs.push_back({pool_off, len, wire_off, len, len, 1});
+        }
+        void strided(int64_t pool_off, int64_t pool_step, int64_t wire_off, int64_t wire_step,
+                     int64_t len, int64_t count) {
+            runs.push_back({pool_off, pool_step, wire_off, wire_step, len, count});
+        }
+    } collect;
+    walk_message(plan, msg, source_side, wire_order(plan, mode), geometry, num_blocks,
+                 msg.num_layers(), plan.kv_factor, collect);
+    return std::move(collect.runs);
+}
+
 void pack_message(const TransferPlan& plan, const TransferMessage& msg, TransferMode mode,
                   const BlockPool& pool, std::span<std::byte> out) {
     const TransferMessage* one[] = {&msg};

@@ -79,6 +79,27 @@ int64_t contiguous_payload_offset(const TransferPlan& plan, const TransferMessag
                                   TransferMode mode, bool source_side, const PageGeometry& geometry,
                                   int64_t num_blocks);
 
+// A message's copies between one side's pool and its payload, as a list a copy engine can carry
+// out without the plan (the CUDA backend's pack/unpack kernels, src/cuda/): the same copies, in
+// the same wire order, that pack_message (source_side) or unpack_message (destination side) make,
+// merged where they continue in both buffers. Each run is `count` copies of `len` bytes, copy i
+// between pool byte pool + i * pool_step and payload byte wire + i * wire_step (a transpose's
+// head_dim vectors; count 1 otherwise). The runs cover the payload [0, msg.bytes) once.
+// `geometry` and num_blocks describe that side's pool (the rank's geometry; Error otherwise, or
+// when a block of msg lies outside it, or mode is kAuto). fp8 scales are not included
+// (pack_scales).
+struct CopyRun {
+    int64_t pool = 0, pool_step = 0;
+    int64_t wire = 0, wire_step = 0;
+    int64_t len = 0;
+    int64_t count = 1;
+    int64_t bytes() const { return len * count; }
+    bool operator==(const CopyRun&) const = default;
+};
+std::vector<CopyRun> message_copy_runs(const TransferPlan& plan, const TransferMessage& msg,
+                                       TransferMode mode, bool source_side,
+                                       const PageGeometry& geometry, int64_t num_blocks);
+
 // Batches: several messages of one source rank (pack) or one destination rank (unpack) that share
 // their layer range, in one pass interleaved by (layer, K/V, piece): messages that differ only by
 // heads (a TP reshape) then touch each page once, in address order. Same bytes as one call per

@@ -1,0 +1,97 @@
+#include "kvshard/cuda/copy.h"
+
+#include <algorithm>
+
+#include "cuda/check.h"
+#include "cuda/kernels.h"
+
+namespace kvshard::cuda {
+namespace {
+
+static_assert(sizeof(CopyEntry) == sizeof(detail::RawCopyEntry));
+
+// Appends e, split so that no entry copies more than kMaxEntryBytes: a long copy into pieces of
+// whole 16-byte units, many short copies into groups of copies.
+void push_split(std::vector<CopyEntry>& out, const CopyEntry& e) {
+    if (e.len <= 0 || e.count <= 0) return;
+    if (e.len * e.count <= kMaxEntryBytes) {
+        out.push_back(e);
+        return;
+    }
+    if (e.len > kMaxEntryBytes) {
+        for (int64_t i = 0; i < e.count; ++i)
+            for (int64_t o = 0; o < e.len; o += kMaxEntryBytes)
+                out.push_back({e.src + i * e.src_step + o, 0, e.dst + i * e.dst_step + o, 0,
+                               std::min(kMaxEntryBytes, e.len - o), 1});
+        return;
+    }
+    const int64_t per = std::max<int64_t>(1, kMaxEntryBytes / e.len);
+    for (int64_t i = 0; i < e.count; i += per)
+        out.push_back({e.src + i * e.src_step, e.src_step, e.dst + i * e.dst_step, e.dst_step,
+                       e.len, std::min(per, e.count - i)});
+}
+
+}  // namespace
+
+std::vector<CopyEntry> pack_entries(std::span<const CopyRun> runs) {
+    std::vector<CopyEntry> out;
+    out.reserve(runs.size());
+    for (const CopyRun& r : runs)
+        push_split(out, {r.pool, r.pool_step, r.wire, r.wire_step, r.len, r.count});
+    return out;
+}
+
+std::vector<CopyEntry> unpack_entries(std::span<const CopyRun> runs) {
+    std::vector<CopyEntry> out;
+    out.reserve(runs.size());
+    for (const CopyRun& r : runs)
+        push_split(out, {r.wire, r.wire_step, r.pool, r.pool_step, r.len, r.count});
+    return out;
+}
+
+std::vector<CopyEntry> direct_entries(std::span<const TransferDescriptor> descriptors) {
+    std::vector<CopyEntry> out;
+    out.reserve(descriptors.size());
+    for (const TransferDescriptor& d : descriptors)
+        push_split(out, {d.src_offset, 0, d.dst_offset, 0, d.bytes, 1});
+    return out;
+}
+
+void append_entries(std::vector<CopyEntry>& to, std::span<const CopyEntry> more, int64_t src_base,
+                    int64_t dst_base) {
+    for (CopyEntry e : more) {
+        e.src += src_base;
+        e.dst += dst_base;
+        to.push_back(e);
+    }
+}
+
+DeviceCopyProgram::DeviceCopyProgram(std::span<const CopyEntry> entries)
+    : entries_(static_cast<int64_t>(entries.size_bytes())),
+      count_(static_cast<int64_t>(entries.size())) {
+    for (const CopyEntry& e : entries) {
+        require(e.src >= 0 && e.dst >= 0 && e.len >= 0 && e.count >= 0 && e.src_step >= 0 &&
+                    e.dst_step >= 0,
+                "a copy entry with a negative offset, step, length or count");
+        require(e.len * e.count <= kMaxEntryBytes, "a copy entry of ", e.len * e.count,
+                " bytes: entries copy at most ", kMaxEntryBytes,
+                " (split them with pack_entries / unpack_entries)");
+        bytes_ += e.len * e.count;
+        if (e.len > 0 && e.count > 0) {
+            src_extent_ = std::max(src_extent_, e.src + (e.count - 1) * e.src_step + e.len);
+            dst_extent_ = std::max(dst_extent_, e.dst + (e.count - 1) * e.dst_step + e.len);
+        }
+    }
+    entries_.upload(std::as_bytes(entries));
+}
+
+void DeviceCopyProgram::run(const std::byte* src, std::byte* dst, void* stream) const {
+    if (count_ == 0) return;
+    static const int sm_count = multiprocessor_count();
+    detail::launch_copy(reinterpret_cast<const detail::RawCopyEntry*>(entries_.data()), count_,
+                        reinterpret_cast<const unsigned char*>(src),
+                        reinterpret_cast<unsigned char*>(dst), sm_count, detail::stream_of(stream));
+    KVSHARD_CUDA_CALL(cudaGetLastError());
+}
+
+}  // namespace kvshard::cuda
