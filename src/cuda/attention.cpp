@@ -143,8 +143,7 @@ void DeviceDecode::run(const DevicePool& pool, int layer, const float* q, float*
     a.partial_lse = reinterpret_cast<float*>(partial_lse_.data());
     a.out = out;
     a.lse = lse;
-    detail::launch_decode(a, detail::stream_of(stream));
-    KVSHARD_CUDA_CALL(cudaGetLastError());
+    KVSHARD_CUDA_CALL(detail::launch_decode(a, detail::stream_of(stream)));
 }
 
 void merge_attention(std::span<const float* const> outs, std::span<const float* const> lses,

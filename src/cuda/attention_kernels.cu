@@ -1,14 +1,16 @@
 // Paged decode attention with LSE, and the LSE merge (docs/cuda.md, "Decode attention").
 //
 // decode_chunk_kernel: one thread block (4 warps) per (work item = a sequence's chunk, KV head).
-// A warp is 32 / KL key groups of KL lanes; a key group reads one key (and its value) per step
-// with 16-byte loads, each lane VPL vectors of it (so a warp's loads cover consecutive keys'
-// bytes), computes the scores of the head's G query heads (the dot products reduced over the KL
-// lanes with shuffles), and keeps its own online softmax (max, sum, output slice) over the keys it
-// reads: R keys a step, K and V loads of all R issued before any arithmetic. The key groups of the
-// block are merged through shared memory into the chunk's partial output and LSE, and
-// combine_chunks_kernel merges a sequence's chunks. Scores are kept in log2 units (q is scaled by
-// scale * log2(e) when loaded) and the LSE is converted back to natural log at the end.
+// The chunk's keys and values stream through shared memory in tiles of TK keys, kStages tiles in
+// flight (cp.async, so no register holds a load in flight and the copies of later tiles overlap
+// the arithmetic on this one). The G query heads of the KV head are split into head groups of at
+// most 4 (GH), each served by the same number of warps; a warp is 32 / KL key groups of KL lanes,
+// and a key group takes one key of the tile at a time: each lane VPL 16-byte vectors of it, the
+// dot products with the GH query heads reduced over the KL lanes with shuffles, and its own online
+// softmax (max, sum, output slice) over the keys it takes (R of each tile). The key groups are
+// merged through shared memory into the chunk's partial output and LSE, and combine_chunks_kernel
+// merges a sequence's chunks. Scores are kept in log2 units (q is scaled by scale * log2(e) when
+// loaded) and the LSE is converted back to natural log at the end.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -22,6 +24,8 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 4;
+constexpr int kTileBytes = 8 << 10;  // keys of one tile (and as many values)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -74,29 +78,46 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 template <int kElem, int D, int G>
 struct Shape {
-    static constexpr int VE = Vec<kElem>::kN;  // elements per 16-byte vector
-    static constexpr int VPK = D / VE;         // vectors per key
-    static constexpr int EPL_MAX =
-        cmax(VE, cmin(32, 64 / G));  // output floats a lane may keep per head
+    static constexpr int VE = Vec<kElem>::kN;                    // elements per 16-byte vector
+    static constexpr int VPK = D / VE;                           // vectors per key
+    static constexpr int GH = cmin(G, 4);                        // query heads per head group
+    static constexpr int HG = G / GH;                            // head groups
+    static constexpr int WPH = kWarps / HG;                      // warps per head group
+    static constexpr int EPL_MAX = cmax(VE, cmin(32, 64 / GH));  // floats a lane keeps per head
     static constexpr int VPL0 = cmax(1, cmin(VPK, EPL_MAX / VE));
     static constexpr int KL = cmin(32, VPK / VPL0);  // lanes per key
     static constexpr int VPL = VPK / KL;             // vectors per lane
     static constexpr int EPL = VPL * VE;             // elements per lane
     static constexpr int GPW = 32 / KL;              // key groups per warp
-    static constexpr int R = cmax(1, 4 / VPL);       // keys per group per step
-    static constexpr int NG = kWarps * GPW;          // key groups per block
-    static constexpr int STEP = NG * R;              // keys per block per step
+    static constexpr int KG = WPH * GPW;             // key groups per head group
+    static constexpr int TK = cmax(KG, kTileBytes / (D * Vec<kElem>::kBytes));  // keys per tile
+    static constexpr int R = TK / KG;                       // keys per key group per tile
+    static constexpr int TILE_VECS = TK * VPK;              // 16-byte vectors of a tile's keys
+    static constexpr int STAGE_BYTES = 2 * TILE_VECS * 16;  // keys and values
+    static constexpr int SCRATCH_BYTES = (2 * KG * G + KG * G * D) * 4;
+    static constexpr int SMEM_BYTES = cmax(kStages * STAGE_BYTES, SCRATCH_BYTES);
     static_assert(VPK % KL == 0 && 32 % KL == 0, "lanes per key divide the key and the warp");
+    static_assert(TK % KG == 0 && G % GH == 0 && kWarps % HG == 0, "an even split");
 };
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int n = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 template <int kElem, int D, int G>
-__global__ void __launch_bounds__(kThreads, 2) decode_chunk_kernel(DecodeLaunch a) {
+__global__ void __launch_bounds__(kThreads, 3) decode_chunk_kernel(DecodeLaunch a) {
     using S = Shape<kElem, D, G>;
     using V = Vec<kElem>;
-    constexpr int VE = S::VE, KL = S::KL, VPL = S::VPL, EPL = S::EPL, GPW = S::GPW, R = S::R;
-    __shared__ float sm_m[S::NG][G];
-    __shared__ float sm_l[S::NG][G];
-    __shared__ float sm_acc[S::NG][G][D];
+    constexpr int VE = S::VE, VPK = S::VPK, GH = S::GH, KL = S::KL, VPL = S::VPL, EPL = S::EPL,
+                  GPW = S::GPW, KG = S::KG, TK = S::TK, R = S::R;
+    extern __shared__ uint4 smem[];
 
     const long long item = blockIdx.x;
     const int kvh = blockIdx.y;
@@ -108,76 +129,92 @@ __global__ void __launch_bounds__(kThreads, 2) decode_chunk_kernel(DecodeLaunch 
         nblk == 0 ? 0 : static_cast<long long>(nblk - 1) * a.block_size + a.last_page_len[seq];
     const long long t0 = static_cast<long long>(chunk) * a.chunk_tokens;
     const long long t1 = t0 + a.chunk_tokens < len ? t0 + a.chunk_tokens : len;
+    const int tiles = t1 > t0 ? static_cast<int>((t1 - t0 + TK - 1) / TK) : 0;
 
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
-    const int gi = lane / KL;  // key group in the warp
-    const int li = lane % KL;  // lane in the key group
-    const int group = warp * GPW + gi;
-
-    // q of the G query heads of KV head kvh, this lane's elements, in log2 units.
-    float q[G][EPL];
-    const float qs = a.scale * kLog2e;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const float* qrow = a.q + (static_cast<long long>(seq) * a.num_q_heads + kvh * G + g) * D;
-#pragma unroll
-        for (int v = 0; v < VPL; ++v)
-#pragma unroll
-            for (int e = 0; e < VE; ++e) q[g][v * VE + e] = qrow[(v * KL + li) * VE + e] * qs;
-    }
-    float m[G], l[G], acc[G][EPL];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[g][e] = 0.0f;
-    }
+    const int hg = warp / S::WPH;                     // head group
+    const int j = (warp % S::WPH) * GPW + lane / KL;  // key group in the head group
+    const int li = lane % KL;                         // lane in the key group
 
     const unsigned char* pool = a.pool;
     const long long kv_plane = a.num_blocks * a.page_elems;  // elements from a K page to its V page
     const long long layer_base = static_cast<long long>(a.layer) * a.kv_factor * kv_plane;
     const long long head_base = static_cast<long long>(kvh) * a.head_stride;
 
-    for (long long s0 = t0; s0 < t1; s0 += S::STEP) {
-        uint4 kr[R][VPL], vr[R][VPL];
+    // Tile `tile` of the chunk into stage `stage`: keys, then values; keys past t1 zero-filled.
+    auto load_tile = [&](int tile, int stage) {
+        uint4* sk = smem + static_cast<long long>(stage) * 2 * S::TILE_VECS;
+        uint4* sv = sk + S::TILE_VECS;
+        const long long k0 = t0 + static_cast<long long>(tile) * TK;
+        for (int i = threadIdx.x; i < S::TILE_VECS; i += kThreads) {
+            const int key = i / VPK;
+            const int vec = i % VPK;
+            const long long t = k0 + key;
+            const bool valid = t < t1;
+            long long el = 0;
+            if (valid) {
+                const int blk = a.indices[first_block + static_cast<int>(t / a.block_size)];
+                const int slot = static_cast<int>(t % a.block_size);
+                el = layer_base + static_cast<long long>(blk) * a.page_elems + head_base +
+                     static_cast<long long>(slot) * a.token_stride + vec * VE;
+            }
+            cp_async16(sk + i, pool + el * V::kBytes, valid);
+            cp_async16(sv + i, pool + (valid ? el + kv_plane : 0) * V::kBytes, valid);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < tiles) load_tile(s, s);
+        cp_async_commit();
+    }
+
+    // q of this head group's query heads, this lane's elements, in log2 units.
+    float q[GH][EPL];
+    const float qs = a.scale * kLog2e;
+#pragma unroll
+    for (int g = 0; g < GH; ++g) {
+        const float* qrow =
+            a.q + (static_cast<long long>(seq) * a.num_q_heads + kvh * G + hg * GH + g) * D;
+#pragma unroll
+        for (int v = 0; v < VPL; ++v)
+#pragma unroll
+            for (int e = 0; e < VE; ++e) q[g][v * VE + e] = qrow[(v * KL + li) * VE + e] * qs;
+    }
+    float m[GH], l[GH], acc[GH][EPL];
+#pragma unroll
+    for (int g = 0; g < GH; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[g][e] = 0.0f;
+    }
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // the tile has landed for every thread; the stage refilled below is free
+        if (tile + kStages - 1 < tiles)
+            load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
+        cp_async_commit();
+
+        const uint4* sk = smem + static_cast<long long>(tile % kStages) * 2 * S::TILE_VECS;
+        const uint4* sv = sk + S::TILE_VECS;
+        const long long k0 = t0 + static_cast<long long>(tile) * TK;
+        float s[R][GH];
         bool valid[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const long long t = s0 + static_cast<long long>(warp) * GPW * R + r * GPW + gi;
-            valid[r] = t < t1;
-            if (valid[r]) {
-                const int blk = a.indices[first_block + static_cast<int>(t / a.block_size)];
-                const int slot = static_cast<int>(t % a.block_size);
-                const long long koff = layer_base + static_cast<long long>(blk) * a.page_elems +
-                                       head_base + static_cast<long long>(slot) * a.token_stride;
+            const int kk = r * KG + j;
+            valid[r] = k0 + kk < t1;
 #pragma unroll
-                for (int v = 0; v < VPL; ++v) {
-                    const long long el = koff + (v * KL + li) * VE;
-                    kr[r][v] = __ldg(reinterpret_cast<const uint4*>(pool + el * V::kBytes));
-                    vr[r][v] =
-                        __ldg(reinterpret_cast<const uint4*>(pool + (el + kv_plane) * V::kBytes));
-                }
-            } else {
-#pragma unroll
-                for (int v = 0; v < VPL; ++v) {
-                    kr[r][v] = make_uint4(0, 0, 0, 0);
-                    vr[r][v] = make_uint4(0, 0, 0, 0);
-                }
-            }
-        }
-        float s[R][G];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) s[r][g] = 0.0f;
+            for (int g = 0; g < GH; ++g) s[r][g] = 0.0f;
 #pragma unroll
             for (int v = 0; v < VPL; ++v) {
                 float f[VE];
-                V::to_float(kr[r][v], f);
+                V::to_float(sk[kk * VPK + v * KL + li], f);
 #pragma unroll
-                for (int g = 0; g < G; ++g)
+                for (int g = 0; g < GH; ++g)
 #pragma unroll
                     for (int e = 0; e < VE; ++e) s[r][g] = fmaf(q[g][v * VE + e], f[e], s[r][g]);
             }
@@ -187,10 +224,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_chunk_kernel(DecodeLaunch 
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int g = 0; g < G; ++g) s[r][g] += __shfl_xor_sync(0xffffffffu, s[r][g], off);
-        float p[R][G];
+                for (int g = 0; g < GH; ++g) s[r][g] += __shfl_xor_sync(0xffffffffu, s[r][g], off);
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
+        for (int g = 0; g < GH; ++g) {
             float mx = m[g];
 #pragma unroll
             for (int r = 0; r < R; ++r)
@@ -200,8 +236,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_chunk_kernel(DecodeLaunch 
             float sum = l[g] * corr;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                p[r][g] = valid[r] ? exp2f(s[r][g] - mx) : 0.0f;
-                sum += p[r][g];
+                s[r][g] = valid[r] ? exp2f(s[r][g] - mx) : 0.0f;  // now the probability
+                sum += s[r][g];
             }
             l[g] = sum;
             m[g] = mx;
@@ -209,48 +245,57 @@ __global__ void __launch_bounds__(kThreads, 2) decode_chunk_kernel(DecodeLaunch 
             for (int e = 0; e < EPL; ++e) acc[g][e] *= corr;
         }
 #pragma unroll
-        for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r) {
+            const int kk = r * KG + j;
 #pragma unroll
             for (int v = 0; v < VPL; ++v) {
                 float f[VE];
-                V::to_float(vr[r][v], f);
+                V::to_float(sv[kk * VPK + v * KL + li], f);
 #pragma unroll
-                for (int g = 0; g < G; ++g)
+                for (int g = 0; g < GH; ++g)
 #pragma unroll
                     for (int e = 0; e < VE; ++e)
-                        acc[g][v * VE + e] = fmaf(p[r][g], f[e], acc[g][v * VE + e]);
+                        acc[g][v * VE + e] = fmaf(s[r][g], f[e], acc[g][v * VE + e]);
             }
+        }
     }
+    cp_async_wait<0>();
+    __syncthreads();  // every stage read: the shared memory becomes the merge scratch
 
-    // Merge the block's key groups.
+    // Merge the key groups of each head: scratch m[KG][G], l[KG][G], acc[KG][G][D].
+    float* sm_m = reinterpret_cast<float*>(smem);
+    float* sm_l = sm_m + KG * G;
+    float* sm_acc = sm_l + KG * G;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < GH; ++g) {
+        const int h = hg * GH + g;
         if (li == 0) {
-            sm_m[group][g] = m[g];
-            sm_l[group][g] = l[g];
+            sm_m[j * G + h] = m[g];
+            sm_l[j * G + h] = l[g];
         }
 #pragma unroll
         for (int v = 0; v < VPL; ++v)
 #pragma unroll
             for (int e = 0; e < VE; ++e)
-                sm_acc[group][g][(v * KL + li) * VE + e] = acc[g][v * VE + e];
+                sm_acc[(j * G + h) * D + (v * KL + li) * VE + e] = acc[g][v * VE + e];
     }
     __syncthreads();
     for (int i = threadIdx.x; i < G * D; i += kThreads) {
-        const int g = i / D;
+        const int h = i / D;
         const int d = i % D;
         float mx = -INFINITY;
-        for (int j = 0; j < S::NG; ++j) mx = fmaxf(mx, sm_m[j][g]);
+        for (int k = 0; k < KG; ++k) mx = fmaxf(mx, sm_m[k * G + h]);
         float sum = 0.0f, o = 0.0f;
         if (mx != -INFINITY) {
-            for (int j = 0; j < S::NG; ++j) {
-                if (sm_m[j][g] == -INFINITY) continue;
-                const float w = exp2f(sm_m[j][g] - mx);
-                sum += sm_l[j][g] * w;
-                o += sm_acc[j][g][d] * w;
+            for (int k = 0; k < KG; ++k) {
+                const float mk = sm_m[k * G + h];
+                if (mk == -INFINITY) continue;
+                const float w = exp2f(mk - mx);
+                sum += sm_l[k * G + h] * w;
+                o += sm_acc[(k * G + h) * D + d] * w;
             }
         }
-        const long long row = item * a.num_q_heads + kvh * G + g;
+        const long long row = item * a.num_q_heads + kvh * G + h;
         a.partial_out[row * D + d] = sum > 0.0f ? o / sum : 0.0f;
         if (d == 0) a.partial_lse[row] = sum > 0.0f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
     }
@@ -318,12 +363,17 @@ __global__ void merge_kernel(MergeArgs a) {
 }
 
 template <int kElem, int D, int G>
-void launch_decode_t(const DecodeLaunch& a, cudaStream_t stream) {
+cudaError_t launch_decode_t(const DecodeLaunch& a, cudaStream_t stream) {
+    constexpr int bytes = Shape<kElem, D, G>::SMEM_BYTES;
+    static const cudaError_t opt_in = cudaFuncSetAttribute(
+        decode_chunk_kernel<kElem, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (opt_in != cudaSuccess) return opt_in;
     const dim3 grid(static_cast<unsigned>(a.work_items), static_cast<unsigned>(a.num_kv_heads));
-    decode_chunk_kernel<kElem, D, G><<<grid, kThreads, 0, stream>>>(a);
+    decode_chunk_kernel<kElem, D, G><<<grid, kThreads, bytes, stream>>>(a);
+    return cudaGetLastError();
 }
 
-using Launcher = void (*)(const DecodeLaunch&, cudaStream_t);
+using Launcher = cudaError_t (*)(const DecodeLaunch&, cudaStream_t);
 
 template <int kElem, int D>
 Launcher pick_group(int group) {
@@ -373,11 +423,13 @@ bool decode_supported(int head_dim, int group, ElemType elem) {
     return pick(head_dim, group, elem) != nullptr;
 }
 
-void launch_decode(const DecodeLaunch& a, cudaStream_t stream) {
+cudaError_t launch_decode(const DecodeLaunch& a, cudaStream_t stream) {
     const Launcher f = pick(a.head_dim, a.num_q_heads / a.num_kv_heads, a.elem);
-    f(a, stream);
+    const cudaError_t e = f(a, stream);
+    if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>(a.batch), static_cast<unsigned>(a.num_q_heads));
     combine_chunks_kernel<<<grid, a.head_dim, 0, stream>>>(a);
+    return cudaGetLastError();
 }
 
 void launch_merge(const float* const* outs, const float* const* lses, int n, long long rows,

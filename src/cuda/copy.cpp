@@ -50,10 +50,30 @@ std::vector<CopyEntry> unpack_entries(std::span<const CopyRun> runs) {
 }
 
 std::vector<CopyEntry> direct_entries(std::span<const TransferDescriptor> descriptors) {
+    // Descriptors of equal length at constant steps on both sides (a transpose's head_dim
+    // vectors: a token's heads, a head's tokens) become one strided entry.
     std::vector<CopyEntry> out;
-    out.reserve(descriptors.size());
-    for (const TransferDescriptor& d : descriptors)
-        push_split(out, {d.src_offset, 0, d.dst_offset, 0, d.bytes, 1});
+    CopyEntry cur;
+    bool open = false;
+    for (const TransferDescriptor& d : descriptors) {
+        if (open && d.bytes == cur.len) {
+            if (cur.count == 1 && d.src_offset > cur.src && d.dst_offset > cur.dst) {
+                cur.src_step = d.src_offset - cur.src;
+                cur.dst_step = d.dst_offset - cur.dst;
+                cur.count = 2;
+                continue;
+            }
+            if (cur.count > 1 && d.src_offset == cur.src + cur.count * cur.src_step &&
+                d.dst_offset == cur.dst + cur.count * cur.dst_step) {
+                ++cur.count;
+                continue;
+            }
+        }
+        if (open) push_split(out, cur);
+        cur = {d.src_offset, 0, d.dst_offset, 0, d.bytes, 1};
+        open = true;
+    }
+    if (open) push_split(out, cur);
     return out;
 }
 

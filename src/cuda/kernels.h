@@ -48,7 +48,8 @@ struct DecodeLaunch {
 
 // False when (head_dim, group size, elem) has no kernel.
 bool decode_supported(int head_dim, int group, ElemType elem);
-void launch_decode(const DecodeLaunch& a, cudaStream_t stream);
+// The decode kernel and the merge of each sequence's chunks; the first launch error.
+cudaError_t launch_decode(const DecodeLaunch& a, cudaStream_t stream);
 
 void launch_merge(const float* const* outs, const float* const* lses, int n, long long rows,
                   int dim, float* out, float* lse, cudaStream_t stream);

@@ -274,6 +274,18 @@ TEST(CopyEntries, LongRunsAndLongStridesAreSplitAtTheEntryLimit) {
     EXPECT_EQ(u[5].dst, 256 * 4096);
 }
 
+TEST(CopyEntries, DirectDescriptorsAtConstantStepsBecomeOneStridedEntry) {
+    std::vector<TransferDescriptor> d;
+    for (int i = 0; i < 16; ++i) d.push_back({0, 0, 0, 256 * i, 2048 * i, 256});  // one head
+    d.push_back({0, 0, 0, 100000, 50, 256});  // a break in the pattern
+    d.push_back({0, 0, 0, 200000, 70, 64});
+    const auto e = cuda::direct_entries(d);
+    ASSERT_EQ(e.size(), 3u);
+    EXPECT_EQ(e[0], (cuda::CopyEntry{0, 256, 0, 2048, 256, 16}));
+    EXPECT_EQ(e[1], (cuda::CopyEntry{100000, 0, 50, 0, 256, 1}));
+    EXPECT_EQ(e[2], (cuda::CopyEntry{200000, 0, 70, 0, 64, 1}));
+}
+
 TEST(CopyEntries, AProgramRefusesAnEntryOverTheLimit) {
     const std::vector<cuda::CopyEntry> e = {{0, 0, 0, 0, cuda::kMaxEntryBytes + 1, 1}};
     EXPECT_THROW(cuda::DeviceCopyProgram{e}, Error);
