@@ -1,6 +1,6 @@
 // The CUDA backend's kernels next to the device's own ceilings, same run (a GPU machine only).
 //
-//   bench_cuda [--reps 10] [--quick]
+//   bench_cuda [--reps 10] [--quick] [--sweep]
 //
 // Prints one JSON line per figure: the kernel's time and rate next to cudaMemcpy device-to-device
 // of the same bytes (median over --reps, CUDA events), and their ratio (memcpy time / kernel
@@ -12,7 +12,8 @@
 //    8 KV heads, and one llama-3.1-70b TP=8 rank's 8 query / 1 KV head; bf16, block 16, shuffled
 //    block tables), its KV bytes read per second next to the copy's DRAM traffic (bytes read +
 //    written per second of the same cudaMemcpy).
-// --quick: 1/8 of the sizes (a smoke run).
+// --quick: 1/8 of the sizes (a smoke run). --sweep: the decode figures also at fixed chunk sizes
+// (the plan's choice is chunk_tokens 0).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -131,7 +132,7 @@ void bench_transfer(const char* name, const std::string& from, const std::string
 }
 
 void bench_decode(const char* name, int hq, int hkv, int batch, int64_t len, PageOrder order,
-                  int reps, double copy_traffic_gbps) {
+                  int reps, double copy_traffic_gbps, int chunk_tokens = 0) {
     PageGeometry g;
     g.num_layers = 1;
     g.kv_factor = 2;
@@ -153,7 +154,7 @@ void bench_decode(const char* name, int hq, int hkv, int batch, int64_t len, Pag
             16);
     cuda::DevicePool pool(g, blocks);
     ck(cudaMemset(pool.data(), 0x3c, static_cast<size_t>(pool.arena_bytes())), "memset");
-    cuda::DeviceDecode plan(kv, g, blocks, {hq, hkv, 128, 1.0f / std::sqrt(128.0f)});
+    cuda::DeviceDecode plan(kv, g, blocks, {hq, hkv, 128, 1.0f / std::sqrt(128.0f)}, chunk_tokens);
     std::vector<float> q(static_cast<size_t>(batch) * hq * 128);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     for (float& v : q) v = nd(rng);
@@ -183,15 +184,17 @@ void bench_decode(const char* name, int hq, int hkv, int batch, int64_t len, Pag
 int main(int argc, char** argv) {
     using namespace kvshard;
     int reps = 10;
-    bool quick = false;
+    bool quick = false, sweep = false;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "--reps" && i + 1 < argc) {
             reps = std::max(1, std::atoi(argv[++i]));
         } else if (a == "--quick") {
             quick = true;
+        } else if (a == "--sweep") {
+            sweep = true;
         } else {
-            std::fprintf(stderr, "usage: bench_cuda [--reps N] [--quick]\n");
+            std::fprintf(stderr, "usage: bench_cuda [--reps N] [--quick] [--sweep]\n");
             return 2;
         }
     }
@@ -218,5 +221,12 @@ int main(int argc, char** argv) {
     bench_decode("llama-3.1-8b", 32, 8, 64, 32768 / div, PageOrder::kHnd, reps, traffic);
     bench_decode("llama-3.1-8b", 32, 8, 64, 32768 / div, PageOrder::kNhd, reps, traffic);
     bench_decode("llama-3.1-70b tp8 rank", 8, 1, 64, 32768 / div, PageOrder::kHnd, reps, traffic);
+    if (sweep) {
+        for (int c : {1024, 2048, 4096, 8192, 16384})
+            bench_decode("llama-3.1-8b", 32, 8, 64, 32768 / div, PageOrder::kHnd, reps, traffic, c);
+        for (int c : {256, 1024, 2048, 4096, 8192})
+            bench_decode("llama-3.1-70b tp8 rank", 8, 1, 64, 32768 / div, PageOrder::kHnd, reps,
+                         traffic, c);
+    }
     return 0;
 }

@@ -50,9 +50,11 @@ std::string decode_support_error(const PageGeometry& g, const DecodeParams& p) {
                ") must be a multiple of num_kv_heads (" + std::to_string(p.num_kv_heads) + ")";
     const int group = p.num_q_heads / p.num_kv_heads;
     if (!detail::decode_supported(p.head_dim, group, elem))
-        return "device decode attention covers head_dim 64, 128 or 256 and 1, 2, 4 or 8 query "
-               "heads per KV head (got head_dim " +
-               std::to_string(p.head_dim) + ", " + std::to_string(group) + ")";
+        return "device decode attention covers head_dim 64, 128 or 256, and 1 to 16 query heads "
+               "per KV head on bf16 / fp16 pools (tensor cores) or 1, 2, 4 or 8 on fp32 pools "
+               "(got head_dim " +
+               std::to_string(p.head_dim) + ", " + std::to_string(group) + " per KV head, " +
+               std::string(dtype_name(g.dtype)) + ")";
     return "";
 }
 
@@ -77,11 +79,12 @@ DeviceDecode::DeviceDecode(const PagedKv& kv, const PageGeometry& geometry, int6
         longest = std::max(longest, lens[static_cast<size_t>(i)]);
     }
     if (chunk_tokens == 0) {
-        // Enough (chunk, KV head) blocks for every SM to hold several, chunks long enough that
-        // the merge of their partials stays small next to the KV they read.
+        // About 32 (chunk, KV head) blocks per SM, so that the last wave of blocks is a small
+        // part of the run, and chunks of at least 256 tokens, so that the merge of the partials
+        // stays small next to the KV they read.
         const int64_t sms = device_available() ? multiprocessor_count() : 132;
-        const int64_t want = total * p.num_kv_heads / std::max<int64_t>(1, sms * 8);
-        chunk_tokens = static_cast<int>(std::clamp<int64_t>((want + 63) / 64 * 64, 256, 8192));
+        const int64_t want = total * p.num_kv_heads / std::max<int64_t>(1, sms * 32);
+        chunk_tokens = static_cast<int>(std::clamp<int64_t>((want + 63) / 64 * 64, 256, 4096));
     }
     chunk_tokens_ = chunk_tokens;
     std::vector<int32_t> work, chunk_indptr{0};

@@ -1,5 +1,7 @@
 // Paged decode attention with LSE, and the LSE merge (docs/cuda.md, "Decode attention").
 //
+// fp32 pools: CUDA cores. bf16 and fp16 pools take the tensor-core kernel below.
+//
 // decode_chunk_kernel: one thread block (4 warps) per (work item = a sequence's chunk, KV head).
 // The chunk's keys and values stream through shared memory in tiles of TK keys, kStages tiles in
 // flight (cp.async, so no register holds a load in flight and the copies of later tiles overlap
@@ -29,7 +31,7 @@ constexpr int kTileBytes = 8 << 10;  // keys of one tile (and as many values)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// A 16-byte vector of pool elements as floats.
+// A 16-byte vector of pool elements (fp32) as floats.
 template <int kElem>
 struct Vec;
 template <>
@@ -43,36 +45,6 @@ struct Vec<0> {  // fp32
         f[3] = __uint_as_float(v.w);
     }
 };
-template <>
-struct Vec<1> {  // bf16: the high 16 bits of an fp32
-    static constexpr int kN = 8;
-    static constexpr int kBytes = 2;
-    __device__ __forceinline__ static void to_float(const uint4& v, float* f) {
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            f[2 * i] = __uint_as_float(w[i] << 16);
-            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-        }
-    }
-};
-template <>
-struct Vec<2> {  // fp16
-    static constexpr int kN = 8;
-    static constexpr int kBytes = 2;
-    __device__ __forceinline__ static void to_float(const uint4& v, float* f) {
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            __half2 h;
-            memcpy(&h, &w[i], 4);
-            const float2 x = __half22float2(h);
-            f[2 * i] = x.x;
-            f[2 * i + 1] = x.y;
-        }
-    }
-};
-
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
@@ -112,7 +84,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 template <int kElem, int D, int G>
-__global__ void __launch_bounds__(kThreads, 3) decode_chunk_kernel(DecodeLaunch a) {
+__global__ void __launch_bounds__(kThreads, 2) decode_chunk_kernel(DecodeLaunch a) {
     using S = Shape<kElem, D, G>;
     using V = Vec<kElem>;
     constexpr int VE = S::VE, VPK = S::VPK, GH = S::GH, KL = S::KL, VPL = S::VPL, EPL = S::EPL,
@@ -301,6 +273,329 @@ __global__ void __launch_bounds__(kThreads, 3) decode_chunk_kernel(DecodeLaunch 
     }
 }
 
+// ---- Tensor cores: bf16 / fp16 pools (mma.sync m16n8k16, fp32 accumulation) ----
+//
+// decode_mma_kernel: one thread block (4 warps) per (work item, KV head), as above, the tiles of
+// 64 keys streamed through shared memory by cp.async (16-byte chunks of each key row swizzled by
+// the key's low three bits, so that ldmatrix reads them without bank conflicts). Each warp takes
+// 16 keys of a tile: S = Q K^T for the KV head's query heads (the 16 rows of the mma's A; rows
+// past G are zero) as two 16 x 8 tiles, an online softmax per row, then O += P V with P taken
+// straight from S's accumulator registers (the A fragment of m16n8k16 is two of its C
+// fragments). Both products split their fp32 operand into two halves of the pool's type
+// (x = hi + lo, hi = round(x), lo = round(x - hi)), so that q and P keep about 16 bits of mantissa:
+// two mma per product, and results within the host kernel's fp32 rounding.
+template <int kElem>
+struct MmaType;
+template <>
+struct MmaType<1> {
+    __device__ __forceinline__ static unsigned pack(float lo_col, float hi_col) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(lo_col, hi_col);
+        unsigned u;
+        memcpy(&u, &h, 4);
+        return u;
+    }
+    __device__ __forceinline__ static float2 unpack(unsigned u) {
+        __nv_bfloat162 h;
+        memcpy(&h, &u, 4);
+        return __bfloat1622float2(h);
+    }
+    __device__ __forceinline__ static void mma(float* c, const unsigned* a, unsigned b0,
+                                               unsigned b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <>
+struct MmaType<2> {
+    __device__ __forceinline__ static unsigned pack(float lo_col, float hi_col) {
+        const __half2 h = __floats2half2_rn(lo_col, hi_col);
+        unsigned u;
+        memcpy(&u, &h, 4);
+        return u;
+    }
+    __device__ __forceinline__ static float2 unpack(unsigned u) {
+        __half2 h;
+        memcpy(&h, &u, 4);
+        return __half22float2(h);
+    }
+    __device__ __forceinline__ static void mma(float* c, const unsigned* a, unsigned b0,
+                                               unsigned b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+// Splits (x, y) into hi and lo halves packed as two-element registers.
+template <int kElem>
+__device__ __forceinline__ void split_pack(float x, float y, unsigned& hi, unsigned& lo) {
+    hi = MmaType<kElem>::pack(x, y);
+    const float2 h = MmaType<kElem>::unpack(hi);
+    lo = MmaType<kElem>::pack(x - h.x, y - h.y);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* smem_ptr) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem_ptr));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* smem_ptr) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem_ptr));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+template <int D>
+struct MmaShape {
+    static constexpr int TK = kWarps * 16;  // keys per tile: 16 per warp
+    static constexpr int VPK = D / 8;       // 16-byte chunks per key row
+    static constexpr int TILE_VECS = TK * VPK;
+    static constexpr int STAGES = D <= 128 ? 3 : 2;
+    static constexpr int STAGE_BYTES = 2 * TILE_VECS * 16;
+    static constexpr int SCRATCH_BYTES = (2 * kWarps * 16 + kWarps * 16 * D) * 4;
+    static constexpr int SMEM_BYTES = cmax(STAGES * STAGE_BYTES, SCRATCH_BYTES);
+    static constexpr int NT = D / 8;   // 8-wide column tiles of the output
+    static constexpr int KS = D / 16;  // 16-deep steps of the score product
+    static_assert(VPK >= 8, "the swizzle needs at least 8 chunks per key row");
+};
+
+// Index (in 16-byte chunks) of chunk `c` of key row `key` in a tile.
+template <int VPK>
+__device__ __forceinline__ int swz(int key, int c) {
+    return key * VPK + (c ^ (key & 7));
+}
+
+template <int kElem, int D>
+__global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeLaunch a) {
+    using S = MmaShape<D>;
+    using T = MmaType<kElem>;
+    constexpr int TK = S::TK, VPK = S::VPK, NT = S::NT, KS = S::KS, STAGES = S::STAGES;
+    extern __shared__ uint4 smem[];
+
+    const long long item = blockIdx.x;
+    const int kvh = blockIdx.y;
+    const int G = a.num_q_heads / a.num_kv_heads;
+    const int seq = a.work[2 * item];
+    const int chunk = a.work[2 * item + 1];
+    const int first_block = a.indptr[seq];
+    const int nblk = a.indptr[seq + 1] - first_block;
+    const long long len =
+        nblk == 0 ? 0 : static_cast<long long>(nblk - 1) * a.block_size + a.last_page_len[seq];
+    const long long t0 = static_cast<long long>(chunk) * a.chunk_tokens;
+    const long long t1 = t0 + a.chunk_tokens < len ? t0 + a.chunk_tokens : len;
+    const int tiles = t1 > t0 ? static_cast<int>((t1 - t0 + TK - 1) / TK) : 0;
+
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int gid = lane >> 2;  // the mma's row group
+    const int tig = lane & 3;   // thread in the group
+
+    const unsigned char* pool = a.pool;
+    const long long kv_plane = a.num_blocks * a.page_elems;
+    const long long layer_base = static_cast<long long>(a.layer) * a.kv_factor * kv_plane;
+    const long long head_base = static_cast<long long>(kvh) * a.head_stride;
+
+    // Tile `tile` into stage `stage`. The VPK lanes of a key row are consecutive lanes of one warp
+    // (VPK divides 32) and each thread keeps its chunk of the row from tile to tile; of the ITER
+    // keys a segment of lanes loads per tile, lane n of the segment looks up key n's page (one
+    // block-table read and division per key, not per chunk) and the others take it by shuffle.
+    constexpr int KSTEP = kThreads / VPK;  // keys the block loads side by side
+    constexpr int ITER = TK / KSTEP;       // keys per thread per tile
+    static_assert(32 % VPK == 0 && ITER <= VPK, "a key row within a warp");
+    const int vec = threadIdx.x % VPK;
+    const int key0 = threadIdx.x / VPK;
+    const int seg_base = lane & ~(VPK - 1);
+    auto load_tile = [&](int tile, int stage) {
+        uint4* sk = smem + static_cast<long long>(stage) * 2 * S::TILE_VECS;
+        uint4* sv = sk + S::TILE_VECS;
+        const long long k0 = t0 + static_cast<long long>(tile) * TK;
+        long long my_el = -1;  // element offset of key key0 + vec * KSTEP's row, -1 past t1
+        if (vec < ITER) {
+            const long long t = k0 + key0 + vec * KSTEP;
+            if (t < t1) {
+                const int blk = a.indices[first_block + static_cast<int>(t / a.block_size)];
+                const int slot = static_cast<int>(t % a.block_size);
+                my_el = layer_base + static_cast<long long>(blk) * a.page_elems + head_base +
+                        static_cast<long long>(slot) * a.token_stride;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < ITER; ++n) {
+            const long long el = __shfl_sync(0xffffffffu, my_el, seg_base + n);
+            const bool valid = el >= 0;
+            const long long at_el = valid ? el + vec * 8 : 0;
+            const int at = swz<VPK>(key0 + n * KSTEP, vec);
+            cp_async16(sk + at, pool + at_el * 2, valid);
+            cp_async16(sv + at, pool + (valid ? at_el + kv_plane : 0) * 2, valid);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < tiles) load_tile(s, s);
+        cp_async_commit();
+    }
+
+    // Q as the A operand, hi and lo halves: rows gid and gid + 8 (query heads of this KV head;
+    // rows past G are zero), columns ks * 16 + tig * 2 + {0, 1} (+ 8).
+    unsigned qhi[KS][4], qlo[KS][4];
+    {
+        const float qs = a.scale * kLog2e;
+        const float* q0 = a.q + (static_cast<long long>(seq) * a.num_q_heads + kvh * G) * D;
+        const bool r0 = gid < G, r1 = gid + 8 < G;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int c = ks * 16 + tig * 2;
+            float v[8];
+            v[0] = r0 ? q0[gid * D + c] * qs : 0.0f;
+            v[1] = r0 ? q0[gid * D + c + 1] * qs : 0.0f;
+            v[2] = r1 ? q0[(gid + 8) * D + c] * qs : 0.0f;
+            v[3] = r1 ? q0[(gid + 8) * D + c + 1] * qs : 0.0f;
+            v[4] = r0 ? q0[gid * D + c + 8] * qs : 0.0f;
+            v[5] = r0 ? q0[gid * D + c + 9] * qs : 0.0f;
+            v[6] = r1 ? q0[(gid + 8) * D + c + 8] * qs : 0.0f;
+            v[7] = r1 ? q0[(gid + 8) * D + c + 9] * qs : 0.0f;
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                split_pack<kElem>(v[2 * k], v[2 * k + 1], qhi[ks][k], qlo[ks][k]);
+        }
+    }
+    float o[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY};  // rows gid, gid + 8
+    float l[2] = {0.0f, 0.0f};            // this lane's share of the row sums
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        if constexpr (STAGES >= 3)
+            cp_async_wait<STAGES - 2>();
+        else
+            cp_async_wait<0>();
+        __syncthreads();
+        if (tile + STAGES - 1 < tiles) load_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES);
+        cp_async_commit();
+
+        const uint4* sk = smem + static_cast<long long>(tile % STAGES) * 2 * S::TILE_VECS;
+        const uint4* sv = sk + S::TILE_VECS;
+        const int kb = warp * 16;  // this warp's keys in the tile
+        const long long k0 = t0 + static_cast<long long>(tile) * TK + kb;
+        if (k0 >= t1) continue;  // nothing of this tile for this warp (the barrier above is shared)
+
+        float c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};  // keys kb..+7, kb+8..+15
+        {
+            const int mi = lane >> 3, row = lane & 7;
+            const int key = kb + (mi >> 1) * 8 + row;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                unsigned b[4];
+                ldmatrix_x4(b, sk + swz<VPK>(key, ks * 2 + (mi & 1)));
+                T::mma(c0, qhi[ks], b[0], b[1]);
+                T::mma(c0, qlo[ks], b[0], b[1]);
+                T::mma(c1, qhi[ks], b[2], b[3]);
+                T::mma(c1, qlo[ks], b[2], b[3]);
+            }
+        }
+        // Keys past the chunk's end: out of the softmax.
+        const long long kc = k0 + tig * 2;
+        if (kc >= t1) c0[0] = c0[2] = -INFINITY;
+        if (kc + 1 >= t1) c0[1] = c0[3] = -INFINITY;
+        if (kc + 8 >= t1) c1[0] = c1[2] = -INFINITY;
+        if (kc + 9 >= t1) c1[1] = c1[3] = -INFINITY;
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = fmaxf(fmaxf(c0[2 * h], c0[2 * h + 1]), fmaxf(c1[2 * h], c1[2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(mx, m[h]);
+            // mx is finite: the warp's first key is before t1, and scores of finite q and K are.
+            corr[h] = m[h] == -INFINITY ? 0.0f : exp2f(m[h] - mx);
+            m[h] = mx;
+            c0[2 * h] = exp2f(c0[2 * h] - mx);
+            c0[2 * h + 1] = exp2f(c0[2 * h + 1] - mx);
+            c1[2 * h] = exp2f(c1[2 * h] - mx);
+            c1[2 * h + 1] = exp2f(c1[2 * h + 1] - mx);
+            l[h] = l[h] * corr[h] + c0[2 * h] + c0[2 * h + 1] + c1[2 * h] + c1[2 * h + 1];
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            o[nt][0] *= corr[0];
+            o[nt][1] *= corr[0];
+            o[nt][2] *= corr[1];
+            o[nt][3] *= corr[1];
+        }
+        // P as the A operand (rows gid / gid + 8, keys tig * 2 + {0, 1} (+ 8)).
+        unsigned phi[4], plo[4];
+        split_pack<kElem>(c0[0], c0[1], phi[0], plo[0]);
+        split_pack<kElem>(c0[2], c0[3], phi[1], plo[1]);
+        split_pack<kElem>(c1[0], c1[1], phi[2], plo[2]);
+        split_pack<kElem>(c1[2], c1[3], phi[3], plo[3]);
+        {
+            const int mi = lane >> 3, row = lane & 7;
+            const int key = kb + (mi & 1) * 8 + row;
+#pragma unroll
+            for (int dt = 0; dt < NT / 2; ++dt) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, sv + swz<VPK>(key, dt * 2 + (mi >> 1)));
+                T::mma(o[2 * dt], phi, b[0], b[1]);
+                T::mma(o[2 * dt], plo, b[0], b[1]);
+                T::mma(o[2 * dt + 1], phi, b[2], b[3]);
+                T::mma(o[2 * dt + 1], plo, b[2], b[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Merge the warps: scratch m[warp][16], l[warp][16], o[warp][16][D].
+    float* sm_m = reinterpret_cast<float*>(smem);
+    float* sm_l = sm_m + kWarps * 16;
+    float* sm_o = sm_l + kWarps * 16;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int row = gid + 8 * h;
+        if (tig == 0) {
+            sm_m[warp * 16 + row] = m[h];
+            sm_l[warp * 16 + row] = sum;
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            sm_o[(warp * 16 + row) * D + nt * 8 + tig * 2] = o[nt][2 * h];
+            sm_o[(warp * 16 + row) * D + nt * 8 + tig * 2 + 1] = o[nt][2 * h + 1];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += kThreads) {
+        const int h = i / D;
+        const int d = i % D;
+        float mx = -INFINITY;
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w * 16 + h]);
+        float sum = 0.0f, acc = 0.0f;
+        if (mx != -INFINITY) {
+            for (int w = 0; w < kWarps; ++w) {
+                const float mw = sm_m[w * 16 + h];
+                if (mw == -INFINITY) continue;
+                const float wt = exp2f(mw - mx);
+                sum += sm_l[w * 16 + h] * wt;
+                acc += sm_o[(w * 16 + h) * D + d] * wt;
+            }
+        }
+        const long long row = item * a.num_q_heads + kvh * G + h;
+        a.partial_out[row * D + d] = sum > 0.0f ? acc / sum : 0.0f;
+        if (d == 0) a.partial_lse[row] = sum > 0.0f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
+    }
+}
+
 // One block per (sequence, query head), one thread per element of head_dim: the LSE merge of the
 // sequence's chunks.
 __global__ void combine_chunks_kernel(DecodeLaunch a) {
@@ -373,33 +668,47 @@ cudaError_t launch_decode_t(const DecodeLaunch& a, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
+template <int kElem, int D>
+cudaError_t launch_decode_mma(const DecodeLaunch& a, cudaStream_t stream) {
+    constexpr int bytes = MmaShape<D>::SMEM_BYTES;
+    static const cudaError_t opt_in = cudaFuncSetAttribute(
+        decode_mma_kernel<kElem, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (opt_in != cudaSuccess) return opt_in;
+    const dim3 grid(static_cast<unsigned>(a.work_items), static_cast<unsigned>(a.num_kv_heads));
+    decode_mma_kernel<kElem, D><<<grid, kThreads, bytes, stream>>>(a);
+    return cudaGetLastError();
+}
+
 using Launcher = cudaError_t (*)(const DecodeLaunch&, cudaStream_t);
 
-template <int kElem, int D>
-Launcher pick_group(int group) {
+// fp32 pools: CUDA cores, 1, 2, 4 or 8 query heads per KV head.
+template <int D>
+Launcher pick_fp32(int group) {
     switch (group) {
         case 1:
-            return launch_decode_t<kElem, D, 1>;
+            return launch_decode_t<0, D, 1>;
         case 2:
-            return launch_decode_t<kElem, D, 2>;
+            return launch_decode_t<0, D, 2>;
         case 4:
-            return launch_decode_t<kElem, D, 4>;
+            return launch_decode_t<0, D, 4>;
         case 8:
-            return launch_decode_t<kElem, D, 8>;
+            return launch_decode_t<0, D, 8>;
         default:
             return nullptr;
     }
 }
 
+// bf16 / fp16 pools: tensor cores, any group of 1 to 16 query heads per KV head.
 template <int kElem>
-Launcher pick_dim(int head_dim, int group) {
+Launcher pick_mma(int head_dim, int group) {
+    if (group < 1 || group > 16) return nullptr;
     switch (head_dim) {
         case 64:
-            return pick_group<kElem, 64>(group);
+            return launch_decode_mma<kElem, 64>;
         case 128:
-            return pick_group<kElem, 128>(group);
+            return launch_decode_mma<kElem, 128>;
         case 256:
-            return pick_group<kElem, 256>(group);
+            return launch_decode_mma<kElem, 256>;
         default:
             return nullptr;
     }
@@ -408,11 +717,20 @@ Launcher pick_dim(int head_dim, int group) {
 Launcher pick(int head_dim, int group, ElemType elem) {
     switch (elem) {
         case ElemType::kFp32:
-            return pick_dim<0>(head_dim, group);
+            switch (head_dim) {
+                case 64:
+                    return pick_fp32<64>(group);
+                case 128:
+                    return pick_fp32<128>(group);
+                case 256:
+                    return pick_fp32<256>(group);
+                default:
+                    return nullptr;
+            }
         case ElemType::kBf16:
-            return pick_dim<1>(head_dim, group);
+            return pick_mma<1>(head_dim, group);
         case ElemType::kFp16:
-            return pick_dim<2>(head_dim, group);
+            return pick_mma<2>(head_dim, group);
     }
     return nullptr;
 }

@@ -312,9 +312,11 @@ std::vector<DecodeCase> decode_cases() {
     std::vector<DecodeCase> out;
     for (DType t : {DType::kFp32, DType::kBf16, DType::kFp16})
         for (int d : {64, 128, 256})
-            for (int g : {1, 2, 4, 8})
+            for (int g : {1, 2, 3, 4, 8, 16}) {
+                if (t == DType::kFp32 && (g == 3 || g == 16)) continue;  // fp32: 1, 2, 4, 8
                 for (PageOrder o : {PageOrder::kHnd, PageOrder::kNhd})
                     out.push_back({t, d, g, o, (g + d) % 3 == 0 ? 0 : 64});
+            }
     return out;
 }
 
@@ -440,11 +442,18 @@ TEST(DeviceDecodePlan, RefusesWhatNoKernelCovers) {
     kv.add_sequence({0}, 3, 16);
     EXPECT_NE(cuda::decode_support_error(g, {4, 2, 96, 1.0f}).find("head_dim 64, 128 or 256"),
               std::string::npos);
+    EXPECT_NE(cuda::decode_support_error(g, {4, 2, 96, 1.0f}).find("got head_dim 96"),
+              std::string::npos);
     EXPECT_THROW(cuda::DeviceDecode(kv, g, 1, {4, 2, 96, 1.0f}), Error);
     g.head_dim = 128;
     EXPECT_EQ(cuda::decode_support_error(g, {4, 2, 128, 1.0f}), "");
-    EXPECT_NE(cuda::decode_support_error(g, {32, 2, 128, 1.0f}), "");  // 16 q heads per KV head
-    EXPECT_NE(cuda::decode_support_error(g, {6, 4, 128, 1.0f}), "");   // not the pool's heads
+    EXPECT_EQ(cuda::decode_support_error(g, {32, 2, 128, 1.0f}), "");  // 16 per KV head: bf16
+    EXPECT_NE(cuda::decode_support_error(g, {64, 2, 128, 1.0f}), "");  // 32 per KV head
+    g.dtype = DType::kFp32;
+    EXPECT_NE(cuda::decode_support_error(g, {32, 2, 128, 1.0f}), "");  // fp32: at most 8
+    EXPECT_NE(cuda::decode_support_error(g, {6, 2, 128, 1.0f}), "");   // fp32: 3 is not covered
+    g.dtype = DType::kBf16;
+    EXPECT_NE(cuda::decode_support_error(g, {6, 4, 128, 1.0f}), "");  // not the pool's heads
     g.dtype = DType::kFp8;
     EXPECT_NE(cuda::decode_support_error(g, {4, 2, 128, 1.0f}).find("fp8"), std::string::npos);
 }

@@ -8,6 +8,9 @@
 // Plan, then run (FlashInfer's decode plan): DeviceDecode splits each sequence's tokens into
 // chunks of chunk_tokens, one thread block per (chunk, KV head) computes the chunk's partial
 // output and LSE for the head's query heads, and a second kernel merges each sequence's chunks.
+// bf16 / fp16 pools run on tensor cores with q and the probabilities each split into two halves
+// of the pool's type (about 16 bits of mantissa), fp32 pools on CUDA cores; both accumulate in
+// fp32 and agree with the host kernel to about 1e-5.
 //
 // Tensors in device memory, row-major, fp32:
 //   q, out: [batch][num_q_heads][head_dim]   lse: [batch][num_q_heads]
@@ -27,9 +30,9 @@ struct DecodeParams {
     float scale = 1.0f;    // usually 1/sqrt(head_dim)
 };
 
-// What the kernels cover: head_dim 64, 128 or 256; num_q_heads / num_kv_heads 1, 2, 4 or 8; fp32,
-// bf16 or fp16 pools (HND or NHD), kv_factor 2. "" when `geometry` and `p` are covered, else what
-// is not and what would be.
+// What the kernels cover: head_dim 64, 128 or 256; HND or NHD pages with K and V (kv_factor 2);
+// bf16 or fp16 pools (tensor cores) with 1 to 16 query heads per KV head, fp32 pools (CUDA cores)
+// with 1, 2, 4 or 8. "" when `geometry` and `p` are covered, else what is not and what would be.
 std::string decode_support_error(const PageGeometry& geometry, const DecodeParams& p);
 
 class DeviceDecode {
