@@ -32,6 +32,31 @@ DeviceBuffer upload_vector(const std::vector<T>& v) {
     return b;
 }
 
+// The chunk length (a multiple of 64 tokens, the tile) that minimises the modelled time of the
+// decode kernel: waves of thread blocks (two per SM reside at once) times the tiles each block
+// reads plus a fixed cost of about 4 tiles per block (its start, its pipeline's fill and the merge
+// of its warps), fitted to H200 runs of bench_cuda --sweep (docs/cuda.md). Chunks are
+// the longest sequence split evenly, so that its last chunk is not a sliver.
+int choose_chunk_tokens(const std::vector<int64_t>& lens, int kv_heads) {
+    constexpr int64_t kTile = 64, kBlockCostTiles = 4;
+    const int64_t longest = std::max<int64_t>(1, *std::max_element(lens.begin(), lens.end()));
+    const int64_t slots = 2 * (device_available() ? multiprocessor_count() : 132);
+    int64_t best_chunk = kTile, best_cost = -1;
+    const int64_t max_split = std::min<int64_t>(256, (longest + kTile - 1) / kTile);
+    for (int64_t n = 1; n <= max_split; ++n) {
+        const int64_t chunk = ((longest + n - 1) / n + kTile - 1) / kTile * kTile;
+        int64_t blocks = 0;
+        for (int64_t len : lens) blocks += std::max<int64_t>(1, (len + chunk - 1) / chunk);
+        blocks *= kv_heads;
+        const int64_t cost = (blocks + slots - 1) / slots * (chunk / kTile + kBlockCostTiles);
+        if (best_cost < 0 || cost < best_cost) {
+            best_cost = cost;
+            best_chunk = chunk;
+        }
+    }
+    return static_cast<int>(std::min<int64_t>(best_chunk, int64_t{1} << 30));
+}
+
 }  // namespace
 
 std::string decode_support_error(const PageGeometry& g, const DecodeParams& p) {
@@ -71,21 +96,13 @@ DeviceDecode::DeviceDecode(const PagedKv& kv, const PageGeometry& geometry, int6
         require(b >= 0 && b < num_blocks, "block ", b, " of the PagedKv is outside the pool of ",
                 num_blocks, " blocks");
     require(chunk_tokens >= 0, "chunk_tokens must be >= 0 (0: chosen)");
-    int64_t total = 0, longest = 0;
+    int64_t total = 0;
     std::vector<int64_t> lens(static_cast<size_t>(batch_));
     for (int i = 0; i < batch_; ++i) {
         lens[static_cast<size_t>(i)] = kv.seq_len(i, geometry.block_size);
         total += lens[static_cast<size_t>(i)];
-        longest = std::max(longest, lens[static_cast<size_t>(i)]);
     }
-    if (chunk_tokens == 0) {
-        // About 32 (chunk, KV head) blocks per SM, so that the last wave of blocks is a small
-        // part of the run, and chunks of at least 256 tokens, so that the merge of the partials
-        // stays small next to the KV they read.
-        const int64_t sms = device_available() ? multiprocessor_count() : 132;
-        const int64_t want = total * p.num_kv_heads / std::max<int64_t>(1, sms * 32);
-        chunk_tokens = static_cast<int>(std::clamp<int64_t>((want + 63) / 64 * 64, 256, 4096));
-    }
+    if (chunk_tokens == 0) chunk_tokens = choose_chunk_tokens(lens, p.num_kv_heads);
     chunk_tokens_ = chunk_tokens;
     std::vector<int32_t> work, chunk_indptr{0};
     for (int i = 0; i < batch_; ++i) {

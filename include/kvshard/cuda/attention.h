@@ -38,9 +38,10 @@ std::string decode_support_error(const PageGeometry& geometry, const DecodeParam
 class DeviceDecode {
   public:
     // The plan for a batch: its block tables (kv, uploaded once) over pools of `geometry`.
-    // chunk_tokens 0 picks one (a multiple of 64 that gives at least two thread blocks per SM for
-    // the longest sequence's share). Error when decode_support_error says so, or a block id of kv
-    // is outside num_blocks.
+    // chunk_tokens 0 picks one: the multiple of 64 tokens that splits the longest sequence
+    // evenly and minimises waves of thread blocks x (tiles per block + a block's fixed cost)
+    // (docs/cuda.md). Error when decode_support_error says so, or a block id of kv is outside
+    // num_blocks.
     DeviceDecode(const PagedKv& kv, const PageGeometry& geometry, int64_t num_blocks,
                  const DecodeParams& p, int chunk_tokens = 0);
     int chunk_tokens() const { return chunk_tokens_; }
