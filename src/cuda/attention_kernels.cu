@@ -284,50 +284,46 @@ __global__ void __launch_bounds__(kThreads, 2) decode_chunk_kernel(DecodeLaunch 
 // fragments). Both products split their fp32 operand into two halves of the pool's type
 // (x = hi + lo, hi = round(x), lo = round(x - hi)), so that q and P keep about 16 bits of mantissa:
 // two mma per product, and results within the host kernel's fp32 rounding.
+// The pool's 16-bit type (kElem 1: bf16, 2: fp16): two values packed in a register, and the mma
+// of that type.
 template <int kElem>
-struct MmaType;
-template <>
-struct MmaType<1> {
+struct MmaType {
+    static_assert(kElem == 1 || kElem == 2, "bf16 or fp16");
     __device__ __forceinline__ static unsigned pack(float lo_col, float hi_col) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(lo_col, hi_col);
         unsigned u;
-        memcpy(&u, &h, 4);
+        if constexpr (kElem == 1) {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(lo_col, hi_col);
+            memcpy(&u, &h, 4);
+        } else {
+            const __half2 h = __floats2half2_rn(lo_col, hi_col);
+            memcpy(&u, &h, 4);
+        }
         return u;
     }
     __device__ __forceinline__ static float2 unpack(unsigned u) {
-        __nv_bfloat162 h;
-        memcpy(&h, &u, 4);
-        return __bfloat1622float2(h);
+        if constexpr (kElem == 1) {
+            __nv_bfloat162 h;
+            memcpy(&h, &u, 4);
+            return __bfloat1622float2(h);
+        } else {
+            __half2 h;
+            memcpy(&h, &u, 4);
+            return __half22float2(h);
+        }
     }
+    // c += a b for one m16n8k16 tile (fp32 accumulators).
     __device__ __forceinline__ static void mma(float* c, const unsigned* a, unsigned b0,
                                                unsigned b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-template <>
-struct MmaType<2> {
-    __device__ __forceinline__ static unsigned pack(float lo_col, float hi_col) {
-        const __half2 h = __floats2half2_rn(lo_col, hi_col);
-        unsigned u;
-        memcpy(&u, &h, 4);
-        return u;
-    }
-    __device__ __forceinline__ static float2 unpack(unsigned u) {
-        __half2 h;
-        memcpy(&h, &u, 4);
-        return __half22float2(h);
-    }
-    __device__ __forceinline__ static void mma(float* c, const unsigned* a, unsigned b0,
-                                               unsigned b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#define KVSHARD_MMA_16816(TYPE)                                                 \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE         \
+                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])               \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+        if constexpr (kElem == 1)
+            KVSHARD_MMA_16816("bf16");
+        else
+            KVSHARD_MMA_16816("f16");
+#undef KVSHARD_MMA_16816
     }
 };
 

@@ -33,20 +33,27 @@ void push_split(std::vector<CopyEntry>& out, const CopyEntry& e) {
 
 }  // namespace
 
-std::vector<CopyEntry> pack_entries(std::span<const CopyRun> runs) {
+namespace {
+// pool_is_source: pack (pool -> payload); else unpack (payload -> pool).
+std::vector<CopyEntry> run_entries(std::span<const CopyRun> runs, bool pool_is_source) {
     std::vector<CopyEntry> out;
     out.reserve(runs.size());
-    for (const CopyRun& r : runs)
-        push_split(out, {r.pool, r.pool_step, r.wire, r.wire_step, r.len, r.count});
+    for (const CopyRun& r : runs) {
+        if (pool_is_source)
+            push_split(out, {r.pool, r.pool_step, r.wire, r.wire_step, r.len, r.count});
+        else
+            push_split(out, {r.wire, r.wire_step, r.pool, r.pool_step, r.len, r.count});
+    }
     return out;
+}
+}  // namespace
+
+std::vector<CopyEntry> pack_entries(std::span<const CopyRun> runs) {
+    return run_entries(runs, true);
 }
 
 std::vector<CopyEntry> unpack_entries(std::span<const CopyRun> runs) {
-    std::vector<CopyEntry> out;
-    out.reserve(runs.size());
-    for (const CopyRun& r : runs)
-        push_split(out, {r.wire, r.wire_step, r.pool, r.pool_step, r.len, r.count});
-    return out;
+    return run_entries(runs, false);
 }
 
 std::vector<CopyEntry> direct_entries(std::span<const TransferDescriptor> descriptors) {
