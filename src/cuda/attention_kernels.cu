@@ -48,6 +48,25 @@ struct Vec<0> {  // fp32
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
+// A work item's sequence, its first entry in the block table and its tokens [t0, t1).
+struct WorkItem {
+    int seq;
+    int first_block;
+    long long t0, t1;
+};
+__device__ __forceinline__ WorkItem work_item(const DecodeLaunch& a, long long item) {
+    WorkItem w;
+    w.seq = a.work[2 * item];
+    const int chunk = a.work[2 * item + 1];
+    w.first_block = a.indptr[w.seq];
+    const int nblk = a.indptr[w.seq + 1] - w.first_block;
+    const long long len =
+        nblk == 0 ? 0 : static_cast<long long>(nblk - 1) * a.block_size + a.last_page_len[w.seq];
+    w.t0 = static_cast<long long>(chunk) * a.chunk_tokens;
+    w.t1 = w.t0 + a.chunk_tokens < len ? w.t0 + a.chunk_tokens : len;
+    return w;
+}
+
 template <int kElem, int D, int G>
 struct Shape {
     static constexpr int VE = Vec<kElem>::kN;                    // elements per 16-byte vector
@@ -93,14 +112,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_chunk_kernel(DecodeLaunch 
 
     const long long item = blockIdx.x;
     const int kvh = blockIdx.y;
-    const int seq = a.work[2 * item];
-    const int chunk = a.work[2 * item + 1];
-    const int first_block = a.indptr[seq];
-    const int nblk = a.indptr[seq + 1] - first_block;
-    const long long len =
-        nblk == 0 ? 0 : static_cast<long long>(nblk - 1) * a.block_size + a.last_page_len[seq];
-    const long long t0 = static_cast<long long>(chunk) * a.chunk_tokens;
-    const long long t1 = t0 + a.chunk_tokens < len ? t0 + a.chunk_tokens : len;
+    const WorkItem w = work_item(a, item);
+    const int seq = w.seq, first_block = w.first_block;
+    const long long t0 = w.t0, t1 = w.t1;
     const int tiles = t1 > t0 ? static_cast<int>((t1 - t0 + TK - 1) / TK) : 0;
 
     const int warp = threadIdx.x >> 5;
@@ -378,14 +392,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeLaunch a)
     const long long item = blockIdx.x;
     const int kvh = blockIdx.y;
     const int G = a.num_q_heads / a.num_kv_heads;
-    const int seq = a.work[2 * item];
-    const int chunk = a.work[2 * item + 1];
-    const int first_block = a.indptr[seq];
-    const int nblk = a.indptr[seq + 1] - first_block;
-    const long long len =
-        nblk == 0 ? 0 : static_cast<long long>(nblk - 1) * a.block_size + a.last_page_len[seq];
-    const long long t0 = static_cast<long long>(chunk) * a.chunk_tokens;
-    const long long t1 = t0 + a.chunk_tokens < len ? t0 + a.chunk_tokens : len;
+    const WorkItem w = work_item(a, item);
+    const int seq = w.seq, first_block = w.first_block;
+    const long long t0 = w.t0, t1 = w.t1;
     const int tiles = t1 > t0 ? static_cast<int>((t1 - t0 + TK - 1) / TK) : 0;
 
     const int warp = threadIdx.x >> 5;
