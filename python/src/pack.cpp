@@ -241,6 +241,32 @@ void bind_pack(py::module_& m) {
         "Message `message`'s payload packed from the source rank's pool array (read in place "
         "when the array is 64-byte aligned): into `out` (any C-contiguous writeable array of "
         "exactly the message's bytes, returned) or, without it, a new uint8 array.");
+    PYBIND11_NUMPY_DTYPE(CopyRun, pool, pool_step, wire, wire_step, len, count);
+    m.def(
+        "message_copy_runs",
+        [](const TransferPlan& plan, int message, const std::string& mode, bool source,
+           int64_t num_blocks) {
+            const TransferMessage& msg = message_of(plan, message);
+            const TransferMode mo = mode_of(plan, mode);
+            const TransferEndpoint& e = source ? plan.src : plan.dst;
+            const int rank = source ? msg.src_rank : msg.dst_rank;
+            std::vector<CopyRun> runs;
+            {
+                py::gil_scoped_release release;
+                runs = message_copy_runs(plan, msg, mo, source,
+                                         rank_page_geometry(e.layout, rank, e.block_size, e.order),
+                                         num_blocks);
+            }
+            return py::array_t<CopyRun>(static_cast<py::ssize_t>(runs.size()), runs.data());
+        },
+        py::arg("plan"), py::arg("message"), py::arg("mode") = "auto", py::kw_only(),
+        py::arg("source"), py::arg("num_blocks"),
+        "The copies between one side's pool (of num_blocks blocks) and message `message`'s "
+        "payload, as a copy engine (a GPU kernel, the CUDA backend's copy programs) carries them "
+        "out: a numpy structured array with fields pool, pool_step, wire, wire_step, len, count; "
+        "run i copies `count` blocks of `len` bytes, copy k between pool byte pool + k * "
+        "pool_step and payload byte wire + k * wire_step. source=True: the source rank's pool "
+        "(pack); False: the destination rank's (unpack).");
     m.def(
         "pool_array",
         [](const TransferPlan& plan, bool source, int rank, int64_t num_blocks) {

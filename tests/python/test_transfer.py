@@ -254,3 +254,50 @@ def test_prefill_into_refuses_what_it_cannot_write_in_place():
         kvshard.prefill_into(src, tokens, [0, 1], [good[0].reshape(-1)[:-4], good[1]], block_size=8)
     with pytest.raises(kvshard.Error, match="order must be"):
         kvshard.prefill_into(src, tokens, [0, 1], good, block_size=8, order="xyz")
+
+
+def carry_out(runs, pool_bytes, wire, pack):
+    """The copies of message_copy_runs done one by one with numpy (a copy engine's view)."""
+    for r in runs:
+        for k in range(int(r["count"])):
+            p = int(r["pool"]) + k * int(r["pool_step"])
+            w = int(r["wire"]) + k * int(r["wire_step"])
+            n = int(r["len"])
+            if pack:
+                wire[w:w + n] = pool_bytes[p:p + n]
+            else:
+                pool_bytes[p:p + n] = wire[w:w + n]
+
+
+@pytest.mark.parametrize("src_par,dst_par,dst_order", [("tp=2", "tp=1", "hnd"),
+                                                         ("tp=1", "tp=2", "nhd")])
+def test_message_copy_runs_carried_out_equal_pack_and_unpack(src_par, dst_par, dst_order):
+    m = kvshard.catalog_model("tiny")
+    src, dst = layouts(m, src_par, dst_par)
+    n, blocks = 40, 4
+    plan = kvshard.transfer_plan(src, dst, n, dst_order=dst_order)
+    for i, msg in enumerate(plan.messages()):
+        sp = kvshard.pool_array(plan, True, msg["src"], blocks)
+        sp[...] = coded_pool(kvshard.pool_geometry(plan, True, msg["src"]), blocks, msg["src"])
+        for mode in ("pre-send", "post-receive"):
+            runs = kvshard.message_copy_runs(plan, i, mode, source=True, num_blocks=blocks)
+            assert runs.dtype.names == ("pool", "pool_step", "wire", "wire_step", "len", "count")
+            assert int((runs["len"] * runs["count"]).sum()) == msg["bytes"]
+            wire = np.zeros(msg["bytes"], np.uint8)
+            carry_out(runs, sp.reshape(-1).view(np.uint8), wire, True)
+            assert np.array_equal(wire, kvshard.pack_message(plan, i, sp, mode))
+            want = kvshard.pool_array(plan, False, msg["dst"], blocks)
+            kvshard.unpack_message(plan, i, wire, want, mode)
+            got = kvshard.pool_array(plan, False, msg["dst"], blocks)
+            carry_out(kvshard.message_copy_runs(plan, i, mode, source=False, num_blocks=blocks),
+                      got.reshape(-1).view(np.uint8), wire, False)
+            assert np.array_equal(got, want) and got.any()
+    if dst_order == "nhd":  # a transpose: strided runs (count > 1) on the pool side
+        runs = kvshard.message_copy_runs(plan, 0, "pre-send", source=True, num_blocks=blocks)
+        assert (runs["count"] > 1).any()
+    with pytest.raises(kvshard.Error):
+        kvshard.message_copy_runs(plan, 0, "sideways", source=True, num_blocks=blocks)
+    with pytest.raises(kvshard.Error):
+        kvshard.message_copy_runs(plan, 0, source=True, num_blocks=1)  # blocks outside the pool
+    with pytest.raises(kvshard.Error):
+        kvshard.message_copy_runs(plan, 99, source=True, num_blocks=blocks)
