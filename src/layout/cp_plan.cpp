@@ -192,6 +192,42 @@ std::pair<int, int> cp_prompt_window_ring_steps(const ParallelConfig& p, int64_t
 
 namespace {
 
+// Pairs of the queries at positions [0, x): each query q sees q + 1 keys (full), min(q + 1, W)
+// (sliding window W) or q % W + 1 (chunks of W).
+int64_t pairs_before(int64_t x, bool chunked, int window) {
+    if (window <= 0) return x * (x + 1) / 2;
+    const int64_t w = window;
+    if (chunked) return (x / w) * (w * (w + 1) / 2) + (x % w) * (x % w + 1) / 2;
+    return x <= w ? x * (x + 1) / 2 : w * (w + 1) / 2 + (x - w) * w;
+}
+
+}  // namespace
+
+CpAttentionPairs cp_prompt_attention_pairs(const ParallelConfig& p, int64_t n, bool chunked,
+                                           int window) {
+    CpAttentionPairs out;
+    // An interleaved placement of many periods is balanced to about 1 / periods (each rank's
+    // share of every period differs by under a unit's queries): past 65,536 periods it is taken
+    // as balanced, so that a million-token plan does not list a million runs.
+    const int64_t period = int64_t{p.cp_interleave} * p.cp;
+    if (p.cp_scheme == CpScheme::kInterleave && n / period > 65536) {
+        out.total = pairs_before(n, chunked, window);
+        out.busiest = (out.total + p.cp - 1) / p.cp;
+        return out;
+    }
+    const CpTokenMap map = cp_prompt_map(p, n);
+    for (int c = 0; c < p.cp; ++c) {
+        int64_t pairs = 0;
+        for (const TokenRange& r : map.ranges(c))
+            pairs += pairs_before(r.end, chunked, window) - pairs_before(r.begin, chunked, window);
+        out.total += pairs;
+        out.busiest = std::max(out.busiest, pairs);
+    }
+    return out;
+}
+
+namespace {
+
 // Ascending positions as maximal runs.
 std::vector<TokenRange> runs_of(std::span<const int64_t> pos) {
     std::vector<TokenRange> out;

@@ -324,6 +324,29 @@ class Model {
         return it->second;
     }
 
+    // The busiest CP rank's share of layer l's attention pairs for a prompt of S tokens placed
+    // by the configuration's scheme (cp_prompt_attention_pairs): 1 / cp when balanced (zigzag,
+    // 2 cp dividing S), about (2 cp - 1) / cp^2 for contiguous shards and full attention; 1
+    // without CP. Remembered per (kind, window, S).
+    double cp_attention_share(int l, double S) const {
+        if (p_.cp == 1) return 1.0;
+        const LayerSpec ls = m_.layer(l);
+        const bool windowed = ls.window > 0 && (ls.kind == LayerKind::kSlidingWindow ||
+                                                ls.kind == LayerKind::kChunkedLocal);
+        const bool chunked = windowed && ls.kind == LayerKind::kChunkedLocal;
+        const int window = windowed ? ls.window : 0;
+        const int64_t n = std::max<int64_t>(1, std::llround(S));
+        const auto key = std::make_tuple(chunked, window, n);
+        auto it = attention_share_.find(key);
+        if (it == attention_share_.end()) {
+            const CpAttentionPairs pairs = cp_prompt_attention_pairs(p_, n, chunked, window);
+            const double share =
+                pairs.total > 0 ? double(pairs.busiest) / double(pairs.total) : 1.0 / p_.cp;
+            it = attention_share_.emplace(key, share).first;
+        }
+        return it->second;
+    }
+
     // Prefill of one sequence of S tokens (T = S / cp on each CP rank) through stage `s`.
     StageCost prefill_stage(int s, double S) const {
         const RankKv& rk = layout_.ranks[rank_of(p_, 0, s, 0, 0)];
@@ -333,11 +356,11 @@ class Model {
         for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
             const double kv_layer = layer_kv_[l];
             // Causal attention over the sequence (or its windows), split over tp (heads) and cp
-            // (zigzag-balanced): QK^T and PV are pairs * H * d multiply-adds each. State layers:
-            // the recurrence over every token.
-            const double attn_flops =
-                2 * attn_pairs(l, S) * q_heads() * (qk_dim(l) + v_dim(l)) / p_.cp +
-                2 * kStateFlopsPerElem * T * state_elems(l);
+            // (the busiest CP rank's share of the pairs under the prompt's placement): QK^T and PV
+            // are pairs * H * d multiply-adds each. State layers: the recurrence over every token.
+            const double attn_flops = 2 * attn_pairs(l, S) * cp_attention_share(l, S) * q_heads() *
+                                          (qk_dim(l) + v_dim(l)) +
+                                      2 * kStateFlopsPerElem * T * state_elems(l);
             const bool moe = m_.is_moe_layer(l);
             double elems = attn_elems(l);
             double weight_elems = elems;
@@ -501,6 +524,7 @@ class Model {
     KvLayout layout_;
     std::vector<double> layer_kv_, layer_state_;  // per layer, on TP rank 0 of its stage
     mutable std::map<std::tuple<bool, int, int64_t>, std::pair<int, int>> ring_steps_;
+    mutable std::map<std::tuple<bool, int, int64_t>, double> attention_share_;
     Links l_{};
     double flops_ = 0, hbm_ = 0, we_ = 0;
 };

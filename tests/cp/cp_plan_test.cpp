@@ -107,7 +107,9 @@ TEST(CpTokenMap, RangesAndTheirVisibilityAgreeWithPositions) {
             std::vector<int64_t> expanded;
             for (size_t i = 0; i < runs.size(); ++i) {
                 ASSERT_LT(runs[i].begin, runs[i].end);
-                if (i > 0) ASSERT_LT(runs[i - 1].end, runs[i].begin);  // disjoint, not adjacent
+                if (i > 0) {
+                    ASSERT_LT(runs[i - 1].end, runs[i].begin);  // disjoint, not adjacent
+                }
                 for (int64_t x = runs[i].begin; x < runs[i].end; ++x) expanded.push_back(x);
             }
             ASSERT_EQ(expanded, pos);
@@ -148,6 +150,60 @@ TEST(CpWindowSteps, PromptFormEqualsTheFullMapsCount) {
                                 << cp_scheme_name(scheme) << " cp " << cp << " unit " << unit
                                 << " n " << n << " chunked " << chunked << " w " << window;
                         }
+}
+
+// The attention pairs each rank computes, counted one query at a time from the placement (every
+// position's owner, every query's visible keys), against the closed forms over runs.
+TEST(CpAttentionPairs, EqualABruteForceCountOverEveryQuery) {
+    for (CpScheme scheme : kSchemes)
+        for (int cp : {1, 2, 3, 4, 8})
+            for (int unit : {1, 3, 16})
+                for (int64_t n : {1, 7, 64, 100, 1000, 4099})
+                    for (int window : {0, 1, 5, 16, 128})
+                        for (bool chunked : {false, true}) {
+                            if (window == 0 && chunked) continue;
+                            const ParallelConfig p = cfg(cp, scheme, unit);
+                            std::vector<int64_t> per(static_cast<size_t>(cp), 0);
+                            for (int64_t q = 0; q < n; ++q) {
+                                const int64_t seen = window == 0 ? q + 1
+                                                     : chunked   ? q % window + 1
+                                                                 : std::min<int64_t>(q + 1, window);
+                                per[static_cast<size_t>(cp_owner(p, n, q))] += seen;
+                            }
+                            const auto got = cp_prompt_attention_pairs(p, n, chunked, window);
+                            ASSERT_EQ(got.total,
+                                      std::accumulate(per.begin(), per.end(), int64_t{0}))
+                                << cp_scheme_name(scheme) << " cp " << cp << " n " << n;
+                            ASSERT_EQ(got.busiest, *std::max_element(per.begin(), per.end()))
+                                << cp_scheme_name(scheme) << " cp " << cp << " unit " << unit
+                                << " n " << n << " w " << window << " chunked " << chunked;
+                        }
+}
+
+TEST(CpAttentionPairs, ContiguousShardsLoadTheLastRankZigzagBalances) {
+    const int64_t n = 1 << 16;
+    for (int cp : {2, 4, 8, 16}) {
+        const auto contiguous =
+            cp_prompt_attention_pairs(cfg(cp, CpScheme::kContiguous), n, false, 0);
+        const auto zigzag = cp_prompt_attention_pairs(cfg(cp, CpScheme::kZigzag), n, false, 0);
+        EXPECT_EQ(contiguous.total, n * (n + 1) / 2);
+        EXPECT_EQ(zigzag.total, contiguous.total);
+        // The last contiguous rank: its n / cp queries see (cp - 1) n / cp keys before them plus
+        // its own causal triangle, (2 cp - 1) / cp^2 of the prompt's pairs.
+        EXPECT_NEAR(double(contiguous.busiest) / contiguous.total, (2.0 * cp - 1) / (cp * cp),
+                    1e-4);
+        EXPECT_NEAR(double(zigzag.busiest) / zigzag.total, 1.0 / cp, 1e-4);
+        // A sliding window of 4K: every query past the first window sees 4K keys; balanced either
+        // way.
+        const auto windowed =
+            cp_prompt_attention_pairs(cfg(cp, CpScheme::kContiguous), n, false, 4096);
+        EXPECT_NEAR(double(windowed.busiest) / windowed.total, 1.0 / cp, 0.05);
+    }
+    // A long interleaved prompt is taken as balanced (its true imbalance is below 1 / periods).
+    const auto big =
+        cp_prompt_attention_pairs(cfg(4, CpScheme::kInterleave, 1), int64_t{1} << 20, false, 0);
+    EXPECT_EQ(big.total, (int64_t{1} << 20) * ((int64_t{1} << 20) + 1) / 2);
+    EXPECT_EQ(big.busiest, (big.total + 3) / 4);
 }
 
 TEST(CpRing, EveryRankSeesEveryShardOnceAndSendsWhatTheNextReceives) {

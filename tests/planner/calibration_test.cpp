@@ -16,16 +16,20 @@
 namespace kvshard {
 namespace {
 
-ParallelConfig cfg(int tp, int cp) {
+ParallelConfig cfg(int tp, int cp, CpScheme scheme = CpScheme::kContiguous) {
     ParallelConfig p;
     p.tp = tp;
     p.cp = cp;
+    p.cp_scheme = scheme;
     return p;
 }
 
 // Meta's runs (arXiv:2411.01783, "Context Parallelism for Scalable Million-Token Inference",
 // Yang et al., MLSys 2025): Llama 3 405B with row-wise fp8 weights on H100 hosts of 8 GPUs, TP 8
-// inside a host, CP across hosts (the kvshard rank order puts TP inside a node and CP across).
+// inside a host, CP across hosts (the kvshard rank order puts TP inside a node and CP across),
+// the prompt sharded load-balanced (2 x CP chunks, rank i holding chunks i and 2 CP - 1 - i:
+// kvshard's zigzag). Priced with contiguous shards, the last CP rank would compute (2 CP - 1) / CP
+// of the average attention (cp_prompt_attention_pairs).
 CostReport meta_405b(int cp, int64_t prompt, int64_t context, int64_t batch,
                      CpMergePolicy merge = CpMergePolicy::kAuto) {
     const ModelSpec m = catalog_model("llama-3.1-405b");
@@ -37,7 +41,7 @@ CostReport meta_405b(int cp, int64_t prompt, int64_t context, int64_t batch,
     CostOptions o;
     o.weight_dtype = WeightDtype::kFp8;
     o.cp_decode_merge = merge;
-    return estimate_cost(m, cfg(8, cp), hw, w, o);
+    return estimate_cost(m, cfg(8, cp, CpScheme::kZigzag), hw, w, o);
 }
 
 void expect_ratio_within(double predicted, double measured, const char* what) {

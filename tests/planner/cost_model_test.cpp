@@ -286,3 +286,41 @@ TEST(CpPassKv, AgreesWithTheExecutorsPlan) {
 
 }  // namespace
 }  // namespace kvshard
+
+namespace kvshard {
+namespace {
+
+// The planner prices a CP prefill at its busiest rank's share of the attention: contiguous shards
+// leave the last rank (2 cp - 1) / cp^2 of a full-attention prompt, zigzag 1 / cp. At 128K on a
+// long-context configuration contiguous is predicted slower by the imbalance times the share of
+// the prefill that is attention; with one CP rank the scheme changes nothing.
+TEST(CostModelCpBalance, ContiguousPrefillIsPricedAtTheBusiestRank) {
+    const ModelSpec m = catalog_model("llama-3.1-70b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    Workload w;
+    w.prompt_tokens = w.context_tokens = 131072;
+    w.batch = 1;
+    auto prefill = [&](int cp, CpScheme scheme) {
+        ParallelConfig p;
+        p.tp = 8;
+        p.cp = cp;
+        p.cp_scheme = scheme;
+        return estimate_cost(m, p, hw, w).ttft_s;
+    };
+    // (contiguous / zigzag - 1) / (busiest / average - 1) is the share of the prefill that is
+    // attention: the same at cp 2 and cp 4 (the MLP and the rest split evenly either way), and
+    // for 70B at 128K about half of it (0 if the placement were not priced).
+    std::vector<double> share;
+    for (int cp : {2, 4}) {
+        const double zig = prefill(cp, CpScheme::kZigzag);
+        const double con = prefill(cp, CpScheme::kContiguous);
+        share.push_back((con / zig - 1) / ((2.0 * cp - 1) / cp - 1));
+        EXPECT_GT(share.back(), 0.3) << "cp " << cp;
+        EXPECT_LT(share.back(), 0.7) << "cp " << cp;
+    }
+    EXPECT_NEAR(share[0], share[1], 0.05);
+    EXPECT_DOUBLE_EQ(prefill(1, CpScheme::kZigzag), prefill(1, CpScheme::kContiguous));
+}
+
+}  // namespace
+}  // namespace kvshard

@@ -101,6 +101,23 @@ int cp_pass_q_window_ring_steps(const CpTokenMap& map, int64_t new_begin, bool c
 std::pair<int, int> cp_prompt_window_ring_steps(const ParallelConfig& p, int64_t n, bool chunked,
                                                 int window);
 
+// Attention work of a CP prefill: the (query, key) pairs each CP rank computes for a prompt of n
+// tokens placed by p, its queries against every key they see (causal; window > 0: the last
+// `window` positions, or chunked, the query's chunk of `window`), summed exactly over the rank's
+// runs of positions. {total over ranks, the busiest rank's}: a ring runs at its busiest rank's
+// pace, so a CP prefill's attention time is busiest / total of the unsharded work, not 1 / cp:
+// contiguous shards leave the last rank (2 cp - 1) / cp^2 of a full-attention prompt, zigzag
+// balances it to 1 / cp when 2 cp divides n (docs/context-parallel.md §8). An interleaved
+// placement of more than 65,536 periods (unit x cp) is taken as balanced (busiest = total / cp,
+// rounded up; its exact imbalance is below 1 / periods).
+struct CpAttentionPairs {
+    int64_t total = 0;
+    int64_t busiest = 0;
+    bool operator==(const CpAttentionPairs&) const = default;
+};
+CpAttentionPairs cp_prompt_attention_pairs(const ParallelConfig& p, int64_t n, bool chunked,
+                                           int window);
+
 // Whether some query at q_pos sees some key at kv_pos (both ascending): causally (key <= query)
 // and, under a window (window > 0), inside it (sliding: the last `window` positions; chunked: the
 // query's chunk). A shard pair that does not is skipped: no ring step, no partial returned.
