@@ -93,9 +93,21 @@ void append_entries(std::vector<CopyEntry>& to, std::span<const CopyEntry> more,
     }
 }
 
-DeviceCopyProgram::DeviceCopyProgram(std::span<const CopyEntry> entries)
-    : entries_(static_cast<int64_t>(entries.size_bytes())),
-      count_(static_cast<int64_t>(entries.size())) {
+std::string copy_extent_error(int64_t src_extent, int64_t dst_extent, int64_t src_bytes,
+                              int64_t dst_bytes) {
+    if (src_extent > src_bytes)
+        return "the copy program reads " + std::to_string(src_extent) +
+               " bytes of its source but the source buffer has " + std::to_string(src_bytes) +
+               " (a program made for another pool or payload?)";
+    if (dst_extent > dst_bytes)
+        return "the copy program writes " + std::to_string(dst_extent) +
+               " bytes of its destination but the destination buffer has " +
+               std::to_string(dst_bytes) + " (a program made for another pool or payload?)";
+    return "";
+}
+
+CopyExtents copy_extents(std::span<const CopyEntry> entries) {
+    CopyExtents x;
     for (const CopyEntry& e : entries) {
         require(e.src >= 0 && e.dst >= 0 && e.len >= 0 && e.count >= 0 && e.src_step >= 0 &&
                     e.dst_step >= 0,
@@ -103,12 +115,22 @@ DeviceCopyProgram::DeviceCopyProgram(std::span<const CopyEntry> entries)
         require(e.len * e.count <= kMaxEntryBytes, "a copy entry of ", e.len * e.count,
                 " bytes: entries copy at most ", kMaxEntryBytes,
                 " (split them with pack_entries / unpack_entries)");
-        bytes_ += e.len * e.count;
+        x.bytes += e.len * e.count;
         if (e.len > 0 && e.count > 0) {
-            src_extent_ = std::max(src_extent_, e.src + (e.count - 1) * e.src_step + e.len);
-            dst_extent_ = std::max(dst_extent_, e.dst + (e.count - 1) * e.dst_step + e.len);
+            x.src = std::max(x.src, e.src + (e.count - 1) * e.src_step + e.len);
+            x.dst = std::max(x.dst, e.dst + (e.count - 1) * e.dst_step + e.len);
         }
     }
+    return x;
+}
+
+DeviceCopyProgram::DeviceCopyProgram(std::span<const CopyEntry> entries)
+    : count_(static_cast<int64_t>(entries.size())) {
+    const CopyExtents x = copy_extents(entries);  // checks before anything is allocated
+    bytes_ = x.bytes;
+    src_extent_ = x.src;
+    dst_extent_ = x.dst;
+    entries_ = DeviceBuffer(static_cast<int64_t>(entries.size_bytes()));
     entries_.upload(std::as_bytes(entries));
 }
 
@@ -119,6 +141,25 @@ void DeviceCopyProgram::run(const std::byte* src, std::byte* dst, void* stream) 
                         reinterpret_cast<const unsigned char*>(src),
                         reinterpret_cast<unsigned char*>(dst), sm_count, detail::stream_of(stream));
     KVSHARD_CUDA_CALL(cudaGetLastError());
+}
+
+void DeviceCopyProgram::run_checked(const std::byte* src, int64_t src_bytes, std::byte* dst,
+                                    int64_t dst_bytes, void* stream) const {
+    const std::string why = copy_extent_error(src_extent_, dst_extent_, src_bytes, dst_bytes);
+    require(why.empty(), why);
+    run(src, dst, stream);
+}
+
+void DeviceCopyProgram::run(const DevicePool& src, DeviceBuffer& dst, void* stream) const {
+    run_checked(src.data(), src.arena_bytes(), dst.data(), dst.size(), stream);
+}
+
+void DeviceCopyProgram::run(const DeviceBuffer& src, DevicePool& dst, void* stream) const {
+    run_checked(src.data(), src.size(), dst.data(), dst.arena_bytes(), stream);
+}
+
+void DeviceCopyProgram::run(const DevicePool& src, DevicePool& dst, void* stream) const {
+    run_checked(src.data(), src.arena_bytes(), dst.data(), dst.arena_bytes(), stream);
 }
 
 }  // namespace kvshard::cuda

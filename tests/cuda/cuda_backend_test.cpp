@@ -181,8 +181,8 @@ TEST_P(DeviceCopy, PackUnpackAndDirectEqualTheHostBytes) {
         EXPECT_EQ(unpack.bytes(), msg.bytes);
         cuda::DeviceBuffer staging(msg.bytes);
         staging.fill(0x5a);
-        pack.run(dsrc[msg.src_rank]->data(), staging.data());
-        unpack.run(staging.data(), dunpack[msg.dst_rank]->data());
+        pack.run(*dsrc[msg.src_rank], staging);  // the checked forms: extents against sizes
+        unpack.run(staging, *dunpack[msg.dst_rank]);
         cuda::synchronize();
         std::vector<std::byte> got(static_cast<size_t>(msg.bytes));
         staging.download(got);
@@ -192,7 +192,7 @@ TEST_P(DeviceCopy, PackUnpackAndDirectEqualTheHostBytes) {
         const cuda::DeviceCopyProgram direct(
             cuda::direct_entries(message_descriptors(plan, static_cast<int>(i), sr, dr)));
         EXPECT_EQ(direct.bytes(), msg.bytes);
-        direct.run(dsrc[msg.src_rank]->data(), ddirect[msg.dst_rank]->data());
+        direct.run(*dsrc[msg.src_rank], *ddirect[msg.dst_rank]);
     }
     cuda::synchronize();
     for (size_t r = 0; r < host_dst.pools.size(); ++r) {
@@ -243,6 +243,9 @@ TEST(DeviceCopyBatch, OneLaunchForEveryMessageOfASourceRank) {
     EXPECT_EQ(prog.dst_extent(), static_cast<int64_t>(want.size()));
     cuda::DeviceBuffer staging(static_cast<int64_t>(want.size()));
     prog.run(dp.data(), staging.data());
+    // A payload buffer one byte short is refused before anything is queued.
+    cuda::DeviceBuffer short_by_one(static_cast<int64_t>(want.size()) - 1);
+    EXPECT_THROW(prog.run(dp, short_by_one), Error);
     std::vector<std::byte> got(want.size());
     staging.download(got);
     EXPECT_EQ(first_difference(got, want), -1);
@@ -286,9 +289,24 @@ TEST(CopyEntries, DirectDescriptorsAtConstantStepsBecomeOneStridedEntry) {
     EXPECT_EQ(e[2], (cuda::CopyEntry{200000, 0, 70, 0, 64, 1}));
 }
 
+TEST(CopyEntries, TheExtentCheckNamesTheSideThatIsTooSmall) {
+    EXPECT_EQ(cuda::copy_extent_error(100, 200, 100, 200), "");
+    EXPECT_NE(cuda::copy_extent_error(101, 200, 100, 200).find("reads 101 bytes of its source"),
+              std::string::npos);
+    EXPECT_NE(cuda::copy_extent_error(100, 201, 100, 200).find("destination buffer has 200"),
+              std::string::npos);
+    // The extents are those the entries reach: 3 vectors of 256 bytes 4096 apart from 0 (read)
+    // to 16, 272, 528 (written), and 6 bytes at 10 -> 0.
+    const std::vector<cuda::CopyEntry> e = {{0, 4096, 16, 256, 256, 3}, {10, 0, 0, 0, 6, 1}};
+    EXPECT_EQ(cuda::copy_extents(e), (cuda::CopyExtents{3 * 256 + 6, 2 * 4096 + 256, 784}));
+    const std::vector<cuda::CopyEntry> negative = {{-1, 0, 0, 0, 16, 1}};
+    EXPECT_THROW(cuda::copy_extents(negative), Error);
+}
+
 TEST(CopyEntries, AProgramRefusesAnEntryOverTheLimit) {
     const std::vector<cuda::CopyEntry> e = {{0, 0, 0, 0, cuda::kMaxEntryBytes + 1, 1}};
-    EXPECT_THROW(cuda::DeviceCopyProgram{e}, Error);
+    EXPECT_THROW(cuda::copy_extents(e), Error);
+    EXPECT_THROW(cuda::DeviceCopyProgram{e}, Error);  // refused before any device call
 }
 
 // ---- decode attention ----

@@ -7,6 +7,7 @@
 // stores (4-byte or single-byte ones where an entry's offsets are not aligned to 16).
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kvshard/cuda/device.h"
@@ -39,6 +40,19 @@ std::vector<CopyEntry> direct_entries(std::span<const TransferDescriptor> descri
 void append_entries(std::vector<CopyEntry>& to, std::span<const CopyEntry> more, int64_t src_base,
                     int64_t dst_base);
 
+// What a list of entries copies: payload bytes, and the furthest byte each side touches (+1).
+// Error for an entry with a negative field or over kMaxEntryBytes. Pure.
+struct CopyExtents {
+    int64_t bytes = 0;
+    int64_t src = 0, dst = 0;
+    bool operator==(const CopyExtents&) const = default;
+};
+CopyExtents copy_extents(std::span<const CopyEntry> entries);
+
+// "" when a program of these extents fits buffers of src_bytes and dst_bytes, else what does not.
+std::string copy_extent_error(int64_t src_extent, int64_t dst_extent, int64_t src_bytes,
+                              int64_t dst_bytes);
+
 // A copy program in device memory.
 class DeviceCopyProgram {
   public:
@@ -52,6 +66,14 @@ class DeviceCopyProgram {
     // src / dst: device memory (or memory mapped from another process, ipc.h) of at least
     // src_extent() / dst_extent() bytes, not overlapping.
     void run(const std::byte* src, std::byte* dst, void* stream = nullptr) const;
+    // The same with the buffers' sizes checked first: Error, before anything is queued, when a
+    // side is smaller than the program's extent on it (a program made for another pool or
+    // payload). src_bytes / dst_bytes: the sizes of the device buffers at src / dst.
+    void run_checked(const std::byte* src, int64_t src_bytes, std::byte* dst, int64_t dst_bytes,
+                     void* stream = nullptr) const;
+    void run(const DevicePool& src, DeviceBuffer& dst, void* stream = nullptr) const;  // pack
+    void run(const DeviceBuffer& src, DevicePool& dst, void* stream = nullptr) const;  // unpack
+    void run(const DevicePool& src, DevicePool& dst, void* stream = nullptr) const;    // direct
 
   private:
     DeviceBuffer entries_;
