@@ -546,6 +546,10 @@ std::vector<CopyRun> message_copy_runs(const TransferPlan& plan, const TransferM
                                        const PageGeometry& geometry, int64_t num_blocks) {
     require(mode != TransferMode::kAuto,
             "message_copy_runs needs a resolved mode (call resolve_mode)");
+    require(plan.executable(), plan.src.layout.model.name, " has ",
+            plan.src.layout.model.layer_mix(),
+            ": copy runs describe pools of one page shape; take each token group's plan "
+            "(group_transfer_plan) and its pools");
     const TransferEndpoint& side = source_side ? plan.src : plan.dst;
     const int rank = source_side ? msg.src_rank : msg.dst_rank;
     const PageGeometry want = rank_page_geometry(side.layout, rank, side.block_size, side.order);

@@ -105,6 +105,18 @@ TEST(CopyRunsChecks, RefuseAnUnresolvedModeAWrongGeometryAndABlockOutsideThePool
     EXPECT_THROW(message_copy_runs(plan, msg, TransferMode::kPreSend, true, wrong, 4), Error);
     EXPECT_THROW(message_copy_runs(plan, msg, TransferMode::kPreSend, true, g, 2), Error);
     EXPECT_NO_THROW(message_copy_runs(plan, msg, TransferMode::kPreSend, true, g, 4));
+    // A model of several KV groups: each group's plan has its own pools.
+    const ModelSpec swa = catalog_model("tiny-swa");
+    const TransferPlan hybrid =
+        make_transfer_plan(testing::make_endpoint(swa, "tp=2", 16, PageOrder::kHnd, 64),
+                           testing::make_endpoint(swa, "tp=1", 16, PageOrder::kHnd, 64), 64);
+    ASSERT_FALSE(hybrid.executable());
+    try {
+        message_copy_runs(hybrid, hybrid.messages.front(), TransferMode::kPreSend, true, g, 4);
+        ADD_FAILURE() << "a plan of several KV groups was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("group_transfer_plan"), std::string::npos) << e.what();
+    }
 }
 
 }  // namespace
