@@ -59,6 +59,34 @@ int choose_chunk_tokens(const std::vector<int64_t>& lens, int kv_heads) {
 
 }  // namespace
 
+std::string paged_kv_error(const PagedKv& kv, int block_size, int64_t num_blocks) {
+    const int batch = kv.batch();
+    if (static_cast<int>(kv.indptr.size()) != batch + 1 || kv.indptr.front() != 0 ||
+        kv.indptr.back() != static_cast<int32_t>(kv.indices.size()))
+        return "the PagedKv's indptr must have batch + 1 = " + std::to_string(batch + 1) +
+               " entries from 0 to the number of indices (" + std::to_string(kv.indices.size()) +
+               "), got " + std::to_string(kv.indptr.size()) + " entries";
+    for (int i = 0; i < batch; ++i) {
+        const int32_t blocks = kv.indptr[i + 1] - kv.indptr[i];
+        if (blocks < 0)
+            return "the PagedKv's indptr decreases at sequence " + std::to_string(i) + " (" +
+                   std::to_string(kv.indptr[i]) + " then " + std::to_string(kv.indptr[i + 1]) +
+                   "): it must not";
+        const int32_t last = kv.last_page_len[i];
+        if (blocks == 0 ? last != 0 : (last < 1 || last > block_size))
+            return "sequence " + std::to_string(i) + " has " + std::to_string(blocks) +
+                   " blocks and last_page_len " + std::to_string(last) +
+                   ": it must be 1 to the block size (" + std::to_string(block_size) +
+                   ") for a sequence with blocks, 0 for one without";
+    }
+    for (size_t j = 0; j < kv.indices.size(); ++j)
+        if (kv.indices[j] < 0 || kv.indices[j] >= num_blocks)
+            return "block " + std::to_string(kv.indices[j]) + " (index " + std::to_string(j) +
+                   " of the PagedKv) is outside the pool of " + std::to_string(num_blocks) +
+                   " blocks";
+    return "";
+}
+
 std::string decode_support_error(const PageGeometry& g, const DecodeParams& p) {
     detail::ElemType elem{};
     if (!elem_type(g.dtype, elem))
@@ -89,12 +117,8 @@ DeviceDecode::DeviceDecode(const PagedKv& kv, const PageGeometry& geometry, int6
     const std::string why = decode_support_error(geometry, p);
     require(why.empty(), why);
     require(batch_ >= 1, "device decode attention needs at least one sequence");
-    require(static_cast<int>(kv.indptr.size()) == batch_ + 1 && kv.indptr.front() == 0 &&
-                kv.indptr.back() == static_cast<int32_t>(kv.indices.size()),
-            "the PagedKv's indptr must have batch + 1 entries from 0 to the number of indices");
-    for (int32_t b : kv.indices)
-        require(b >= 0 && b < num_blocks, "block ", b, " of the PagedKv is outside the pool of ",
-                num_blocks, " blocks");
+    const std::string bad = paged_kv_error(kv, geometry.block_size, num_blocks);
+    require(bad.empty(), bad);
     require(chunk_tokens >= 0, "chunk_tokens must be >= 0 (0: chosen)");
     int64_t total = 0;
     std::vector<int64_t> lens(static_cast<size_t>(batch_));
@@ -104,7 +128,12 @@ DeviceDecode::DeviceDecode(const PagedKv& kv, const PageGeometry& geometry, int6
     }
     if (chunk_tokens == 0) chunk_tokens = choose_chunk_tokens(lens, p.num_kv_heads);
     chunk_tokens_ = chunk_tokens;
+    int64_t items = 0;
+    for (int64_t len : lens) items += std::max<int64_t>(1, (len + chunk_tokens - 1) / chunk_tokens);
+    require(items < (int64_t{1} << 31), "chunk_tokens ", chunk_tokens, " cuts the batch into ",
+            items, " chunks; the kernels take fewer than 2^31: raise chunk_tokens (0 chooses)");
     std::vector<int32_t> work, chunk_indptr{0};
+    work.reserve(static_cast<size_t>(2 * items));
     for (int i = 0; i < batch_; ++i) {
         const int64_t n =
             std::max<int64_t>(1, (lens[static_cast<size_t>(i)] + chunk_tokens - 1) / chunk_tokens);
@@ -114,8 +143,7 @@ DeviceDecode::DeviceDecode(const PagedKv& kv, const PageGeometry& geometry, int6
         }
         chunk_indptr.push_back(static_cast<int32_t>(work.size() / 2));
     }
-    work_items_ = static_cast<int64_t>(work.size() / 2);
-    require(work_items_ < (int64_t{1} << 31), "too many chunks: raise chunk_tokens");
+    work_items_ = items;
     kv_bytes_ =
         total * geometry.kv_factor * geometry.num_heads * geometry.head_dim * geometry.elem_size();
     indptr_ = upload_vector(kv.indptr);

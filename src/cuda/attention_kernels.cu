@@ -27,7 +27,9 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 4;
-constexpr int kTileBytes = 8 << 10;  // keys of one tile (and as many values)
+// Bytes of keys in a tile (and as many of values): at least this, more where a block's key groups
+// need more keys (TK = max(KG, kTileBytes / key bytes)).
+constexpr int kTileBytes = 8 << 10;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -665,7 +667,8 @@ __global__ void merge_kernel(MergeArgs a) {
 template <int kElem, int D, int G>
 cudaError_t launch_decode_t(const DecodeLaunch& a, cudaStream_t stream) {
     constexpr int bytes = Shape<kElem, D, G>::SMEM_BYTES;
-    static const cudaError_t opt_in = cudaFuncSetAttribute(
+    // Set at every launch: the attribute belongs to the current device, and it costs little.
+    const cudaError_t opt_in = cudaFuncSetAttribute(
         decode_chunk_kernel<kElem, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (opt_in != cudaSuccess) return opt_in;
     const dim3 grid(static_cast<unsigned>(a.work_items), static_cast<unsigned>(a.num_kv_heads));
@@ -676,7 +679,8 @@ cudaError_t launch_decode_t(const DecodeLaunch& a, cudaStream_t stream) {
 template <int kElem, int D>
 cudaError_t launch_decode_mma(const DecodeLaunch& a, cudaStream_t stream) {
     constexpr int bytes = MmaShape<D>::SMEM_BYTES;
-    static const cudaError_t opt_in = cudaFuncSetAttribute(
+    // Set at every launch: the attribute belongs to the current device, and it costs little.
+    const cudaError_t opt_in = cudaFuncSetAttribute(
         decode_mma_kernel<kElem, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (opt_in != cudaSuccess) return opt_in;
     const dim3 grid(static_cast<unsigned>(a.work_items), static_cast<unsigned>(a.num_kv_heads));

@@ -1,6 +1,7 @@
 #include "kvshard/cuda/copy.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "cuda/check.h"
 #include "cuda/kernels.h"
@@ -93,28 +94,40 @@ void append_entries(std::vector<CopyEntry>& to, std::span<const CopyEntry> more,
     }
 }
 
-std::string copy_extent_error(int64_t src_extent, int64_t dst_extent, int64_t src_bytes,
-                              int64_t dst_bytes) {
-    if (src_extent > src_bytes)
-        return "the copy program reads " + std::to_string(src_extent) +
+std::string copy_buffers_error(const CopyExtents& x, const std::byte* src, int64_t src_bytes,
+                               const std::byte* dst, int64_t dst_bytes) {
+    if (x.src > src_bytes)
+        return "the copy program reads " + std::to_string(x.src) +
                " bytes of its source but the source buffer has " + std::to_string(src_bytes) +
                " (a program made for another pool or payload?)";
-    if (dst_extent > dst_bytes)
-        return "the copy program writes " + std::to_string(dst_extent) +
+    if (x.dst > dst_bytes)
+        return "the copy program writes " + std::to_string(x.dst) +
                " bytes of its destination but the destination buffer has " +
                std::to_string(dst_bytes) + " (a program made for another pool or payload?)";
+    // The kernel reads its source through the read-only cache: the two must not overlap.
+    if (src < dst + dst_bytes && dst < src + src_bytes)
+        return "a copy program's source and destination overlap (the same pool on both sides?): "
+               "they must be separate buffers";
     return "";
 }
 
 CopyExtents copy_extents(std::span<const CopyEntry> entries) {
     CopyExtents x;
-    for (const CopyEntry& e : entries) {
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    for (size_t i = 0; i < entries.size(); ++i) {
+        const CopyEntry& e = entries[i];
         require(e.src >= 0 && e.dst >= 0 && e.len >= 0 && e.count >= 0 && e.src_step >= 0 &&
                     e.dst_step >= 0,
-                "a copy entry with a negative offset, step, length or count");
-        require(e.len * e.count <= kMaxEntryBytes, "a copy entry of ", e.len * e.count,
-                " bytes: entries copy at most ", kMaxEntryBytes,
+                "copy entry ", i, " has a negative field (src ", e.src, ", src_step ", e.src_step,
+                ", dst ", e.dst, ", dst_step ", e.dst_step, ", len ", e.len, ", count ", e.count,
+                "): offsets, steps, length and count are >= 0");
+        require(e.count == 0 || e.len <= kMaxEntryBytes / e.count, "copy entry ", i, " copies ",
+                e.count, " x ", e.len, " bytes: an entry copies at most ", kMaxEntryBytes,
                 " (split them with pack_entries / unpack_entries)");
+        // The furthest byte of each side must be an int64 (no entry wraps around).
+        require(e.count <= 1 || (e.src_step <= (kMax - e.src - e.len) / (e.count - 1) &&
+                                 e.dst_step <= (kMax - e.dst - e.len) / (e.count - 1)),
+                "copy entry ", i, " reaches past 2^63 bytes");
         x.bytes += e.len * e.count;
         if (e.len > 0 && e.count > 0) {
             x.src = std::max(x.src, e.src + (e.count - 1) * e.src_step + e.len);
@@ -136,16 +149,17 @@ DeviceCopyProgram::DeviceCopyProgram(std::span<const CopyEntry> entries)
 
 void DeviceCopyProgram::run(const std::byte* src, std::byte* dst, void* stream) const {
     if (count_ == 0) return;
-    static const int sm_count = multiprocessor_count();
     detail::launch_copy(reinterpret_cast<const detail::RawCopyEntry*>(entries_.data()), count_,
                         reinterpret_cast<const unsigned char*>(src),
-                        reinterpret_cast<unsigned char*>(dst), sm_count, detail::stream_of(stream));
+                        reinterpret_cast<unsigned char*>(dst), multiprocessor_count(),
+                        detail::stream_of(stream));
     KVSHARD_CUDA_CALL(cudaGetLastError());
 }
 
 void DeviceCopyProgram::run_checked(const std::byte* src, int64_t src_bytes, std::byte* dst,
                                     int64_t dst_bytes, void* stream) const {
-    const std::string why = copy_extent_error(src_extent_, dst_extent_, src_bytes, dst_bytes);
+    const std::string why =
+        copy_buffers_error({bytes_, src_extent_, dst_extent_}, src, src_bytes, dst, dst_bytes);
     require(why.empty(), why);
     run(src, dst, stream);
 }

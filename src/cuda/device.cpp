@@ -25,8 +25,9 @@ std::string device_description() {
 }
 
 int multiprocessor_count() {
-    int n = 0;
-    KVSHARD_CUDA_CALL(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0));
+    int device = 0, n = 0;
+    KVSHARD_CUDA_CALL(cudaGetDevice(&device));
+    KVSHARD_CUDA_CALL(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
     return n;
 }
 

@@ -203,23 +203,52 @@ int64_t pairs_before(int64_t x, bool chunked, int window) {
 
 }  // namespace
 
+namespace {
+
+// Pairs of each CP rank's queries among the first len positions of a prompt placed by p.
+std::vector<int64_t> rank_pairs(const ParallelConfig& p, int64_t len, bool chunked, int window) {
+    std::vector<int64_t> out(static_cast<size_t>(p.cp), 0);
+    if (len <= 0) return out;
+    const CpTokenMap map = cp_prompt_map(p, len);
+    for (int c = 0; c < p.cp; ++c)
+        for (const TokenRange& r : map.ranges(c))
+            out[static_cast<size_t>(c)] +=
+                pairs_before(r.end, chunked, window) - pairs_before(r.begin, chunked, window);
+    return out;
+}
+
+}  // namespace
+
 CpAttentionPairs cp_prompt_attention_pairs(const ParallelConfig& p, int64_t n, bool chunked,
                                            int window) {
     CpAttentionPairs out;
-    // An interleaved placement of many periods is balanced to about 1 / periods (each rank's
-    // share of every period differs by under a unit's queries): past 65,536 periods it is taken
-    // as balanced, so that a million-token plan does not list a million runs.
     const int64_t period = int64_t{p.cp_interleave} * p.cp;
     if (p.cp_scheme == CpScheme::kInterleave && n / period > 65536) {
-        out.total = pairs_before(n, chunked, window);
-        out.busiest = (out.total + p.cp - 1) / p.cp;
-        return out;
+        if (!chunked || window <= 0) {
+            // Full or sliding attention over many periods: each rank's queries differ in number
+            // by under a unit per period and (past the first window) see equally many keys, so
+            // the split is even to about 1 / periods: taken as balanced, so that a million-token
+            // plan does not list a million runs.
+            out.total = pairs_before(n, chunked, window);
+            out.busiest = (out.total + p.cp - 1) / p.cp;
+            return out;
+        }
+        // Chunked: a query's keys depend on its place in its chunk, and the owners and chunk
+        // starts repeat every lcm(period, window) positions, so each rank's pairs are k times
+        // those of one such span plus those of the first n mod span positions.
+        const int64_t span = std::lcm(period, int64_t{window});
+        if (span <= n / 2 && span <= (int64_t{1} << 24)) {
+            const auto whole = rank_pairs(p, span, chunked, window);
+            const auto rest = rank_pairs(p, n % span, chunked, window);
+            for (size_t c = 0; c < whole.size(); ++c) {
+                const int64_t pairs = (n / span) * whole[c] + rest[c];
+                out.total += pairs;
+                out.busiest = std::max(out.busiest, pairs);
+            }
+            return out;
+        }
     }
-    const CpTokenMap map = cp_prompt_map(p, n);
-    for (int c = 0; c < p.cp; ++c) {
-        int64_t pairs = 0;
-        for (const TokenRange& r : map.ranges(c))
-            pairs += pairs_before(r.end, chunked, window) - pairs_before(r.begin, chunked, window);
+    for (int64_t pairs : rank_pairs(p, n, chunked, window)) {
         out.total += pairs;
         out.busiest = std::max(out.busiest, pairs);
     }

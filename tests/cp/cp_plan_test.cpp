@@ -199,6 +199,31 @@ TEST(CpAttentionPairs, ContiguousShardsLoadTheLastRankZigzagBalances) {
             cp_prompt_attention_pairs(cfg(cp, CpScheme::kContiguous), n, false, 4096);
         EXPECT_NEAR(double(windowed.busiest) / windowed.total, 1.0 / cp, 0.05);
     }
+    // Long interleaved prompts: chunked attention counted over one lcm span and scaled, equal to
+    // the count over every query; full and sliding taken as balanced, within 1 / periods.
+    for (int cp : {2, 4})
+        for (int unit : {1, 3})
+            for (int window : {0, 1000, 1024})
+                for (bool chunked : {false, true}) {
+                    if (window == 0 && chunked) continue;
+                    const ParallelConfig p = cfg(cp, CpScheme::kInterleave, unit);
+                    const int64_t n = 300001;
+                    std::vector<int64_t> per(static_cast<size_t>(cp), 0);
+                    for (int64_t q = 0; q < n; ++q)
+                        per[static_cast<size_t>(cp_owner(p, n, q))] +=
+                            window == 0 ? q + 1
+                            : chunked   ? q % window + 1
+                                        : std::min<int64_t>(q + 1, window);
+                    const auto got = cp_prompt_attention_pairs(p, n, chunked, window);
+                    const int64_t busiest = *std::max_element(per.begin(), per.end());
+                    ASSERT_EQ(got.total, std::accumulate(per.begin(), per.end(), int64_t{0}));
+                    if (chunked) {
+                        ASSERT_EQ(got.busiest, busiest) << "cp " << cp << " unit " << unit;
+                    } else {
+                        ASSERT_NEAR(double(got.busiest) / busiest, 1.0, 1e-4)
+                            << "cp " << cp << " unit " << unit << " w " << window;
+                    }
+                }
     // A long interleaved prompt is taken as balanced (its true imbalance is below 1 / periods).
     const auto big =
         cp_prompt_attention_pairs(cfg(4, CpScheme::kInterleave, 1), int64_t{1} << 20, false, 0);

@@ -289,18 +289,30 @@ TEST(CopyEntries, DirectDescriptorsAtConstantStepsBecomeOneStridedEntry) {
     EXPECT_EQ(e[2], (cuda::CopyEntry{200000, 0, 70, 0, 64, 1}));
 }
 
-TEST(CopyEntries, TheExtentCheckNamesTheSideThatIsTooSmall) {
-    EXPECT_EQ(cuda::copy_extent_error(100, 200, 100, 200), "");
-    EXPECT_NE(cuda::copy_extent_error(101, 200, 100, 200).find("reads 101 bytes of its source"),
+TEST(CopyEntries, TheBufferCheckNamesWhatIsWrong) {
+    std::vector<std::byte> a(1000), b(1000);
+    const cuda::CopyExtents x{50, 100, 200};
+    EXPECT_EQ(cuda::copy_buffers_error(x, a.data(), 100, b.data(), 200), "");
+    EXPECT_NE(cuda::copy_buffers_error(x, a.data(), 99, b.data(), 200)
+                  .find("reads 100 bytes of its source but the source buffer has 99"),
               std::string::npos);
-    EXPECT_NE(cuda::copy_extent_error(100, 201, 100, 200).find("destination buffer has 200"),
+    EXPECT_NE(cuda::copy_buffers_error(x, a.data(), 100, b.data(), 199).find("destination buffer"),
               std::string::npos);
+    EXPECT_NE(cuda::copy_buffers_error(x, a.data(), 1000, a.data() + 500, 500).find("overlap"),
+              std::string::npos);
+    EXPECT_EQ(cuda::copy_buffers_error(x, a.data(), 500, a.data() + 500, 500), "");  // adjacent
     // The extents are those the entries reach: 3 vectors of 256 bytes 4096 apart from 0 (read)
     // to 16, 272, 528 (written), and 6 bytes at 10 -> 0.
     const std::vector<cuda::CopyEntry> e = {{0, 4096, 16, 256, 256, 3}, {10, 0, 0, 0, 6, 1}};
     EXPECT_EQ(cuda::copy_extents(e), (cuda::CopyExtents{3 * 256 + 6, 2 * 4096 + 256, 784}));
     const std::vector<cuda::CopyEntry> negative = {{-1, 0, 0, 0, 16, 1}};
     EXPECT_THROW(cuda::copy_extents(negative), Error);
+    // Fields whose products would wrap around int64 are refused, not wrapped.
+    const int64_t big = int64_t{1} << 62;
+    const std::vector<cuda::CopyEntry> wraps_len = {{0, 0, 0, 0, big, 4}};
+    EXPECT_THROW(cuda::copy_extents(wraps_len), Error);
+    const std::vector<cuda::CopyEntry> wraps_step = {{0, big, 0, 16, 16, 4}};
+    EXPECT_THROW(cuda::copy_extents(wraps_step), Error);
 }
 
 TEST(CopyEntries, AProgramRefusesAnEntryOverTheLimit) {
@@ -449,6 +461,35 @@ TEST(DeviceDecodePlan, AnEmptySequenceHasLseMinusInfinityAndOutputZero) {
     // Five equal keys: the output is the value, the LSE log(5) + the score.
     EXPECT_NEAR(lse[1], std::log(5.0f) + 64 * 0.5f * 0.125f, 1e-4);
     for (int d = 0; d < 64; ++d) EXPECT_NEAR(out[64 + static_cast<size_t>(d)], 0.5f, 1e-6);
+}
+
+TEST(DeviceDecodePlan, ABatchTheKernelsCouldReadPastIsRefused) {
+    PagedKv kv;
+    kv.add_sequence({0, 1}, 20, 16);
+    kv.add_sequence({2}, 3, 16);
+    EXPECT_EQ(cuda::paged_kv_error(kv, 16, 3), "");
+    EXPECT_NE(cuda::paged_kv_error(kv, 16, 2).find("block 2 (index 2"), std::string::npos);
+    PagedKv decreasing = kv;
+    decreasing.indptr = {0, 3, 2};
+    decreasing.indices = {0, 1};
+    EXPECT_NE(cuda::paged_kv_error(decreasing, 16, 3).find("decreases at sequence"),
+              std::string::npos);
+    PagedKv long_page = kv;
+    long_page.last_page_len[1] = 17;
+    EXPECT_NE(cuda::paged_kv_error(long_page, 16, 3).find("last_page_len 17"), std::string::npos);
+    PagedKv empty_page = kv;
+    empty_page.last_page_len[0] = 0;
+    EXPECT_NE(cuda::paged_kv_error(empty_page, 16, 3), "");
+    PagedKv short_indptr = kv;
+    short_indptr.indptr.pop_back();
+    short_indptr.last_page_len.pop_back();
+    EXPECT_NE(cuda::paged_kv_error(short_indptr, 16, 3).find("indptr"), std::string::npos);
+    // The plan refuses it before any device call.
+    PageGeometry g;
+    g.num_heads = 1;
+    g.head_dim = 64;
+    g.dtype = DType::kBf16;
+    EXPECT_THROW(cuda::DeviceDecode(long_page, g, 3, {1, 1, 64, 0.125f}), Error);
 }
 
 TEST(DeviceDecodePlan, RefusesWhatNoKernelCovers) {

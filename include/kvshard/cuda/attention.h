@@ -10,7 +10,8 @@
 // output and LSE for the head's query heads, and a second kernel merges each sequence's chunks.
 // bf16 / fp16 pools run on tensor cores with q and the probabilities each split into two halves
 // of the pool's type (about 16 bits of mantissa), fp32 pools on CUDA cores; both accumulate in
-// fp32 and agree with the host kernel to about 1e-5.
+// fp32 and agree with the host kernel within the tests' 2e-4 (fp16 pools: q * scale * log2(e)
+// must stay inside fp16's range, |x| < 65504, as for any fp16 attention kernel).
 //
 // Tensors in device memory, row-major, fp32:
 //   q, out: [batch][num_q_heads][head_dim]   lse: [batch][num_q_heads]
@@ -35,6 +36,15 @@ struct DecodeParams {
 // with 1, 2, 4 or 8. "" when `geometry` and `p` are covered, else what is not and what would be.
 std::string decode_support_error(const PageGeometry& geometry, const DecodeParams& p);
 
+// "" when kv is a batch the kernels can read from a pool of num_blocks blocks of block_size
+// tokens: indptr from 0 to the number of indices, never decreasing; each last_page_len 1 to
+// block_size (0 for a sequence without blocks); every block id in [0, num_blocks). Else what is
+// wrong, with the sequence or index and the value.
+std::string paged_kv_error(const PagedKv& kv, int block_size, int64_t num_blocks);
+
+// One plan serves one run at a time: run() writes the chunks' partial results into the plan's
+// own buffers, so two runs of one plan on different streams would overwrite each other's (give
+// each concurrent layer or stream its own plan).
 class DeviceDecode {
   public:
     // The plan for a batch: its block tables (kv, uploaded once) over pools of `geometry`.

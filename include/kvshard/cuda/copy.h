@@ -49,9 +49,10 @@ struct CopyExtents {
 };
 CopyExtents copy_extents(std::span<const CopyEntry> entries);
 
-// "" when a program of these extents fits buffers of src_bytes and dst_bytes, else what does not.
-std::string copy_extent_error(int64_t src_extent, int64_t dst_extent, int64_t src_bytes,
-                              int64_t dst_bytes);
+// "" when a program of extents x can run from src (src_bytes) to dst (dst_bytes): each buffer
+// holds the program's extent on it and the two do not overlap; else what is wrong.
+std::string copy_buffers_error(const CopyExtents& x, const std::byte* src, int64_t src_bytes,
+                               const std::byte* dst, int64_t dst_bytes);
 
 // A copy program in device memory.
 class DeviceCopyProgram {
@@ -66,9 +67,9 @@ class DeviceCopyProgram {
     // src / dst: device memory (or memory mapped from another process, ipc.h) of at least
     // src_extent() / dst_extent() bytes, not overlapping.
     void run(const std::byte* src, std::byte* dst, void* stream = nullptr) const;
-    // The same with the buffers' sizes checked first: Error, before anything is queued, when a
-    // side is smaller than the program's extent on it (a program made for another pool or
-    // payload). src_bytes / dst_bytes: the sizes of the device buffers at src / dst.
+    // The same with the buffers checked first: Error, before anything is queued, when a side is
+    // smaller than the program's extent on it (a program made for another pool or payload) or
+    // the two overlap. src_bytes / dst_bytes: the sizes of the device buffers at src / dst.
     void run_checked(const std::byte* src, int64_t src_bytes, std::byte* dst, int64_t dst_bytes,
                      void* stream = nullptr) const;
     void run(const DevicePool& src, DeviceBuffer& dst, void* stream = nullptr) const;  // pack

@@ -20,6 +20,7 @@ namespace kvshard::cuda {
 bool device_available();
 // "NVIDIA H200, sm_90, 132 SMs, 141 GB" for device 0; "" without one.
 std::string device_description();
+// SMs of the current device (cudaGetDevice).
 int multiprocessor_count();
 // Waits for all work queued on the device (cudaDeviceSynchronize); throws on a CUDA error.
 void synchronize();

@@ -108,8 +108,9 @@ std::pair<int, int> cp_prompt_window_ring_steps(const ParallelConfig& p, int64_t
 // pace, so a CP prefill's attention time is busiest / total of the unsharded work, not 1 / cp:
 // contiguous shards leave the last rank (2 cp - 1) / cp^2 of a full-attention prompt, zigzag
 // balances it to 1 / cp when 2 cp divides n (docs/context-parallel.md §8). An interleaved
-// placement of more than 65,536 periods (unit x cp) is taken as balanced (busiest = total / cp,
-// rounded up; its exact imbalance is below 1 / periods).
+// placement of more than 65,536 periods (unit x cp) is taken as balanced under full or sliding
+// attention (busiest = total / cp, rounded up; its exact imbalance is below 1 / periods); under
+// chunked attention it is counted over one span of lcm(period, window) positions and scaled.
 struct CpAttentionPairs {
     int64_t total = 0;
     int64_t busiest = 0;
