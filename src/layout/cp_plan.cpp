@@ -255,6 +255,22 @@ CpAttentionPairs cp_prompt_attention_pairs(const ParallelConfig& p, int64_t n, b
     return out;
 }
 
+int64_t cp_decode_busiest_keys(const ParallelConfig& p, int64_t prompt, int64_t context,
+                               int block_size, int64_t first_visible) {
+    require(prompt >= 0 && context >= prompt && first_visible >= 0 && first_visible <= context,
+            "cp_decode_busiest_keys: need 0 <= prompt <= context and first_visible in [0, "
+            "context], got prompt ",
+            prompt, ", context ", context, ", first_visible ", first_visible);
+    require(block_size >= 1, "block_size must be >= 1, got ", block_size);
+    CpTokenMap map = cp_prompt_map(p, prompt);
+    map.append_generated(context - prompt,
+                         p.cp_scheme == CpScheme::kInterleave ? p.cp_interleave : block_size);
+    int64_t busiest = 0;
+    for (int c = 0; c < p.cp; ++c)
+        busiest = std::max(busiest, map.count(c, first_visible, context));
+    return busiest;
+}
+
 namespace {
 
 // Ascending positions as maximal runs.

@@ -427,17 +427,41 @@ class Model {
     }
 
     // One decode step of B requests (one new token each) at context C through stage `s`.
-    StageCost decode_stage(int s, double B, double C) const {
+    // Keys the newest token sees in layer l on the busiest CP rank at context C (prompt S): the
+    // rank's share for full attention, the placement's count for a windowed layer (whose window
+    // may lie on one rank), cp_decode_busiest_keys. Remembered per (kind, window, S, C).
+    double decode_keys(int l, double S, double C) const {
+        const double all = attended(l, C);
+        if (p_.cp == 1 || all <= 0) return all;
+        const LayerSpec ls = m_.layer(l);
+        const auto len = static_cast<int64_t>(C);
+        const int64_t first = first_kept_position(ls.kind, ls.window, len);
+        if (first == 0) return all / p_.cp;
+        const int64_t prompt = std::clamp<int64_t>(std::llround(S), 0, len);
+        const auto key = std::make_tuple(static_cast<int>(ls.kind), ls.window, prompt, len);
+        auto it = decode_keys_.find(key);
+        if (it == decode_keys_.end())
+            it = decode_keys_
+                     .emplace(key, double(cp_decode_busiest_keys(p_, prompt, len,
+                                                                 kDecodeBlockTokens, first)))
+                     .first;
+        return it->second;
+    }
+    // The generated tokens' placement unit outside the interleave scheme: the engines' KV block
+    // (capacity's default block of 16 tokens).
+    static constexpr int kDecodeBlockTokens = 16;
+
+    StageCost decode_stage(int s, double B, double S, double C) const {
         const RankKv& rk = layout_.ranks[rank_of(p_, 0, s, 0, 0)];
         const double h = m_.hidden, a = o_.activation_bytes;
         StageCost c;
         for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
             const double kv_layer = layer_kv_[l];
-            // Attention over the rank's share of the keys the new token sees (the window for
-            // windowed layers), for its query heads. MLA decodes in the absorbed form: q . latent
-            // over kv_lora_rank + rope, then p . latent over kv_lora_rank. State layers read and
-            // write their state once per token.
-            const double Cl = attended(l, C) / p_.cp;
+            // Attention over the busiest CP rank's share of the keys the new token sees (the
+            // window for windowed layers, which may lie on one rank), for its query heads. MLA
+            // decodes in the absorbed form: q . latent over kv_lora_rank + rope, then p . latent
+            // over kv_lora_rank. State layers read and write their state once per token.
+            const double Cl = decode_keys(l, S, C);
             const double per_key = m_.is_mla() ? 2.0 * m_.mla.kv_lora_rank + m_.mla.qk_rope_head_dim
                                                : qk_dim(l) + v_dim(l);
             const double attn_flops =
@@ -525,6 +549,7 @@ class Model {
     std::vector<double> layer_kv_, layer_state_;  // per layer, on TP rank 0 of its stage
     mutable std::map<std::tuple<bool, int, int64_t>, std::pair<int, int>> ring_steps_;
     mutable std::map<std::tuple<bool, int, int64_t>, double> attention_share_;
+    mutable std::map<std::tuple<int, int, int64_t, int64_t>, double> decode_keys_;
     Links l_{};
     double flops_ = 0, hbm_ = 0, we_ = 0;
 };
@@ -590,7 +615,7 @@ CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const Hard
     const double micro = std::min<double>(p.pp, B);
     double decode_path = 0;
     for (int s = 0; s < p.pp; ++s) {
-        const StageCost sc = model.decode_stage(s, B / micro, C);
+        const StageCost sc = model.decode_stage(s, B / micro, S, C);
         accumulate(rep.decode, sc, micro);  // per step, every stage runs `micro` micro-batches
         decode_path += sc.total();
         rep.cp_decode.all_gather_bytes =

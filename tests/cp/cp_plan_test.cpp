@@ -231,6 +231,37 @@ TEST(CpAttentionPairs, ContiguousShardsLoadTheLastRankZigzagBalances) {
     EXPECT_EQ(big.busiest, (big.total + 3) / 4);
 }
 
+// The busiest rank's visible keys at decode, counted from the documented placement (the prompt
+// by cp_owner, generated tokens round-robin by unit) one position at a time.
+TEST(CpDecodeKeys, EqualACountOverThePlacement) {
+    for (CpScheme scheme : kSchemes)
+        for (int cp : {1, 2, 3, 4})
+            for (int unit : {1, 16})
+                for (int64_t prompt : {0, 1, 100, 1000})
+                    for (int64_t generated : {0, 1, 37, 300})
+                        for (int64_t window : {0, 8, 100, 1024}) {
+                            const ParallelConfig p = cfg(cp, scheme, unit);
+                            const int64_t context = prompt + generated;
+                            if (context == 0) continue;
+                            const int64_t first =
+                                window == 0 ? 0 : std::max<int64_t>(0, context - window);
+                            const int gen_unit = scheme == CpScheme::kInterleave ? unit : 16;
+                            std::vector<int64_t> per(static_cast<size_t>(cp), 0);
+                            for (int64_t t = first; t < context; ++t) {
+                                const int owner = t < prompt
+                                                      ? cp_owner(p, prompt, t)
+                                                      : static_cast<int>((t / gen_unit) % cp);
+                                ++per[static_cast<size_t>(owner)];
+                            }
+                            ASSERT_EQ(cp_decode_busiest_keys(p, prompt, context, 16, first),
+                                      *std::max_element(per.begin(), per.end()))
+                                << cp_scheme_name(scheme) << " cp " << cp << " unit " << unit
+                                << " prompt " << prompt << " gen " << generated << " w " << window;
+                        }
+    EXPECT_THROW(cp_decode_busiest_keys(cfg(2, CpScheme::kZigzag), 10, 5, 16, 0), Error);
+    EXPECT_THROW(cp_decode_busiest_keys(cfg(2, CpScheme::kZigzag), 10, 10, 0, 0), Error);
+}
+
 TEST(CpRing, EveryRankSeesEveryShardOnceAndSendsWhatTheNextReceives) {
     for (int cp : {1, 2, 3, 4, 8}) {
         for (int c = 0; c < cp; ++c) {

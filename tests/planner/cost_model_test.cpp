@@ -322,5 +322,28 @@ TEST(CostModelCpBalance, ContiguousPrefillIsPricedAtTheBusiestRank) {
     EXPECT_DOUBLE_EQ(prefill(1, CpScheme::kZigzag), prefill(1, CpScheme::kContiguous));
 }
 
+// Decode under CP: a sliding layer's window (gpt-oss: the last 128 positions) lies in the last
+// zigzag chunk, on one CP rank, where interleaving by 16 spreads it over both: per layer pair the
+// busiest rank reads 65,536 + 128 keys against 65,536 + 64 (the full layer's half of 128K either
+// way), and the decode attention time follows exactly.
+TEST(CostModelCpBalance, ASlidingWindowAtDecodeIsPricedOnTheRankThatHoldsIt) {
+    const ModelSpec m = catalog_model("gpt-oss-120b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    Workload w;
+    w.prompt_tokens = w.context_tokens = 131072;
+    w.batch = 1;
+    auto decode_attention = [&](CpScheme scheme, int unit) {
+        ParallelConfig p;
+        p.tp = 4;
+        p.cp = 2;
+        p.cp_scheme = scheme;
+        p.cp_interleave = unit;
+        return estimate_cost(m, p, hw, w).decode.attention_compute_s;
+    };
+    const double zig = decode_attention(CpScheme::kZigzag, 1);
+    const double inter = decode_attention(CpScheme::kInterleave, 16);
+    EXPECT_NEAR(zig / inter, (65536.0 + 128) / (65536.0 + 64), 1e-9);
+}
+
 }  // namespace
 }  // namespace kvshard

@@ -119,6 +119,16 @@ struct CpAttentionPairs {
 CpAttentionPairs cp_prompt_attention_pairs(const ParallelConfig& p, int64_t n, bool chunked,
                                            int window);
 
+// Decode under CP: the keys the newest token of a sequence sees on its busiest CP rank. The first
+// `prompt` positions were placed by p (cp_prompt_map), the rest generated
+// (CpTokenMap::append_generated, unit p.cp_interleave under the interleave scheme, else
+// block_size); the token at position context - 1 sees [first_visible, context). Full attention
+// (first_visible 0) is balanced to within a unit; a windowed layer's window lies in the last
+// positions of the sequence, so one rank may hold all of it (the last chunk of a contiguous or
+// zigzag prompt belongs to one rank).
+int64_t cp_decode_busiest_keys(const ParallelConfig& p, int64_t prompt, int64_t context,
+                               int block_size, int64_t first_visible);
+
 // Whether some query at q_pos sees some key at kv_pos (both ascending): causally (key <= query)
 // and, under a window (window > 0), inside it (sliding: the last `window` positions; chunked: the
 // query's chunk). A shard pair that does not is skipped: no ring step, no partial returned.
