@@ -32,9 +32,6 @@ void push_split(std::vector<CopyEntry>& out, const CopyEntry& e) {
                        e.len, std::min(per, e.count - i)});
 }
 
-}  // namespace
-
-namespace {
 // pool_is_source: pack (pool -> payload); else unpack (payload -> pool).
 std::vector<CopyEntry> run_entries(std::span<const CopyRun> runs, bool pool_is_source) {
     std::vector<CopyEntry> out;
