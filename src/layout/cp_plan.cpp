@@ -180,7 +180,11 @@ std::pair<int, int> cp_prompt_window_ring_steps(const ParallelConfig& p, int64_t
     int64_t len = n;
     if (p.cp_scheme == CpScheme::kInterleave && window > 0) {
         int64_t period = int64_t{p.cp_interleave} * p.cp;
-        if (chunked) period = std::lcm(period, int64_t{window});
+        if (chunked) {
+            // lcm(period, window) in 128 bits: a longer period than the prompt counts it whole.
+            const __int128 l = __int128{period / std::gcd(period, int64_t{window})} * window;
+            period = l > n ? n + 1 : static_cast<int64_t>(l);
+        }
         // Positions from window - 1 on have whole windows; ownership and (chunked) chunk starts
         // repeat every period, so one period of them after the first window shows every case.
         if (period <= n) len = std::min(n, period + window);
@@ -193,21 +197,20 @@ std::pair<int, int> cp_prompt_window_ring_steps(const ParallelConfig& p, int64_t
 namespace {
 
 // Pairs of the queries at positions [0, x): each query q sees q + 1 keys (full), min(q + 1, W)
-// (sliding window W) or q % W + 1 (chunks of W).
-int64_t pairs_before(int64_t x, bool chunked, int window) {
-    if (window <= 0) return x * (x + 1) / 2;
-    const int64_t w = window;
-    if (chunked) return (x / w) * (w * (w + 1) / 2) + (x % w) * (x % w + 1) / 2;
-    return x <= w ? x * (x + 1) / 2 : w * (w + 1) / 2 + (x - w) * w;
+// (sliding window W) or q % W + 1 (chunks of W). In 128 bits: a planner context may be 2^40
+// tokens, whose pairs are about 2^79.
+using WidePairs = __int128;
+WidePairs pairs_before(int64_t x, bool chunked, int window) {
+    const WidePairs X = x;
+    if (window <= 0) return X * (X + 1) / 2;
+    const WidePairs w = window;
+    if (chunked) return (X / w) * (w * (w + 1) / 2) + (X % w) * (X % w + 1) / 2;
+    return X <= w ? X * (X + 1) / 2 : w * (w + 1) / 2 + (X - w) * w;
 }
 
-}  // namespace
-
-namespace {
-
 // Pairs of each CP rank's queries among the first len positions of a prompt placed by p.
-std::vector<int64_t> rank_pairs(const ParallelConfig& p, int64_t len, bool chunked, int window) {
-    std::vector<int64_t> out(static_cast<size_t>(p.cp), 0);
+std::vector<WidePairs> rank_pairs(const ParallelConfig& p, int64_t len, bool chunked, int window) {
+    std::vector<WidePairs> out(static_cast<size_t>(p.cp), 0);
     if (len <= 0) return out;
     const CpTokenMap map = cp_prompt_map(p, len);
     for (int c = 0; c < p.cp; ++c)
@@ -217,42 +220,46 @@ std::vector<int64_t> rank_pairs(const ParallelConfig& p, int64_t len, bool chunk
     return out;
 }
 
+CpAttentionPairs balanced_pairs(const ParallelConfig& p, int64_t n, bool chunked, int window) {
+    const double total = static_cast<double>(pairs_before(n, chunked, window));
+    return {total, total / p.cp};
+}
+
 }  // namespace
 
 CpAttentionPairs cp_prompt_attention_pairs(const ParallelConfig& p, int64_t n, bool chunked,
                                            int window) {
-    CpAttentionPairs out;
     const int64_t period = int64_t{p.cp_interleave} * p.cp;
+    // An interleaved prompt of many periods: listing its runs would take n / unit entries.
     if (p.cp_scheme == CpScheme::kInterleave && n / period > 65536) {
-        if (!chunked || window <= 0) {
-            // Full or sliding attention over many periods: each rank's queries differ in number
-            // by under a unit per period and (past the first window) see equally many keys, so
-            // the split is even to about 1 / periods: taken as balanced, so that a million-token
-            // plan does not list a million runs.
-            out.total = pairs_before(n, chunked, window);
-            out.busiest = (out.total + p.cp - 1) / p.cp;
-            return out;
-        }
+        // Full or sliding attention: each rank's queries differ in number by under a unit per
+        // period and (past the first window) see equally many keys, so the split is even to
+        // about 1 / periods: taken as balanced.
+        if (!chunked || window <= 0) return balanced_pairs(p, n, chunked, window);
         // Chunked: a query's keys depend on its place in its chunk, and the owners and chunk
         // starts repeat every lcm(period, window) positions, so each rank's pairs are k times
         // those of one such span plus those of the first n mod span positions.
-        const int64_t span = std::lcm(period, int64_t{window});
-        if (span <= n / 2 && span <= (int64_t{1} << 24)) {
-            const auto whole = rank_pairs(p, span, chunked, window);
-            const auto rest = rank_pairs(p, n % span, chunked, window);
-            for (size_t c = 0; c < whole.size(); ++c) {
-                const int64_t pairs = (n / span) * whole[c] + rest[c];
-                out.total += pairs;
-                out.busiest = std::max(out.busiest, pairs);
-            }
-            return out;
+        const WidePairs wide_span =
+            WidePairs{period / std::gcd(period, int64_t{window})} * window;  // lcm, unwrapped
+        if (wide_span > n / 2 || wide_span > (int64_t{1} << 24))
+            return balanced_pairs(p, n, chunked, window);  // no short period: taken as balanced
+        const auto span = static_cast<int64_t>(wide_span);
+        const auto whole = rank_pairs(p, span, chunked, window);
+        const auto rest = rank_pairs(p, n % span, chunked, window);
+        WidePairs total = 0, busiest = 0;
+        for (size_t c = 0; c < whole.size(); ++c) {
+            const WidePairs pairs = WidePairs{n / span} * whole[c] + rest[c];
+            total += pairs;
+            busiest = std::max(busiest, pairs);
         }
+        return {static_cast<double>(total), static_cast<double>(busiest)};
     }
-    for (int64_t pairs : rank_pairs(p, n, chunked, window)) {
-        out.total += pairs;
-        out.busiest = std::max(out.busiest, pairs);
+    WidePairs total = 0, busiest = 0;
+    for (const WidePairs pairs : rank_pairs(p, n, chunked, window)) {
+        total += pairs;
+        busiest = std::max(busiest, pairs);
     }
-    return out;
+    return {static_cast<double>(total), static_cast<double>(busiest)};
 }
 
 int64_t cp_decode_busiest_keys(const ParallelConfig& p, int64_t prompt, int64_t context,

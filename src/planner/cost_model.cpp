@@ -340,8 +340,7 @@ class Model {
         auto it = attention_share_.find(key);
         if (it == attention_share_.end()) {
             const CpAttentionPairs pairs = cp_prompt_attention_pairs(p_, n, chunked, window);
-            const double share =
-                pairs.total > 0 ? double(pairs.busiest) / double(pairs.total) : 1.0 / p_.cp;
+            const double share = pairs.total > 0 ? pairs.busiest / pairs.total : 1.0 / p_.cp;
             it = attention_share_.emplace(key, share).first;
         }
         return it->second;

@@ -174,7 +174,8 @@ TEST(CpAttentionPairs, EqualABruteForceCountOverEveryQuery) {
                             ASSERT_EQ(got.total,
                                       std::accumulate(per.begin(), per.end(), int64_t{0}))
                                 << cp_scheme_name(scheme) << " cp " << cp << " n " << n;
-                            ASSERT_EQ(got.busiest, *std::max_element(per.begin(), per.end()))
+                            ASSERT_EQ(got.busiest,
+                                      double(*std::max_element(per.begin(), per.end())))
                                 << cp_scheme_name(scheme) << " cp " << cp << " unit " << unit
                                 << " n " << n << " w " << window << " chunked " << chunked;
                         }
@@ -186,7 +187,7 @@ TEST(CpAttentionPairs, ContiguousShardsLoadTheLastRankZigzagBalances) {
         const auto contiguous =
             cp_prompt_attention_pairs(cfg(cp, CpScheme::kContiguous), n, false, 0);
         const auto zigzag = cp_prompt_attention_pairs(cfg(cp, CpScheme::kZigzag), n, false, 0);
-        EXPECT_EQ(contiguous.total, n * (n + 1) / 2);
+        EXPECT_EQ(contiguous.total, double(n * (n + 1) / 2));
         EXPECT_EQ(zigzag.total, contiguous.total);
         // The last contiguous rank: its n / cp queries see (cp - 1) n / cp keys before them plus
         // its own causal triangle, (2 cp - 1) / cp^2 of the prompt's pairs.
@@ -216,9 +217,10 @@ TEST(CpAttentionPairs, ContiguousShardsLoadTheLastRankZigzagBalances) {
                                         : std::min<int64_t>(q + 1, window);
                     const auto got = cp_prompt_attention_pairs(p, n, chunked, window);
                     const int64_t busiest = *std::max_element(per.begin(), per.end());
-                    ASSERT_EQ(got.total, std::accumulate(per.begin(), per.end(), int64_t{0}));
+                    ASSERT_EQ(got.total,
+                              double(std::accumulate(per.begin(), per.end(), int64_t{0})));
                     if (chunked) {
-                        ASSERT_EQ(got.busiest, busiest) << "cp " << cp << " unit " << unit;
+                        ASSERT_EQ(got.busiest, double(busiest)) << "cp " << cp << " unit " << unit;
                     } else {
                         ASSERT_NEAR(double(got.busiest) / busiest, 1.0, 1e-4)
                             << "cp " << cp << " unit " << unit << " w " << window;
@@ -227,8 +229,17 @@ TEST(CpAttentionPairs, ContiguousShardsLoadTheLastRankZigzagBalances) {
     // A long interleaved prompt is taken as balanced (its true imbalance is below 1 / periods).
     const auto big =
         cp_prompt_attention_pairs(cfg(4, CpScheme::kInterleave, 1), int64_t{1} << 20, false, 0);
-    EXPECT_EQ(big.total, (int64_t{1} << 20) * ((int64_t{1} << 20) + 1) / 2);
-    EXPECT_EQ(big.busiest, (big.total + 3) / 4);
+    EXPECT_EQ(big.total, double((int64_t{1} << 20) * ((int64_t{1} << 20) + 1) / 2));
+    EXPECT_EQ(big.busiest, big.total / 4);
+    // A planner context of 2^40 tokens (the fuzz target's find): no overflow, the closed form.
+    const double n40 = double(int64_t{1} << 40);
+    const auto huge =
+        cp_prompt_attention_pairs(cfg(8, CpScheme::kContiguous), int64_t{1} << 40, false, 0);
+    EXPECT_NEAR(huge.total / (n40 * (n40 + 1) / 2), 1.0, 1e-12);
+    EXPECT_NEAR(huge.busiest / huge.total, 15.0 / 64, 1e-9);
+    const auto chunked = cp_prompt_attention_pairs(cfg(64, CpScheme::kInterleave, 1 << 30),
+                                                   int64_t{1} << 40, true, 2147483647);
+    EXPECT_GT(chunked.total, 0.0);
 }
 
 // The busiest rank's visible keys at decode, counted from the documented placement (the prompt

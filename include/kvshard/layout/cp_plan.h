@@ -109,11 +109,14 @@ std::pair<int, int> cp_prompt_window_ring_steps(const ParallelConfig& p, int64_t
 // contiguous shards leave the last rank (2 cp - 1) / cp^2 of a full-attention prompt, zigzag
 // balances it to 1 / cp when 2 cp divides n (docs/context-parallel.md §8). An interleaved
 // placement of more than 65,536 periods (unit x cp) is taken as balanced under full or sliding
-// attention (busiest = total / cp, rounded up; its exact imbalance is below 1 / periods); under
-// chunked attention it is counted over one span of lcm(period, window) positions and scaled.
+// attention (busiest = total / cp; its exact imbalance is below 1 / periods); under chunked
+// attention it is counted over one span of lcm(period, window) positions and scaled (taken as
+// balanced too where that span is over 2^24 positions or half the prompt). Counted in 128 bits and
+// returned as doubles: exact up to 2^53 pairs (prompts of about 2^26 tokens, every length the
+// executors take), close beyond (a planner context may be 2^40 tokens).
 struct CpAttentionPairs {
-    int64_t total = 0;
-    int64_t busiest = 0;
+    double total = 0;
+    double busiest = 0;
     bool operator==(const CpAttentionPairs&) const = default;
 };
 CpAttentionPairs cp_prompt_attention_pairs(const ParallelConfig& p, int64_t n, bool chunked,
