@@ -7,7 +7,8 @@
 //     raw     = hashing the prompt (vLLM sha256_cbor) + KvIndex::prefix_overlap, in process;
 //     service = POST /route over HTTP/1.1 keep-alive to RouterHttpServer (p50 / p99 latency);
 //     http    = the HTTP ceiling: the same bodies POSTed to a no-op handler of a cpp-httplib
-//               server set up as RouterHttpServer is (TCP_NODELAY, keep-alive), answering a
+//               server set up as RouterHttpServer is (configure_http_server: its thread pool,
+//               accept queue, keep-alive and socket options), answering a
 //               fixed reply of a route reply's size. A route over HTTP costs at least
 //               raw + http per request: "serial ceiling" = 1 / (1 / raw + 1 / http).
 //     tcp     = the transport's ceiling: a bare TCP round trip on loopback (TCP_NODELAY, one
@@ -43,6 +44,7 @@
 #include "kvshard/router/http_server.h"
 #include "kvshard/router/route_service.h"
 #include "kvshard/router/vllm_event_subscriber.h"
+#include "router/http_setup.h"
 
 using namespace kvshard;
 using Clock = std::chrono::steady_clock;
@@ -367,13 +369,12 @@ int main(int argc, char** argv) {
         return std::string(sample ? sample->body.size() : 200, ' ');
     }();
     httplib::Server noop;
-    noop.set_tcp_nodelay(true);
-    noop.set_keep_alive_max_count(RouterHttpOptions{}.keep_alive_max_requests);
-    noop.set_payload_max_length(RouterHttpOptions{}.max_body_bytes);
+    int noop_listen_fd = -1;
+    configure_http_server(noop, RouterHttpOptions{}, &noop_listen_fd);
     noop.Post("/noop", [&fixed_reply](const httplib::Request&, httplib::Response& res) {
-        res.set_content(fixed_reply, "application/json");
+        res.set_content(fixed_reply, "application/json; charset=utf-8");
     });
-    const int noop_port = noop.bind_to_any_port("127.0.0.1");
+    const int noop_port = bind_http_server(noop, RouterHttpOptions{}, &noop_listen_fd);
     std::thread noop_thread([&] { noop.listen_after_bind(); });
 
     // The bytes of a request and a reply as they go on the wire: cpp-httplib's client request

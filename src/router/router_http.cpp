@@ -10,6 +10,7 @@
 
 #include "kvshard/common/error.h"
 #include "kvshard/router/http_server.h"
+#include "router/http_setup.h"
 
 namespace kvshard {
 namespace {
@@ -20,11 +21,6 @@ namespace {
 // tests/router/router_serve_test.cpp checks that a reply to such a client is plain.
 constexpr const char* kJson = "application/json; charset=utf-8";
 
-// The accept queue of the listening socket (the kernel caps it at net.core.somaxconn). Debian's
-// cpp-httplib is a compiled library that listens with a backlog of 5: gateways that connect at once
-// overflow it, and each dropped SYN waits for the kernel's 1 s retry.
-constexpr int kListenBacklog = 4096;
-
 void reply_error(httplib::Response& res, RouteService& svc, const std::string& what) {
     svc.count_bad_request();
     res.status = 400;
@@ -32,6 +28,39 @@ void reply_error(httplib::Response& res, RouteService& svc, const std::string& w
 }
 
 }  // namespace
+
+void configure_http_server(httplib::Server& server, const RouterHttpOptions& o, int* listen_fd) {
+    // One pool thread per connection being served (see RouterHttpOptions::threads); the
+    // library's default is max(8, cores - 1), which a ninth keep-alive client would wait on.
+    server.new_task_queue = [n = static_cast<size_t>(o.threads)] {
+        return new httplib::ThreadPool(n);
+    };
+    server.set_keep_alive_timeout(o.keep_alive_timeout_s);
+    server.set_payload_max_length(o.max_body_bytes);
+    server.set_tcp_nodelay(true);  // small JSON replies: no Nagle delay
+    // The library's default options set SO_REUSEPORT, with which a second router on the same
+    // port binds too and takes half the connections; SO_REUSEADDR alone refuses it. The
+    // socket is kept to widen its backlog once it listens.
+    server.set_socket_options([listen_fd](socket_t sock) {
+        int yes = 1;
+        ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+        *listen_fd = sock;
+    });
+    // cpp-httplib closes a keep-alive connection after 5 requests by default: a router's
+    // client (a gateway) keeps one open for many, and a reconnect costs more than a route.
+    server.set_keep_alive_max_count(o.keep_alive_max_requests);
+}
+
+int bind_http_server(httplib::Server& server, const RouterHttpOptions& o, const int* listen_fd) {
+    const int port = o.port == 0 ? server.bind_to_any_port(o.host)
+                                 : (server.bind_to_port(o.host, o.port) ? o.port : -1);
+    require(port > 0, "cannot listen on ", o.host, ":", o.port,
+            " (in use, or not an address of this machine)");
+    // listen() on a listening socket sets its backlog anew (Linux, POSIX leaves it open).
+    require(::listen(*listen_fd, kHttpListenBacklog) == 0, "cannot widen the accept queue of ",
+            o.host, ":", port);
+    return port;
+}
 
 struct RouterHttpServer::Impl {
     RouteService* svc;
@@ -49,25 +78,7 @@ struct RouterHttpServer::Impl {
 
     Impl(RouteService& s, RouterHttpOptions o) : svc(&s), options(std::move(o)) {
         check_http_options(options);
-        // One pool thread per connection being served (see RouterHttpOptions::threads); the
-        // library's default is max(8, cores - 1), which a ninth keep-alive client would wait on.
-        server.new_task_queue = [n = static_cast<size_t>(options.threads)] {
-            return new httplib::ThreadPool(n);
-        };
-        server.set_keep_alive_timeout(options.keep_alive_timeout_s);
-        server.set_payload_max_length(options.max_body_bytes);
-        server.set_tcp_nodelay(true);  // small JSON replies: no Nagle delay
-        // The library's default options set SO_REUSEPORT, with which a second router on the same
-        // port binds too and takes half the connections; SO_REUSEADDR alone refuses it. The
-        // socket is kept to widen its backlog once it listens.
-        server.set_socket_options([this](socket_t sock) {
-            int yes = 1;
-            ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-            listen_fd = sock;
-        });
-        // cpp-httplib closes a keep-alive connection after 5 requests by default: a router's
-        // client (a gateway) keeps one open for many, and a reconnect costs more than a route.
-        server.set_keep_alive_max_count(options.keep_alive_max_requests);
+        configure_http_server(server, options, &listen_fd);
         server.Post("/route", [this](const httplib::Request& req, httplib::Response& res) {
             route(req, res);
         });
@@ -85,16 +96,7 @@ struct RouterHttpServer::Impl {
         server.Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
             res.set_content("ok\n", "text/plain");
         });
-        if (options.port == 0) {
-            port = server.bind_to_any_port(options.host);
-        } else {
-            port = server.bind_to_port(options.host, options.port) ? options.port : -1;
-        }
-        require(port > 0, "cannot listen on ", options.host, ":", options.port,
-                " (in use, or not an address of this machine)");
-        // listen() on a listening socket sets its backlog anew (Linux, POSIX leaves it open).
-        require(::listen(listen_fd, kListenBacklog) == 0, "cannot widen the accept queue of ",
-                options.host, ":", port);
+        port = bind_http_server(server, options, &listen_fd);
     }
 
     void route(const httplib::Request& req, httplib::Response& res) {
