@@ -305,6 +305,16 @@ class Model {
                                              : 0;
     }
     double q_heads() const { return double(m_.num_heads) / p_.tp; }
+    // TP all-reduces in layer l: one after each block that ends in a row-parallel projection, the
+    // mixer (attention's O, a state mixer's out-projection) and the MLP (its down projection),
+    // unless EP's combine replaces the MLP's. A Mamba-2 or attention layer without an MLP, or an
+    // MLP-only layer, makes one.
+    int tp_all_reduces(int l) const {
+        const LayerSpec ls = m_.layer(l);
+        const bool mixer = ls.kind != LayerKind::kNoKv;
+        const bool mlp = ls.mlp != MlpKind::kNone && !(m_.is_moe_layer(l) && p_.ep > 1);
+        return int{mixer} + int{mlp};
+    }
 
     // Ring steps {pass-KV, pass-Q} of layer l's CP prefill of a prompt of S tokens: cp for full
     // attention; for a windowed layer the executor's counts over the prompt's placement
@@ -380,9 +390,8 @@ class Model {
             const double attn_s = attn_flops / flops_;
             add_roofline(c, flops, bytes, attn_s);
 
-            // TP: all-reduce after attention, and after the MLP unless EP's combine replaces it.
             const double ar = T * h * a;
-            const int n_ar = (moe && p_.ep > 1) ? 1 : 2;
+            const int n_ar = tp_all_reduces(l);
             if (p_.tp > 1) {
                 c.tp_bytes += n_ar * 2.0 * (p_.tp - 1) / p_.tp * ar;
                 c.tp_s += n_ar * (all_reduce_s(ar, l_.tp, hw_) + l_.launch);
@@ -490,7 +499,7 @@ class Model {
             add_roofline(c, flops, bytes, attn_flops / flops_);
 
             const double ar = B * h * a;
-            const int n_ar = (moe && p_.ep > 1) ? 1 : 2;
+            const int n_ar = tp_all_reduces(l);
             if (p_.tp > 1) {
                 c.tp_bytes += n_ar * 2.0 * (p_.tp - 1) / p_.tp * ar;
                 c.tp_s += n_ar * (all_reduce_s(ar, l_.tp, hw_) + l_.launch);

@@ -206,6 +206,30 @@ TEST(CostModel, DecodeTrafficOnTinyModels) {
     EXPECT_GT(r.ep_link_share_for_kv, 0.0);
 }
 
+// A TP all-reduce follows each row-parallel projection that ends a block: a layer of one mixer and
+// one MLP makes two, a layer of a single mixer (Nemotron-H's Mamba-2 and attention layers) or a
+// single MLP one. Nemotron-H 8B at tp 8 has 52 such layers, each of one block: 52 all-reduces
+// of B x 4096 x 2 bytes, each sending 2 x 7/8 of it (it was priced at 104).
+TEST(CostModel, OneTpAllReducePerBlockThatEndsARowParallelProjection) {
+    const auto hw = hardware_by_name("h100-sxm");
+    const ModelSpec nh = catalog_model("nemotron-h-8b");
+    ASSERT_EQ(nh.num_layers, 52);
+    ASSERT_EQ(nh.hidden, 4096);
+    int blocks = 0;
+    for (int l = 0; l < nh.num_layers; ++l) {
+        const LayerSpec ls = nh.layer(l);
+        blocks += (ls.kind != LayerKind::kNoKv ? 1 : 0) + (ls.mlp != MlpKind::kNone ? 1 : 0);
+    }
+    EXPECT_EQ(blocks, 52);
+    const auto r = estimate_cost(nh, cfg(8), hw, work(8192, 8192, 1));
+    EXPECT_DOUBLE_EQ(r.decode.tp_bytes, 52 * 1 * (2.0 * 7 / 8) * 1 * 4096 * 2);
+    EXPECT_DOUBLE_EQ(r.prefill.tp_bytes, 52 * 1 * (2.0 * 7 / 8) * 8192 * 4096 * 2);
+    // Llama's layers are attention + MLP: two each.
+    const ModelSpec llama = catalog_model("llama-3.1-8b");
+    const auto rl = estimate_cost(llama, cfg(8), hw, work(8192, 8192, 1));
+    EXPECT_DOUBLE_EQ(rl.decode.tp_bytes, 32 * 2 * (2.0 * 7 / 8) * 1 * 4096 * 2);
+}
+
 TEST(CostModel, DecodeIsMemoryBoundAndPrefillComputeBound) {
     const auto m = catalog_model("llama-3.1-70b");
     const auto hw = hardware_by_name("h100-sxm");
