@@ -110,10 +110,12 @@ class Evaluator {
         return estimate_cost(m_, p, hw_, work(fresh, len, 1), cost_).ttft_s;
     }
 
-    // Decode steps at the mean context of a request's decode (prompt + half its output).
+    // Decode steps at the mean context of a request's decode (prompt + half its output). The
+    // prompt is the whole request's: it places the context on the CP ranks (a windowed layer's
+    // window at the end of a zigzag prompt lies on one rank, cost_model.h).
     double step_s(const ParallelConfig& p, int64_t batch) const {
         const int64_t ctx = r_.prompt_tokens + std::max<int64_t>(1, r_.output_tokens / 2);
-        return estimate_cost(m_, p, hw_, work(1, ctx, batch), cost_).tpot_s;
+        return estimate_cost(m_, p, hw_, work(r_.prompt_tokens, ctx, batch), cost_).tpot_s;
     }
 
     // The largest batch that fits in KV (capped at max_batch) and, when `slo_bound`, whose step

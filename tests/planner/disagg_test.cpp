@@ -122,6 +122,33 @@ TEST(Serving, MoeConfigurationsWithEpAcrossReplicas) {
     EXPECT_TRUE(entries.front().meets_slo);
 }
 
+// A decode instance's step is the cost model's at the request's prompt and mean context: the prompt
+// places the context on the CP ranks. Gemma 3 27B's sliding windows (1024 tokens) at the end of a
+// 32K zigzag prompt lie on one CP rank, so cp 2 reads the whole window there; priced with a prompt
+// of one token (as before), the window was spread round-robin over both ranks: 20.065 ms against
+// 20.136 ms.
+TEST(Serving, DecodeStepIsPricedAtTheRequestsPrompt) {
+    const ModelSpec m = catalog_model("gemma-3-27b");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    ServingRequest r = request(4, 32768, 100, 1);
+    r.max_batch = 1;
+    Workload w;
+    w.prompt_tokens = 32768;
+    w.context_tokens = 32768 + 128;
+    w.batch = 1;
+    const double step = estimate_cost(m, cfg(1, 1, 2), hw, w).tpot_s;
+    w.prompt_tokens = 1;
+    const double one_token_prompt = estimate_cost(m, cfg(1, 1, 2), hw, w).tpot_s;
+    ASSERT_GT(step, one_token_prompt * 1.002);
+    int seen = 0;
+    for (const ServingEntry& e : plan_serving(m, hw, r))
+        if (e.disaggregated && e.decode.cp == 2 && e.decode.tp == 1 && e.decode.pp == 1) {
+            EXPECT_DOUBLE_EQ(e.step_s, step) << e.name();
+            ++seen;
+        }
+    EXPECT_GT(seen, 0);
+}
+
 TEST(Serving, TighterSlosNeverRaiseTheBestThroughput) {
     const ModelSpec m = catalog_model("llama-3.1-8b");
     const HardwareSpec hw = hardware_by_name("h100-sxm");
