@@ -133,14 +133,16 @@ class HfFields {
 // The architectures this reader knows (model_type). A config without model_type is read as a
 // Llama-style decoder.
 enum class Family {
-    kLlama,  // llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, and no model_type
+    // llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, glm4 (GLM-4-0414: Llama field
+    // names; its extra post-attention / post-MLP norms hold no KV), and no model_type
+    kLlama,
     kQwen3Next,
     kGemma2,
     kGemma3,
     kGptOss,
     kLlama4,
     kDeepSeek,  // deepseek_v2, deepseek_v3, deepseek_v32, kimi_k2
-    kChatGlm,   // chatglm, glm4 (the ChatGLM field names)
+    kChatGlm,   // chatglm (GLM-4-9B-chat, ChatGLM3: the ChatGLM field names)
     kFalcon,
     kNemotronH,
     kNemotronNas,  // Nemotron Super / Ultra (block_configs)
@@ -168,7 +170,9 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"deepseek_v32", Family::kDeepSeek},
         {"kimi_k2", Family::kDeepSeek},
         {"chatglm", Family::kChatGlm},
-        {"glm4", Family::kChatGlm},
+        // Not ChatGLM: Glm4Config (transformers models/glm4) and vLLM's glm4.py read
+        // num_key_value_heads and head_dim; multi_query_group_num does not exist there.
+        {"glm4", Family::kLlama},
         {"falcon", Family::kFalcon},
         {"RefinedWeb", Family::kFalcon},
         {"RefinedWebModel", Family::kFalcon},
