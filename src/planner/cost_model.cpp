@@ -249,6 +249,11 @@ class Model {
         const int bits = weight_bits(m, o.weight_dtype);
         // fp4 weights run on the fp8 tensor cores here (no fp4 FLOP/s in HardwareSpec).
         flops_ = hw.achieved_flops(bits <= 8 ? DType::kFp8 : DType::kBf16);
+        // Attention's QK^T and PV multiply the queries with the cached K and V: fp8 operands, so
+        // the fp8 rate, only when the KV cache is fp8, whatever the weights. A state layer's
+        // recurrence runs on bf16 activations and its state.
+        attn_flops_ = hw.achieved_flops(m.kv_dtype == DType::kFp8 ? DType::kFp8 : DType::kBf16);
+        state_flops_ = hw.achieved_flops(DType::kBf16);
         hbm_ = hw.achieved_hbm_bw();
         we_ = bits / 8.0;
     }
@@ -367,9 +372,10 @@ class Model {
             // Causal attention over the sequence (or its windows), split over tp (heads) and cp
             // (the busiest CP rank's share of the pairs under the prompt's placement): QK^T and PV
             // are pairs * H * d multiply-adds each. State layers: the recurrence over every token.
-            const double attn_flops = 2 * attn_pairs(l, S) * cp_attention_share(l, S) * q_heads() *
-                                          (qk_dim(l) + v_dim(l)) +
-                                      2 * kStateFlopsPerElem * T * state_elems(l);
+            const double qk_pv_flops = 2 * attn_pairs(l, S) * cp_attention_share(l, S) * q_heads() *
+                                       (qk_dim(l) + v_dim(l));
+            const double state_flops = 2 * kStateFlopsPerElem * T * state_elems(l);
+            const double attn_s = qk_pv_flops / attn_flops_ + state_flops / state_flops_;
             const bool moe = m_.is_moe_layer(l);
             double elems = attn_elems(l);
             double weight_elems = elems;
@@ -384,11 +390,9 @@ class Model {
                 elems += m_.mlp_params_of_layer(l) / double(p_.tp);
                 weight_elems = elems;
             }
-            const double flops = 2 * T * elems + attn_flops;
             const double bytes =
                 weight_elems * we_ + T * kv_layer + 2 * T * h * a + layer_state_[l];
-            const double attn_s = attn_flops / flops_;
-            add_roofline(c, flops, bytes, attn_s);
+            add_roofline(c, 2 * T * elems, qk_pv_flops + state_flops, attn_s, bytes);
 
             const double ar = T * h * a;
             const int n_ar = tp_all_reduces(l);
@@ -472,8 +476,8 @@ class Model {
             const double Cl = decode_keys(l, S, C);
             const double per_key = m_.is_mla() ? 2.0 * m_.mla.kv_lora_rank + m_.mla.qk_rope_head_dim
                                                : qk_dim(l) + v_dim(l);
-            const double attn_flops =
-                2 * B * Cl * q_heads() * per_key + 2 * kStateFlopsPerElem * B * state_elems(l);
+            const double qk_pv_flops = 2 * B * Cl * q_heads() * per_key;
+            const double state_flops = 2 * kStateFlopsPerElem * B * state_elems(l);
             const bool moe = m_.is_moe_layer(l);
             double elems = attn_elems(l);
             double weight_elems = elems;
@@ -493,10 +497,10 @@ class Model {
                 elems += m_.mlp_params_of_layer(l) / double(p_.tp);
                 weight_elems = elems;
             }
-            const double flops = 2 * B * elems + attn_flops;
             const double bytes = weight_elems * we_ + B * Cl * kv_layer + B * kv_layer / p_.cp +
                                  2 * B * layer_state_[l];
-            add_roofline(c, flops, bytes, attn_flops / flops_);
+            add_roofline(c, 2 * B * elems, qk_pv_flops + state_flops,
+                         qk_pv_flops / attn_flops_ + state_flops / state_flops_, bytes);
 
             const double ar = B * h * a;
             const int n_ar = tp_all_reduces(l);
@@ -532,9 +536,12 @@ class Model {
     double handoff_bytes(double tokens) const { return tokens * m_.hidden * o_.activation_bytes; }
 
   private:
-    void add_roofline(StageCost& c, double flops, double bytes, double attn_s) const {
-        const double cs = flops / flops_, ms = bytes / hbm_;
-        c.flops += flops;
+    // A layer's roofline: `linear_flops` (projections, MLP, experts) at the weights' rate, the
+    // attention / state core's `attn_flops` taking `attn_s` (at its operands' rates).
+    void add_roofline(StageCost& c, double linear_flops, double attn_flops, double attn_s,
+                      double bytes) const {
+        const double cs = linear_flops / flops_ + attn_s, ms = bytes / hbm_;
+        c.flops += linear_flops + attn_flops;
         c.hbm_bytes += bytes;
         c.compute_s += cs;
         c.memory_s += ms;
@@ -559,7 +566,7 @@ class Model {
     mutable std::map<std::tuple<bool, int, int64_t>, double> attention_share_;
     mutable std::map<std::tuple<int, int, int64_t, int64_t>, double> decode_keys_;
     Links l_{};
-    double flops_ = 0, hbm_ = 0, we_ = 0;
+    double flops_ = 0, attn_flops_ = 0, state_flops_ = 0, hbm_ = 0, we_ = 0;
 };
 
 // Times add up along the path through the stages; per-GPU quantities (FLOPs, bytes) are those of

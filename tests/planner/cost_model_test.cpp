@@ -230,6 +230,31 @@ TEST(CostModel, OneTpAllReducePerBlockThatEndsARowParallelProjection) {
     EXPECT_DOUBLE_EQ(rl.decode.tp_bytes, 32 * 2 * (2.0 * 7 / 8) * 1 * 4096 * 2);
 }
 
+// QK^T and PV multiply queries with the cached K and V: fp8 weights leave them at the bf16 rate
+// unless the KV cache is fp8 too. Llama 3.1 70B at tp 8, 128K: 80 layers x S^2/2 pairs x 8 query
+// heads x (128 + 128) x 2 FLOPs at the bf16 rate, 4.74 s (it was priced at the fp8 rate, 2.37 s).
+TEST(CostModel, AttentionRunsAtTheKvCachesRateNotTheWeights) {
+    ModelSpec m = catalog_model("llama-3.1-70b");
+    const auto hw = hardware_by_name("h100-sxm");
+    const double S = 131072;
+    const double hand = 80 * 2 * (S * S / 2) * 8 * (128 + 128);
+    CostOptions fp8;
+    fp8.weight_dtype = WeightDtype::kFp8;
+    const auto bf16_kv = estimate_cost(m, cfg(8), hw, work(131072, 131072, 1), fp8);
+    const double bf16_rate = hw.flops_bf16 * hw.compute_efficiency;
+    EXPECT_NEAR(bf16_kv.prefill.attention_compute_s / (hand / bf16_rate), 1.0, 1e-12);
+    EXPECT_NEAR(bf16_kv.prefill.attention_compute_s, 4.74, 0.01);
+    // The same with bf16 weights: the attention time does not change.
+    const auto bf16_all = estimate_cost(m, cfg(8), hw, work(131072, 131072, 1));
+    EXPECT_DOUBLE_EQ(bf16_all.prefill.attention_compute_s, bf16_kv.prefill.attention_compute_s);
+    EXPECT_DOUBLE_EQ(bf16_all.decode.attention_compute_s, bf16_kv.decode.attention_compute_s);
+    // An fp8 cache: the fp8 rate.
+    m.kv_dtype = DType::kFp8;
+    const auto fp8_kv = estimate_cost(m, cfg(8), hw, work(131072, 131072, 1), fp8);
+    EXPECT_NEAR(fp8_kv.prefill.attention_compute_s * hw.flops_fp8 * hw.compute_efficiency / hand,
+                1.0, 1e-12);
+}
+
 TEST(CostModel, DecodeIsMemoryBoundAndPrefillComputeBound) {
     const auto m = catalog_model("llama-3.1-70b");
     const auto hw = hardware_by_name("h100-sxm");
