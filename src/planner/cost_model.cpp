@@ -280,14 +280,19 @@ class Model {
         return 2 * h * qh * ls.head_dim + 2 * h * kv_local * ls.head_dim;
     }
     // Query-key pairs per query head of causal attention over S tokens in layer l (continuous
-    // form): full S^2/2, sliding window W: S*W - W^2/2 once S > W, chunked C: S*C/2 once S > C;
+    // form, the integral of the keys a query sees, so without the diagonal's S/2 of the exact
+    // count cp_prompt_attention_pairs takes): full S^2/2, sliding window W: S*W - W^2/2 once
+    // S > W, chunked C: floor(S/C) whole chunks of C^2/2 and the last r = S mod C tokens' r^2/2;
     // 0 for layers without attention.
     double attn_pairs(int l, double S) const {
         const LayerSpec ls = m_.layer(l);
         if (!holds_tokens(ls.kind)) return 0;
         const double W = ls.window;
         if (ls.kind == LayerKind::kSlidingWindow && S > W) return S * W - W * W / 2;
-        if (ls.kind == LayerKind::kChunkedLocal && S > W) return S * W / 2;
+        if (ls.kind == LayerKind::kChunkedLocal && S > W) {
+            const double chunks = std::floor(S / W), r = S - chunks * W;
+            return chunks * W * W / 2 + r * r / 2;
+        }
         return S * S / 2;
     }
     // Keys the last token of a C-token context attends to in layer l.

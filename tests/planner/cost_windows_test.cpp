@@ -38,6 +38,38 @@ TEST(CostWindows, WindowedLayersReadTheirWindowOnly) {
     EXPECT_LT(win.tpot_s, full.tpot_s);
 }
 
+// Chunked attention pairs each query with the keys of its own chunk: over S = 12288 tokens and
+// chunks of C = 8192, one whole chunk of C^2/2 pairs and a last one of 4096^2/2 (continuous form:
+// the exact count of cp_prompt_attention_pairs less the diagonal's S/2), 41.9M pairs per query
+// head where S*C/2 (as priced before) is 50.3M. Llama 4 Scout: 36 chunked layers, every 4th
+// layer full; 40 / 8 = 5 query heads of 128 on a tp 8 rank.
+TEST(CostWindows, ChunkedPairsAreCountedChunkByChunk) {
+    const ModelSpec m = catalog_model("llama-4-scout");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    const double S = 12288, C = 8192;
+    int chunked = 0, full = 0;
+    for (int l = 0; l < m.num_layers; ++l) {
+        const LayerSpec ls = m.layer(l);
+        ASSERT_EQ(ls.head_dim, 128);
+        if (ls.kind == LayerKind::kChunkedLocal) {
+            ASSERT_EQ(ls.window, 8192);
+            ++chunked;
+        } else if (ls.kind == LayerKind::kFullAttention) {
+            ++full;
+        }
+    }
+    ASSERT_EQ(chunked, 36);
+    ASSERT_EQ(full, 12);
+    const double chunk_pairs = C * C / 2 + (S - C) * (S - C) / 2;
+    ParallelConfig one;
+    EXPECT_DOUBLE_EQ(cp_prompt_attention_pairs(one, int64_t(S), true, int(C)).total - S / 2,
+                     chunk_pairs);
+    const double per_pair = 2 * 5 * (128 + 128);  // QK^T and PV over 5 heads, 2 FLOPs each
+    const double hand = (chunked * chunk_pairs + full * S * S / 2) * per_pair /
+                        (hw.flops_bf16 * hw.compute_efficiency);
+    EXPECT_NEAR(cost(m, int64_t(S), int64_t(S)).prefill.attention_compute_s / hand, 1.0, 1e-12);
+}
+
 // CP prefill under windows: the planner counts the ring steps the executor runs. gpt-oss-120b at
 // cp=4, 32K tokens: over contiguous shards a sliding layer's ring stops after one transfer (its
 // queries reach back into the previous rank's shard only), so the pass-KV bytes are the
