@@ -189,6 +189,53 @@ Family family_of(const std::string& model_type, const std::string& file) {
                                "; an unknown architecture's KV cache cannot be sized safely"));
 }
 
+// What a config class makes of an absent num_attention_heads, num_key_value_heads or head_dim.
+// vLLM sizes the KV from the transformers config object, so an absent field is the class's
+// default, not one rule for every family. Defaults from transformers' configuration_<type>.py
+// (main, commit 008e5743): LlamaConfig (kv None -> heads, head_dim None -> hidden / heads),
+// MistralConfig and MixtralConfig (kv 8), Qwen2Config (kv 32), Qwen2MoeConfig (kv 16),
+// Qwen3Config (kv 32, head_dim 128), Qwen3MoeConfig (kv 4; no head_dim default of its own),
+// Glm4Config (kv 2, head_dim 128), Gemma2Config and Gemma3TextConfig (heads 8, kv 4, head_dim
+// 256), GptOssConfig (kv 8, head_dim 64), Llama4TextConfig (kv 8, head_dim 128),
+// Qwen3NextConfig (kv 2, head_dim 256). Where no default was confirmed the field is required.
+struct ClassDefaults {
+    static constexpr int kRequired = 0;
+    static constexpr int kFromHeads = -1;  // kv: num_attention_heads; head_dim: hidden / heads
+    const char* config_class = "";
+    int num_heads = kRequired;
+    int num_kv_heads = kFromHeads;
+    int head_dim = kFromHeads;
+    bool null_kv_is_heads = true;  // the class maps num_key_value_heads = None to the heads
+};
+
+ClassDefaults class_defaults(const std::string& model_type) {
+    constexpr int R = ClassDefaults::kRequired, H = ClassDefaults::kFromHeads;
+    static const std::map<std::string, ClassDefaults, std::less<>> kDefaults = {
+        {"", {"LlamaConfig", R, H, H, true}},
+        {"llama", {"LlamaConfig", R, H, H, true}},
+        {"mistral", {"MistralConfig", R, 8, H, true}},
+        {"mixtral", {"MixtralConfig", R, 8, H, true}},
+        {"qwen2", {"Qwen2Config", R, 32, H, true}},
+        {"qwen2_moe", {"Qwen2MoeConfig", R, 16, H, false}},
+        {"qwen3", {"Qwen3Config", R, 32, 128, true}},
+        {"qwen3_moe", {"Qwen3MoeConfig", R, 4, R, false}},
+        {"glm4", {"Glm4Config", R, 2, 128, false}},
+        {"gemma2", {"Gemma2Config", 8, 4, 256, false}},
+        {"gemma3", {"Gemma3TextConfig", 8, 4, 256, false}},
+        {"gemma3_text", {"Gemma3TextConfig", 8, 4, 256, false}},
+        {"gpt_oss", {"GptOssConfig", R, 8, 64, true}},
+        {"llama4", {"Llama4TextConfig", R, 8, 128, true}},
+        {"llama4_text", {"Llama4TextConfig", R, 8, 128, true}},
+        {"qwen3_next", {"Qwen3NextConfig", R, 2, 256, false}},
+        {"nemotron_h", {"NemotronHConfig", R, R, R, false}},
+        {"chatglm", {"ChatGLMConfig", R, H, R, false}},  // KV heads from multi_query_group_num
+    };
+    auto it = kDefaults.find(model_type);
+    // The rest: Falcon (head_dim is hidden / heads by definition, KV heads from its own fields),
+    // DeepSeek / Kimi (MLA), Nemotron Super (a LlamaConfig, KV heads per block).
+    return it != kDefaults.end() ? it->second : ClassDefaults{"LlamaConfig", R, H, H, true};
+}
+
 // Fields this reader turns into the ModelSpec, or knows do not change what the KV cache holds
 // (they shape the attention math, the router, positions or training only). Any other field whose
 // name speaks of attention, caches, windows, heads or recurrent state is refused.
@@ -414,7 +461,18 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         throw Error(detail::concat(file, ": ", m.num_layers,
                                    " layers: kvshard reads models of at most 16384 layers"));
     m.hidden = f.positive_int("hidden_size");
-    m.num_heads = f.positive_int(pick({"num_attention_heads", "n_head"}, "num_attention_heads"));
+    const ClassDefaults defaults = class_defaults(model_type);
+    auto missing = [&](const char* key) {
+        return Error(
+            detail::concat(file, ": missing field '", key, "': transformers' ",
+                           defaults.config_class, " (model_type '", model_type,
+                           "') has no default for it that kvshard could confirm, "
+                           "and the KV size depends on it; add the model's value to the config"));
+    };
+    const std::string heads_key = pick({"num_attention_heads", "n_head"}, "num_attention_heads");
+    if (!f.has(heads_key) && defaults.num_heads == ClassDefaults::kRequired)
+        throw Error(detail::concat(file, ": missing field '", heads_key, "'"));
+    m.num_heads = f.positive_int_or(heads_key, defaults.num_heads);
     m.vocab = f.has("vocab_size") || fam != Family::kGemma3
                   ? f.positive_int(pick({"vocab_size", "padded_vocab_size"}, "vocab_size"))
                   : 262208;  // Gemma3TextConfig's default; the published text_config omits it
@@ -444,8 +502,20 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.num_kv_heads = f.bool_or("multi_query_attention", false)
                              ? f.positive_int("multi_query_group_num")
                              : m.num_heads;
+    } else if (f.has("num_key_value_heads")) {
+        m.num_kv_heads = f.positive_int("num_key_value_heads");
+    } else if (f.json().contains("num_key_value_heads")) {  // null
+        if (!defaults.null_kv_is_heads)
+            throw f.bad("num_key_value_heads",
+                        detail::concat("is null, which ", defaults.config_class,
+                                       " does not turn into a KV head count: give the number"));
+        m.num_kv_heads = m.num_heads;
+    } else if (defaults.num_kv_heads == ClassDefaults::kFromHeads) {
+        m.num_kv_heads = m.num_heads;
+    } else if (defaults.num_kv_heads == ClassDefaults::kRequired && !f.has("kv_lora_rank")) {
+        throw missing("num_key_value_heads");
     } else {
-        m.num_kv_heads = f.positive_int_or("num_key_value_heads", m.num_heads);  // absent: MHA
+        m.num_kv_heads = defaults.num_kv_heads;
     }
     const std::string head_dim_key =
         pick({"head_dim", "attention_head_dim", "kv_channels"}, "head_dim");
@@ -460,11 +530,19 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.num_kv_heads = m.num_heads;
         m.head_dim = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim;
     } else {
-        if (m.hidden % m.num_heads != 0 && !f.has(head_dim_key))
-            throw Error(detail::concat(file, ": field 'head_dim' is missing and hidden_size (",
-                                       m.hidden, ") is not divisible by num_attention_heads (",
-                                       m.num_heads, ")"));
-        m.head_dim = f.positive_int_or(head_dim_key, m.hidden / m.num_heads);
+        if (f.has(head_dim_key)) {
+            m.head_dim = f.positive_int(head_dim_key);
+        } else if (defaults.head_dim == ClassDefaults::kRequired) {
+            throw missing(head_dim_key.c_str());
+        } else if (defaults.head_dim != ClassDefaults::kFromHeads) {
+            m.head_dim = defaults.head_dim;  // e.g. Gemma 3's 256 where hidden / heads is 240
+        } else {
+            if (m.hidden % m.num_heads != 0)
+                throw Error(detail::concat(file, ": field 'head_dim' is missing and hidden_size (",
+                                           m.hidden, ") is not divisible by num_attention_heads (",
+                                           m.num_heads, ")"));
+            m.head_dim = m.hidden / m.num_heads;
+        }
         if (m.num_heads % m.num_kv_heads != 0)
             throw Error(detail::concat(file, ": num_attention_heads (", m.num_heads,
                                        ") must be a multiple of num_key_value_heads (",

@@ -43,5 +43,83 @@ TEST(HfConfigAudit, Glm4ReadsKvHeadsLikeLlama) {
     EXPECT_NE(error_of(chatglm_style).find("multi_query_group_num"), std::string::npos);
 }
 
+TEST(HfConfigAudit, MissingHeadDimAndKvHeadsTakeTheConfigClassDefaults) {
+    // google/gemma-3-12b-it: its text_config names no head_dim; Gemma3TextConfig's default is 256
+    // (hidden / heads would be 240). 48 layers of 8 KV heads x 256, bf16.
+    const ModelSpec g12 = parse_hf_config(R"({"architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3", "text_config": {"hidden_size": 3840, "intermediate_size": 15360,
+        "model_type": "gemma3_text", "num_attention_heads": 16, "num_hidden_layers": 48,
+        "num_key_value_heads": 8, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024}, "torch_dtype": "bfloat16"})",
+                                          "gemma-3-12b-it/config.json");
+    EXPECT_EQ(g12.head_dim, 256);
+    EXPECT_EQ(g12.kv_bytes_per_token(), 48 * 2 * 8 * 256 * 2);  // 393,216 (at 240: 368,640)
+    // google/gemma-3-4b-it's text_config names no heads at all: 8 heads, 4 KV heads of 256.
+    const ModelSpec g4 = parse_hf_config(R"({"model_type": "gemma3", "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+        "num_hidden_layers": 34, "sliding_window": 1024}, "torch_dtype": "bfloat16"})",
+                                         "gemma-3-4b-it/config.json");
+    EXPECT_EQ(g4.num_heads, 8);
+    EXPECT_EQ(g4.num_kv_heads, 4);
+    EXPECT_EQ(g4.kv_bytes_per_token(), 34 * 2 * 4 * 256 * 2);
+    // Gemma 2: head_dim 256, KV heads 4 when absent.
+    const ModelSpec g2 = parse_hf_config(R"({"model_type": "gemma2", "num_hidden_layers": 2,
+        "hidden_size": 2304, "num_attention_heads": 8, "intermediate_size": 9216,
+        "vocab_size": 256000, "sliding_window": 4096})",
+                                         "gemma2/config.json");
+    EXPECT_EQ(g2.head_dim, 256);
+    EXPECT_EQ(g2.num_kv_heads, 4);
+
+    // Qwen3Config: head_dim 128 (Qwen3-32B: hidden 5120 / 64 heads would be 80), KV heads 32.
+    const std::string qwen3 = R"({"model_type": "qwen3", "num_hidden_layers": 64,
+        "hidden_size": 5120, "num_attention_heads": 64, "intermediate_size": 25600,
+        "vocab_size": 151936)";
+    const ModelSpec q3 = parse_hf_config(qwen3 + R"(, "num_key_value_heads": 8})", "q3.json");
+    EXPECT_EQ(q3.head_dim, 128);
+    EXPECT_EQ(parse_hf_config(qwen3 + "}", "q3.json").num_kv_heads, 32);
+    // ... and a null num_key_value_heads is the query heads there (Qwen3Config maps None so).
+    EXPECT_EQ(parse_hf_config(qwen3 + R"(, "num_key_value_heads": null})", "q3.json").num_kv_heads,
+              64);
+    // MistralConfig / MixtralConfig: 8 KV heads when absent, not MHA.
+    for (const char* type : {"mistral", "mixtral"}) {
+        std::string cfg = std::string(R"({"model_type": ")") + type +
+                          R"(", "num_hidden_layers": 2, "hidden_size": 4096,
+            "num_attention_heads": 32, "intermediate_size": 14336, "vocab_size": 32000)";
+        if (std::string(type) == "mixtral")
+            cfg += R"(, "num_local_experts": 8, "num_experts_per_tok": 2)";
+        const ModelSpec m = parse_hf_config(cfg + "}", "cfg.json");
+        EXPECT_EQ(m.num_kv_heads, 8) << type;
+        EXPECT_EQ(m.head_dim, 128) << type;
+    }
+    // Qwen2Config: 32 KV heads; Qwen2MoeConfig 16; head_dim hidden / heads for both.
+    EXPECT_EQ(
+        parse_hf_config(R"({"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 4096,
+        "num_attention_heads": 32, "intermediate_size": 11008, "vocab_size": 151936})",
+                        "cfg.json")
+            .num_kv_heads,
+        32);
+    // Llama (and no model_type): absent KV heads are the query heads, head_dim hidden / heads.
+    const ModelSpec llama = parse_hf_config(R"({"model_type": "llama", "num_hidden_layers": 2,
+        "hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 11008,
+        "vocab_size": 32000})",
+                                            "cfg.json");
+    EXPECT_EQ(llama.num_kv_heads, 32);
+    EXPECT_EQ(llama.head_dim, 128);
+
+    // No confirmed default: refused, naming the field and the config class.
+    const std::string qwen3_moe = R"({"model_type": "qwen3_moe", "num_hidden_layers": 2,
+        "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 8,
+        "num_experts_per_tok": 2, "vocab_size": 151936})";
+    const std::string e = error_of(qwen3_moe);
+    EXPECT_NE(e.find("missing field 'head_dim'"), std::string::npos) << e;
+    EXPECT_NE(e.find("Qwen3MoeConfig"), std::string::npos) << e;
+    EXPECT_NE(error_of(R"({"model_type": "qwen2_moe", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": null, "intermediate_size": 128,
+        "vocab_size": 100})")
+                  .find("'num_key_value_heads' is null"),
+              std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvshard
