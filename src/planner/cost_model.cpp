@@ -315,6 +315,11 @@ class Model {
                                              : 0;
     }
     double q_heads() const { return double(m_.num_heads) / p_.tp; }
+    // Share of the routed experts that at least one of `tokens` tokens picks (uniform top-k
+    // routing): 1 - (1 - k/E)^tokens.
+    double expert_hit(double tokens) const {
+        return 1 - std::pow(1 - double(m_.moe.experts_per_token) / m_.moe.num_experts, tokens);
+    }
     // TP all-reduces in layer l: one after each block that ends in a row-parallel projection, the
     // mixer (attention's O, a state mixer's out-projection) and the MLP (its down projection),
     // unless EP's combine replaces the MLP's. A Mamba-2 or attention layer without an MLP, or an
@@ -386,11 +391,17 @@ class Model {
             double weight_elems = elems;
             if (moe) {
                 const double pe = m_.expert_params();
-                elems += (m_.moe.experts_per_token + m_.moe.shared_experts) * pe / p_.tp +
-                         h * m_.moe.num_experts;
-                weight_elems += (p_.ep > 1 ? double(m_.moe.num_experts / p_.ep) * pe
-                                           : m_.moe.num_experts * pe / p_.tp) +
-                                m_.moe.shared_experts * pe / p_.tp + h * m_.moe.num_experts;
+                const double E = m_.moe.num_experts, k = m_.moe.experts_per_token;
+                elems += (k + m_.moe.shared_experts) * pe / p_.tp + h * E;
+                // Experts read: those hit by the tokens routed through the rank's EP group, as in
+                // decode (a short prompt touches few of them). The TP ranks of a CP rank hold the
+                // same T tokens; the group's other TP groups (CP ranks, DP replicas) T each.
+                const double group_tokens =
+                    p_.ep > 1 ? T * std::max(1.0, double(p_.ep) / p_.tp) : T;
+                weight_elems +=
+                    expert_hit(group_tokens) *
+                        (p_.ep > 1 ? double(m_.moe.num_experts / p_.ep) * pe : E * pe / p_.tp) +
+                    m_.moe.shared_experts * pe / p_.tp + h * E;
             } else {
                 elems += m_.mlp_params_of_layer(l) / double(p_.tp);
                 weight_elems = elems;
@@ -494,10 +505,10 @@ class Model {
                 // probability 1 - (1 - k/E)^tokens (uniform routing).
                 const double group_tokens =
                     p_.ep > 1 ? B * std::max(1.0, double(p_.ep) / (p_.cp * p_.tp)) : B;
-                const double hit = 1 - std::pow(1 - k / E, group_tokens);
                 const double local =
                     p_.ep > 1 ? double(m_.moe.num_experts / p_.ep) * pe : E * pe / p_.tp;
-                weight_elems += hit * local + m_.moe.shared_experts * pe / p_.tp + h * E;
+                weight_elems +=
+                    expert_hit(group_tokens) * local + m_.moe.shared_experts * pe / p_.tp + h * E;
             } else {
                 elems += m_.mlp_params_of_layer(l) / double(p_.tp);
                 weight_elems = elems;
