@@ -488,6 +488,12 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     } catch (const Error& e) {
         throw Error(detail::concat(file, ": field 'torch_dtype': ", e.what()));
     }
+    // vLLM's default --dtype auto serves a float32 checkpoint in 16 bits (vllm/config/model.py,
+    // _resolve_auto_dtype: "Downcast for float32 models", to the platform's first dtype, bf16 on
+    // GPUs of compute capability 8.0 and up), and its KV cache (--kv-cache-dtype auto) follows.
+    // Sized at fp32 the KV and the weights would be twice what vLLM holds; --kv-dtype and
+    // --weight-dtype still choose fp32 explicitly.
+    if (m.weight_dtype == DType::kFp32) m.weight_dtype = DType::kBf16;
     m.kv_dtype = m.weight_dtype;
 
     // ---- KV heads and head_dim of the model's attention layers ----

@@ -121,5 +121,29 @@ TEST(HfConfigAudit, MissingHeadDimAndKvHeadsTakeTheConfigClassDefaults) {
               std::string::npos);
 }
 
+TEST(HfConfigAudit, Float32CheckpointsAreSizedAtVllmsBf16) {
+    // google/gemma-2-27b (base) publishes torch_dtype float32; vLLM's --dtype auto downcasts it to
+    // bf16 (_resolve_auto_dtype, "Downcast for float32 models"), and its KV cache follows.
+    // 46 layers, 16 KV heads x 128, alternating sliding (4096) and full.
+    const std::string gemma2_27b = R"({"architectures": ["Gemma2ForCausalLM"],
+        "attn_logit_softcapping": 50.0, "cache_implementation": "hybrid", "head_dim": 128,
+        "hidden_size": 4608, "intermediate_size": 36864, "model_type": "gemma2",
+        "num_attention_heads": 32, "num_hidden_layers": 46, "num_key_value_heads": 16,
+        "query_pre_attn_scalar": 144, "sliding_window": 4096, "torch_dtype": "float32",
+        "vocab_size": 256000})";
+    const ModelSpec m = parse_hf_config(gemma2_27b, "gemma-2-27b/config.json");
+    EXPECT_EQ(m.kv_dtype, DType::kBf16);
+    EXPECT_EQ(m.weight_dtype, DType::kBf16);
+    EXPECT_EQ(m.kv_bytes_per_token(), 46 * 2 * 16 * 128 * 2);  // 376,832 (at fp32: 753,664)
+    // A config naming no dtype is read the same way (vLLM takes it as float32, then downcasts).
+    std::string unnamed = gemma2_27b;
+    unnamed.replace(unnamed.find(R"("torch_dtype": "float32",)"), 25, "");
+    EXPECT_EQ(parse_hf_config(unnamed, "cfg.json").kv_dtype, DType::kBf16);
+    // 16-bit checkpoints keep their dtype.
+    std::string fp16 = gemma2_27b;
+    fp16.replace(fp16.find("float32"), 7, "float16");
+    EXPECT_EQ(parse_hf_config(fp16, "cfg.json").kv_dtype, DType::kFp16);
+}
+
 }  // namespace
 }  // namespace kvshard

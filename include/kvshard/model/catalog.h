@@ -13,8 +13,9 @@ std::vector<std::string> catalog_names();
 bool in_catalog(std::string_view name);
 ModelSpec catalog_model(std::string_view name);  // throws Error listing the known names
 
-// Loads a model from a Hugging Face config.json (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
-// DeepSeek-V3 field names). Throws Error naming the file and the missing or bad field.
+// Loads a model from a Hugging Face config.json (the architectures of docs/model.md section 0).
+// Throws Error naming the file and the missing or bad field. KV and weight dtype are torch_dtype's
+// as vLLM's --dtype auto serves it: a float32 (or unnamed) checkpoint is read as bf16.
 ModelSpec load_hf_config(const std::string& path);
 ModelSpec parse_hf_config(std::string_view json_text, const std::string& name_for_errors);
 
