@@ -254,6 +254,7 @@ class Model {
         // recurrence runs on bf16 activations and its state.
         attn_flops_ = hw.achieved_flops(m.kv_dtype == DType::kFp8 ? DType::kFp8 : DType::kBf16);
         state_flops_ = hw.achieved_flops(DType::kBf16);
+        indexer_flops_ = hw.achieved_flops(m.indexer.dtype);  // DeepGEMM's fp8 MQA logits
         hbm_ = hw.achieved_hbm_bw();
         we_ = bits / 8.0;
     }
@@ -261,10 +262,20 @@ class Model {
     const KvLayout& layout() const { return layout_; }
     const Links& links() const { return l_; }
 
-    // Elements of layer l's attention (or state mixer) projections on one rank.
+    // Elements of layer l's attention (or state mixer) projections on one rank, with the
+    // indexer's (replicated, as capacity counts them) where the layer has one.
     double attn_elems(int l) const {
-        const double h = m_.hidden, qh = double(m_.num_heads) / p_.tp;
         const LayerSpec ls = m_.layer(l);
+        const IndexerSpec& ix = m_.indexer;
+        const double indexer = has_indexer(l)
+                                   ? double(m_.mla.q_lora_rank) * ix.heads * ix.head_dim +
+                                         double(m_.hidden) * ix.head_dim + 2.0 * ix.head_dim +
+                                         double(m_.hidden) * ix.heads
+                                   : 0.0;
+        return mixer_elems(ls, l) + indexer;
+    }
+    double mixer_elems(const LayerSpec& ls, int l) const {
+        const double h = m_.hidden, qh = double(m_.num_heads) / p_.tp;
         if (holds_state(ls.kind)) return double(m_.mixer_params_of_layer(l)) / p_.tp;
         if (ls.kind == LayerKind::kNoKv) return 0;
         if (ls.kind == LayerKind::kMla) {
@@ -315,6 +326,27 @@ class Model {
                                              : 0;
     }
     double q_heads() const { return double(m_.num_heads) / p_.tp; }
+    // DeepSeek-V3.2's sparse attention (DSA): the indexer scores every key of the context with its
+    // own small heads (fp8 keys, replicated over TP: one key head shared by all) and the layer's
+    // attention reads only the top-k keys it picks per query.
+    bool has_indexer(int l) const {
+        const LayerSpec ls = m_.layer(l);
+        return ls.indexer && m_.indexer.enabled() && holds_tokens(ls.kind);
+    }
+    // Cached indexer bytes per token (the key and its scale), part of layer_kv_.
+    double indexer_key_bytes() const {
+        return double(m_.indexer.head_dim) * double(dtype_size(m_.indexer.dtype)) +
+               m_.indexer.scale_bytes;
+    }
+    // FLOPs of the indexer's scores of `pairs` (query, key) pairs: every indexer head's dot
+    // product over head_dim.
+    double indexer_flops(double pairs) const {
+        return 2 * pairs * m_.indexer.heads * double(m_.indexer.head_dim);
+    }
+    // Top-k keys a query attends to in an indexer layer (0: all).
+    double sparse_topk(int l) const {
+        return has_indexer(l) && m_.indexer.topk > 0 ? double(m_.indexer.topk) : 0.0;
+    }
     // Share of the routed experts that at least one of `tokens` tokens picks (uniform top-k
     // routing): 1 - (1 - k/E)^tokens.
     double expert_hit(double tokens) const {
@@ -359,7 +391,11 @@ class Model {
         const bool windowed = ls.window > 0 && (ls.kind == LayerKind::kSlidingWindow ||
                                                 ls.kind == LayerKind::kChunkedLocal);
         const bool chunked = windowed && ls.kind == LayerKind::kChunkedLocal;
-        const int window = windowed ? ls.window : 0;
+        return cp_share(chunked, windowed ? ls.window : 0, S);
+    }
+    // The same for a (chunked or sliding) window, or full attention at window 0.
+    double cp_share(bool chunked, int window, double S) const {
+        if (p_.cp == 1) return 1.0;
         const int64_t n = std::max<int64_t>(1, std::llround(S));
         const auto key = std::make_tuple(chunked, window, n);
         auto it = attention_share_.find(key);
@@ -382,10 +418,18 @@ class Model {
             // Causal attention over the sequence (or its windows), split over tp (heads) and cp
             // (the busiest CP rank's share of the pairs under the prompt's placement): QK^T and PV
             // are pairs * H * d multiply-adds each. State layers: the recurrence over every token.
-            const double qk_pv_flops = 2 * attn_pairs(l, S) * cp_attention_share(l, S) * q_heads() *
-                                       (qk_dim(l) + v_dim(l));
+            // Sparse attention (an indexer layer): query i attends to min(i + 1, topk) keys, the
+            // pairs of a sliding window of topk, and the indexer scores all S^2/2 pairs.
+            const double topk = sparse_topk(l);
+            const double pairs = topk > 0 ? (S > topk ? S * topk - topk * topk / 2 : S * S / 2) *
+                                                cp_share(false, static_cast<int>(topk), S)
+                                          : attn_pairs(l, S) * cp_attention_share(l, S);
+            const double qk_pv_flops = 2 * pairs * q_heads() * (qk_dim(l) + v_dim(l));
             const double state_flops = 2 * kStateFlopsPerElem * T * state_elems(l);
-            const double attn_s = qk_pv_flops / attn_flops_ + state_flops / state_flops_;
+            const double ix_flops =
+                has_indexer(l) ? indexer_flops(S * S / 2 * cp_share(false, 0, S)) : 0.0;
+            const double attn_s =
+                qk_pv_flops / attn_flops_ + state_flops / state_flops_ + ix_flops / indexer_flops_;
             const bool moe = m_.is_moe_layer(l);
             double elems = attn_elems(l);
             double weight_elems = elems;
@@ -408,7 +452,7 @@ class Model {
             }
             const double bytes =
                 weight_elems * we_ + T * kv_layer + 2 * T * h * a + layer_state_[l];
-            add_roofline(c, 2 * T * elems, qk_pv_flops + state_flops, attn_s, bytes);
+            add_roofline(c, 2 * T * elems, qk_pv_flops + state_flops + ix_flops, attn_s, bytes);
 
             const double ar = T * h * a;
             const int n_ar = tp_all_reduces(l);
@@ -489,10 +533,17 @@ class Model {
             // window for windowed layers, which may lie on one rank), for its query heads. MLA
             // decodes in the absorbed form: q . latent over kv_lora_rank + rope, then p . latent
             // over kv_lora_rank. State layers read and write their state once per token.
+            // Sparse attention (an indexer layer): the indexer scores the rank's Cl keys and reads
+            // their indexer keys; attention reads the latents of the top-k picked, taken as spread
+            // over the CP ranks like the context.
             const double Cl = decode_keys(l, S, C);
+            const double topk = sparse_topk(l), all = attended(l, C);
+            const double picked = topk > 0 && all > topk ? Cl * topk / all : Cl;
+            const double ix_key = has_indexer(l) ? indexer_key_bytes() : 0.0;
+            const double ix_flops = has_indexer(l) ? indexer_flops(B * Cl) : 0.0;
             const double per_key = m_.is_mla() ? 2.0 * m_.mla.kv_lora_rank + m_.mla.qk_rope_head_dim
                                                : qk_dim(l) + v_dim(l);
-            const double qk_pv_flops = 2 * B * Cl * q_heads() * per_key;
+            const double qk_pv_flops = 2 * B * picked * q_heads() * per_key;
             const double state_flops = 2 * kStateFlopsPerElem * B * state_elems(l);
             const bool moe = m_.is_moe_layer(l);
             double elems = attn_elems(l);
@@ -513,10 +564,12 @@ class Model {
                 elems += m_.mlp_params_of_layer(l) / double(p_.tp);
                 weight_elems = elems;
             }
-            const double bytes = weight_elems * we_ + B * Cl * kv_layer + B * kv_layer / p_.cp +
-                                 2 * B * layer_state_[l];
-            add_roofline(c, 2 * B * elems, qk_pv_flops + state_flops,
-                         qk_pv_flops / attn_flops_ + state_flops / state_flops_, bytes);
+            const double bytes = weight_elems * we_ + B * picked * (kv_layer - ix_key) +
+                                 B * Cl * ix_key + B * kv_layer / p_.cp + 2 * B * layer_state_[l];
+            add_roofline(
+                c, 2 * B * elems, qk_pv_flops + state_flops + ix_flops,
+                qk_pv_flops / attn_flops_ + state_flops / state_flops_ + ix_flops / indexer_flops_,
+                bytes);
 
             const double ar = B * h * a;
             const int n_ar = tp_all_reduces(l);
@@ -582,7 +635,7 @@ class Model {
     mutable std::map<std::tuple<bool, int, int64_t>, double> attention_share_;
     mutable std::map<std::tuple<int, int, int64_t, int64_t>, double> decode_keys_;
     Links l_{};
-    double flops_ = 0, attn_flops_ = 0, state_flops_ = 0, hbm_ = 0, we_ = 0;
+    double flops_ = 0, attn_flops_ = 0, state_flops_ = 0, indexer_flops_ = 0, hbm_ = 0, we_ = 0;
 };
 
 // Times add up along the path through the stages; per-GPU quantities (FLOPs, bytes) are those of

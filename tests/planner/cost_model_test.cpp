@@ -277,6 +277,50 @@ TEST(CostModel, PrefillReadsTheExpertsItsTokensHit) {
     EXPECT_NEAR(hit(4096), 1.0, 1e-12);
 }
 
+// DeepSeek-V3.2's sparse attention (DSA): per query the indexer scores every key (64 heads of
+// 128, fp8 keys of 128 B plus a 4 B scale per token, replicated over TP) and MLA attends to the
+// 2048 it picks. At tp 8, batch 4: doubling the context from 64K to 128K adds only the indexer's
+// keys and scores (the picked latents stay 2048 per query), where dense MLA read and scored
+// every latent; below 2048 keys every key is attended. The indexer's projections are weights
+// read each step. Prefill: sum over queries of min(i + 1, 2048) pairs for MLA (in bf16, the
+// cache's rate), S^2/2 for the indexer at the fp8 rate. 128K, batch 4: TPOT 16.3 -> 7.1 ms.
+TEST(CostModel, SparseAttentionReadsTheTopKAndTheIndexerEveryKey) {
+    const ModelSpec m = catalog_model("deepseek-v3.2");
+    const auto hw = hardware_by_name("h200");
+    ASSERT_EQ(m.indexer.heads, 64);
+    ASSERT_EQ(m.indexer.head_dim, 128);
+    ASSERT_EQ(m.indexer.topk, 2048);
+    ASSERT_EQ(m.indexer.dtype, DType::kFp8);
+    ASSERT_EQ(m.indexer.scale_bytes, 4);
+    for (int l = 0; l < 61; ++l) ASSERT_TRUE(m.layer(l).indexer);
+    CostOptions o;
+    o.weight_dtype = WeightDtype::kFp8;
+    auto run = [&](const ModelSpec& model, int64_t S, int64_t C, int64_t B) {
+        return estimate_cost(model, cfg(8), hw, work(S, C, B), o);
+    };
+    const double ix_key = 128 + 4, latent = (512 + 64) * 2;
+    const auto c64k = run(m, 65536, 65536, 4), c128k = run(m, 131072, 131072, 4);
+    EXPECT_NEAR(c128k.decode.hbm_bytes - c64k.decode.hbm_bytes, 61 * 4 * 65536 * ix_key, 1.0);
+    EXPECT_NEAR(c128k.decode.flops - c64k.decode.flops, 61 * 2.0 * 4 * 65536 * 64 * 128,
+                1e-9 * c128k.decode.flops);
+    const auto c512 = run(m, 512, 512, 4), c1k = run(m, 1024, 1024, 4);
+    EXPECT_NEAR(c1k.decode.hbm_bytes - c512.decode.hbm_bytes, 61 * 4 * 512 * (latent + ix_key),
+                1.0);
+    // The indexer's weights (fp8): against the same model without it, at one key.
+    ModelSpec dense = m;
+    for (LayerSpec& ls : dense.layers) ls.indexer = false;
+    const double ix_params = 1536.0 * 64 * 128 + 7168.0 * 128 + 2 * 128 + 7168.0 * 64;
+    EXPECT_NEAR(run(m, 1, 1, 1).decode.hbm_bytes - run(dense, 1, 1, 1).decode.hbm_bytes,
+                61 * (ix_params + 2 * ix_key), 1.0);
+    // Prefill attention time.
+    const double S = 131072, k = 2048;
+    const double hand =
+        61 * (2 * (S * k - k * k / 2) * 16 * (192 + 128) / (hw.flops_bf16 * hw.compute_efficiency) +
+              2 * (S * S / 2) * 64 * 128 / (hw.flops_fp8 * hw.compute_efficiency));
+    EXPECT_NEAR(c128k.prefill.attention_compute_s / hand, 1.0, 1e-12);
+    EXPECT_NEAR(c128k.tpot_s, 7.1e-3, 0.1e-3);
+}
+
 TEST(CostModel, DecodeIsMemoryBoundAndPrefillComputeBound) {
     const auto m = catalog_model("llama-3.1-70b");
     const auto hw = hardware_by_name("h100-sxm");
