@@ -495,6 +495,8 @@ class Model {
                 c.cp_s += use_q ? q_exposed : kv_exposed;
             }
         }
+        // The logits of the prompt's last token (the first output token).
+        if (s == p_.pp - 1) add_lm_head(c, 1);
         return c;
     }
 
@@ -599,6 +601,7 @@ class Model {
                 c.cp_s += use_aa ? aa_s : ag_s;
             }
         }
+        if (s == p_.pp - 1) add_lm_head(c, B);
         return c;
     }
 
@@ -616,6 +619,12 @@ class Model {
         c.memory_s += ms;
         c.roofline_s += std::max(cs, ms);
         c.attn_s += attn_s;
+    }
+    // The LM head on the last stage: `tokens` rows through its vocab-parallel shard of
+    // ceil(V / tp) x h weights (tied or not, it is a matmul), read once.
+    void add_lm_head(StageCost& c, double tokens) const {
+        const double elems = double((int64_t{m_.vocab} + p_.tp - 1) / p_.tp) * double(m_.hidden);
+        add_roofline(c, 2 * tokens * elems, 0, 0, elems * we_);
     }
     // MoE dispatch and combine: each rank sends its `tokens` x top-k hidden vectors and gets them
     // back.
@@ -697,11 +706,12 @@ CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const Hard
     const double B = static_cast<double>(w.batch);
     const double C = static_cast<double>(w.context_tokens);
     const double micro = std::min<double>(p.pp, B);
-    double decode_path = 0;
+    double decode_path = 0, decode_max_stage = 0;
     for (int s = 0; s < p.pp; ++s) {
         const StageCost sc = model.decode_stage(s, B / micro, S, C);
         accumulate(rep.decode, sc, micro);  // per step, every stage runs `micro` micro-batches
         decode_path += sc.total();
+        decode_max_stage = std::max(decode_max_stage, sc.total());
         rep.cp_decode.all_gather_bytes =
             std::max(rep.cp_decode.all_gather_bytes, micro * sc.cp_decode.all_gather_bytes);
         rep.cp_decode.all_gather_s += sc.cp_decode.all_gather_s;
@@ -713,7 +723,9 @@ CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const Hard
     const double mb_handoff = model.handoff_bytes(B / micro);
     rep.decode.pp_bytes = p.pp > 1 ? micro * mb_handoff : 0;
     rep.decode.pp_s = (p.pp - 1) * (send_s(mb_handoff, l.pp_bw, l.pp_hop) + l.launch);
-    rep.decode.total_s = decode_path + rep.decode.pp_s;
+    // A micro-batch's next step starts when it has crossed every stage and when the slowest
+    // stage has run the other micro-batches: max(path, micro x slowest stage).
+    rep.decode.total_s = std::max(decode_path + rep.decode.pp_s, micro * decode_max_stage);
     rep.decode.pp_bubble_s = rep.decode.total_s * (p.pp - micro) / p.pp;
     rep.ttft_s = rep.prefill.total_s;
     rep.tpot_s = rep.decode.total_s;

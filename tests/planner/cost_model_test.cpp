@@ -366,6 +366,46 @@ TEST(CostModel, PipelineBubbleAndChunks) {
     EXPECT_NEAR(r1.decode.pp_bubble_s / r1.tpot_s, 0.75, 1e-12);
 }
 
+// The LM head (vocab-parallel, ceil(V / tp) x h on the last stage) is read every step and
+// multiplies each decoding token, and the prompt's last token in prefill: halving Llama 3.1 8B's
+// vocabulary at tp 8 removes (16032 - 8016) x 4096 bf16 weights from both phases' bytes, and
+// 2 x B x (16032 - 8016) x 4096 FLOPs (B = 4 in decode, 1 in prefill). Before, neither phase
+// counted it.
+TEST(CostModel, TheLmHeadIsReadAndMultipliedOnTheLastStage) {
+    const ModelSpec m = catalog_model("llama-3.1-8b");
+    ASSERT_EQ(m.vocab, 128256);
+    ModelSpec half = m;
+    half.vocab = m.vocab / 2;
+    const auto hw = hardware_by_name("h100-sxm");
+    const double rows = 16032 - 8016;
+    for (int pp : {1, 2}) {
+        const auto full = estimate_cost(m, cfg(8, pp), hw, work(1024, 1024, 4));
+        const auto small = estimate_cost(half, cfg(8, pp), hw, work(1024, 1024, 4));
+        // Per step each stage runs min(pp, B) micro-batches of B / min(pp, B) requests, each
+        // reading the weights.
+        EXPECT_NEAR(full.decode.hbm_bytes - small.decode.hbm_bytes, pp * rows * 4096 * 2, 1.0);
+        EXPECT_NEAR(full.prefill.hbm_bytes - small.prefill.hbm_bytes, rows * 4096 * 2, 1.0);
+        EXPECT_NEAR(full.decode.flops - small.decode.flops, 2.0 * 4 * rows * 4096, 1.0);
+        EXPECT_NEAR(full.prefill.flops - small.prefill.flops, 2.0 * 1 * rows * 4096, 1.0);
+    }
+}
+
+// PP decode with m = min(pp, B) micro-batches: a micro-batch's next step waits for its path through
+// the stages and for the slowest stage to run all m micro-batches. Llama 3.1 8B on pp 2: two
+// stages of 16 layers, the last one also running the LM head; batch 2 is 2 micro-batches of the
+// same size as batch 1's one, so its step is 2 x the last stage's time: batch 1's path (t0 + t1 +
+// send) less the send plus the LM head's time (t1 - t0: 1 GB of bf16 weights at 80% of 3.35
+// TB/s). It was priced as the path alone.
+TEST(CostModel, PipelineDecodeWaitsForTheSlowestStage) {
+    const ModelSpec m = catalog_model("llama-3.1-8b");
+    const auto hw = hardware_by_name("h100-sxm");
+    const auto b1 = estimate_cost(m, cfg(1, 2), hw, work(1024, 1024, 1));
+    const auto b2 = estimate_cost(m, cfg(1, 2), hw, work(1024, 1024, 2));
+    const double lm_head_s = 128256.0 * 4096 * 2 / (hw.hbm_bw * hw.hbm_efficiency);
+    EXPECT_NEAR(b2.tpot_s, b1.tpot_s - b1.decode.pp_s + lm_head_s, 1e-12);
+    EXPECT_GT(b2.tpot_s, b1.tpot_s);
+}
+
 TEST(CostModel, BadWorkloadsAreErrors) {
     const auto m = catalog_model("tiny");
     const auto hw = hardware_by_name("h100-sxm");
