@@ -407,10 +407,14 @@ class Model {
         return it->second;
     }
 
-    // Prefill of one sequence of S tokens (T = S / cp on each CP rank) through stage `s`.
-    StageCost prefill_stage(int s, double S) const {
+    // Prefill of the queries [lo, hi) of a sequence of S tokens (T = (hi - lo) / cp on each CP
+    // rank) through stage `s`: a pipeline chunk, or the whole prompt (lo = 0, hi = S). Causal
+    // attention pairs them with the keys before them, so later chunks cost more. Under CP a
+    // chunk is taken at the whole prompt's busiest share and ring steps, its own tokens' shards
+    // passed round the ring.
+    StageCost prefill_stage(int s, double S, double lo, double hi) const {
         const RankKv& rk = layout_.ranks[rank_of(p_, 0, s, 0, 0)];
-        const double T = S / p_.cp;
+        const double T = (hi - lo) / p_.cp;
         const double h = m_.hidden, a = o_.activation_bytes;
         StageCost c;
         for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
@@ -421,13 +425,18 @@ class Model {
             // Sparse attention (an indexer layer): query i attends to min(i + 1, topk) keys, the
             // pairs of a sliding window of topk, and the indexer scores all S^2/2 pairs.
             const double topk = sparse_topk(l);
-            const double pairs = topk > 0 ? (S > topk ? S * topk - topk * topk / 2 : S * S / 2) *
-                                                cp_share(false, static_cast<int>(topk), S)
-                                          : attn_pairs(l, S) * cp_attention_share(l, S);
+            auto sparse_pairs = [topk](double n) {
+                return n > topk ? n * topk - topk * topk / 2 : n * n / 2;
+            };
+            const double pairs =
+                topk > 0 ? (sparse_pairs(hi) - sparse_pairs(lo)) *
+                               cp_share(false, static_cast<int>(topk), S)
+                         : (attn_pairs(l, hi) - attn_pairs(l, lo)) * cp_attention_share(l, S);
             const double qk_pv_flops = 2 * pairs * q_heads() * (qk_dim(l) + v_dim(l));
             const double state_flops = 2 * kStateFlopsPerElem * T * state_elems(l);
             const double ix_flops =
-                has_indexer(l) ? indexer_flops(S * S / 2 * cp_share(false, 0, S)) : 0.0;
+                has_indexer(l) ? indexer_flops((hi * hi - lo * lo) / 2 * cp_share(false, 0, S))
+                               : 0.0;
             const double attn_s =
                 qk_pv_flops / attn_flops_ + state_flops / state_flops_ + ix_flops / indexer_flops_;
             const bool moe = m_.is_moe_layer(l);
@@ -496,7 +505,7 @@ class Model {
             }
         }
         // The logits of the prompt's last token (the first output token).
-        if (s == p_.pp - 1) add_lm_head(c, 1);
+        if (s == p_.pp - 1 && hi >= S) add_lm_head(c, 1);
         return c;
     }
 
@@ -647,6 +656,30 @@ class Model {
     double flops_ = 0, attn_flops_ = 0, state_flops_ = 0, indexer_flops_ = 0, hbm_ = 0, we_ = 0;
 };
 
+// A stage's work over the prefill chunks: FLOPs, bytes and times add up; the CP ring is hidden when
+// it is in every chunk, and takes the last chunk's choice.
+void add_chunk(StageCost& whole, const StageCost& c) {
+    whole.flops += c.flops;
+    whole.hbm_bytes += c.hbm_bytes;
+    whole.compute_s += c.compute_s;
+    whole.memory_s += c.memory_s;
+    whole.roofline_s += c.roofline_s;
+    whole.attn_s += c.attn_s;
+    whole.tp_bytes += c.tp_bytes;
+    whole.tp_s += c.tp_s;
+    whole.ep_bytes += c.ep_bytes;
+    whole.ep_s += c.ep_s;
+    whole.cp_bytes += c.cp_bytes;
+    whole.cp_s += c.cp_s;
+    CpPrefillCost& w = whole.cp_prefill;
+    w.pass_kv_bytes += c.cp_prefill.pass_kv_bytes;
+    w.pass_kv_s += c.cp_prefill.pass_kv_s;
+    w.pass_kv_hidden = w.pass_kv_hidden && c.cp_prefill.pass_kv_hidden;
+    w.pass_q_bytes += c.cp_prefill.pass_q_bytes;
+    w.pass_q_s += c.cp_prefill.pass_q_s;
+    w.chosen = c.cp_prefill.chosen;
+}
+
 // Times add up along the path through the stages; per-GPU quantities (FLOPs, bytes) are those of
 // the busiest stage's GPU. `times`: how often the stage runs the computed pass in the phase.
 void accumulate(PhaseCost& ph, const StageCost& s, double times) {
@@ -676,31 +709,44 @@ CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const Hard
     CostReport rep;
 
     // ---- prefill: one request of S tokens, split into m chunks pipelined through the stages ----
+    // Chunk i holds the queries [i S/m, (i+1) S/m): under causal attention it pairs them with
+    // (2i + 1) / m^2 of the prompt's pairs, so later chunks take longer. The schedule: a chunk
+    // enters stage s when it has left stage s - 1 (and crossed the boundary) and stage s has
+    // finished the chunk before it (GPipe's forward, Huang et al. arXiv:1811.06965).
     const double S = static_cast<double>(w.prompt_tokens);
-    const int chunks = o.pp_prefill_chunks > 0 ? o.pp_prefill_chunks : p.pp;
-    double sum_stage = 0, max_stage = 0;
+    const int chunks = p.pp == 1 ? 1 : o.pp_prefill_chunks > 0 ? o.pp_prefill_chunks : p.pp;
+    const double chunk_tokens = S / p.cp / chunks;
+    const double hand_off = send_s(model.handoff_bytes(chunk_tokens), l.pp_bw, l.pp_hop) + l.launch;
+    std::vector<double> left(chunks, 0.0);  // when each chunk left the previous stage
+    double busiest_stage = 0;
     for (int s = 0; s < p.pp; ++s) {
-        const StageCost sc = model.prefill_stage(s, S);
-        accumulate(rep.prefill, sc, 1.0);
-        sum_stage += sc.total();
-        max_stage = std::max(max_stage, sc.total());
+        StageCost whole;  // the stage's work over all chunks
+        whole.cp_prefill.pass_kv_hidden = true;
+        double stage_s = 0, free_at = 0;
+        for (int i = 0; i < chunks; ++i) {
+            const StageCost sc = model.prefill_stage(s, S, S * i / chunks, S * (i + 1) / chunks);
+            add_chunk(whole, sc);
+            const double start = std::max(left[i] + (s > 0 ? hand_off : 0.0), free_at);
+            left[i] = free_at = start + sc.total();
+            stage_s += sc.total();
+        }
+        busiest_stage = std::max(busiest_stage, stage_s);
+        accumulate(rep.prefill, whole, 1.0);
         rep.cp_prefill.pass_kv_bytes =
-            std::max(rep.cp_prefill.pass_kv_bytes, sc.cp_prefill.pass_kv_bytes);
-        rep.cp_prefill.pass_kv_s += sc.cp_prefill.pass_kv_s;
+            std::max(rep.cp_prefill.pass_kv_bytes, whole.cp_prefill.pass_kv_bytes);
+        rep.cp_prefill.pass_kv_s += whole.cp_prefill.pass_kv_s;
         rep.cp_prefill.pass_q_bytes =
-            std::max(rep.cp_prefill.pass_q_bytes, sc.cp_prefill.pass_q_bytes);
-        rep.cp_prefill.pass_q_s += sc.cp_prefill.pass_q_s;
-        rep.cp_prefill.chosen = sc.cp_prefill.chosen;
-        rep.cp_prefill.pass_kv_hidden = sc.cp_prefill.pass_kv_hidden;
+            std::max(rep.cp_prefill.pass_q_bytes, whole.cp_prefill.pass_q_bytes);
+        rep.cp_prefill.pass_q_s += whole.cp_prefill.pass_q_s;
+        rep.cp_prefill.chosen = whole.cp_prefill.chosen;
+        rep.cp_prefill.pass_kv_hidden = whole.cp_prefill.pass_kv_hidden;
     }
     // Each chunk crosses the pp-1 boundaries; the last chunk's hand-offs are on the critical path.
-    const double chunk_tokens = S / p.cp / chunks;
     rep.prefill.pp_bytes = p.pp > 1 ? chunks * model.handoff_bytes(chunk_tokens) : 0;
-    rep.prefill.pp_s =
-        (p.pp - 1) * (send_s(model.handoff_bytes(chunk_tokens), l.pp_bw, l.pp_hop) + l.launch);
-    rep.prefill.pp_bubble_s = (p.pp - 1) * max_stage / chunks;
-    rep.prefill.total_s = sum_stage / chunks + (chunks - 1) * max_stage / chunks + rep.prefill.pp_s;
-    if (p.pp == 1) rep.prefill.total_s = sum_stage;
+    rep.prefill.pp_s = (p.pp - 1) * hand_off;
+    rep.prefill.total_s = left.back();
+    // The busiest stage's idle time on the path (pp-1 of its chunk times with equal ones).
+    rep.prefill.pp_bubble_s = rep.prefill.total_s - rep.prefill.pp_s - busiest_stage;
 
     // ---- decode: B requests split into min(pp, B) micro-batches, each crossing every stage ----
     const double B = static_cast<double>(w.batch);

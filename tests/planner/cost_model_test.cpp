@@ -406,6 +406,25 @@ TEST(CostModel, PipelineDecodeWaitsForTheSlowestStage) {
     EXPECT_GT(b2.tpot_s, b1.tpot_s);
 }
 
+// PP prefill in m chunks under causal attention: chunk i pairs its queries with (2i + 1) / m^2 of
+// the prompt's pairs. Llama 3.1 8B on pp 2 (16 + 16 layers), 2 chunks of a 128K prompt,
+// compute-bound: each stage spends a = its non-attention time / 2 per chunk and b / 4, 3b / 4 of
+// its attention b on chunks 0 and 1. Chunk 1 enters stage 1 after it leaves stage 0, so TTFT =
+// t(0,0) + t(0,1) + t(1,1) + send = 3a + 1.75b + send (equal chunks gave 3a + 1.5b + send: 8.01
+// s against 8.95 s), and stage 1 idles a + 0.75b of it. The vocabulary is cut to 8 so that the
+// LM head (on the last chunk of the last stage) does not blur the sums.
+TEST(CostModel, PipelinePrefillChunksCostTheirShareOfTheCausalPairs) {
+    ModelSpec m = catalog_model("llama-3.1-8b");
+    m.vocab = 8;
+    const auto hw = hardware_by_name("h100-sxm");
+    const auto r = estimate_cost(m, cfg(1, 2), hw, work(131072, 131072, 1));
+    ASSERT_GT(r.prefill.compute_s, 100 * r.prefill.memory_s);
+    const double b = r.prefill.attention_compute_s / 2;
+    const double a = (r.prefill.compute_s - r.prefill.attention_compute_s) / 4;
+    EXPECT_NEAR(r.ttft_s / (3 * a + 1.75 * b + r.prefill.pp_s), 1.0, 1e-8);
+    EXPECT_NEAR(r.prefill.pp_bubble_s / (a + 0.75 * b), 1.0, 1e-8);
+}
+
 TEST(CostModel, BadWorkloadsAreErrors) {
     const auto m = catalog_model("tiny");
     const auto hw = hardware_by_name("h100-sxm");
