@@ -81,6 +81,10 @@ PageGeometry page_geometry(const KvLayout& layout, int rank, int block_size, Pag
             ": page_geometry describes the one pool of a model whose every layer is full attention "
             "(or MLA) of one shape; models of several KV groups keep one pool per group per rank "
             "(RankModel::pool_at; transfer plans per group: group_transfer_plan)");
+    require(!mla_fp8_ds_layout(m), m.name,
+            " is sparse MLA (an indexer) at fp8 KV, which vLLM stores as fp8_ds_mla (per-token "
+            "scales); kvshard's fp8 pools hold codes with per-block scales: use bf16 KV for a "
+            "pool of it");
     PageGeometry g;
     g.num_layers = r.num_layers();
     g.block_size = block_size;

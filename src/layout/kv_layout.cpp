@@ -224,9 +224,10 @@ KvLayout make_layout(const ModelSpec& m, const ParallelConfig& p) {
                           : 0;
             if (g.kind == LayerKind::kMla) {
                 rg.kv_heads = 1;
-                rg.bytes_per_token =
-                    n * ((int64_t{m.mla.kv_lora_rank} + m.mla.qk_rope_head_dim) * e + index_bytes);
-                if (m.kv_dtype == DType::kFp8) rg.scale_bytes_per_block = n * 4;
+                rg.bytes_per_token = n * (mla_bytes_per_token(m) + index_bytes);
+                // fp8_ds_mla keeps its scales in each token's entry.
+                if (m.kv_dtype == DType::kFp8 && !mla_fp8_ds_layout(m))
+                    rg.scale_bytes_per_block = n * 4;
             } else if (holds_tokens(g.kind)) {
                 rg.kv_heads = std::max(1, g.num_kv_heads / p.tp);
                 rg.bytes_per_token = n * (2 * int64_t{rg.kv_heads} * g.head_dim * e + index_bytes);

@@ -141,13 +141,25 @@ int64_t ModelSpec::kv_bytes_per_token_of_layer(int l) const {
     const int64_t e = static_cast<int64_t>(dtype_size(kv_dtype));
     int64_t bytes = 0;
     if (s.kind == LayerKind::kMla)
-        bytes = (int64_t{mla.kv_lora_rank} + mla.qk_rope_head_dim) * e;
+        bytes = mla_bytes_per_token(*this);
     else if (holds_tokens(s.kind))
         bytes = 2 * int64_t{s.num_kv_heads} * s.head_dim * e;
     if (s.indexer)
         bytes += int64_t{indexer.head_dim} * static_cast<int64_t>(dtype_size(indexer.dtype)) +
                  indexer.scale_bytes;
     return bytes;
+}
+
+bool mla_fp8_ds_layout(const ModelSpec& m) {
+    return m.is_mla() && m.indexer.enabled() && m.kv_dtype == DType::kFp8;
+}
+
+int64_t mla_bytes_per_token(const ModelSpec& m) {
+    if (mla_fp8_ds_layout(m))
+        return int64_t{m.mla.kv_lora_rank} + 4 * ((int64_t{m.mla.kv_lora_rank} + 127) / 128) +
+               2 * int64_t{m.mla.qk_rope_head_dim};
+    return (int64_t{m.mla.kv_lora_rank} + m.mla.qk_rope_head_dim) *
+           static_cast<int64_t>(dtype_size(m.kv_dtype));
 }
 
 int64_t state_bytes(const StateSpec& st, int tp) {

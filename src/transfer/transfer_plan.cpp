@@ -141,7 +141,7 @@ std::vector<TransferGroup> transfer_groups(const ModelSpec& m, int64_t num_token
         if (k.kind == LayerKind::kMla) {
             g.kv_factor = 1;
             g.num_heads = 1;
-            g.vector_bytes = int64_t{latent_dim(m)} * e;
+            g.vector_bytes = mla_bytes_per_token(m);
             if (k.indexer)
                 g.vector_bytes += int64_t{m.indexer.head_dim} *
                                       static_cast<int64_t>(dtype_size(m.indexer.dtype)) +
@@ -296,6 +296,11 @@ PageGeometry rank_page_geometry(const KvLayout& layout, int rank, int block_size
             ": its plan has several KV groups; pack/unpack, schedules and the executor move pools "
             "of one page shape, so carry it out per group: group_transfer_plan(plan, k) for each "
             "token group, state messages (transfer/state_pack.h) for state groups");
+    require(!mla_fp8_ds_layout(m), m.name,
+            " is sparse MLA (an indexer) at fp8 KV, which vLLM stores as fp8_ds_mla (656-byte "
+            "entries with per-token scales for a 512 + 64 latent); kvshard's fp8 pages hold codes "
+            "with per-block scales, so it plans and sizes such transfers but does not pack them: "
+            "carry out a bf16 plan, or use the plan's sizes only");
     PageGeometry g;
     g.num_layers = r.num_layers();
     g.kv_factor = m.is_mla() ? 1 : 2;

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kvshard/common/error.h"
+#include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/catalog.h"
 
 namespace kvshard {
@@ -143,6 +144,31 @@ TEST(HfConfigAudit, Float32CheckpointsAreSizedAtVllmsBf16) {
     std::string fp16 = gemma2_27b;
     fp16.replace(fp16.find("float32"), 7, "float16");
     EXPECT_EQ(parse_hf_config(fp16, "cfg.json").kv_dtype, DType::kFp16);
+}
+
+TEST(HfConfigAudit, DeepSeekV32Fp8KvIsFlashMlasFp8DsMla) {
+    // vLLM stores DeepSeek-V3.2's fp8 cache as fp8_ds_mla (FlashMLASparseBackend
+    // .get_kv_cache_shape: 656 bytes a token and layer): 512 fp8 latent values, 4 fp32 scales
+    // (16 bytes), 64 bf16 rope values (128 bytes). Plus the indexer key (128 fp8 + 4) per layer.
+    ModelSpec v32 = catalog_model("deepseek-v3.2");
+    v32.kv_dtype = DType::kFp8;
+    EXPECT_TRUE(mla_fp8_ds_layout(v32));
+    EXPECT_EQ(mla_bytes_per_token(v32), 512 + 16 + 128);
+    EXPECT_EQ(v32.kv_bytes_per_token(), 61 * (656 + 132));  // 48,068 (was 61 x (576 + 132))
+    const KvLayout lay = make_layout(v32, ParallelConfig{});
+    ASSERT_EQ(lay.ranks[0].groups.size(), 1u);
+    EXPECT_EQ(lay.ranks[0].kv_bytes_per_token, 48068);
+    EXPECT_EQ(lay.ranks[0].groups[0].scale_bytes_per_block, 0);  // scales live in each entry
+    EXPECT_EQ(request_kv_bytes(lay, 0, 1000, 64), int64_t{16} * 64 * 48068);
+    // bf16 V3.2 and plain DeepSeek-V3 at fp8 keep the plain latent (576 elements), the latter
+    // with kvshard's per-block fp8 scales.
+    v32.kv_dtype = DType::kBf16;
+    EXPECT_EQ(v32.kv_bytes_per_token(), 61 * (2 * 576 + 132));
+    ModelSpec v3 = catalog_model("deepseek-v3");
+    v3.kv_dtype = DType::kFp8;
+    EXPECT_FALSE(mla_fp8_ds_layout(v3));
+    EXPECT_EQ(v3.kv_bytes_per_token(), 61 * 576);
+    EXPECT_EQ(make_layout(v3, ParallelConfig{}).ranks[0].groups[0].scale_bytes_per_block, 61 * 4);
 }
 
 }  // namespace

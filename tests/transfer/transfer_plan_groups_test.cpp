@@ -221,6 +221,23 @@ TEST(TransferPlanGroups, NoKvLayersAndMlaIndexer) {
     for (const auto& [d, t] : tokens_to) EXPECT_EQ(t, 1000) << "destination " << d;
 }
 
+// DeepSeek-V3.2 at fp8: vLLM's fp8_ds_mla entries (656 bytes for the 512 + 64 latent) plus the
+// indexer key move once per destination; kvshard's fp8 pages (codes + per-block scales) are not
+// that layout, so a group plan of it plans and sizes but refuses page geometry.
+TEST(TransferPlanGroups, SparseMlaFp8PlansFp8DsMlaBytes) {
+    ModelSpec ds = catalog_model("deepseek-v3.2");
+    ds.kv_dtype = DType::kFp8;
+    const TransferPlan plan = plan_for(ds, "tp=8", "tp=4", 1000);
+    EXPECT_EQ(plan.bytes, int64_t{4} * 1000 * 61 * (656 + 132));  // 1000 tokens to each of 4
+    const TransferPlan g = group_transfer_plan(plan, 0);
+    try {
+        rank_page_geometry(g.src.layout, 0, 16, PageOrder::kHnd);
+        FAIL() << "expected an Error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("fp8_ds_mla"), std::string::npos) << e.what();
+    }
+}
+
 // Plans of non-uniform models are not packed whole (the executor's pools have one page shape):
 // they are carried out per group (group_execution_test.cpp).
 TEST(TransferPlanGroups, ExecutionRefusesNonUniformModels) {

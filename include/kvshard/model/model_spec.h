@@ -178,6 +178,15 @@ struct ModelSpec {
 // per-layer kinds would size; kept for comparisons (`--all-full-attention`).
 ModelSpec with_full_attention(const ModelSpec& m);
 
+// Bytes one token's MLA entry (latent and rope key, without indexer keys) takes in one layer:
+// (kv_lora_rank + qk_rope_head_dim) x the KV element size, except fp8 on a sparse-MLA model (one
+// with an indexer, DeepSeek-V3.2): vLLM's FlashMLA sparse backend stores it as fp8_ds_mla
+// (FlashMLASparseBackend.get_kv_cache_shape: 656 bytes for 512 + 64): kv_lora_rank fp8 values,
+// one fp32 scale per 128 of them, the rope part in bf16. Its scales are per token: no per-block
+// scales (mla_fp8_ds_layout).
+int64_t mla_bytes_per_token(const ModelSpec& m);
+bool mla_fp8_ds_layout(const ModelSpec& m);
+
 // JSON (the same field names as `kvshard model --json`).
 std::string to_json(const ModelSpec& m);
 ModelSpec model_spec_from_json(std::string_view json_text);
