@@ -337,6 +337,13 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "alibi",
         "parallel_attn",
         "multi_query_group_num_original",
+        // transformers 4.48-4.50 write these runtime hints into saved configs (Llama-4's
+        // text_config): the attention kernel to use, not what it caches
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        // Gemma 3: checked against the layers below; refused when true
+        "_sliding_window_pattern",
+        "use_bidirectional_attention",
     };
     return kFields;
 }
@@ -396,6 +403,7 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"attention_chunk_size", {Family::kLlama4}},
         {"no_rope_layers", {Family::kLlama4}},
         {"sliding_window_pattern", {Family::kGemma3}},
+        {"_sliding_window_pattern", {Family::kGemma3}},
         {"multi_query_group_num", {Family::kChatGlm}},
         {"new_decoder_architecture", {Family::kFalcon}},
         {"multi_query", {Family::kFalcon}},
@@ -559,6 +567,18 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     }
 
     // ---- MoE ----
+    // MoeSpec counts shared experts in routed experts' widths: a shared expert of width w is
+    // w / expert_intermediate of them (the same parameters and FLOPs, kept whole on every EP rank).
+    auto shared_width_in_experts = [&](const char* key) {
+        if (!f.has(key)) return 1;
+        const int w = f.positive_int(key);
+        if (w % m.moe.expert_intermediate != 0)
+            throw f.bad(key,
+                        detail::concat("(", w, ") is not a multiple of moe_intermediate_size (",
+                                       m.moe.expert_intermediate,
+                                       "): kvshard counts shared experts in routed widths"));
+        return w / m.moe.expert_intermediate;
+    };
     if (f.has("num_local_experts")) {  // Mixtral, gpt-oss, Llama 4
         m.moe.num_experts = f.positive_int("num_local_experts");
         m.moe.experts_per_token = f.positive_int(
@@ -570,6 +590,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.moe.shared_experts = f.int_or("n_shared_experts", 0);
         m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
         m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
+        // Nemotron-H MoE (Nemotron-3-Nano): shared experts of their own width.
+        m.moe.shared_experts *= shared_width_in_experts("moe_shared_expert_intermediate_size");
         m.moe.first_dense_layers = f.int_or("first_k_dense_replace", 0);
         if (m.moe.first_dense_layers >= m.num_layers)
             throw f.bad("first_k_dense_replace",
@@ -579,15 +601,10 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.moe.num_experts = f.positive_int("num_experts");
         m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
         m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
-        // Qwen3-Next: one shared expert of its own width, counted at the routed width here when
-        // they agree (they do in the published config).
-        if (f.has("shared_expert_intermediate_size")) {
-            if (f.positive_int("shared_expert_intermediate_size") != m.moe.expert_intermediate)
-                throw f.bad("shared_expert_intermediate_size",
-                            "differs from moe_intermediate_size: kvshard models shared experts "
-                            "of the routed experts' width");
-            m.moe.shared_experts = 1;
-        }
+        // Qwen2-MoE, Qwen3-Next: one shared expert of its own width (Qwen2-57B-A14B: 20480, 8
+        // routed widths of 2560).
+        if (f.has("shared_expert_intermediate_size"))
+            m.moe.shared_experts = shared_width_in_experts("shared_expert_intermediate_size");
     }
 
     if (fam == Family::kFalcon || fam == Family::kNemotronH) m.mlp_projections = 2;
@@ -652,6 +669,29 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         for (int l = 0; l < L; ++l)
             if ((l + 1) % pattern != 0)
                 set_window(layers[l], LayerKind::kSlidingWindow, window_field("sliding_window"));
+    }
+    if (fam == Family::kGemma3) {
+        // Gemma3TextConfig stores sliding_window_pattern as _sliding_window_pattern and writes it
+        // back under that name; on load it derives the layers from layer_types, else from
+        // sliding_window_pattern (default 6), never from _sliding_window_pattern. Accepted where
+        // it agrees with the layers read; a disagreement leaves the layout in doubt.
+        if (f.has("_sliding_window_pattern")) {
+            const int p = f.positive_int("_sliding_window_pattern");
+            for (int l = 0; l < L; ++l)
+                if ((layers[l].kind == LayerKind::kSlidingWindow) != ((l + 1) % p != 0))
+                    throw f.bad("_sliding_window_pattern",
+                                detail::concat("(", p, ") disagrees with layer ", l,
+                                               " as layer_types / sliding_window_pattern give it: "
+                                               "remove one of them"));
+        }
+        // EmbeddingGemma: bidirectional, and transformers halves the window; not a decoder's KV.
+        if (f.bool_or("use_bidirectional_attention", false))
+            throw f.bad("use_bidirectional_attention",
+                        "is true (an encoder, its sliding window halved by transformers): kvshard "
+                        "sizes causal decoders' KV caches");
+    } else if (f.bool_or("use_bidirectional_attention", false)) {
+        throw f.bad("use_bidirectional_attention",
+                    "is true: kvshard sizes causal decoders' KV caches");
     } else if (fam == Family::kGptOss) {
         for (int l = 0; l < L; l += 2)
             set_window(layers[l], LayerKind::kSlidingWindow, window_field("sliding_window"));

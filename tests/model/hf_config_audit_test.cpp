@@ -171,5 +171,84 @@ TEST(HfConfigAudit, DeepSeekV32Fp8KvIsFlashMlasFp8DsMla) {
     EXPECT_EQ(make_layout(v3, ParallelConfig{}).ranks[0].groups[0].scale_bytes_per_block, 61 * 4);
 }
 
+TEST(HfConfigAudit, HarmlessFieldsAreAccepted) {
+    // meta-llama/Llama-4-Maverick-17B-128E-Instruct's text_config carries transformers' runtime
+    // hint _attn_implementation_autoset (4.48-4.50); the KV is the same without it.
+    const std::string text = R"("attention_chunk_size": 8192, "head_dim": 128,
+        "hidden_size": 5120, "interleave_moe_layer_step": 2, "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384, "model_type": "llama4_text", "num_attention_heads": 40,
+        "num_experts_per_tok": 1, "num_hidden_layers": 48, "num_key_value_heads": 8,
+        "num_local_experts": 128, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+        "use_qk_norm": false, "vocab_size": 202048)";
+    const auto maverick = [&](const std::string& extra) {
+        return parse_hf_config(R"({"model_type": "llama4", "text_config": {)" + extra + text + "}}",
+                               "maverick/config.json");
+    };
+    const ModelSpec plain = maverick("");
+    EXPECT_EQ(maverick(R"("_attn_implementation_autoset": true, )"), plain);
+    EXPECT_EQ(maverick(R"("_attn_implementation": "sdpa", )"), plain);
+
+    // google/gemma-3-270m: "_sliding_window_pattern": 6 (Gemma3TextConfig's stored name) and
+    // "use_bidirectional_attention": false beside layer_types (5 sliding, 1 full, x3).
+    std::string types;
+    for (int l = 0; l < 18; ++l)
+        types += std::string(l ? ", " : "") +
+                 ((l + 1) % 6 ? "\"sliding_attention\"" : "\"full_attention\"");
+    const auto gemma = [&](const std::string& extra) {
+        return R"({"model_type": "gemma3_text", "head_dim": 256, "hidden_size": 640,
+            "intermediate_size": 2048, "num_attention_heads": 4, "num_hidden_layers": 18,
+            "num_key_value_heads": 1, "sliding_window": 512, "vocab_size": 262144,
+            "torch_dtype": "bfloat16", "layer_types": [)" +
+               types + "]" + extra + "}";
+    };
+    const ModelSpec g = parse_hf_config(gemma(""), "gemma-3-270m/config.json");
+    EXPECT_EQ(g.layer_mix(), "18 layers: 15 sliding(512) + 3 full");
+    EXPECT_EQ(g.layer(5).kind, LayerKind::kFullAttention);
+    EXPECT_EQ(parse_hf_config(gemma(R"(, "_sliding_window_pattern": 6,
+        "use_bidirectional_attention": false)"),
+                              "gemma-3-270m/config.json"),
+              g);
+    // Refused where it would matter: a pattern that disagrees with the layers, a bidirectional
+    // (encoder) model.
+    EXPECT_NE(error_of(gemma(R"(, "_sliding_window_pattern": 4)")).find("_sliding_window_pattern"),
+              std::string::npos);
+    EXPECT_NE(error_of(gemma(R"(, "use_bidirectional_attention": true)"))
+                  .find("use_bidirectional_attention"),
+              std::string::npos);
+}
+
+TEST(HfConfigAudit, SharedExpertsOfTheirOwnWidthAreCounted) {
+    // Qwen/Qwen2-57B-A14B-Instruct: a shared expert of 20480 beside 64 routed experts of 2560
+    // (was refused). Its parameters are those of 8 routed-width experts.
+    const ModelSpec q = parse_hf_config(R"({"model_type": "qwen2_moe", "hidden_size": 3584,
+        "intermediate_size": 18944, "moe_intermediate_size": 2560, "num_attention_heads": 28,
+        "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 28,
+        "num_key_value_heads": 4, "shared_expert_intermediate_size": 20480,
+        "sliding_window": 65536, "use_sliding_window": false, "max_window_layers": 28,
+        "decoder_sparse_step": 1, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+        "vocab_size": 151936})",
+                                        "qwen2-57b/config.json");
+    EXPECT_EQ(q.moe.shared_experts, 8);
+    const int64_t h = 3584;
+    EXPECT_EQ(q.moe_params_per_layer(), (64 * 3 * h * 2560) + 3 * h * 20480 + h * 64);
+    // nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: moe_shared_expert_intermediate_size 3712, twice the
+    // routed 1856 (it was read as one expert of 1856). Squared-ReLU MLPs: 2 projections.
+    std::string nano = R"({"model_type": "nemotron_h", "head_dim": 128, "hidden_size": 2688,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "intermediate_size": 1856, "mamba_head_dim": 64, "mamba_num_heads": 64, "n_groups": 8,
+        "ssm_state_size": 128, "conv_kernel": 4, "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712, "n_routed_experts": 128,
+        "n_shared_experts": 1, "num_attention_heads": 32, "num_experts_per_tok": 6,
+        "num_hidden_layers": 52, "num_key_value_heads": 2, "torch_dtype": "bfloat16",
+        "vocab_size": 131072})";
+    const ModelSpec n = parse_hf_config(nano, "nemotron-3-nano/config.json");
+    EXPECT_EQ(n.moe.shared_experts, 2);
+    const int64_t d = 2688;
+    EXPECT_EQ(n.moe_params_per_layer(), 128 * 2 * d * 1856 + 2 * d * 3712 + d * 128);
+    // A width that is not a multiple of the routed one is refused, not rounded.
+    nano.replace(nano.find("3712"), 4, "3000");
+    EXPECT_NE(error_of(nano).find("moe_shared_expert_intermediate_size"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvshard

@@ -27,7 +27,9 @@ struct MlaSpec {
 struct MoeSpec {
     int num_experts = 0;        // routed experts; 0 means a dense model
     int experts_per_token = 0;  // top-k
-    int shared_experts = 0;     // always-on experts (DeepSeek), each of expert_intermediate width
+    // Always-on experts (DeepSeek), each of expert_intermediate width; a shared expert of k times
+    // that width (Qwen2-MoE, Nemotron-H) counts as k.
+    int shared_experts = 0;
     int expert_intermediate = 0;
     int first_dense_layers = 0;  // layers [0, first_dense_layers) use the dense MLP
     bool enabled() const { return num_experts > 0; }
