@@ -320,6 +320,11 @@ class Model {
     double v_dim(int l) const { return m_.is_mla() ? m_.mla.v_head_dim : m_.layer(l).head_dim; }
     // Multiply-adds per recurrent-state element and token (GDN / Mamba-2 state update and read).
     static constexpr double kStateFlopsPerElem = 4;
+    // Elements of a state mixer's out-projection on one rank (GDN: value heads x v_head_dim to
+    // hidden; Mamba-2: heads x head_dim to hidden), split by tp like the heads.
+    double state_out_elems() const {
+        return double(m_.state.heads) * m_.state.head_dim * m_.hidden / p_.tp;
+    }
     double state_elems(int l) const {
         return holds_state(m_.layer(l).kind) ? double(std::max(1, m_.state.heads / p_.tp)) *
                                                    m_.state.head_dim * m_.state.group_dim
@@ -433,7 +438,13 @@ class Model {
                                cp_share(false, static_cast<int>(topk), S)
                          : (attn_pairs(l, hi) - attn_pairs(l, lo)) * cp_attention_share(l, S);
             const double qk_pv_flops = 2 * pairs * q_heads() * (qk_dim(l) + v_dim(l));
-            const double state_flops = 2 * kStateFlopsPerElem * T * state_elems(l);
+            // A state layer under CP runs as the executor does (docs/context-parallel.md §8): its
+            // normed input rows are all-gathered over the CP group, and every rank runs the
+            // in-projections and the recurrence over all the chunk's rows from the sequence's
+            // state, the out-projection over its own rows only.
+            const bool cp_state = p_.cp > 1 && holds_state(m_.layer(l).kind);
+            const double state_rows = cp_state ? hi - lo : T;
+            const double state_flops = 2 * kStateFlopsPerElem * state_rows * state_elems(l);
             const double ix_flops =
                 has_indexer(l) ? indexer_flops((hi * hi - lo * lo) / 2 * cp_share(false, 0, S))
                                : 0.0;
@@ -459,9 +470,18 @@ class Model {
                 elems += m_.mlp_params_of_layer(l) / double(p_.tp);
                 weight_elems = elems;
             }
-            const double bytes =
-                weight_elems * we_ + T * kv_layer + 2 * T * h * a + layer_state_[l];
-            add_roofline(c, 2 * T * elems, qk_pv_flops + state_flops + ix_flops, attn_s, bytes);
+            // The other ranks' rows of a CP state layer: read, and projected in.
+            const double gathered = state_rows - T;
+            const double in_proj = cp_state ? attn_elems(l) - state_out_elems() : 0.0;
+            const double bytes = weight_elems * we_ + T * kv_layer + 2 * T * h * a +
+                                 gathered * h * a + layer_state_[l];
+            add_roofline(c, 2 * T * elems + 2 * gathered * in_proj,
+                         qk_pv_flops + state_flops + ix_flops, attn_s, bytes);
+            if (cp_state) {
+                const double rows_bytes = (hi - lo) * h * a;  // the gathered buffer
+                c.cp_bytes += double(p_.cp - 1) / p_.cp * rows_bytes;
+                c.cp_s += all_gather_s(rows_bytes, l_.cp, hw_) + l_.launch;
+            }
 
             const double ar = T * h * a;
             const int n_ar = tp_all_reduces(l);

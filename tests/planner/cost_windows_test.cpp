@@ -115,5 +115,37 @@ TEST(CostWindows, StateLayersReadAndWriteTheirState) {
     EXPECT_LT(a.decode.hbm_bytes, all_full.decode.hbm_bytes + 36 * 2 * state);
 }
 
+// A state layer under CP is priced as the CP executor runs it (docs/context-parallel.md §8): the
+// normed input rows all-gathered over the CP group, the in-projections and the recurrence over all
+// S rows on every rank, the out-projection over the rank's S / cp rows. Nemotron-H 8B's shapes
+// with every layer Mamba-2 and no MLP, tp 1, S = 8192: from cp 1 to cp 2 a rank saves only half
+// the out-projection, 52 x S/2 x 2 x (128 x 64 x 4096) FLOPs, and sends 52 x 1/2 x S x 4096 x 2
+// bytes (before, cp 2 halved everything and sent nothing).
+TEST(CostWindows, CpPrefillOfStateLayersRunsTheRecurrenceOverAllRows) {
+    ModelSpec m = catalog_model("nemotron-h-8b");
+    ASSERT_EQ(m.state.heads, 128);
+    ASSERT_EQ(m.state.head_dim, 64);
+    for (LayerSpec& ls : m.layers) {
+        ls.kind = LayerKind::kMamba2;
+        ls.num_kv_heads = ls.head_dim = 0;
+        ls.mlp = MlpKind::kNone;
+        ls.intermediate = 0;
+    }
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    auto prefill = [&](int cp) {
+        ParallelConfig p;
+        p.cp = cp;
+        Workload w;
+        w.prompt_tokens = w.context_tokens = 8192;
+        return estimate_cost(m, p, hw, w).prefill;
+    };
+    const PhaseCost one = prefill(1), two = prefill(2);
+    const double S = 8192, out = 128.0 * 64 * 4096;
+    EXPECT_NEAR(one.flops - two.flops, 52 * (S / 2) * 2 * out, 1e-9 * one.flops);
+    EXPECT_DOUBLE_EQ(two.cp_bytes, 52 * 0.5 * S * 4096 * 2);
+    EXPECT_GT(two.cp_s, 0);
+    EXPECT_DOUBLE_EQ(one.cp_bytes, 0);
+}
+
 }  // namespace
 }  // namespace kvshard
