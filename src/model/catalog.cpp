@@ -135,6 +135,10 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                       .expert_intermediate = 2048,
                       .first_dense_layers = 3};
              m.rms_norm_eps = 1e-6;
+             // The published checkpoint's quantization_config: fp8 e4m3 with one fp32 scale per
+             // 128 x 128 block (dynamic fp8 activations).
+             const double fp8_block = 8 + 32.0 / (128 * 128);
+             m.weight_storage = {"fp8", fp8_block, fp8_block, fp8_block, true};
              return m;
          }},
         // Per-layer models, from their published config.json (tests/data/hf_configs/).
@@ -155,7 +159,9 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "full_attention", "sliding_attention", "full_attention", "sliding_attention",
                  "full_attention", "sliding_attention", "full_attention", "sliding_attention",
                  "full_attention", "sliding_attention", "full_attention", "sliding_attention",
-                 "full_attention"]})");
+                 "full_attention"], "quantization_config": {"quant_method": "mxfp4",
+                 "modules_to_not_convert": ["model.layers.*.self_attn",
+                 "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}})");
          }},
         {"gemma-3-27b",
          [] {
@@ -196,7 +202,9 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                  "v_head_dim": 128, "index_head_dim": 128, "index_n_heads": 64,
                  "index_topk": 2048, "vocab_size": 129280, "rms_norm_eps": 1e-06,
-                 "torch_dtype": "bfloat16"})");
+                 "torch_dtype": "bfloat16", "quantization_config": {"activation_scheme":
+                 "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                 "weight_block_size": [128, 128]}})");
          }},
         {"llama-4-scout",
          [] {

@@ -12,6 +12,7 @@
 
 #include "kvshard/common/checked.h"
 #include "kvshard/common/error.h"
+#include "model/hf_quantization.h"
 #include "kvshard/model/catalog.h"
 
 namespace kvshard {
@@ -503,6 +504,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     // --weight-dtype still choose fp32 explicitly.
     if (m.weight_dtype == DType::kFp32) m.weight_dtype = DType::kBf16;
     m.kv_dtype = m.weight_dtype;
+    if (f.has("quantization_config"))
+        m.weight_storage = hf_weight_storage(f.json().at("quantization_config"), file);
 
     // ---- KV heads and head_dim of the model's attention layers ----
     if (fam == Family::kFalcon) {

@@ -328,6 +328,11 @@ void ModelSpec::validate() const {
         require(v <= most, "model '", name, "': ", field, " must be at most ", most, ", got ", v);
     };
     at_most(num_layers, kMaxLayers, "num_layers");
+    for (auto [bits, part] : {std::pair{weight_storage.attention_bits, "attention_bits"},
+                              std::pair{weight_storage.dense_mlp_bits, "dense_mlp_bits"},
+                              std::pair{weight_storage.experts_bits, "experts_bits"}})
+        require(bits == 0 || (bits >= 1 && bits <= 32), "model '", name, "': weight_storage.", part,
+                " must be 0 (weight_dtype's) or 1 to 32 bits per weight, got ", bits);
     at_most(hidden, kMaxHidden, "hidden");
     at_most(num_heads, kMaxHeads, "num_heads");
     at_most(num_kv_heads, kMaxHeads, "num_kv_heads");
@@ -496,6 +501,13 @@ std::string to_json(const ModelSpec& m) {
           {"first_dense_layers", m.moe.first_dense_layers}}},
         {"kv_dtype", dtype_name(m.kv_dtype)},
         {"weight_dtype", dtype_name(m.weight_dtype)},
+        {"weight_storage",
+         {{"method", m.weight_storage.method},
+          {"attention_bits", m.weight_storage.attention_bits},
+          {"dense_mlp_bits", m.weight_storage.dense_mlp_bits},
+          {"experts_bits", m.weight_storage.experts_bits},
+          {"fp8_compute", m.weight_storage.fp8_compute},
+          {"sized", m.weight_storage.sized}}},
         {"rope_theta", m.rope_theta},
         {"rms_norm_eps", m.rms_norm_eps},
         {"tie_embeddings", m.tie_embeddings},
@@ -533,6 +545,11 @@ std::string to_json(const ModelSpec& m) {
     return j.dump(2);
 }
 
+std::string weight_storage_name(const ModelSpec& m) {
+    return m.weight_storage.quantized() ? m.weight_storage.method
+                                        : std::string(dtype_name(m.weight_dtype));
+}
+
 ModelSpec model_spec_from_json(std::string_view json_text) {
     nlohmann::json j;
     try {
@@ -561,6 +578,13 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
                  moe.at("first_dense_layers").get<int>()};
         m.kv_dtype = parse_dtype(j.at("kv_dtype").get<std::string>());
         m.weight_dtype = parse_dtype(j.at("weight_dtype").get<std::string>());
+        if (j.contains("weight_storage")) {
+            const auto& w = j.at("weight_storage");
+            m.weight_storage = {
+                w.at("method").get<std::string>(),    w.at("attention_bits").get<double>(),
+                w.at("dense_mlp_bits").get<double>(), w.at("experts_bits").get<double>(),
+                w.at("fp8_compute").get<bool>(),      w.value("sized", true)};
+        }
         m.rope_theta = j.at("rope_theta").get<double>();
         m.rms_norm_eps = j.at("rms_norm_eps").get<double>();
         m.tie_embeddings = j.at("tie_embeddings").get<bool>();

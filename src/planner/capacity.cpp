@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 
 #include "kvshard/common/checked.h"
@@ -66,7 +67,11 @@ int weight_bits(const ModelSpec& m, WeightDtype w) {
         case WeightDtype::kModel:
             break;
     }
-    return 8 * static_cast<int>(dtype_size(m.weight_dtype));
+    const WeightStorage& ws = m.weight_storage;
+    require(ws.sized, "model '", m.name, "' is quantized with '", ws.method,
+            "' (its quantization_config), whose storage kvshard does not size: give it with "
+            "--weight-dtype bf16|fp8|fp4");
+    return ws.quantized() ? 0 : 8 * static_cast<int>(dtype_size(m.weight_dtype));
 }
 
 WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
@@ -78,9 +83,18 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
     const int64_t q_heads = m.num_heads / p.tp;
 
     KVSHARD_CHECK(bits >= 0, "bits per weight must be >= 0, got ", bits);
-    const int64_t b = bits > 0 ? bits : 8 * static_cast<int64_t>(dtype_size(m.weight_dtype));
-    // Bytes of `elems` weights (whole bytes, rounded up for 4-bit weights).
-    auto bytes = [b](int64_t elems) { return (elems * b + 7) / 8; };
+    // Bits per weight of each part: the override, else the checkpoint's storage (weight_storage's
+    // quantized parts; the rest, the embedding, LM head, norms and router at its dtype).
+    const double base = bits > 0 ? bits : 8.0 * static_cast<double>(dtype_size(m.weight_dtype));
+    const WeightStorage& ws = m.weight_storage;
+    auto part = [&](double stored) { return bits > 0 || stored == 0 ? base : stored; };
+    const double attn_bits = part(ws.attention_bits), mlp_bits = part(ws.dense_mlp_bits),
+                 expert_bits = part(ws.experts_bits);
+    // Bytes of `elems` weights at `b` bits each (whole bytes, rounded up).
+    auto bytes_at = [](int64_t elems, double b) {
+        return static_cast<int64_t>(std::ceil(static_cast<double>(elems) * b / 8.0));
+    };
+    auto bytes = [&](int64_t elems) { return bytes_at(elems, base); };
     WeightBytes w;
     int64_t norm_elems = 0;
     for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
@@ -126,15 +140,17 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
             attn += int64_t{m.mla.q_lora_rank} * ix.heads * ix.head_dim + h * ix.head_dim +
                     2 * int64_t{ix.head_dim} + h * ix.heads;
         }
-        w.attention += bytes(attn);
+        w.attention += bytes_at(attn, attn_bits);
         if (s.mlp == MlpKind::kDense) {
-            w.dense_mlp += bytes(m.mlp_projections * h * s.intermediate / tp);
+            w.dense_mlp += bytes_at(m.mlp_projections * h * s.intermediate / tp, mlp_bits);
         } else if (s.mlp == MlpKind::kMoe) {
             const int64_t routed = p.ep > 1 ? int64_t{m.moe.num_experts / p.ep} * m.expert_params()
                                             : int64_t{m.moe.num_experts} * m.expert_params() / tp;
             const int64_t shared = int64_t{m.moe.shared_experts} * m.expert_params() / tp;
             const int64_t router = h * m.moe.num_experts;
-            w.experts += bytes(routed + shared + router);
+            w.experts += expert_bits == base
+                             ? bytes(routed + shared + router)
+                             : bytes_at(routed + shared, expert_bits) + bytes(router);
         }
     }
     const int64_t vocab_shard = ceil_div(m.vocab, tp) * h;

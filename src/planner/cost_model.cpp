@@ -246,9 +246,20 @@ class Model {
                     layer_kv_[l] = double(g.bytes_per_token) / n;
                     layer_state_[l] = double(g.state_bytes_per_sequence) / n;
                 }
+        // Bytes per weight of each part: the override (--weight-dtype), else the checkpoint's
+        // storage (quantized parts at their bits, the rest at its dtype).
         const int bits = weight_bits(m, o.weight_dtype);
-        // fp4 weights run on the fp8 tensor cores here (no fp4 FLOP/s in HardwareSpec).
-        flops_ = hw.achieved_flops(bits <= 8 ? DType::kFp8 : DType::kBf16);
+        const WeightStorage& ws = m.weight_storage;
+        const double base_bits = bits > 0 ? bits : 8.0 * double(dtype_size(m.weight_dtype));
+        auto part = [&](double stored) { return bits > 0 || stored == 0 ? base_bits : stored; };
+        we_attn_ = part(ws.attention_bits) / 8;
+        we_mlp_ = part(ws.dense_mlp_bits) / 8;
+        we_exp_ = part(ws.experts_bits) / 8;
+        // fp4 weights run on the fp8 tensor cores here (no fp4 FLOP/s in HardwareSpec); a
+        // checkpoint's own quantization on fp8 tensor cores only when it computes in fp8 (vLLM's
+        // fp8 methods), not when it only stores narrower weights (MXFP4 widened to bf16).
+        const bool fp8_matmuls = bits > 0 ? bits <= 8 : ws.fp8_compute || base_bits <= 8;
+        flops_ = hw.achieved_flops(fp8_matmuls ? DType::kFp8 : DType::kBf16);
         // Attention's QK^T and PV multiply the queries with the cached K and V: fp8 operands, so
         // the fp8 rate, only when the KV cache is fp8, whatever the weights. A state layer's
         // recurrence runs on bf16 activations and its state.
@@ -256,7 +267,7 @@ class Model {
         state_flops_ = hw.achieved_flops(DType::kBf16);
         indexer_flops_ = hw.achieved_flops(m.indexer.dtype);  // DeepGEMM's fp8 MQA logits
         hbm_ = hw.achieved_hbm_bw();
-        we_ = bits / 8.0;
+        we_ = base_bits / 8;
     }
 
     const KvLayout& layout() const { return layout_; }
@@ -452,7 +463,7 @@ class Model {
                 qk_pv_flops / attn_flops_ + state_flops / state_flops_ + ix_flops / indexer_flops_;
             const bool moe = m_.is_moe_layer(l);
             double elems = attn_elems(l);
-            double weight_elems = elems;
+            double weight_bytes = elems * we_attn_;
             if (moe) {
                 const double pe = m_.expert_params();
                 const double E = m_.moe.num_experts, k = m_.moe.experts_per_token;
@@ -462,19 +473,22 @@ class Model {
                 // same T tokens; the group's other TP groups (CP ranks, DP replicas) T each.
                 const double group_tokens =
                     p_.ep > 1 ? T * std::max(1.0, double(p_.ep) / p_.tp) : T;
-                weight_elems +=
-                    expert_hit(group_tokens) *
-                        (p_.ep > 1 ? double(m_.moe.num_experts / p_.ep) * pe : E * pe / p_.tp) +
-                    m_.moe.shared_experts * pe / p_.tp + h * E;
+                weight_bytes +=
+                    (expert_hit(group_tokens) *
+                         (p_.ep > 1 ? double(m_.moe.num_experts / p_.ep) * pe : E * pe / p_.tp) +
+                     m_.moe.shared_experts * pe / p_.tp) *
+                        we_exp_ +
+                    h * E * we_;
             } else {
-                elems += m_.mlp_params_of_layer(l) / double(p_.tp);
-                weight_elems = elems;
+                const double mlp = m_.mlp_params_of_layer(l) / double(p_.tp);
+                elems += mlp;
+                weight_bytes += mlp * we_mlp_;
             }
             // The other ranks' rows of a CP state layer: read, and projected in.
             const double gathered = state_rows - T;
             const double in_proj = cp_state ? attn_elems(l) - state_out_elems() : 0.0;
-            const double bytes = weight_elems * we_ + T * kv_layer + 2 * T * h * a +
-                                 gathered * h * a + layer_state_[l];
+            const double bytes =
+                weight_bytes + T * kv_layer + 2 * T * h * a + gathered * h * a + layer_state_[l];
             add_roofline(c, 2 * T * elems + 2 * gathered * in_proj,
                          qk_pv_flops + state_flops + ix_flops, attn_s, bytes);
             if (cp_state) {
@@ -578,7 +592,7 @@ class Model {
             const double state_flops = 2 * kStateFlopsPerElem * B * state_elems(l);
             const bool moe = m_.is_moe_layer(l);
             double elems = attn_elems(l);
-            double weight_elems = elems;
+            double weight_bytes = elems * we_attn_;
             if (moe) {
                 const double pe = m_.expert_params();
                 const double E = m_.moe.num_experts, k = m_.moe.experts_per_token;
@@ -589,14 +603,17 @@ class Model {
                     p_.ep > 1 ? B * std::max(1.0, double(p_.ep) / (p_.cp * p_.tp)) : B;
                 const double local =
                     p_.ep > 1 ? double(m_.moe.num_experts / p_.ep) * pe : E * pe / p_.tp;
-                weight_elems +=
-                    expert_hit(group_tokens) * local + m_.moe.shared_experts * pe / p_.tp + h * E;
+                weight_bytes +=
+                    (expert_hit(group_tokens) * local + m_.moe.shared_experts * pe / p_.tp) *
+                        we_exp_ +
+                    h * E * we_;
             } else {
-                elems += m_.mlp_params_of_layer(l) / double(p_.tp);
-                weight_elems = elems;
+                const double mlp = m_.mlp_params_of_layer(l) / double(p_.tp);
+                elems += mlp;
+                weight_bytes += mlp * we_mlp_;
             }
-            const double bytes = weight_elems * we_ + B * picked * (kv_layer - ix_key) +
-                                 B * Cl * ix_key + B * kv_layer / p_.cp + 2 * B * layer_state_[l];
+            const double bytes = weight_bytes + B * picked * (kv_layer - ix_key) + B * Cl * ix_key +
+                                 B * kv_layer / p_.cp + 2 * B * layer_state_[l];
             add_roofline(
                 c, 2 * B * elems, qk_pv_flops + state_flops + ix_flops,
                 qk_pv_flops / attn_flops_ + state_flops / state_flops_ + ix_flops / indexer_flops_,
@@ -673,7 +690,10 @@ class Model {
     mutable std::map<std::tuple<bool, int, int64_t>, double> attention_share_;
     mutable std::map<std::tuple<int, int, int64_t, int64_t>, double> decode_keys_;
     Links l_{};
-    double flops_ = 0, attn_flops_ = 0, state_flops_ = 0, indexer_flops_ = 0, hbm_ = 0, we_ = 0;
+    double flops_ = 0, attn_flops_ = 0, state_flops_ = 0, indexer_flops_ = 0, hbm_ = 0;
+    // Bytes per weight: the unquantized parts (router, embedding, LM head), attention, dense MLP,
+    // experts.
+    double we_ = 0, we_attn_ = 0, we_mlp_ = 0, we_exp_ = 0;
 };
 
 // A stage's work over the prefill chunks: FLOPs, bytes and times add up; the CP ring is hidden when

@@ -258,9 +258,10 @@ TEST(CostModel, AttentionRunsAtTheKvCachesRateNotTheWeights) {
 // A prefill reads the experts its tokens are routed to, as a decode step does: with T tokens
 // each expert is hit with probability 1 - (1 - k/E)^T. gpt-oss-120b (E = 128, k = 4, experts of
 // 3 x 2880 x 2880) at tp 2 on H200: 16 tokens hit 40% of the experts, 8 tokens 22%; the bytes
-// of the two prefills differ by that share of the 36 layers' experts (bf16, split over 2 ranks)
+// of the two prefills differ by that share of the 36 layers' experts (MXFP4, split over 2 ranks)
 // plus 8 tokens' KV and activations (before: by the KV and activations only, every expert
-// read). 16 tokens: prefill memory 30.1 -> 12.2 ms.
+// read). 16 tokens: prefill memory 30.1 -> 12.2 ms (with the experts in bf16, before the
+// checkpoint's MXFP4 storage was read).
 TEST(CostModel, PrefillReadsTheExpertsItsTokensHit) {
     const ModelSpec m = catalog_model("gpt-oss-120b");
     const auto hw = hardware_by_name("h200");
@@ -268,7 +269,8 @@ TEST(CostModel, PrefillReadsTheExpertsItsTokensHit) {
         return estimate_cost(m, cfg(2), hw, work(S, S, 1)).prefill.hbm_bytes;
     };
     auto hit = [](double T) { return 1 - std::pow(1 - 4.0 / 128, T); };
-    const double experts = 128.0 * 3 * 2880 * 2880 / 2 * 2;  // bytes per layer per rank
+    // Bytes per layer per rank: the checkpoint's MXFP4 experts, 4.25 bits a weight.
+    const double experts = 128.0 * 3 * 2880 * 2880 / 2 * 4.25 / 8;
     const double kv = 2 * 4 * 64 * 2;                        // K and V, 4 of 8 heads, bf16
     const double act = 2 * 2880 * 2;                         // in and out, bf16
     EXPECT_NEAR(bytes(16) - bytes(8), 36 * ((hit(16) - hit(8)) * experts + 8 * (kv + act)),

@@ -193,12 +193,12 @@ void run(const PlanFlags& f) {
     }
     int n_fit = 0;
     for (const auto& e : entries) n_fit += e.fits;
-    fmt::print("{} on {} x {} ({} GiB, {} KV, {} weights), context {} tokens, objective {}\n",
-               m.name, f.gpus, hw.name, gib(static_cast<double>(hw.memory_bytes)),
-               dtype_name(m.kv_dtype),
-               r.weight_dtype == WeightDtype::kModel ? dtype_name(m.weight_dtype)
-                                                     : weight_dtype_name(r.weight_dtype),
-               r.context_tokens, objective_name(r.objective));
+    fmt::print(
+        "{} on {} x {} ({} GiB, {} KV, {} weights), context {} tokens, objective {}\n", m.name,
+        f.gpus, hw.name, gib(static_cast<double>(hw.memory_bytes)), dtype_name(m.kv_dtype),
+        r.weight_dtype == WeightDtype::kModel ? weight_storage_name(m)
+                                              : std::string(weight_dtype_name(r.weight_dtype)),
+        r.context_tokens, objective_name(r.objective));
     if (!f.trace.empty())
         fmt::print(
             "trace {}: {} requests, mean input {} and output {} tokens; replayed over {} "

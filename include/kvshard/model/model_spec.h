@@ -103,6 +103,27 @@ struct IndexerSpec {
     bool operator==(const IndexerSpec&) const = default;
 };
 
+// How a quantized checkpoint stores its weights (config.json's quantization_config; docs/model.md,
+// "Quantized weights"), per part, in bits per weight with the block scales included: fp8 with one
+// fp32 scale per 128 x 128 block is 8 + 32 / 16384 bits, MXFP4 (4-bit e2m1 in blocks of 32 with one
+// 8-bit scale) 4 + 8 / 32 = 4.25. A part with 0 bits is stored as weight_dtype, as are the
+// embedding, the LM head, the norms and the MoE router, which these methods leave unquantized.
+// fp8_compute: the matmuls of the quantized parts run on fp8 tensor cores (weights and activations
+// in fp8, as vLLM's fp8 methods run them); otherwise the weights are widened to the activations'
+// type (weight-only quantization, e.g. MXFP4 on Hopper).
+struct WeightStorage {
+    std::string method;         // "" (not quantized), "fp8", "mxfp4", or another method's name
+    double attention_bits = 0;  // attention / MLA / indexer / state-mixer projections
+    double dense_mlp_bits = 0;  // dense MLPs
+    double experts_bits = 0;    // routed and shared experts
+    bool fp8_compute = false;
+    // False for a method kvshard does not read (awq, gptq, compressed-tensors, ...): its weights
+    // are sized only when the caller gives their storage (the planner's --weight-dtype).
+    bool sized = true;
+    bool quantized() const { return !method.empty(); }
+    bool operator==(const WeightStorage&) const = default;
+};
+
 struct ModelSpec {
     std::string name;
     int num_layers = 0;
@@ -116,7 +137,8 @@ struct ModelSpec {
     MlaSpec mla;
     MoeSpec moe;
     DType kv_dtype = DType::kBf16;
-    DType weight_dtype = DType::kBf16;
+    DType weight_dtype = DType::kBf16;  // the checkpoint's torch_dtype (unquantized parts)
+    WeightStorage weight_storage;       // the quantized parts, when the checkpoint is quantized
     double rope_theta = 10000.0;
     double rms_norm_eps = 1e-5;
     bool tie_embeddings = false;
@@ -191,6 +213,9 @@ bool mla_fp8_ds_layout(const ModelSpec& m);
 
 // JSON (the same field names as `kvshard model --json`).
 std::string to_json(const ModelSpec& m);
+// How the weights are stored, in a word: the quantization method ("fp8", "mxfp4", ...), else the
+// weight dtype ("bf16").
+std::string weight_storage_name(const ModelSpec& m);
 ModelSpec model_spec_from_json(std::string_view json_text);
 
 }  // namespace kvshard

@@ -23,7 +23,10 @@ namespace kvshard {
 enum class WeightDtype { kModel, kBf16, kFp8, kFp4 };
 std::string_view weight_dtype_name(WeightDtype w);   // "model", "bf16", "fp8", "fp4"
 WeightDtype parse_weight_dtype(std::string_view s);  // bf16|fp8|fp4 (model: the model's own)
-// Bits per weight element: the override's, or 8 * dtype_size(m.weight_dtype) under kModel.
+// Bits per weight element: the override's, or 8 * dtype_size(m.weight_dtype) under kModel; 0 under
+// kModel for a quantized checkpoint (m.weight_storage): its parts are sized part by part. Error
+// under kModel when the checkpoint's quantization method is one kvshard does not size
+// (weight_storage.sized false): the caller must name the storage.
 int weight_bits(const ModelSpec& m, WeightDtype w);
 
 struct CapacityOptions {
@@ -87,7 +90,9 @@ struct CapacityReport {
     std::vector<RankCapacity> ranks;  // indexed by rank
 };
 
-// Weight bytes held by `rank` of the layout, at `bits` per weight (0: the model's dtype).
+// Weight bytes held by `rank` of the layout, at `bits` per weight (0: the model's storage: each
+// part at its weight_storage bits, or the model's dtype; parts left at bits that are not a multiple
+// of 8 are rounded up to whole bytes per part).
 WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits = 0);
 
 // Tokens of a sequence of `context_tokens` that the busiest CP rank stores (cp_token_ranges).

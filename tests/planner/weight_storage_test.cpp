@@ -1,0 +1,139 @@
+// Quantized checkpoints (config.json's quantization_config): the weights are sized and read part by
+// part as the checkpoint stores them (docs/model.md, "Quantized weights"), against hand counts.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "kvshard/common/error.h"
+#include "kvshard/model/catalog.h"
+#include "kvshard/planner/capacity.h"
+#include "kvshard/planner/cost_model.h"
+#include "kvshard/planner/hardware.h"
+
+namespace kvshard {
+namespace {
+
+const std::string kData = KVSHARD_TEST_DATA_DIR;
+
+ParallelConfig tp(int n) {
+    ParallelConfig p;
+    p.tp = n;
+    return p;
+}
+
+// A small dense config with a quantization_config (Qwen3's shape: 4 layers).
+std::string qwen_with(const std::string& quantization_config) {
+    return R"({"model_type": "qwen3", "num_hidden_layers": 4, "hidden_size": 1024,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 3072, "vocab_size": 151936, "torch_dtype": "bfloat16",
+        "quantization_config": )" +
+           quantization_config + "}";
+}
+
+TEST(WeightStorage, ReadsThePublishedQuantizationConfigs) {
+    // gpt-oss: MXFP4 experts (4-bit values, one 8-bit scale per 32), the rest bf16.
+    const ModelSpec oss = load_hf_config(kData + "/hf_configs/gpt-oss-120b.json");
+    EXPECT_EQ(oss.weight_storage, (WeightStorage{"mxfp4", 0, 0, 4.25, false}));
+    EXPECT_EQ(weight_storage_name(oss), "mxfp4");
+    // DeepSeek-V3: fp8 e4m3, one fp32 scale per 128 x 128 block, fp8 matmuls.
+    const ModelSpec ds = load_hf_config(kData + "/hf_configs/deepseek-v3.json");
+    const double b = 8 + 32.0 / 16384;
+    EXPECT_EQ(ds.weight_storage, (WeightStorage{"fp8", b, b, b, true}));
+    // The catalog entries are the published checkpoints.
+    EXPECT_EQ(catalog_model("gpt-oss-120b").weight_storage, oss.weight_storage);
+    EXPECT_EQ(catalog_model("deepseek-v3").weight_storage, ds.weight_storage);
+    EXPECT_EQ(catalog_model("deepseek-v3.2").weight_storage, ds.weight_storage);
+    EXPECT_FALSE(catalog_model("llama-3.1-70b").weight_storage.quantized());
+    // The spec's JSON carries it.
+    EXPECT_EQ(model_spec_from_json(to_json(oss)), oss);
+}
+
+TEST(WeightStorage, RefusesWhatItCannotSize) {
+    // An fp8 checkpoint that leaves a layer's MLP unquantized: kvshard sizes parts, not layers.
+    EXPECT_THROW(parse_hf_config(qwen_with(R"({"quant_method": "fp8",
+        "modules_to_not_convert": ["model.layers.0.mlp"]})"),
+                                 "q.json"),
+                 Error);
+    // Leaving the LM head, embedding and router alone changes nothing kvshard sizes.
+    EXPECT_NO_THROW(parse_hf_config(qwen_with(R"({"quant_method": "fp8",
+        "modules_to_not_convert": ["lm_head", "model.embed_tokens"]})"),
+                                    "q.json"));
+    EXPECT_THROW(parse_hf_config(qwen_with(R"({"quant_method": "fp8", "fmt": "e3m4"})"), "q.json"),
+                 Error);
+    EXPECT_THROW(
+        parse_hf_config(qwen_with(R"({"quant_method": "fp8", "weight_block_size": [0, 128]})"),
+                        "q.json"),
+        Error);
+    EXPECT_THROW(parse_hf_config(qwen_with(R"({"bits": 4})"), "q.json"), Error);
+    // A method kvshard does not read: the KV figures stand, the weights need --weight-dtype.
+    const ModelSpec awq = parse_hf_config(
+        qwen_with(R"({"quant_method": "awq", "bits": 4, "group_size": 128})"), "q.json");
+    EXPECT_FALSE(awq.weight_storage.sized);
+    EXPECT_EQ(awq.kv_bytes_per_token(), 4 * 2 * 8 * 128 * 2);
+    try {
+        (void)compute_capacity(awq, tp(1), hardware_by_name("h100-sxm"));
+        FAIL() << "sized a checkpoint whose quantization kvshard does not read";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("--weight-dtype"), std::string::npos) << e.what();
+    }
+    CapacityOptions o;
+    o.weight_dtype = WeightDtype::kFp4;
+    EXPECT_NO_THROW(compute_capacity(awq, tp(1), hardware_by_name("h100-sxm"), o));
+}
+
+TEST(WeightStorage, GptOssExpertsAreSizedInMxfp4) {
+    const ModelSpec m = catalog_model("gpt-oss-120b");
+    const KvLayout layout = make_layout(m, tp(1));
+    const WeightBytes w = rank_weight_bytes(layout, 0);
+    // Per layer: 128 experts of 3 x 2880 x 2880 at 4.25 bits, the router (2880 x 128) in bf16.
+    const int64_t experts_per_layer = 128LL * 3 * 2880 * 2880 * 425 / 800 + 2880LL * 128 * 2;
+    EXPECT_EQ(w.experts, 36 * experts_per_layer);
+    EXPECT_EQ(w.experts, 60940615680LL);
+    // Attention, embedding and LM head as in bf16.
+    const WeightBytes bf16 = rank_weight_bytes(layout, 0, 16);
+    EXPECT_EQ(w.attention, bf16.attention);
+    EXPECT_EQ(w.embedding, bf16.embedding);
+    EXPECT_EQ(w.lm_head, bf16.lm_head);
+    EXPECT_EQ(bf16.experts, 36 * (128LL * 3 * 2880 * 2880 * 2 + 2880LL * 128 * 2));
+    // The whole checkpoint is 60.7 GiB (OpenAI: "fits on a single 80 GB GPU"); in bf16, 217.5.
+    const double total =
+        double(w.attention + w.dense_mlp + w.experts + w.embedding + w.lm_head + w.norms) /
+        double(int64_t{1} << 30);
+    EXPECT_GT(total, 59);
+    EXPECT_LT(total, 62);
+    // So it fits one H100 with KV to spare, where bf16 does not fit.
+    EXPECT_TRUE(compute_capacity(m, tp(1), hardware_by_name("h100-sxm")).fits);
+    CapacityOptions o;
+    o.weight_dtype = WeightDtype::kBf16;
+    EXPECT_FALSE(compute_capacity(m, tp(1), hardware_by_name("h100-sxm"), o).fits);
+}
+
+TEST(WeightStorage, DecodeReadsTheStoredBytesAndMatmulsRunAtTheStoredRate) {
+    const HardwareSpec hw = hardware_by_name("h200");
+    Workload work;
+    work.prompt_tokens = work.context_tokens = 8192;
+    work.batch = 1;
+    auto cost = [&](const ModelSpec& m, WeightDtype w) {
+        CostOptions o;
+        o.weight_dtype = w;
+        return estimate_cost(m, tp(8), hw, work, o);
+    };
+    // gpt-oss: the experts' bytes at 4.25 bits, fewer bytes per decode step than bf16 weights;
+    // MXFP4 is widened to bf16 for the matmuls, so prefill compute is bf16's.
+    const ModelSpec oss = catalog_model("gpt-oss-120b");
+    const CostReport q = cost(oss, WeightDtype::kModel), b = cost(oss, WeightDtype::kBf16);
+    // (batch 1 on tp 8: 4 of 128 experts a layer, about half the bytes read; the rest is
+    // attention, the LM head and the KV, all bf16 either way)
+    EXPECT_LT(q.decode.memory_s, 0.55 * b.decode.memory_s);
+    EXPECT_DOUBLE_EQ(q.prefill.compute_s, b.prefill.compute_s);
+    // DeepSeek-V3: fp8 matmuls, as --weight-dtype fp8; bytes read a little above it (the block
+    // scales, and the routers and the LM head in bf16).
+    const ModelSpec ds = catalog_model("deepseek-v3");
+    const CostReport d = cost(ds, WeightDtype::kModel), f = cost(ds, WeightDtype::kFp8);
+    EXPECT_DOUBLE_EQ(d.prefill.compute_s, f.prefill.compute_s);
+    EXPECT_GT(d.decode.memory_s, f.decode.memory_s);
+    EXPECT_LT(d.decode.memory_s, 1.05 * f.decode.memory_s);
+}
+
+}  // namespace
+}  // namespace kvshard
