@@ -74,6 +74,21 @@ int weight_bits(const ModelSpec& m, WeightDtype w) {
     return ws.quantized() ? 0 : 8 * static_cast<int>(dtype_size(m.weight_dtype));
 }
 
+WeightPartBits weight_part_bits(const ModelSpec& m, int bits) {
+    KVSHARD_CHECK(bits >= 0, "bits per weight must be >= 0, got ", bits);
+    const WeightStorage& ws = m.weight_storage;
+    WeightPartBits b;
+    b.base = bits > 0 ? bits : 8.0 * static_cast<double>(dtype_size(m.weight_dtype));
+    auto part = [&](double stored) { return bits > 0 || stored == 0 ? b.base : stored; };
+    b.attention = part(ws.attention_bits);
+    b.dense_mlp = part(ws.dense_mlp_bits);
+    b.experts = part(ws.experts_bits);
+    // fp4 runs on the fp8 tensor cores here (no fp4 FLOP/s in HardwareSpec); a checkpoint that only
+    // stores narrower weights (MXFP4) widens them to bf16 for its matmuls.
+    b.fp8_matmuls = bits > 0 ? bits <= 8 : ws.fp8_compute || b.base <= 8;
+    return b;
+}
+
 WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
     const ModelSpec& m = layout.model;
     const ParallelConfig& p = layout.parallel;
@@ -82,14 +97,9 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
     const int64_t tp = p.tp;
     const int64_t q_heads = m.num_heads / p.tp;
 
-    KVSHARD_CHECK(bits >= 0, "bits per weight must be >= 0, got ", bits);
-    // Bits per weight of each part: the override, else the checkpoint's storage (weight_storage's
-    // quantized parts; the rest, the embedding, LM head, norms and router at its dtype).
-    const double base = bits > 0 ? bits : 8.0 * static_cast<double>(dtype_size(m.weight_dtype));
-    const WeightStorage& ws = m.weight_storage;
-    auto part = [&](double stored) { return bits > 0 || stored == 0 ? base : stored; };
-    const double attn_bits = part(ws.attention_bits), mlp_bits = part(ws.dense_mlp_bits),
-                 expert_bits = part(ws.experts_bits);
+    const WeightPartBits pb = weight_part_bits(m, bits);
+    const double base = pb.base, attn_bits = pb.attention, mlp_bits = pb.dense_mlp,
+                 expert_bits = pb.experts;
     // Bytes of `elems` weights at `b` bits each (whole bytes, rounded up).
     auto bytes_at = [](int64_t elems, double b) {
         return static_cast<int64_t>(std::ceil(static_cast<double>(elems) * b / 8.0));

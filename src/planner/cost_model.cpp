@@ -248,18 +248,11 @@ class Model {
                 }
         // Bytes per weight of each part: the override (--weight-dtype), else the checkpoint's
         // storage (quantized parts at their bits, the rest at its dtype).
-        const int bits = weight_bits(m, o.weight_dtype);
-        const WeightStorage& ws = m.weight_storage;
-        const double base_bits = bits > 0 ? bits : 8.0 * double(dtype_size(m.weight_dtype));
-        auto part = [&](double stored) { return bits > 0 || stored == 0 ? base_bits : stored; };
-        we_attn_ = part(ws.attention_bits) / 8;
-        we_mlp_ = part(ws.dense_mlp_bits) / 8;
-        we_exp_ = part(ws.experts_bits) / 8;
-        // fp4 weights run on the fp8 tensor cores here (no fp4 FLOP/s in HardwareSpec); a
-        // checkpoint's own quantization on fp8 tensor cores only when it computes in fp8 (vLLM's
-        // fp8 methods), not when it only stores narrower weights (MXFP4 widened to bf16).
-        const bool fp8_matmuls = bits > 0 ? bits <= 8 : ws.fp8_compute || base_bits <= 8;
-        flops_ = hw.achieved_flops(fp8_matmuls ? DType::kFp8 : DType::kBf16);
+        const WeightPartBits pb = weight_part_bits(m, weight_bits(m, o.weight_dtype));
+        we_attn_ = pb.attention / 8;
+        we_mlp_ = pb.dense_mlp / 8;
+        we_exp_ = pb.experts / 8;
+        flops_ = hw.achieved_flops(pb.fp8_matmuls ? DType::kFp8 : DType::kBf16);
         // Attention's QK^T and PV multiply the queries with the cached K and V: fp8 operands, so
         // the fp8 rate, only when the KV cache is fp8, whatever the weights. A state layer's
         // recurrence runs on bf16 activations and its state.
@@ -267,7 +260,7 @@ class Model {
         state_flops_ = hw.achieved_flops(DType::kBf16);
         indexer_flops_ = hw.achieved_flops(m.indexer.dtype);  // DeepGEMM's fp8 MQA logits
         hbm_ = hw.achieved_hbm_bw();
-        we_ = base_bits / 8;
+        we_ = pb.base / 8;
     }
 
     const KvLayout& layout() const { return layout_; }

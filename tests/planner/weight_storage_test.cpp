@@ -44,6 +44,21 @@ TEST(WeightStorage, ReadsThePublishedQuantizationConfigs) {
     EXPECT_EQ(catalog_model("deepseek-v3").weight_storage, ds.weight_storage);
     EXPECT_EQ(catalog_model("deepseek-v3.2").weight_storage, ds.weight_storage);
     EXPECT_FALSE(catalog_model("llama-3.1-70b").weight_storage.quantized());
+    // The bits each part is sized and read at, and the matmul rate, for the planner.
+    const WeightPartBits o = weight_part_bits(oss, weight_bits(oss, WeightDtype::kModel));
+    EXPECT_EQ(o.experts, 4.25);
+    EXPECT_EQ(o.attention, 16);
+    EXPECT_EQ(o.base, 16);
+    EXPECT_FALSE(o.fp8_matmuls);
+    const WeightPartBits d = weight_part_bits(ds, weight_bits(ds, WeightDtype::kModel));
+    EXPECT_EQ(d.experts, b);
+    EXPECT_EQ(d.dense_mlp, b);
+    EXPECT_EQ(d.base, 16);
+    EXPECT_TRUE(d.fp8_matmuls);
+    const WeightPartBits f = weight_part_bits(oss, weight_bits(oss, WeightDtype::kFp8));
+    EXPECT_EQ(f.experts, 8);
+    EXPECT_EQ(f.base, 8);
+    EXPECT_TRUE(f.fp8_matmuls);
     // The spec's JSON carries it.
     EXPECT_EQ(model_spec_from_json(to_json(oss)), oss);
 }

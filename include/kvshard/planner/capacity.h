@@ -28,6 +28,15 @@ WeightDtype parse_weight_dtype(std::string_view s);  // bf16|fp8|fp4 (model: the
 // under kModel when the checkpoint's quantization method is one kvshard does not size
 // (weight_storage.sized false): the caller must name the storage.
 int weight_bits(const ModelSpec& m, WeightDtype w);
+// Bits per weight of each part at `bits` (weight_bits' value: an override, or 0 for the model's own
+// storage): the quantized parts of a checkpoint at their stored bits, the rest (embedding, LM head,
+// norms, router) at `base`; and whether the weight matmuls run on fp8 tensor cores (an override of
+// 8 bits or fewer, an fp8 dtype, or a checkpoint that computes in fp8).
+struct WeightPartBits {
+    double base = 16, attention = 16, dense_mlp = 16, experts = 16;
+    bool fp8_matmuls = false;
+};
+WeightPartBits weight_part_bits(const ModelSpec& m, int bits);
 
 struct CapacityOptions {
     double mem_util = 0.9;  // share of GPU memory the engine may use (vLLM gpu_memory_utilization)
