@@ -60,6 +60,10 @@ void bind_model_layout(py::module_& m) {
         .def_property_readonly(
             "weight_dtype",
             [](const ModelSpec& s) { return std::string(dtype_name(s.weight_dtype)); })
+        .def_property_readonly("weight_storage", &weight_storage_name,
+                               "How the weights are stored: the quantization method of a quantized "
+                               "checkpoint ('fp8', 'mxfp4', ...), else weight_dtype. to_dict()['"
+                               "weight_storage'] has the bits of each part.")
         .def("is_mla", &ModelSpec::is_mla)
         .def("uniform", &ModelSpec::uniform,
              "True when every layer is the model's uniform full-attention (or MLA) layer.")

@@ -16,6 +16,11 @@ def test_catalog():
     # K and V of every layer and head, bf16.
     assert m.kv_bytes_per_token() == 32 * 2 * 8 * 128 * 2
     assert m.attention == "GQA" and m.kv_dtype == "bf16" and m.weight_dtype == "bf16"
+    assert m.weight_storage == "bf16" and not m.to_dict()["weight_storage"]["method"]
+    # A quantized checkpoint: gpt-oss's experts in MXFP4 (4.25 bits a weight), the rest bf16.
+    oss = kvshard.catalog_model("gpt-oss-120b")
+    assert oss.weight_storage == "mxfp4" and oss.weight_dtype == "bf16"
+    assert oss.to_dict()["weight_storage"]["experts_bits"] == 4.25
     assert m.uniform() and not m.is_mla() and "32" in m.layer_mix()
     assert 7e9 < m.total_params() < 9e9 and m.active_params_per_token() <= m.total_params()
     assert m.state_bytes_per_sequence() == 0
