@@ -96,6 +96,65 @@ TEST(WeightStorage, RefusesWhatItCannotSize) {
     EXPECT_NO_THROW(compute_capacity(awq, tp(1), hardware_by_name("h100-sxm"), o));
 }
 
+// compressed-tensors, as llm-compressor writes it (RedHatAI's Llama-3.1-8B-Instruct-FP8-dynamic,
+// ...-quantized.w4a16 and ...-NVFP4 shapes: one group over every Linear layer, the LM head
+// ignored).
+std::string ct(const std::string& weights, const std::string& activations,
+               const std::string& ignore = R"(["lm_head"])") {
+    return qwen_with(R"({"quant_method": "compressed-tensors", "format": "x",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": )" +
+                     weights + R"(, "input_activations": )" + activations + R"(}},
+        "ignore": )" +
+                     ignore + "}");
+}
+
+TEST(WeightStorage, ReadsCompressedTensorsWithOneGroupOverEveryLinearLayer) {
+    auto storage = [](const std::string& config) {
+        return parse_hf_config(config, "ct.json").weight_storage;
+    };
+    const std::string fp8_w = R"({"num_bits": 8, "type": "float", "strategy": "channel",
+        "symmetric": true, "group_size": null})";
+    const std::string fp8_a = R"({"num_bits": 8, "type": "float", "strategy": "token",
+        "dynamic": true})";
+    EXPECT_EQ(storage(ct(fp8_w, fp8_a)), (WeightStorage{"compressed-tensors", 8, 8, 8, true}));
+    // Weight-only fp8 (no activation quantization): the bf16 rate.
+    EXPECT_EQ(storage(ct(fp8_w, "null")), (WeightStorage{"compressed-tensors", 8, 8, 8, false}));
+    // W4A16, groups of 128 with a bf16 scale: 4 + 16/128 bits; asymmetric adds a 4-bit zero point.
+    const std::string w4 = R"({"num_bits": 4, "type": "int", "strategy": "group",
+        "group_size": 128, "symmetric": true})";
+    EXPECT_EQ(storage(ct(w4, "null")),
+              (WeightStorage{"compressed-tensors", 4.125, 4.125, 4.125, false}));
+    const std::string w4a = R"({"num_bits": 4, "type": "int", "strategy": "group",
+        "group_size": 128, "symmetric": false})";
+    EXPECT_EQ(storage(ct(w4a, "null")),
+              (WeightStorage{"compressed-tensors", 4.15625, 4.15625, 4.15625, false}));
+    // NVFP4: 4-bit floats, an fp8 scale per 16.
+    const std::string nvfp4 = R"({"num_bits": 4, "type": "float", "strategy": "tensor_group",
+        "group_size": 16})";
+    EXPECT_EQ(storage(ct(nvfp4, R"({"num_bits": 4, "type": "float"})")),
+              (WeightStorage{"compressed-tensors", 4.5, 4.5, 4.5, false}));
+    // Every layer's attention left in bf16.
+    EXPECT_EQ(storage(ct(fp8_w, fp8_a, R"(["lm_head", "re:.*self_attn.*"])")),
+              (WeightStorage{"compressed-tensors", 0, 8, 8, true}));
+    // What it cannot size part by part: recorded unsized (the weights then need --weight-dtype).
+    EXPECT_FALSE(storage(ct(fp8_w, fp8_a, R"(["lm_head", "model.layers.0.mlp.down_proj"])")).sized);
+    EXPECT_FALSE(storage(ct(R"({"num_bits": 2, "type": "int", "strategy": "group",
+        "group_size": 64})",
+                            "null"))
+                     .sized);
+    EXPECT_FALSE(storage(qwen_with(R"({"quant_method": "compressed-tensors", "config_groups":
+        {"a": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+        "strategy": "channel"}}, "b": {"targets": ["Linear"], "weights": {"num_bits": 4,
+        "type": "int", "strategy": "group", "group_size": 128}}}})"))
+                     .sized);
+    // Sized: W4A16 weights are about a quarter of bf16's.
+    const ModelSpec m = parse_hf_config(ct(w4, "null"), "ct.json");
+    const KvLayout layout = make_layout(m, tp(1));
+    const WeightBytes q = rank_weight_bytes(layout, 0), b = rank_weight_bytes(layout, 0, 16);
+    EXPECT_EQ(q.dense_mlp, int64_t{4} * 3 * 1024 * 3072 * 4125 / 8000);
+    EXPECT_EQ(q.embedding, b.embedding);
+}
+
 TEST(WeightStorage, GptOssExpertsAreSizedInMxfp4) {
     const ModelSpec m = catalog_model("gpt-oss-120b");
     const KvLayout layout = make_layout(m, tp(1));
