@@ -805,6 +805,8 @@ CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const Hard
     // A micro-batch's next step starts when it has crossed every stage and when the slowest
     // stage has run the other micro-batches: max(path, micro x slowest stage).
     rep.decode.total_s = std::max(decode_path + rep.decode.pp_s, micro * decode_max_stage);
+    rep.decode_micro_batches = static_cast<int>(micro);
+    rep.decode_slowest_stage_bound = micro * decode_max_stage > decode_path + rep.decode.pp_s;
     rep.decode.pp_bubble_s = rep.decode.total_s * (p.pp - micro) / p.pp;
     rep.ttft_s = rep.prefill.total_s;
     rep.tpot_s = rep.decode.total_s;

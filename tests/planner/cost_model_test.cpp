@@ -271,8 +271,8 @@ TEST(CostModel, PrefillReadsTheExpertsItsTokensHit) {
     auto hit = [](double T) { return 1 - std::pow(1 - 4.0 / 128, T); };
     // Bytes per layer per rank: the checkpoint's MXFP4 experts, 4.25 bits a weight.
     const double experts = 128.0 * 3 * 2880 * 2880 / 2 * 4.25 / 8;
-    const double kv = 2 * 4 * 64 * 2;                        // K and V, 4 of 8 heads, bf16
-    const double act = 2 * 2880 * 2;                         // in and out, bf16
+    const double kv = 2 * 4 * 64 * 2;  // K and V, 4 of 8 heads, bf16
+    const double act = 2 * 2880 * 2;   // in and out, bf16
     EXPECT_NEAR(bytes(16) - bytes(8), 36 * ((hit(16) - hit(8)) * experts + 8 * (kv + act)),
                 1e-9 * bytes(16));
     // Long prompts hit every expert.
@@ -406,6 +406,11 @@ TEST(CostModel, PipelineDecodeWaitsForTheSlowestStage) {
     const double lm_head_s = 128256.0 * 4096 * 2 / (hw.hbm_bw * hw.hbm_efficiency);
     EXPECT_NEAR(b2.tpot_s, b1.tpot_s - b1.decode.pp_s + lm_head_s, 1e-12);
     EXPECT_GT(b2.tpot_s, b1.tpot_s);
+    // The report says which bound set the step (what --explain prints).
+    EXPECT_EQ(b1.decode_micro_batches, 1);
+    EXPECT_FALSE(b1.decode_slowest_stage_bound);
+    EXPECT_EQ(b2.decode_micro_batches, 2);
+    EXPECT_TRUE(b2.decode_slowest_stage_bound);
 }
 
 // PP prefill in m chunks under causal attention: chunk i pairs its queries with (2i + 1) / m^2 of

@@ -127,7 +127,13 @@ void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, c
     print_phase(
         fmt::format("Decode step of {} requests at {} tokens, TPOT", e.batch, r.context_tokens)
             .c_str(),
-        k.decode, p.pp, "one micro-batch crosses them in turn");
+        k.decode, p.pp,
+        k.decode_slowest_stage_bound
+            ? fmt::format("{} micro-batches, and the slowest stage, running each in turn, sets "
+                          "the step",
+                          k.decode_micro_batches)
+                  .c_str()
+            : "one micro-batch crosses them in turn");
     if (p.cp > 1)
         fmt::print("  CP merge: all-gather {}, all-to-all {}; chose {}\n",
                    secs_bytes(k.cp_decode.all_gather_s, k.cp_decode.all_gather_bytes),

@@ -146,6 +146,10 @@ struct CostReport {
     // Share of link time in a decode step that EP's all-to-all leaves for KV transfer (seed §5):
     // 1 - ep_s / tpot_s (1 without EP).
     double ep_link_share_for_kv = 1;
+    // PP decode: micro-batches in flight (min(pp, batch)) and whether the slowest stage, running
+    // each of them in turn, sets the step rather than one micro-batch's path through the stages.
+    int decode_micro_batches = 1;
+    bool decode_slowest_stage_bound = false;
 };
 
 CostReport estimate_cost(const ModelSpec& m, const ParallelConfig& p, const HardwareSpec& hw,
