@@ -12,8 +12,8 @@
 
 #include "kvshard/common/checked.h"
 #include "kvshard/common/error.h"
-#include "model/hf_quantization.h"
 #include "kvshard/model/catalog.h"
+#include "model/hf_quantization.h"
 
 namespace kvshard {
 namespace {
