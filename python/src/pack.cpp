@@ -30,7 +30,9 @@ const TransferMessage& message_of(const TransferPlan& plan, int message) {
 }
 
 TransferMode mode_of(const TransferPlan& plan, const std::string& mode) {
-    require(plan.executable(), "a plan of several KV groups cannot be packed");
+    require_executable(plan,
+                       "a plan of several KV groups cannot be packed; pack each group's plan "
+                       "(group_transfer_plan)");
     return resolve_mode(plan, parse_transfer_mode(mode));
 }
 

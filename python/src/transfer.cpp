@@ -99,14 +99,14 @@ void bind_transfer(py::module_& m) {
         .def(
             "mode",
             [](const TransferPlan& p, const std::string& mode) {
-                require(p.executable(), "a plan of several KV groups has no copy mode");
+                require_executable(p, "a plan of several KV groups has no copy mode");
                 return std::string(transfer_mode_name(resolve_mode(p, parse_transfer_mode(mode))));
             },
             py::arg("mode") = "auto", "pre-send or post-receive (auto: fewer memcpy calls).")
         .def(
             "copy_counts",
             [](const TransferPlan& p, const std::string& mode) {
-                require(p.executable(), "a plan of several KV groups has no copy count");
+                require_executable(p, "a plan of several KV groups has no copy count");
                 const CopyCounts c = count_copies(p, resolve_mode(p, parse_transfer_mode(mode)));
                 py::dict d;
                 d["pack"] = c.pack;

@@ -81,10 +81,6 @@ PageGeometry page_geometry(const KvLayout& layout, int rank, int block_size, Pag
             ": page_geometry describes the one pool of a model whose every layer is full attention "
             "(or MLA) of one shape; models of several KV groups keep one pool per group per rank "
             "(RankModel::pool_at; transfer plans per group: group_transfer_plan)");
-    require(!mla_fp8_ds_layout(m), m.name,
-            " is sparse MLA (an indexer) at fp8 KV, which vLLM stores as fp8_ds_mla (per-token "
-            "scales); kvshard's fp8 pools hold codes with per-block scales: use bf16 KV for a "
-            "pool of it");
     PageGeometry g;
     g.num_layers = r.num_layers();
     g.block_size = block_size;
@@ -93,7 +89,7 @@ PageGeometry page_geometry(const KvLayout& layout, int rank, int block_size, Pag
     if (m.is_mla()) {
         g.kv_factor = 1;
         g.num_heads = 1;
-        g.head_dim = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim;
+        g.head_dim = mla_page_dim(m);  // with any indexer key; refuses fp8_ds_mla
     } else {
         g.kv_factor = 2;
         g.num_heads = r.num_kv_heads();

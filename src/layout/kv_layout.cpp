@@ -217,11 +217,7 @@ KvLayout make_layout(const ModelSpec& m, const ParallelConfig& p) {
                 if (layer >= rk.layer_begin && layer < rk.layer_end) rg.layers.push_back(layer);
             if (rg.layers.empty()) continue;
             const int64_t n = static_cast<int64_t>(rg.layers.size());
-            const int64_t index_bytes =
-                g.indexer ? int64_t{m.indexer.head_dim} *
-                                    static_cast<int64_t>(dtype_size(m.indexer.dtype)) +
-                                m.indexer.scale_bytes
-                          : 0;
+            const int64_t index_bytes = g.indexer ? indexer_bytes_per_token(m) : 0;
             if (g.kind == LayerKind::kMla) {
                 rg.kv_heads = 1;
                 rg.bytes_per_token = n * (mla_bytes_per_token(m) + index_bytes);

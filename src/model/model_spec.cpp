@@ -93,6 +93,7 @@ LayerSpec ModelSpec::layer(int l) const {
     if (!layers.empty()) return layers.at(static_cast<size_t>(l));
     LayerSpec s;
     s.kind = is_mla() ? LayerKind::kMla : LayerKind::kFullAttention;
+    s.indexer = is_mla() && indexer.enabled();  // DeepSeek-V3.2: every layer keeps indexer keys
     s.num_kv_heads = is_mla() ? 0 : num_kv_heads;
     s.head_dim = is_mla() ? 0 : head_dim;
     s.mlp = moe.enabled() && l >= moe.first_dense_layers ? MlpKind::kMoe : MlpKind::kDense;
@@ -144,10 +145,30 @@ int64_t ModelSpec::kv_bytes_per_token_of_layer(int l) const {
         bytes = mla_bytes_per_token(*this);
     else if (holds_tokens(s.kind))
         bytes = 2 * int64_t{s.num_kv_heads} * s.head_dim * e;
-    if (s.indexer)
-        bytes += int64_t{indexer.head_dim} * static_cast<int64_t>(dtype_size(indexer.dtype)) +
-                 indexer.scale_bytes;
+    if (s.indexer) bytes += indexer_bytes_per_token(*this);
     return bytes;
+}
+
+int64_t indexer_bytes_per_token(const ModelSpec& m) {
+    if (!m.indexer.enabled()) return 0;
+    return int64_t{m.indexer.head_dim} * static_cast<int64_t>(dtype_size(m.indexer.dtype)) +
+           m.indexer.scale_bytes;
+}
+
+int mla_page_dim(const ModelSpec& m) {
+    KVSHARD_CHECK(m.is_mla(), m.name, " is not MLA: it has no MLA page vector");
+    require(!mla_fp8_ds_layout(m), m.name,
+            " is sparse MLA (an indexer) at fp8 KV, which vLLM stores as fp8_ds_mla (656-byte "
+            "entries with per-token scales for a 512 + 64 latent); kvshard's fp8 pages hold codes "
+            "with per-block scales, so it plans and sizes such caches but does not lay them out "
+            "in pools: use bf16 KV for a pool of it, or the plan's sizes only");
+    const auto e = static_cast<int64_t>(dtype_size(m.kv_dtype));
+    const int64_t index = indexer_bytes_per_token(m);
+    require(index % e == 0, m.name, ": its indexer key takes ", index,
+            " bytes per token, not a whole number of ", dtype_name(m.kv_dtype),
+            " elements, so it cannot follow the latent in one page vector: use a KV dtype of ",
+            "1, 2 or 4 bytes that divides it");
+    return m.mla.kv_lora_rank + m.mla.qk_rope_head_dim + static_cast<int>(index / e);
 }
 
 bool mla_fp8_ds_layout(const ModelSpec& m) {
@@ -536,12 +557,14 @@ std::string to_json(const ModelSpec& m) {
                       {"conv_kernel", m.state.conv_kernel},
                       {"conv_dtype", dtype_name(m.state.conv_dtype)},
                       {"state_dtype", dtype_name(m.state.state_dtype)}};
+    }
+    // A uniform sparse-MLA model (every layer keeps indexer keys) lists no layers.
+    if (!m.layers.empty() || m.indexer.enabled())
         j["indexer"] = {{"heads", m.indexer.heads},
                         {"head_dim", m.indexer.head_dim},
                         {"topk", m.indexer.topk},
                         {"dtype", dtype_name(m.indexer.dtype)},
                         {"scale_bytes", m.indexer.scale_bytes}};
-    }
     return j.dump(2);
 }
 
@@ -610,6 +633,8 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
                        st.at("conv_kernel").get<int>(),
                        parse_dtype(st.at("conv_dtype").get<std::string>()),
                        parse_dtype(st.at("state_dtype").get<std::string>())};
+        }
+        if (j.contains("indexer")) {
             const auto& ix = j.at("indexer");
             m.indexer = {ix.at("heads").get<int>(), ix.at("head_dim").get<int>(),
                          ix.at("topk").get<int>(), parse_dtype(ix.at("dtype").get<std::string>()),

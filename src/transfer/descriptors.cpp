@@ -147,10 +147,10 @@ TransferDescriptors make_transfer_descriptors(const TransferPlan& plan,
                                               std::span<const PoolRegion> src_regions,
                                               std::span<const PoolRegion> dst_regions,
                                               const DescriptorOptions& options) {
-    require(plan.executable(), plan.src.layout.model.name, " has ",
-            plan.src.layout.model.layer_mix(),
-            ": descriptors cover pools of one page shape (models whose every layer is full "
-            "attention or MLA of one shape)");
+    require_executable(
+        plan,
+        "descriptors cover pools of one page shape (models whose every layer is full "
+        "attention or MLA of one shape)");
     TransferDescriptors out;
     out.pages_differ =
         plan.src.order != plan.dst.order || plan.src.block_size != plan.dst.block_size;
@@ -191,10 +191,10 @@ TransferDescriptors make_transfer_descriptors(const TransferPlan& plan,
 std::vector<TransferDescriptor> message_descriptors(const TransferPlan& plan, int message_index,
                                                     const PoolRegion& src_region,
                                                     const PoolRegion& dst_region) {
-    require(plan.executable(), plan.src.layout.model.name, " has ",
-            plan.src.layout.model.layer_mix(),
-            ": descriptors cover pools of one page shape (models whose every layer is full "
-            "attention or MLA of one shape)");
+    require_executable(
+        plan,
+        "descriptors cover pools of one page shape (models whose every layer is full "
+        "attention or MLA of one shape)");
     require(message_index >= 0 && message_index < static_cast<int>(plan.messages.size()),
             "message ", message_index, " is not one of the plan's ", plan.messages.size());
     const TransferMessage& msg = plan.messages[static_cast<size_t>(message_index)];

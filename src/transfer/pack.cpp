@@ -473,8 +473,8 @@ std::vector<std::optional<TransferMode>> resolve_group_modes(const TransferPlan&
     if (plan.executable()) return {resolve_mode(plan, mode)};
     std::vector<std::optional<TransferMode>> modes;
     for (size_t k = 0; k < plan.groups.size(); ++k) {
-        if (plan.groups[k].holds_state())
-            modes.emplace_back(std::nullopt);
+        if (plan.groups[k].holds_state() || mla_fp8_ds_layout(plan.src.layout.model))
+            modes.emplace_back(std::nullopt);  // moved whole, or sized only (fp8_ds_mla)
         else
             modes.emplace_back(resolve_mode(group_transfer_plan(plan, static_cast<int>(k)), mode));
     }
@@ -546,10 +546,9 @@ std::vector<CopyRun> message_copy_runs(const TransferPlan& plan, const TransferM
                                        const PageGeometry& geometry, int64_t num_blocks) {
     require(mode != TransferMode::kAuto,
             "message_copy_runs needs a resolved mode (call resolve_mode)");
-    require(plan.executable(), plan.src.layout.model.name, " has ",
-            plan.src.layout.model.layer_mix(),
-            ": copy runs describe pools of one page shape; take each token group's plan "
-            "(group_transfer_plan) and its pools");
+    require_executable(plan,
+                       "copy runs describe pools of one page shape; take each token group's plan "
+                       "(group_transfer_plan) and its pools");
     const TransferEndpoint& side = source_side ? plan.src : plan.dst;
     const int rank = source_side ? msg.src_rank : msg.dst_rank;
     const PageGeometry want = rank_page_geometry(side.layout, rank, side.block_size, side.order);

@@ -141,11 +141,7 @@ std::vector<TransferGroup> transfer_groups(const ModelSpec& m, int64_t num_token
         if (k.kind == LayerKind::kMla) {
             g.kv_factor = 1;
             g.num_heads = 1;
-            g.vector_bytes = mla_bytes_per_token(m);
-            if (k.indexer)
-                g.vector_bytes += int64_t{m.indexer.head_dim} *
-                                      static_cast<int64_t>(dtype_size(m.indexer.dtype)) +
-                                  m.indexer.scale_bytes;
+            g.vector_bytes = mla_bytes_per_token(m) + (k.indexer ? indexer_bytes_per_token(m) : 0);
         } else if (holds_tokens(k.kind)) {
             require(!k.indexer, "layer ", k.layers.front(), " of ", m.name,
                     " caches indexer keys beside K and V: transfer plans move indexer keys with "
@@ -296,17 +292,12 @@ PageGeometry rank_page_geometry(const KvLayout& layout, int rank, int block_size
             ": its plan has several KV groups; pack/unpack, schedules and the executor move pools "
             "of one page shape, so carry it out per group: group_transfer_plan(plan, k) for each "
             "token group, state messages (transfer/state_pack.h) for state groups");
-    require(!mla_fp8_ds_layout(m), m.name,
-            " is sparse MLA (an indexer) at fp8 KV, which vLLM stores as fp8_ds_mla (656-byte "
-            "entries with per-token scales for a 512 + 64 latent); kvshard's fp8 pages hold codes "
-            "with per-block scales, so it plans and sizes such transfers but does not pack them: "
-            "carry out a bf16 plan, or use the plan's sizes only");
     PageGeometry g;
     g.num_layers = r.num_layers();
     g.kv_factor = m.is_mla() ? 1 : 2;
     g.num_heads = m.is_mla() ? 1 : r.num_kv_heads();
     g.block_size = block_size;
-    g.head_dim = m.is_mla() ? latent_dim(m) : m.head_dim;
+    g.head_dim = m.is_mla() ? mla_page_dim(m) : m.head_dim;  // refuses fp8_ds_mla
     g.dtype = m.kv_dtype;
     g.order = order;
     return g;
@@ -330,7 +321,16 @@ int TransferPlan::group_layers(const TransferMessage& msg) const {
     return layers_in(groups.at(msg.kv_group).layers, msg.layer_begin, msg.layer_end);
 }
 
-bool TransferPlan::executable() const { return src.layout.model.uniform(); }
+void require_executable(const TransferPlan& plan, std::string_view why) {
+    const ModelSpec& m = plan.src.layout.model;
+    if (m.uniform() && m.is_mla()) (void)mla_page_dim(m);  // refuses fp8_ds_mla, naming it
+    require(plan.executable(), m.name, " has ", m.layer_mix(), ": ", why);
+}
+
+bool TransferPlan::executable() const {
+    // fp8_ds_mla entries are planned and sized, never packed (rank_page_geometry refuses them).
+    return src.layout.model.uniform() && !mla_fp8_ds_layout(src.layout.model);
+}
 
 int group_layers_done(const std::vector<int>& layers, int layer) {
     return static_cast<int>(std::upper_bound(layers.begin(), layers.end(), layer) - layers.begin());
@@ -351,6 +351,7 @@ TransferPlan group_transfer_plan(const TransferPlan& plan, int kv_group) {
     ModelSpec gm = m;
     gm.name = detail::concat(m.name, " (KV group ", kv_group, ")");
     gm.layers.clear();
+    if (mla && !m.layer(g.layers.front()).indexer) gm.indexer = {};  // MLA without indexer keys
     gm.num_layers = static_cast<int>(g.layers.size());
     if (!mla) {
         gm.attention = AttentionKind::kGqa;
@@ -473,7 +474,10 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
     plan.options = options;
     plan.groups = transfer_groups(m, num_tokens);
     plan.kv_factor = m.is_mla() ? 1 : 2;
-    plan.head_dim = m.is_mla() ? latent_dim(m) : m.head_dim;
+    // fp8_ds_mla entries are planned and sized, never packed (rank_page_geometry refuses them).
+    plan.head_dim = !m.is_mla()            ? m.head_dim
+                    : mla_fp8_ds_layout(m) ? latent_dim(m)
+                                           : mla_page_dim(m);
     plan.elem_size = static_cast<int64_t>(dtype_size(m.kv_dtype));
     const int lpg = options.layers_per_group;
     plan.num_layer_groups = lpg == 0 ? 1 : (m.num_layers + lpg - 1) / lpg;

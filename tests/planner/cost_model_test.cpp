@@ -310,6 +310,8 @@ TEST(CostModel, SparseAttentionReadsTheTopKAndTheIndexerEveryKey) {
                 1.0);
     // The indexer's weights (fp8): against the same model without it, at one key.
     ModelSpec dense = m;
+    dense.layers.clear();
+    for (int l = 0; l < m.num_layers; ++l) dense.layers.push_back(m.layer(l));
     for (LayerSpec& ls : dense.layers) ls.indexer = false;
     const double ix_params = 1536.0 * 64 * 128 + 7168.0 * 128 + 2 * 128 + 7168.0 * 64;
     EXPECT_NEAR(run(m, 1, 1, 1).decode.hbm_bytes - run(dense, 1, 1, 1).decode.hbm_bytes,

@@ -35,6 +35,15 @@ TransferPlan plan_of(const Case& c) {
     return make_transfer_plan(src, dst, c.tokens, {.layers_per_group = c.layers_per_group});
 }
 
+// Elements of one head vector: MLA's latent and rope key, then any indexer key (fp8 values and
+// their scale bytes) in the same vector, as KV elements.
+int64_t vector_elems(const ModelSpec& m) {
+    if (!m.is_mla()) return m.head_dim;
+    const int64_t el = static_cast<int64_t>(dtype_size(m.kv_dtype));
+    const int64_t index = m.indexer.enabled() ? m.indexer.head_dim + m.indexer.scale_bytes : 0;
+    return m.mla.kv_lora_rank + m.mla.qk_rope_head_dim + index / el;
+}
+
 // Byte offset of element (layer, kv, head, slot, dim) of `rank`'s pool: the layout of
 // block_pool.h, spelled out: pages [layer][kv][block], HND [head][slot][dim], NHD
 // [slot][head][dim].
@@ -43,8 +52,8 @@ int64_t element_offset(const TransferEndpoint& e, int rank, int64_t num_blocks, 
     const RankKv& r = e.layout.ranks[rank];
     const ModelSpec& m = e.layout.model;
     const int64_t heads = m.is_mla() ? 1 : r.num_kv_heads();
-    const int64_t hd = m.is_mla() ? m.mla.kv_lora_rank + m.mla.qk_rope_head_dim : m.head_dim;
     const int64_t el = static_cast<int64_t>(dtype_size(m.kv_dtype));
+    const int64_t hd = vector_elems(m);
     const int64_t kvf = m.is_mla() ? 1 : 2;
     const int64_t h = head - (m.is_mla() ? 0 : r.kv_heads.front());
     const int64_t page = heads * e.block_size * hd * el;
@@ -66,7 +75,7 @@ Expected naive(const TransferPlan& plan, int64_t src_blocks, int64_t dst_blocks,
                int64_t dst_base) {
     const ModelSpec& m = plan.src.layout.model;
     const int64_t el = static_cast<int64_t>(dtype_size(m.kv_dtype));
-    const int hd = m.is_mla() ? m.mla.kv_lora_rank + m.mla.qk_rope_head_dim : m.head_dim;
+    const int64_t hd = vector_elems(m);
     Expected out;
     for (const TransferMessage& msg : plan.messages) {
         std::vector<std::pair<int64_t, int64_t>> elems;  // (src, dst) byte offsets
@@ -191,6 +200,17 @@ TEST(TransferDescriptors, CpToNonCp) {
            .tokens = 101,
            .bs_from = 8});
     check({.model = catalog_model("tiny-mla"), .from = "cp=2,tp=2", .to = "tp=2", .tokens = 50});
+}
+
+// DeepSeek-V3.2's shape: the indexer key rides in each token's MLA vector, so its bytes are in
+// the runs (40 + 5 fp32 elements per token here).
+TEST(TransferDescriptors, SparseMlaCarriesIndexerKeys) {
+    const ModelSpec m = testing::sparse_mla_mini();
+    ASSERT_EQ(vector_elems(m), 45);
+    check({.model = m, .from = "tp=8", .to = "tp=4", .tokens = 70});
+    check({.model = m, .from = "cp=2,tp=2", .to = "tp=2", .tokens = 50, .bs_to = 32});
+    const TransferPlan plan = plan_of({.model = m, .from = "tp=2", .to = "tp=1", .tokens = 64});
+    EXPECT_EQ(plan.bytes, int64_t{2} * 64 * 45 * 4);  // one destination, 2 layers, 64 tokens
 }
 
 // Same layout on both sides, blocks in order: a rank's whole pool range is one run where the

@@ -172,6 +172,7 @@ TEST(TransferExec, StreamsLayerByLayerOverThreads) {
         {llama_mini(5), "tp=2,pp=2", "tp=4,pp=3", 70, 16, 64},
         {llama_mini(), "tp=16", "tp=2", 50, 8, 16, PageOrder::kNhd, PageOrder::kHnd},
         {catalog_model("tiny-mla"), "tp=8", "tp=2", 40},
+        {testing::sparse_mla_mini(), "tp=4,cp=2", "tp=2", 45},  // latent + indexer keys
         {llama_mini(), "cp=4,tp=2,cp_scheme=zigzag", "tp=2", 90},
         {catalog_model("tiny"), "tp=4,cp=2,cp_scheme=interleave,cp_interleave=16", "tp=2,pp=2", 61,
          16, 32},

@@ -37,6 +37,15 @@ inline ModelSpec llama_mini(int layers = 4, int kv_heads = 8, int head_dim = 16)
     return m;
 }
 
+// tiny-mla with DeepSeek-V3.2's sparse-attention indexer on every layer: each token's page vector
+// is the 40-wide fp32 latent, then 16 fp8 key values and one fp32 scale (5 more fp32 elements).
+inline ModelSpec sparse_mla_mini() {
+    ModelSpec m = catalog_model("tiny-mla");
+    m.name = "sparse-mla-mini";
+    m.indexer = {.heads = 2, .head_dim = 16, .topk = 32, .dtype = DType::kFp8, .scale_bytes = 4};
+    return m;
+}
+
 // Every element's code: unique over (layer < 32, kv, head < 64, token < 1024, dim < 64), below
 // 2^27, so never 0, the sentinel or the garbage value.
 inline uint32_t element_code(int layer, int kv, int head, int64_t token, int dim) {

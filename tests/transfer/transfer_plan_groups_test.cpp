@@ -212,13 +212,21 @@ TEST(TransferPlanGroups, NoKvLayersAndMlaIndexer) {
     EXPECT_EQ(plan.bytes, expected_bytes_cp1(nem, 2, 1000, 16));
 
     const ModelSpec ds = catalog_model("deepseek-v3.2");
-    ASSERT_FALSE(ds.uniform());
+    ASSERT_TRUE(ds.uniform());  // every layer MLA with indexer keys: one page shape
     const TransferPlan mla = plan_for(ds, "tp=8", "tp=4", 1000);
     EXPECT_EQ(mla.bytes, expected_bytes_cp1(ds, 4, 1000, 16));
     EXPECT_EQ(mla.bytes, mla.min_bytes);
     std::map<int, int64_t> tokens_to;
     for (const auto& msg : mla.messages) tokens_to[msg.dst_rank] += msg.num_tokens;
     for (const auto& [d, t] : tokens_to) EXPECT_EQ(t, 1000) << "destination " << d;
+    // Its pools lay the indexer key (128 fp8 + one fp32 scale) after the 576-wide bf16 latent.
+    ASSERT_EQ(ds.kv_dtype, DType::kBf16);
+    EXPECT_TRUE(mla.executable());
+    const PageGeometry g = rank_page_geometry(mla.src.layout, 0, 16, PageOrder::kHnd);
+    EXPECT_EQ(g.head_dim, 576 + 132 / 2);
+    EXPECT_EQ(g.bytes_per_token(), 61 * (1152 + 132));
+    EXPECT_EQ(rank_page_geometry(group_transfer_plan(mla, 0).src.layout, 0, 16, PageOrder::kHnd),
+              g);
 }
 
 // DeepSeek-V3.2 at fp8: vLLM's fp8_ds_mla entries (656 bytes for the 512 + 64 latent) plus the

@@ -210,6 +210,14 @@ ModelSpec with_full_attention(const ModelSpec& m);
 // scales (mla_fp8_ds_layout).
 int64_t mla_bytes_per_token(const ModelSpec& m);
 bool mla_fp8_ds_layout(const ModelSpec& m);
+// Bytes one token's indexer key takes in a layer with an indexer (DeepSeek-V3.2): head_dim values
+// of indexer.dtype and their scales; 0 for a model without an indexer.
+int64_t indexer_bytes_per_token(const ModelSpec& m);
+// The vector one token writes into an MLA page of kvshard's pools, in KV elements: the latent and
+// rope key, then (a model with an indexer) the indexer key and its scales as raw bytes.
+// DeepSeek-V3.2 at bf16: (1152 + 132) / 2 = 642. Throws where the entry is fp8_ds_mla or the
+// indexer bytes are not a whole number of KV elements.
+int mla_page_dim(const ModelSpec& m);
 
 // JSON (the same field names as `kvshard model --json`).
 std::string to_json(const ModelSpec& m);

@@ -154,9 +154,14 @@ struct TransferPlan {
     int group_layers(const TransferMessage& msg) const;
     // Whether pack/unpack and the executor can carry the plan out: a model of one KV group whose
     // every layer is the uniform full-attention (or MLA) layer. Other plans are carried out per
-    // group: group_transfer_plan for each token group, pack_state_message for state groups.
+    // group: group_transfer_plan for each token group, pack_state_message for state groups. A
+    // sparse-MLA plan at fp8 (fp8_ds_mla entries) is sized only.
     bool executable() const;
 };
+
+// Throws an Error saying why `plan` is not executable (several KV groups: `why` follows; or
+// fp8_ds_mla entries, which no pool lays out); nothing when it is.
+void require_executable(const TransferPlan& plan, std::string_view why);
 
 // The messages of token group `kv_group` (an index into plan.groups: full, sliding, chunked or MLA)
 // as an executable plan of their own, over a model of that one group: its layers renumbered 0, 1,
