@@ -160,6 +160,12 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"qwen3", Family::kLlama},
         {"qwen3_moe", Family::kLlama},
         {"qwen3_next", Family::kQwen3Next},
+        // Qwen3.5 (a vision wrapper around a text_config): Qwen3-Next's hybrid of Gated DeltaNet
+        // and gated full attention (vLLM's qwen3_5.py builds on qwen3_next.py).
+        {"qwen3_5", Family::kQwen3Next},
+        {"qwen3_5_text", Family::kQwen3Next},
+        {"qwen3_5_moe", Family::kQwen3Next},
+        {"qwen3_5_moe_text", Family::kQwen3Next},
         {"gemma2", Family::kGemma2},
         {"gemma3", Family::kGemma3},
         {"gemma3_text", Family::kGemma3},
@@ -228,6 +234,12 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"llama4", {"Llama4TextConfig", R, 8, 128, true}},
         {"llama4_text", {"Llama4TextConfig", R, 8, 128, true}},
         {"qwen3_next", {"Qwen3NextConfig", R, 2, 256, false}},
+        // Qwen3_5TextConfig (vLLM transformers_utils/configs/qwen3_5.py, commit c04143bb): heads
+        // 16, kv 4, head_dim 256. Qwen3_5MoeTextConfig's defaults are not confirmed: required.
+        {"qwen3_5", {"Qwen3_5TextConfig", 16, 4, 256, false}},
+        {"qwen3_5_text", {"Qwen3_5TextConfig", 16, 4, 256, false}},
+        {"qwen3_5_moe", {"Qwen3_5MoeTextConfig", R, R, R, false}},
+        {"qwen3_5_moe_text", {"Qwen3_5MoeTextConfig", R, R, R, false}},
         {"nemotron_h", {"NemotronHConfig", R, R, R, false}},
         {"chatglm", {"ChatGLMConfig", R, H, R, false}},  // KV heads from multi_query_group_num
     };
@@ -281,6 +293,7 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "conv_kernel",
         "n_groups",
         "mamba_ssm_cache_dtype",
+        "mamba_ssm_dtype",
         "block_configs",
         "kv_lora_rank",
         "q_lora_rank",
@@ -293,6 +306,7 @@ const std::set<std::string, std::less<>>& understood_fields() {
         // do not change what is cached
         "attention_dropout",
         "attention_bias",
+        "attn_output_gate",  // Qwen3.5: a sigmoid gate on the attention output
         "attn_logit_softcapping",
         "query_pre_attn_scalar",
         "use_qk_norm",
@@ -812,8 +826,23 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.state.group_dim = f.positive_int("ssm_state_size");
         m.state.conv_kernel = f.positive_int("conv_kernel");
     }
+    const bool qwen3_5 = model_type.rfind("qwen3_5", 0) == 0;
+    if (f.has("mamba_ssm_dtype") && !qwen3_5)
+        throw f.bad("mamba_ssm_dtype", detail::concat("is set, but kvshard reads it for Qwen3.5 "
+                                                      "only, not model_type '",
+                                                      model_type, "'"));
     if (fam == Family::kNemotronH || fam == Family::kQwen3Next) {
         m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;
+        // Qwen3.5 names the recurrent state's dtype (float32 in the published checkpoints);
+        // vLLM's Qwen3_5ForConditionalGenerationConfig makes it mamba_ssm_cache_dtype while that
+        // is 'auto' (model_executor/models/config.py), the conv state staying at the model's.
+        if (qwen3_5 && f.has("mamba_ssm_dtype")) {
+            try {
+                m.state.state_dtype = parse_dtype(f.string_or("mamba_ssm_dtype", ""));
+            } catch (const Error& e) {
+                throw f.bad("mamba_ssm_dtype", e.what());
+            }
+        }
         if (f.has("mamba_ssm_cache_dtype")) {
             try {
                 m.state.state_dtype = parse_dtype(f.string_or("mamba_ssm_cache_dtype", ""));

@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 17 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 18 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -40,6 +40,12 @@ struct L {
 int64_t state_bf16(int heads, int head_dim, int groups, int group_dim, int k, int tp) {
     const int64_t h = std::max(1, heads / tp), g = std::max(1, groups / tp);
     return 2 * ((k - 1) * (h * head_dim + 2 * g * group_dim) + h * head_dim * group_dim);
+}
+
+// Qwen3.5: the conv state at bf16, the recurrent state at the config's mamba_ssm_dtype (fp32).
+int64_t state_bf16_ssm_fp32(int heads, int head_dim, int groups, int group_dim, int k, int tp) {
+    const int64_t h = std::max(1, heads / tp), g = std::max(1, groups / tp);
+    return 2 * (k - 1) * (h * head_dim + 2 * g * group_dim) + 4 * h * head_dim * group_dim;
 }
 
 struct Family {
@@ -107,6 +113,17 @@ std::vector<Family> families() {
                    0,
                    0,
                    [](int tp) { return state_bf16(32, 128, 16, 128, 4, tp); }});
+    // Qwen3.5-35B-A3B: Qwen3-Next's pattern under a vision wrapper's text_config; its recurrent
+    // state is float32 (mamba_ssm_dtype), as vLLM's Qwen3_5ForConditionalGenerationConfig sizes it.
+    out.push_back({"qwen3.5-35b-a3b",
+                   pattern(40,
+                           [](int i) {
+                               return (i + 1) % 4 ? L{'G'} : L{'F', 2, 256};
+                           }),
+                   {1, 2, 4, 8},
+                   0,
+                   0,
+                   [](int tp) { return state_bf16_ssm_fp32(32, 128, 16, 128, 4, tp); }});
     // Nemotron-H-8B: hybrid_override_pattern, Mamba-2 with 128 heads of 64, 8 groups, state 128.
     const std::string nh = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
     out.push_back(
@@ -172,7 +189,7 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
     return sum;
 }
 
-TEST(RealShapes, SeventeenFamiliesPerRankAndPerRequest) {
+TEST(RealShapes, EighteenFamiliesPerRankAndPerRequest) {
     for (const Family& f : families()) {
         SCOPED_TRACE(f.file);
         const ModelSpec m = load_hf_config(config_path(f.file));
@@ -284,6 +301,20 @@ TEST(RealShapes, FieldsThatWouldChangeTheKvAreNeverIgnored) {
     ASSERT_NE(at, std::string::npos);
     super.replace(at, 23, "\"num_sink_tokens\": 4");
     expect_refused(super, "num_sink_tokens");
+}
+
+// Qwen3.5's fields: a recurrent state dtype named by the checkpoint; refused for other families.
+TEST(RealShapes, Qwen35ReadsItsSsmDtype) {
+    const ModelSpec q = load_hf_config(config_path("qwen3.5-35b-a3b"));
+    EXPECT_EQ(q.state.state_dtype, DType::kFp32);
+    EXPECT_EQ(q.state.conv_dtype, DType::kBf16);
+    EXPECT_EQ(q.kv_bytes_per_token(), 10 * 2 * 2 * 256 * 2);
+    // 30 Gated DeltaNet layers: conv 3 x 8192 bf16 + 32 x 128 x 128 fp32 each.
+    EXPECT_EQ(q.state_bytes_per_sequence(), 30 * (3 * 8192 * 2 + 32 * 128 * 128 * 4));
+    EXPECT_EQ(q.moe.num_experts, 256);
+    std::string next = read_file(config_path("qwen3-next-80b-a3b"));
+    next.insert(next.find('{') + 1, "\"mamba_ssm_dtype\": \"float32\",");
+    expect_refused(next, "mamba_ssm_dtype");
 }
 
 TEST(RealShapes, CatalogEntriesMatchTheirPublishedConfigs) {
