@@ -833,6 +833,11 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
                                                       model_type, "'"));
     if (fam == Family::kNemotronH || fam == Family::kQwen3Next) {
         m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;
+        // Nemotron-H: vLLM's NemotronHForCausalLMConfig sets mamba_ssm_cache_dtype, while it is
+        // 'auto', to the config's mamba_ssm_cache_dtype, else DEFAULT_MAMBA_SSM_CACHE_DTYPE =
+        // "float32" ("only float32 is known to have no accuracy issues"; model_executor/models/
+        // config.py, vLLM main since late 2025; v0.11 defaulted to float16, 2 bytes as bf16).
+        if (fam == Family::kNemotronH) m.state.state_dtype = DType::kFp32;
         // Qwen3.5 names the recurrent state's dtype (float32 in the published checkpoints);
         // vLLM's Qwen3_5ForConditionalGenerationConfig makes it mamba_ssm_cache_dtype while that
         // is 'auto' (model_executor/models/config.py), the conv state staying at the model's.

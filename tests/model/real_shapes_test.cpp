@@ -135,7 +135,8 @@ std::vector<Family> families() {
          {1, 2, 4, 8},
          0,
          0,
-         [](int tp) { return state_bf16(128, 64, 8, 128, 4, tp); }});
+         // vLLM's NemotronHForCausalLMConfig: the SSM state at float32 unless the config names one.
+         [](int tp) { return state_bf16_ssm_fp32(128, 64, 8, 128, 4, tp); }});
     // Nemotron Super: no-op attention blocks hold no KV; the others 64/8 = 8 KV heads.
     const auto blocks =
         nlohmann::json::parse(read_file(config_path("llama-3.3-nemotron-super-49b")))
@@ -245,7 +246,7 @@ TEST(RealShapes, NonFiniteValuesInUnrelatedFieldsLoad) {
     text.insert(text.rfind('}'), R"(, "time_step_limit": [0.0, Infinity], "time_step_floor": NaN,
         "initializer_range": -Infinity, "note": "Infinity stays a string")");
     const ModelSpec m = parse_hf_config(text, "nemotron-h/config.json");
-    EXPECT_EQ(m.state_bytes_per_sequence(), 24 * state_bf16(128, 64, 8, 128, 4, 1));
+    EXPECT_EQ(m.state_bytes_per_sequence(), 24 * state_bf16_ssm_fp32(128, 64, 8, 128, 4, 1));
     // A non-finite value where the KV needs a number is refused by name.
     std::string bad = read_file(config_path("mistral-7b-v0.1"));
     const auto at = bad.find("\"sliding_window\": 4096");
