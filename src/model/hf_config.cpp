@@ -180,6 +180,9 @@ Family family_of(const std::string& model_type, const std::string& file) {
         // Not ChatGLM: Glm4Config (transformers models/glm4) and vLLM's glm4.py read
         // num_key_value_heads and head_dim; multi_query_group_num does not exist there.
         {"glm4", Family::kLlama},
+        // GLM-4.5 / 4.6 / 4.7 (Glm4MoeConfig): GQA attention with an explicit head_dim and
+        // DeepSeek's MoE field names (n_routed_experts, n_shared_experts, first_k_dense_replace).
+        {"glm4_moe", Family::kLlama},
         {"falcon", Family::kFalcon},
         {"RefinedWeb", Family::kFalcon},
         {"RefinedWebModel", Family::kFalcon},
@@ -227,6 +230,7 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"qwen3", {"Qwen3Config", R, 32, 128, true}},
         {"qwen3_moe", {"Qwen3MoeConfig", R, 4, R, false}},
         {"glm4", {"Glm4Config", R, 2, 128, false}},
+        {"glm4_moe", {"Glm4MoeConfig", R, R, R, false}},  // defaults not confirmed: required
         {"gemma2", {"Gemma2Config", 8, 4, 256, false}},
         {"gemma3", {"Gemma3TextConfig", 8, 4, 256, false}},
         {"gemma3_text", {"Gemma3TextConfig", 8, 4, 256, false}},
