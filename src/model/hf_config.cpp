@@ -183,6 +183,9 @@ Family family_of(const std::string& model_type, const std::string& file) {
         // GLM-4.5 / 4.6 / 4.7 (Glm4MoeConfig): GQA attention with an explicit head_dim and
         // DeepSeek's MoE field names (n_routed_experts, n_shared_experts, first_k_dense_replace).
         {"glm4_moe", Family::kLlama},
+        // MiniMax-M2 / M2.1 / M2.5 (MiniMaxM2Config): GQA on every layer (attn_type_list all 1;
+        // MiniMax-01's lightning-attention layers, 0, are refused), Mixtral's MoE field names.
+        {"minimax_m2", Family::kLlama},
         {"falcon", Family::kFalcon},
         {"RefinedWeb", Family::kFalcon},
         {"RefinedWebModel", Family::kFalcon},
@@ -231,6 +234,7 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"qwen3_moe", {"Qwen3MoeConfig", R, 4, R, false}},
         {"glm4", {"Glm4Config", R, 2, 128, false}},
         {"glm4_moe", {"Glm4MoeConfig", R, R, R, false}},  // defaults not confirmed: required
+        {"minimax_m2", {"MiniMaxM2Config", R, R, R, false}},
         {"gemma2", {"Gemma2Config", 8, 4, 256, false}},
         {"gemma3", {"Gemma3TextConfig", 8, 4, 256, false}},
         {"gemma3_text", {"Gemma3TextConfig", 8, 4, 256, false}},
@@ -311,6 +315,7 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "attention_dropout",
         "attention_bias",
         "attn_output_gate",  // Qwen3.5: a sigmoid gate on the attention output
+        "attn_type_list",    // MiniMax-M2: checked below (every layer full attention)
         "attn_logit_softcapping",
         "query_pre_attn_scalar",
         "use_qk_norm",
@@ -585,6 +590,26 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.attention = m.num_kv_heads == m.num_heads ? AttentionKind::kMha
                       : m.num_kv_heads == 1         ? AttentionKind::kMqa
                                                     : AttentionKind::kGqa;
+    }
+
+    if (model_type == "minimax_m2") {
+        if (f.has("attn_type_list")) {
+            const auto& types = f.array("attn_type_list");
+            if (static_cast<int>(types.size()) != m.num_layers)
+                throw f.bad("attn_type_list",
+                            detail::concat("lists ", types.size(),
+                                           " layers but num_hidden_layers is ", m.num_layers));
+            for (size_t l = 0; l < types.size(); ++l)
+                if (!types[l].is_number_integer() || types[l].get<int64_t>() != 1)
+                    throw f.bad("attn_type_list",
+                                detail::concat("has ", types[l].dump(), " at layer ", l,
+                                               ": kvshard reads MiniMax-M2's full-attention "
+                                               "layers (1); lightning attention (0, MiniMax-01) "
+                                               "keeps a state it does not model"));
+        }
+        if (f.int_or("shared_intermediate_size", 0) != 0)
+            throw f.bad("shared_intermediate_size",
+                        "is not 0: kvshard reads MiniMax-M2's MoE without a shared expert");
     }
 
     // ---- MoE ----

@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 19 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 20 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -75,6 +75,8 @@ std::vector<Family> families() {
     out.push_back({"glm-4-9b-chat", uniform(40, {'F', 2, 128}), {1, 2, 4, 8}});
     // GLM-4.5-Air: 96 query heads of 128 (not hidden / heads = 42.7), 8 KV heads.
     out.push_back({"glm-4.5-air", uniform(46, {'F', 8, 128}), {1, 2, 4, 8}});
+    // MiniMax-M2: every layer full attention (attn_type_list all 1), 48 heads of 128, 8 KV heads.
+    out.push_back({"minimax-m2", uniform(62, {'F', 8, 128}), {1, 2, 4, 8}});
     out.push_back({"falcon-7b-instruct", uniform(32, {'F', 1, 64}), {1}});  // 71 heads, MQA
     // Llama 4: RoPE layers attend within chunks of 8192, every 4th layer (NoPE) fully.
     out.push_back({"llama-4-scout",
@@ -192,7 +194,7 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
     return sum;
 }
 
-TEST(RealShapes, NineteenFamiliesPerRankAndPerRequest) {
+TEST(RealShapes, TwentyFamiliesPerRankAndPerRequest) {
     for (const Family& f : families()) {
         SCOPED_TRACE(f.file);
         const ModelSpec m = load_hf_config(config_path(f.file));
@@ -318,6 +320,20 @@ TEST(RealShapes, Qwen35ReadsItsSsmDtype) {
     std::string next = read_file(config_path("qwen3-next-80b-a3b"));
     next.insert(next.find('{') + 1, "\"mamba_ssm_dtype\": \"float32\",");
     expect_refused(next, "mamba_ssm_dtype");
+}
+
+// MiniMax-01's lightning-attention layers (attn_type_list 0) and a shared expert are refused.
+TEST(RealShapes, MiniMaxM2RefusesWhatItDoesNotModel) {
+    const std::string m2 = read_file(config_path("minimax-m2"));
+    EXPECT_EQ(load_hf_config(config_path("minimax-m2")).kv_bytes_per_token(), 62 * 8 * 128 * 4);
+    std::string lightning = m2;
+    lightning.replace(lightning.find("[1, "), 4, "[0, ");
+    expect_refused(lightning, "attn_type_list");
+    std::string shared = m2;
+    const auto at = shared.find("\"shared_intermediate_size\": 0");
+    ASSERT_NE(at, std::string::npos);
+    shared.replace(at, 29, "\"shared_intermediate_size\": 1536");
+    expect_refused(shared, "shared_intermediate_size");
 }
 
 TEST(RealShapes, CatalogEntriesMatchTheirPublishedConfigs) {
