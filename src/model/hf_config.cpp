@@ -159,6 +159,12 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"qwen2_moe", Family::kLlama},
         {"qwen3", Family::kLlama},
         {"qwen3_moe", Family::kLlama},
+        // Qwen3-VL: a vision wrapper around a Qwen3 (qwen3_vl_text) or Qwen3-MoE
+        // (qwen3_vl_moe_text) decoder; its text_config is read as those are.
+        {"qwen3_vl", Family::kLlama},
+        {"qwen3_vl_text", Family::kLlama},
+        {"qwen3_vl_moe", Family::kLlama},
+        {"qwen3_vl_moe_text", Family::kLlama},
         {"qwen3_next", Family::kQwen3Next},
         // Qwen3.5 (a vision wrapper around a text_config): Qwen3-Next's hybrid of Gated DeltaNet
         // and gated full attention (vLLM's qwen3_5.py builds on qwen3_next.py).
@@ -234,6 +240,10 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"qwen3_moe", {"Qwen3MoeConfig", R, 4, R, false}},
         {"glm4", {"Glm4Config", R, 2, 128, false}},
         {"glm4_moe", {"Glm4MoeConfig", R, R, R, false}},  // defaults not confirmed: required
+        {"qwen3_vl", {"Qwen3VLTextConfig", R, R, R, false}},
+        {"qwen3_vl_text", {"Qwen3VLTextConfig", R, R, R, false}},
+        {"qwen3_vl_moe", {"Qwen3VLMoeTextConfig", R, R, R, false}},
+        {"qwen3_vl_moe_text", {"Qwen3VLMoeTextConfig", R, R, R, false}},
         {"minimax_m2", {"MiniMaxM2Config", R, R, R, false}},
         {"gemma2", {"Gemma2Config", 8, 4, 256, false}},
         {"gemma3", {"Gemma3TextConfig", 8, 4, 256, false}},

@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 20 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 21 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -72,6 +72,8 @@ std::vector<Family> families() {
     out.push_back({"qwen2.5-7b", uniform(28, {'F', 4, 128}), {1, 2, 4}});
     out.push_back({"qwen3-8b", uniform(36, {'F', 8, 128}), {1, 2, 4, 8}});
     out.push_back({"qwen3-30b-a3b", uniform(48, {'F', 4, 128}), {1, 2, 4, 8}});
+    // Qwen3-VL-30B-A3B: Qwen3-30B-A3B's decoder under a vision wrapper's text_config.
+    out.push_back({"qwen3-vl-30b-a3b", uniform(48, {'F', 4, 128}), {1, 2, 4, 8}});
     out.push_back({"glm-4-9b-chat", uniform(40, {'F', 2, 128}), {1, 2, 4, 8}});
     // GLM-4.5-Air: 96 query heads of 128 (not hidden / heads = 42.7), 8 KV heads.
     out.push_back({"glm-4.5-air", uniform(46, {'F', 8, 128}), {1, 2, 4, 8}});
@@ -194,7 +196,7 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
     return sum;
 }
 
-TEST(RealShapes, TwentyFamiliesPerRankAndPerRequest) {
+TEST(RealShapes, TwentyOneFamiliesPerRankAndPerRequest) {
     for (const Family& f : families()) {
         SCOPED_TRACE(f.file);
         const ModelSpec m = load_hf_config(config_path(f.file));
