@@ -1,0 +1,66 @@
+// vLLM's KV cache arrangement (engine_kv.h) against its grouping rules, by hand.
+#include <gtest/gtest.h>
+
+#include "kvshard/layout/engine_kv.h"
+#include "kvshard/model/catalog.h"
+
+namespace kvshard {
+namespace {
+
+TEST(EngineKv, GroupsTakeEveryNthLayerOfTheirKind) {
+    const ModelSpec m = catalog_model("gemma-3-27b");  // full at layers 5, 11, ..., 59
+    const EngineKvArrangement a = engine_kv_arrangement(make_layout(m, ParallelConfig{}), 16);
+    ASSERT_EQ(a.kind, EngineKvKind::kHybrid);
+    std::vector<int> sliding;
+    for (int l = 0; l < 62; ++l)
+        if ((l + 1) % 6 != 0) sliding.push_back(l);
+    // Groups in the order of each kind's first layer: 6 sliding ones, then the full one.
+    ASSERT_EQ(a.groups.size(), 7u);
+    for (int i = 0; i < 6; ++i) {
+        std::vector<int> want;
+        for (size_t j = i; j < sliding.size(); j += 6) want.push_back(sliding[j]);
+        EXPECT_EQ(a.groups[i].layers, want) << "group " << i;
+        EXPECT_EQ(a.groups[i].kind, LayerKind::kSlidingWindow);
+    }
+    EXPECT_EQ(a.groups[6].layers, (std::vector<int>{5, 11, 17, 23, 29, 35, 41, 47, 53, 59}));
+    EXPECT_EQ(a.group_size, 10);
+    EXPECT_EQ(a.block_bytes[0], 10 * a.page_bytes);
+}
+
+TEST(EngineKv, EachPpStageHoldsAsManySlotsAsItsLargestGroupHasLayersThere) {
+    ParallelConfig p;
+    p.pp = 2;  // layers [0, 31) and [31, 62): 5 full and 26 sliding each, at most 5 per group
+    const EngineKvArrangement a =
+        engine_kv_arrangement(make_layout(catalog_model("gemma-3-27b"), p), 16);
+    EXPECT_EQ(a.block_bytes[0], 5 * a.page_bytes);
+    EXPECT_EQ(a.block_bytes[1], 5 * a.page_bytes);
+}
+
+TEST(EngineKv, FewerLayersThanOneAndAHalfTimesTheFewestUseTheMost) {
+    // 12 sliding + 13 full (vLLM's own example, gpt-oss-20b + eagle): group size 13, 2 groups.
+    ModelSpec m = catalog_model("tiny-swa");
+    std::vector<LayerSpec> layers;
+    for (int l = 0; l < 25; ++l) {
+        LayerSpec s = m.layer(l % m.num_layers);
+        s.kind = l < 12 ? LayerKind::kSlidingWindow : LayerKind::kFullAttention;
+        s.window = l < 12 ? 8 : 0;
+        layers.push_back(s);
+    }
+    m.num_layers = 25;
+    m.layers = layers;
+    const EngineKvArrangement a = engine_kv_arrangement(make_layout(m, ParallelConfig{}), 16);
+    EXPECT_EQ(a.group_size, 13);
+    EXPECT_EQ(a.groups.size(), 2u);
+    EXPECT_EQ(a.padding_slots(), 1);
+}
+
+TEST(EngineKv, OneKindIsOneGroupOfEveryLayersPage) {
+    const KvLayout l = make_layout(catalog_model("llama-3.1-8b"), ParallelConfig{});
+    const EngineKvArrangement a = engine_kv_arrangement(l, 16);
+    EXPECT_EQ(a.kind, EngineKvKind::kUniform);
+    EXPECT_EQ(a.groups.size(), 1u);
+    EXPECT_EQ(a.block_bytes[0], 16 * l.ranks[0].kv_bytes_per_token);
+}
+
+}  // namespace
+}  // namespace kvshard
