@@ -52,6 +52,9 @@ py::dict capacity_dict(const CapacityReport& c) {
     d["max_context"] = c.max_context;
     d["context_unbounded"] = c.context_unbounded;
     d["request_kv_bytes"] = c.request_kv_bytes;
+    d["request_blocks"] = c.request_blocks;
+    d["block_size"] = c.engine.block_size;
+    d["kv_cache_groups"] = c.engine.groups.size();
     d["requests_per_replica"] = c.requests_per_replica;
     d["max_concurrency"] = c.max_concurrency;
     d["fits"] = c.fits;

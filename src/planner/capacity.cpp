@@ -25,6 +25,8 @@ void CapacityOptions::validate() const {
             "block_size must be an integer in [1, 2^20] tokens, got ", block_size);
     require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
             "the context length must be in [0, 2^40] tokens, got ", context_tokens);
+    require(max_num_batched_tokens >= 1 && max_num_batched_tokens <= kMaxContextTokens,
+            "max_num_batched_tokens must be in [1, 2^40] tokens, got ", max_num_batched_tokens);
 }
 
 int64_t cp_tokens_per_rank(const ParallelConfig& p, int64_t context_tokens) {
@@ -178,11 +180,20 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
     options.validate();
     hw.validate();
     const KvLayout layout = make_layout(m, p);
-    const int64_t bs = options.block_size;
     const int64_t usable =
         static_cast<int64_t>(static_cast<double>(hw.memory_bytes) * options.mem_util);
 
     CapacityReport rep;
+    rep.engine = engine_kv_arrangement(layout, options.block_size, options.raise_block_size);
+    const EngineKvArrangement& eng = rep.engine;
+    const bool separate = eng.kind == EngineKvKind::kSeparate;
+    const int64_t bs = eng.block_size;
+    // vLLM logs num_blocks // len(groups) * min block size (_report_kv_cache_config); kSeparate
+    // and kUniform hold every layer's tokens in one block.
+    const int64_t log_groups = separate ? 1 : std::max<int64_t>(1, eng.groups.size());
+    int64_t min_block = bs;
+    for (const EngineKvGroup& g : eng.groups)
+        if (holds_tokens(g.kind)) min_block = std::min<int64_t>(min_block, g.block_size);
     rep.ranks.resize(layout.world_size());
     for (int r = 0; r < layout.world_size(); ++r) {
         RankCapacity& rc = rep.ranks[r];
@@ -191,30 +202,29 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
         rc.kv_bytes_per_token = layout.ranks[r].kv_bytes_per_token;
         rc.state_bytes_per_sequence = layout.ranks[r].state_bytes_per_sequence;
         rc.kv_budget_bytes = usable - rc.weights.total() - options.activation_reserve_bytes;
-        // Whole blocks of bs tokens, each with its fp8 scales (0 at other dtypes: then this is
-        // floor(floor(budget / per_token) / bs) * bs).
-        int64_t scales = 0;
-        for (const RankKvGroup& g : layout.ranks[r].groups) scales += g.scale_bytes_per_block;
-        const int64_t per_block = sat_add(sat_mul(bs, rc.kv_bytes_per_token), scales);
-        rc.kv_tokens = rc.kv_budget_bytes > 0 && rc.kv_bytes_per_token > 0
-                           ? rc.kv_budget_bytes / per_block * bs
-                           : 0;
+        const int64_t per_block = eng.block_bytes[r];
+        rc.kv_blocks = rc.kv_budget_bytes > 0 && per_block > 0 ? rc.kv_budget_bytes / per_block : 0;
+        rc.kv_tokens =
+            separate && rc.kv_bytes_per_token == 0 ? 0 : rc.kv_blocks / log_groups * min_block;
     }
     int lim = 0;
     for (int r = 0; r < layout.world_size(); ++r) {
-        if (rep.ranks[r].kv_tokens < rep.ranks[lim].kv_tokens) lim = r;
+        if (rep.ranks[r].kv_blocks < rep.ranks[lim].kv_blocks) lim = r;
         rep.weight_bytes_per_gpu = std::max(rep.weight_bytes_per_gpu, rep.ranks[r].weights.total());
     }
     rep.limiting_rank = lim;
     rep.kv_bytes_per_token = rep.ranks[lim].kv_bytes_per_token;
     rep.state_bytes_per_sequence = rep.ranks[lim].state_bytes_per_sequence;
+    rep.kv_blocks_per_gpu = rep.ranks[lim].kv_blocks;
     rep.kv_tokens_per_gpu = rep.ranks[lim].kv_tokens;
-    rep.kv_blocks_per_gpu = rep.kv_tokens_per_gpu / bs;
 
-    // Whether a request of `len` tokens fits on every rank at once, counting each windowed group
-    // at the most blocks it holds on the way to `len` (non-decreasing in len, so a bisection finds
-    // the longest).
+    // Whether vLLM starts with max_model_len = len (kSeparate: whether a request of len fits on
+    // every rank at once, each windowed group counted at the most blocks it holds on the way).
+    // Non-decreasing in len, so a bisection finds the longest.
     auto fits_len = [&](int64_t len) {
+        if (!separate)
+            return engine_startup_blocks(eng, p, len, options.max_num_batched_tokens) <=
+                   rep.kv_blocks_per_gpu;
         for (int r = 0; r < layout.world_size(); ++r) {
             const int64_t need = request_kv_bytes_peak(layout, r, len, options.block_size);
             if (need > 0 && need > rep.ranks[r].kv_budget_bytes) return false;
@@ -236,11 +246,17 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
         rep.max_context = lo;
     }
 
-    if (options.context_tokens > 0) {
+    if (options.context_tokens > 0 && !separate) {
+        rep.request_blocks = engine_request_blocks(eng, p, options.context_tokens);
+        rep.request_kv_bytes = sat_mul(rep.request_blocks, eng.block_bytes[lim]);
+        rep.requests_per_replica =
+            rep.request_blocks > 0 ? rep.kv_blocks_per_gpu / rep.request_blocks : 0;
+        rep.max_concurrency = rep.requests_per_replica * p.dp;
+    } else if (options.context_tokens > 0) {
         int64_t fewest = INT64_MAX;
         for (int r = 0; r < layout.world_size(); ++r) {
             const int64_t need =
-                request_kv_bytes(layout, r, options.context_tokens, options.block_size);
+                request_kv_bytes_peak(layout, r, options.context_tokens, options.block_size);
             if (r == lim) rep.request_kv_bytes = need;
             if (need <= 0) continue;
             const int64_t budget = std::max<int64_t>(0, rep.ranks[r].kv_budget_bytes);
@@ -258,13 +274,19 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
                       rep.weight_bytes_per_gpu / kGiB, options.activation_reserve_bytes / kGiB,
                       usable / kGiB, options.mem_util, hw.memory_bytes / kGiB);
         rep.why_not = buf;
-    } else if (rep.kv_tokens_per_gpu < bs && rep.kv_bytes_per_token > 0) {
+    } else if (rep.kv_blocks_per_gpu < 1 && rep.kv_bytes_per_token > 0) {
         rep.why_not =
             detail::concat("less than one KV block of ", bs, " tokens fits on rank ", lim);
     } else if (options.context_tokens > 0 && rep.requests_per_replica == 0) {
         rep.why_not = detail::concat("a ", options.context_tokens,
                                      "-token context needs more KV than fits (max ",
                                      rep.max_context, " tokens)");
+    } else if (options.context_tokens > rep.max_context) {
+        rep.why_not = detail::concat(
+            "vLLM would not start with max_model_len ", options.context_tokens,
+            ": its check charges each sliding layer W - 1 + max_num_batched_tokens (",
+            options.max_num_batched_tokens, ") tokens, so at most ", rep.max_context,
+            " tokens fit");
     }
     rep.fits = rep.why_not.empty();
     return rep;

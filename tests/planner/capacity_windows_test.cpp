@@ -19,8 +19,11 @@ TEST(CapacityWindows, CapacityCountsRequestsByTheirWindows) {
     const CapacityReport rep = compute_capacity(m, p, hw, o);
     const CapacityReport full = compute_capacity(with_full_attention(m), p, hw, o);
     const KvLayout l = make_layout(m, p);
-    EXPECT_EQ(rep.request_kv_bytes, request_kv_bytes(l, 0, 131072, 16));
-    EXPECT_EQ(rep.requests_per_replica, rep.ranks[0].kv_budget_bytes / rep.request_kv_bytes);
+    // vLLM's arrangement: the sliding group's blocks at their most, ceil(128/16) + 1, and a block
+    // a page in each of 18 layer slots (= request_kv_bytes_peak, no padding here).
+    EXPECT_EQ(rep.request_blocks, 131072 / 16 + 9);
+    EXPECT_EQ(rep.request_kv_bytes, request_kv_bytes_peak(l, 0, 131072, 16));
+    EXPECT_EQ(rep.requests_per_replica, rep.kv_blocks_per_gpu / rep.request_blocks);
     // Half the layers keep 128 tokens instead of 131072: about twice the requests.
     EXPECT_GE(rep.requests_per_replica, 2 * full.requests_per_replica - 1);
     EXPECT_EQ(full.requests_per_replica,

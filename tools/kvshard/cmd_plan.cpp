@@ -84,6 +84,81 @@ void print_phase(const char* title, const PhaseCost& ph, int pp, const char* pp_
     if (ph.pp_bubble_s > 0) fmt::print("  pipeline bubble {}\n", seconds(ph.pp_bubble_s));
 }
 
+// Where the capacity figures come from: vLLM's arrangement of the KV cache (engine_kv.h).
+std::string engine_kv_summary(const CapacityReport& c, const CapacityOptions& o,
+                              const ParallelConfig& p, int64_t context) {
+    const EngineKvArrangement& a = c.engine;
+    const int64_t budget = c.ranks[c.limiting_rank].kv_budget_bytes;
+    const std::string raised =
+        a.block_size != o.block_size
+            ? fmt::format(" (raised from {} so an attention page holds a state page)", o.block_size)
+            : "";
+    std::string out;
+    if (a.kind == EngineKvKind::kSeparate) {
+        out = fmt::format(
+            "KV arrangement: not vLLM's ({}): blocks of {} tokens of every token layer, {} B "
+            "each, and each state layer's state once per request",
+            a.note, a.block_size, a.block_bytes[c.limiting_rank]);
+    } else if (a.kind == EngineKvKind::kUniform) {
+        out = fmt::format(
+            "vLLM's KV arrangement: one group of every layer, blocks of {} tokens{}, {} B each "
+            "(every layer's page); {} blocks = floor({} B budget / {} B); KV tokens = blocks x {}",
+            a.block_size, raised, a.block_bytes[c.limiting_rank], c.kv_blocks_per_gpu, budget,
+            a.block_bytes[c.limiting_rank], a.block_size);
+    } else {
+        std::string kinds;
+        for (size_t i = 0; i < a.groups.size();) {
+            size_t j = i;
+            while (j < a.groups.size() && a.groups[j].kv_group == a.groups[i].kv_group) ++j;
+            const auto& g = a.groups[i];
+            kinds +=
+                fmt::format("{}{} {}{}", kinds.empty() ? "" : " + ", j - i, layer_kind_name(g.kind),
+                            g.window > 0 ? fmt::format("({})", g.window) : std::string());
+            i = j;
+        }
+        const int64_t slots = a.block_bytes[c.limiting_rank] / a.page_bytes;
+        out = fmt::format(
+            "vLLM's KV arrangement: {} groups ({}) of {} layer slots, {} of them padding; blocks "
+            "of {} tokens{}, a page of {} B per slot{}; {} blocks = floor({} B budget / ({} B x {} "
+            "slots)); KV tokens = {} blocks / {} groups x {}, as vLLM logs it",
+            a.groups.size(), kinds, a.group_size, a.padding_slots(), a.block_size, raised,
+            a.page_bytes,
+            a.state_page_padding > 0
+                ? fmt::format(" (each state page padded by {} B)", a.state_page_padding)
+                : "",
+            c.kv_blocks_per_gpu, budget, a.page_bytes, slots, c.kv_blocks_per_gpu, a.groups.size(),
+            a.block_size);
+    }
+    if (a.kind != EngineKvKind::kSeparate && !a.note.empty()) out += "; " + a.note;
+    if (a.kind == EngineKvKind::kSeparate) return out;
+    bool windowed = false, state = false, sliding = false, chunked = false;
+    for (const EngineKvGroup& g : a.groups) {
+        windowed = windowed || g.window > 0;
+        state = state || holds_state(g.kind);
+        sliding = sliding || g.kind == LayerKind::kSlidingWindow;
+        chunked = chunked || g.kind == LayerKind::kChunkedLocal;
+    }
+    if (context > 0)
+        out += fmt::format(
+            "\nA request of {} tokens holds at most {} blocks{}, so {} / {} = {} per "
+            "replica",
+            context, c.request_blocks,
+            windowed || state
+                ? fmt::format(" ({}{}{})", windowed ? "windowed groups ceil(W/B) + 1" : "",
+                              windowed && state ? ", " : "", state ? "state groups 1" : "")
+                : "",
+            c.kv_blocks_per_gpu, c.request_blocks, c.requests_per_replica);
+    out += fmt::format(
+        "\nLongest request: the largest max_model_len M vLLM's startup check accepts (full layers "
+        "ceil(M/B) blocks{}{}{}{})",
+        p.cp > 1 ? " of the busiest CP rank's share" : "",
+        sliding ? fmt::format(", sliding ceil(min(W - 1 + {}, M)/B) + 1", o.max_num_batched_tokens)
+                : "",
+        chunked ? fmt::format(", chunked ceil(min(C + {}, M)/B)", o.max_num_batched_tokens) : "",
+        state ? ", state 1" : "");
+    return out;
+}
+
 // --explain: one configuration in detail (per-stage memory, capacity, both phases).
 void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, const PlanFlags& f) {
     ParallelConfig p = parse_parallel_config(f.explain);
@@ -111,8 +186,9 @@ void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, c
                    fmt::format("{:.3f}", w.norms / double(1 << 30)), gib(w.total()),
                    rc.kv_bytes_per_token, tokens(rc.kv_tokens));
     }
+    fmt::print("\n{}\n", engine_kv_summary(c, r.capacity, p, r.context_tokens));
     fmt::print(
-        "\nKV tokens per GPU {} (limiting rank {}), longest request {} tokens, {} requests of {} "
+        "KV tokens per GPU {} (limiting rank {}), longest request {} tokens, {} requests of {} "
         "per replica, {} in all: {}\n\n",
         c.kv_tokens_per_gpu, c.limiting_rank, c.max_context, c.requests_per_replica,
         r.context_tokens, c.max_concurrency, e.fits ? "fits" : "does not fit: " + c.why_not);
@@ -213,21 +289,33 @@ void run(const PlanFlags& f) {
             tw.policy, 100 * tw.token_hit_rate,
             std::max<int64_t>(1, std::llround(double(r.context_tokens) * (1 - r.prefix_hit_rate))),
             r.context_tokens);
-    fmt::print(
-        "KV tokens/GPU = floor(({} GiB x {} - weights - {} GiB reserve) / KV bytes per token), "
-        "in blocks of {}\n",
-        gib(static_cast<double>(hw.memory_bytes)), r.capacity.mem_util,
-        gib(static_cast<double>(r.capacity.activation_reserve_bytes)), r.capacity.block_size);
+    const EngineKvArrangement* hybrid = nullptr;
+    for (const auto& e : entries)
+        if (e.capacity.engine.kind == EngineKvKind::kHybrid) hybrid = &e.capacity.engine;
+    if (hybrid)
+        fmt::print(
+            "KV tokens/GPU = floor(floor(({} GiB x {} - weights - {} GiB reserve) / block bytes) "
+            "/ {} KV groups) x {}, as vLLM logs it; block bytes: a page per layer slot of its "
+            "groups of {}\n",
+            gib(static_cast<double>(hw.memory_bytes)), r.capacity.mem_util,
+            gib(static_cast<double>(r.capacity.activation_reserve_bytes)), hybrid->groups.size(),
+            hybrid->block_size, hybrid->group_size);
+    else
+        fmt::print(
+            "KV tokens/GPU = floor(({} GiB x {} - weights - {} GiB reserve) / KV bytes per "
+            "token), in blocks of {}\n",
+            gib(static_cast<double>(hw.memory_bytes)), r.capacity.mem_util,
+            gib(static_cast<double>(r.capacity.activation_reserve_bytes)), r.capacity.block_size);
     bool per_layer = false;
     for (int l = 0; l < m.num_layers; ++l)
         per_layer = per_layer || (m.layer(l).kind != LayerKind::kFullAttention &&
                                   m.layer(l).kind != LayerKind::kMla);
     if (per_layer)
         fmt::print(
-            "{}: a request of {} tokens holds KV/req per GPU (windowed layers their window, "
-            "state layers their state), so requests = floor(KV budget / KV/req); KV tok "
-            "counts tokens of a sequence shorter than every window\n",
-            m.layer_mix(), f.context);
+            "{}: a request of {} tokens holds KV/req per GPU (its blocks: windowed layers at "
+            "most ceil(W/B) + 1, state layers one), so requests = blocks / its blocks; max ctx: "
+            "vLLM's startup check at max_num_batched_tokens {}\n",
+            m.layer_mix(), f.context, r.capacity.max_num_batched_tokens);
     fmt::print("{} of {} configurations fit.{}\n\n", n_fit, entries.size(),
                f.batch > 0
                    ? fmt::format(" Batch {} per replica.", f.batch)

@@ -90,7 +90,16 @@ void add_hardware_options(CLI::App* sub, HardwareFlags& f) {
     sub->add_option("--activation-reserve-gib", f.activation_reserve_gib,
                     "GiB per GPU kept for activations, CUDA graphs and buffers")
         ->capture_default_str();
-    sub->add_option("--block-size", f.block_size, "tokens per KV block")->capture_default_str();
+    f.block_size_option =
+        sub->add_option("--block-size", f.block_size,
+                        "tokens per KV block (not given: 16, raised for attention + Mamba/GDN "
+                        "models as vLLM does so an attention page holds a state)")
+            ->capture_default_str();
+    sub->add_option("--max-num-batched-tokens", f.max_num_batched_tokens,
+                    "tokens one step may prefill (vLLM max_num_batched_tokens; `vllm serve` "
+                    "default on GPUs of 70 GiB or more): vLLM's startup check charges each "
+                    "sliding layer W - 1 + this many")
+        ->capture_default_str();
 }
 
 CapacityOptions HardwareFlags::capacity_options() const {
@@ -101,6 +110,8 @@ CapacityOptions HardwareFlags::capacity_options() const {
     o.mem_util = mem_util;
     o.activation_reserve_bytes = static_cast<int64_t>(activation_reserve_gib * (1 << 30));
     o.block_size = block_size;
+    o.raise_block_size = block_size_option == nullptr || block_size_option->count() == 0;
+    o.max_num_batched_tokens = max_num_batched_tokens;
     o.validate();
     return o;
 }

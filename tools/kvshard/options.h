@@ -36,9 +36,12 @@ struct HardwareFlags {
     double mem_util = 0.9;
     double activation_reserve_gib = 2.0;
     int block_size = 16;
+    const CLI::Option* block_size_option = nullptr;  // given: vLLM's raise is not applied
+    int64_t max_num_batched_tokens = 8192;
     CapacityOptions capacity_options() const;  // validated
 };
-// --hardware NAME|FILE.json, --mem-util, --activation-reserve-gib, --block-size
+// --hardware NAME|FILE.json, --mem-util, --activation-reserve-gib, --block-size,
+// --max-num-batched-tokens
 void add_hardware_options(CLI::App* sub, HardwareFlags& f);
 HardwareSpec load_hardware(const HardwareFlags& f);
 

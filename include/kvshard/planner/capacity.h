@@ -1,13 +1,15 @@
 #pragma once
 // Capacity: what each GPU of a deployment holds (weights, KV) and how many tokens of KV fit.
-// Sized the way serving engines size their cache (vLLM's determine_num_available_blocks, SGLang's
-// profile_max_num_token): kv_tokens = floor((memory * mem_util - weights - activation reserve)
-// / kv_bytes_per_token), rounded down to whole blocks. Formulas and sources: docs/cost-model.md.
+// Sized the way vLLM v1 sizes its cache: the KV budget (memory * mem_util - weights - activation
+// reserve) divided into blocks of vLLM's arrangement (engine_kv.h: its groups, equal pages and
+// their padding), tokens and requests counted from those blocks as vLLM does. Formulas and
+// sources: docs/cost-model.md.
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "kvshard/layout/engine_kv.h"
 #include "kvshard/layout/kv_layout.h"
 #include "kvshard/layout/parallel_config.h"
 #include "kvshard/model/model_spec.h"
@@ -42,8 +44,15 @@ struct CapacityOptions {
     double mem_util = 0.9;  // share of GPU memory the engine may use (vLLM gpu_memory_utilization)
     // Memory kept for activations, CUDA graphs, the allocator and NCCL buffers, per GPU.
     int64_t activation_reserve_bytes = int64_t{2} << 30;  // 2 GiB
-    int block_size = 16;         // tokens per KV block (vLLM and SGLang default 16)
+    int block_size = 16;  // tokens per KV block (vLLM and SGLang default 16)
+    // Raise block_size for attention + Mamba/GDN models as vLLM does (engine_kv_arrangement);
+    // false (a block size the user gave): keep it, and size such a model without vLLM's padding.
+    bool raise_block_size = true;
     int64_t context_tokens = 0;  // a request's context; 0: only ask that one block fits
+    // Tokens one scheduler step may prefill (vLLM max_num_batched_tokens; 8192 is `vllm serve`'s
+    // default on GPUs of 70 GiB or more, vllm/engine/arg_utils.py): vLLM's startup check charges
+    // each sliding layer W - 1 + this many tokens (max_context).
+    int64_t max_num_batched_tokens = 8192;
     WeightDtype weight_dtype = WeightDtype::kModel;
     void validate() const;  // throws Error on a bad value
 };
@@ -67,7 +76,8 @@ struct RankCapacity {
     int64_t kv_bytes_per_token = 0;        // bytes of KV per token this rank stores
     int64_t state_bytes_per_sequence = 0;  // linear-attention / SSM state per sequence
     int64_t kv_budget_bytes = 0;           // memory*mem_util - weights - reserve (may be negative)
-    int64_t kv_tokens = 0;                 // whole blocks only; 0 when nothing fits
+    int64_t kv_blocks = 0;                 // floor(budget / engine.block_bytes[rank]); 0 if < 0
+    int64_t kv_tokens = 0;  // kv_blocks / groups * block_size (as vLLM logs it); 0 when none fit
 };
 
 struct CapacityReport {
@@ -76,24 +86,36 @@ struct CapacityReport {
     int64_t weight_bytes_per_gpu = 0;  // the most any rank holds
     int64_t kv_bytes_per_token = 0;    // per GPU, of the limiting rank; while shorter than windows
     int64_t state_bytes_per_sequence = 0;  // per GPU, of the limiting rank
-    int64_t kv_tokens_per_gpu = 0;         // min over ranks, whole blocks
-    int64_t kv_blocks_per_gpu = 0;         // kv_tokens_per_gpu / block_size
-    // The longest context one request can have: its tokens spread over the cp ranks of a CP group
-    // by the CP scheme, each rank's share in whole blocks per KV group, windowed groups counted at
-    // the most blocks they hold on the way (request_kv_bytes_peak).
+    // vLLM's arrangement of the KV cache (groups, block size, page, padding).
+    EngineKvArrangement engine;
+    // Blocks of the pool: the fewest over ranks (vLLM gives every worker the smallest num_blocks).
+    int64_t kv_blocks_per_gpu = 0;
+    // "GPU KV cache size" as vLLM logs it: kv_blocks_per_gpu / groups * block_size (one group:
+    // every block of every layer; n groups: tokens one group could hold if the blocks were shared
+    // evenly). kSeparate: tokens of a sequence shorter than every window.
+    int64_t kv_tokens_per_gpu = 0;
+    // The longest context vLLM starts with (its max_model_len check,
+    // _check_enough_kv_cache_memory): engine_startup_blocks(M) <= kv_blocks_per_gpu, sliding layers
+    // charged W - 1 + max_num_batched_tokens tokens. kSeparate: request_kv_bytes_peak within every
+    // rank's budget.
     int64_t max_context = 0;
     // Every layer keeps a bounded window or state: no context length runs out of memory
     // (max_context is then 2^40, the longest checked).
     bool context_unbounded = false;
-    // Bytes the limiting rank holds for one request of options.context_tokens (request_kv_bytes):
-    // full layers all its tokens, windowed layers their window, state layers their state.
+    // Blocks one request of options.context_tokens holds at most on its way
+    // (engine_request_blocks: full groups all its tokens, windowed groups ceil(W/B) + 1, state
+    // groups one); 0 for kSeparate.
+    int64_t request_blocks = 0;
+    // Bytes the limiting rank holds for it: request_blocks x the rank's block bytes (padding
+    // included); kSeparate: request_kv_bytes_peak.
     int64_t request_kv_bytes = 0;
     // Requests of options.context_tokens that fit at once in one DP replica and in all replicas:
-    // the fewest over the ranks of floor(KV budget / request_kv_bytes).
+    // kv_blocks_per_gpu / request_blocks (kSeparate: the fewest over ranks of floor(KV budget /
+    // request_kv_bytes_peak)).
     int64_t requests_per_replica = 0;
     int64_t max_concurrency = 0;  // dp * requests_per_replica
     // Weights fit, at least one block of KV fits, and (when context_tokens > 0) one such request
-    // fits.
+    // fits and vLLM starts with max_model_len = context_tokens (context_tokens <= max_context).
     bool fits = false;
     std::string why_not;              // empty when fits
     std::vector<RankCapacity> ranks;  // indexed by rank

@@ -1,0 +1,142 @@
+// Capacity of hybrid models against vLLM v1's allocator, computed by hand from its source
+// (vllm/v1/core/kv_cache_utils.py and vllm/v1/kv_cache_interface.py @001cabc1,
+// HybridAttentionMambaModelConfig in vllm/model_executor/models/config.py @1936cf38): H100-80G,
+// mem_util 0.9, 2 GiB reserve, block 16, vLLM's available memory = kvshard's KV budget.
+#include <gtest/gtest.h>
+
+#include "kvshard/model/catalog.h"
+#include "kvshard/planner/capacity.h"
+
+namespace kvshard {
+namespace {
+
+ParallelConfig tp(int n) {
+    ParallelConfig p;
+    p.tp = n;
+    return p;
+}
+
+CapacityReport on_h100(const std::string& model, int tp_size, int64_t context,
+                       CapacityOptions o = {}) {
+    o.context_tokens = context;
+    return compute_capacity(catalog_model(model), tp(tp_size), hardware_by_name("h100-sxm"), o);
+}
+
+TEST(CapacityVllm, Gemma3PadsItsSixSlidingGroupsToTenLayers) {
+    const CapacityReport c = on_h100("gemma-3-27b", 1, 8192);
+    // 10 full + 52 sliding(1024) layers: group size 10 (52 >= 1.5 x 10), 1 full + ceil(52/10) = 6
+    // sliding groups, 70 slots for 62 layers.
+    EXPECT_EQ(c.engine.kind, EngineKvKind::kHybrid);
+    EXPECT_EQ(c.engine.group_size, 10);
+    EXPECT_EQ(c.engine.groups.size(), 7u);
+    EXPECT_EQ(c.engine.padding_slots(), 8);
+    const int64_t page = 16 * 2 * 16 * 128 * 2;  // tokens x (K,V) x heads x d x bf16
+    EXPECT_EQ(c.engine.page_bytes, page);
+    const int64_t budget = c.ranks[0].kv_budget_bytes;
+    EXPECT_EQ(budget, 21144600064);
+    EXPECT_EQ(c.kv_blocks_per_gpu, budget / page / 10);  // 16,132
+    EXPECT_EQ(c.kv_blocks_per_gpu, 16132);
+    EXPECT_EQ(c.kv_tokens_per_gpu, 16132 / 7 * 16);  // vLLM logs 36,864 (was 41,616)
+    EXPECT_EQ(c.kv_tokens_per_gpu, 36864);
+    // 8192 tokens: the full group 512 blocks, each sliding group ceil(1024/16) + 1 = 65.
+    EXPECT_EQ(c.request_blocks, 512 + 6 * 65);
+    EXPECT_EQ(c.requests_per_replica, 16132 / 902);  // 17 (was 19)
+    EXPECT_EQ(c.requests_per_replica, 17);
+    EXPECT_EQ(c.request_kv_bytes, 902 * page * 10);
+    // vLLM's startup check: ceil(M/16) + 6 x (ceil((1023 + 8192)/16) + 1) <= 16,132 blocks.
+    EXPECT_EQ(c.max_context, (16132 - 6 * (576 + 1)) * 16);
+    EXPECT_EQ(c.max_context, 202720);  // was 252,704
+    EXPECT_TRUE(c.fits);
+}
+
+TEST(CapacityVllm, LongestRequestIsVllmsStartupCheck) {
+    const CapacityReport c = on_h100("gemma-3-27b", 1, 230000);
+    EXPECT_GE(c.requests_per_replica, 1);  // one such request's blocks fit ...
+    EXPECT_FALSE(c.fits);                  // ... but vLLM refuses max_model_len 230000
+    EXPECT_NE(c.why_not.find("max_num_batched_tokens"), std::string::npos) << c.why_not;
+    CapacityOptions small;
+    small.max_num_batched_tokens = 2048;
+    EXPECT_EQ(on_h100("gemma-3-27b", 1, 0, small).max_context, 239584);
+}
+
+CapacityReport nemotron_h(DType ssm, int64_t context, CapacityOptions o = {}) {
+    // The SSM state's dtype is pinned: vLLM's default for Nemotron-H depends on its version.
+    ModelSpec m = catalog_model("nemotron-h-8b");
+    m.state.state_dtype = ssm;
+    o.context_tokens = context;
+    return compute_capacity(m, tp(1), hardware_by_name("h100-sxm"), o);
+}
+
+TEST(CapacityVllm, NemotronHRaisesTheBlockSoAPageHoldsAMambaState) {
+    const CapacityReport c = nemotron_h(DType::kBf16, 8192);
+    // Mamba-2 state 2,158,592 B (bf16 SSM); one token's attention page 2 x 8 x 128 x 2 = 4096 B:
+    // block 16 x ceil(2,158,592 / (16 x 4096)) = 528, page 528 x 4096 = 2,162,688 B.
+    EXPECT_EQ(c.state_bytes_per_sequence / 24, 2158592);
+    EXPECT_EQ(c.engine.block_size, 528);
+    EXPECT_EQ(c.engine.page_bytes, 2162688);
+    EXPECT_EQ(c.engine.state_page_padding, 2162688 - 2158592);
+    // 4 full + 24 mamba2: group size 4, 1 + 6 groups, no padding.
+    EXPECT_EQ(c.engine.groups.size(), 7u);
+    EXPECT_EQ(c.engine.group_size, 4);
+    EXPECT_EQ(c.kv_blocks_per_gpu, c.ranks[0].kv_budget_bytes / (2162688LL * 4));
+    EXPECT_EQ(c.kv_blocks_per_gpu, 6815);
+    EXPECT_EQ(c.kv_tokens_per_gpu, 6815 / 7 * 528);  // 513,744, as vLLM logs it
+    EXPECT_EQ(c.request_blocks, 16 + 6);             // ceil(8192 / 528) + one per state group
+    EXPECT_EQ(c.requests_per_replica, 309);          // was 316
+    EXPECT_EQ(c.max_context, (6815 - 6) * 528);
+    // fp32 SSM: 4,255,744 B of state, block 16 x ceil(4,255,744 / 65,536) = 1040, page
+    // 4,259,840 B, 3460 blocks, ceil(8192 / 1040) + 6 = 14 per request.
+    const CapacityReport f = nemotron_h(DType::kFp32, 8192);
+    EXPECT_EQ(f.engine.block_size, 1040);
+    EXPECT_EQ(f.kv_blocks_per_gpu, 3460);
+    EXPECT_EQ(f.kv_tokens_per_gpu, 3460 / 7 * 1040);  // 513,760
+    EXPECT_EQ(f.requests_per_replica, 3460 / 14);     // 247
+}
+
+TEST(CapacityVllm, AGivenBlockSizeIsKeptAndVllmsIsNamed) {
+    CapacityOptions o;
+    o.raise_block_size = false;
+    const CapacityReport kept = nemotron_h(DType::kBf16, 8192, o);
+    EXPECT_EQ(kept.engine.kind, EngineKvKind::kSeparate);
+    EXPECT_EQ(kept.engine.vllm_block_size, 528);
+    EXPECT_NE(kept.engine.note.find("528"), std::string::npos) << kept.engine.note;
+    o.block_size = 528;  // vLLM's own: the same figures as when kvshard raises it
+    const CapacityReport given = nemotron_h(DType::kBf16, 8192, o);
+    EXPECT_EQ(given.engine.kind, EngineKvKind::kHybrid);
+    EXPECT_EQ(given.requests_per_replica, 309);
+}
+
+TEST(CapacityVllm, Qwen3NextTp4) {
+    const CapacityReport c = on_h100("qwen3-next-80b-a3b", 4, 8192);
+    // GDN state per rank 3 x (8 x 128 + 2 x 4 x 128) x 2 + 8 x 128 x 128 x 2 = 274,432 B; one
+    // token's attention page 2 x max(1, 2/4) x 256 x 2 = 1024 B: block 16 x ceil(274,432 /
+    // 16,384) = 272, page 278,528 B; 12 full + 36 GDN: group size 12, 1 + 3 groups.
+    EXPECT_EQ(c.engine.block_size, 272);
+    EXPECT_EQ(c.engine.page_bytes, 278528);
+    EXPECT_EQ(c.engine.groups.size(), 4u);
+    EXPECT_EQ(c.kv_blocks_per_gpu, c.ranks[0].kv_budget_bytes / (278528LL * 12));
+    EXPECT_EQ(c.kv_blocks_per_gpu, 10557);
+    EXPECT_EQ(c.kv_tokens_per_gpu, 10557 / 4 * 272);  // 717,808
+    EXPECT_EQ(c.request_blocks, 31 + 3);              // ceil(8192 / 272) + 3
+    EXPECT_EQ(c.requests_per_replica, 310);           // was 319
+}
+
+TEST(CapacityVllm, UnpaddedHybridsKeepTheirFigures) {
+    // gpt-oss-120b: 18 sliding(128) + 18 full, group size 18, no padding.
+    const CapacityReport g = on_h100("gpt-oss-120b", 1, 8192);
+    EXPECT_EQ(g.engine.padding_slots(), 0);
+    EXPECT_EQ(g.kv_tokens_per_gpu, 135536);
+    EXPECT_EQ(g.requests_per_replica, 16942 / (512 + 9));  // 32
+    // vLLM's check: ceil(M/16) + ceil((127 + 8192)/16) + 1 <= 16,942.
+    EXPECT_EQ(g.max_context, (16942 - 521) * 16);
+    // Llama-4-Scout tp4: 36 chunked(8192) + 12 full, group size 12.
+    EXPECT_EQ(on_h100("llama-4-scout", 4, 8192).kv_tokens_per_gpu, 432736);
+    // Llama-3.1-70B: one group, as before (capacity_test.cpp's 1,404,320 at tp8).
+    const CapacityReport l = on_h100("llama-3.1-70b", 8, 8192);
+    EXPECT_EQ(l.engine.kind, EngineKvKind::kUniform);
+    EXPECT_EQ(l.kv_tokens_per_gpu, 1404320);
+    EXPECT_EQ(l.requests_per_replica, 1404320 / 8192);
+}
+
+}  // namespace
+}  // namespace kvshard
