@@ -310,7 +310,16 @@ void run(const PlanFlags& f) {
     for (int l = 0; l < m.num_layers; ++l)
         per_layer = per_layer || (m.layer(l).kind != LayerKind::kFullAttention &&
                                   m.layer(l).kind != LayerKind::kMla);
-    if (per_layer)
+    const std::string* note = nullptr;  // kSeparate: not vLLM's arrangement, and why
+    for (const auto& e : entries)
+        if (e.capacity.engine.kind == EngineKvKind::kSeparate) note = &e.capacity.engine.note;
+    if (per_layer && note)
+        fmt::print(
+            "{}: {}: a request of {} tokens holds KV/req per GPU (windowed layers at most "
+            "ceil(W/B) + 1 blocks, state layers their state), so requests = floor(KV budget / "
+            "KV/req); KV tok counts tokens of a sequence shorter than every window\n",
+            m.layer_mix(), *note, f.context);
+    else if (per_layer)
         fmt::print(
             "{}: a request of {} tokens holds KV/req per GPU (its blocks: windowed layers at "
             "most ceil(W/B) + 1, state layers one), so requests = blocks / its blocks; max ctx: "

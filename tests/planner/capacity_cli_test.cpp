@@ -1,0 +1,53 @@
+// kvshard plan prints vLLM's arrangement and where each capacity figure comes from.
+#include <gtest/gtest.h>
+
+#include "cli_runner.h"
+
+namespace kvshard {
+namespace {
+
+using test::run_cli;
+
+TEST(CapacityCli, ExplainShowsTheGroupsPaddingAndEachFiguresArithmetic) {
+    const auto r = run_cli("plan -m gemma-3-27b -n 1 -c 8192 --explain tp=1");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("7 groups (6 sliding(1024) + 1 full) of 10 layer slots, 8 of them "
+                         "padding"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("16132 blocks = floor(21144600064 B budget / (131072 B x 10 slots))"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("holds at most 902 blocks"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("KV tokens per GPU 36864 (limiting rank 0), longest request 202720 "
+                         "tokens, 17 requests of 8192"),
+              std::string::npos)
+        << r.out;
+}
+
+TEST(CapacityCli, AGivenBlockSizeBelowVllmsIsKeptAndVllmsIsNamed) {
+    const auto raised = run_cli("plan -m qwen3-next-80b-a3b -n 4 -c 8192 --explain tp=4");
+    ASSERT_EQ(raised.status, 0) << raised.out;
+    EXPECT_NE(raised.out.find("blocks of 272 tokens (raised from 16"), std::string::npos)
+        << raised.out;
+    const auto kept =
+        run_cli("plan -m qwen3-next-80b-a3b -n 4 -c 8192 --explain tp=4 --block-size 16");
+    ASSERT_EQ(kept.status, 0) << kept.out;
+    EXPECT_NE(kept.out.find("vLLM would raise the block size from 16 to 272"), std::string::npos)
+        << kept.out;
+}
+
+TEST(CapacityCli, MaxNumBatchedTokensMovesTheLongestRequest) {
+    const auto r =
+        run_cli("plan -m gemma-3-27b -n 1 -c 230000 --explain tp=1 --max-num-batched-tokens 2048");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("longest request 239584 tokens"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(": fits"), std::string::npos) << r.out;
+    const auto bad = run_cli("plan -m tiny -n 1 -c 64 --max-num-batched-tokens 0");
+    EXPECT_EQ(bad.status, 2);
+    EXPECT_NE(bad.out.find("max_num_batched_tokens must be in [1, 2^40]"), std::string::npos)
+        << bad.out;
+}
+
+}  // namespace
+}  // namespace kvshard
