@@ -1,6 +1,8 @@
 // vLLM's KV cache arrangement (engine_kv.h) against its grouping rules, by hand.
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include "kvshard/layout/engine_kv.h"
 #include "kvshard/model/catalog.h"
 
@@ -25,6 +27,20 @@ TEST(EngineKv, GroupsTakeEveryNthLayerOfTheirKind) {
     EXPECT_EQ(a.groups[6].layers, (std::vector<int>{5, 11, 17, 23, 29, 35, 41, 47, 53, 59}));
     EXPECT_EQ(a.group_size, 10);
     EXPECT_EQ(a.block_bytes[0], 10 * a.page_bytes);
+}
+
+TEST(EngineKv, SmallerGemma3sPadTheSameWay) {
+    // Gemma-3-4B (34 layers: 5 full + 29 sliding) and 1B (26: 4 full + 22 sliding) keep the 5:1
+    // pattern: group size 5 -> 1 + 6 groups, 35 slots; group size 4 -> 1 + 6 groups, 28 slots.
+    for (auto [layers, group_size, padding] : {std::tuple{34, 5, 1}, std::tuple{26, 4, 2}}) {
+        ModelSpec m = catalog_model("gemma-3-27b");
+        m.layers.resize(layers);
+        m.num_layers = layers;
+        const EngineKvArrangement a = engine_kv_arrangement(make_layout(m, ParallelConfig{}), 16);
+        EXPECT_EQ(a.group_size, group_size) << layers;
+        EXPECT_EQ(a.groups.size(), 7u) << layers;
+        EXPECT_EQ(a.padding_slots(), padding) << layers;
+    }
 }
 
 TEST(EngineKv, EachPpStageHoldsAsManySlotsAsItsLargestGroupHasLayersThere) {
