@@ -160,7 +160,10 @@ std::vector<TransferGroup> transfer_groups(const ModelSpec& m, int64_t num_token
                                  int64_t{st.head_dim} * st.group_dim * se;
             g.state_key_bytes = int64_t{st.conv_kernel - 1} * 2 * st.group_dim * ce;
         }
-        g.first_kept = holds_tokens(k.kind) ? first_kept_position(k.kind, k.window, num_tokens) : 0;
+        // The decode side's first query is at position num_tokens: its window, not the last
+        // prefill token's (first_kept_position(.., num_tokens), what the prefill side keeps).
+        g.first_kept =
+            holds_tokens(k.kind) ? first_kept_position(k.kind, k.window, num_tokens + 1) : 0;
         out.push_back(std::move(g));
     }
     return out;

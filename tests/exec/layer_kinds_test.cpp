@@ -185,7 +185,9 @@ int64_t expected_transfer_bytes(const ModelSpec& m, const ParallelConfig& dc,
                 continue;
             }
             if (!holds_tokens(s.kind)) continue;
-            const int64_t first = first_kept_position(s.kind, s.window, len) / bs * bs;
+            // The decode side's first query, at position len, reads from
+            // first_kept_position(len + 1); whole blocks from the one holding it move.
+            const int64_t first = first_kept_position(s.kind, s.window, len + 1) / bs * bs;
             bytes += (len - first) * 2 * s.num_kv_heads * s.head_dim * 4;
         }
     }
@@ -275,6 +277,46 @@ TEST(LayerKinds, WindowedDisaggMovesOnlyTheWindow) {
     };
     EXPECT_EQ(bytes_of(swa), expected_transfer_bytes(swa, dc, prompts, 4));
     EXPECT_EQ(bytes_of(full), expected_transfer_bytes(full, dc, prompts, 4));
+}
+
+// Prompts that end at the window's and the chunk's boundaries (7, 8, 9, 16, 17 tokens; W = C = 8,
+// blocks of 4): the decode side receives only what its first query reads (a chunk that starts at
+// the prompt's end needs nothing before it) and decodes the same tokens and logits as one rank.
+TEST(LayerKinds, DisaggAtWindowBoundariesMovesWhatDecodeReads) {
+    for (const std::string name : {"tiny-swa", "tiny-chunked"}) {
+        SCOPED_TRACE(name);
+        const ModelSpec m = model_named(name);
+        std::vector<std::vector<int32_t>> prompts;
+        uint32_t s = 4242;
+        for (int len : {7, 8, 9, 16, 17}) {
+            std::vector<int32_t> p;
+            for (int i = 0; i < len; ++i) {
+                s = s * 1664525u + 1013904223u;
+                p.push_back(int32_t((s >> 8) % uint32_t(m.vocab)));
+            }
+            prompts.push_back(p);
+        }
+        const auto src = random_tensor_source(kSeed);
+        const GenerationReport ref = run(m, ParallelConfig{}, prompts, options(4), *src);
+        const ParallelConfig pf = parse_parallel_config("tp=2"), dc = parse_parallel_config("tp=1");
+        DisaggOptions o;
+        o.max_new_tokens = 4;
+        o.prefill_block_size = 4;
+        o.decode_block_size = 4;
+        std::vector<DisaggReport> reports(3);
+        run_threads(3, [&](Communicator& world) {
+            reports[size_t(world.rank())] = disagg_generate(m, pf, dc, *src, prompts, o, world);
+        });
+        const DisaggReport& got = reports[0];
+        EXPECT_EQ(got.failed_requests, 0);
+        ASSERT_EQ(got.tokens.size(), ref.tokens.size());
+        for (size_t i = 0; i < ref.tokens.size(); ++i) {
+            EXPECT_EQ(got.tokens[i], ref.tokens[i]) << "prompt " << i;
+            EXPECT_LT(relative_l2(got.last_logits[i], ref.last_logits[i]), 1e-4) << "prompt " << i;
+        }
+        EXPECT_EQ(got.transfer_bytes, got.min_bytes);
+        EXPECT_EQ(got.min_bytes, expected_transfer_bytes(m, dc, prompts, 4));
+    }
 }
 
 // A CP decode side with a model of several KV groups is refused before anything runs, naming what

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "cli_runner.h"
+#include "kvshard/cache/kv_group_manager.h"
 #include "kvshard/common/error.h"
 #include "kvshard/transfer/pack.h"
 #include "transfer/transfer_harness.h"
@@ -25,20 +26,34 @@ TransferPlan plan_for(const ModelSpec& m, const std::string& from, const std::st
                               {.layers_per_group = lpg, .dst_cached_tokens = cached});
 }
 
-// What every destination of a cp=1 layout with block size bs holds for a request of L tokens,
-// layer by layer from the model's fields: full attention all L tokens; sliding (window W) and
-// chunked (chunk C) the tokens from the block holding the first kept token (L - W, or the last
-// chunk's start) on; MLA the latent (and indexer key) of all L tokens; state layers the rank's
-// share of the state; no-KV layers nothing.
+// Whether the decode side's first query, at position L (the token after the L moved), reads
+// position p <= L of a windowed layer, by kvshard's attention masks (paged_attention.cpp): sliding
+// window W sees [L - W + 1, L], chunked C the chunk of L.
+bool decode_reads(LayerKind kind, int window, int64_t L, int64_t p) {
+    if (kind == LayerKind::kSlidingWindow) return L - p < window;
+    if (kind == LayerKind::kChunkedLocal) return p / window == L / window;
+    return true;
+}
+
+// The positions of [0, L) a destination of block size bs needs of a layer: the whole blocks from
+// the one holding the first position its first query reads (that query's own position L when it
+// reads no earlier one). Found position by position, not from first_kept_position.
+int64_t first_moved(LayerKind kind, int window, int64_t L, int bs) {
+    int64_t lowest = 0;
+    while (!decode_reads(kind, window, L, lowest)) ++lowest;
+    return lowest / bs * bs;
+}
+
+// What every destination of a cp=1 layout with block size bs needs for a request of L tokens,
+// layer by layer from the model's fields: full attention all L tokens; sliding and chunked the
+// tokens from first_moved on; MLA the latent (and indexer key) of all L tokens; state layers the
+// rank's share of the state; no-KV layers nothing.
 int64_t expected_bytes_cp1(const ModelSpec& m, int tp, int64_t L, int bs) {
     const auto e = static_cast<int64_t>(dtype_size(m.kv_dtype));
     int64_t sum = 0;
     for (int l = 0; l < m.num_layers; ++l) {
         const LayerSpec s = m.layer(l);
-        int64_t first = 0;
-        if (s.kind == LayerKind::kSlidingWindow) first = std::max<int64_t>(0, L - s.window);
-        if (s.kind == LayerKind::kChunkedLocal) first = (L - 1) / s.window * s.window;
-        const int64_t kept = L - first / bs * bs;
+        const int64_t kept = L - first_moved(s.kind, s.window, L, bs);
         switch (s.kind) {
             case LayerKind::kFullAttention:
             case LayerKind::kSlidingWindow:
@@ -87,10 +102,14 @@ TEST(TransferPlanGroups, WindowedModelMovesOnlyTheWindow) {
         const int64_t want = expected_bytes_cp1(m, c.tp_to, L, 16);
         EXPECT_EQ(plan.bytes, want);
         EXPECT_EQ(plan.min_bytes, want);
-        // L is a multiple of the block size: the blocks held are exactly the engines' resident KV.
+        // The blocks the decode side holds for its first query, at position L (request_kv_bytes
+        // of L + 1 tokens, as its KvGroupManager keeps them), less the block that query opens (L
+        // is a multiple of the block size: one block of every group, request_kv_bytes of 1).
+        // llama-4-scout's chunked layers start a new chunk at L = 32768: nothing of them moves.
         int64_t resident = 0;
         for (int r = 0; r < plan.dst.layout.world_size(); ++r)
-            resident += request_kv_bytes(plan.dst.layout, r, L, 16);
+            resident += request_kv_bytes(plan.dst.layout, r, L + 1, 16) -
+                        request_kv_bytes(plan.dst.layout, r, 1, 16);
         EXPECT_EQ(plan.bytes, resident);
 
         const ModelSpec full = with_full_attention(m);
@@ -110,14 +129,14 @@ TEST(TransferPlanGroups, WindowedPiecesStartAtTheKeptBlock) {
     const TransferPlan plan = plan_for(m, "tp=1", "tp=2", L, 4, 4);
     ASSERT_EQ(plan.groups.size(), 2u);
     EXPECT_EQ(plan.groups[0].kind, LayerKind::kSlidingWindow);
-    EXPECT_EQ(plan.groups[0].first_kept, 42);
-    std::map<int, std::set<int64_t>> tokens;  // per kv group: tokens seen
+    EXPECT_EQ(plan.groups[0].first_kept, 43);  // the window of the next token, at 50
+    std::map<int, std::set<int64_t>> tokens;   // per kv group: tokens seen
     for (const auto& msg : plan.messages) {
         EXPECT_EQ(plan.group_layers(msg), 2);  // layers {0, 2} or {1, 3}
         for (const auto& p : msg.pieces)
             for (int i = 0; i < p.count; ++i) tokens[msg.kv_group].insert(p.token_begin + i);
     }
-    // Block 10 (tokens 40..43) holds token 42: tokens [40, 50) move for the sliding layers.
+    // Block 10 (tokens 40..43) holds token 43: tokens [40, 50) move for the sliding layers.
     std::set<int64_t> window, all;
     for (int64_t t = 40; t < L; ++t) window.insert(t);
     for (int64_t t = 0; t < L; ++t) all.insert(t);
@@ -139,6 +158,69 @@ TEST(TransferPlanGroups, WindowedPiecesStartAtTheKeptBlock) {
                 }
                 EXPECT_LE(piece.src_slot + piece.count, bs_from);
                 EXPECT_LE(piece.dst_slot + piece.count, bs_to);
+            }
+        }
+    }
+}
+
+// tiny with chunked-local layers (chunk 8) on layers 0 and 2.
+ModelSpec tiny_chunked() {
+    ModelSpec m = catalog_model("tiny");
+    m.name = "tiny-chunked";
+    const ModelSpec uniform = m;
+    for (int l = 0; l < m.num_layers; ++l) m.layers.push_back(uniform.layer(l));
+    for (int l : {0, 2}) {
+        m.layers[size_t(l)].kind = LayerKind::kChunkedLocal;
+        m.layers[size_t(l)].window = 8;
+    }
+    m.validate();
+    return m;
+}
+
+// At every boundary of the window (L = W - 1, W, W + 1, multiples of W and around them), block
+// size and destination prefix, each windowed message carries exactly the positions the decode
+// side's first query (at L) needs, by the attention mask position by position: the whole blocks
+// from the one holding the first position it reads, from the cached prefix on. The first of them
+// is where the decode side's KvGroupManager keeps its table from (keep_from with L of L + 1 tokens
+// committed), and the plan's bytes are min_bytes and the model's count.
+TEST(TransferPlanGroups, WindowedBoundariesMoveWhatTheNextTokenReads) {
+    for (const ModelSpec& m : {catalog_model("tiny-swa"), tiny_chunked()}) {
+        const int W = 8;
+        for (int64_t L : {1, 7, 8, 9, 15, 16, 17, 23, 24, 27}) {
+            for (int bs : {1, 3, 4, 8, 16}) {
+                for (const int64_t cached : {int64_t{0}, L / 2}) {
+                    SCOPED_TRACE(m.name + " L=" + std::to_string(L) + " bs=" + std::to_string(bs) +
+                                 " cached=" + std::to_string(cached));
+                    const TransferPlan plan = plan_for(m, "tp=2", "tp=4", L, bs, bs, 0, cached);
+                    EXPECT_EQ(plan.bytes, plan.min_bytes);
+                    if (cached == 0) {
+                        EXPECT_EQ(plan.bytes, expected_bytes_cp1(m, 4, L, bs));
+                    }
+                    // (kv group, destination) -> positions received
+                    std::map<std::pair<int, int>, std::set<int64_t>> got;
+                    for (const auto& msg : plan.messages)
+                        for (const auto& p : msg.pieces)
+                            for (int i = 0; i < p.count; ++i)
+                                got[{msg.kv_group, msg.dst_rank}].insert(p.token_begin + i);
+                    for (int k = 0; k < static_cast<int>(plan.groups.size()); ++k) {
+                        const TransferGroup& g = plan.groups[size_t(k)];
+                        const int64_t from = first_moved(g.kind, W, L, bs);
+                        std::set<int64_t> want;
+                        for (int64_t t = std::max(from, cached); t < L; ++t) want.insert(t);
+                        for (int d = 0; d < 4; ++d) {
+                            const std::set<int64_t>& received = got[std::pair(k, d)];
+                            EXPECT_EQ(received, want) << "group " << k << " destination " << d;
+                        }
+                        if (g.window == 0) continue;
+                        ASSERT_EQ(g.window, W);
+                        KvGroupManager decode(
+                            {.groups = {{.kind = g.kind, .window = W, .num_blocks = 64}},
+                             .block_size = bs,
+                             .enable_prefix_cache = false});
+                        EXPECT_EQ(decode.keep_from(0, L, L + 1) * bs, from);
+                        EXPECT_EQ(g.first_kept, first_kept_position(g.kind, W, L + 1));
+                    }
+                }
             }
         }
     }
@@ -329,8 +411,9 @@ TEST(TransferPlanGroups, Cli) {
     for (const auto& g : j["kv_groups"]) sum += g["bytes"].get<int64_t>();
     EXPECT_EQ(sum, j["bytes"].get<int64_t>());
     EXPECT_EQ(j["kv_groups"][0]["kind"], "sliding");
-    EXPECT_EQ(j["kv_groups"][0]["first_kept"], 32768 - 128);
-    // 18 sliding layers x 128 tokens x K,V x 8 heads x 64 x bf16 over the 4 destinations.
+    EXPECT_EQ(j["kv_groups"][0]["first_kept"], 32768 - 127);  // the window of the token at L
+    // 18 sliding layers x 128 tokens (block 2040 on) x K,V x 8 heads x 64 x bf16 over the 4
+    // destinations.
     EXPECT_EQ(j["kv_groups"][0]["bytes"].get<int64_t>(), int64_t{18} * 128 * 2 * 8 * 64 * 2);
     const auto text =
         run_cli("transfer-plan --model tiny-hybrid --from tp=2 --to tp=4 --tokens 100");

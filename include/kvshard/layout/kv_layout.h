@@ -109,7 +109,9 @@ std::string cp_token_rule(const ParallelConfig& p, int cp_rank);
 
 // Tokens a KV group keeps of a sequence of `seq_len` tokens: the positions [first, seq_len) with
 // first = 0 (full, MLA), max(0, seq_len - W) (sliding: the last token's window), or the start of
-// the last token's chunk (chunked). State groups keep no tokens (first = seq_len).
+// the last token's chunk (chunked). State groups keep no tokens (first = seq_len). That is the
+// window of the query at position seq_len - 1; the next query, at seq_len, reads from
+// first_kept_position(kind, W, seq_len + 1) (what a transfer of seq_len tokens moves).
 int64_t first_kept_position(LayerKind kind, int window, int64_t seq_len);
 
 // Bytes `rank` holds for one request of `seq_len` tokens, in whole blocks of `block_size` tokens

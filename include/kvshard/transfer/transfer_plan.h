@@ -114,9 +114,11 @@ struct TransferGroup {
     int kv_factor = 2;
     int num_heads = 0;
     int64_t vector_bytes = 0;
-    // The first position the group keeps at num_tokens (first_kept_position); the plan moves the
-    // destination's blocks from the one holding it (whole blocks), as far as the source still
-    // holds them. 0 for full attention and MLA.
+    // The first position the destination's next query (at position num_tokens, its first decode
+    // step) reads: first_kept_position(kind, window, num_tokens + 1), where the decode side's
+    // KvGroupManager::keep_from starts. The plan moves the destination's blocks from the one
+    // holding it (whole blocks), as far as the source still holds them; num_tokens when that query
+    // reads none of them (a new chunk). 0 for full attention and MLA.
     int64_t first_kept = 0;
     // State groups: state heads and key heads / groups, and the bytes each adds to one layer's
     // state (conv columns and recurrent state of a head; conv columns of a key group), so that a
