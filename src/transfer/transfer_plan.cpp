@@ -470,6 +470,20 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
                 "the same block size and cp=1, got block sizes ",
                 src.block_size, " and ", dst.block_size, ", cp=", src.layout.parallel.cp,
                 " and cp=", dst.layout.parallel.cp);
+    if (m.kv_dtype == DType::kFp8 && options.dst_cached_tokens % dst.block_size != 0) {
+        // A moved block brings its scale, which would replace the scale the destination's cached
+        // tokens of that block were quantized with.
+        const int64_t bs = dst.block_size;
+        const int64_t below = options.dst_cached_tokens / bs * bs, above = below + bs;
+        throw Error(detail::concat(
+            "an fp8 transfer with the destination's cached prefix ending mid-block (",
+            options.dst_cached_tokens, " tokens, blocks of ", bs,
+            "): the moved tokens' block scale would replace the one its cached tokens ", below,
+            "..", options.dst_cached_tokens - 1,
+            " were quantized with; for fp8 the cached prefix must end on a block boundary: use ",
+            below, above < num_tokens ? detail::concat(" or ", above) : std::string(),
+            " cached tokens"));
+    }
     TransferPlan plan;
     plan.src = src;
     plan.dst = dst;

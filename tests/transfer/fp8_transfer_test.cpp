@@ -139,5 +139,73 @@ TEST(Fp8Transfer, OtherBlockSizesAndCpAreRefused) {
     EXPECT_EQ(p.elem_size, 2);
 }
 
+// A destination whose cached prefix ends mid-block: the moved tokens' block scale would replace the
+// scale its cached tokens of that block were quantized with, so they would decode wrong (1.0 read
+// back as 128). Refused, naming the block boundaries that work; a prefix ending on one moves the
+// rest and leaves the cached block as it was.
+TEST(Fp8Transfer, CachedPrefixEndingMidBlockIsRefused) {
+    ModelSpec m = catalog_model("tiny");
+    m.kv_dtype = DType::kFp8;
+    const int bs = 4;
+    const int64_t L = 10;
+    const auto src = testing::make_endpoint(m, "tp=1", bs, PageOrder::kHnd, L);
+    const auto dst = testing::make_endpoint(m, "tp=1", bs, PageOrder::kHnd, L);
+    auto refused = [&](int64_t cached) {
+        try {
+            make_transfer_plan(src, dst, L, {.dst_cached_tokens = cached});
+        } catch (const Error& e) {
+            return std::string(e.what());
+        }
+        return std::string("accepted");
+    };
+    const std::string mid = refused(2);
+    EXPECT_NE(mid.find("cached prefix must end on a block boundary: use 0 or 4 cached tokens"),
+              std::string::npos)
+        << mid;
+    EXPECT_NE(mid.find("(2 tokens, blocks of 4)"), std::string::npos) << mid;
+    // 12 is past the 10 tokens: only 8 is offered.
+    const std::string late = refused(9);
+    EXPECT_NE(late.find("block boundary: use 8 cached tokens"), std::string::npos) << late;
+    EXPECT_EQ(late.find("use 8 or"), std::string::npos) << late;
+
+    // On a boundary: the destination's cached block 0 keeps its codes and scale, the rest arrives.
+    const int64_t cached = 4;
+    const TransferPlan plan = make_transfer_plan(src, dst, L, {.dst_cached_tokens = cached});
+    const PageGeometry g = rank_page_geometry(src.layout, 0, bs, PageOrder::kHnd);
+    BlockPool sp(g, 3), dp(g, 3);
+    // The destination computed its prefix itself: values of magnitude 1; the source's of 100.
+    auto val = [&](int64_t t, int x, bool source) {
+        return (source ? 100.0f : 1.0f) * (1 + 0.125f * float(x % 4)) * float(1 + t);
+    };
+    std::vector<float> v(size_t(g.head_dim));
+    for (int l = 0; l < g.num_layers; ++l)
+        for (int kv = 0; kv < 2; ++kv)
+            for (int h = 0; h < g.num_heads; ++h)
+                for (int64_t t = 0; t < L; ++t) {
+                    for (int x = 0; x < g.head_dim; ++x) v[size_t(x)] = val(t, x, true);
+                    store_vector(sp, l, kv, t / bs, h, int(t % bs), v.data());
+                    if (t >= cached) continue;
+                    for (int x = 0; x < g.head_dim; ++x) v[size_t(x)] = val(t, x, false);
+                    store_vector(dp, l, kv, t / bs, h, int(t % bs), v.data());
+                }
+    std::vector<float> before(size_t(g.page_elems()));
+    dequantize_page(dp, 0, 0, 0, before.data());
+    for (const TransferMessage& msg : plan.messages) {
+        for (const TransferPiece& p : msg.pieces) EXPECT_GE(p.token_begin, cached);
+        std::vector<std::byte> buf(size_t(msg.bytes));
+        pack_message(plan, msg, TransferMode::kPreSend, sp, buf);
+        unpack_message(plan, msg, TransferMode::kPreSend, buf, dp);
+        std::vector<float> sc(size_t(message_scales(plan, msg)));
+        pack_scales(plan, msg, sp, sc);
+        unpack_scales(plan, msg, sc, dp);
+    }
+    std::vector<float> page(size_t(g.page_elems())), want(size_t(g.page_elems()));
+    dequantize_page(dp, 0, 0, 0, page.data());
+    EXPECT_EQ(page, before);  // the cached block untouched
+    dequantize_page(dp, 0, 0, 1, page.data());
+    dequantize_page(sp, 0, 0, 1, want.data());
+    EXPECT_EQ(page, want);  // a moved block: the source's codes and scale
+}
+
 }  // namespace
 }  // namespace kvshard
