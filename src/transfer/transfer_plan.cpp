@@ -1,6 +1,7 @@
 #include "kvshard/transfer/transfer_plan.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -74,9 +75,30 @@ void validate_endpoint(const TransferEndpoint& e, const char* side, int64_t num_
         require(static_cast<int64_t>(e.block_tables[c].size()) >= need, "the ", side,
                 " block table of CP rank ", c, " has ", e.block_tables[c].size(),
                 " blocks but its ", held, " tokens need ", need, " blocks of ", e.block_size);
+        const std::vector<int32_t>& table = e.block_tables[c];
         for (int64_t i = 0; i < need; ++i)
-            require(e.block_tables[c][i] >= 0, "the ", side, " block table of CP rank ", c,
-                    " holds a negative block id ", e.block_tables[c][i]);
+            require(table[i] >= 0, "the ", side, " block table of CP rank ", c,
+                    " holds a negative block id ", table[i]);
+        // Distinct ids: two entries with one id would put two token ranges in one block. (An
+        // ascending table, the usual one, needs no sorted copy.)
+        const auto needed_end = table.begin() + need;
+        if (std::adjacent_find(table.begin(), needed_end, std::greater_equal<>()) == needed_end)
+            continue;
+        std::vector<int32_t> ids(table.begin(), needed_end);
+        std::sort(ids.begin(), ids.end());
+        const auto dup = std::adjacent_find(ids.begin(), ids.end());
+        if (dup != ids.end()) {
+            const auto first = std::find(table.begin(), needed_end, *dup);
+            const auto second = std::find(first + 1, needed_end, *dup);
+            const int64_t i = first - table.begin(), j = second - table.begin();
+            throw Error(detail::concat("the ", side, " block table of CP rank ", c, " holds block ",
+                                       *dup, " twice, at positions ", i, " and ", j,
+                                       " (the rank's tokens ", i * e.block_size, "..",
+                                       (i + 1) * e.block_size - 1, " and ", j * e.block_size, "..",
+                                       std::min(held, (j + 1) * e.block_size) - 1,
+                                       "): both would land in one block; give each of the ", need,
+                                       " blocks its tokens need its own id"));
+        }
     }
 }
 

@@ -525,6 +525,52 @@ TEST(TransferPlan, RejectsBadInput) {
     }
 }
 
+// A block table that names one block twice within the blocks its tokens need would put two token
+// ranges in one block, the later overwriting the earlier: refused on either side, naming the id
+// and both positions. Past the needed blocks (room the tokens do not use) anything goes.
+TEST(TransferPlan, RejectsDuplicateBlockIds) {
+    const ModelSpec tiny = catalog_model("tiny");
+    // 32 tokens, tp=1 -> `to`, blocks of bs on both sides, with these tables.
+    auto outcome = [&](const std::vector<std::vector<int32_t>>& src_tables,
+                       const std::vector<std::vector<int32_t>>& dst_tables, int bs = 16,
+                       const std::string& to = "tp=1") {
+        auto src = testing::make_endpoint(tiny, "tp=1", bs, PageOrder::kHnd, 32);
+        auto dst = testing::make_endpoint(tiny, to, bs, PageOrder::kHnd, 32);
+        src.block_tables = src_tables;
+        dst.block_tables = dst_tables;
+        try {
+            make_transfer_plan(src, dst, 32);
+        } catch (const Error& e) {
+            return std::string(e.what());
+        }
+        return std::string("accepted");
+    };
+    const std::string dst = outcome({{0, 1}}, {{5, 5}});
+    EXPECT_NE(dst.find("the destination block table of CP rank 0 holds block 5 twice, at "
+                       "positions 0 and 1 (the rank's tokens 0..15 and 16..31)"),
+              std::string::npos)
+        << dst;
+    const std::string src = outcome({{9, 9}}, {{0, 1}});
+    EXPECT_NE(src.find("the source block table of CP rank 0 holds block 9 twice"),
+              std::string::npos)
+        << src;
+    // Not in order, blocks of 4 (8 needed): block 3 at positions 1 and 6.
+    const std::string shuffled = outcome({{0, 1, 2, 3, 4, 5, 6, 7}}, {{8, 3, 0, 5, 7, 2, 3, 1}}, 4);
+    EXPECT_NE(shuffled.find("holds block 3 twice, at positions 1 and 6 (the rank's tokens 4..7 "
+                            "and 24..27)"),
+              std::string::npos)
+        << shuffled;
+    EXPECT_EQ(outcome({{0, 1, 2, 3, 4, 5, 6, 7}}, {{8, 3, 0, 5, 7, 2, 6, 1}}, 4), "accepted");
+    // Block 3 again at position 2, past the 2 blocks needed.
+    EXPECT_EQ(outcome({{3, 7, 3}}, {{0, 1}}), "accepted");
+    // cp=2 destination (16 tokens a rank, one block each): each rank's pool is its own, so the
+    // same id on both ranks is fine.
+    EXPECT_EQ(outcome({{0, 1}}, {{4}, {4}}, 16, "cp=2"), "accepted");
+    const std::string cp = outcome({{0, 1, 2, 3}}, {{4, 5}, {2, 2, 2}}, 8, "cp=2");
+    EXPECT_NE(cp.find("CP rank 1 holds block 2 twice, at positions 0 and 1"), std::string::npos)
+        << cp;
+}
+
 TEST(TransferPlan, PackRejectsWrongPool) {
     Case c{.model = llama_mini(), .from = "tp=8", .to = "tp=4", .tokens = 16};
     const auto plan = plan_of(c);
