@@ -1,7 +1,8 @@
 // libFuzzer: the body of POST /route, as a gateway sends it (parse_route_request). Two checks:
 // kvshard::Error is the only answer to bad input, and the one-pass reader of the usual body agrees
-// with a full JSON parser on every input: the same token ids and request id, or both refuse. The
-// reference below is the documented rule (route_service.h) written with nlohmann::json alone.
+// with a full JSON parser on every input: the same token ids, request id, LoRA name and cache salt,
+// or both refuse. The reference below is the documented rule (route_service.h) written with
+// nlohmann::json alone.
 #include <cstddef>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -34,6 +35,12 @@ std::optional<kvshard::RouteRequestBody> reference(std::string_view body) {
         if (!j["request_id"].is_string()) return std::nullopt;
         out.request_id = j["request_id"].get<std::string>();
     }
+    for (const char* key : {"lora_name", "cache_salt"}) {
+        if (!j.contains(key) || j[key].is_null()) continue;
+        if (!j[key].is_string() || j[key].get<std::string>().empty()) return std::nullopt;
+        (std::string_view(key) == "lora_name" ? out.extra.lora_name : out.extra.cache_salt) =
+            j[key].get<std::string>();
+    }
     return out;
 }
 
@@ -48,7 +55,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const auto want = reference(body);
     if (got.has_value() != want.has_value()) __builtin_trap();
-    if (got && (got->token_ids != want->token_ids || got->request_id != want->request_id))
+    if (got && (got->token_ids != want->token_ids || got->request_id != want->request_id ||
+                got->extra.lora_name != want->extra.lora_name ||
+                got->extra.cache_salt != want->extra.cache_salt))
         __builtin_trap();
     return 0;
 }

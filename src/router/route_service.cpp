@@ -54,7 +54,8 @@ uint64_t digits_swar(const char* p, int n) {
 
 // The one-pass reader of the usual /route body. nullopt on anything it does not handle (the full
 // parser then decides, and says what is wrong): other keys, a key twice, escapes or non-ASCII
-// text, numbers that are not plain non-negative integers of int32, bad JSON.
+// text, numbers that are not plain non-negative integers of int32, an extra key that is not a
+// non-empty string, bad JSON.
 std::optional<RouteRequestBody> parse_route_request_fast(std::string_view body) {
     const char* p = body.data();
     const char* const end = p + body.size();
@@ -82,7 +83,7 @@ std::optional<RouteRequestBody> parse_route_request_fast(std::string_view body) 
         return true;
     };
     RouteRequestBody out;
-    bool have_tokens = false, have_id = false;
+    bool have_tokens = false, have_id = false, have_lora = false, have_salt = false;
     if (!eat('{')) return std::nullopt;
     do {
         std::string_view key;
@@ -139,6 +140,12 @@ std::optional<RouteRequestBody> parse_route_request_fast(std::string_view body) 
             std::string_view id;
             if (!plain_string(id)) return std::nullopt;
             out.request_id.assign(id);
+        } else if ((key == "lora_name" && !have_lora) || (key == "cache_salt" && !have_salt)) {
+            const bool lora = key == "lora_name";
+            (lora ? have_lora : have_salt) = true;
+            std::string_view v;
+            if (!plain_string(v) || v.empty()) return std::nullopt;
+            (lora ? out.extra.lora_name : out.extra.cache_salt).assign(v);
         } else {
             return std::nullopt;
         }
@@ -181,6 +188,19 @@ RouteRequestBody parse_route_request(std::string_view body) {
         if (!j["request_id"].is_string()) throw Error("\"request_id\" must be a string");
         out.request_id = j["request_id"].get<std::string>();
     }
+    // null is absent, as in vLLM's OpenAI server (cache_salt: Optional[str] = None).
+    auto extra_key = [&j](const char* key, const char* what, std::string& to) {
+        const auto it = j.find(key);
+        if (it == j.end() || it->is_null()) return;
+        if (!it->is_string() || it->get_ref<const std::string&>().empty())
+            throw Error(detail::concat("\"", key, "\" must be a non-empty string (", what,
+                                       ") or null, got ",
+                                       it->is_string() ? "\"\"" : it->type_name()));
+        to = it->get<std::string>();
+    };
+    extra_key("lora_name", "the LoRA adapter's name, as vLLM's lora_request.lora_name",
+              out.extra.lora_name);
+    extra_key("cache_salt", "the request's cache salt, as sent to vLLM", out.extra.cache_salt);
     return out;
 }
 
@@ -211,18 +231,19 @@ RouteService::RouteService(RouteServiceConfig config, IndexAccess index)
     });
 }
 
-RouteOutcome RouteService::route(const std::string& request_id,
-                                 std::span<const int64_t> token_ids) {
+RouteOutcome RouteService::route(const std::string& request_id, std::span<const int64_t> token_ids,
+                                 const VllmExtraKeys& extra) {
     std::vector<int32_t> tokens;
     tokens.reserve(token_ids.size());
     for (size_t i = 0; i < token_ids.size(); ++i) {
         if (token_ids[i] < 0 || token_ids[i] > kMaxTokenId) token_out_of_range(i, token_ids[i]);
         tokens.push_back(static_cast<int32_t>(token_ids[i]));
     }
-    return route(request_id, tokens);
+    return route(request_id, tokens, extra);
 }
 
-RouteOutcome RouteService::route(const std::string& request_id, std::span<const int32_t> tokens) {
+RouteOutcome RouteService::route(const std::string& request_id, std::span<const int32_t> tokens,
+                                 const VllmExtraKeys& extra) {
     const auto t0 = std::chrono::steady_clock::now();
     require(!tokens.empty(), "\"token_ids\" is empty; a prompt has at least one token");
     for (size_t i = 0; i < tokens.size(); ++i)
@@ -231,7 +252,7 @@ RouteOutcome RouteService::route(const std::string& request_id, std::span<const 
     thread_local std::optional<VllmBlockHasher> tl_hasher;
     if (!tl_hasher || tl_hasher->scheme() != config_.scheme) tl_hasher.emplace(config_.scheme);
     VllmBlockHasher& hasher = *tl_hasher;
-    const auto keys = vllm_prompt_keys(hasher, root_, tokens, config_.block_size);
+    const auto keys = vllm_prompt_keys(hasher, root_, tokens, config_.block_size, extra);
     const int n = num_replicas();
     RouteOutcome out;
     out.matched_blocks.assign(static_cast<size_t>(n), 0);

@@ -102,7 +102,7 @@ struct RouterHttpServer::Impl {
     void route(const httplib::Request& req, httplib::Response& res) {
         try {
             const RouteRequestBody body = parse_route_request(req.body);
-            const RouteOutcome o = svc->route(body.request_id, body.token_ids);
+            const RouteOutcome o = svc->route(body.request_id, body.token_ids, body.extra);
             res.set_content(svc->route_reply_json(o), kJson);
         } catch (const Error& e) {
             reply_error(res, *svc, e.what());

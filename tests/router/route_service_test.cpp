@@ -70,6 +70,39 @@ TEST(RouteService, RoutesToTheLongestPrefixAndAccountsLoad) {
     EXPECT_NE(m.find("kvshard_router_route_seconds_count 1\n"), std::string::npos) << m;
 }
 
+// vLLM hashes a request's LoRA adapter name into every block and its cache salt into the first:
+// blocks stored for a salted or a LoRA prompt match a route with the same keys only.
+TEST(RouteService, HashesTheLoraNameAndTheCacheSaltAsVllmDoes) {
+    Fixture f;
+    const std::vector<int32_t> t(f.prompt.begin(), f.prompt.end());
+    VllmBlockHasher h(VllmHashScheme::kSha256Cbor);
+    const auto root = vllm_none_hash(VllmHashScheme::kSha256Cbor, "0");
+    auto ids_of = [&](const VllmExtraKeys& keys) {
+        std::vector<uint64_t> ids;
+        for (const auto& d : h.hash_blocks(root, t, 4, keys)) ids.push_back(d.event_id());
+        return ids;
+    };
+    f.ids = ids_of({.lora_name = "", .cache_salt = "salt1"});
+    f.store(0, 0, 2);
+    f.ids = ids_of({.lora_name = "adapterA", .cache_salt = ""});
+    f.store(1, 0, 2);
+    auto svc = f.service();
+    EXPECT_EQ(svc.route("", f.prompt, {.lora_name = "", .cache_salt = "salt1"}).matched_blocks,
+              (std::vector<int>{2, 0}));
+    EXPECT_EQ(svc.route("", f.prompt, {.lora_name = "adapterA", .cache_salt = ""}).matched_blocks,
+              (std::vector<int>{0, 2}));
+    EXPECT_EQ(svc.route("", f.prompt).matched_blocks, (std::vector<int>{0, 0}));
+    EXPECT_EQ(svc.route("", f.prompt, {.lora_name = "", .cache_salt = "salt2"}).matched_blocks,
+              (std::vector<int>{0, 0}));
+    EXPECT_EQ(svc.route("", f.prompt, {.lora_name = "adapterB", .cache_salt = ""}).matched_blocks,
+              (std::vector<int>{0, 0}));
+    // The salt enters block 0 only, so it changes every id of the chain; the LoRA name enters every
+    // block.
+    const auto salted = ids_of({.lora_name = "", .cache_salt = "salt1"});
+    const auto plain = ids_of({});
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_NE(salted[i], plain[i]) << i;
+}
+
 TEST(RouteService, RoundRobinIgnoresThePrefixes) {
     Fixture f;
     f.store(1, 0, 5);
@@ -107,6 +140,12 @@ std::optional<RouteRequestBody> reference_parse(const std::string& body) {
         if (!j["request_id"].is_string()) return std::nullopt;
         out.request_id = j["request_id"].get<std::string>();
     }
+    for (const char* key : {"lora_name", "cache_salt"}) {
+        if (!j.contains(key) || j[key].is_null()) continue;
+        if (!j[key].is_string() || j[key].get<std::string>().empty()) return std::nullopt;
+        (std::string(key) == "lora_name" ? out.extra.lora_name : out.extra.cache_salt) =
+            j[key].get<std::string>();
+    }
     return out;
 }
 
@@ -141,6 +180,15 @@ TEST(RouteService, RouteBodiesParseAsAFullJsonParserSays) {
         R"({})",
         "",
         "{\"token_ids\": [1], \"request_id\": \"a\tb\"}",  // a raw control character
+        R"({"token_ids": [1], "lora_name": "ad-1", "cache_salt": "s"})",
+        R"({"cache_salt": "s\u00e9", "token_ids": [1], "request_id": "r"})",
+        R"({"token_ids": [1], "lora_name": null, "cache_salt": null})",
+        R"({"token_ids": [1], "lora_name": "a", "lora_name": "b"})",
+        R"({"token_ids": [1], "cache_salt": ""})",
+        R"({"token_ids": [1], "lora_name": ""})",
+        R"({"token_ids": [1], "cache_salt": 7})",
+        R"({"token_ids": [1], "lora_name": {"name": "a"}})",
+        R"({"token_ids": [1], "cache_salt": true})",
     };
     for (const auto& b : bodies) {
         SCOPED_TRACE(b);
@@ -153,6 +201,20 @@ TEST(RouteService, RouteBodiesParseAsAFullJsonParserSays) {
         ASSERT_NO_THROW(got = parse_route_request(b));
         EXPECT_EQ(got.token_ids, want->token_ids);
         EXPECT_EQ(got.request_id, want->request_id);
+        EXPECT_EQ(got.extra.lora_name, want->extra.lora_name);
+        EXPECT_EQ(got.extra.cache_salt, want->extra.cache_salt);
+    }
+    const auto keys =
+        parse_route_request(R"({"token_ids": [1], "lora_name": "ad", "cache_salt": "s"})");
+    EXPECT_EQ(keys.extra.lora_name, "ad");
+    EXPECT_EQ(keys.extra.cache_salt, "s");
+    try {
+        parse_route_request(R"({"token_ids": [1], "cache_salt": 7})");
+        ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+        EXPECT_STREQ(e.what(),
+                     "\"cache_salt\" must be a non-empty string (the request's cache salt, as "
+                     "sent to vLLM) or null, got number");
     }
     try {
         parse_route_request(R"({"token_ids": [3, 4294967296]})");

@@ -306,11 +306,61 @@ TEST(RouterServe, RoutesByVllmEventsAndStopsOnSigterm) {
     EXPECT_NE(metrics.body.find("kvshard_router_gaps_total{replica=\"b\"} 1"), std::string::npos);
     EXPECT_NE(metrics.body.find("kvshard_router_route_seconds_count 7"), std::string::npos);
 
+    // A salted prompt and a LoRA prompt, stored on b with vLLM's extra keys in their hashes: only
+    // a route with the same salt / adapter name finds them.
+    {
+        std::vector<int32_t> salted, lora;
+        for (int i = 0; i < 2 * kBlock + 1; ++i) {
+            salted.push_back(7000 + i);
+            lora.push_back(8000 + i);
+        }
+        auto stored_with = [](const std::vector<int32_t>& tokens, const char* key,
+                              const char* value) {
+            json e = {{"tag", "BlockStored"},
+                      {"_prompt",
+                       {{"scheme", "vllm-xxhash-cbor"},
+                        {"seed", "42"},
+                        {"block_size", kBlock},
+                        {"tokens", tokens},
+                        {"first", 0},
+                        {"count", 2},
+                        {key, value}}},
+                      {"lora_id", nullptr},
+                      {"medium", "GPU"},
+                      {"lora_name", nullptr}};
+            if (std::string(key) == "lora_name") {
+                e["lora_id"] = 1;
+                e["lora_name"] = value;
+            }
+            return e;
+        };
+        ASSERT_TRUE(pb.send(batch(1, {stored_with(salted, "cache_salt", "s1"),
+                                      stored_with(lora, "lora_name", "adapterA")})));
+        ASSERT_TRUE(
+            eventually([&] { return seq_of(1) == 1 && replicas()[1]["index_blocks"] == 5; }));
+        auto matched_b = [&](json req) {
+            const auto rep = http(port, "POST", "/route", req.dump());
+            EXPECT_EQ(rep.status, 200) << rep.body;
+            return json::parse(rep.body)["matched_blocks"]["b"].get<int>();
+        };
+        EXPECT_EQ(matched_b({{"token_ids", salted}, {"cache_salt", "s1"}}), 2);
+        EXPECT_EQ(matched_b({{"token_ids", salted}}), 0);
+        EXPECT_EQ(matched_b({{"token_ids", salted}, {"cache_salt", "s2"}}), 0);
+        EXPECT_EQ(matched_b({{"token_ids", lora}, {"lora_name", "adapterA"}}), 2);
+        EXPECT_EQ(
+            matched_b({{"token_ids", lora}, {"lora_name", "adapterA"}, {"cache_salt", nullptr}}),
+            2);
+        EXPECT_EQ(matched_b({{"token_ids", lora}}), 0);
+    }
+
     // Bad requests: 400 with a message.
     for (const std::string& bad :
          {std::string("not json"), std::string("{\"token_ids\": 5}"),
           std::string("{\"token_ids\": [1, -2]}"), std::string("{\"token_ids\": []}"),
-          std::string("{\"token_ids\": [1], \"request_id\": 3}")}) {
+          std::string("{\"token_ids\": [1], \"request_id\": 3}"),
+          std::string("{\"token_ids\": [1], \"cache_salt\": 3}"),
+          std::string("{\"token_ids\": [1], \"cache_salt\": \"\"}"),
+          std::string("{\"token_ids\": [1], \"lora_name\": [\"a\"]}")}) {
         const auto rep = http(port, "POST", "/route", bad);
         EXPECT_EQ(rep.status, 400) << bad;
         EXPECT_TRUE(json::parse(rep.body).contains("error")) << rep.body;

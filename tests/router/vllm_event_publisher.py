@@ -88,12 +88,14 @@ def struct(fields, values, form, tag=None, limit=None):
 
 def prompt_fields(p):
     """block_hashes, parent_block_hash, token_ids, block_size of blocks [first, first + count) of
-    a prompt, hashed as vLLM does (tests/cache/vllm_hash_reference.py)."""
+    a prompt, hashed as vLLM does (tests/cache/vllm_hash_reference.py), with the request's
+    optional "lora_name" and "cache_salt" as extra keys."""
     import os
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cache"))
     import vllm_hash_reference as ref
     case = {"scheme": p["scheme"], "seed": p["seed"], "block_size": p["block_size"],
-            "tokens": p["tokens"]}
+            "tokens": p["tokens"], "lora_name": p.get("lora_name"),
+            "cache_salt": p.get("cache_salt")}
     blocks = ref.run_case(case)["blocks"]
     first, count, bs = p["first"], p["count"], p["block_size"]
     return {

@@ -32,17 +32,22 @@ struct RouteServiceConfig {
     size_t max_tracked_requests = 1 << 20;  // routed, unfinished requests kept for load
 };
 
-// The body of POST /route: {"token_ids": [int, ...], "request_id": "..."}.
+// The body of POST /route: {"token_ids": [int, ...], "request_id": "...", "lora_name": "...",
+// "cache_salt": "..."}. The LoRA adapter's name and the cache salt are the request's as the engine
+// sees them: vLLM mixes them into its block hashes (VllmExtraKeys), so a prompt sent with a salt
+// or a LoRA adapter only matches blocks stored under the same ones.
 struct RouteRequestBody {
     std::vector<int32_t> token_ids;
     std::string request_id;  // empty when absent
+    VllmExtraKeys extra;     // each empty when absent (or null)
 };
 
 // Parses a /route body. Error (its message is the 400 reply's) when it is not JSON, not an object,
-// has no "token_ids" array of integers, a token id is outside 0..2^31-1, or "request_id" is not a
-// string; other keys are ignored. The usual shape (those two keys, plain integers, a request id
-// without escapes) is read in one pass; anything else goes through a full JSON parser, with the
-// same result.
+// has no "token_ids" array of integers, a token id is outside 0..2^31-1, "request_id" is not a
+// string, or "lora_name" / "cache_salt" is neither null nor a non-empty string (vLLM's OpenAI
+// server refuses an empty cache_salt too); other keys are ignored. The usual shape (those keys,
+// plain integers, strings without escapes) is read in one pass; anything else goes through a full
+// JSON parser, with the same result.
 RouteRequestBody parse_route_request(std::string_view body);
 
 struct RouteOutcome {
@@ -64,9 +69,12 @@ class RouteService {
     RouteService(RouteServiceConfig config, IndexAccess index);
 
     // Error on a token id outside 0..2^31-1 or an empty prompt. A request id seen before and not
-    // finished is routed again and its old load released first.
-    RouteOutcome route(const std::string& request_id, std::span<const int64_t> token_ids);
-    RouteOutcome route(const std::string& request_id, std::span<const int32_t> token_ids);
+    // finished is routed again and its old load released first. `extra`: the request's LoRA
+    // adapter name and cache salt, hashed into its blocks as the engine hashes them.
+    RouteOutcome route(const std::string& request_id, std::span<const int64_t> token_ids,
+                       const VllmExtraKeys& extra = {});
+    RouteOutcome route(const std::string& request_id, std::span<const int32_t> token_ids,
+                       const VllmExtraKeys& extra = {});
     // The /route reply of an outcome: {"load": {name: blocks}, "matched_blocks": {name: n},
     // "reason", "replica"} (keys in sorted order, byte for byte what nlohmann::json writes).
     std::string route_reply_json(const RouteOutcome& o) const;
