@@ -253,9 +253,9 @@ void bind_cache(py::module_& m) {
         "strings (the form of KV events and the router).");
 
     m.def("vllm_hash_schemes", [] {
-        return std::vector<std::string>{
-            std::string(vllm_hash_scheme_name(VllmHashScheme::kSha256Cbor)),
-            std::string(vllm_hash_scheme_name(VllmHashScheme::kXxhashCbor))};
+        std::vector<std::string> out;
+        for (VllmHashScheme s : all_vllm_hash_schemes()) out.emplace_back(vllm_hash_scheme_name(s));
+        return out;
     });
     m.def(
         "vllm_none_hash",
@@ -283,6 +283,16 @@ void bind_cache(py::module_& m) {
         },
         py::arg("parent"), py::arg("tokens"), py::arg("extra_keys") = std::vector<std::string>{},
         "The canonical CBOR that vLLM's *_cbor schemes hash.");
+    m.def(
+        "vllm_block_pickle",
+        [](const py::bytes& parent, const TokenArray& tokens,
+           const std::vector<std::string>& extra_keys) {
+            const auto c = vllm_block_pickle(byte_span(parent), token_span(tokens), extra_keys);
+            return py::bytes(reinterpret_cast<const char*>(c.data()), c.size());
+        },
+        py::arg("parent"), py::arg("tokens"), py::arg("extra_keys") = std::vector<std::string>{},
+        "pickle.dumps((parent, tuple(tokens), tuple(extra_keys) or None), protocol=5): what "
+        "vLLM's sha256 and xxhash schemes hash.");
     m.def(
         "vllm_hash_blocks",
         [](const TokenArray& tokens, int block_size, const std::string& scheme,

@@ -5,6 +5,7 @@
 #include <openssl/sha.h>
 #include <xxhash.h>
 
+#include <cstdint>
 #include <cstring>
 #include <memory>
 
@@ -82,6 +83,165 @@ void encode_block(std::vector<uint8_t>& out, std::span<const uint8_t> parent,
     }
 }
 
+// Python's pickle at protocol 5 (pickle.HIGHEST_PROTOCOL since Python 3.8), for the few values a
+// vLLM block hash pickles: bytes, str, non-negative and negative ints, None and tuples of them.
+// The opcodes and the framing are CPython's (Lib/pickle.py, and Modules/_pickle.c writes the same
+// bytes): PROTO 5; the body in frames, a frame of 4 bytes or more announced by FRAME and its
+// 8-byte little-endian length; a frame is cut before the next object once it holds 64 KiB or more;
+// a str of 64 KiB or more is written outside any frame; MEMOIZE after each bytes, str and
+// non-empty tuple; STOP inside the last frame.
+class PickleWriter {
+  public:
+    explicit PickleWriter(std::vector<uint8_t>& out) : out_(out) {
+        out_.clear();
+        out_.push_back(kProto);
+        out_.push_back(5);
+        start_frame();
+    }
+    void none() {
+        object_boundary();
+        out_.push_back(kNone);
+    }
+    void integer(int64_t v) {
+        object_boundary();
+        if (v >= 0 && v <= 0xff) {
+            out_.push_back(kBinInt1);
+            out_.push_back(static_cast<uint8_t>(v));
+        } else if (v >= 0 && v <= 0xffff) {
+            out_.push_back(kBinInt2);
+            le(static_cast<uint64_t>(v), 2);
+        } else if (v >= INT32_MIN && v <= INT32_MAX) {
+            out_.push_back(kBinInt);
+            le(static_cast<uint32_t>(static_cast<int32_t>(v)), 4);
+        } else {
+            // LONG1: the shortest two's complement little-endian bytes (pickle.encode_long).
+            uint8_t b[8];
+            int n = 8;
+            for (int i = 0; i < 8; ++i)
+                b[i] = static_cast<uint8_t>(static_cast<uint64_t>(v) >> (8 * i));
+            const uint8_t fill = v < 0 ? 0xff : 0x00;
+            while (n > 1 && b[n - 1] == fill && ((b[n - 2] & 0x80) != 0) == (v < 0)) --n;
+            out_.push_back(kLong1);
+            out_.push_back(static_cast<uint8_t>(n));
+            out_.insert(out_.end(), b, b + n);
+        }
+    }
+    void bytes(std::span<const uint8_t> b) {
+        object_boundary();
+        if (b.size() < 256) {
+            out_.push_back(kShortBinBytes);
+            out_.push_back(static_cast<uint8_t>(b.size()));
+            out_.insert(out_.end(), b.begin(), b.end());
+        } else {
+            payload(kBinBytes, b);
+        }
+        memoize();
+    }
+    void text(std::string_view s) {
+        object_boundary();
+        const auto* p = reinterpret_cast<const uint8_t*>(s.data());
+        if (s.size() < 256) {
+            out_.push_back(kShortBinUnicode);
+            out_.push_back(static_cast<uint8_t>(s.size()));
+            out_.insert(out_.end(), p, p + s.size());
+        } else {
+            payload(kBinUnicode, std::span<const uint8_t>(p, s.size()));
+        }
+        memoize();
+    }
+    // A tuple of n items: tuple_start(n), the n items, tuple_end(n).
+    void tuple_start(size_t n) {
+        object_boundary();
+        if (n > 3) out_.push_back(kMark);
+    }
+    void tuple_end(size_t n) {
+        static constexpr uint8_t kSmall[] = {kEmptyTuple, kTuple1, kTuple2, kTuple3};
+        out_.push_back(n <= 3 ? kSmall[n] : kTuple);
+        if (n > 0) memoize();  // () is a singleton: not memoized
+    }
+    void finish() {
+        out_.push_back(kStop);
+        commit_frame();
+    }
+
+  private:
+    static constexpr uint8_t kProto = 0x80, kFrame = 0x95, kNone = 'N', kBinInt1 = 'K',
+                             kBinInt2 = 'M', kBinInt = 'J', kLong1 = 0x8a, kShortBinBytes = 'C',
+                             kBinBytes = 'B', kShortBinUnicode = 0x8c, kBinUnicode = 'X',
+                             kMark = '(', kEmptyTuple = ')', kTuple1 = 0x85, kTuple2 = 0x86,
+                             kTuple3 = 0x87, kTuple = 't', kMemoize = 0x94, kStop = '.';
+    static constexpr size_t kFrameHeader = 9;          // FRAME and its 8-byte length
+    static constexpr size_t kFrameSizeMin = 4;         // pickle._Framer._FRAME_SIZE_MIN
+    static constexpr size_t kFrameSizeTarget = 65536;  // pickle._Framer._FRAME_SIZE_TARGET
+
+    void le(uint64_t v, int n) {
+        for (int i = 0; i < n; ++i) out_.push_back(static_cast<uint8_t>(v >> (8 * i)));
+    }
+    void memoize() { out_.push_back(kMemoize); }
+    size_t frame_size() const { return out_.size() - frame_at_ - kFrameHeader; }
+    void start_frame() {
+        frame_at_ = out_.size();
+        out_.resize(out_.size() + kFrameHeader);
+    }
+    // Ends the current frame: its header filled in, or removed when the frame is under 4 bytes.
+    void commit_frame() {
+        const size_t n = frame_size();
+        if (n >= kFrameSizeMin) {
+            out_[frame_at_] = kFrame;
+            for (size_t i = 0; i < 8; ++i)
+                out_[frame_at_ + 1 + i] = static_cast<uint8_t>(static_cast<uint64_t>(n) >> (8 * i));
+        } else {
+            out_.erase(out_.begin() + static_cast<std::ptrdiff_t>(frame_at_),
+                       out_.begin() + static_cast<std::ptrdiff_t>(frame_at_ + kFrameHeader));
+        }
+    }
+    // Framer.commit_frame() at the start of Pickler.save(): a full frame is cut here.
+    void object_boundary() {
+        if (frame_size() >= kFrameSizeTarget) {
+            commit_frame();
+            start_frame();
+        }
+    }
+    // BINBYTES / BINUNICODE: a 4-byte length; from 64 KiB on, outside any frame
+    // (Framer.write_large_bytes).
+    void payload(uint8_t op, std::span<const uint8_t> b) {
+        KVSHARD_CHECK(b.size() <= 0xffffffffu, "a pickled string over 4 GiB");
+        const bool large = b.size() >= kFrameSizeTarget;
+        if (large) commit_frame();
+        out_.push_back(op);
+        le(b.size(), 4);
+        out_.insert(out_.end(), b.begin(), b.end());
+        if (large) start_frame();
+    }
+
+    std::vector<uint8_t>& out_;
+    size_t frame_at_ = 0;  // where the current frame's header is reserved
+};
+
+void encode_block_pickle(std::vector<uint8_t>& out, std::span<const uint8_t> parent,
+                         std::span<const int32_t> tokens, std::span<const std::string> extra_keys) {
+    out.reserve(32 + parent.size() + 5 * tokens.size());
+    PickleWriter w(out);
+    w.tuple_start(3);
+    w.bytes(parent);
+    w.tuple_start(tokens.size());
+    for (int32_t t : tokens) w.integer(t);
+    w.tuple_end(tokens.size());
+    if (extra_keys.empty()) {
+        w.none();
+    } else {
+        w.tuple_start(extra_keys.size());
+        for (const auto& k : extra_keys) w.text(k);
+        w.tuple_end(extra_keys.size());
+    }
+    w.tuple_end(3);
+    w.finish();
+}
+
+bool is_pickle(VllmHashScheme s) {
+    return s == VllmHashScheme::kSha256Pickle || s == VllmHashScheme::kXxhashPickle;
+}
+
 // SHA-256 through EVP with the algorithm fetched once per process and a context per thread:
 // OpenSSL 3's one-shot SHA256() fetches the implementation (a lookup under a lock) on every call,
 // which a prompt of many blocks pays once per block.
@@ -98,7 +258,7 @@ void sha256(std::span<const uint8_t> data, uint8_t* md) {
 }
 
 VllmBlockHash digest(VllmHashScheme s, std::span<const uint8_t> data) {
-    if (s == VllmHashScheme::kSha256Cbor) {
+    if (s == VllmHashScheme::kSha256Cbor || s == VllmHashScheme::kSha256Pickle) {
         uint8_t md[SHA256_DIGEST_LENGTH];
         sha256(data, md);
         return VllmBlockHash(std::span<const uint8_t>(md, sizeof md));
@@ -112,18 +272,40 @@ VllmBlockHash digest(VllmHashScheme s, std::span<const uint8_t> data) {
 }  // namespace
 
 std::string_view vllm_hash_scheme_name(VllmHashScheme s) {
-    return s == VllmHashScheme::kSha256Cbor ? "vllm-sha256-cbor" : "vllm-xxhash-cbor";
+    switch (s) {
+        case VllmHashScheme::kSha256Cbor:
+            return "vllm-sha256-cbor";
+        case VllmHashScheme::kXxhashCbor:
+            return "vllm-xxhash-cbor";
+        case VllmHashScheme::kSha256Pickle:
+            return "vllm-sha256";
+        case VllmHashScheme::kXxhashPickle:
+            return "vllm-xxhash";
+    }
+    KVSHARD_CHECK(false, "a VllmHashScheme out of range: ", static_cast<int>(s));
+    return {};
+}
+
+const std::vector<VllmHashScheme>& all_vllm_hash_schemes() {
+    static const std::vector<VllmHashScheme> all = {
+        VllmHashScheme::kSha256Cbor, VllmHashScheme::kXxhashCbor, VllmHashScheme::kSha256Pickle,
+        VllmHashScheme::kXxhashPickle};
+    return all;
 }
 
 VllmHashScheme parse_vllm_hash_scheme(std::string_view name) {
-    if (name == "vllm-sha256-cbor") return VllmHashScheme::kSha256Cbor;
-    if (name == "vllm-xxhash-cbor") return VllmHashScheme::kXxhashCbor;
-    throw Error(detail::concat("unknown vLLM hash scheme '", name,
-                               "'; expected vllm-sha256-cbor (vLLM's sha256_cbor) or "
-                               "vllm-xxhash-cbor (vLLM's xxhash_cbor)"));
+    for (VllmHashScheme s : all_vllm_hash_schemes())
+        if (name == vllm_hash_scheme_name(s)) return s;
+    throw Error(detail::concat(
+        "unknown vLLM hash scheme '", name,
+        "'; expected vllm-sha256 (vLLM's default prefix_caching_hash_algo sha256: pickle), "
+        "vllm-sha256-cbor (sha256_cbor), vllm-xxhash (xxhash: pickle) or vllm-xxhash-cbor "
+        "(xxhash_cbor)"));
 }
 
-size_t vllm_digest_size(VllmHashScheme s) { return s == VllmHashScheme::kSha256Cbor ? 32 : 16; }
+size_t vllm_digest_size(VllmHashScheme s) {
+    return s == VllmHashScheme::kSha256Cbor || s == VllmHashScheme::kSha256Pickle ? 32 : 16;
+}
 
 VllmBlockHash::VllmBlockHash(std::span<const uint8_t> bytes) {
     require(!bytes.empty() && bytes.size() <= kMaxSize, "a vLLM block hash is 1 to ", kMaxSize,
@@ -171,9 +353,23 @@ bool VllmBlockHash::operator==(const VllmBlockHash& o) const {
 
 VllmBlockHash vllm_none_hash(VllmHashScheme s, std::string_view python_hash_seed) {
     std::vector<uint8_t> buf;
-    CborWriter w(buf);
-    w.text(python_hash_seed);
+    if (is_pickle(s)) {
+        PickleWriter w(buf);
+        w.text(python_hash_seed);
+        w.finish();
+    } else {
+        CborWriter w(buf);
+        w.text(python_hash_seed);
+    }
     return digest(s, buf);
+}
+
+std::vector<uint8_t> vllm_block_pickle(std::span<const uint8_t> parent,
+                                       std::span<const int32_t> tokens,
+                                       std::span<const std::string> extra_keys) {
+    std::vector<uint8_t> out;
+    encode_block_pickle(out, parent, tokens, extra_keys);
+    return out;
 }
 
 std::vector<uint8_t> vllm_block_cbor(std::span<const uint8_t> parent,
@@ -203,7 +399,11 @@ VllmBlockHash VllmBlockHasher::hash(const VllmBlockHash& parent, std::span<const
     require(!parent.empty(),
             "a vLLM block hash needs its parent digest (NONE_HASH for a request's first block: "
             "vllm_none_hash(scheme, PYTHONHASHSEED))");
-    encode_block(buf_, parent.bytes(), tokens, extra_keys);
+    if (is_pickle(scheme_)) {
+        encode_block_pickle(buf_, parent.bytes(), tokens, extra_keys);
+    } else {
+        encode_block(buf_, parent.bytes(), tokens, extra_keys);
+    }
     return digest(scheme_, buf_);
 }
 

@@ -2,7 +2,9 @@
 """Reference block hashes written from vLLM's definition, for tests/cache/vllm_hash_test.cpp.
 
 vLLM (docs/router.md cites the files and the commit):
+  sha256(x)       = hashlib.sha256(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)).digest()
   sha256_cbor(x)  = hashlib.sha256(cbor2.dumps(x, canonical=True)).digest()
+  xxhash(x)       = xxhash.xxh3_128_digest(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
   xxhash_cbor(x)  = xxhash.xxh3_128_digest(cbor2.dumps(x, canonical=True))
   NONE_HASH       = hash_fn(os.environ["PYTHONHASHSEED"])          (init_none_hash)
   block i         = hash_fn((parent, tuple(tokens of block i), extra_keys or None))
@@ -10,19 +12,31 @@ vLLM (docs/router.md cites the files and the commit):
   event id        = int.from_bytes(digest, "big") & (2**64 - 1)     (maybe_convert_block_hash)
 
 Reads a JSON list of cases from the file named by argv[1]; each case has "scheme"
-("vllm-sha256-cbor" | "vllm-xxhash-cbor"), either "seed" (a string) or "parent" (hex),
-"block_size", "tokens", and optional "lora_name", "cache_salt". Writes a JSON list: per case
-{"root": hex, "blocks": [{"digest": hex, "id": int, "cbor": hex}]}, only full blocks.
+("vllm-sha256" | "vllm-sha256-cbor" | "vllm-xxhash" | "vllm-xxhash-cbor"), either "seed" (a
+string) or "parent" (hex), "block_size", "tokens", and optional "lora_name", "cache_salt". Writes a
+JSON list: per case {"root": hex, "blocks": [{"digest": hex, "id": int, "encoded": hex}]}, only
+full blocks; "encoded" is what the scheme hashes (pickle protocol 5, or canonical CBOR).
 """
 import hashlib
 import json
+import pickle
 import sys
 
 import cbor2
 import xxhash
 
 
+def encode_for(scheme):
+    if scheme.endswith("-cbor"):
+        return lambda obj: cbor2.dumps(obj, canonical=True)
+    return lambda obj: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def hash_fn_for(scheme):
+    if scheme == "vllm-sha256":
+        return lambda obj: hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    if scheme == "vllm-xxhash":
+        return lambda obj: xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
     if scheme == "vllm-sha256-cbor":
         return lambda obj: hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
     if scheme == "vllm-xxhash-cbor":
@@ -55,7 +69,7 @@ def run_case(case):
         blocks.append({
             "digest": digest.hex(),
             "id": int.from_bytes(digest, "big") & ((1 << 64) - 1),
-            "cbor": cbor2.dumps(obj, canonical=True).hex(),
+            "encoded": encode_for(case["scheme"])(obj).hex(),
         })
         parent = digest
     return {"root": root.hex(), "blocks": blocks}

@@ -95,7 +95,7 @@ std::vector<Case> make_cases() {
         for (auto& x : t) x = static_cast<int32_t>(rng() % 160000);
         return t;
     };
-    for (VllmHashScheme s : {VllmHashScheme::kSha256Cbor, VllmHashScheme::kXxhashCbor}) {
+    for (VllmHashScheme s : all_vllm_hash_schemes()) {
         const size_t digest_bytes = vllm_digest_size(s);
         // Seeded roots, two chained blocks and a partial one that must not be hashed.
         cases.push_back({s, "0", "", 16, random_tokens(40), "", ""});
@@ -154,8 +154,11 @@ TEST(VllmHash, MatchesPythonReferenceOfVllmDefinition) {
                                                  static_cast<size_t>(c.block_size));
             const auto extra = vllm_block_extra_keys({c.lora_name, c.cache_salt},
                                                      static_cast<int64_t>(b) * c.block_size);
-            EXPECT_EQ(hex_of(vllm_block_cbor(parent.bytes(), block, extra)),
-                      want[b]["cbor"].get<std::string>())
+            const bool pickled = c.scheme == VllmHashScheme::kSha256Pickle ||
+                                 c.scheme == VllmHashScheme::kXxhashPickle;
+            EXPECT_EQ(hex_of(pickled ? vllm_block_pickle(parent.bytes(), block, extra)
+                                     : vllm_block_cbor(parent.bytes(), block, extra)),
+                      want[b]["encoded"].get<std::string>())
                 << "block " << b;
             // The one-block entry point agrees with the chain.
             EXPECT_EQ(vllm_hash_block(c.scheme, parent, block, extra), got[b]);

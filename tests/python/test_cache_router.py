@@ -48,6 +48,90 @@ def test_vllm_hashes_match_python():
         kvshard.vllm_hash_block(scheme, b"", tokens[:16])
 
 
+def _vllm_pickle_chain(hash_fn, root, tokens, block_size, lora_name="", cache_salt=""):
+    """vLLM's hash_block_tokens chain with generate_block_hash_extra_keys' LoRA name and salt."""
+    parent, out = root, []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        keys = ([lora_name] if lora_name else []) + ([cache_salt] if start == 0 and cache_salt
+                                                     else [])
+        parent = hash_fn((parent, tuple(tokens[start:start + block_size]),
+                          tuple(keys) if keys else None))
+        out.append(parent)
+    return out
+
+
+def test_vllm_pickle_bytes_are_pythons():
+    """vllm_block_pickle writes pickle.dumps(..., protocol=pickle.HIGHEST_PROTOCOL) byte for byte:
+    token counts across TUPLE1-3 / MARK..TUPLE and 64 KiB frames, token ids across BININT1 /
+    BININT2 / BININT, extra keys of every length class (SHORT_BINUNICODE, BINUNICODE, and one of
+    64 KiB or more written outside any frame)."""
+    import pickle
+    import random
+    assert pickle.HIGHEST_PROTOCOL == 5
+    rng = random.Random(11)
+    edges = [0, 1, 255, 256, 65535, 65536, 2**31 - 1]
+    parents = [b"\x01", bytes(range(16)), bytes(range(32))]
+    keys = [[], ["a"], ["lora", "salt"], ["l\u00f6ra-\u65e5"], ["x" * 255], ["y" * 256, "z"],
+            ["k" * 70000], ["1", "2", "3", "4"]]
+    counts = [0, 1, 2, 3, 4, 5, 16, 255, 256, 1000]
+    # Frames are cut before the next object once 64 KiB are written: around 13,100 5-byte ints
+    # (BININT), 21,830 3-byte ones, 32,750 2-byte ones.
+    counts += list(range(13095, 13105)) + [21830, 21831, 32749, 32750, 32751, 40000, 70000]
+    checked = 0
+    for n in counts:
+        for width in (1, 3, 5, None):
+            if width == 1:
+                tokens = [rng.randrange(256) for _ in range(n)]
+            elif width == 3:
+                tokens = [rng.randrange(256, 65536) for _ in range(n)]
+            elif width == 5:
+                tokens = [rng.randrange(65536, 2**31) for _ in range(n)]
+            else:
+                tokens = [rng.choice(edges) for _ in range(n)]
+            parent = parents[checked % len(parents)]
+            extra = keys[checked % len(keys)] if n < 5000 else keys[checked % 3]
+            want = pickle.dumps((parent, tuple(tokens), tuple(extra) if extra else None),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+            got = kvshard.vllm_block_pickle(parent, tokens, extra)
+            assert got == want, (n, width, extra[:1])
+            checked += 1
+    for extra in keys:
+        want = pickle.dumps((parents[2], (7, 8), tuple(extra) if extra else None), protocol=5)
+        assert kvshard.vllm_block_pickle(parents[2], [7, 8], extra) == want
+
+
+def test_vllm_pickle_schemes_match_hashlib_and_xxhash():
+    """vLLM's default sha256 and its xxhash: the digest of the pickle, NONE_HASH = hash_fn(seed),
+    the event id = the digest's low 64 bits big-endian."""
+    import pickle
+    xxhash = pytest.importorskip("xxhash")
+
+    def sha256(x):
+        return hashlib.sha256(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+    def xxh(x):
+        return xxhash.xxh3_128_digest(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
+
+    rng = np.random.default_rng(5)
+    for scheme, fn, size in (("vllm-sha256", sha256, 32), ("vllm-xxhash", xxh, 16)):
+        assert scheme in kvshard.vllm_hash_schemes()
+        for seed in ("0", "", "42", "s" * 300):
+            assert kvshard.vllm_none_hash(scheme, seed) == fn(seed)
+        root = kvshard.vllm_none_hash(scheme, "0")
+        assert len(root) == size
+        for bs, n in ((16, 50), (1, 5), (300, 600), (4, 8)):
+            tokens = [int(t) for t in rng.integers(0, 200000, n)]
+            for lora, salt in (("", ""), ("adapterA", ""), ("", "salt1"), ("ad", "s")):
+                want = _vllm_pickle_chain(fn, root, tokens, bs, lora, salt)
+                got = kvshard.vllm_hash_blocks(tokens, bs, scheme=scheme, root=root,
+                                               lora_name=lora, cache_salt=salt)
+                assert got == want, (scheme, bs, lora, salt)
+                assert [kvshard.vllm_event_id(h) for h in got] == [
+                    int.from_bytes(h, "big") & (2**64 - 1) for h in want]
+        assert kvshard.vllm_hash_block(scheme, root, [1, 2, 3], ["k"]) == fn((root, (1, 2, 3),
+                                                                                ("k",)))
+
+
 def test_block_manager_prefix_cache_and_events():
     bm = kvshard.BlockManager(num_blocks=8, block_size=4)
     events = []

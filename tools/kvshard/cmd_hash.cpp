@@ -1,5 +1,5 @@
 // kvshard hash: the prefix-cache digests of a token sequence's full blocks, under vLLM's
-// sha256_cbor / xxhash_cbor or kvshard's own scheme.
+// sha256 / sha256_cbor / xxhash / xxhash_cbor or kvshard's own scheme.
 #include <fmt/format.h>
 
 #include <charconv>
@@ -106,10 +106,16 @@ void run(const HashFlags& f) {
     if (f.scheme == "kvshard") {
         digests = kvshard_digests(f, tokens);
     } else {
-        require(f.scheme == "vllm-sha256-cbor" || f.scheme == "vllm-xxhash-cbor",
-                "--scheme must be vllm-sha256-cbor, vllm-xxhash-cbor or kvshard, got '", f.scheme,
-                "'");
-        digests = vllm_digests(f, parse_vllm_hash_scheme(f.scheme), tokens);
+        VllmHashScheme scheme{};
+        try {
+            scheme = parse_vllm_hash_scheme(f.scheme);
+        } catch (const Error&) {
+            throw Error(
+                detail::concat("--scheme must be vllm-sha256, vllm-sha256-cbor, "
+                               "vllm-xxhash, vllm-xxhash-cbor or kvshard, got '",
+                               f.scheme, "'"));
+        }
+        digests = vllm_digests(f, scheme, tokens);
     }
     if (f.json) {
         nlohmann::json blocks = nlohmann::json::array();
@@ -128,8 +134,8 @@ void setup(CLI::App& app) {
     auto* sub = app.add_subcommand(
         "hash", "Print the prefix-cache digest of each full block of a token sequence");
     sub->add_option("--scheme", f->scheme,
-                    "vllm-sha256-cbor | vllm-xxhash-cbor (vLLM's sha256_cbor / xxhash_cbor) | "
-                    "kvshard")
+                    "vllm-sha256 | vllm-sha256-cbor | vllm-xxhash | vllm-xxhash-cbor (vLLM's "
+                    "sha256 / sha256_cbor / xxhash / xxhash_cbor) | kvshard")
         ->required();
     sub->add_option("--block-size", f->block_size, "tokens per block")->required();
     auto* seed = sub->add_option("--hash-seed", f->hash_seed,

@@ -5,9 +5,11 @@
 // vLLM (vllm/v1/core/kv_cache_utils.py: hash_block_tokens) hashes full block i of a request as
 //   hash_fn((parent, tuple(token_ids), extra_keys))
 // where parent is block i-1's digest (NONE_HASH for block 0), extra_keys is a tuple of strings or
-// None, and hash_fn (vllm/utils/hashing.py) is one of
-//   sha256_cbor:  SHA-256 of cbor2.dumps(obj, canonical=True)          -> 32 bytes
-//   xxhash_cbor:  XXH3-128 (canonical, big-endian) of the same CBOR    -> 16 bytes
+// None, and hash_fn (vllm/utils/hashing.py; --prefix-caching-hash-algo, default "sha256") is one of
+//   sha256:       SHA-256 of pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  -> 32 bytes
+//   sha256_cbor:  SHA-256 of cbor2.dumps(obj, canonical=True)                     -> 32 bytes
+//   xxhash:       XXH3-128 (canonical, big-endian) of the same pickle             -> 16 bytes
+//   xxhash_cbor:  XXH3-128 (canonical, big-endian) of the same CBOR               -> 16 bytes
 // NONE_HASH (init_none_hash) is hash_fn(PYTHONHASHSEED), the seed taken as a Python str. The
 // 64-bit id that KV events carry (maybe_convert_block_hash) is the digest read as a big-endian
 // integer, masked to its low 64 bits: its last 8 bytes, big-endian.
@@ -22,10 +24,15 @@
 
 namespace kvshard {
 
-enum class VllmHashScheme { kSha256Cbor, kXxhashCbor };
+// The pickle schemes are vLLM's from the revision where hash_fn returns bytes (BlockHash =
+// bytes); before it, sha256 returned an int and pickled an int parent, which is not modelled.
+enum class VllmHashScheme { kSha256Cbor, kXxhashCbor, kSha256Pickle, kXxhashPickle };
 
-// "vllm-sha256-cbor" / "vllm-xxhash-cbor".
+// "vllm-sha256-cbor" / "vllm-xxhash-cbor" / "vllm-sha256" / "vllm-xxhash" (vLLM's name with
+// "vllm-" before it).
 std::string_view vllm_hash_scheme_name(VllmHashScheme s);
+// Every scheme, in the order above.
+const std::vector<VllmHashScheme>& all_vllm_hash_schemes();
 // Inverse of vllm_hash_scheme_name; Error naming the accepted names otherwise.
 VllmHashScheme parse_vllm_hash_scheme(std::string_view name);
 // Digest length in bytes: 32 (SHA-256) or 16 (XXH3-128).
@@ -73,6 +80,16 @@ std::vector<uint8_t> vllm_block_cbor(std::span<const uint8_t> parent,
                                      std::span<const int32_t> tokens,
                                      std::span<const std::string> extra_keys = {});
 
+// pickle.dumps((parent, tuple(tokens), extra_keys), protocol=5) as CPython writes it: PROTO 5,
+// FRAME, SHORT_BINBYTES, BININT1/BININT2/BININT, TUPLE1-3 or MARK ... TUPLE (EMPTY_TUPLE),
+// NONE or a tuple of SHORT_BINUNICODE/BINUNICODE, MEMOIZE after each bytes, str and non-empty
+// tuple, STOP. Each extra key is taken as its own Python object (pickle would write BINGET for a
+// key that is the very same object as one before it; vLLM's LoRA name and salt come from separate
+// request fields).
+std::vector<uint8_t> vllm_block_pickle(std::span<const uint8_t> parent,
+                                       std::span<const int32_t> tokens,
+                                       std::span<const std::string> extra_keys = {});
+
 // hash_fn((parent, tuple(tokens), extra_keys or None)). An empty parent stands for NONE_HASH in
 // vLLM; here the caller passes the root explicitly, so an empty parent is an Error.
 VllmBlockHash vllm_hash_block(VllmHashScheme s, const VllmBlockHash& parent,
@@ -83,7 +100,7 @@ VllmBlockHash vllm_hash_block(VllmHashScheme s, const VllmBlockHash& parent,
 // start_token == 0?), empty when neither applies (hashed as None).
 std::vector<std::string> vllm_block_extra_keys(const VllmExtraKeys& keys, int64_t start_token);
 
-// Reusable hasher: keeps its CBOR buffer between blocks. Not thread-safe; one per thread.
+// Reusable hasher: keeps its CBOR / pickle buffer between blocks. Not thread-safe; one per thread.
 class VllmBlockHasher {
   public:
     explicit VllmBlockHasher(VllmHashScheme s) : scheme_(s) {}
