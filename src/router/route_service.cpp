@@ -350,6 +350,7 @@ std::string RouteService::replicas_json() const {
                 j["restarts"] = s.restarts;
                 j["malformed"] = s.malformed;
                 j["evicted"] = s.evicted;
+                j["block_size_mismatch"] = s.block_size_mismatch;
             }
             feed[static_cast<size_t>(r)] = j;
         }
@@ -395,6 +396,9 @@ std::string RouteService::metrics_text() const {
                 [](const VllmFeedStatus& f) { return f.restarts; });
     per_replica("kvshard_router_malformed_total", "Malformed messages dropped.",
                 [](const VllmFeedStatus& f) { return f.malformed; });
+    per_replica("kvshard_router_block_size_mismatch_total",
+                "BlockStored events of another block size than the router's, not indexed.",
+                [](const VllmFeedStatus& f) { return f.block_size_mismatch; });
     s += "# HELP kvshard_router_stale Whether the replica's index is stale (1) after a gap.\n"
          "# TYPE kvshard_router_stale gauge\n";
     for (size_t r = 0; r < feed.size() && r < config_.replica_names.size(); ++r)

@@ -16,14 +16,17 @@ std::vector<BlockHash> vllm_prompt_keys(VllmBlockHasher& hasher, const VllmBlock
     return out;
 }
 
-VllmEventIngest::VllmEventIngest(KvIndex& index, int64_t max_blocks_per_replica)
+VllmEventIngest::VllmEventIngest(KvIndex& index, int64_t max_blocks_per_replica, int block_size)
     : index_(&index),
       max_blocks_(max_blocks_per_replica),
+      block_size_(block_size),
       held_(static_cast<size_t>(index.num_replicas())),
       status_(static_cast<size_t>(index.num_replicas())),
       accept_next_(static_cast<size_t>(index.num_replicas()), false) {
     require(max_blocks_per_replica >= 1, "the index cap must be at least 1 block per replica, got ",
             max_blocks_per_replica);
+    require(block_size >= 0, "the events' block size must be at least 1 token (0: unchecked), got ",
+            block_size);
 }
 
 void VllmEventIngest::clear_replica(int replica) {
@@ -193,6 +196,12 @@ void VllmEventIngest::apply(int replica, const VllmEventBatch& b) {
         if (e.kind != VllmEventKind::kAllBlocksCleared &&
             (!gpu || group < 0 || group >= KvIndex::kMaxGroups)) {
             ++s.ignored;
+            continue;
+        }
+        if (e.kind == VllmEventKind::kBlockStored && block_size_ > 0 &&
+            e.block_size != block_size_) {
+            ++s.block_size_mismatch;
+            s.last_event_block_size = e.block_size;
             continue;
         }
         const int g = static_cast<int>(group);

@@ -46,7 +46,7 @@ struct VllmEventSubscriber::Impl {
         : index(&idx),
           endpoints(std::move(eps)),
           options(opt),
-          ingest(idx, opt.max_blocks_per_replica) {
+          ingest(idx, opt.max_blocks_per_replica, opt.block_size) {
         for (const auto& e : endpoints) {
             require(e.replica >= 0 && e.replica < idx.num_replicas(), "endpoint ", e.endpoint,
                     ": replica ", e.replica, " is not in 0..", idx.num_replicas() - 1);

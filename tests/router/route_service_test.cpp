@@ -103,6 +103,31 @@ TEST(RouteService, HashesTheLoraNameAndTheCacheSaltAsVllmDoes) {
     for (size_t i = 0; i < plain.size(); ++i) EXPECT_NE(salted[i], plain[i]) << i;
 }
 
+// The feed's count of BlockStored events at another block size shows in /replicas and /metrics.
+TEST(RouteService, ShowsBlockSizeMismatches) {
+    KvIndex index(2);
+    VllmEventIngest ingest(index, VllmEventIngest::kDefaultMaxBlocksPerReplica, 4);
+    VllmKvEvent e;
+    e.kind = VllmEventKind::kBlockStored;
+    e.block_hashes = {5, 6};
+    e.block_size = 8;
+    const auto s = encode_vllm_seq(0);
+    const auto p = encode_vllm_event_batch(VllmEventBatch{0.0, {e}, 1});
+    ASSERT_EQ(ingest.on_batch(1, s, p).outcome, VllmEventIngest::Outcome::kApplied);
+    RouteServiceConfig c;
+    c.replica_names = {"a", "b"};
+    c.block_size = 4;
+    RouteService svc(c, [&](const auto& fn) { fn(index, &ingest); });
+    const auto reps = nlohmann::json::parse(svc.replicas_json())["replicas"];
+    EXPECT_EQ(reps[0]["block_size_mismatch"], 0);
+    EXPECT_EQ(reps[1]["block_size_mismatch"], 1);
+    EXPECT_EQ(reps[1]["index_blocks"], 0);
+    const std::string m = svc.metrics_text();
+    EXPECT_NE(m.find("kvshard_router_block_size_mismatch_total{replica=\"b\"} 1\n"),
+              std::string::npos)
+        << m;
+}
+
 TEST(RouteService, RoundRobinIgnoresThePrefixes) {
     Fixture f;
     f.store(1, 0, 5);

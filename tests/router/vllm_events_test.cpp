@@ -340,6 +340,38 @@ struct Feed {
 
 using Outcome = VllmEventIngest::Outcome;
 
+// An engine at block 32 against a router at 16: its blocks' hashes cover 32 tokens each and could
+// never match a route hashed at 16, so they are counted and kept out of the index.
+TEST(VllmIngest, BlockStoredOfAnotherBlockSizeIsCountedNotIndexed) {
+    KvIndex index(2);
+    VllmEventIngest ingest(index, VllmEventIngest::kDefaultMaxBlocksPerReplica, 16);
+    auto send = [&](int replica, uint64_t seq, std::vector<VllmKvEvent> events) {
+        const auto s = encode_vllm_seq(seq);
+        const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, std::move(events), replica});
+        return ingest.on_batch(replica, s, p).outcome;
+    };
+    EXPECT_EQ(send(0, 0, {stored({1, 2}, std::nullopt, {}, 32), stored({7}, std::nullopt, {}, 16)}),
+              Outcome::kApplied);
+    EXPECT_EQ(send(1, 0, {stored({1, 2}, std::nullopt, {}, 16)}), Outcome::kApplied);
+    EXPECT_EQ(index.num_blocks(0), 1);
+    EXPECT_FALSE(index.contains(0, vllm_index_key(1)));
+    EXPECT_TRUE(index.contains(0, vllm_index_key(7)));
+    EXPECT_EQ(index.num_blocks(1), 2);
+    EXPECT_EQ(ingest.status(0).block_size_mismatch, 1);
+    EXPECT_EQ(ingest.status(0).last_event_block_size, 32);
+    EXPECT_EQ(ingest.status(0).events, 1);
+    EXPECT_EQ(ingest.status(1).block_size_mismatch, 0);
+    // Unchecked (0) by default: any block size is indexed.
+    KvIndex any(1);
+    VllmEventIngest unchecked(any);
+    const auto s = encode_vllm_seq(0);
+    const auto p =
+        encode_vllm_event_batch(VllmEventBatch{1.0, {stored({1, 2}, std::nullopt, {}, 32)}, 0});
+    EXPECT_EQ(unchecked.on_batch(0, s, p).outcome, Outcome::kApplied);
+    EXPECT_EQ(any.num_blocks(0), 2);
+    EXPECT_THROW(VllmEventIngest(any, 4, -1), Error);
+}
+
 TEST(VllmIngest, AppliesInOrderAndDetectsGapsAndRestarts) {
     Feed f;
     const std::vector<uint64_t> req = {1, 2, 3, 4};

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include <cstdio>
@@ -105,6 +106,8 @@ void serve(const ServeFlags& f) {
     require(f.index_cap_blocks >= 1, "--index-cap-blocks must be at least 1, got ",
             f.index_cap_blocks);
     sub_options.max_blocks_per_replica = f.index_cap_blocks;
+    // A --block-size out of range is refused by RouteService below, with its message.
+    sub_options.block_size = std::max(cfg.block_size, 0);
     VllmEventSubscriber subscriber(index, endpoints, sub_options);
     RouteService service(cfg, [&subscriber](const auto& fn) {
         subscriber.with_index(

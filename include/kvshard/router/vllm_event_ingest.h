@@ -24,7 +24,10 @@
 // ceil((W - 1) / block_size) blocks before the hit, "mamba" only the block before it; every other
 // kind, and a group whose kind was never named (revisions before the field), needs every block of
 // the prefix (full attention; for a windowed group that may undercount a hit, never overcount).
-// A group_idx outside 0..KvIndex::kMaxGroups - 1 is counted as ignored. A vLLM block id maps to the
+// A group_idx outside 0..KvIndex::kMaxGroups - 1 is counted as ignored. With a block size set
+// (the router's, which it hashes prompts with), a BlockStored of another block_size is not indexed
+// and is counted (block_size_mismatch): its hashes cover other token spans and could never match a
+// route, and indexed they would only take room under the cap. A vLLM block id maps to the
 // index key vllm_index_key(id). The index holds at most max_blocks_per_replica blocks per replica:
 // past it the replica's oldest stored blocks (by their last BlockStored) are dropped from the index
 // and counted (bounded memory; a dropped block only costs a missed hit).
@@ -64,15 +67,17 @@ std::optional<int> vllm_group_window_blocks(std::string_view kind,
 struct VllmFeedStatus {
     std::optional<uint64_t> last_seq;  // nullopt before the first batch
     bool stale = false;
-    int64_t batches = 0;     // batches applied
-    int64_t events = 0;      // events applied to the index
-    int64_t ignored = 0;     // events of another tier (or a group_idx out of range)
-    int64_t gaps = 0;        // gaps seen
-    int64_t restarts = 0;    // sequence went back
-    int64_t malformed = 0;   // messages dropped
-    int64_t replayed = 0;    // batches applied from a replay
-    int64_t evicted = 0;     // blocks dropped from the index by the per-replica cap
-    std::string last_error;  // the last malformed message's reason
+    int64_t batches = 0;                // batches applied
+    int64_t events = 0;                 // events applied to the index
+    int64_t ignored = 0;                // events of another tier (or a group_idx out of range)
+    int64_t gaps = 0;                   // gaps seen
+    int64_t restarts = 0;               // sequence went back
+    int64_t malformed = 0;              // messages dropped
+    int64_t replayed = 0;               // batches applied from a replay
+    int64_t evicted = 0;                // blocks dropped from the index by the per-replica cap
+    int64_t block_size_mismatch = 0;    // BlockStored events of another block size, not indexed
+    int64_t last_event_block_size = 0;  // the block_size of the last such event
+    std::string last_error;             // the last malformed message's reason
 };
 
 class VllmEventIngest {
@@ -85,10 +90,12 @@ class VllmEventIngest {
 
     static constexpr int64_t kDefaultMaxBlocksPerReplica = 4'000'000;
 
-    // `index` must outlive this; replicas 0 .. index.num_replicas() - 1. Error unless
-    // max_blocks_per_replica >= 1.
+    // `index` must outlive this; replicas 0 .. index.num_replicas() - 1. `block_size`: the
+    // engines' block size in tokens, which every BlockStored must carry; 0 accepts any. Error
+    // unless max_blocks_per_replica >= 1 and block_size >= 0.
     explicit VllmEventIngest(KvIndex& index,
-                             int64_t max_blocks_per_replica = kDefaultMaxBlocksPerReplica);
+                             int64_t max_blocks_per_replica = kDefaultMaxBlocksPerReplica,
+                             int block_size = 0);
 
     // One message as received: frames[0] topic, frames[1] sequence, frames[2] payload.
     // `decoded`, when given, is decode_vllm_event_batch(frames[2]) done by the caller (outside
@@ -128,6 +135,7 @@ class VllmEventIngest {
 
     KvIndex* index_;
     int64_t max_blocks_;
+    int block_size_;
     std::vector<Held> held_;
     std::vector<VllmFeedStatus> status_;
     std::vector<bool> accept_next_;  // after mark_stale: the next seq is accepted whatever it is

@@ -30,6 +30,7 @@ struct VllmSubscriberOptions {
     int replay_timeout_ms = 1000;
     int receive_hwm = 100000;  // messages queued per socket before ZMQ drops (bounded memory)
     int64_t max_blocks_per_replica = VllmEventIngest::kDefaultMaxBlocksPerReplica;
+    int block_size = 0;  // the engines' block size; BlockStored of another size: not indexed
 };
 
 // One engine of `kvshard router serve --engine NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]`:
