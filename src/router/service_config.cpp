@@ -31,16 +31,31 @@ int parse_port(std::string_view endpoint) {
     return port;
 }
 
+bool is_ipc(std::string_view endpoint) { return endpoint.rfind("ipc://", 0) == 0; }
+
+// tcp://HOST:PORT or ipc://PATH, the transports vLLM's publisher binds that another process can
+// reach. inproc:// names a socket inside the engine's own process: nothing outside can connect.
 void check_endpoint(std::string_view what, std::string_view endpoint) {
+    require(endpoint.rfind("inproc://", 0) != 0, what, " '", endpoint,
+            "' is inproc://, which only reaches sockets inside the engine's own process; the "
+            "router is another process: have the engine publish on tcp://HOST:PORT or ipc://PATH");
+    if (is_ipc(endpoint)) {
+        require(endpoint.size() > 6, what, " '", endpoint,
+                "' has no path; expected ipc://PATH (e.g. ipc:///tmp/vllm-kv-events)");
+        return;
+    }
     const int port = parse_port(endpoint);
     require(endpoint.rfind("tcp://", 0) == 0 && port >= 1 && port <= 65535, what, " '", endpoint,
-            "' is not tcp://HOST:PORT (e.g. tcp://127.0.0.1:5557)");
+            "' is not tcp://HOST:PORT or ipc://PATH (e.g. tcp://127.0.0.1:5557)");
 }
 
 }  // namespace
 
 std::string offset_endpoint_port(const std::string& endpoint, int rank) {
     if (rank == 0) return endpoint;
+    require(!is_ipc(endpoint), "cannot offset '", endpoint,
+            "' by DP rank: vLLM offsets tcp:// ports only (its offset_endpoint_port refuses an "
+            "ipc:// endpoint for a rank above 0)");
     const int port = parse_port(endpoint);
     require(port >= 1, "cannot offset the port of '", endpoint, "': no numeric port");
     require(port + rank <= 65535, "'", endpoint, "' rank ", rank, ": port ", port + rank,
@@ -51,7 +66,8 @@ std::string offset_endpoint_port(const std::string& endpoint, int rank) {
 VllmEngineSpec parse_vllm_engine_spec(std::string_view text) {
     const size_t eq = text.find('=');
     require(eq != std::string_view::npos && eq > 0, "--engine '", text,
-            "': expected NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]");
+            "': expected NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT] (or ipc://PATH "
+            "for either endpoint)");
     VllmEngineSpec e;
     e.name = std::string(text.substr(0, eq));
     std::string_view rest = text.substr(eq + 1);
@@ -77,6 +93,10 @@ VllmEngineSpec parse_vllm_engine_spec(std::string_view text) {
                                        "'; expected dp=K or replay=tcp://HOST:PORT"));
         }
     }
+    require(e.dp == 1 || (!is_ipc(e.endpoint) && !is_ipc(e.replay_endpoint)), "--engine ", e.name,
+            ": dp=", e.dp,
+            " needs tcp:// endpoints: vLLM gives DP rank k the port + k of a tcp:// endpoint and "
+            "cannot offset an ipc:// one; give each rank's ipc:// endpoint its own --engine");
     return e;
 }
 

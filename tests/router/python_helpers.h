@@ -50,9 +50,10 @@ inline std::vector<uint8_t> from_hex(const std::string& h) {
 }
 
 // `python publisher serve` as a child process: commands on its stdin, answers on its stdout.
+// On loopback TCP, or with `ipc_prefix` on ipc://PREFIX.pub and ipc://PREFIX.replay.
 class PythonPublisher {
   public:
-    PythonPublisher() {
+    explicit PythonPublisher(const std::string& ipc_prefix = "") {
         int in[2], out[2];
         if (pipe(in) != 0 || pipe(out) != 0) return;
         pid_ = fork();
@@ -62,8 +63,13 @@ class PythonPublisher {
             close(in[1]);
             close(out[0]);
             const std::string script = publisher_script();
-            execl(KVSHARD_TEST_PYTHON, KVSHARD_TEST_PYTHON, script.c_str(), "serve",
-                  static_cast<char*>(nullptr));
+            if (ipc_prefix.empty()) {
+                execl(KVSHARD_TEST_PYTHON, KVSHARD_TEST_PYTHON, script.c_str(), "serve",
+                      static_cast<char*>(nullptr));
+            } else {
+                execl(KVSHARD_TEST_PYTHON, KVSHARD_TEST_PYTHON, script.c_str(), "serve",
+                      ipc_prefix.c_str(), static_cast<char*>(nullptr));
+            }
             _exit(127);
         }
         close(in[0]);
@@ -71,8 +77,19 @@ class PythonPublisher {
         to_ = fdopen(in[1], "w");
         from_ = fdopen(out[0], "r");
         const std::string ports = read_line();
-        if (std::sscanf(ports.c_str(), "ports %d %d", &pub_port_, &replay_port_) != 2)
-            ADD_FAILURE() << "the publisher said '" << ports << "', expected 'ports PUB REPLAY'";
+        if (ports.rfind("ipc ", 0) == 0) {
+            const size_t space = ports.find(' ', 4);
+            if (space != std::string::npos) {
+                endpoint_ = ports.substr(4, space - 4);
+                replay_endpoint_ = ports.substr(space + 1);
+            }
+        } else if (std::sscanf(ports.c_str(), "ports %d %d", &pub_port_, &replay_port_) == 2) {
+            endpoint_ = "tcp://127.0.0.1:" + std::to_string(pub_port_);
+            replay_endpoint_ = "tcp://127.0.0.1:" + std::to_string(replay_port_);
+        }
+        if (endpoint_.empty())
+            ADD_FAILURE() << "the publisher said '" << ports
+                          << "', expected 'ports PUB REPLAY' or 'ipc PUB REPLAY'";
     }
     ~PythonPublisher() {
         if (to_) fclose(to_);
@@ -88,11 +105,9 @@ class PythonPublisher {
     PythonPublisher(const PythonPublisher&) = delete;
     PythonPublisher& operator=(const PythonPublisher&) = delete;
 
-    bool ok() const { return pub_port_ > 0; }
-    std::string endpoint() const { return "tcp://127.0.0.1:" + std::to_string(pub_port_); }
-    std::string replay_endpoint() const {
-        return "tcp://127.0.0.1:" + std::to_string(replay_port_);
-    }
+    bool ok() const { return !endpoint_.empty(); }
+    std::string endpoint() const { return endpoint_; }
+    std::string replay_endpoint() const { return replay_endpoint_; }
     // Blocks until a subscriber has joined.
     bool wait_subscribed() { return read_line() == "subscribed"; }
     // Sends one command; true once the publisher has sent it.
@@ -117,6 +132,7 @@ class PythonPublisher {
     FILE* from_ = nullptr;
     int pub_port_ = 0;
     int replay_port_ = 0;
+    std::string endpoint_, replay_endpoint_;
 };
 
 }  // namespace kvshard::test

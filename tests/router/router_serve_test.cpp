@@ -533,7 +533,12 @@ TEST(RouterServe, RefusesBadFlags) {
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --listen 0.0.0.0:0",
          "--allow-remote"},
         {"router serve --engine a --hash-seed 0", "NAME=tcp://HOST:PORT"},
-        {"router serve --engine a=udp://x:1 --hash-seed 0", "is not tcp://HOST:PORT"},
+        {"router serve --engine a=udp://x:1 --hash-seed 0", "is not tcp://HOST:PORT or ipc://PATH"},
+        {"router serve --engine a=inproc://kv --hash-seed 0", "is inproc://"},
+        {"router serve --engine a=ipc:// --hash-seed 0", "has no path"},
+        {"router serve --engine a=ipc:///tmp/kv,dp=2 --hash-seed 0", "needs tcp:// endpoints"},
+        {"router serve --engine a=tcp://127.0.0.1:1,dp=2,replay=ipc:///tmp/r --hash-seed 0",
+         "needs tcp:// endpoints"},
         {"router serve --engine a=tcp://127.0.0.1:1,dp=0 --hash-seed 0", "dp must be 1 to 64"},
         {"router serve --engine a=tcp://127.0.0.1:1,zz=1 --hash-seed 0", "unknown option"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --hash md5", "vllm-sha256-cbor"},
@@ -550,6 +555,11 @@ TEST(RouterServe, RefusesBadFlags) {
     }
     EXPECT_EQ(offset_endpoint_port("tcp://127.0.0.1:5557", 2), "tcp://127.0.0.1:5559");
     EXPECT_EQ(parse_vllm_engine_spec("e=tcp://h:10,dp=3,replay=tcp://h:20").dp, 3);
+    const auto ipc = parse_vllm_engine_spec("e=ipc:///tmp/kv.pub,replay=ipc:///tmp/kv.replay");
+    EXPECT_EQ(ipc.endpoint, "ipc:///tmp/kv.pub");
+    EXPECT_EQ(ipc.replay_endpoint, "ipc:///tmp/kv.replay");
+    EXPECT_EQ(offset_endpoint_port("ipc:///tmp/kv", 0), "ipc:///tmp/kv");
+    EXPECT_THROW(offset_endpoint_port("ipc:///tmp/kv", 1), Error);
 }
 
 }  // namespace

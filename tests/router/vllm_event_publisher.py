@@ -16,8 +16,9 @@ first n positional fields, as an older vLLM revision with fewer fields did)}. A 
   replay EP FROM     asks the replay (ROUTER) socket at EP for every batch from FROM, as a vLLM
                      consumer does (DEALER: "", FROM as 8 bytes BE), and prints one JSON line:
                      [[seq, decoded batch], ...] up to the end marker (seq -1)
-  serve              binds XPUB (and a ROUTER replay socket) on 127.0.0.1, prints
-                     "ports PUB REPLAY", waits for a subscriber ("subscribed"), then reads JSON
+  serve [PREFIX]     binds XPUB (and a ROUTER replay socket) on 127.0.0.1, prints
+                     "ports PUB REPLAY" (with PREFIX: on ipc://PREFIX.pub and ipc://PREFIX.replay,
+                     prints "ipc PUB_EP REPLAY_EP"), waits for a subscriber ("subscribed"), then reads JSON
                      commands from stdin, one per line, answering "ok" after each:
                        {"seq": n, "batch": spec, "topic": "...", "drop": bool}
                            (drop: keep for replay, do not publish: a lost message)
@@ -122,13 +123,18 @@ def encode_batch(spec):
     return msgpack.packb(struct(BATCH, values, form), use_bin_type=True)
 
 
-def serve():
+def serve(ipc_prefix=None):
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.XPUB)  # a PUB that also tells when a subscriber has joined
-    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
     replay = ctx.socket(zmq.ROUTER)
-    replay_port = replay.bind_to_random_port("tcp://127.0.0.1")
-    print(f"ports {pub_port} {replay_port}", flush=True)
+    if ipc_prefix:
+        pub.bind(f"ipc://{ipc_prefix}.pub")
+        replay.bind(f"ipc://{ipc_prefix}.replay")
+        print(f"ipc ipc://{ipc_prefix}.pub ipc://{ipc_prefix}.replay", flush=True)
+    else:
+        pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+        replay_port = replay.bind_to_random_port("tcp://127.0.0.1")
+        print(f"ports {pub_port} {replay_port}", flush=True)
     pub.recv()  # the subscription message
     print("subscribed", flush=True)
 
@@ -199,9 +205,10 @@ def main():
             specs = json.load(f)
         json.dump([encode_batch(s).hex() for s in specs], sys.stdout)
     elif sys.argv[1] == "serve":
-        serve()
+        serve(sys.argv[2] if len(sys.argv) > 2 else None)
     else:
-        raise SystemExit("usage: vllm_event_publisher.py encode FILE | replay EP FROM | serve")
+        raise SystemExit("usage: vllm_event_publisher.py encode FILE | replay EP FROM | "
+                         "serve [IPC_PREFIX]")
 
 
 if __name__ == "__main__":

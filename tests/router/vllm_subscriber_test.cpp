@@ -4,7 +4,11 @@
 // the replica goes stale; a restart clears it; malformed messages are counted.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <thread>
 
@@ -139,6 +143,47 @@ TEST(VllmSubscriber, FollowsTwoVllmPublishers) {
     EXPECT_FALSE(sub.status(1).stale);
 
     sub.stop();
+}
+
+// vLLM binds ipc:// endpoints too: the subscriber follows a publisher on ipc://, replay included.
+TEST(VllmSubscriber, FollowsAPublisherOnIpc) {
+    if (!VllmEventSubscriber::available()) GTEST_SKIP() << "built without libzmq";
+    char dir[] = "/tmp/kvshard_ipc_XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    const std::string prefix = std::string(dir) + "/engine";
+    {
+        test::PythonPublisher p(prefix);
+        ASSERT_TRUE(p.ok());
+        ASSERT_EQ(p.endpoint(), "ipc://" + prefix + ".pub");
+        const VllmEngineSpec spec =
+            parse_vllm_engine_spec("e=" + p.endpoint() + ",replay=" + p.replay_endpoint());
+        KvIndex index(1);
+        VllmEventSubscriber sub(index, {{0, spec.endpoint, spec.replay_endpoint, ""}});
+        ASSERT_TRUE(p.wait_subscribed());
+        VllmBlockHasher hasher(VllmHashScheme::kSha256Cbor);
+        const auto keys = vllm_prompt_keys(hasher, vllm_none_hash(VllmHashScheme::kSha256Cbor, "0"),
+                                           prompt_tokens(), kBlock);
+        auto overlap = [&] {
+            std::vector<int> out(1);
+            sub.with_index(
+                [&](const KvIndex& idx, const VllmEventIngest&) { idx.prefix_overlap(keys, out); });
+            return out[0];
+        };
+        ASSERT_TRUE(p.send(batch(0, {stored_blocks(0, 2)})));
+        ASSERT_TRUE(eventually([&] { return sub.status(0).batches == 1; }));
+        EXPECT_EQ(overlap(), 2);
+        // A lost batch comes back through the ipc:// replay socket.
+        ASSERT_TRUE(p.send(dropped(batch(1, {stored_blocks(2, 2)}))));
+        ASSERT_TRUE(p.send(batch(2, {stored_blocks(4, 1)})));
+        ASSERT_TRUE(eventually([&] { return sub.status(0).last_seq == 2u; }));
+        EXPECT_EQ(sub.status(0).gaps, 1);
+        EXPECT_GE(sub.status(0).replayed, 1);
+        EXPECT_FALSE(sub.status(0).stale);
+        EXPECT_EQ(overlap(), 5);
+    }
+    std::remove((prefix + ".pub").c_str());
+    std::remove((prefix + ".replay").c_str());
+    rmdir(dir);
 }
 
 TEST(VllmSubscriber, RefusesAReplicaOutsideTheIndex) {

@@ -143,7 +143,7 @@ void setup(CLI::App& app) {
     sub->add_option("--listen", f->listen, "HOST:PORT to serve HTTP on (loopback by default)");
     sub->add_option("--engine", f->engines,
                     "NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]: an engine's KV event "
-                    "publisher (repeat per engine)")
+                    "publisher, tcp:// or ipc://PATH (repeat per engine)")
         ->required();
     sub->add_option("--policy", f->policy,
                     "round-robin | least-loaded | cache-aware | cost | kvshard");

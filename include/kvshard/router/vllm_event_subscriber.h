@@ -21,7 +21,7 @@ namespace kvshard {
 
 struct VllmEventEndpoint {
     int replica = 0;              // index of the replica in the KvIndex
-    std::string endpoint;         // e.g. tcp://127.0.0.1:5557 (connected)
+    std::string endpoint;         // e.g. tcp://127.0.0.1:5557 or ipc:///tmp/kv (connected)
     std::string replay_endpoint;  // e.g. tcp://127.0.0.1:5567; empty: no replay
     std::string topic;            // subscription prefix; empty: every topic
 };
@@ -33,7 +33,8 @@ struct VllmSubscriberOptions {
     int block_size = 0;  // the engines' block size; BlockStored of another size: not indexed
 };
 
-// One engine of `kvshard router serve --engine NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]`:
+// One engine of `kvshard router serve --engine NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]`
+// (or ipc://PATH for either endpoint, with dp=1):
 // K data-parallel ranks, rank k publishing on PORT + k (and replaying on its replay PORT + k), as
 // vLLM's offset_endpoint_port does.
 struct VllmEngineSpec {
@@ -42,10 +43,13 @@ struct VllmEngineSpec {
     int dp = 1;
     std::string replay_endpoint;
 };
-// Error naming what is wrong (no '=', an empty name, not tcp://host:port, dp outside 1..64, an
-// unknown option).
+// An endpoint is tcp://HOST:PORT or ipc://PATH (vLLM binds either; inproc:// is refused: it
+// cannot be reached from another process). Error naming what is wrong (no '=', an empty name, an
+// endpoint of neither form, dp outside 1..64, dp above 1 with an ipc:// endpoint, an unknown
+// option).
 VllmEngineSpec parse_vllm_engine_spec(std::string_view text);
-// tcp://host:port with port + rank (rank 0: unchanged); Error when there is no numeric port.
+// tcp://host:port with port + rank (rank 0: unchanged); Error when there is no numeric port or
+// the endpoint is ipc:// (vLLM's offset_endpoint_port refuses it for a rank above 0).
 std::string offset_endpoint_port(const std::string& endpoint, int rank);
 
 class VllmEventSubscriber {
