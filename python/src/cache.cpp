@@ -294,6 +294,18 @@ void bind_cache(py::module_& m) {
         "pickle.dumps((parent, tuple(tokens), tuple(extra_keys) or None), protocol=5): what "
         "vLLM's sha256 and xxhash schemes hash.");
     m.def(
+        "vllm_block_encoding",
+        [](const std::string& scheme, const py::bytes& parent, const TokenArray& tokens,
+           const std::vector<std::string>& extra_keys) {
+            const auto c = vllm_block_encoding(parse_vllm_hash_scheme(scheme), byte_span(parent),
+                                               token_span(tokens), extra_keys);
+            return py::bytes(reinterpret_cast<const char*>(c.data()), c.size());
+        },
+        py::arg("scheme"), py::arg("parent"), py::arg("tokens"),
+        py::arg("extra_keys") = std::vector<std::string>{},
+        "What `scheme` hashes for a block (CBOR or pickle; sha256_cbor_64bit: CBOR with the "
+        "parent as an integer).");
+    m.def(
         "vllm_hash_blocks",
         [](const TokenArray& tokens, int block_size, const std::string& scheme,
            const py::bytes& root, const std::string& lora_name, const std::string& cache_salt) {

@@ -39,6 +39,7 @@ class CborWriter {
         head(cbor_encode_string_start, s.size());
         out_.insert(out_.end(), s.begin(), s.end());
     }
+    void unsigned_integer(uint64_t v) { head(cbor_encode_uint, v); }
     void integer(int64_t v) {
         // Major type 0 for v >= 0, else major type 1 with argument -1 - v.
         if (v >= 0) {
@@ -66,13 +67,22 @@ class CborWriter {
     std::vector<uint8_t>& out_;
 };
 
+// parent_as_int: vLLM v0.10's sha256_cbor_64bit chains Python ints, so the parent is a CBOR
+// unsigned integer (the digest's 8 bytes, big-endian) rather than a byte string.
 void encode_block(std::vector<uint8_t>& out, std::span<const uint8_t> parent,
-                  std::span<const int32_t> tokens, std::span<const std::string> extra_keys) {
+                  std::span<const int32_t> tokens, std::span<const std::string> extra_keys,
+                  bool parent_as_int = false) {
     out.clear();
     out.reserve(3 * kMaxHead + parent.size() + 5 * tokens.size() + 16);
     CborWriter w(out);
     w.array_start(3);
-    w.bytes(parent);
+    if (parent_as_int) {
+        uint64_t v = 0;
+        for (uint8_t b : parent) v = (v << 8) | b;
+        w.unsigned_integer(v);
+    } else {
+        w.bytes(parent);
+    }
     w.array_start(tokens.size());
     for (int32_t t : tokens) w.integer(t);
     if (extra_keys.empty()) {
@@ -258,10 +268,13 @@ void sha256(std::span<const uint8_t> data, uint8_t* md) {
 }
 
 VllmBlockHash digest(VllmHashScheme s, std::span<const uint8_t> data) {
-    if (s == VllmHashScheme::kSha256Cbor || s == VllmHashScheme::kSha256Pickle) {
+    if (s == VllmHashScheme::kSha256Cbor || s == VllmHashScheme::kSha256Pickle ||
+        s == VllmHashScheme::kSha256Cbor64) {
         uint8_t md[SHA256_DIGEST_LENGTH];
         sha256(data, md);
-        return VllmBlockHash(std::span<const uint8_t>(md, sizeof md));
+        // sha256_cbor_64bit: int.from_bytes(digest, "big") & (2**64 - 1), its last 8 bytes.
+        const size_t keep = s == VllmHashScheme::kSha256Cbor64 ? 8 : sizeof md;
+        return VllmBlockHash(std::span<const uint8_t>(md + sizeof md - keep, keep));
     }
     // xxhash.xxh3_128_digest: XXH128's canonical form, high 64 bits first, each big-endian.
     XXH128_canonical_t c;
@@ -281,6 +294,8 @@ std::string_view vllm_hash_scheme_name(VllmHashScheme s) {
             return "vllm-sha256";
         case VllmHashScheme::kXxhashPickle:
             return "vllm-xxhash";
+        case VllmHashScheme::kSha256Cbor64:
+            return "vllm-sha256-cbor-64bit";
     }
     KVSHARD_CHECK(false, "a VllmHashScheme out of range: ", static_cast<int>(s));
     return {};
@@ -289,7 +304,7 @@ std::string_view vllm_hash_scheme_name(VllmHashScheme s) {
 const std::vector<VllmHashScheme>& all_vllm_hash_schemes() {
     static const std::vector<VllmHashScheme> all = {
         VllmHashScheme::kSha256Cbor, VllmHashScheme::kXxhashCbor, VllmHashScheme::kSha256Pickle,
-        VllmHashScheme::kXxhashPickle};
+        VllmHashScheme::kXxhashPickle, VllmHashScheme::kSha256Cbor64};
     return all;
 }
 
@@ -299,11 +314,12 @@ VllmHashScheme parse_vllm_hash_scheme(std::string_view name) {
     throw Error(detail::concat(
         "unknown vLLM hash scheme '", name,
         "'; expected vllm-sha256 (vLLM's default prefix_caching_hash_algo sha256: pickle), "
-        "vllm-sha256-cbor (sha256_cbor), vllm-xxhash (xxhash: pickle) or vllm-xxhash-cbor "
-        "(xxhash_cbor)"));
+        "vllm-sha256-cbor (sha256_cbor), vllm-xxhash (xxhash: pickle), vllm-xxhash-cbor "
+        "(xxhash_cbor) or vllm-sha256-cbor-64bit (vLLM v0.10's sha256_cbor_64bit)"));
 }
 
 size_t vllm_digest_size(VllmHashScheme s) {
+    if (s == VllmHashScheme::kSha256Cbor64) return 8;
     return s == VllmHashScheme::kSha256Cbor || s == VllmHashScheme::kSha256Pickle ? 32 : 16;
 }
 
@@ -380,6 +396,18 @@ std::vector<uint8_t> vllm_block_cbor(std::span<const uint8_t> parent,
     return out;
 }
 
+std::vector<uint8_t> vllm_block_encoding(VllmHashScheme s, std::span<const uint8_t> parent,
+                                         std::span<const int32_t> tokens,
+                                         std::span<const std::string> extra_keys) {
+    std::vector<uint8_t> out;
+    if (is_pickle(s)) {
+        encode_block_pickle(out, parent, tokens, extra_keys);
+    } else {
+        encode_block(out, parent, tokens, extra_keys, s == VllmHashScheme::kSha256Cbor64);
+    }
+    return out;
+}
+
 VllmBlockHash vllm_hash_block(VllmHashScheme s, const VllmBlockHash& parent,
                               std::span<const int32_t> tokens,
                               std::span<const std::string> extra_keys) {
@@ -402,7 +430,10 @@ VllmBlockHash VllmBlockHasher::hash(const VllmBlockHash& parent, std::span<const
     if (is_pickle(scheme_)) {
         encode_block_pickle(buf_, parent.bytes(), tokens, extra_keys);
     } else {
-        encode_block(buf_, parent.bytes(), tokens, extra_keys);
+        const bool as_int = scheme_ == VllmHashScheme::kSha256Cbor64;
+        require(!as_int || parent.size() <= 8, "a vllm-sha256-cbor-64bit parent is 8 bytes, got ",
+                parent.size());
+        encode_block(buf_, parent.bytes(), tokens, extra_keys, as_int);
     }
     return digest(scheme_, buf_);
 }
@@ -411,6 +442,10 @@ std::vector<VllmBlockHash> VllmBlockHasher::hash_blocks(const VllmBlockHash& roo
                                                         std::span<const int32_t> tokens,
                                                         int block_size, const VllmExtraKeys& keys) {
     require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
+    require(scheme_ != VllmHashScheme::kSha256Cbor64 || keys.lora_name.empty(),
+            "LoRA requests are not modelled under vllm-sha256-cbor-64bit: vLLM v0.10 hashed the "
+            "adapter's lora_int_id, not its name; route LoRA requests with a scheme of a vLLM that "
+            "hashes lora_name (vllm-sha256, vllm-sha256-cbor, vllm-xxhash, vllm-xxhash-cbor)");
     const size_t bs = static_cast<size_t>(block_size);
     const size_t full = tokens.size() / bs;
     std::vector<VllmBlockHash> out;

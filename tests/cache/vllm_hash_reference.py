@@ -6,13 +6,16 @@ vLLM (docs/router.md cites the files and the commit):
   sha256_cbor(x)  = hashlib.sha256(cbor2.dumps(x, canonical=True)).digest()
   xxhash(x)       = xxhash.xxh3_128_digest(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
   xxhash_cbor(x)  = xxhash.xxh3_128_digest(cbor2.dumps(x, canonical=True))
+  sha256_cbor_64bit(x) = int.from_bytes(sha256_cbor(x), "big") & (2**64 - 1)   (vLLM v0.10: an
+                    int, chained as an int; written here as its 8 bytes big-endian)
   NONE_HASH       = hash_fn(os.environ["PYTHONHASHSEED"])          (init_none_hash)
   block i         = hash_fn((parent, tuple(tokens of block i), extra_keys or None))
   extra_keys      = [lora_name] if LoRA, then [cache_salt] on the block at token 0 if salt
   event id        = int.from_bytes(digest, "big") & (2**64 - 1)     (maybe_convert_block_hash)
 
 Reads a JSON list of cases from the file named by argv[1]; each case has "scheme"
-("vllm-sha256" | "vllm-sha256-cbor" | "vllm-xxhash" | "vllm-xxhash-cbor"), either "seed" (a
+("vllm-sha256" | "vllm-sha256-cbor" | "vllm-xxhash" | "vllm-xxhash-cbor" |
+"vllm-sha256-cbor-64bit"), either "seed" (a
 string) or "parent" (hex), "block_size", "tokens", and optional "lora_name", "cache_salt". Writes a
 JSON list: per case {"root": hex, "blocks": [{"digest": hex, "id": int, "encoded": hex}]}, only
 full blocks; "encoded" is what the scheme hashes (pickle protocol 5, or canonical CBOR).
@@ -27,7 +30,7 @@ import xxhash
 
 
 def encode_for(scheme):
-    if scheme.endswith("-cbor"):
+    if "-cbor" in scheme:
         return lambda obj: cbor2.dumps(obj, canonical=True)
     return lambda obj: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -37,6 +40,10 @@ def hash_fn_for(scheme):
         return lambda obj: hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
     if scheme == "vllm-xxhash":
         return lambda obj: xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    if scheme == "vllm-sha256-cbor-64bit":
+        # vLLM v0.10 (PR #20511): an int, chained as an int.
+        return lambda obj: int.from_bytes(
+            hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest(), "big") & ((1 << 64) - 1)
     if scheme == "vllm-sha256-cbor":
         return lambda obj: hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
     if scheme == "vllm-xxhash-cbor":
@@ -53,12 +60,18 @@ def extra_keys_for(case, start_token):
     return tuple(keys) if keys else None
 
 
+def as_bytes(digest):
+    return digest.to_bytes(8, "big") if isinstance(digest, int) else digest
+
+
 def run_case(case):
     hash_fn = hash_fn_for(case["scheme"])
     if "seed" in case:
         root = hash_fn(case["seed"])
     else:
         root = bytes.fromhex(case["parent"])
+        if case["scheme"] == "vllm-sha256-cbor-64bit":
+            root = int.from_bytes(root, "big")
     bs = case["block_size"]
     tokens = case["tokens"]
     parent = root
@@ -67,12 +80,12 @@ def run_case(case):
         obj = (parent, tuple(tokens[start:start + bs]), extra_keys_for(case, start))
         digest = hash_fn(obj)
         blocks.append({
-            "digest": digest.hex(),
-            "id": int.from_bytes(digest, "big") & ((1 << 64) - 1),
+            "digest": as_bytes(digest).hex(),
+            "id": int.from_bytes(as_bytes(digest), "big") & ((1 << 64) - 1),
             "encoded": encode_for(case["scheme"])(obj).hex(),
         })
         parent = digest
-    return {"root": root.hex(), "blocks": blocks}
+    return {"root": as_bytes(root).hex(), "blocks": blocks}
 
 
 def main():

@@ -118,6 +118,9 @@ std::vector<Case> make_cases() {
                          "l\xc3\xb6ra-\xe6\x97\xa5", std::string(40, 's')});
         cases.push_back({s, "0", "", 1, edges, "", ""});
     }
+    // vLLM v0.10's sha256_cbor_64bit hashed a LoRA request's lora_int_id, not its name: salts only.
+    for (auto& c : cases)
+        if (c.scheme == VllmHashScheme::kSha256Cbor64) c.lora_name.clear();
     return cases;
 }
 
@@ -154,12 +157,17 @@ TEST(VllmHash, MatchesPythonReferenceOfVllmDefinition) {
                                                  static_cast<size_t>(c.block_size));
             const auto extra = vllm_block_extra_keys({c.lora_name, c.cache_salt},
                                                      static_cast<int64_t>(b) * c.block_size);
-            const bool pickled = c.scheme == VllmHashScheme::kSha256Pickle ||
-                                 c.scheme == VllmHashScheme::kXxhashPickle;
-            EXPECT_EQ(hex_of(pickled ? vllm_block_pickle(parent.bytes(), block, extra)
-                                     : vllm_block_cbor(parent.bytes(), block, extra)),
+            EXPECT_EQ(hex_of(vllm_block_encoding(c.scheme, parent.bytes(), block, extra)),
                       want[b]["encoded"].get<std::string>())
                 << "block " << b;
+            if (c.scheme == VllmHashScheme::kSha256Pickle ||
+                c.scheme == VllmHashScheme::kXxhashPickle) {
+                EXPECT_EQ(vllm_block_pickle(parent.bytes(), block, extra),
+                          vllm_block_encoding(c.scheme, parent.bytes(), block, extra));
+            } else if (c.scheme != VllmHashScheme::kSha256Cbor64) {
+                EXPECT_EQ(vllm_block_cbor(parent.bytes(), block, extra),
+                          vllm_block_encoding(c.scheme, parent.bytes(), block, extra));
+            }
             // The one-block entry point agrees with the chain.
             EXPECT_EQ(vllm_hash_block(c.scheme, parent, block, extra), got[b]);
             parent = got[b];
@@ -239,6 +247,21 @@ TEST(VllmHash, EventIdIsTheLowSixtyFourBitsOfTheBigEndianDigest) {
     EXPECT_EQ(VllmBlockHash(b).event_id(), 0x191a1b1c1d1e1f20ull);
     EXPECT_EQ(VllmBlockHash(std::span<const uint8_t>(b.data(), 3)).event_id(), 0x010203ull);
     EXPECT_EQ(VllmBlockHash::from_hex(VllmBlockHash(b).hex()), VllmBlockHash(b));
+}
+
+TEST(VllmHash, Sha256Cbor64ChainsAnIntAndRefusesLoraNames) {
+    const auto s = VllmHashScheme::kSha256Cbor64;
+    const auto root = vllm_none_hash(s, "0");
+    ASSERT_EQ(root.size(), 8u);
+    // The parent is CBOR major type 0 (an int), not a byte string: 0x83, then 0x1b + 8 bytes.
+    const std::vector<int32_t> t = {1, 2, 3, 4};
+    const auto enc = vllm_block_encoding(s, root.bytes(), t);
+    ASSERT_GE(enc.size(), 10u);
+    EXPECT_EQ(enc[0], 0x83);
+    EXPECT_EQ(enc[1] >> 5, 0) << "major type of the parent";
+    VllmBlockHasher h(s);
+    EXPECT_EQ(h.hash_blocks(root, t, 2, {"", "salt"}).size(), 2u);
+    EXPECT_THROW(h.hash_blocks(root, t, 2, {"adapter", ""}), Error);
 }
 
 TEST(VllmHash, RefusesBadInput) {

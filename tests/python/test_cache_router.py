@@ -132,6 +132,35 @@ def test_vllm_pickle_schemes_match_hashlib_and_xxhash():
                                                                                 ("k",)))
 
 
+def test_vllm_sha256_cbor_64bit_matches_vllm_v0_10():
+    """vLLM v0.10's sha256_cbor_64bit (PR #20511): the low 64 bits of SHA-256 of the canonical CBOR,
+    an int, chained as an int; NONE_HASH = the same of the seed; events carry the int itself."""
+    def fn(x):
+        return int.from_bytes(hashlib.sha256(cbor2.dumps(x, canonical=True)).digest(),
+                              "big") & (2**64 - 1)
+
+    scheme = "vllm-sha256-cbor-64bit"
+    assert scheme in kvshard.vllm_hash_schemes()
+    root = kvshard.vllm_none_hash(scheme, "0")
+    assert root == fn("0").to_bytes(8, "big")
+    tokens = [7, 300, 70000, 2**31 - 1] * 8
+    for salt in ("", "tenant"):
+        parent, want = fn("0"), []
+        for start in range(0, len(tokens), 4):
+            extra = (salt,) if salt and start == 0 else None
+            obj = (parent, tuple(tokens[start:start + 4]), extra)
+            if start == 0:
+                got_enc = kvshard.vllm_block_encoding(scheme, root, tokens[:4],
+                                                      [salt] if salt else [])
+                assert got_enc == cbor2.dumps(obj, canonical=True)
+            parent = fn(obj)
+            want.append(parent)
+        got = kvshard.vllm_hash_blocks(tokens, 4, scheme=scheme, root=root, cache_salt=salt)
+        assert [kvshard.vllm_event_id(h) for h in got] == want
+    with pytest.raises(kvshard.Error, match="lora_int_id"):
+        kvshard.vllm_hash_blocks(tokens, 4, scheme=scheme, root=root, lora_name="a")
+
+
 def test_block_manager_prefix_cache_and_events():
     bm = kvshard.BlockManager(num_blocks=8, block_size=4)
     events = []

@@ -96,6 +96,14 @@ TEST(RouteService, HashesTheLoraNameAndTheCacheSaltAsVllmDoes) {
               (std::vector<int>{0, 0}));
     EXPECT_EQ(svc.route("", f.prompt, {.lora_name = "adapterB", .cache_salt = ""}).matched_blocks,
               (std::vector<int>{0, 0}));
+    // vLLM v0.10's sha256_cbor_64bit hashed lora_int_id, which a route does not carry: refused.
+    RouteServiceConfig c64;
+    c64.replica_names = {"a", "b"};
+    c64.block_size = 4;
+    c64.scheme = VllmHashScheme::kSha256Cbor64;
+    RouteService svc64(c64, [&](const auto& fn) { fn(f.index, nullptr); });
+    EXPECT_THROW(svc64.route("", f.prompt, {.lora_name = "adapterA", .cache_salt = ""}), Error);
+    EXPECT_NO_THROW(svc64.route("", f.prompt, {.lora_name = "", .cache_salt = "s"}));
     // The salt enters block 0 only, so it changes every id of the chain; the LoRA name enters every
     // block.
     const auto salted = ids_of({.lora_name = "", .cache_salt = "salt1"});

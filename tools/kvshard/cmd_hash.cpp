@@ -112,7 +112,8 @@ void run(const HashFlags& f) {
         } catch (const Error&) {
             throw Error(
                 detail::concat("--scheme must be vllm-sha256, vllm-sha256-cbor, "
-                               "vllm-xxhash, vllm-xxhash-cbor or kvshard, got '",
+                               "vllm-xxhash, vllm-xxhash-cbor, vllm-sha256-cbor-64bit or "
+                               "kvshard, got '",
                                f.scheme, "'"));
         }
         digests = vllm_digests(f, scheme, tokens);
@@ -134,8 +135,9 @@ void setup(CLI::App& app) {
     auto* sub = app.add_subcommand(
         "hash", "Print the prefix-cache digest of each full block of a token sequence");
     sub->add_option("--scheme", f->scheme,
-                    "vllm-sha256 | vllm-sha256-cbor | vllm-xxhash | vllm-xxhash-cbor (vLLM's "
-                    "sha256 / sha256_cbor / xxhash / xxhash_cbor) | kvshard")
+                    "vllm-sha256 | vllm-sha256-cbor | vllm-xxhash | vllm-xxhash-cbor | "
+                    "vllm-sha256-cbor-64bit (vLLM's sha256 / sha256_cbor / xxhash / xxhash_cbor "
+                    "/ v0.10's sha256_cbor_64bit) | kvshard")
         ->required();
     sub->add_option("--block-size", f->block_size, "tokens per block")->required();
     auto* seed = sub->add_option("--hash-seed", f->hash_seed,

@@ -149,8 +149,9 @@ void setup(CLI::App& app) {
                     "round-robin | least-loaded | cache-aware | cost | kvshard");
     sub->add_option("--block-size", f->block_size, "the engines' block size in tokens");
     sub->add_option("--hash", f->hash,
-                    "vllm-sha256 | vllm-sha256-cbor | vllm-xxhash | vllm-xxhash-cbor (the engines' "
-                    "--prefix-caching-hash-algo, with vllm- before it)");
+                    "vllm-sha256 | vllm-sha256-cbor | vllm-xxhash | vllm-xxhash-cbor | "
+                    "vllm-sha256-cbor-64bit (the engines' --prefix-caching-hash-algo, with vllm- "
+                    "before it)");
     sub->add_option("--hash-seed", f->hash_seed, "the engines' PYTHONHASHSEED")->required();
     sub->add_flag("--allow-remote", f->allow_remote, "allow --listen on a non-loopback address");
     sub->add_option("--replay-timeout-ms", f->replay_timeout_ms,

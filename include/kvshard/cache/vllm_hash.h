@@ -26,16 +26,20 @@ namespace kvshard {
 
 // The pickle schemes are vLLM's from the revision where hash_fn returns bytes (BlockHash =
 // bytes); before it, sha256 returned an int and pickled an int parent, which is not modelled.
-enum class VllmHashScheme { kSha256Cbor, kXxhashCbor, kSha256Pickle, kXxhashPickle };
+// kSha256Cbor64 is vLLM v0.10's sha256_cbor_64bit (PR #20511): the SHA-256 of the same CBOR read
+// as a big-endian int and masked to 64 bits, chained as an int (the parent is a CBOR unsigned
+// integer); its digest here is those 8 bytes, big-endian. That revision hashed a LoRA request's
+// lora_int_id rather than its name: LoRA requests are refused under it.
+enum class VllmHashScheme { kSha256Cbor, kXxhashCbor, kSha256Pickle, kXxhashPickle, kSha256Cbor64 };
 
-// "vllm-sha256-cbor" / "vllm-xxhash-cbor" / "vllm-sha256" / "vllm-xxhash" (vLLM's name with
-// "vllm-" before it).
+// "vllm-sha256-cbor" / "vllm-xxhash-cbor" / "vllm-sha256" / "vllm-xxhash" /
+// "vllm-sha256-cbor-64bit" (vLLM's name with "vllm-" before it).
 std::string_view vllm_hash_scheme_name(VllmHashScheme s);
 // Every scheme, in the order above.
 const std::vector<VllmHashScheme>& all_vllm_hash_schemes();
 // Inverse of vllm_hash_scheme_name; Error naming the accepted names otherwise.
 VllmHashScheme parse_vllm_hash_scheme(std::string_view name);
-// Digest length in bytes: 32 (SHA-256) or 16 (XXH3-128).
+// Digest length in bytes: 32 (SHA-256), 16 (XXH3-128) or 8 (sha256_cbor_64bit).
 size_t vllm_digest_size(VllmHashScheme s);
 
 // A digest as vLLM holds it (Python bytes): 1 to 32 bytes, normally 32 or 16.
@@ -90,6 +94,12 @@ std::vector<uint8_t> vllm_block_pickle(std::span<const uint8_t> parent,
                                        std::span<const int32_t> tokens,
                                        std::span<const std::string> extra_keys = {});
 
+// What scheme `s` hashes for a block: vllm_block_cbor, vllm_block_pickle, or for
+// sha256_cbor_64bit the CBOR with the parent (8 bytes, big-endian) as an unsigned integer.
+std::vector<uint8_t> vllm_block_encoding(VllmHashScheme s, std::span<const uint8_t> parent,
+                                         std::span<const int32_t> tokens,
+                                         std::span<const std::string> extra_keys = {});
+
 // hash_fn((parent, tuple(tokens), extra_keys or None)). An empty parent stands for NONE_HASH in
 // vLLM; here the caller passes the root explicitly, so an empty parent is an Error.
 VllmBlockHash vllm_hash_block(VllmHashScheme s, const VllmBlockHash& parent,
@@ -109,7 +119,7 @@ class VllmBlockHasher {
                        std::span<const std::string> extra_keys = {});
     // The digests of the tokens.size() / block_size full blocks of `tokens` (a trailing partial
     // block is not hashed), chained from `root` (vllm_none_hash(), or a known parent digest).
-    // Error unless block_size >= 1.
+    // Error unless block_size >= 1, and on a LoRA name under kSha256Cbor64.
     std::vector<VllmBlockHash> hash_blocks(const VllmBlockHash& root,
                                            std::span<const int32_t> tokens, int block_size,
                                            const VllmExtraKeys& keys = {});
