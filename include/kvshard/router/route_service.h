@@ -1,10 +1,10 @@
 #pragma once
 // RouteService: the logic of `kvshard router serve` without its sockets (docs/router.md, "The
-// service"). It hashes a prompt the way the engines do (vLLM's sha256, sha256_cbor, xxhash or
-// xxhash_cbor with their PYTHONHASHSEED and block size, and the request's LoRA name and cache
-// salt), asks the index (fed by the engines' KV events) for each replica's prefix overlap, decides
-// with a routing policy, and keeps per-replica load (blocks of requests routed there and not yet
-// reported finished) and counters for /metrics.
+// service"). It hashes a prompt the way the engines do (their vLLM hash scheme, vllm_hash.h, with
+// their PYTHONHASHSEED and block size, and the request's LoRA name and cache salt), asks the index
+// (fed by the engines' KV events) for each replica's prefix overlap, decides with a routing
+// policy, and keeps per-replica load (blocks of requests routed there and not yet reported
+// finished) and counters for /metrics.
 // Thread-safe: the HTTP server calls it from several threads.
 #include <cstdint>
 #include <functional>
