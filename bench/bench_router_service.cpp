@@ -352,6 +352,7 @@ int main(int argc, char** argv) {
     };
 
     RouteServiceConfig cfg;
+    cfg.scheme = VllmHashScheme::kSha256Cbor;  // the scheme BENCHMARKS.md's router figures used
     for (int r = 0; r < kReplicas; ++r) cfg.replica_names.push_back("r" + std::to_string(r));
     cfg.block_size = kBs;
     RouteService svc(cfg, [&index](const auto& fn) { fn(index, nullptr); });

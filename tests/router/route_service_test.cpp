@@ -25,8 +25,10 @@ struct Fixture {
     Fixture() {
         for (int i = 0; i < 21; ++i) prompt.push_back(100 + 3 * i);
         std::vector<int32_t> t(prompt.begin(), prompt.end());
-        VllmBlockHasher h(VllmHashScheme::kSha256Cbor);
-        for (const auto& d : h.hash_blocks(vllm_none_hash(VllmHashScheme::kSha256Cbor, "0"), t, 4))
+        // The service's default scheme: vLLM's default, sha256 over pickle.
+        const VllmHashScheme scheme = RouteServiceConfig{}.scheme;
+        VllmBlockHasher h(scheme);
+        for (const auto& d : h.hash_blocks(vllm_none_hash(scheme, "0"), t, 4))
             ids.push_back(d.event_id());
     }
     void store(int replica, int first, int count) {
@@ -71,12 +73,18 @@ TEST(RouteService, RoutesToTheLongestPrefixAndAccountsLoad) {
 }
 
 // vLLM hashes a request's LoRA adapter name into every block and its cache salt into the first:
+// A router left on its defaults hashes as an engine left on its defaults: vLLM's
+// prefix_caching_hash_algo "sha256" (pickle).
+TEST(RouteService, DefaultsToVllmsDefaultHash) {
+    EXPECT_EQ(RouteServiceConfig{}.scheme, VllmHashScheme::kSha256Pickle);
+}
+
 // blocks stored for a salted or a LoRA prompt match a route with the same keys only.
 TEST(RouteService, HashesTheLoraNameAndTheCacheSaltAsVllmDoes) {
     Fixture f;
     const std::vector<int32_t> t(f.prompt.begin(), f.prompt.end());
-    VllmBlockHasher h(VllmHashScheme::kSha256Cbor);
-    const auto root = vllm_none_hash(VllmHashScheme::kSha256Cbor, "0");
+    VllmBlockHasher h(RouteServiceConfig{}.scheme);
+    const auto root = vllm_none_hash(RouteServiceConfig{}.scheme, "0");
     auto ids_of = [&](const VllmExtraKeys& keys) {
         std::vector<uint64_t> ids;
         for (const auto& d : h.hash_blocks(root, t, 4, keys)) ids.push_back(d.event_id());

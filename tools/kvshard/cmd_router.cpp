@@ -27,7 +27,7 @@ struct ServeFlags {
     std::vector<std::string> engines;
     std::string policy = "kvshard";
     int block_size = 16;
-    std::string hash = "vllm-sha256-cbor";
+    std::string hash = "vllm-sha256";  // vLLM's default --prefix-caching-hash-algo
     std::string hash_seed;
     bool allow_remote = false;
     int replay_timeout_ms = 1000;

@@ -27,7 +27,8 @@ struct RouteServiceConfig {
     std::vector<std::string> replica_names;  // index order
     RoutingPolicy policy = RoutingPolicy::kKvshard;
     PolicyParams params;  // params.block_tokens is set to block_size
-    VllmHashScheme scheme = VllmHashScheme::kSha256Cbor;
+    // vLLM's default --prefix-caching-hash-algo, sha256 (pickle; vllm/config/cache.py).
+    VllmHashScheme scheme = VllmHashScheme::kSha256Pickle;
     std::string hash_seed = "0";
     int block_size = 16;
     size_t max_tracked_requests = 1 << 20;  // routed, unfinished requests kept for load
