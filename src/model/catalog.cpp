@@ -192,6 +192,42 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "linear_value_head_dim": 128, "vocab_size": 151936, "rope_theta": 10000000,
                  "rms_norm_eps": 1e-06, "torch_dtype": "bfloat16"})");
          }},
+        // Qwen3.5 (and 3.6): Qwen3-Next's layers; the recurrent state at float32
+        // (mamba_ssm_dtype, as vLLM sizes it). tests/data/hf_configs/qwen3.5-35b-a3b.json.
+        {"qwen3.5-35b-a3b",
+         [] {
+             return from_config("qwen3.5-35b-a3b", R"({"model_type": "qwen3_5_moe_text",
+                 "num_hidden_layers": 40, "hidden_size": 2048, "num_attention_heads": 16,
+                 "num_key_value_heads": 2, "head_dim": 256, "num_experts": 256,
+                 "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                 "shared_expert_intermediate_size": 512, "full_attention_interval": 4,
+                 "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                 "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                 "linear_value_head_dim": 128, "mamba_ssm_dtype": "float32",
+                 "vocab_size": 248320, "rope_theta": 10000000, "rms_norm_eps": 1e-06,
+                 "tie_word_embeddings": false})");
+         }},
+        // GLM-4.5-Air: 96 query heads of 128, 8 KV heads; 128 routed + 1 shared expert.
+        {"glm-4.5-air",
+         [] {
+             return from_config("glm-4.5-air", R"({"model_type": "glm4_moe",
+                 "num_hidden_layers": 46, "hidden_size": 4096, "num_attention_heads": 96,
+                 "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944,
+                 "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+                 "vocab_size": 151552, "rope_theta": 1000000, "rms_norm_eps": 1e-05,
+                 "tie_word_embeddings": false, "torch_dtype": "bfloat16"})");
+         }},
+        // MiniMax-M2: full attention on all 62 layers, 256 experts of 1536.
+        {"minimax-m2",
+         [] {
+             return from_config("minimax-m2", R"({"model_type": "minimax_m2",
+                 "num_hidden_layers": 62, "hidden_size": 3072, "num_attention_heads": 48,
+                 "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1536,
+                 "num_local_experts": 256, "num_experts_per_tok": 8, "vocab_size": 200064,
+                 "rope_theta": 5000000, "rms_norm_eps": 1e-06, "tie_word_embeddings": false,
+                 "torch_dtype": "bfloat16"})");
+         }},
         {"deepseek-v3.2",
          [] {
              return from_config("deepseek-v3.2", R"({"model_type": "deepseek_v32",

@@ -347,7 +347,10 @@ TEST(RealShapes, CatalogEntriesMatchTheirPublishedConfigs) {
                               {"qwen3-next-80b-a3b", "qwen3-next-80b-a3b"},
                               {"deepseek-v3.2", "deepseek-v3.2-exp"},
                               {"llama-4-scout", "llama-4-scout"},
-                              {"nemotron-h-8b", "nemotron-h-8b"}}) {
+                              {"nemotron-h-8b", "nemotron-h-8b"},
+                              {"qwen3.5-35b-a3b", "qwen3.5-35b-a3b"},
+                              {"glm-4.5-air", "glm-4.5-air"},
+                              {"minimax-m2", "minimax-m2"}}) {
         SCOPED_TRACE(name);
         ModelSpec cat = catalog_model(name);
         ModelSpec pub = load_hf_config(config_path(file));
