@@ -146,7 +146,8 @@ enum class Family {
     kChatGlm,   // chatglm (GLM-4-9B-chat, ChatGLM3: the ChatGLM field names)
     kFalcon,
     kNemotronH,
-    kNemotronNas,  // Nemotron Super / Ultra (block_configs)
+    kNemotronNas,    // Nemotron Super / Ultra (block_configs)
+    kGraniteHybrid,  // granitemoehybrid (Granite 4.0-H: Mamba-2 + attention, MoE on every layer)
 };
 
 Family family_of(const std::string& model_type, const std::string& file) {
@@ -197,6 +198,7 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"RefinedWebModel", Family::kFalcon},
         {"nemotron_h", Family::kNemotronH},
         {"nemotron-nas", Family::kNemotronNas},
+        {"granitemoehybrid", Family::kGraniteHybrid},
     };
     auto it = kFamilies.find(model_type);
     if (it != kFamilies.end()) return it->second;
@@ -259,6 +261,9 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"qwen3_5_moe", {"Qwen3_5MoeTextConfig", R, R, R, false}},
         {"qwen3_5_moe_text", {"Qwen3_5MoeTextConfig", R, R, R, false}},
         {"nemotron_h", {"NemotronHConfig", R, R, R, false}},
+        // GraniteMoeHybridConfig: 32 heads, KV None -> heads; vLLM's attention takes head_dim =
+        // hidden / heads whatever the config says (granitemoehybrid.py), checked below.
+        {"granitemoehybrid", {"GraniteMoeHybridConfig", 32, H, H, true}},
         {"chatglm", {"ChatGLMConfig", R, H, R, false}},  // KV heads from multi_query_group_num
     };
     auto it = kDefaults.find(model_type);
@@ -312,6 +317,13 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "n_groups",
         "mamba_ssm_cache_dtype",
         "mamba_ssm_dtype",
+        "mamba_n_heads",  // Granite 4.0-H's Mamba-2 fields
+        "mamba_d_head",
+        "mamba_d_state",
+        "mamba_n_groups",
+        "mamba_d_conv",
+        "mamba_expand",
+        "layers_block_type",  // GraniteMoeHybridConfig's alias of layer_types
         "block_configs",
         "kv_lora_rank",
         "q_lora_rank",
@@ -344,6 +356,8 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "chunk_size",
         "use_conv_bias",
         "use_mamba_kernels",
+        "mamba_conv_bias",
+        "position_embedding_type",  // Granite 4.0-H: "nope" or "rope", positions only
         "residual_in_fp32",
         "rescale_prenorm_residual",
         "n_group",
@@ -430,6 +444,13 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"hybrid_override_pattern", {Family::kNemotronH}},
         {"mamba_num_heads", {Family::kNemotronH}},
         {"ssm_state_size", {Family::kNemotronH}},
+        {"mamba_n_heads", {Family::kGraniteHybrid}},
+        {"mamba_d_head", {Family::kGraniteHybrid}},
+        {"mamba_d_state", {Family::kGraniteHybrid}},
+        {"mamba_n_groups", {Family::kGraniteHybrid}},
+        {"mamba_d_conv", {Family::kGraniteHybrid}},
+        {"mamba_expand", {Family::kGraniteHybrid}},
+        {"layers_block_type", {Family::kGraniteHybrid}},
         {"block_configs", {Family::kNemotronNas}},
         {"linear_num_value_heads", {Family::kQwen3Next}},
         {"linear_num_key_heads", {Family::kQwen3Next}},
@@ -580,7 +601,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.num_kv_heads = m.num_heads;
         m.head_dim = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim;
     } else {
-        if (f.has(head_dim_key)) {
+        if (f.has(head_dim_key) && fam != Family::kGraniteHybrid) {
             m.head_dim = f.positive_int(head_dim_key);
         } else if (defaults.head_dim == ClassDefaults::kRequired) {
             throw missing(head_dim_key.c_str());
@@ -635,7 +656,23 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
                                        "): kvshard counts shared experts in routed widths"));
         return w / m.moe.expert_intermediate;
     };
-    if (f.has("num_local_experts")) {  // Mixtral, gpt-oss, Llama 4
+    if (fam == Family::kGraniteHybrid) {
+        // GraniteMoeHybridConfig: num_local_experts 8, num_experts_per_tok 2, intermediate_size
+        // 11008 (each expert's width), shared_intermediate_size 1024 (a shared MLP on every
+        // layer, 0 for none) when absent. num_local_experts 0 (Granite-4.0-H-1B) is dense: the
+        // shared MLP is the layer's MLP (vLLM's GraniteMoeHybrid*DecoderLayer).
+        const int experts = f.int_or("num_local_experts", 8);
+        if (experts < 0) throw f.bad("num_local_experts", "must not be negative");
+        const int shared = f.int_or("shared_intermediate_size", 1024);
+        if (shared < 0) throw f.bad("shared_intermediate_size", "must not be negative");
+        if (experts > 0) {
+            m.moe.num_experts = experts;
+            m.moe.experts_per_token = f.positive_int_or("num_experts_per_tok", 2);
+            m.moe.expert_intermediate = f.positive_int_or("intermediate_size", 11008);
+            m.moe.shared_experts =
+                shared == 0 ? 0 : shared_width_in_experts("shared_intermediate_size");
+        }
+    } else if (f.has("num_local_experts")) {  // Mixtral, gpt-oss, Llama 4
         m.moe.num_experts = f.positive_int("num_local_experts");
         m.moe.experts_per_token = f.positive_int(
             pick({"num_experts_per_tok", "experts_per_token"}, "num_experts_per_tok"));
@@ -673,6 +710,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.intermediate = 0;  // per block, from ffn_mult
     else if (fam == Family::kLlama4)
         m.intermediate = f.positive_int_or("intermediate_size_mlp", m.moe.expert_intermediate);
+    else if (fam == Family::kGraniteHybrid)
+        m.intermediate = m.moe.enabled() ? m.moe.expert_intermediate
+                                         : f.int_or("shared_intermediate_size", 1024);
     else
         m.intermediate = needs_dense ? f.positive_int(inter_key)
                                      : f.positive_int_or(inter_key, m.moe.expert_intermediate);
@@ -697,7 +737,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         s.window = w;
     };
 
-    if (f.has("layer_types")) {
+    if (f.has("layer_types") && fam != Family::kGraniteHybrid) {
         const auto& types = f.array("layer_types");
         if (static_cast<int>(types.size()) != L)
             throw f.bad("layer_types", detail::concat("lists ", types.size(),
@@ -865,12 +905,66 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.state.group_dim = f.positive_int("ssm_state_size");
         m.state.conv_kernel = f.positive_int("conv_kernel");
     }
+    if (fam == Family::kGraniteHybrid) {
+        // vLLM builds each layer from config.layer_types[i] ("mamba" or "attention") and fails
+        // without the list; transformers reads layers_block_type as its alias.
+        const char* key = f.has("layer_types") ? "layer_types" : "layers_block_type";
+        if (!f.has(key))
+            throw Error(detail::concat(file,
+                                       ": missing field 'layer_types': Granite 4.0-H names "
+                                       "each layer \"mamba\" or \"attention\""));
+        const auto& types = f.array(key);
+        if (static_cast<int>(types.size()) != L)
+            throw f.bad(key, detail::concat("lists ", types.size(),
+                                            " layers but num_hidden_layers is ", L));
+        for (int l = 0; l < L; ++l) {
+            const std::string t = types[l].is_string() ? types[l].get<std::string>() : "";
+            if (t == "mamba")
+                layers[l].kind = LayerKind::kMamba2;
+            else if (t != "attention")
+                throw f.bad(key, detail::concat("has ", types[l].dump(), " at layer ", l,
+                                                ": expected \"mamba\" or \"attention\""));
+            if (!m.moe.enabled() && m.intermediate == 0) layers[l].mlp = MlpKind::kNone;
+        }
+        // vLLM's attention uses hidden / heads as the head size and ignores a head_dim field.
+        if (f.has(head_dim_key) && f.positive_int(head_dim_key) != m.head_dim)
+            throw f.bad(head_dim_key,
+                        detail::concat("is ", f.positive_int(head_dim_key),
+                                       ", but vLLM's Granite 4.0-H attention uses hidden_size / "
+                                       "num_attention_heads = ",
+                                       m.head_dim, ": remove the field or fix it"));
+        // MambaMixer2 of intermediate mamba_expand * hidden_size in heads of mamba_d_head
+        // ("auto": intermediate / heads); GraniteMoeHybridConfig's defaults where absent.
+        const int expand = f.positive_int_or("mamba_expand", 2);
+        const int64_t inner = int64_t{expand} * m.hidden;
+        const int heads = f.positive_int_or("mamba_n_heads", 128);
+        if (inner % heads != 0)
+            throw f.bad("mamba_n_heads",
+                        detail::concat("(", heads, ") must divide mamba_expand x hidden_size (",
+                                       inner, ")"));
+        int head = static_cast<int>(inner / heads);
+        if (f.has("mamba_d_head") && !(f.json().at("mamba_d_head").is_string() &&
+                                       f.string_or("mamba_d_head", "") == "auto")) {
+            head = f.positive_int("mamba_d_head");
+            if (int64_t{head} * heads != inner)
+                throw f.bad(
+                    "mamba_d_head",
+                    detail::concat("x mamba_n_heads (", int64_t{head} * heads,
+                                   ") must equal mamba_expand x hidden_size (", inner, ")"));
+        }
+        m.state.heads = heads;
+        m.state.head_dim = head;
+        m.state.groups = f.positive_int_or("mamba_n_groups", 1);
+        m.state.group_dim = f.positive_int_or("mamba_d_state", 256);
+        m.state.conv_kernel = f.positive_int_or("mamba_d_conv", 4);
+    }
     const bool qwen3_5 = model_type.rfind("qwen3_5", 0) == 0;
     if (f.has("mamba_ssm_dtype") && !qwen3_5)
         throw f.bad("mamba_ssm_dtype", detail::concat("is set, but kvshard reads it for Qwen3.5 "
                                                       "only, not model_type '",
                                                       model_type, "'"));
-    if (fam == Family::kNemotronH || fam == Family::kQwen3Next) {
+    if (fam == Family::kNemotronH || fam == Family::kQwen3Next || fam == Family::kGraniteHybrid) {
+        // Granite 4.0-H: vLLM's mamba2_state_dtype of the model dtype (no config override).
         m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;
         // Nemotron-H: vLLM's NemotronHForCausalLMConfig sets mamba_ssm_cache_dtype, while it is
         // 'auto', to the config's mamba_ssm_cache_dtype, else DEFAULT_MAMBA_SSM_CACHE_DTYPE =

@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 21 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 22 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -143,6 +143,18 @@ std::vector<Family> families() {
          0,
          // vLLM's NemotronHForCausalLMConfig: the SSM state at float32 unless the config names one.
          [](int tp) { return state_bf16_ssm_fp32(128, 64, 8, 128, 4, tp); }});
+    // Granite-4.0-H-Tiny: layer_types of 36 "mamba" and 4 "attention" (layers 5, 15, 25, 35);
+    // attention heads of hidden / heads = 1536 / 12 = 128, 4 KV heads (12 query heads: no tp 8);
+    // Mamba-2 of 48 heads of 64 (= 2 x 1536), one group, state 128, all at the model's bf16.
+    out.push_back({"granite-4.0-h-tiny",
+                   pattern(40,
+                           [](int i) {
+                               return i % 10 == 5 ? L{'F', 4, 128} : L{'M'};
+                           }),
+                   {1, 2, 4},
+                   0,
+                   0,
+                   [](int tp) { return state_bf16(48, 64, 1, 128, 4, tp); }});
     // Nemotron Super: no-op attention blocks hold no KV; the others 64/8 = 8 KV heads.
     const auto blocks =
         nlohmann::json::parse(read_file(config_path("llama-3.3-nemotron-super-49b")))
@@ -196,7 +208,7 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
     return sum;
 }
 
-TEST(RealShapes, TwentyOneFamiliesPerRankAndPerRequest) {
+TEST(RealShapes, TwentyTwoFamiliesPerRankAndPerRequest) {
     for (const Family& f : families()) {
         SCOPED_TRACE(f.file);
         const ModelSpec m = load_hf_config(config_path(f.file));
@@ -322,6 +334,59 @@ TEST(RealShapes, Qwen35ReadsItsSsmDtype) {
     std::string next = read_file(config_path("qwen3-next-80b-a3b"));
     next.insert(next.find('{') + 1, "\"mamba_ssm_dtype\": \"float32\",");
     expect_refused(next, "mamba_ssm_dtype");
+}
+
+// Granite 4.0-H: the MoE with its shared MLP on every layer, the dense variant, the head size
+// vLLM uses, "auto" Mamba heads, and the layer list vLLM cannot do without.
+TEST(RealShapes, GraniteHybridAsVllmBuildsIt) {
+    const std::string tiny = read_file(config_path("granite-4.0-h-tiny"));
+    const ModelSpec m = parse_hf_config(tiny, "granite.json");
+    EXPECT_EQ(m.moe.num_experts, 64);
+    EXPECT_EQ(m.moe.experts_per_token, 6);
+    EXPECT_EQ(m.moe.expert_intermediate, 512);
+    EXPECT_EQ(m.moe.shared_experts, 2);  // shared_intermediate_size 1024 = 2 experts of 512
+    for (int l = 0; l < m.num_layers; ++l) EXPECT_EQ(m.layer(l).mlp, MlpKind::kMoe) << l;
+    // 36 Mamba-2 layers: conv 3 x (3072 + 2 x 128) + state 48 x 64 x 128, bf16.
+    EXPECT_EQ(m.state_bytes_per_sequence(), 36 * 2 * (3 * 3328 + 48 * 64 * 128));
+    auto with = [&](const std::string& from, const std::string& to) {
+        std::string t = tiny;
+        const auto at = t.find(from);
+        EXPECT_NE(at, std::string::npos) << from;
+        return at == std::string::npos ? t : t.replace(at, from.size(), to);
+    };
+    // Granite-4.0-H-1B: no routed experts; the shared MLP (4096) is each layer's dense MLP.
+    std::string dense = with("\"num_local_experts\": 64", "\"num_local_experts\": 0");
+    dense.replace(dense.find("\"shared_intermediate_size\": 1024"), 32,
+                  "\"shared_intermediate_size\": 4096");
+    const ModelSpec d = parse_hf_config(dense, "granite-1b.json");
+    EXPECT_FALSE(d.moe.enabled());
+    EXPECT_EQ(d.layer(0).mlp, MlpKind::kDense);
+    EXPECT_EQ(d.layer(0).intermediate, 4096);
+    // mamba_d_head "auto" is (mamba_expand x hidden) / mamba_n_heads, as transformers resolves it.
+    const ModelSpec a =
+        parse_hf_config(with("\"mamba_d_head\": 64", "\"mamba_d_head\": \"auto\""), "a.json");
+    EXPECT_EQ(a.state, m.state);
+    expect_refused(with("\"mamba_d_head\": 64", "\"mamba_d_head\": 32"), "mamba_d_head");
+    // vLLM's attention sizes heads as hidden / heads and ignores head_dim: a disagreeing one is
+    // refused, an agreeing one read.
+    expect_refused(with("\"hidden_size\": 1536,", "\"hidden_size\": 1536, \"head_dim\": 64,"),
+                   "head_dim");
+    EXPECT_EQ(
+        parse_hf_config(with("\"hidden_size\": 1536,", "\"hidden_size\": 1536, \"head_dim\": 128,"),
+                        "h.json")
+            .kv_bytes_per_token(),
+        m.kv_bytes_per_token());
+    // Without layer_types vLLM cannot build the model; a wrong word or length is refused.
+    std::string none = tiny;
+    const auto lt = none.find("\"layer_types\"");
+    none.erase(lt, none.find(']', lt) + 2 - lt);
+    expect_refused(none, "layer_types");
+    expect_refused(with("\"attention\"", "\"full_attention\""), "layer_types");
+    // The Mamba fields are Granite's: in another family they are refused.
+    expect_refused(R"({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "mamba_n_heads": 8})",
+                   "mamba_n_heads");
 }
 
 // MiniMax-01's lightning-attention layers (attn_type_list 0) and a shared expert are refused.
