@@ -155,6 +155,8 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"", Family::kLlama},
         {"llama", Family::kLlama},
         {"mistral", Family::kLlama},
+        {"ministral3", Family::kLlama},  // Ministral 3 / Mistral Small 3.2+: mistral3's text_config
+        {"phi3", Family::kLlama},        // Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini: Llama's fields
         {"mixtral", Family::kLlama},
         {"qwen2", Family::kLlama},
         {"qwen2_moe", Family::kLlama},
@@ -235,6 +237,8 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"", {"LlamaConfig", R, H, H, true}},
         {"llama", {"LlamaConfig", R, H, H, true}},
         {"mistral", {"MistralConfig", R, 8, H, true}},
+        {"ministral3", {"Ministral3Config", R, R, R, false}},  // defaults not confirmed: required
+        {"phi3", {"Phi3Config", 32, H, H, true}},  // heads 32, KV None -> heads, hidden / heads
         {"mixtral", {"MixtralConfig", R, 8, H, true}},
         {"qwen2", {"Qwen2Config", R, 32, H, true}},
         {"qwen2_moe", {"Qwen2MoeConfig", R, 16, H, false}},

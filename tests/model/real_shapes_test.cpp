@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 22 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 23 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -155,6 +155,14 @@ std::vector<Family> families() {
                    0,
                    0,
                    [](int tp) { return state_bf16(48, 64, 1, 128, 4, tp); }});
+    // Phi-3-mini-4k: Llama's fields, MHA of 32 heads of 3072 / 32 = 96, every layer sliding over
+    // 2047 tokens (no layer_types: vLLM's Attention takes the model-level window).
+    out.push_back({"phi-3-mini-4k-instruct",
+                   pattern(32,
+                           [](int) {
+                               return L{'S', 32, 96, 2047};
+                           }),
+                   {1, 2, 4, 8}});
     // Nemotron Super: no-op attention blocks hold no KV; the others 64/8 = 8 KV heads.
     const auto blocks =
         nlohmann::json::parse(read_file(config_path("llama-3.3-nemotron-super-49b")))
@@ -208,7 +216,7 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
     return sum;
 }
 
-TEST(RealShapes, TwentyTwoFamiliesPerRankAndPerRequest) {
+TEST(RealShapes, TwentyThreeFamiliesPerRankAndPerRequest) {
     for (const Family& f : families()) {
         SCOPED_TRACE(f.file);
         const ModelSpec m = load_hf_config(config_path(f.file));
@@ -387,6 +395,28 @@ TEST(RealShapes, GraniteHybridAsVllmBuildsIt) {
         "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
         "mamba_n_heads": 8})",
                    "mamba_n_heads");
+}
+
+// Ministral 3 (and Mistral Small 3.2 on): a mistral3 vision wrapper whose text_config is
+// model_type ministral3, Llama's fields; Ministral3Config's defaults were not confirmed, so the
+// head counts and head_dim are required.
+TEST(RealShapes, Ministral3UnderItsVisionWrapper) {
+    const std::string text = R"({"hidden_size": 1024, "num_hidden_layers": 6,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 3072, "vocab_size": 1000, "model_type": "ministral3",
+        "sliding_window": null, "rope_parameters": {"rope_type": "yarn", "factor": 16.0,
+        "llama_4_scaling_beta": 0.1}})";
+    const std::string wrapped = R"({"architectures": ["Mistral3ForConditionalGeneration"],
+        "model_type": "mistral3", "image_token_index": 10, "spatial_merge_size": 2,
+        "vision_feature_layer": -1, "torch_dtype": "bfloat16", "vision_config": {"hidden_size": 64},
+        "text_config": )" + text +
+                                "}";
+    const ModelSpec m = parse_hf_config(wrapped, "ministral3.json");
+    EXPECT_EQ(m.kv_bytes_per_token(), 6 * 2 * 4 * 128 * 2);
+    EXPECT_TRUE(m.uniform());
+    std::string no_head_dim = wrapped;
+    no_head_dim.erase(no_head_dim.find("\"head_dim\": 128,"), 17);
+    expect_refused(no_head_dim, "head_dim");
 }
 
 // MiniMax-01's lightning-attention layers (attn_type_list 0) and a shared expert are refused.
