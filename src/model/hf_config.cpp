@@ -185,6 +185,8 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"deepseek_v3", Family::kDeepSeek},
         {"deepseek_v32", Family::kDeepSeek},
         {"kimi_k2", Family::kDeepSeek},
+        {"glm_moe_dsa",
+         Family::kDeepSeek},  // GLM-5: vLLM's GlmMoeDsaForCausalLM is DeepSeek-V3.2's
         {"chatglm", Family::kChatGlm},
         // Not ChatGLM: Glm4Config (transformers models/glm4) and vLLM's glm4.py read
         // num_key_value_heads and head_dim; multi_query_group_num does not exist there.
@@ -337,6 +339,7 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "index_head_dim",
         "index_n_heads",
         "index_topk",
+        "indexer_types",  // GLM-5.x: checked below (only "full", an indexer key on every layer)
         // do not change what is cached
         "attention_dropout",
         "attention_bias",
@@ -1046,6 +1049,22 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
             }
     }
 
+    if (f.has("indexer_types")) {
+        // GLM-5.x names per layer whether it keeps its own indexer ("full") or reuses an earlier
+        // layer's top-k ("shared", which would cache no indexer key): kvshard models the former.
+        const auto& types = f.array("indexer_types");
+        if (static_cast<int>(types.size()) != m.num_layers)
+            throw f.bad("indexer_types",
+                        detail::concat("lists ", types.size(), " layers but num_hidden_layers is ",
+                                       m.num_layers));
+        for (size_t l = 0; l < types.size(); ++l)
+            if (!types[l].is_string() || types[l].get<std::string>() != "full")
+                throw f.bad("indexer_types",
+                            detail::concat("has ", types[l].dump(), " at layer ", l,
+                                           ": kvshard models an indexer key on every layer "
+                                           "(\"full\"); layers sharing another's indexer are "
+                                           "not modelled"));
+    }
     if (f.has("index_head_dim")) {  // DeepSeek-V3.2's sparse-attention indexer, on every layer
         if (!m.is_mla())
             throw f.bad("index_head_dim", "is set but the model has no MLA (kv_lora_rank)");

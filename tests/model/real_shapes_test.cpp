@@ -419,6 +419,37 @@ TEST(RealShapes, Ministral3UnderItsVisionWrapper) {
     expect_refused(no_head_dim, "head_dim");
 }
 
+// GLM-5 (glm_moe_dsa): vLLM's GlmMoeDsaForCausalLM is DeepseekV2ForCausalLM, DeepSeek-V3.2's MLA
+// with the sparse-attention indexer. Field values of GLM-5 as published (78 layers, hidden 6144, 64
+// heads, kv_lora_rank 512, rope 64, indexer 32 heads of 128, top 2048). GLM-5.2's indexer_types
+// with "shared" layers (no indexer key of their own) are refused.
+TEST(RealShapes, Glm5IsDeepSeekV32Shaped) {
+    const std::string glm5 = R"({"architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa", "hidden_size": 6144, "num_hidden_layers": 78,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "vocab_size": 154880,
+        "intermediate_size": 12288, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "index_topk": 2048, "index_head_dim": 128,
+        "index_n_heads": 32, "indexer_rope_interleave": true, "num_nextn_predict_layers": 1)";
+    const ModelSpec m = parse_hf_config(glm5 + "}", "glm5.json");
+    EXPECT_TRUE(m.is_mla());
+    EXPECT_EQ(m.indexer.head_dim, 128);
+    EXPECT_EQ(m.indexer.heads, 32);
+    // Per token and layer: the latent (512 + 64) bf16, and the fp8 indexer key with its fp32 scale.
+    const ModelSpec v32 = load_hf_config(config_path("deepseek-v3.2-exp"));
+    EXPECT_EQ(m.kv_bytes_per_token() * 61, v32.kv_bytes_per_token() * 78);
+    EXPECT_EQ(indexer_bytes_per_token(m), 128 + 4);  // per token and layer
+    std::string all_full = ", \"indexer_types\": [";
+    for (int l = 0; l < 78; ++l) all_full += l ? ", \"full\"" : "\"full\"";
+    EXPECT_EQ(parse_hf_config(glm5 + all_full + "]}", "glm5.json").kv_bytes_per_token(),
+              m.kv_bytes_per_token());
+    std::string shared = all_full;
+    shared.replace(shared.rfind("full"), 4, "shared");
+    expect_refused(glm5 + shared + "]}", "indexer_types");
+    expect_refused(glm5 + ", \"indexer_types\": [\"full\"]}", "indexer_types");
+}
+
 // MiniMax-01's lightning-attention layers (attn_type_list 0) and a shared expert are refused.
 TEST(RealShapes, MiniMaxM2RefusesWhatItDoesNotModel) {
     const std::string m2 = read_file(config_path("minimax-m2"));
