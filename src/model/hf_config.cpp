@@ -147,6 +147,7 @@ enum class Family {
     kFalcon,
     kNemotronH,
     kNemotronNas,    // Nemotron Super / Ultra (block_configs)
+    kGemma4,         // gemma4(_text): per-layer head sizes, K = V weights on full layers
     kGraniteHybrid,  // granitemoehybrid (Granite 4.0-H: Mamba-2 + attention, MoE on every layer)
 };
 
@@ -178,6 +179,8 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"gemma2", Family::kGemma2},
         {"gemma3", Family::kGemma3},
         {"gemma3_text", Family::kGemma3},
+        {"gemma4", Family::kGemma4},
+        {"gemma4_text", Family::kGemma4},
         {"gpt_oss", Family::kGptOss},
         {"llama4", Family::kLlama4},
         {"llama4_text", Family::kLlama4},
@@ -256,6 +259,10 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"gemma2", {"Gemma2Config", 8, 4, 256, false}},
         {"gemma3", {"Gemma3TextConfig", 8, 4, 256, false}},
         {"gemma3_text", {"Gemma3TextConfig", 8, 4, 256, false}},
+        // Gemma4TextConfig: 8 heads, 4 KV heads (an int, not None-able), head_dim 256; the full
+        // layers' global_head_dim (512) and num_global_key_value_heads are read below.
+        {"gemma4", {"Gemma4TextConfig", 8, 4, 256, false}},
+        {"gemma4_text", {"Gemma4TextConfig", 8, 4, 256, false}},
         {"gpt_oss", {"GptOssConfig", R, 8, 64, true}},
         {"llama4", {"Llama4TextConfig", R, 8, 128, true}},
         {"llama4_text", {"Llama4TextConfig", R, 8, 128, true}},
@@ -339,6 +346,10 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "index_head_dim",
         "index_n_heads",
         "index_topk",
+        "global_head_dim",             // Gemma 4's full-attention layers, read below
+        "num_global_key_value_heads",  // (with attention_k_eq_v)
+        "attention_k_eq_v",
+        "num_kv_shared_layers",  // Gemma 4 / 3n: refused when > 0
         "indexer_types",  // GLM-5.x: checked below (only "full", an indexer key on every layer)
         // do not change what is cached
         "attention_dropout",
@@ -451,6 +462,12 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"hybrid_override_pattern", {Family::kNemotronH}},
         {"mamba_num_heads", {Family::kNemotronH}},
         {"ssm_state_size", {Family::kNemotronH}},
+        {"global_head_dim", {Family::kGemma4}},
+        {"num_global_key_value_heads", {Family::kGemma4}},
+        {"attention_k_eq_v", {Family::kGemma4}},
+        {"num_kv_shared_layers", {Family::kGemma4}},
+        {"hidden_size_per_layer_input", {Family::kGemma4}},
+        {"enable_moe_block", {Family::kGemma4}},
         {"mamba_n_heads", {Family::kGraniteHybrid}},
         {"mamba_d_head", {Family::kGraniteHybrid}},
         {"mamba_d_state", {Family::kGraniteHybrid}},
@@ -543,13 +560,15 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     if (!f.has(heads_key) && defaults.num_heads == ClassDefaults::kRequired)
         throw Error(detail::concat(file, ": missing field '", heads_key, "'"));
     m.num_heads = f.positive_int_or(heads_key, defaults.num_heads);
-    m.vocab = f.has("vocab_size") || fam != Family::kGemma3
+    m.vocab = f.has("vocab_size") || (fam != Family::kGemma3 && fam != Family::kGemma4)
                   ? f.positive_int(pick({"vocab_size", "padded_vocab_size"}, "vocab_size"))
+              : fam == Family::kGemma4
+                  ? 262144   // Gemma4TextConfig's default
                   : 262208;  // Gemma3TextConfig's default; the published text_config omits it
     m.rope_theta = f.number_or("rope_theta", 10000.0);
     m.rms_norm_eps = f.number_or(
         pick({"rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"}, "rms_norm_eps"), 1e-6);
-    const bool gemma = fam == Family::kGemma2 || fam == Family::kGemma3;
+    const bool gemma = fam == Family::kGemma2 || fam == Family::kGemma3 || fam == Family::kGemma4;
     m.tie_embeddings = f.bool_or("tie_word_embeddings", gemma);  // Gemma ties by default
     const std::string torch_dtype =
         f.string_or(f.has("torch_dtype") ? "torch_dtype" : "dtype", "bfloat16");
@@ -663,7 +682,17 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
                                        "): kvshard counts shared experts in routed widths"));
         return w / m.moe.expert_intermediate;
     };
-    if (fam == Family::kGraniteHybrid) {
+    if (fam == Family::kGemma4) {
+        // enable_moe_block: num_experts experts of moe_intermediate_size (top_k_experts) beside
+        // the layer's dense MLP of intermediate_size, which counts as that many expert widths
+        // (Gemma-4-26B-A4B: 2112 = 3 x 704), as vLLM's Gemma4DecoderLayer runs both.
+        if (f.bool_or("enable_moe_block", false)) {
+            m.moe.num_experts = f.positive_int("num_experts");
+            m.moe.experts_per_token = f.positive_int("top_k_experts");
+            m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
+            m.moe.shared_experts = shared_width_in_experts("intermediate_size");
+        }
+    } else if (fam == Family::kGraniteHybrid) {
         // GraniteMoeHybridConfig: num_local_experts 8, num_experts_per_tok 2, intermediate_size
         // 11008 (each expert's width), shared_intermediate_size 1024 (a shared MLP on every
         // layer, 0 for none) when absent. num_local_experts 0 (Granite-4.0-H-1B) is dense: the
@@ -744,7 +773,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         s.window = w;
     };
 
-    if (f.has("layer_types") && fam != Family::kGraniteHybrid) {
+    if (f.has("layer_types") && fam != Family::kGraniteHybrid && fam != Family::kGemma4) {
         const auto& types = f.array("layer_types");
         if (static_cast<int>(types.size()) != L)
             throw f.bad("layer_types", detail::concat("lists ", types.size(),
@@ -792,6 +821,17 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
             throw f.bad("use_bidirectional_attention",
                         "is true (an encoder, its sliding window halved by transformers): kvshard "
                         "sizes causal decoders' KV caches");
+    } else if (fam == Family::kGemma4) {
+        // "vision": image tokens attend both ways, text stays causal; "all" is an encoder (and
+        // Gemma4TextConfig halves its window).
+        const auto& j = f.json();
+        if (j.contains("use_bidirectional_attention") &&
+            !j.at("use_bidirectional_attention").is_null() &&
+            j.at("use_bidirectional_attention") != "vision")
+            throw f.bad("use_bidirectional_attention",
+                        detail::concat("is ", j.at("use_bidirectional_attention").dump(),
+                                       ": kvshard sizes causal decoders' KV caches (null or "
+                                       "\"vision\" are read)"));
     } else if (f.bool_or("use_bidirectional_attention", false)) {
         throw f.bad("use_bidirectional_attention",
                     "is true: kvshard sizes causal decoders' KV caches");
@@ -911,6 +951,59 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         m.state.groups = f.positive_int("n_groups");
         m.state.group_dim = f.positive_int("ssm_state_size");
         m.state.conv_kernel = f.positive_int("conv_kernel");
+    }
+    if (fam == Family::kGemma4) {
+        // Per-layer embeddings (Gemma 4 E2B / E4B) add a table of vocab_size_per_layer_input x
+        // layers x hidden_size_per_layer_input that kvshard does not size; KV-shared layers
+        // (num_kv_shared_layers) read an earlier layer's cache. Both are refused, not ignored.
+        if (f.int_or("hidden_size_per_layer_input", 256) != 0)
+            throw f.bad("hidden_size_per_layer_input",
+                        "is not 0 (Gemma4TextConfig's default is 256): per-layer embeddings are "
+                        "not modelled, so the weights would be undersized");
+        if (f.int_or("num_kv_shared_layers", 0) != 0)
+            throw f.bad("num_kv_shared_layers",
+                        "is not 0: layers reading another layer's KV cache are not modelled");
+        // Gemma4TextConfig: layer_types, else 5 sliding : 1 full, and the last layer is made
+        // full whatever the list says. vLLM's Gemma4DecoderLayer: full layers have
+        // global_head_dim (default 512) and, with attention_k_eq_v (K's weights reused as V; both
+        // are still cached), num_global_key_value_heads KV heads.
+        const int window = f.positive_int_or("sliding_window", 512);
+        std::vector<bool> sliding(L);
+        if (f.has("layer_types")) {
+            const auto& types = f.array("layer_types");
+            if (static_cast<int>(types.size()) != L)
+                throw f.bad("layer_types", detail::concat("lists ", types.size(),
+                                                          " layers but num_hidden_layers is ", L));
+            for (int l = 0; l < L; ++l) {
+                const std::string t = types[l].is_string() ? types[l].get<std::string>() : "";
+                if (t != "sliding_attention" && t != "full_attention")
+                    throw f.bad("layer_types",
+                                detail::concat("has ", types[l].dump(), " at layer ", l,
+                                               ": expected sliding_attention or full_attention"));
+                sliding[l] = t == "sliding_attention";
+            }
+        } else {
+            for (int l = 0; l < L; ++l) sliding[l] = (l + 1) % 6 != 0;
+        }
+        sliding[L - 1] = false;
+        const int global_head_dim = f.positive_int_or("global_head_dim", 512);
+        const bool k_eq_v = f.bool_or("attention_k_eq_v", false);
+        const int global_kv = k_eq_v && f.has("num_global_key_value_heads")
+                                  ? f.positive_int("num_global_key_value_heads")
+                                  : m.num_kv_heads;
+        if (m.num_heads % global_kv != 0)
+            throw f.bad("num_global_key_value_heads",
+                        detail::concat("(", global_kv, ") must divide num_attention_heads (",
+                                       m.num_heads, ")"));
+        for (int l = 0; l < L; ++l) {
+            if (sliding[l]) {
+                set_window(layers[l], LayerKind::kSlidingWindow, window);
+            } else {
+                layers[l].kind = LayerKind::kFullAttention;
+                layers[l].head_dim = global_head_dim;
+                layers[l].num_kv_heads = global_kv;
+            }
+        }
     }
     if (fam == Family::kGraniteHybrid) {
         // vLLM builds each layer from config.layer_types[i] ("mamba" or "attention") and fails

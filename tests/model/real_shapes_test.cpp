@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 23 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 24 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -163,6 +163,14 @@ std::vector<Family> families() {
                                return L{'S', 32, 96, 2047};
                            }),
                    {1, 2, 4, 8}});
+    // Gemma-4-31B: 5 sliding (16 KV heads of 256, window 1024) : 1 full layer, the full ones with
+    // global_head_dim 512 and, as attention_k_eq_v, num_global_key_value_heads 4.
+    out.push_back({"gemma-4-31b",
+                   pattern(60,
+                           [](int i) {
+                               return (i + 1) % 6 ? L{'S', 16, 256, 1024} : L{'F', 4, 512};
+                           }),
+                   {1, 2, 4, 8}});
     // Nemotron Super: no-op attention blocks hold no KV; the others 64/8 = 8 KV heads.
     const auto blocks =
         nlohmann::json::parse(read_file(config_path("llama-3.3-nemotron-super-49b")))
@@ -216,7 +224,7 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
     return sum;
 }
 
-TEST(RealShapes, TwentyThreeFamiliesPerRankAndPerRequest) {
+TEST(RealShapes, TwentyFourFamiliesPerRankAndPerRequest) {
     for (const Family& f : families()) {
         SCOPED_TRACE(f.file);
         const ModelSpec m = load_hf_config(config_path(f.file));
@@ -448,6 +456,60 @@ TEST(RealShapes, Glm5IsDeepSeekV32Shaped) {
     shared.replace(shared.rfind("full"), 4, "shared");
     expect_refused(glm5 + shared + "]}", "indexer_types");
     expect_refused(glm5 + ", \"indexer_types\": [\"full\"]}", "indexer_types");
+}
+
+// Gemma 4 as vLLM's Gemma4DecoderLayer builds it and Gemma4TextConfig fills it in.
+TEST(RealShapes, Gemma4AsVllmBuildsIt) {
+    const std::string base = R"({"model_type": "gemma4_text", "hidden_size": 1024,
+        "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "num_global_key_value_heads": 2, "vocab_size": 1000,
+        "hidden_size_per_layer_input": 0)";
+    // No layer_types: 5 sliding : 1 full, the last layer made full; window 512, head_dim 256,
+    // global_head_dim 512; without attention_k_eq_v the full layers keep num_key_value_heads.
+    const ModelSpec d = parse_hf_config(base + "}", "g4.json");
+    for (int l = 0; l < 8; ++l) {
+        const bool full = l == 5 || l == 7;
+        EXPECT_EQ(d.layer(l).kind, full ? LayerKind::kFullAttention : LayerKind::kSlidingWindow)
+            << l;
+        EXPECT_EQ(d.layer(l).head_dim, full ? 512 : 256) << l;
+        EXPECT_EQ(d.layer(l).num_kv_heads, 4) << l;
+        if (!full) EXPECT_EQ(d.layer(l).window, 512) << l;
+    }
+    EXPECT_TRUE(d.tie_embeddings);
+    // attention_k_eq_v: the full layers take num_global_key_value_heads.
+    const ModelSpec k = parse_hf_config(base + R"(, "attention_k_eq_v": true})", "g4.json");
+    EXPECT_EQ(k.layer(5).num_kv_heads, 2);
+    EXPECT_EQ(k.kv_bytes_per_token(), 6 * 2 * 4 * 256 * 2 + 2 * 2 * 2 * 512 * 2);
+    // A listed last layer that slides is made full, as transformers does.
+    std::string types = R"(, "layer_types": [)";
+    for (int l = 0; l < 8; ++l) types += l ? R"(, "sliding_attention")" : R"("sliding_attention")";
+    EXPECT_EQ(parse_hf_config(base + types + "]}", "g4.json").layer(7).kind,
+              LayerKind::kFullAttention);
+    // Gemma-4-26B-A4B: 128 experts of 704 (top 8) beside the dense MLP of 2112 = 3 expert widths.
+    const ModelSpec moe = parse_hf_config(base + R"(, "enable_moe_block": true, "num_experts": 128,
+        "top_k_experts": 8, "moe_intermediate_size": 704, "intermediate_size": 2112})",
+                                          "g4.json");
+    EXPECT_EQ(moe.moe.num_experts, 128);
+    EXPECT_EQ(moe.moe.shared_experts, 3);
+    EXPECT_EQ(moe.layer(0).mlp, MlpKind::kMoe);
+    // Not modelled, so refused: per-layer embeddings (also Gemma4TextConfig's default), shared
+    // KV layers, all-bidirectional attention.
+    std::string ple = base;
+    ple.replace(ple.find("\"hidden_size_per_layer_input\": 0"), 32,
+                "\"hidden_size_per_layer_input\": 256");
+    expect_refused(ple + "}", "hidden_size_per_layer_input");
+    std::string no_ple = base;
+    no_ple.erase(no_ple.find(",\n        \"hidden_size_per_layer_input\": 0"));
+    expect_refused(no_ple + "}", "hidden_size_per_layer_input");
+    expect_refused(base + R"(, "num_kv_shared_layers": 4})", "num_kv_shared_layers");
+    expect_refused(base + R"(, "use_bidirectional_attention": "all"})",
+                   "use_bidirectional_attention");
+    EXPECT_NO_THROW(parse_hf_config(base + R"(, "use_bidirectional_attention": "vision"})", "v"));
+    // Gemma 4's fields in another family are refused.
+    expect_refused(R"({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "global_head_dim": 128})",
+                   "global_head_dim");
 }
 
 // MiniMax-01's lightning-attention layers (attn_type_list 0) and a shared expert are refused.
