@@ -11,11 +11,12 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // One layer of each model-wide KV group, as a rank that holds one sees it (TP splits every rank
-// alike, so any holder gives the same figures).
+// alike, so any holder gives the same figures). vLLM's pages hold the elements only: its fp8 cache
+// keeps one k_scale and one v_scale per layer outside them (kvshard's own pools add a scale per
+// block and head, RankKvGroup::scale_bytes_per_block, which this arrangement leaves out).
 struct LayerPage {
     int64_t bytes_per_token = 0;  // token groups
-    int64_t scale_bytes_per_block = 0;
-    int64_t state_bytes = 0;  // state groups
+    int64_t state_bytes = 0;      // state groups
 };
 
 std::vector<LayerPage> layer_pages(const KvLayout& l, size_t n_groups) {
@@ -27,8 +28,7 @@ std::vector<LayerPage> layer_pages(const KvLayout& l, size_t n_groups) {
             if (seen[gi]) continue;
             seen[gi] = true;
             const int64_t n = static_cast<int64_t>(g.layers.size());
-            out[gi] = {g.bytes_per_token / n, g.scale_bytes_per_block / n,
-                       g.state_bytes_per_sequence / n};
+            out[gi] = {g.bytes_per_token / n, g.state_bytes_per_sequence / n};
         }
     return out;
 }
@@ -60,11 +60,8 @@ void separate(const KvLayout& l, int block_size, EngineKvArrangement& a) {
         a.groups.push_back({static_cast<int>(gi), g.kind, g.window, block_size, g.layers});
     }
     a.block_bytes.assign(l.ranks.size(), 0);
-    for (size_t r = 0; r < l.ranks.size(); ++r) {
-        int64_t scales = 0;
-        for (const RankKvGroup& g : l.ranks[r].groups) scales += g.scale_bytes_per_block;
-        a.block_bytes[r] = sat_add(sat_mul(block_size, l.ranks[r].kv_bytes_per_token), scales);
-    }
+    for (size_t r = 0; r < l.ranks.size(); ++r)
+        a.block_bytes[r] = sat_mul(block_size, l.ranks[r].kv_bytes_per_token);
 }
 
 // Blocks group g holds at the CP position cp_rank for a sequence of seq_len tokens.
@@ -105,10 +102,9 @@ EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size,
         for (size_t r = 0; r < l.ranks.size(); ++r) {
             int64_t bytes = 0;
             for (const RankKvGroup& rg : l.ranks[r].groups)
-                bytes = sat_add(bytes, holds_state(rg.kind)
-                                           ? rg.state_bytes_per_sequence
-                                           : sat_add(sat_mul(block_size, rg.bytes_per_token),
-                                                     rg.scale_bytes_per_block));
+                bytes =
+                    sat_add(bytes, holds_state(rg.kind) ? rg.state_bytes_per_sequence
+                                                        : sat_mul(block_size, rg.bytes_per_token));
             a.block_bytes[r] = bytes;
         }
         return a;
@@ -146,8 +142,7 @@ EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size,
     int64_t largest = 0;
     for (size_t gi = 0; gi < groups.size(); ++gi) {
         page[gi] = holds_state(groups[gi].kind) ? pages[gi].state_bytes
-                                                : sat_add(sat_mul(block, pages[gi].bytes_per_token),
-                                                          pages[gi].scale_bytes_per_block);
+                                                : sat_mul(block, pages[gi].bytes_per_token);
         if (!holds_state(groups[gi].kind)) largest = std::max(largest, page[gi]);
     }
     if (largest == 0) largest = *std::max_element(page.begin(), page.end());

@@ -69,8 +69,10 @@ TEST(Capacity, MlaLatentIsNotSplitByTp) {
     EXPECT_EQ(compute_capacity(m, cfg(8), hw).kv_bytes_per_token, 61 * (512 + 64) * 1);
 }
 
-// fp8 KV: whole blocks of 1 byte per element plus one fp32 scale per layer, K/V and KV head.
-TEST(Capacity, Fp8BlocksCountTheirScales) {
+// fp8 KV: vLLM's pages hold 1 byte per element and nothing else (its fp8 cache keeps one k_scale
+// and one v_scale per layer outside them), so the planner's blocks are the elements alone; kvshard's
+// own pools add an fp32 scale per layer, K/V, block and KV head, which the layout still counts.
+TEST(Capacity, Fp8BlocksAreVllmPages) {
     auto m = catalog_model("llama-3.1-8b");
     m.kv_dtype = DType::kFp8;
     const auto hw = hardware_by_name("h100-sxm");
@@ -78,9 +80,11 @@ TEST(Capacity, Fp8BlocksCountTheirScales) {
     const auto& r0 = rep.ranks[0];
     const int64_t per_token = 32LL * 2 * 4 * 128;  // layers * K/V * heads per rank * head_dim
     EXPECT_EQ(r0.kv_bytes_per_token, per_token);
-    const int64_t block = 16 * per_token + 32LL * 2 * 4 * 4;
-    EXPECT_EQ(rep.kv_tokens_per_gpu, r0.kv_budget_bytes / block * 16);
-    EXPECT_LT(rep.kv_tokens_per_gpu, r0.kv_budget_bytes / per_token / 16 * 16);
+    EXPECT_EQ(rep.engine.block_bytes[0], 16 * per_token);
+    EXPECT_EQ(rep.kv_tokens_per_gpu, r0.kv_budget_bytes / (16 * per_token) * 16);
+    // kvshard's pool of the same rank: the scales on top of the pages.
+    const KvLayout lay = make_layout(m, cfg(2));
+    EXPECT_EQ(request_kv_bytes(lay, 0, 16, 16), 16 * per_token + 32LL * 2 * 4 * 4);
 }
 
 TEST(Capacity, ExpertsUnderEpAreWholeAndUnderTpAreSplit) {

@@ -47,8 +47,8 @@ struct EngineKvArrangement {
     int64_t state_page_padding = 0;  // bytes added to each Mamba/GDN state page (kHybrid)
     std::vector<EngineKvGroup> groups;
     // Bytes one block id takes on each rank (kHybrid: page_bytes x the most layers any group has
-    // on that rank; kUniform: the rank's layers' pages and fp8 scales; kSeparate: the token
-    // groups' blocks, state not included).
+    // on that rank; kUniform: the rank's layers' pages, vLLM's fp8 keeping its per-layer scales
+    // outside them; kSeparate: the token groups' blocks, state not included).
     std::vector<int64_t> block_bytes;  // indexed by rank
     std::string note;  // why kSeparate, or what vLLM does that differs from the options given
     int padding_slots() const;  // group_size x groups - layers (kHybrid), else 0
