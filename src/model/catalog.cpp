@@ -265,6 +265,38 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "rms_norm_eps": 1e-05, "tie_word_embeddings": false,
                  "torch_dtype": "bfloat16"})");
          }},
+        // Gemma-4-31B: 5 sliding layers (16 KV heads of 256, window 1024) to 1 full layer (4 KV
+        // heads of 512: attention_k_eq_v); tests/data/hf_configs/gemma-4-31b.json.
+        {"gemma-4-31b",
+         [] {
+             return from_config("gemma-4-31b", R"({"model_type": "gemma4_text",
+                 "num_hidden_layers": 60, "hidden_size": 5376, "num_attention_heads": 32,
+                 "num_key_value_heads": 16, "num_global_key_value_heads": 4,
+                 "attention_k_eq_v": true, "head_dim": 256, "global_head_dim": 512,
+                 "intermediate_size": 21504, "sliding_window": 1024,
+                 "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+                 "vocab_size": 262144, "rms_norm_eps": 1e-06, "tie_word_embeddings": true,
+                 "torch_dtype": "bfloat16"})");
+         }},
+        // Granite-4.0-H-Tiny: 36 Mamba-2 and 4 attention layers, MoE of 64 experts plus a shared
+        // MLP on every layer; tests/data/hf_configs/granite-4.0-h-tiny.json.
+        {"granite-4.0-h-tiny",
+         [] {
+             std::string types;
+             for (int l = 0; l < 40; ++l)
+                 types +=
+                     detail::concat(l ? ", " : "", l % 10 == 5 ? "\"attention\"" : "\"mamba\"");
+             const std::string json = detail::concat(R"({"model_type": "granitemoehybrid",
+                 "num_hidden_layers": 40, "hidden_size": 1536, "num_attention_heads": 12,
+                 "num_key_value_heads": 4, "intermediate_size": 512,
+                 "shared_intermediate_size": 1024, "num_local_experts": 64,
+                 "num_experts_per_tok": 6, "mamba_n_heads": 48, "mamba_d_head": 64,
+                 "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_expand": 2,
+                 "vocab_size": 100352, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+                 "layer_types": [)",
+                                                     types, "]}");
+             return from_config("granite-4.0-h-tiny", json.c_str());
+         }},
         // Test models: fp32 everywhere so that sharded and unsharded runs compare tightly.
         // tiny: 8 query heads, 4 KV heads, so tp=8 replicates every KV head on 2 ranks.
         {"tiny",

@@ -538,7 +538,9 @@ TEST(RealShapes, CatalogEntriesMatchTheirPublishedConfigs) {
                               {"nemotron-h-8b", "nemotron-h-8b"},
                               {"qwen3.5-35b-a3b", "qwen3.5-35b-a3b"},
                               {"glm-4.5-air", "glm-4.5-air"},
-                              {"minimax-m2", "minimax-m2"}}) {
+                              {"minimax-m2", "minimax-m2"},
+                              {"gemma-4-31b", "gemma-4-31b"},
+                              {"granite-4.0-h-tiny", "granite-4.0-h-tiny"}}) {
         SCOPED_TRACE(name);
         ModelSpec cat = catalog_model(name);
         ModelSpec pub = load_hf_config(config_path(file));
