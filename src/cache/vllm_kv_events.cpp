@@ -7,8 +7,6 @@
 #include <exception>
 #include <stdexcept>
 
-#include "kvshard/cache/vllm_hash.h"
-
 namespace kvshard {
 namespace {
 
@@ -73,18 +71,23 @@ std::optional<std::string> as_opt_str(const msgpack::object& o, std::string_view
 }
 
 // An ExternalBlockHash: an int (vLLM's 64-bit id; older vLLM hashed with Python's hash(), which
-// can be negative: taken as its two's complement) or bytes (the digest: its last 8 bytes, BE).
+// can be negative: taken as its two's complement) or bytes (the digest: its last 8 bytes, BE,
+// int.from_bytes(b, "big") & (2**64 - 1) as maybe_convert_block_hash reads it). The bytes may be
+// longer than one digest: the vLLM revisions whose BlockHashListWithBlockSize concatenated the k
+// hash_block_size digests of a larger group's block publish that concatenation (k x 32 bytes for
+// sha256), whose id is its last digest's.
 uint64_t as_hash(const msgpack::object& o, std::string_view field, bool& as_bytes) {
     if (o.type == msgpack::type::POSITIVE_INTEGER) return o.via.u64;
     if (o.type == msgpack::type::NEGATIVE_INTEGER) return static_cast<uint64_t>(o.via.i64);
     if (o.type == msgpack::type::BIN) {
-        if (o.via.bin.size == 0 || o.via.bin.size > VllmBlockHash::kMaxSize)
-            malformed(std::string(field) + " as bytes must be 1 to 32 bytes, got " +
-                      std::to_string(o.via.bin.size));
+        if (o.via.bin.size == 0)
+            malformed(std::string(field) + " as bytes must be at least 1 byte, got 0");
         as_bytes = true;
-        return VllmBlockHash(std::span<const uint8_t>(
-                                 reinterpret_cast<const uint8_t*>(o.via.bin.ptr), o.via.bin.size))
-            .event_id();
+        const auto* b = reinterpret_cast<const uint8_t*>(o.via.bin.ptr);
+        uint64_t id = 0;
+        for (uint32_t i = o.via.bin.size > 8 ? o.via.bin.size - 8 : 0; i < o.via.bin.size; ++i)
+            id = id << 8 | b[i];
+        return id;
     }
     malformed(std::string(field) + " must be an int or bytes, got " + std::string(type_name(o)));
 }

@@ -19,6 +19,16 @@ Reads a JSON list of cases from the file named by argv[1]; each case has "scheme
 string) or "parent" (hex), "block_size", "tokens", and optional "lora_name", "cache_salt". Writes a
 JSON list: per case {"root": hex, "blocks": [{"digest": hex, "id": int, "encoded": hex}]}, only
 full blocks; "encoded" is what the scheme hashes (pickle protocol 5, or canonical CBOR).
+
+A case may add "group_block_sizes": [B, ...], each a multiple k of "block_size" (vLLM's
+hash_block_size, the granularity of a request's block hashes when KV cache groups have different
+block sizes). Block j of a group of B = k * block_size tokens is then, as a KV event carries it
+(vllm/v1/core/kv_cache_utils.py, BlockHashListWithBlockSize; the two revisions of it):
+  select:  digest (j + 1) * k - 1, the hash_block_size hash at the block's end (newer)
+  concat:  b"".join(digests j * k .. (j + 1) * k - 1) (older)
+and the output gains "groups": [{"block_size": B, "select_ids": [int], "concat_hex": [hex],
+"concat_ids": [int]}] (ids as maybe_convert_block_hash gives them; not for the 64-bit int scheme,
+which predates hash_block_size).
 """
 import hashlib
 import json
@@ -85,7 +95,28 @@ def run_case(case):
             "encoded": encode_for(case["scheme"])(obj).hex(),
         })
         parent = digest
-    return {"root": as_bytes(root).hex(), "blocks": blocks}
+    out = {"root": as_bytes(root).hex(), "blocks": blocks}
+    if "group_block_sizes" in case:
+        digests = [bytes.fromhex(b["digest"]) for b in blocks]
+        groups = []
+        for gbs in case["group_block_sizes"]:
+            assert gbs % bs == 0, (gbs, bs)
+            k = gbs // bs
+            n = len(digests) // k
+            select = [digests[(j + 1) * k - 1] for j in range(n)]
+            concat = [b"".join(digests[j * k:(j + 1) * k]) for j in range(n)]
+            groups.append({
+                "block_size": gbs,
+                "select_ids": [event_id(d) for d in select],
+                "concat_hex": [d.hex() for d in concat],
+                "concat_ids": [event_id(d) for d in concat],
+            })
+        out["groups"] = groups
+    return out
+
+
+def event_id(digest):
+    return int.from_bytes(digest, "big") & ((1 << 64) - 1)
 
 
 def main():

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <random>
 
 #include "kvshard/cache/vllm_hash.h"
@@ -43,6 +45,34 @@ VllmKvEvent cleared() {
     e.kind = VllmEventKind::kAllBlocksCleared;
     return e;
 }
+
+// tests/cache/vllm_hash_reference.py for one prompt hashed at vLLM's hash_block_size `bs`, with
+// the ids a KV cache group of each of `group_block_sizes` publishes (its "groups"); null on
+// failure.
+json hash_block_size_reference(const std::vector<int32_t>& tokens, int bs,
+                               const std::vector<int>& group_block_sizes) {
+    char path[] = "/tmp/kvshard_vllm_hybrid_XXXXXX";
+    const int fd = mkstemp(path);
+    if (fd < 0) return nullptr;
+    close(fd);
+    const json cases = json::array({{{"scheme", "vllm-sha256"},
+                                     {"seed", "0"},
+                                     {"block_size", bs},
+                                     {"tokens", tokens},
+                                     {"group_block_sizes", group_block_sizes}}});
+    std::ofstream(path) << cases.dump();
+    const std::string cmd = std::string(KVSHARD_TEST_PYTHON) + " " + KVSHARD_TEST_SOURCE_DIR +
+                            "/cache/vllm_hash_reference.py " + path;
+    const test::CliResult ran = test::run_command(cmd);
+    std::remove(path);
+    if (ran.status != 0) {
+        ADD_FAILURE() << "the reference script failed: " << cmd;
+        return nullptr;
+    }
+    return json::parse(ran.out)[0];
+}
+
+std::vector<uint64_t> ids_of(const json& a) { return a.get<std::vector<uint64_t>>(); }
 
 struct CodecCase {
     json spec;                // for the Python encoder
@@ -289,6 +319,44 @@ TEST(VllmEvents, MalformedPayloadsAreErrorsNeverCrashes) {
         }
     }
     EXPECT_GT(refused, 0);
+}
+
+// vLLM revisions whose BlockHashListWithBlockSize concatenated the hash_block_size digests of a
+// larger group's block publish, with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, that concatenation
+// (here 2 x 32 bytes of sha256): its id is its last 8 bytes, the same as the newer revisions' (the
+// last digest alone) and as the int the default publishes. A 64-byte hash used to be refused,
+// losing the whole batch.
+TEST(VllmEvents, ConcatenatedDigestsOfALargerGroupsBlockDecodeToItsLastDigestsId) {
+    std::vector<int32_t> tokens(16);
+    for (int i = 0; i < 16; ++i) tokens[static_cast<size_t>(i)] = 1000 + i;
+    const json ref = hash_block_size_reference(tokens, 4, {8});
+    ASSERT_TRUE(ref.is_object());
+    const json& g = ref["groups"][0];
+    ASSERT_EQ(g["concat_hex"].size(), 2u);
+    ASSERT_EQ(g["concat_hex"][0].get<std::string>().size(), 128u);
+    EXPECT_EQ(ids_of(g["concat_ids"]), ids_of(g["select_ids"]));
+    json hashes = json::array();
+    for (const auto& h : g["concat_hex"]) hashes.push_back({{"hex", h}});
+    const json spec = json::array({{{"ts", 1.0},
+                                    {"form", "positional"},
+                                    {"events",
+                                     {{{"tag", "BlockStored"},
+                                       {"block_hashes", hashes},
+                                       {"parent_block_hash", nullptr},
+                                       {"token_ids", tokens},
+                                       {"block_size", 8},
+                                       {"lora_id", nullptr},
+                                       {"medium", "GPU"},
+                                       {"lora_name", nullptr},
+                                       {"group_idx", 1}}}}}});
+    const json hex = test::python_encode(spec);
+    ASSERT_TRUE(hex.is_array());
+    const auto r = decode_vllm_event_batch(test::from_hex(hex[0].get<std::string>()));
+    ASSERT_TRUE(r.batch) << r.error;
+    ASSERT_EQ(r.batch->events.size(), 1u);
+    EXPECT_EQ(r.batch->events[0].block_hashes, ids_of(g["select_ids"]));
+    EXPECT_TRUE(r.batch->events[0].hashes_as_bytes);
+    EXPECT_EQ(r.batch->events[0].group_idx, 1);
 }
 
 TEST(VllmEvents, SequenceFrames) {
