@@ -104,6 +104,11 @@ void bind_router(py::module_& m) {
              py::arg("window_blocks"),
              "The group serves a prefix when its last window_blocks blocks before it are held.")
         .def("set_group_full", &KvIndex::set_group_full, py::arg("replica"), py::arg("group"))
+        .def("set_group_block_scale", &KvIndex::set_group_block_scale, py::arg("replica"),
+             py::arg("group"), py::arg("scale"),
+             "The group's blocks are `scale` router blocks (vLLM's hash_block_size): its block j "
+             "is the request's hash (j + 1) * scale - 1.")
+        .def("group_block_scale", &KvIndex::group_block_scale, py::arg("replica"), py::arg("group"))
         .def("all_cleared", &KvIndex::all_cleared, py::arg("replica"))
         .def(
             "apply",

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <numeric>
 
 #include "kvshard/common/error.h"
 
@@ -28,6 +29,7 @@ KvIndex::KvIndex(int num_replicas, KvIndexMode mode, double ttl_s)
     group_counts_.assign(static_cast<size_t>(num_replicas), std::vector<int64_t>(1, 0));
     groups_.assign(static_cast<size_t>(num_replicas), 0);
     window_.assign(static_cast<size_t>(num_replicas), std::vector<int>(1, -1));
+    scale_.assign(static_cast<size_t>(num_replicas), std::vector<int>(1, 1));
     next_seq_.assign(static_cast<size_t>(num_replicas), -1);
     if (mode == KvIndexMode::kApproximate) expiry_of_.resize(static_cast<size_t>(num_replicas));
 }
@@ -40,6 +42,22 @@ void KvIndex::check_replica(int replica) const {
 void KvIndex::check_group(int group) const {
     require(group >= 0 && group < kMaxGroups, "KV index: KV cache group ", group, " is outside 0..",
             kMaxGroups - 1);
+}
+
+void KvIndex::grow_groups(size_t r, size_t g) {
+    if (g >= masks_.size()) masks_.resize(g + 1);
+    if (g >= group_counts_[r].size()) group_counts_[r].resize(g + 1, 0);
+    if (g >= window_[r].size()) window_[r].resize(g + 1, -1);
+    if (g >= scale_[r].size()) scale_[r].resize(g + 1, 1);
+}
+
+void KvIndex::update_hybrid(int replica) {
+    const auto r = static_cast<size_t>(replica);
+    bool hybrid = (groups_[r] & ~uint64_t{1}) != 0;
+    for (int w : window_[r]) hybrid = hybrid || w >= 0;
+    for (int s : scale_[r]) hybrid = hybrid || s > 1;
+    const uint64_t bit = uint64_t{1} << replica;
+    hybrid_ = hybrid ? (hybrid_ | bit) : (hybrid_ & ~bit);
 }
 
 void KvIndex::set_bit(int replica, BlockHash h, int group) {
@@ -68,11 +86,7 @@ void KvIndex::block_stored(int replica, std::span<const BlockHash> hashes, int g
     check_group(group);
     const auto g = static_cast<size_t>(group);
     const auto r = static_cast<size_t>(replica);
-    if (g >= masks_.size()) masks_.resize(g + 1);
-    if (g >= group_counts_[r].size()) {
-        group_counts_[r].resize(g + 1, 0);
-        window_[r].resize(g + 1, -1);
-    }
+    grow_groups(r, g);
     if (hashes.empty()) return;
     groups_[r] |= uint64_t{1} << group;
     if (group != 0) hybrid_ |= uint64_t{1} << replica;
@@ -96,11 +110,7 @@ void KvIndex::set_group_window(int replica, int group, int window_blocks) {
     require(window_blocks >= 0, "KV index: a group's window is >= 0 blocks, got ", window_blocks);
     const auto r = static_cast<size_t>(replica);
     const auto g = static_cast<size_t>(group);
-    if (g >= window_[r].size()) {
-        window_[r].resize(g + 1, -1);
-        group_counts_[r].resize(g + 1, 0);
-    }
-    if (g >= masks_.size()) masks_.resize(g + 1);
+    grow_groups(r, g);
     window_[r][g] = window_blocks;
     hybrid_ |= uint64_t{1} << replica;
 }
@@ -111,10 +121,23 @@ void KvIndex::set_group_full(int replica, int group) {
     const auto r = static_cast<size_t>(replica);
     const auto g = static_cast<size_t>(group);
     if (g < window_[r].size()) window_[r][g] = -1;
-    bool hybrid = false;
-    for (size_t i = 0; i < window_[r].size(); ++i)
-        hybrid = hybrid || window_[r][i] >= 0 || (i > 0 && (groups_[r] >> i & 1));
-    if (!hybrid) hybrid_ &= ~(uint64_t{1} << replica);
+    update_hybrid(replica);
+}
+
+void KvIndex::set_group_block_scale(int replica, int group, int scale) {
+    check_replica(replica);
+    check_group(group);
+    require(scale >= 1, "KV index: a group's block is at least 1 router block, got ", scale);
+    const auto r = static_cast<size_t>(replica);
+    grow_groups(r, static_cast<size_t>(group));
+    scale_[r][static_cast<size_t>(group)] = scale;
+    update_hybrid(replica);
+}
+
+int KvIndex::group_block_scale(int replica, int group) const {
+    check_replica(replica);
+    const auto& s = scale_[static_cast<size_t>(replica)];
+    return group >= 0 && static_cast<size_t>(group) < s.size() ? s[static_cast<size_t>(group)] : 1;
 }
 
 void KvIndex::all_cleared(int replica) {
@@ -130,9 +153,7 @@ void KvIndex::all_cleared(int replica) {
     counts_[r] = 0;
     std::fill(group_counts_[r].begin(), group_counts_[r].end(), 0);
     groups_[r] = 0;
-    bool windowed = false;
-    for (int w : window_[r]) windowed = windowed || w >= 0;
-    if (!windowed) hybrid_ &= ~bit;
+    update_hybrid(replica);
     next_seq_[r] = -1;
     if (mode_ == KvIndexMode::kApproximate) expiry_of_[r].clear();
 }
@@ -223,7 +244,8 @@ void KvIndex::prefix_overlap(std::span<const BlockHash> hashes, std::span<int> o
 
 void KvIndex::hybrid_overlap(std::span<const BlockHash> hashes, std::span<int> out) const {
     const int n = static_cast<int>(hashes.size());
-    // held[g][pos]: the replicas holding block pos in group g. Filled lazily, group by group.
+    // held[g][pos]: the replicas holding the request's hash pos in group g. Filled lazily, group by
+    // group.
     std::vector<std::vector<uint64_t>> held(masks_.size());
     auto held_of = [&](size_t g) -> const std::vector<uint64_t>& {
         auto& h = held[g];
@@ -241,32 +263,42 @@ void KvIndex::hybrid_overlap(std::span<const BlockHash> hashes, std::span<int> o
         const uint64_t bit = uint64_t{1} << r;
         // Group 0 always takes part (a replica that stored nothing there holds no prefix).
         const uint64_t gs = groups_[ru] | 1;
-        int k = n;
+        auto scale_of = [&](size_t g) { return g < scale_[ru].size() ? scale_[ru][g] : 1; };
+        // Every hit is a multiple of `align` router blocks (vLLM's scheduler block size).
+        int64_t align = 1;
+        for (size_t g = 0; g < masks_.size(); ++g)
+            if (gs >> g & 1) align = std::min<int64_t>(std::lcm(align, scale_of(g)), n + 1);
+        int k = static_cast<int>(n / align * align);
         for (bool lowered = true; lowered && k > 0;) {
             lowered = false;
             for (size_t g = 0; g < masks_.size() && k > 0; ++g) {
                 if (!(gs >> g & 1)) continue;
                 const auto& h = held_of(g);
                 const int w = g < window_[ru].size() ? window_[ru][g] : -1;
+                const int s = scale_of(g);
+                // In the group's own blocks: block j is held when the request's hash at its end,
+                // (j + 1) * s - 1, is; a hit of j blocks must be a multiple of step = align / s.
+                auto has = [&](int j) { return (h[static_cast<size_t>((j + 1) * s - 1)] & bit); };
+                const int m = k / s;
+                const int step = static_cast<int>(align / s);
                 int hit = 0;
                 if (w < 0) {  // full attention: the held run from block 0
-                    while (hit < k && (h[static_cast<size_t>(hit)] & bit)) ++hit;
+                    while (hit < m && has(hit)) ++hit;
+                    hit -= hit % step;
                 } else if (w == 0) {
-                    hit = k;
-                } else {  // the largest j <= k with blocks [max(0, j - w), j) held
-                    int run = 0;
-                    hit = -1;
-                    for (int i = k - 1; i >= 0; --i) {
-                        run = (h[static_cast<size_t>(i)] & bit) ? run + 1 : 0;
-                        if (run == w) {
-                            hit = i + w;
-                            break;
-                        }
-                    }
-                    if (hit < 0) hit = run;  // the run from block 0, shorter than the window
+                    hit = m;
+                } else {  // the largest aligned j <= m with blocks [max(0, j - w), j) held
+                    // run[i]: held blocks ending at block i (inclusive), for i < m.
+                    std::vector<int> run(static_cast<size_t>(m));
+                    for (int i = 0; i < m; ++i)
+                        run[static_cast<size_t>(i)] =
+                            has(i) ? (i > 0 ? run[static_cast<size_t>(i - 1)] : 0) + 1 : 0;
+                    for (hit = m - m % step; hit > 0; hit -= step)
+                        if (run[static_cast<size_t>(hit - 1)] >= std::min(w, hit)) break;
                 }
-                if (hit < k) {
-                    k = hit;
+                const int hit_k = hit * s;
+                if (hit_k < k) {
+                    k = hit_k;
                     lowered = true;
                 }
             }

@@ -351,6 +351,7 @@ std::string RouteService::replicas_json() const {
                 j["malformed"] = s.malformed;
                 j["evicted"] = s.evicted;
                 j["block_size_mismatch"] = s.block_size_mismatch;
+                j["larger_block_events"] = s.larger_block_events;
             }
             feed[static_cast<size_t>(r)] = j;
         }
@@ -399,6 +400,10 @@ std::string RouteService::metrics_text() const {
     per_replica("kvshard_router_block_size_mismatch_total",
                 "BlockStored events of another block size than the router's, not indexed.",
                 [](const VllmFeedStatus& f) { return f.block_size_mismatch; });
+    per_replica("kvshard_router_larger_block_events_total",
+                "BlockStored events at a multiple of the router's block size (a hybrid KV cache "
+                "group with larger blocks), indexed.",
+                [](const VllmFeedStatus& f) { return f.larger_block_events; });
     s += "# HELP kvshard_router_stale Whether the replica's index is stale (1) after a gap.\n"
          "# TYPE kvshard_router_stale gauge\n";
     for (size_t r = 0; r < feed.size() && r < config_.replica_names.size(); ++r)

@@ -22,7 +22,8 @@ VllmEventIngest::VllmEventIngest(KvIndex& index, int64_t max_blocks_per_replica,
       block_size_(block_size),
       held_(static_cast<size_t>(index.num_replicas())),
       status_(static_cast<size_t>(index.num_replicas())),
-      accept_next_(static_cast<size_t>(index.num_replicas()), false) {
+      accept_next_(static_cast<size_t>(index.num_replicas()), false),
+      exact_seen_(static_cast<size_t>(index.num_replicas()), false) {
     require(max_blocks_per_replica >= 1, "the index cap must be at least 1 block per replica, got ",
             max_blocks_per_replica);
     require(block_size >= 0, "the events' block size must be at least 1 token (0: unchecked), got ",
@@ -198,17 +199,36 @@ void VllmEventIngest::apply(int replica, const VllmEventBatch& b) {
             ++s.ignored;
             continue;
         }
+        // A block s times the router's (vLLM's hash_block_size): a hybrid group with larger
+        // blocks, whose ids are the hash_block_size hashes at the ends of its blocks. Taken as
+        // such only once the replica has stored a block of the router's size: an engine all of
+        // whose blocks are larger (a uniform model at 32 tokens per block, a Mamba hybrid whose
+        // block size vLLM raised) hashes at that larger size, and nothing it stores could match.
+        int scale = 1;
+        if (e.kind == VllmEventKind::kBlockStored && block_size_ > 0 && e.block_size == block_size_)
+            exact_seen_[static_cast<size_t>(replica)] = true;
         if (e.kind == VllmEventKind::kBlockStored && block_size_ > 0 &&
             e.block_size != block_size_) {
-            ++s.block_size_mismatch;
+            if (!exact_seen_[static_cast<size_t>(replica)] || e.block_size < block_size_ ||
+                e.block_size % block_size_ != 0 ||
+                e.block_size / block_size_ > std::numeric_limits<int>::max()) {
+                ++s.block_size_mismatch;
+                s.last_event_block_size = e.block_size;
+                continue;
+            }
+            scale = static_cast<int>(e.block_size / block_size_);
+            ++s.larger_block_events;
             s.last_event_block_size = e.block_size;
-            continue;
         }
         const int g = static_cast<int>(group);
         keys.clear();
         for (uint64_t id : e.block_hashes) keys.push_back(vllm_index_key(id));
         switch (e.kind) {
             case VllmEventKind::kBlockStored:
+                // The group's largest block seen: a full block always names the group's block
+                // size (vLLM revisions that publish partial-block entries name shorter ones).
+                if (block_size_ > 0 && scale > index_->group_block_scale(replica, g))
+                    index_->set_group_block_scale(replica, g, scale);
                 if (e.kv_cache_spec_kind) {
                     const auto w = vllm_group_window_blocks(
                         *e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_size);

@@ -252,6 +252,11 @@ def test_kv_index_and_router():
     assert idx.prefix_overlap(hashes)[0] == 4
     idx.set_group_full(0, 1)
     assert idx.prefix_overlap(hashes)[0] == 0
+    # Blocks of 2 router blocks (vLLM's hash_block_size): group 1's block 1 is hash 3, its end.
+    idx.block_stored(0, hashes[1:2], group=1)
+    idx.set_group_block_scale(0, 1, 2)
+    assert idx.group_block_scale(0, 1) == 2 and idx.prefix_overlap(hashes)[0] == 4
+    idx.set_group_block_scale(0, 1, 1)
     idx.all_cleared(0)
     bm = kvshard.BlockManager(num_blocks=8, block_size=16)
     events = []

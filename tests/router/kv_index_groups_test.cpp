@@ -69,6 +69,36 @@ TEST(KvIndexGroups, AWindowedGroupNeedsOnlyTheBlocksBeforeTheHit) {
     EXPECT_THROW(idx.set_group_window(0, 1, -1), Error);
 }
 
+// vLLM's hash_block_size: a group whose blocks are s router blocks publishes, for its block j,
+// the request's hash (j + 1) * s - 1; it serves k when s divides k, and hits are multiples of the
+// LCM of the scales.
+TEST(KvIndexGroups, AGroupWithLargerBlocksIsLookedUpAtTheEndsOfItsBlocks) {
+    KvIndex idx(1);
+    idx.block_stored(0, chain({1, 2, 3, 4, 5, 6, 7}), 0);
+    idx.set_group_block_scale(0, 1, 3);
+    idx.block_stored(0, chain({3, 6}), 1);
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5, 6, 7})), (std::vector<int>{6}));
+    // Group 1 holds the hash at the end of its block 0 only.
+    idx.block_removed(0, chain({6}), 1);
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5, 6, 7})), (std::vector<int>{3}));
+    // Group 0 at scale 2: hits are multiples of lcm(2, 3) = 6 blocks.
+    idx.block_stored(0, chain({6}), 1);
+    idx.set_group_block_scale(0, 0, 2);
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5, 6, 7})), (std::vector<int>{6}));
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5})), (std::vector<int>{0}));
+    // A windowed group of scale 3 and 1 block: only its block before the hit.
+    idx.set_group_block_scale(0, 0, 1);
+    idx.block_removed(0, chain({3}), 1);
+    idx.set_group_window(0, 1, 1);
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5, 6, 7})), (std::vector<int>{6}));
+    EXPECT_EQ(idx.group_block_scale(0, 1), 3);
+    // The scale describes the model: kept across a clear.
+    idx.all_cleared(0);
+    EXPECT_EQ(idx.group_block_scale(0, 1), 3);
+    EXPECT_EQ(idx.group_block_scale(0, 9), 1);
+    EXPECT_THROW(idx.set_group_block_scale(0, 1, 0), Error);
+}
+
 // Randomized: the index against a naive reference that tries every k from the longest down and
 // checks each group's rule directly.
 TEST(KvIndexGroups, MatchesNaiveReferenceUnderRandomEvents) {
@@ -119,6 +149,72 @@ TEST(KvIndexGroups, MatchesNaiveReferenceUnderRandomEvents) {
                 bool ok = true;
                 for (int gg = 0; gg < groups && ok; ++gg)
                     if (gg == 0 || (present[i] >> gg & 1)) ok = serves(gg, want);
+                if (ok) break;
+            }
+            ASSERT_EQ(got[static_cast<size_t>(i)], want) << "step " << step << " replica " << i;
+        }
+    }
+}
+
+// The same with groups of larger blocks (scales 1 to 3): a group serves k when its scale s
+// divides k and its rule holds on its own blocks, block j being the query's hash (j + 1) * s - 1;
+// k must be a multiple of the LCM of the scales of the groups that take part.
+TEST(KvIndexGroups, MatchesNaiveReferenceWithLargerBlockGroups) {
+    std::mt19937_64 rng(11);
+    const int n = 3, groups = 3, ids = 12, qlen = 12;
+    KvIndex idx(n);
+    std::vector<std::vector<std::set<uint64_t>>> ref(n, std::vector<std::set<uint64_t>>(groups));
+    std::vector<uint64_t> present(n, 0);
+    std::vector<std::vector<int>> window(n, std::vector<int>(groups, -1));
+    std::vector<std::vector<int>> scale(n, std::vector<int>(groups, 1));
+    for (int step = 0; step < 6000; ++step) {
+        const int r = static_cast<int>(rng() % n);
+        const int g = static_cast<int>(rng() % groups);
+        const uint64_t id = rng() % ids;
+        const auto op = rng() % 20;
+        if (op < 10) {
+            idx.block_stored(r, chain({id}), g);
+            ref[r][g].insert(id);
+            present[r] |= uint64_t{1} << g;
+        } else if (op < 16) {
+            idx.block_removed(r, chain({id}), g);
+            ref[r][g].erase(id);
+        } else if (op == 16) {
+            const int w = static_cast<int>(rng() % 4) - 1;  // -1: full attention
+            if (w < 0) {
+                idx.set_group_full(r, g);
+            } else {
+                idx.set_group_window(r, g, w);
+            }
+            window[r][g] = w;
+        } else if (op < 19) {
+            const int sc = 1 + static_cast<int>(rng() % 3);
+            idx.set_group_block_scale(r, g, sc);
+            scale[r][g] = sc;
+        } else if (rng() % 8 == 0) {
+            idx.all_cleared(r);
+            for (auto& s : ref[r]) s.clear();
+            present[r] = 0;
+        }
+        std::vector<uint64_t> qi;
+        for (int k = 0; k < qlen; ++k) qi.push_back(rng() % 3 == 0 ? rng() % ids : k);
+        const auto got = overlaps(idx, chain(qi));
+        for (int i = 0; i < n; ++i) {
+            auto takes_part = [&](int gg) { return gg == 0 || (present[i] >> gg & 1); };
+            auto serves = [&](int gg, int k) {
+                const int sc = scale[i][gg];
+                if (k % sc != 0) return false;
+                const int m = k / sc, w = window[i][gg];
+                const int from = w < 0 ? 0 : std::max(0, m - w);
+                for (int j = from; j < m; ++j)
+                    if (!ref[i][gg].count(qi[static_cast<size_t>((j + 1) * sc - 1)])) return false;
+                return true;
+            };
+            int want = qlen;
+            for (; want > 0; --want) {
+                bool ok = true;
+                for (int gg = 0; gg < groups && ok; ++gg)
+                    if (takes_part(gg)) ok = serves(gg, want);  // (each scale divides want)
                 if (ok) break;
             }
             ASSERT_EQ(got[static_cast<size_t>(i)], want) << "step " << step << " replica " << i;

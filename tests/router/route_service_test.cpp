@@ -119,7 +119,8 @@ TEST(RouteService, HashesTheLoraNameAndTheCacheSaltAsVllmDoes) {
     for (size_t i = 0; i < plain.size(); ++i) EXPECT_NE(salted[i], plain[i]) << i;
 }
 
-// The feed's count of BlockStored events at another block size shows in /replicas and /metrics.
+// The feed's counts of BlockStored events at another block size (not indexed) and at a multiple of
+// it (a group with larger blocks, indexed) show in /replicas and /metrics.
 TEST(RouteService, ShowsBlockSizeMismatches) {
     KvIndex index(2);
     VllmEventIngest ingest(index, VllmEventIngest::kDefaultMaxBlocksPerReplica, 4);
@@ -130,6 +131,12 @@ TEST(RouteService, ShowsBlockSizeMismatches) {
     const auto s = encode_vllm_seq(0);
     const auto p = encode_vllm_event_batch(VllmEventBatch{0.0, {e}, 1});
     ASSERT_EQ(ingest.on_batch(1, s, p).outcome, VllmEventIngest::Outcome::kApplied);
+    // Replica a: a block of 4, then a group of 8-token blocks (a hybrid group with larger blocks).
+    VllmKvEvent fine = e, coarse = e;
+    fine.block_size = 4;
+    coarse.group_idx = 1;
+    const auto p0 = encode_vllm_event_batch(VllmEventBatch{0.0, {fine, coarse}, 0});
+    ASSERT_EQ(ingest.on_batch(0, s, p0).outcome, VllmEventIngest::Outcome::kApplied);
     RouteServiceConfig c;
     c.replica_names = {"a", "b"};
     c.block_size = 4;
@@ -138,8 +145,14 @@ TEST(RouteService, ShowsBlockSizeMismatches) {
     EXPECT_EQ(reps[0]["block_size_mismatch"], 0);
     EXPECT_EQ(reps[1]["block_size_mismatch"], 1);
     EXPECT_EQ(reps[1]["index_blocks"], 0);
+    EXPECT_EQ(reps[0]["larger_block_events"], 1);
+    EXPECT_EQ(reps[1]["larger_block_events"], 0);
+    EXPECT_EQ(reps[0]["index_blocks"], 4);
     const std::string m = svc.metrics_text();
     EXPECT_NE(m.find("kvshard_router_block_size_mismatch_total{replica=\"b\"} 1\n"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("kvshard_router_larger_block_events_total{replica=\"a\"} 1\n"),
               std::string::npos)
         << m;
 }

@@ -408,8 +408,10 @@ struct Feed {
 
 using Outcome = VllmEventIngest::Outcome;
 
-// An engine at block 32 against a router at 16: its blocks' hashes cover 32 tokens each and could
-// never match a route hashed at 16, so they are counted and kept out of the index.
+// An engine at block 24 against a router at 16: its blocks' hashes cover 24 tokens each and could
+// never match a route hashed at 16, so they are counted and kept out of the index. A block of 32
+// (a multiple) from a replica that has stored blocks of 16 is a hybrid group with larger blocks
+// (vLLM's hash_block_size): indexed, at scale 2; before any block of 16 it is an engine at 32.
 TEST(VllmIngest, BlockStoredOfAnotherBlockSizeIsCountedNotIndexed) {
     KvIndex index(2);
     VllmEventIngest ingest(index, VllmEventIngest::kDefaultMaxBlocksPerReplica, 16);
@@ -418,17 +420,30 @@ TEST(VllmIngest, BlockStoredOfAnotherBlockSizeIsCountedNotIndexed) {
         const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, std::move(events), replica});
         return ingest.on_batch(replica, s, p).outcome;
     };
-    EXPECT_EQ(send(0, 0, {stored({1, 2}, std::nullopt, {}, 32), stored({7}, std::nullopt, {}, 16)}),
+    EXPECT_EQ(send(0, 0,
+                   {stored({1, 2}, std::nullopt, {}, 24), stored({7}, std::nullopt, {}, 16),
+                    stored({3}, std::nullopt, {}, 8)}),
               Outcome::kApplied);
-    EXPECT_EQ(send(1, 0, {stored({1, 2}, std::nullopt, {}, 16)}), Outcome::kApplied);
+    EXPECT_EQ(send(1, 0, {stored({8}, std::nullopt, {}, 32), stored({1, 2}, std::nullopt, {}, 16)}),
+              Outcome::kApplied);
+    EXPECT_FALSE(index.contains(1, vllm_index_key(8)));
+    EXPECT_EQ(ingest.status(1).block_size_mismatch, 1);
     EXPECT_EQ(index.num_blocks(0), 1);
     EXPECT_FALSE(index.contains(0, vllm_index_key(1)));
+    EXPECT_FALSE(index.contains(0, vllm_index_key(3)));
     EXPECT_TRUE(index.contains(0, vllm_index_key(7)));
     EXPECT_EQ(index.num_blocks(1), 2);
-    EXPECT_EQ(ingest.status(0).block_size_mismatch, 1);
-    EXPECT_EQ(ingest.status(0).last_event_block_size, 32);
+    EXPECT_EQ(ingest.status(0).block_size_mismatch, 2);
+    EXPECT_EQ(ingest.status(0).last_event_block_size, 8);
     EXPECT_EQ(ingest.status(0).events, 1);
-    EXPECT_EQ(ingest.status(1).block_size_mismatch, 0);
+    auto g1 = stored({5, 6}, std::nullopt, {}, 32);
+    g1.group_idx = 1;
+    EXPECT_EQ(send(1, 1, {g1}), Outcome::kApplied);
+    EXPECT_TRUE(index.contains(1, vllm_index_key(5), 1));
+    EXPECT_EQ(index.group_block_scale(1, 1), 2);
+    EXPECT_EQ(index.group_block_scale(1, 0), 1);
+    EXPECT_EQ(ingest.status(1).larger_block_events, 1);
+    EXPECT_EQ(ingest.status(1).block_size_mismatch, 1);
     // Unchecked (0) by default: any block size is indexed.
     KvIndex any(1);
     VllmEventIngest unchecked(any);
@@ -562,6 +577,76 @@ TEST(VllmIngest, HybridGroupsEachBoundTheOverlap) {
     EXPECT_EQ(f.overlap(0, {1, 2, 3, 4}), 0);
     EXPECT_EQ(f.index.num_blocks(0), 0);
     EXPECT_EQ(f.index.groups(0), 0u);
+}
+
+// Groups with different block sizes (vLLM hashes a request at hash_block_size H, the router's
+// block size; a group of k * H tokens per block publishes the H-granular hash at each block's
+// end). Ids from tests/cache/vllm_hash_reference.py. Full attention at H = 4 and a group at 8:
+// the route, hashed at 4, matches both, and hits are whole 8-token blocks (vLLM aligns them to
+// the LCM of the groups' block sizes). These events used to be dropped as another block size, so
+// the overlap ignored the larger group: 6 (or 5) blocks where vLLM hits 4.
+TEST(VllmIngest, AGroupWithLargerBlocksMatchesAtTheRoutersBlockSize) {
+    std::vector<int32_t> tokens(26);
+    for (int i = 0; i < 26; ++i) tokens[static_cast<size_t>(i)] = 7 * i + 3;
+    const json ref = hash_block_size_reference(tokens, 4, {8});
+    ASSERT_TRUE(ref.is_object());
+    std::vector<uint64_t> fine;
+    for (const auto& b : ref["blocks"]) fine.push_back(b["id"].get<uint64_t>());
+    ASSERT_EQ(fine.size(), 6u);
+    const auto coarse = ids_of(ref["groups"][0]["select_ids"]);
+    ASSERT_EQ(coarse.size(), 3u);
+    // The route's keys, as the router hashes the prompt: vLLM's hashes at 4 tokens per block.
+    VllmBlockHasher hasher(VllmHashScheme::kSha256Pickle);
+    const auto keys =
+        vllm_prompt_keys(hasher, vllm_none_hash(VllmHashScheme::kSha256Pickle, "0"), tokens, 4);
+    ASSERT_EQ(keys.size(), 6u);
+    for (size_t i = 0; i < 6; ++i) EXPECT_EQ(keys[i], vllm_index_key(fine[i]));
+
+    KvIndex index(2);
+    VllmEventIngest ingest(index, VllmEventIngest::kDefaultMaxBlocksPerReplica, 4);
+    uint64_t seq[2] = {0, 0};
+    auto send = [&](int replica, std::vector<VllmKvEvent> events) {
+        const auto s = encode_vllm_seq(seq[replica]++);
+        const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, std::move(events), replica});
+        return ingest.on_batch(replica, s, p).outcome;
+    };
+    auto at = [](VllmKvEvent e, int group, const char* kind = nullptr) {
+        e.group_idx = group;
+        if (kind) e.kv_cache_spec_kind = kind;
+        return e;
+    };
+    auto overlap = [&](int replica) {
+        std::vector<int> out(2);
+        index.prefix_overlap(keys, out);
+        return out[static_cast<size_t>(replica)];
+    };
+    // Replica 0: all 6 blocks of group 0, all 3 of group 1.
+    EXPECT_EQ(send(0, {at(stored(fine, std::nullopt, {}, 4), 0),
+                       at(stored(coarse, std::nullopt, {}, 8), 1)}),
+              Outcome::kApplied);
+    EXPECT_EQ(overlap(0), 6);
+    EXPECT_EQ(ingest.status(0).block_size_mismatch, 0);
+    EXPECT_EQ(ingest.status(0).larger_block_events, 1);
+    // Group 1 loses its last block: 4 blocks of 4 tokens (2 of 8).
+    send(0, {at(removed({coarse[2]}), 1)});
+    EXPECT_EQ(overlap(0), 4);
+    // Replica 1: group 0 holds 5 blocks, group 1 all 3: the hit is cut to a whole 8-token block.
+    send(1, {at(stored({fine.begin(), fine.begin() + 5}, std::nullopt, {}, 4), 0),
+             at(stored(coarse, std::nullopt, {}, 8), 1)});
+    EXPECT_EQ(overlap(1), 4);
+    // A Mamba group at 8 tokens per block holding only the state at the end of its block 1
+    // (tokens 0-15), instead of group 1: the hit is 16 tokens.
+    send(1, {cleared(), at(stored(fine, std::nullopt, {}, 4), 0),
+             at(stored({coarse[1]}, coarse[0], {}, 8), 2, "mamba")});
+    EXPECT_EQ(overlap(1), 4);
+    // A sliding window of 9 tokens (cdiv(8, 8) = 1 block of 8 before the hit) holding its blocks
+    // 1 and 2 (block 0 left the window): it serves 16 and 24 tokens.
+    auto swa = at(stored({coarse[1], coarse[2]}, coarse[0], {}, 8), 3, "sliding_window");
+    swa.kv_cache_spec_sliding_window = 9;
+    send(1, {swa});
+    EXPECT_EQ(overlap(1), 4);  // the Mamba group still ends it at 16
+    send(1, {at(stored({coarse[2]}, coarse[1], {}, 8), 2, "mamba")});
+    EXPECT_EQ(overlap(1), 6);
 }
 
 TEST(VllmIngest, GroupWindowRules) {

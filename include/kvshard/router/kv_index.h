@@ -24,8 +24,19 @@
 //   windowed, w blocks (set_group_window): blocks [max(0, k - w), k) are held (only the window
 //     before position k is read; vLLM's sliding window needs ceil((window - 1) / block_size)
 //     blocks, Mamba state 1: the block at k - 1).
-// k = 0 is always served. While no replica has more than a full-attention group 0, the walk of
-// group 0 alone (with its early exit) answers; otherwise the fixed point answers for every replica.
+// k = 0 is always served.
+//
+// Groups with larger blocks (vLLM's hash_block_size): the hashes a route walks are at the
+// router's block size H, vLLM's hash_block_size; a group whose blocks are s times larger
+// (set_group_block_scale; vLLM raises the block size of groups with smaller pages) publishes, for
+// its block j, the H-granular hash at the end of that block: the request's hash (j + 1) * s - 1
+// (vllm/v1/core/kv_cache_utils.py: BlockHashListWithBlockSize). Such a group serves k (in H
+// blocks) only when k is a multiple of s and its rule holds on its own blocks [.., k / s), the
+// window counted in its blocks; and every hit is a multiple of the least common multiple of the
+// scales of the replica's groups (vLLM aligns hits to its scheduler block size, the LCM of the
+// groups' block sizes).
+// While no replica has more than a full-attention group 0 at scale 1, the walk of group 0 alone
+// (with its early exit) answers; otherwise the fixed point answers for every replica.
 #include <cstdint>
 #include <deque>
 #include <span>
@@ -69,6 +80,10 @@ class KvIndex {
     void set_group_window(int replica, int group, int window_blocks);
     // Back to the full-attention rule (the default).
     void set_group_full(int replica, int group);
+    // Group `group` of `replica` has blocks of `scale` router blocks (scale >= 1; 1, the default:
+    // the router's block size). Kept across all_cleared, like the rules. Error on bad arguments.
+    void set_group_block_scale(int replica, int group, int scale);
+    int group_block_scale(int replica, int group) const;
     // Any of the three, as published by a BlockManager (kvshard/cache/kv_events.h). The first event
     // of a replica fixes where its feed starts; after that an event whose sequence number is not
     // the next one throws Error naming both (a lost or replayed event: that replica's part of the
@@ -117,9 +132,13 @@ class KvIndex {
     std::vector<uint64_t> groups_;                    // [replica]: groups with a stored block
     // [replica][group]: -1 full attention, else the window in blocks (set_group_window).
     std::vector<std::vector<int>> window_;
-    // Bit r: replica r has a group other than 0, or a windowed group 0 (prefix_overlap's slow
-    // path).
+    // [replica][group]: the group's block in router blocks (set_group_block_scale), 1 by default.
+    std::vector<std::vector<int>> scale_;
+    // Bit r: replica r has a group other than 0, or a windowed or scaled group 0 (prefix_overlap's
+    // slow path).
     uint64_t hybrid_ = 0;
+    void update_hybrid(int replica);
+    void grow_groups(size_t replica, size_t group);
     std::vector<int64_t> next_seq_;  // next event number per replica; -1 before its first event
     // Approximate mode: latest expiry per (replica, hash) and a FIFO of expiries (non-decreasing
     // because time only moves forward); a popped entry clears its bit only if not refreshed since.

@@ -25,9 +25,15 @@
 // kind, and a group whose kind was never named (revisions before the field), needs every block of
 // the prefix (full attention; for a windowed group that may undercount a hit, never overcount).
 // A group_idx outside 0..KvIndex::kMaxGroups - 1 is counted as ignored. With a block size set
-// (the router's, which it hashes prompts with), a BlockStored of another block_size is not indexed
-// and is counted (block_size_mismatch): its hashes cover other token spans and could never match a
-// route, and indexed they would only take room under the cap. A vLLM block id maps to the
+// (the router's, which it hashes prompts with: vLLM's hash_block_size), a BlockStored whose
+// block_size is s > 1 times it, from a replica that has stored a block of the router's size, is a
+// hybrid group with larger blocks (vLLM publishes, for each of its blocks, the hash_block_size
+// hash at the block's end): it is indexed, the group's scale set to the largest s seen
+// (KvIndex::set_group_block_scale) and counted (larger_block_events). Before the replica's first
+// block of the router's size such an event is taken as an engine hashing at another block size.
+// A BlockStored of any other block_size is not indexed and is counted (block_size_mismatch): its
+// hashes cover other token spans and could never match a route, and indexed they would only take
+// room under the cap. A vLLM block id maps to the
 // index key vllm_index_key(id). The index holds at most max_blocks_per_replica blocks per replica:
 // past it the replica's oldest stored blocks (by their last BlockStored) are dropped from the index
 // and counted (bounded memory; a dropped block only costs a missed hit).
@@ -67,16 +73,19 @@ std::optional<int> vllm_group_window_blocks(std::string_view kind,
 struct VllmFeedStatus {
     std::optional<uint64_t> last_seq;  // nullopt before the first batch
     bool stale = false;
-    int64_t batches = 0;                // batches applied
-    int64_t events = 0;                 // events applied to the index
-    int64_t ignored = 0;                // events of another tier (or a group_idx out of range)
-    int64_t gaps = 0;                   // gaps seen
-    int64_t restarts = 0;               // sequence went back
-    int64_t malformed = 0;              // messages dropped
-    int64_t replayed = 0;               // batches applied from a replay
-    int64_t evicted = 0;                // blocks dropped from the index by the per-replica cap
-    int64_t block_size_mismatch = 0;    // BlockStored events of another block size, not indexed
-    int64_t last_event_block_size = 0;  // the block_size of the last such event
+    int64_t batches = 0;              // batches applied
+    int64_t events = 0;               // events applied to the index
+    int64_t ignored = 0;              // events of another tier (or a group_idx out of range)
+    int64_t gaps = 0;                 // gaps seen
+    int64_t restarts = 0;             // sequence went back
+    int64_t malformed = 0;            // messages dropped
+    int64_t replayed = 0;             // batches applied from a replay
+    int64_t evicted = 0;              // blocks dropped from the index by the per-replica cap
+    int64_t block_size_mismatch = 0;  // BlockStored events of another block size, not indexed
+    // BlockStored events at a multiple of the block size (a hybrid group with larger blocks),
+    // indexed.
+    int64_t larger_block_events = 0;
+    int64_t last_event_block_size = 0;  // the block_size of the last event of either kind
     std::string last_error;             // the last malformed message's reason
 };
 
@@ -139,6 +148,9 @@ class VllmEventIngest {
     std::vector<Held> held_;
     std::vector<VllmFeedStatus> status_;
     std::vector<bool> accept_next_;  // after mark_stale: the next seq is accepted whatever it is
+    // The replica has stored a block of the router's block size (its larger blocks are then
+    // groups with larger blocks, not an engine hashing at another size).
+    std::vector<bool> exact_seen_;
 };
 
 }  // namespace kvshard
