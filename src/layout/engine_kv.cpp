@@ -110,9 +110,12 @@ EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size,
         return a;
     }
 
-    // HybridAttentionMambaModelConfig: an attention page must hold a state page, so the block
-    // size becomes 16 * cdiv(state page, 16 * one token's attention page) when smaller, and the
-    // state page is padded up to the attention page.
+    // Platform._align_hybrid_block_size: an attention page must hold a state page, so the block
+    // size becomes a * cdiv(state page, a * one token's attention page) when smaller, with the
+    // alignment a = max(the attention backend's smallest kernel block, the configured block
+    // size); the state page is padded up to the attention page. kKernelBlockAlignment is
+    // FlashAttention's and FlashInfer's smallest kernel block on CUDA.
+    constexpr int64_t kKernelBlockAlignment = 16;
     int64_t state_page = 0, attn_token = 0;
     for (size_t gi = 0; gi < groups.size(); ++gi) {
         state_page = std::max(state_page, pages[gi].state_bytes);
@@ -120,8 +123,10 @@ EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size,
     }
     int block = block_size;
     if (state_page > 0 && attn_token > 0) {
-        const int64_t needed = 16 * ceil_div(state_page, 16 * attn_token);
-        require(needed <= (1 << 20), "a state page of ", state_page,
+        const int64_t align = std::max<int64_t>(kKernelBlockAlignment, block_size);
+        // A multiple of align, so never below block_size; equal when block_size tokens hold it.
+        const int64_t needed = align * ceil_div(state_page, align * attn_token);
+        require(needed == block_size || needed <= (1 << 20), "a state page of ", state_page,
                 " bytes needs more than 2^20 tokens per attention block");
         a.vllm_block_size = std::max<int>(block_size, static_cast<int>(needed));
         if (a.vllm_block_size > block_size && !raise_block_size) {

@@ -1,6 +1,7 @@
 // vLLM's KV cache arrangement (engine_kv.h) against its grouping rules, by hand.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <tuple>
 
 #include "kvshard/layout/engine_kv.h"
@@ -76,6 +77,38 @@ TEST(EngineKv, OneKindIsOneGroupOfEveryLayersPage) {
     EXPECT_EQ(a.kind, EngineKvKind::kUniform);
     EXPECT_EQ(a.groups.size(), 1u);
     EXPECT_EQ(a.block_bytes[0], 16 * l.ranks[0].kv_bytes_per_token);
+}
+
+// vLLM raises the block of an attention + Mamba/GDN model to a multiple of the alignment
+// a = max(the backend's smallest kernel block, 16 with FlashAttention / FlashInfer, the block size
+// given): a x cdiv(state page, a x one token's attention page) (Platform._align_hybrid_block_size,
+// vllm/platforms/interface.py, since vLLM PR #37467). A block size above 16 is the alignment, not
+// 16: Qwen3-Next-80B at tp 4 (state 274,432 B per GDN layer, attention 1024 B per token) takes
+// 32 x cdiv(274,432, 32,768) = 288 tokens at --block-size 32, not 16 x 17 = 272.
+TEST(EngineKv, AGivenBlockSizeAboveSixteenIsTheAlignmentOfTheRaisedBlock) {
+    ParallelConfig p;
+    p.tp = 4;
+    const KvLayout l = make_layout(catalog_model("qwen3-next-80b-a3b"), p);
+    EXPECT_EQ(engine_kv_arrangement(l, 16).block_size, 272);  // 16 x cdiv(274,432, 16,384)
+    const EngineKvArrangement a32 = engine_kv_arrangement(l, 32);
+    EXPECT_EQ(a32.block_size, 288);
+    EXPECT_EQ(a32.page_bytes, 288 * 1024);
+    EXPECT_EQ(a32.state_page_padding, 288 * 1024 - 274432);
+    EXPECT_EQ(engine_kv_arrangement(l, 64).block_size, 320);  // 64 x cdiv(274,432, 65,536)
+    const EngineKvArrangement kept = engine_kv_arrangement(l, 32, /*raise_block_size=*/false);
+    EXPECT_EQ(kept.kind, EngineKvKind::kSeparate);
+    EXPECT_EQ(kept.vllm_block_size, 288);
+    EXPECT_NE(kept.note.find("from 32 to 288"), std::string::npos) << kept.note;
+
+    // Nemotron-H-8B at tp 1: state 61,440 B conv (bf16) + 4,194,304 B SSM (fp32) = 4,255,744 B,
+    // attention 4096 B per token: 16 -> 1040, 32 -> 32 x 33 = 1056, 64 -> 64 x 17 = 1088.
+    const KvLayout n = make_layout(catalog_model("nemotron-h-8b"), ParallelConfig{});
+    EXPECT_EQ(engine_kv_arrangement(n, 16).block_size, 1040);
+    EXPECT_EQ(engine_kv_arrangement(n, 32).block_size, 1056);
+    EXPECT_EQ(engine_kv_arrangement(n, 64).block_size, 1088);
+    // A block that already holds a state is kept, and one below 16 aligns to 16.
+    EXPECT_EQ(engine_kv_arrangement(n, 2048).block_size, 2048);
+    EXPECT_EQ(engine_kv_arrangement(n, 8).block_size, 1040);
 }
 
 }  // namespace

@@ -5,7 +5,9 @@
 // _get_kv_cache_groups_uniform_page_size, get_kv_cache_config_from_groups, _report_kv_cache_config,
 // _max_memory_usage_bytes_from_groups), vllm/v1/kv_cache_interface.py @001cabc1 (page sizes,
 // max_memory_usage_bytes), vllm/model_executor/models/config.py @1936cf38
-// (HybridAttentionMambaModelConfig). docs/model.md "KV groups" walks through it.
+// (HybridAttentionMambaModelConfig) and vllm/platforms/interface.py (Platform.
+// _align_hybrid_block_size, which took its block size rule over in vLLM PR #37467). docs/model.md
+// "KV groups" walks through it.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -56,9 +58,9 @@ struct EngineKvArrangement {
 };
 
 // vLLM's arrangement of `l` at `block_size` tokens per block. raise_block_size: for a model with
-// Mamba/GDN layers and attention, raise block_size as vLLM does (16 x cdiv(state page, 16 x one
-// token's attention page)) when it is smaller; false: keep it (kSeparate when it is too small,
-// with a note naming vLLM's).
+// Mamba/GDN layers and attention, raise block_size as vLLM does (a x cdiv(state page, a x one
+// token's attention page), a = max(16, block_size)) when it is smaller; false: keep it (kSeparate
+// when it is too small, with a note naming vLLM's).
 EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size,
                                           bool raise_block_size = true);
 
