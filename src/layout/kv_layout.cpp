@@ -19,6 +19,19 @@ std::string join(const std::vector<int>& v) {
     return s;
 }
 
+bool has_layer_kind(const ModelSpec& m, LayerKind k) {
+    for (int l = 0; l < m.num_layers; ++l)
+        if (m.layer(l).kind == k) return true;
+    return false;
+}
+
+// vLLM's MambaMixer2 (vllm/model_executor/layers/mamba/mamba_mixer2.py) asserts that tp divides
+// the SSM heads and the groups, or that there is a single group (which every rank then holds):
+// groups are never split unevenly or replicated beyond that one.
+bool mamba2_tp_fits(const StateSpec& s, int tp) {
+    return s.heads % tp == 0 && (s.groups % tp == 0 || s.groups == 1);
+}
+
 }  // namespace
 
 std::vector<KvGroup> kv_groups(const ModelSpec& m) {
@@ -58,6 +71,7 @@ std::vector<int> valid_tp_sizes(const ModelSpec& m) {
         for (const auto& g : groups)
             if (g.num_kv_heads > 0) ok = ok && fits(g.num_kv_heads, t);
         if (has_state) ok = ok && fits(m.state.heads, t) && fits(m.state.groups, t);
+        if (has_layer_kind(m, LayerKind::kMamba2)) ok = ok && mamba2_tp_fits(m.state, t);
         if (ok) out.push_back(t);
     }
     return out;
@@ -106,6 +120,14 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
                                            " do not divide one another: valid tp sizes are ",
                                            join(valid_tp)));
     }
+    if (has_layer_kind(m, LayerKind::kMamba2) && !mamba2_tp_fits(m.state, p.tp))
+        throw Error(detail::concat(
+            "tp=", p.tp, " and the ", m.state.heads, " SSM heads and ", m.state.groups,
+            " groups (n_groups) of ", m.name,
+            "'s Mamba-2 layers: vLLM splits both over tp, or holds a single group whole on every "
+            "rank, so tp must divide the heads and divide the groups unless there is one: valid "
+            "tp sizes are ",
+            join(valid_tp)));
 
     if (p.pp > m.num_layers)
         throw Error(detail::concat("pp=", p.pp, " is larger than the ", m.num_layers, " layers of ",

@@ -52,6 +52,27 @@ TEST(Validation, TpAndKvHeadsDoNotDivideOneAnother) {
     EXPECT_EQ(valid_tp_sizes(m), (std::vector<int>{1, 2, 4, 8, 16, 24, 48}));
 }
 
+// vLLM's MambaMixer2 (vllm/model_executor/layers/mamba/mamba_mixer2.py) asserts num_heads % tp
+// == 0 and (n_groups % tp == 0 or n_groups == 1). Nemotron-H-8B (128 SSM heads, 8 groups, 32 query
+// heads, 8 KV heads) therefore runs at tp 1, 2, 4 and 8 only: tp 16 and 32 would replicate its
+// groups, which vLLM refuses.
+TEST(Validation, Mamba2GroupsAreSplitOverTpOrSingle) {
+    const ModelSpec nh = catalog_model("nemotron-h-8b");
+    EXPECT_EQ(valid_tp_sizes(nh), (std::vector<int>{1, 2, 4, 8}));
+    expect_error([&] { make_layout(nh, cfg(16)); },
+                 {"tp=16", "128 SSM heads and 8 groups", "valid tp sizes are 1, 2, 4, 8"});
+    // One group: every rank holds it. mamba2_state_shape extends n_groups = 1 to tp groups
+    // (extra_groups_for_head_shards) and splits the conv channels over tp: at tp 8 a rank's conv
+    // state is 3 x (128 x 64 + 2 x 8 x 128) / 8 = 3 x 1280 bf16, its SSM state 16 x 64 x 128
+    // fp32: 7,680 + 524,288 = 531,968 B, the same as with 8 groups.
+    ModelSpec one = nh;
+    one.state.groups = 1;
+    EXPECT_EQ(valid_tp_sizes(one), (std::vector<int>{1, 2, 4, 8, 16, 32}));
+    EXPECT_EQ(make_layout(one, cfg(8)).ranks[0].state_bytes_per_sequence, 24 * 531968);
+    EXPECT_EQ(state_bytes(one.state, 8), 531968);
+    EXPECT_EQ(state_bytes(nh.state, 8), 531968);
+}
+
 TEST(Validation, PpLargerThanLayers) {
     expect_error([] { make_layout(catalog_model("tiny"), cfg(1, 5)); },
                  {"pp=5 is larger than the 4 layers", "at most 4"});

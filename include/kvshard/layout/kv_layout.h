@@ -94,7 +94,9 @@ std::vector<int> pp_layer_split(const ModelSpec& m, const ParallelConfig& p);
 void validate(const ModelSpec& m, const ParallelConfig& p);
 // Also checks that the world size equals the number of GPUs available.
 void validate_world(const ParallelConfig& p, int gpus);
-// Valid TP sizes for a model: divisors of H that either divide H_kv or are multiples of it.
+// Valid TP sizes for a model: divisors of H that either divide H_kv or are multiples of it (and
+// the state heads and groups alike); with Mamba-2 layers, also dividing their SSM heads and their
+// groups unless there is a single group, as vLLM's MambaMixer2 requires.
 std::vector<int> valid_tp_sizes(const ModelSpec& m);
 
 KvLayout make_layout(const ModelSpec& m, const ParallelConfig& p);
