@@ -64,15 +64,33 @@ void separate(const KvLayout& l, int block_size, EngineKvArrangement& a) {
         a.block_bytes[r] = sat_mul(block_size, l.ranks[r].kv_bytes_per_token);
 }
 
-// Blocks group g holds at the CP position cp_rank for a sequence of seq_len tokens.
-int64_t peak_blocks(const ParallelConfig& p, const EngineKvGroup& g, int cp_rank, int64_t seq_len) {
-    if (holds_state(g.kind)) return seq_len > 0 ? 1 : 0;
+// Blocks group g holds at the CP position cp_rank for a sequence of seq_len tokens, at most, on
+// the way to seq_len. A state group in align mode holds the block of the last boundary and the
+// running one for the step after the sequence crosses a block.
+int64_t peak_blocks(const ParallelConfig& p, const EngineKvGroup& g, MambaCacheMode mode,
+                    int cp_rank, int64_t seq_len) {
+    if (holds_state(g.kind)) {
+        if (seq_len <= 0) return 0;
+        return mode == MambaCacheMode::kAlign && seq_len > g.block_size ? 2 : 1;
+    }
     const int64_t all = ceil_div(cp_tokens_before(p, cp_rank, seq_len, seq_len), g.block_size);
     if (g.window > 0) return std::min(all, ceil_div(g.window, g.block_size) + 1);
     return all;
 }
 
 }  // namespace
+
+std::string_view mamba_cache_mode_name(MambaCacheMode m) {
+    return m == MambaCacheMode::kAlign ? "align" : "none";
+}
+
+MambaCacheMode parse_mamba_cache_mode(std::string_view s) {
+    if (s == "none") return MambaCacheMode::kNone;
+    if (s == "align") return MambaCacheMode::kAlign;
+    throw Error(detail::concat("unknown mamba cache mode '", s,
+                               "': expected none (vLLM with prefix caching off) or align (with "
+                               "prefix caching on, vLLM's default for hybrid models)"));
+}
 
 int EngineKvArrangement::padding_slots() const {
     if (kind != EngineKvKind::kHybrid) return 0;
@@ -81,10 +99,11 @@ int EngineKvArrangement::padding_slots() const {
     return group_size * static_cast<int>(groups.size()) - layers;
 }
 
-EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size,
-                                          bool raise_block_size) {
+EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size, bool raise_block_size,
+                                          MambaCacheMode mamba_cache_mode) {
     require(block_size >= 1, "block_size must be a positive integer, got ", block_size);
     EngineKvArrangement a;
+    a.mamba_cache_mode = mamba_cache_mode;
     a.block_size = a.vllm_block_size = block_size;
     const std::vector<KvGroup> groups = kv_groups(l.model);
     a.block_bytes.assign(l.ranks.size(), 0);
@@ -211,7 +230,7 @@ int64_t engine_request_blocks(const EngineKvArrangement& a, const ParallelConfig
     for (int c = 0; c < p.cp; ++c) {
         int64_t blocks = 0;
         for (const EngineKvGroup& g : a.groups)
-            blocks = sat_add(blocks, peak_blocks(p, g, c, seq_len));
+            blocks = sat_add(blocks, peak_blocks(p, g, a.mamba_cache_mode, c, seq_len));
         most = std::max(most, blocks);
     }
     return most;
@@ -237,7 +256,7 @@ int64_t engine_startup_blocks(const EngineKvArrangement& a, const ParallelConfig
                 break;
             case LayerKind::kGatedDeltaNet:
             case LayerKind::kMamba2:
-                need = 1;
+                need = a.mamba_cache_mode == MambaCacheMode::kAlign ? 2 : 1;
                 break;
             default:
                 need = ceil_div(n, b);

@@ -184,7 +184,8 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
         static_cast<int64_t>(static_cast<double>(hw.memory_bytes) * options.mem_util);
 
     CapacityReport rep;
-    rep.engine = engine_kv_arrangement(layout, options.block_size, options.raise_block_size);
+    rep.engine = engine_kv_arrangement(layout, options.block_size, options.raise_block_size,
+                                       options.mamba_cache_mode);
     const EngineKvArrangement& eng = rep.engine;
     const bool separate = eng.kind == EngineKvKind::kSeparate;
     const int64_t bs = eng.block_size;

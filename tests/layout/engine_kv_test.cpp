@@ -4,6 +4,7 @@
 #include <string>
 #include <tuple>
 
+#include "kvshard/common/error.h"
 #include "kvshard/layout/engine_kv.h"
 #include "kvshard/model/catalog.h"
 
@@ -109,6 +110,32 @@ TEST(EngineKv, AGivenBlockSizeAboveSixteenIsTheAlignmentOfTheRaisedBlock) {
     // A block that already holds a state is kept, and one below 16 aligns to 16.
     EXPECT_EQ(engine_kv_arrangement(n, 2048).block_size, 2048);
     EXPECT_EQ(engine_kv_arrangement(n, 8).block_size, 1040);
+}
+
+// vLLM with prefix caching on (mamba_cache_mode "align", `vllm serve`'s default for hybrid models
+// since vLLM PR #50991): MambaManager (vllm/v1/core/single_type_kv_cache_manager.py) gives a
+// request 1 state block per state group at first, 1 more when it crosses a block and frees the
+// older one a step later, so a request past one block holds 2 per group at its peak; the startup
+// check charges MambaSpec.max_memory_usage_bytes = page x (2 + speculative blocks) in align mode, x
+// (1 + ...) in none. Qwen3-Next-80B at tp 4: block 272, 1 full group and 3 GDN groups.
+TEST(EngineKv, AlignModeHoldsTwoStateBlocksPastOneBlock) {
+    ParallelConfig p;
+    p.tp = 4;
+    const KvLayout l = make_layout(catalog_model("qwen3-next-80b-a3b"), p);
+    const EngineKvArrangement none = engine_kv_arrangement(l, 16);
+    const EngineKvArrangement align = engine_kv_arrangement(l, 16, true, MambaCacheMode::kAlign);
+    ASSERT_EQ(align.block_size, 272);  // the block rule is the same in both modes
+    ASSERT_EQ(align.groups.size(), 4u);
+    EXPECT_EQ(engine_request_blocks(none, p, 8192), 31 + 3);       // ceil(8192 / 272) + 3 x 1
+    EXPECT_EQ(engine_request_blocks(align, p, 8192), 31 + 3 * 2);  // + 3 x 2
+    EXPECT_EQ(engine_request_blocks(align, p, 272), 1 + 3);        // within one block: 1 each
+    EXPECT_EQ(engine_request_blocks(align, p, 273), 2 + 3 * 2);
+    EXPECT_EQ(engine_startup_blocks(none, p, 8192, 8192), 31 + 3);
+    EXPECT_EQ(engine_startup_blocks(align, p, 8192, 8192), 31 + 3 * 2);
+    EXPECT_EQ(engine_startup_blocks(align, p, 100, 8192), 1 + 3 * 2);
+    EXPECT_EQ(parse_mamba_cache_mode("align"), MambaCacheMode::kAlign);
+    EXPECT_EQ(mamba_cache_mode_name(MambaCacheMode::kNone), "none");
+    EXPECT_THROW(parse_mamba_cache_mode("all"), Error);
 }
 
 }  // namespace

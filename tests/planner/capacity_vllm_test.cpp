@@ -93,6 +93,22 @@ TEST(CapacityVllm, NemotronHRaisesTheBlockSoAPageHoldsAMambaState) {
     EXPECT_EQ(f.requests_per_replica, 3460 / 14);     // 247
 }
 
+TEST(CapacityVllm, NemotronHWithPrefixCachingHoldsTwoStateBlocksPerGroup) {
+    // mamba_cache_mode align (vLLM's default for hybrid models since PR #50991): the same block
+    // (1040) and blocks per GPU (3460), but a request of 8192 tokens holds ceil(8192 / 1040) + 6 x
+    // 2 = 20 blocks at its peak (MambaManager) and vLLM's startup check charges each of the 6 state
+    // groups 2 blocks (MambaSpec.max_memory_usage_bytes): max_model_len (3460 - 12) x 1040.
+    CapacityOptions o;
+    o.mamba_cache_mode = MambaCacheMode::kAlign;
+    const CapacityReport a = nemotron_h(DType::kFp32, 8192, o);
+    EXPECT_EQ(a.engine.block_size, 1040);
+    EXPECT_EQ(a.kv_blocks_per_gpu, 3460);
+    EXPECT_EQ(a.request_blocks, 8 + 6 * 2);
+    EXPECT_EQ(a.requests_per_replica, 3460 / 20);  // 173 (247 with prefix caching off)
+    EXPECT_EQ(a.max_context, (3460 - 12) * 1040);  // 3,585,920 (3,592,160 off)
+    EXPECT_EQ(nemotron_h(DType::kFp32, 8192).max_context, (3460 - 6) * 1040);
+}
+
 TEST(CapacityVllm, AGivenBlockSizeIsKeptAndVllmsIsNamed) {
     CapacityOptions o;
     o.raise_block_size = false;

@@ -138,6 +138,10 @@ std::string engine_kv_summary(const CapacityReport& c, const CapacityOptions& o,
         sliding = sliding || g.kind == LayerKind::kSlidingWindow;
         chunked = chunked || g.kind == LayerKind::kChunkedLocal;
     }
+    // vLLM's MambaManager in align mode keeps a boundary's state block beside the running one,
+    // and its startup check charges both.
+    const bool align = a.mamba_cache_mode == MambaCacheMode::kAlign;
+    const std::string_view state_blocks = align ? "2 (align: past one block)" : "1";
     if (context > 0)
         out += fmt::format(
             "\nA request of {} tokens holds at most {} blocks{}, so {} / {} = {} per "
@@ -145,7 +149,8 @@ std::string engine_kv_summary(const CapacityReport& c, const CapacityOptions& o,
             context, c.request_blocks,
             windowed || state
                 ? fmt::format(" ({}{}{})", windowed ? "windowed groups ceil(W/B) + 1" : "",
-                              windowed && state ? ", " : "", state ? "state groups 1" : "")
+                              windowed && state ? ", " : "",
+                              state ? fmt::format("state groups {}", state_blocks) : "")
                 : "",
             c.kv_blocks_per_gpu, c.request_blocks, c.requests_per_replica);
     out += fmt::format(
@@ -155,7 +160,7 @@ std::string engine_kv_summary(const CapacityReport& c, const CapacityOptions& o,
         sliding ? fmt::format(", sliding ceil(min(W - 1 + {}, M)/B) + 1", o.max_num_batched_tokens)
                 : "",
         chunked ? fmt::format(", chunked ceil(min(C + {}, M)/B)", o.max_num_batched_tokens) : "",
-        state ? ", state 1" : "");
+        state ? (align ? ", state 2 (align)" : ", state 1") : "");
     return out;
 }
 

@@ -100,6 +100,12 @@ void add_hardware_options(CLI::App* sub, HardwareFlags& f) {
                     "default on GPUs of 70 GiB or more): vLLM's startup check charges each "
                     "sliding layer W - 1 + this many")
         ->capture_default_str();
+    sub->add_option("--mamba-cache-mode", f.mamba_cache_mode,
+                    "state blocks of Mamba/GDN layers: none (vLLM with prefix caching off: one "
+                    "per request and state group) or align (prefix caching on, vLLM's default "
+                    "for hybrid models since PR #50991: two at the startup check and while a "
+                    "request crosses a block)")
+        ->capture_default_str();
 }
 
 CapacityOptions HardwareFlags::capacity_options() const {
@@ -112,6 +118,11 @@ CapacityOptions HardwareFlags::capacity_options() const {
     o.block_size = block_size;
     o.raise_block_size = block_size_option == nullptr || block_size_option->count() == 0;
     o.max_num_batched_tokens = max_num_batched_tokens;
+    try {
+        o.mamba_cache_mode = parse_mamba_cache_mode(mamba_cache_mode);
+    } catch (const Error& e) {
+        throw Error(detail::concat("--mamba-cache-mode: ", e.what()));
+    }
     o.validate();
     return o;
 }

@@ -38,10 +38,11 @@ struct HardwareFlags {
     int block_size = 16;
     const CLI::Option* block_size_option = nullptr;  // given: vLLM's raise is not applied
     int64_t max_num_batched_tokens = 8192;
+    std::string mamba_cache_mode = "none";
     CapacityOptions capacity_options() const;  // validated
 };
 // --hardware NAME|FILE.json, --mem-util, --activation-reserve-gib, --block-size,
-// --max-num-batched-tokens
+// --max-num-batched-tokens, --mamba-cache-mode
 void add_hardware_options(CLI::App* sub, HardwareFlags& f);
 HardwareSpec load_hardware(const HardwareFlags& f);
 

@@ -10,6 +10,7 @@
 // "KV groups" walks through it.
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvshard/layout/kv_layout.h"
@@ -29,6 +30,17 @@ enum class EngineKvKind {
     // the bytes they hold, state layers their state once per sequence, nothing padded.
     kSeparate,
 };
+
+// vLLM's cache_config.mamba_cache_mode for the state (Mamba/GDN) groups. kNone: prefix caching off,
+// one state block per request and group. kAlign: prefix caching on, `vllm serve`'s default for
+// hybrid models since vLLM PR #50991 (vllm/engine/arg_utils.py, 2026-08): the state is kept at
+// block boundaries, so a request holds a second state block for the step after it crosses one
+// (MambaManager in vllm/v1/core/single_type_kv_cache_manager.py) and vLLM's startup check charges
+// two (MambaSpec.max_memory_usage_bytes, vllm/v1/kv_cache_interface.py). The block size rule is
+// the same for both.
+enum class MambaCacheMode { kNone, kAlign };
+std::string_view mamba_cache_mode_name(MambaCacheMode m);   // "none", "align"
+MambaCacheMode parse_mamba_cache_mode(std::string_view s);  // Error naming the choices
 
 // One of vLLM's KV cache groups: one block table per request.
 struct EngineKvGroup {
@@ -51,7 +63,8 @@ struct EngineKvArrangement {
     // Bytes one block id takes on each rank (kHybrid: page_bytes x the most layers any group has
     // on that rank; kUniform: the rank's layers' pages, vLLM's fp8 keeping its per-layer scales
     // outside them; kSeparate: the token groups' blocks, state not included).
-    std::vector<int64_t> block_bytes;  // indexed by rank
+    std::vector<int64_t> block_bytes;                         // indexed by rank
+    MambaCacheMode mamba_cache_mode = MambaCacheMode::kNone;  // how state groups count blocks
     std::string note;  // why kSeparate, or what vLLM does that differs from the options given
     int padding_slots() const;  // group_size x groups - layers (kHybrid), else 0
     bool operator==(const EngineKvArrangement&) const = default;
@@ -62,17 +75,20 @@ struct EngineKvArrangement {
 // token's attention page), a = max(16, block_size)) when it is smaller; false: keep it (kSeparate
 // when it is too small, with a note naming vLLM's).
 EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size,
-                                          bool raise_block_size = true);
+                                          bool raise_block_size = true,
+                                          MambaCacheMode mamba_cache_mode = MambaCacheMode::kNone);
 
 // Blocks one request holds across all groups, at the busiest CP rank of a sequence of `seq_len`
 // tokens: full groups ceil(n / B), windowed groups the most blocks they hold at any length up to
-// seq_len (min(ceil(n / B), ceil(W / B) + 1)), state groups 1. Not for kSeparate.
+// seq_len (min(ceil(n / B), ceil(W / B) + 1)), state groups 1 (kAlign: 2 once seq_len exceeds
+// their block). Not for kSeparate.
 int64_t engine_request_blocks(const EngineKvArrangement& a, const ParallelConfig& p,
                               int64_t seq_len);
 // Blocks vLLM's startup check charges one request of max_model_len M
 // (_max_memory_usage_bytes_from_groups): full ceil(n / B), sliding ceil(min(W - 1 + T, M) / B) +
-// 1, chunked ceil(min(C + T, M) / B), state 1, T = max_num_batched_tokens (the chunked-prefill
-// tokens a step may add). kUniform: the most any of its kinds needs. Not for kSeparate.
+// 1, chunked ceil(min(C + T, M) / B), state 1 (kAlign: 2), T = max_num_batched_tokens (the
+// chunked-prefill tokens a step may add). kUniform: the most any of its kinds needs. Not for
+// kSeparate.
 int64_t engine_startup_blocks(const EngineKvArrangement& a, const ParallelConfig& p,
                               int64_t max_model_len, int64_t max_num_batched_tokens);
 

@@ -53,6 +53,9 @@ struct CapacityOptions {
     // default on GPUs of 70 GiB or more, vllm/engine/arg_utils.py): vLLM's startup check charges
     // each sliding layer W - 1 + this many tokens (max_context).
     int64_t max_num_batched_tokens = 8192;
+    // Mamba/GDN groups (engine_kv.h): kNone counts one state block per request and group, as vLLM
+    // with prefix caching off; kAlign two, as vLLM's default for hybrid models since PR #50991.
+    MambaCacheMode mamba_cache_mode = MambaCacheMode::kNone;
     WeightDtype weight_dtype = WeightDtype::kModel;
     void validate() const;  // throws Error on a bad value
 };
