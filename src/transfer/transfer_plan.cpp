@@ -369,32 +369,50 @@ TransferPlan group_transfer_plan(const TransferPlan& plan, int kv_group) {
     require(!g.holds_state(), "KV group ", kv_group, " of ", m.name,
             " holds recurrent state: it moves as state messages (pack_state_message), not pages");
     const bool mla = g.kind == LayerKind::kMla;
-    require(mla || g.num_heads == m.num_kv_heads, "KV group ", kv_group, " of ", m.name, " has ",
-            g.num_heads, " KV heads where the model has ", m.num_kv_heads,
-            ": each rank's pool of a group holds the rank's share of the model's KV heads");
-    // A model of the group's layers alone, every one the group's (full-attention or MLA) shape.
+    // A model of the group's layers alone, every one the group's (full-attention or MLA) shape:
+    // the group's KV heads of the group's head size, which may differ from the model's (Gemma 4's
+    // full layers: 4 heads of 512 beside sliding layers of 16 heads of 256).
     ModelSpec gm = m;
     gm.name = detail::concat(m.name, " (KV group ", kv_group, ")");
     gm.layers.clear();
     if (mla && !m.layer(g.layers.front()).indexer) gm.indexer = {};  // MLA without indexer keys
     gm.num_layers = static_cast<int>(g.layers.size());
+    const auto e = static_cast<int64_t>(dtype_size(m.kv_dtype));
     if (!mla) {
+        gm.num_kv_heads = g.num_heads;
+        gm.head_dim = static_cast<int>(g.vector_bytes / e);
         gm.attention = AttentionKind::kGqa;
-        gm.head_dim =
-            static_cast<int>(g.vector_bytes / static_cast<int64_t>(dtype_size(m.kv_dtype)));
     }
     auto local = [&](int global) {  // group layers before global layer `global`
         return static_cast<int>(std::lower_bound(g.layers.begin(), g.layers.end(), global) -
                                 g.layers.begin());
     };
-    auto side = [&](TransferEndpoint e) {
-        e.layout.model = gm;
-        for (RankKv& r : e.layout.ranks) {
+    // Each rank holds its TP share of the group's heads (as the layout's RankKvGroup::kv_heads
+    // counts them and vLLM allocates each layer): max(1, H / tp) contiguous heads, each held by
+    // max(1, tp / H) ranks, the same rule as the model's heads (make_layout) and the plan's.
+    auto side = [&](TransferEndpoint ep) {
+        ep.layout.model = gm;
+        const ParallelConfig& p = ep.layout.parallel;
+        const HeadSplit hs = head_split(g.num_heads, p.tp, mla);
+        for (RankKv& r : ep.layout.ranks) {
             r.layer_begin = local(r.layer_begin);
             r.layer_end = local(r.layer_end);
             r.groups.clear();
+            if (!mla) {
+                const RankCoord& c = r.coord;
+                r.kv_heads.clear();
+                for (int h = 0; h < hs.per_rank; ++h)
+                    r.kv_heads.push_back(first_head(hs, c.tp) + h);
+                r.head_replica_ranks.clear();
+                const int first_tp = c.tp / hs.replication * hs.replication;
+                for (int t = first_tp; t < first_tp + hs.replication; ++t)
+                    if (t != c.tp) r.head_replica_ranks.push_back(rank_of(p, c.dp, c.pp, c.cp, t));
+            }
+            r.kv_bytes_per_token =
+                int64_t{r.num_layers()} * g.kv_factor * (mla ? 1 : hs.per_rank) * g.vector_bytes;
+            r.state_bytes_per_sequence = 0;
         }
-        return e;
+        return ep;
     };
     TransferPlan out;
     out.src = side(plan.src);
@@ -406,7 +424,7 @@ TransferPlan group_transfer_plan(const TransferPlan& plan, int kv_group) {
     for (int& l : og.layers) l = local(l);
     out.groups = {og};
     out.kv_factor = g.kv_factor;
-    out.elem_size = static_cast<int64_t>(dtype_size(m.kv_dtype));
+    out.elem_size = e;
     out.head_dim = static_cast<int>(g.vector_bytes / out.elem_size);
     for (const TransferMessage& msg : plan.messages) {
         if (msg.kv_group != kv_group) continue;

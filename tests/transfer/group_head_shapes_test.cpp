@@ -1,14 +1,22 @@
 // Transfers of models whose KV groups have their own KV head count and head size (Gemma 4: sliding
 // layers of 16 KV heads x 256 beside full layers of 4 KV heads x 512, where the model's uniform
-// fields say 16 x 256). Each rank holds its TP share of each group's heads, as vLLM allocates each
-// layer: max(1, H / tp) contiguous heads of the group's head size, each held by max(1, tp / H)
-// ranks. The whole plan's bytes and head ranges per (source, destination, group) are checked
-// against figures computed here from the model's layers.
+// fields say 16 x 256). Each rank's pool of a group holds the rank's TP share of that group's
+// heads, as vLLM allocates each layer: max(1, H / tp) contiguous heads of the group's head size,
+// each held by max(1, tp / H) ranks. Checked three ways: the whole plan's bytes and head ranges per
+// (source, destination, group) against figures computed here from the model's layers; the group
+// plans' pools against the layout's RankKvGroup; and the bytes that land in every destination pool
+// when the group plans are packed and unpacked (and run through the executor).
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <tuple>
 
+#include "kvshard/comm/threads.h"
+#include "kvshard/transfer/descriptors.h"
+#include "kvshard/transfer/transfer_exec.h"
 #include "transfer/transfer_harness.h"
 
 namespace kvshard {
@@ -211,6 +219,225 @@ TEST(GroupHeadShapes, PlanMessagesPerGroupAreExact) {
         EXPECT_EQ(got.size(), want.size());
         EXPECT_EQ(plan.bytes, total);
         EXPECT_EQ(plan.min_bytes, total);
+    }
+}
+
+// (2) Each token group's plan is executable over pools that hold the rank's share of the group's
+// heads, of the group's head size: the heads and page shape make_layout's RankKvGroup gives, and
+// the same bytes per token.
+TEST(GroupHeadShapes, GroupPlansHoldEachRanksShareOfTheGroupsHeads) {
+    const ModelSpec m = gemma4_mini();
+    const std::vector<Shape> groups = shapes(m);
+    for (const auto& [from, to] : kPairs) {
+        SCOPED_TRACE(from + " -> " + to);
+        const TransferPlan plan = plan_for(m, from, to);
+        ASSERT_FALSE(plan.executable());
+        for (int k = 0; k < 2; ++k) {
+            SCOPED_TRACE(::testing::Message() << "group " << k);
+            const TransferPlan gp = group_transfer_plan(plan, k);
+            EXPECT_TRUE(gp.executable());
+            EXPECT_EQ(gp.head_dim, groups[size_t(k)].head_dim);
+            int64_t bytes = 0;
+            for (const auto& msg : plan.messages)
+                if (msg.kv_group == k) bytes += msg.bytes;
+            EXPECT_EQ(gp.bytes, bytes);
+            EXPECT_EQ(gp.min_bytes, bytes);
+            for (const TransferEndpoint* e : {&gp.src, &gp.dst}) {
+                const TransferEndpoint& whole = e == &gp.src ? plan.src : plan.dst;
+                for (int r = 0; r < e->layout.world_size(); ++r) {
+                    const RankKv& rk = e->layout.ranks[size_t(r)];
+                    const Heads h =
+                        heads_of(groups[size_t(k)].heads, e->layout.parallel.tp, rk.coord.tp);
+                    std::vector<int> ids;
+                    for (int i = 0; i < h.per; ++i) ids.push_back(h.first + i);
+                    EXPECT_EQ(rk.kv_heads, ids) << "rank " << r;
+                    EXPECT_EQ(int(rk.head_replica_ranks.size()), h.replication - 1);
+                    const PageGeometry geo =
+                        rank_page_geometry(e->layout, r, e->block_size, e->order);
+                    EXPECT_EQ(geo.num_heads, h.per);
+                    EXPECT_EQ(geo.head_dim, groups[size_t(k)].head_dim);
+                    // The layout's own description of the rank's pool of this group.
+                    const RankKv& full = whole.layout.ranks[size_t(r)];
+                    const RankKvGroup* rg = nullptr;
+                    for (const RankKvGroup& x : full.groups)
+                        if (x.group == k) rg = &x;
+                    if (!rg) {
+                        EXPECT_EQ(geo.num_layers, 0);
+                        continue;
+                    }
+                    EXPECT_EQ(rg->kv_heads, geo.num_heads);
+                    EXPECT_EQ(int(rg->layers.size()), geo.num_layers);
+                    EXPECT_EQ(rg->bytes_per_token, geo.bytes_per_token());
+                    EXPECT_EQ(rk.kv_bytes_per_token, geo.bytes_per_token());
+                }
+            }
+        }
+    }
+}
+
+// The positions a destination pool of group k holds after the transfer.
+int64_t from_token(const TransferPlan& plan, int k) {
+    return plan.groups[size_t(k)].window > 0 ? first_moved({.sliding = true}, kTokens) : 0;
+}
+
+// Pools of one group plan's side, as the harness makes them (source: codes at the request's slots,
+// garbage elsewhere; destination: the sentinel), except that a rank holding none of the group's
+// layers has no pool (it takes no part in the group), as in a disaggregated run.
+testing::Side group_side(const TransferEndpoint& e, bool source) {
+    testing::Side s;
+    s.endpoint = e;
+    s.pools.resize(size_t(e.layout.world_size()));
+    for (const RankKv& r : e.layout.ranks) {
+        if (r.num_layers() == 0) continue;
+        auto pool = std::make_unique<BlockPool>(
+            rank_page_geometry(e.layout, r.coord.rank, e.block_size, e.order),
+            testing::pool_blocks(e));
+        testing::fill_u32(*pool, source ? testing::kGarbage : testing::kSentinel);
+        if (source)
+            testing::for_each_token_element(e, r.coord.rank, kTokens,
+                                            [&](int layer, int ll, int kv, int head, int lh,
+                                                int64_t t, int32_t b, int slot, int d) {
+                                                *testing::elem_ptr(*pool, ll, kv, b, lh, slot, d) =
+                                                    testing::element_code(layer, kv, head, t, d);
+                                            });
+        s.pools[size_t(r.coord.rank)] = std::move(pool);
+    }
+    return s;
+}
+
+// Elements of destination pools that differ from what their layout says they hold.
+int64_t wrong_elements(const TransferPlan& gp, const testing::Side& dst, int64_t from) {
+    int64_t wrong = 0;
+    for (int r = 0; r < gp.dst.layout.world_size(); ++r) {
+        if (!dst.pools[size_t(r)]) continue;
+        const auto want = testing::expected_pool(gp.dst, r, kTokens, *dst.pools[size_t(r)], from);
+        const auto* got = reinterpret_cast<const uint32_t*>(dst.pools[size_t(r)]->arena().data());
+        for (size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
+    }
+    return wrong;
+}
+
+// (3) Byte-exact: source pools of every group filled with codes of (layer, K/V, head, token, dim),
+// each group plan packed and unpacked in both modes (and into NHD pages): every destination pool
+// holds its share of its group's heads at the kept tokens' slots and the sentinel elsewhere, and
+// each byte is written once.
+TEST(GroupHeadShapes, PackUnpackPerGroupIsByteExact) {
+    const ModelSpec m = gemma4_mini();
+    for (const auto& [from, to] : kPairs) {
+        for (const PageOrder order : {PageOrder::kHnd, PageOrder::kNhd}) {
+            const TransferPlan plan = plan_for(m, from, to, order);
+            for (int k = 0; k < 2; ++k) {
+                const TransferPlan gp = group_transfer_plan(plan, k);
+                const testing::Side src = group_side(gp.src, true);
+                for (const TransferMode mode :
+                     {TransferMode::kPreSend, TransferMode::kPostReceive}) {
+                    SCOPED_TRACE(::testing::Message()
+                                 << from << " -> " << to << (order == PageOrder::kNhd ? " NHD" : "")
+                                 << " group " << k << " " << transfer_mode_name(mode));
+                    testing::Side dst = group_side(gp.dst, false);
+                    const testing::RunResult run = testing::run_plan(gp, mode, src, dst);
+                    EXPECT_EQ(run.bytes, gp.min_bytes);
+                    EXPECT_EQ(wrong_elements(gp, dst, from_token(plan, k)), 0);
+                    const auto counts = testing::write_counts(gp, mode, dst);
+                    for (const auto& c : counts)
+                        for (uint8_t n : c) ASSERT_LE(n, 1) << "a byte written twice";
+                }
+                // The descriptors of the group plan, each run copied from source pool to
+                // destination pool, leave the same destination pools.
+                SCOPED_TRACE(::testing::Message()
+                             << from << " -> " << to << " group " << k << " descriptors");
+                const TransferDescriptors desc = make_transfer_descriptors(
+                    gp, side_pool_regions(gp, true, testing::pool_blocks(gp.src)),
+                    side_pool_regions(gp, false, testing::pool_blocks(gp.dst)));
+                EXPECT_EQ(desc.bytes, gp.bytes);
+                testing::Side dst = group_side(gp.dst, false);
+                for (const TransferDescriptor& x : desc.descriptors)
+                    std::memcpy(dst.pools[size_t(x.dst_rank)]->arena().data() + x.dst_offset,
+                                src.pools[size_t(x.src_rank)]->arena().data() + x.src_offset,
+                                size_t(x.bytes));
+                EXPECT_EQ(wrong_elements(gp, dst, from_token(plan, k)), 0);
+            }
+        }
+    }
+}
+
+// The executor carries the group plans out between the ranks' pools of each group over the
+// threads communicator, layer by layer, to the same bytes.
+TEST(GroupHeadShapes, ExecutorMovesEachGroup) {
+    const ModelSpec m = gemma4_mini();
+    for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+             {"tp=8", "tp=2"}, {"tp=2", "tp=8"}, {"tp=4,pp=2", "tp=2"}}) {
+        const auto src_e = testing::make_endpoint(m, from, kBlock, PageOrder::kHnd, kTokens);
+        const auto dst_e = testing::make_endpoint(m, to, kBlock, PageOrder::kHnd, kTokens);
+        const TransferPlan plan =
+            make_transfer_plan(src_e, dst_e, kTokens, {.layers_per_group = 1});
+        for (int k = 0; k < 2; ++k) {
+            SCOPED_TRACE(::testing::Message() << from << " -> " << to << " group " << k);
+            const auto gp = std::make_shared<const TransferPlan>(group_transfer_plan(plan, k));
+            const testing::Side src = group_side(gp->src, true);
+            testing::Side dst = group_side(gp->dst, false);
+            const int P = gp->src.layout.world_size(), D = gp->dst.layout.world_size();
+            TransferExecOptions opt;
+            opt.src_world_base = 0;
+            opt.dst_world_base = P;
+            std::vector<TransferResult> sent(static_cast<size_t>(P)),
+                received(static_cast<size_t>(D));
+            std::mutex mu;
+            run_threads(P + D, [&](Communicator& world) {
+                const int me = world.rank();
+                if (me < P) {
+                    TransferSender s(world, gp, 7, me, *src.pools[size_t(me)], opt);
+                    // The whole model's layers in order, as a prefill writes them.
+                    const RankKv& rk = plan.src.layout.ranks[size_t(me)];
+                    for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
+                        const int done = group_layers_done(plan.groups[size_t(k)].layers, l);
+                        if (done > 0) s.layer_ready(done - 1);
+                        s.progress();
+                    }
+                    s.all_layers_ready();
+                    const TransferResult r = s.finish();
+                    std::lock_guard lk(mu);
+                    sent[size_t(me)] = r;
+                } else {
+                    TransferReceiver r(world, gp, 7, me - P, *dst.pools[size_t(me - P)], opt);
+                    const TransferResult res = r.finish();
+                    std::lock_guard lk(mu);
+                    received[size_t(me - P)] = res;
+                }
+            });
+            int64_t bytes = 0;
+            for (const auto& r : sent) EXPECT_TRUE(r.ok()) << r.error;
+            for (const auto& r : received) {
+                EXPECT_TRUE(r.ok()) << r.error;
+                bytes += r.bytes;
+            }
+            EXPECT_EQ(bytes, gp->min_bytes);
+            EXPECT_EQ(wrong_elements(*gp, dst, from_token(plan, k)), 0);
+        }
+    }
+}
+
+// The real config: Gemma-4-31B's plans per group at 5000 tokens, TP=8 -> TP=2, each group plan
+// executable with the group's heads (the full group's 4 heads replicated twice at tp=8).
+TEST(GroupHeadShapes, Gemma4_31bGroupPlans) {
+    const ModelSpec m = load_hf_config(KVSHARD_TEST_DATA_DIR "/hf_configs/gemma-4-31b.json");
+    const std::vector<KvGroup> groups = kv_groups(m);
+    ASSERT_EQ(groups.size(), 2u);
+    const auto src = testing::make_endpoint(m, "tp=8", 16, PageOrder::kHnd, 5000);
+    const auto dst = testing::make_endpoint(m, "tp=2", 16, PageOrder::kHnd, 5000);
+    const TransferPlan plan = make_transfer_plan(src, dst, 5000);
+    EXPECT_EQ(plan.bytes, plan.min_bytes);
+    for (int k = 0; k < 2; ++k) {
+        const TransferPlan gp = group_transfer_plan(plan, k);
+        const KvGroup& g = groups[size_t(k)];
+        for (int r = 0; r < 8; ++r) {
+            const PageGeometry geo = rank_page_geometry(gp.src.layout, r, 16, PageOrder::kHnd);
+            EXPECT_EQ(geo.num_heads, std::max(1, g.num_kv_heads / 8));
+            EXPECT_EQ(geo.head_dim, g.head_dim);
+        }
+        for (int r = 0; r < 2; ++r)
+            EXPECT_EQ(rank_page_geometry(gp.dst.layout, r, 16, PageOrder::kHnd).num_heads,
+                      g.num_kv_heads / 2);
     }
 }
 

@@ -168,12 +168,14 @@ void require_executable(const TransferPlan& plan, std::string_view why);
 // The messages of token group `kv_group` (an index into plan.groups: full, sliding, chunked or MLA)
 // as an executable plan of their own, over a model of that one group: its layers renumbered 0, 1,
 // ... (layer j is global layer plan.groups[kv_group].layers[j]), each rank of both layouts holding
-// the group's layers within its layer range. Its page geometry is that of each rank's pool of the
-// group (RankModel::pool_at), so pack/unpack, schedules and the executor move it unchanged; the
-// pieces (for a windowed group, from the block holding its first kept token) and bytes are the
-// plan's, and min_bytes counts the group only. A rank's layer L of the model is done when its
-// layers [0, group_layers_done(layers, L)) of the group are (TransferSender::layer_ready).
-// Error for a state group, or a group whose KV heads differ from the model's.
+// the group's layers within its layer range and its TP share of the group's KV heads (max(1, H /
+// tp) contiguous heads of the group's head size, replicated where tp > H: RankKvGroup::kv_heads;
+// these may differ from the model's, as Gemma 4's full layers do). Its page geometry is that of
+// each rank's pool of the group (RankModel::pool_at), so pack/unpack, schedules and the executor
+// move it unchanged; the pieces (for a windowed group, from the block holding its first kept token)
+// and bytes are the plan's, and min_bytes counts the group only. A rank's layer L of the model is
+// done when its layers [0, group_layers_done(layers, L)) of the group are
+// (TransferSender::layer_ready). Error for a state group.
 TransferPlan group_transfer_plan(const TransferPlan& plan, int kv_group);
 // The group layers among `layers` (ascending global ids) at or before global layer `layer`.
 int group_layers_done(const std::vector<int>& layers, int layer);
