@@ -78,6 +78,56 @@ TEST(TransferPlanCli, TableAndErrors) {
     EXPECT_NE(help.out.find("--block-size-to"), std::string::npos);
 }
 
+// Gemma-4-31B: 50 sliding(1024) layers of 16 KV heads x 256 and 10 full layers of 4 KV heads x
+// 512, where the model's uniform fields say 16 x 256. transfer-plan prints its per-group table with
+// each group's mode (the group plans, with each rank's share of the group's own heads), and the
+// bytes are the group's shapes': TP=8 -> TP=2 moves the full layers' 4 heads once, TP=2 -> TP=8
+// twice (each head on two destination ranks), and the sliding layers the window's blocks.
+TEST(TransferPlanCli, Gemma4GroupsOfTheirOwnHeadShape) {
+    const std::string model = std::string("transfer-plan --model ") + KVSHARD_TEST_DATA_DIR
+                              "/hf_configs/gemma-4-31b.json";
+    const auto text = run_cli(model + " --from tp=8 --to tp=2 -L 5000");
+    ASSERT_EQ(text.status, 0) << text.out;
+    EXPECT_NE(text.out.find("mode pre-send,"), std::string::npos) << text.out;
+    EXPECT_NE(
+        text.out.find("sliding(1024)      50        3977         8     806.25 MiB      pre-send"),
+        std::string::npos)
+        << text.out;
+    EXPECT_NE(text.out.find("full      10           0         8     390.62 MiB      pre-send"),
+              std::string::npos)
+        << text.out;
+    // The sliding layers keep blocks of 16 from the one holding 5001 - 1024 = 3977: 1032 tokens.
+    const int64_t sliding = int64_t{50} * 2 * 16 * 1032 * 256 * 2;
+    const int64_t full = int64_t{10} * 2 * 4 * 5000 * 512 * 2;
+    struct Case {
+        const char* from;
+        const char* to;
+        int copies;  // destination ranks holding each full head
+    };
+    for (const Case& c : {Case{"tp=8", "tp=2", 1}, Case{"tp=2", "tp=8,pp=2", 2}}) {
+        SCOPED_TRACE(c.to);
+        const int copies = c.copies;
+        const auto r = run_cli(model + " --from " + c.from + " --to " + c.to + " -L 5000 --json");
+        ASSERT_EQ(r.status, 0) << r.out;
+        const auto j = nlohmann::json::parse(r.out);
+        ASSERT_EQ(j["kv_groups"].size(), 2u);
+        EXPECT_EQ(j["kv_groups"][0]["kind"], "sliding");
+        EXPECT_EQ(j["kv_groups"][0]["bytes"].get<int64_t>(), sliding);
+        EXPECT_EQ(j["kv_groups"][1]["kind"], "full");
+        EXPECT_EQ(j["kv_groups"][1]["bytes"].get<int64_t>(), copies * full);
+        EXPECT_EQ(j["bytes"], j["min_bytes"]);
+        EXPECT_EQ(j["bytes"].get<int64_t>(), sliding + copies * full);
+    }
+    // The reference model runs one attention shape: a disaggregated run refuses, naming the layer.
+    const auto run = run_cli(std::string("run --model ") + KVSHARD_TEST_DATA_DIR
+                             "/hf_configs/gemma-4-31b.json --prefill tp=2 --decode tp=1 "
+                             "--prompts 1 --prompt-len 8 --gen 2");
+    EXPECT_EQ(run.status, 2) << run.out;
+    EXPECT_NE(run.out.find("layer 5 has 4 KV heads of 512 where the model has 16 of 256"),
+              std::string::npos)
+        << run.out;
+}
+
 // kvshard run with a context-parallel prefill side: ring-attention prefill, each CP rank's KV
 // streamed to the decode group layer by layer, tokens identical to the unsharded model.
 TEST(DisaggRunCli, CpPrefillVerifies) {
