@@ -1,6 +1,8 @@
 #include "kvshard/layout/parallel_config.h"
 
 #include <charconv>
+#include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -79,6 +81,7 @@ std::vector<int> divisors(int n) {
 
 ParallelConfig parse_parallel_config(std::string_view text) {
     ParallelConfig p;
+    std::vector<std::string_view> seen;  // the keys given so far, aliases as their canonical name
     size_t i = 0;
     while (i < text.size()) {
         while (i < text.size() && (text[i] == ',' || text[i] == ' ')) ++i;
@@ -93,6 +96,17 @@ ParallelConfig parse_parallel_config(std::string_view text) {
                                        "' is not key=value (e.g. tp=8,pp=2,cp=4,dp=1,ep=1)"));
         auto key = item.substr(0, eq);
         auto val = item.substr(eq + 1);
+        // A key given twice ("tp=2,tp=4", or cp and its alias sp) would silently keep the last.
+        std::string_view canonical = key;
+        if (key == "sp") canonical = "cp";
+        if (key == "cp-scheme") canonical = "cp_scheme";
+        if (key == "cp-interleave") canonical = "cp_interleave";
+        if (key == "pp-layers") canonical = "pp_layers";
+        for (std::string_view s : seen)
+            if (s == canonical)
+                throw Error(detail::concat("parallel config '", text, "' gives ", canonical,
+                                           " twice: give each key once, e.g. tp=8,pp=2"));
+        seen.push_back(canonical);
         if (key == "tp")
             p.tp = parse_int(key, val);
         else if (key == "pp")

@@ -137,6 +137,11 @@ TEST(Validation, ParallelConfigText) {
                  {"unknown key 'qq'", "expected tp, pp"});
     expect_error([] { parse_parallel_config("tp8"); }, {"'tp8' is not key=value"});
     expect_error([] { parse_parallel_config("tp=eight"); }, {"'tp' needs an integer, got 'eight'"});
+    // A key given twice would keep only its last value: refused, aliases included.
+    expect_error([] { parse_parallel_config("tp=2,tp=4"); }, {"gives tp twice", "each key once"});
+    expect_error([] { parse_parallel_config("cp=2 sp=4"); }, {"gives cp twice"});
+    expect_error([] { parse_parallel_config("cp_scheme=zigzag,cp-scheme=contiguous"); },
+                 {"gives cp_scheme twice"});
     expect_error([] { parse_cp_scheme("spiral"); },
                  {"unknown CP scheme 'spiral'", "contiguous, zigzag or interleave"});
     const auto p =
