@@ -1,6 +1,7 @@
 #include "kvshard/layout/cp_plan.h"
 
 #include <algorithm>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
 
@@ -478,9 +479,18 @@ int64_t cp_decode_merge_bytes(const KvLayout& layout, int rank, CpDecodeMerge me
 }
 
 std::vector<int64_t> cp_causal_pairs(const CpTokenMap& map, int64_t q_begin) {
+    // Over runs, not positions (a map may hold 2^40 tokens): the queries [b, e) see
+    // sum (p + 1) = (b + 1 + e) (e - b) / 2 keys, summed in 128 bits.
     std::vector<int64_t> pairs(map.cp(), 0);
-    for (int c = 0; c < map.cp(); ++c)
-        for (int64_t p : map.positions(c, q_begin)) pairs[c] += p + 1;
+    for (int c = 0; c < map.cp(); ++c) {
+        __int128 sum = 0;
+        for (const TokenRange& r : map.ranges(c, q_begin))
+            sum += (static_cast<__int128>(r.begin) + 1 + r.end) * r.size() / 2;
+        require(sum <= std::numeric_limits<int64_t>::max(),
+                "the causal (query, key) pairs of CP rank ", c, " over a sequence of ", map.size(),
+                " tokens exceed 2^63 - 1, the most kvshard counts: give at most about 2^32 tokens");
+        pairs[static_cast<size_t>(c)] = static_cast<int64_t>(sum);
+    }
     return pairs;
 }
 
@@ -538,8 +548,16 @@ std::string cp_plan_report_json(const ModelSpec& m, const ParallelConfig& p, int
     require(fresh >= 1, "the new tokens must be >= 1 (a prefill computes at least one token), got ",
             fresh);
     require(block_size >= 1, "the block size must be >= 1, got ", block_size);
-    require(reuse_from >= 0, "the CP size to reuse from must be >= 1 (or 0: none), got ",
-            reuse_from);
+    require(block_size <= (1 << 20), "the block size must be at most 2^20 tokens, got ",
+            block_size);
+    require(reuse_from >= 0 && reuse_from <= ParallelConfig::kMaxWorldSize,
+            "the CP size to reuse from must be in [1, ", ParallelConfig::kMaxWorldSize,
+            "] (or 0: none), got ", reuse_from);
+    // The reuse plan lists every cached block's move.
+    require(reuse_from == 0 || cached / block_size <= kMaxCpReuseBlocks, "reusing ", cached,
+            " cached tokens in blocks of ", block_size, " lists ", cached / block_size,
+            " block moves, more than the ", kMaxCpReuseBlocks,
+            " kvshard lists: use larger blocks or a shorter cached prefix");
     const KvLayout l = make_layout(m, p);
     CpTokenMap map(p.cp);
     map.append(cached, p.cp_scheme, p.cp_interleave);

@@ -106,4 +106,28 @@ TEST(CpPlanCli, FullPrefillPassesKvAndBadInputExitsTwo) {
         EXPECT_NE(e.out.find("kvshard: error:"), std::string::npos) << e.out;
     }
 }
+
+// Long requests: 2^31 new tokens counted the causal pairs token by token (minutes, then
+// std::bad_alloc); 2^40 overflowed them; a reuse plan of 2^36 blocks listed each block's move.
+// --block-size without --reuse-from did nothing.
+TEST(CpPlanCli, LongRequestsArePlannedOrRefusedWithTheirLimit) {
+    const Result r = run_cli("cp-plan --model tiny --cp 2 --new 2147483648 --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    int64_t pairs = 0;
+    for (const auto& rank : j.at("ranks")) pairs += rank.at("causal_pairs").get<int64_t>();
+    const int64_t n = int64_t{1} << 31;
+    EXPECT_EQ(pairs, n / 2 * (n + 1));  // n(n+1)/2
+    for (const auto& [args, needle] :
+         {std::pair{"cp-plan --model tiny --cp 2 --new 1099511627776", "exceed 2^63 - 1"},
+          {"cp-plan --model tiny --cp 2 --cached 1099511627775 --new 1 --reuse-from 1",
+           "more than the 1048576 kvshard lists"},
+          {"cp-plan --model tiny --cp 2 --cached 64 --reuse-from 2147483647",
+           "must be in [1, 1048576]"},
+          {"cp-plan --model tiny --cp 2 --block-size 8", "--block-size requires --reuse-from"}}) {
+        const Result e = run_cli(args);
+        EXPECT_EQ(e.status, 2) << args << "\n" << e.out;
+        EXPECT_NE(e.out.find(needle), std::string::npos) << args << "\n" << e.out;
+    }
+}
 }  // namespace

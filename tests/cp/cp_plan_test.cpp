@@ -6,6 +6,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <string>
 
 #include "kvshard/common/error.h"
 #include "kvshard/layout/cp_plan.h"
@@ -446,6 +447,51 @@ TEST(CpBalance, ZigzagBalancesCausalWorkAndContiguousDoesNot) {
         EXPECT_LE(ratio(CpScheme::kZigzag), 1.0 + 1e-12);
         EXPECT_GT(ratio(CpScheme::kContiguous), 1.4);  // (2cp-1)/cp for large n
     }
+}
+
+// Counted over runs, not positions: a prompt of 2^31 tokens takes microseconds (it took minutes
+// and gigabytes position by position), with the closed form n(n+1)/2 over all ranks; past 2^63 - 1
+// pairs a rank's count is refused, not wrapped.
+TEST(CpBalance, CausalPairsOfLongPromptsAreCountedOverRunsAndRefusedPast64Bits) {
+    const int64_t n = int64_t{1} << 31;
+    for (CpScheme s : kSchemes) {
+        const auto pairs = cp_causal_pairs(cp_prompt_map(cfg(4, s, 16), n));
+        __int128 total = 0;
+        for (int64_t x : pairs) {
+            EXPECT_GT(x, 0);
+            total += x;
+        }
+        EXPECT_TRUE(total == static_cast<__int128>(n) * (n + 1) / 2);
+    }
+    // Contiguous cp=2: rank 1 holds [n/2, n) of n = 2^40, pairs ~ 3 * 2^77.
+    try {
+        cp_causal_pairs(cp_prompt_map(cfg(2, CpScheme::kContiguous), int64_t{1} << 40));
+        ADD_FAILURE() << "no error for 2^40 tokens";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("exceed 2^63 - 1"), std::string::npos) << e.what();
+    }
+}
+
+// cp-plan's report: a reuse plan lists each cached block's move, so it is bounded; the CP size it
+// reuses from and the block size are held to their ranges.
+TEST(CpPlanReport, ReuseAndBlockSizeAreBounded) {
+    const ModelSpec m = catalog_model("tiny");
+    const ParallelConfig p = cfg(2, CpScheme::kContiguous);
+    auto error_of = [&](int64_t cached, int block_size, int reuse_from) -> std::string {
+        try {
+            cp_plan_report_json(m, p, cached, 1, block_size, reuse_from);
+        } catch (const Error& e) {
+            return e.what();
+        }
+        return "";
+    };
+    EXPECT_NE(error_of(int64_t{1} << 39, 16, 1).find("more than the 1048576 kvshard lists"),
+              std::string::npos);
+    EXPECT_EQ(error_of(kMaxCpReuseBlocks * 16, 16, 2), "");
+    EXPECT_NE(error_of(64, 16, 2147483647).find("must be in [1, 1048576]"), std::string::npos);
+    EXPECT_NE(error_of(64, (1 << 20) + 1, 1).find("at most 2^20 tokens"), std::string::npos);
+    // Without a reuse plan a long cached prefix is fine.
+    EXPECT_EQ(error_of(int64_t{1} << 31, 16, 0), "");
 }
 
 TEST(CpPrefixCache, BlockInterleaveMakesACachedPrefixAPrefixOnEveryRank) {

@@ -86,11 +86,13 @@ void setup(CLI::App& app) {
     sub->add_option("--cached", f->cached, "tokens already stored (the cached prefix P)")
         ->capture_default_str();
     sub->add_option("--new", f->fresh, "new tokens to prefill (T)")->capture_default_str();
+    auto* reuse_from =
+        sub->add_option("--reuse-from", f->reuse_from,
+                        "CP size the cached prefix was stored under (block interleave): list the "
+                        "blocks moved to this --cp");
     sub->add_option("--block-size", f->block_size, "tokens per KV block (for --reuse-from)")
-        ->capture_default_str();
-    sub->add_option("--reuse-from", f->reuse_from,
-                    "CP size the cached prefix was stored under (block interleave): list the "
-                    "blocks moved to this --cp");
+        ->capture_default_str()
+        ->needs(reuse_from);
     sub->add_flag("--json", f->json, "print JSON");
     sub->callback([f] { run(*f); });
 }

@@ -206,7 +206,8 @@ int64_t cp_decode_merge_bytes(const KvLayout& layout, int rank, CpDecodeMerge me
 // ---------------------------------------------------------------------------------------------
 // Work balance: number of (query, visible key) pairs each CP rank computes when the queries are
 // the positions [q_begin, map.size()) it owns and every key at a position <= the query's is visible
-// (the causal attention work; FLOPs = 4 * pairs * Hq * D).
+// (the causal attention work; FLOPs = 4 * pairs * Hq * D). O(runs); Error where a rank's pairs
+// exceed 2^63 - 1 (sequences of more than about 2^32 tokens).
 std::vector<int64_t> cp_causal_pairs(const CpTokenMap& map, int64_t q_begin = 0);
 
 // ---------------------------------------------------------------------------------------------
@@ -249,7 +250,9 @@ std::string to_json(const CpPrefixReusePlan& plan);
 // choice, per rank of DP replica 0 its tokens, new tokens, causal pairs, pass-KV and pass-Q bytes
 // and decode merge bytes, and with reuse_from > 0 the prefix-reuse plan from that CP size over the
 // cached blocks of block_size tokens (else null). Error on invalid input (cached < 0, fresh < 1,
-// block_size < 1, reuse_from < 0, or a model and layout that do not fit).
+// block_size outside [1, 2^20], reuse_from outside [0, 2^20], a reuse plan of more than
+// kMaxCpReuseBlocks blocks, causal pairs past 2^63 - 1, or a model and layout that do not fit).
+inline constexpr int64_t kMaxCpReuseBlocks = int64_t{1} << 20;
 std::string cp_plan_report_json(const ModelSpec& m, const ParallelConfig& p, int64_t cached,
                                 int64_t fresh, int block_size, int reuse_from);
 
