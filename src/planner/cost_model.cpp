@@ -189,7 +189,8 @@ CpMergePolicy parse_cp_merge_policy(std::string_view s) {
 
 void CostOptions::validate() const {
     require(activation_bytes >= 1, "activation_bytes must be positive, got ", activation_bytes);
-    require(pp_prefill_chunks >= 0, "pp_prefill_chunks must be >= 0 (0: one per stage), got ",
+    require(pp_prefill_chunks >= 0 && pp_prefill_chunks <= kMaxPpPrefillChunks,
+            "pp_prefill_chunks must be in [0, ", kMaxPpPrefillChunks, "] (0: one per stage), got ",
             pp_prefill_chunks);
 }
 

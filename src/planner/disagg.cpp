@@ -259,12 +259,13 @@ void ServingRequest::validate() const {
                 "every prompt length of the distribution must be in [1, 2^26] tokens, got ", len);
     require(prefix_hit_rate >= 0 && prefix_hit_rate < 1,
             "the prefix hit rate must be in [0, 1), got ", prefix_hit_rate);
-    require(ttft_slo_s > 0 && std::isfinite(ttft_slo_s),
-            "the TTFT SLO must be a positive number of seconds (e.g. --ttft-slo 2), got ",
-            ttft_slo_s);
-    require(tpot_slo_s > 0 && std::isfinite(tpot_slo_s),
-            "the TPOT SLO must be a positive number of seconds (e.g. --tpot-slo 0.05), got ",
-            tpot_slo_s);
+    // At most kMaxSloS: beyond it the M/G/1 queue figures overflow to inf and NaN.
+    require(ttft_slo_s > 0 && ttft_slo_s <= kMaxSloS,
+            "the TTFT SLO must be a positive number of seconds up to ", kMaxSloS,
+            " (e.g. --ttft-slo 2), got ", ttft_slo_s);
+    require(tpot_slo_s > 0 && tpot_slo_s <= kMaxSloS,
+            "the TPOT SLO must be a positive number of seconds up to ", kMaxSloS,
+            " (e.g. --tpot-slo 0.05), got ", tpot_slo_s);
     require(max_batch >= 1, "max_batch must be a positive integer, got ", max_batch);
     capacity.validate();
     cost.validate();

@@ -211,6 +211,16 @@ TEST(Serving, BadRequestsAreErrors) {
     ServingRequest r = request(8, 4096, 1, 0.05);
     r.prefix_hit_rate = 1;
     EXPECT_THROW(plan_serving(m, hw, r), Error);
+    // SLOs past 1e6 s made the M/G/1 queue inf and NaN in the table (1e30, 1e308).
+    EXPECT_THROW(plan_serving(m, hw, request(8, 4096, 1e30, 0.05)), Error);
+    EXPECT_THROW(plan_serving(m, hw, request(8, 4096, 2, 1e308)), Error);
+    EXPECT_NO_THROW(plan_serving(m, hw, request(8, 4096, ServingRequest::kMaxSloS, 0.05)));
+    // Each prefill chunk is costed per stage: 2^31 - 1 of them ran out of memory.
+    ServingRequest chunks = request(8, 4096, 1, 0.05);
+    chunks.cost.pp_prefill_chunks = 2147483647;
+    EXPECT_THROW(plan_serving(m, hw, chunks), Error);
+    chunks.cost.pp_prefill_chunks = CostOptions::kMaxPpPrefillChunks;
+    EXPECT_NO_THROW(chunks.validate());
 }
 
 TEST(WeightDtype, Fp8HalvesAndFp4QuartersTheWeightsSoMoreKvFits) {
@@ -278,6 +288,43 @@ TEST(ServingCli, DisaggTransferBytesEqualTransferPlan) {
     EXPECT_EQ(
         test::run_cli("plan --model llama-3.1-70b --gpus 16 --context 8192 --ttft-slo 2").status,
         2);
+}
+
+// Flags that used to be accepted and ignored: --explain N with --json (the whole table came out),
+// --explain 1abc (read as 1), --json --top N (every configuration came out), --route without
+// --trace, --output-tokens without --disagg, --explain with --top.
+TEST(ServingCli, FlagsAreUsedOrRefused) {
+    const std::string base = "plan --model tiny --gpus 8 --context 1024";
+    const std::string disagg = base + " --disagg --ttft-slo 2 --tpot-slo 0.05";
+    const auto one = test::run_cli(disagg + " --json --explain 3");
+    ASSERT_EQ(one.status, 0) << one.out;
+    const auto all = test::run_cli(disagg + " --json");
+    ASSERT_EQ(all.status, 0) << all.out;
+    const auto oj = nlohmann::json::parse(one.out), aj = nlohmann::json::parse(all.out);
+    ASSERT_EQ(oj.at("configs").size(), 1u);
+    ASSERT_GT(aj.at("configs").size(), 3u);
+    EXPECT_EQ(oj.at("configs")[0], aj.at("configs")[2]);
+    const auto bad = test::run_cli(disagg + " --explain 1abc");
+    EXPECT_EQ(bad.status, 2) << bad.out;
+    EXPECT_NE(bad.out.find("--explain takes a rank of the table"), std::string::npos) << bad.out;
+
+    const auto top = test::run_cli(base + " --json --top 2");
+    ASSERT_EQ(top.status, 0) << top.out;
+    const auto tj = nlohmann::json::parse(top.out);
+    ASSERT_EQ(tj.at("configs").size(), 2u);
+    for (const auto& c : tj.at("configs")) EXPECT_TRUE(c.at("fits").get<bool>());
+
+    for (const auto& [args, needle] :
+         {std::pair{base + " --route cost", "--route requires --trace"},
+          {base + " --output-tokens 5", "--output-tokens requires --disagg"},
+          {base + " --explain tp=8 --top 3", "drop --explain, or drop --svg and --top"},
+          {base + " --disagg --tpot-slo 0.05 --ttft-slo 1e30",
+           "the TTFT SLO must be a positive number of seconds up to"},
+          {base + " --pp-chunks 2147483647", "pp_prefill_chunks must be in [0, 1024]"}}) {
+        const auto r = test::run_cli(args);
+        EXPECT_EQ(r.status, 2) << args << "\n" << r.out;
+        EXPECT_NE(r.out.find(needle), std::string::npos) << args << "\n" << r.out;
+    }
 }
 
 // --trace on the repository's Mooncake sample: the replay's prefix-hit rate shortens TTFT by about

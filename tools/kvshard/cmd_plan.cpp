@@ -264,6 +264,9 @@ void run(const PlanFlags& f) {
     require(f.ttft_slo == 0 && f.tpot_slo == 0,
             "--ttft-slo and --tpot-slo rank by throughput under SLOs: they need --disagg");
     if (!f.explain.empty()) {
+        require(f.svg.empty() && f.top == 0,
+                "--explain details one configuration; --svg and --top chart and cut the ranking: "
+                "drop --explain, or drop --svg and --top");
         explain(m, hw, r, f);
         return;
     }
@@ -275,7 +278,15 @@ void run(const PlanFlags& f) {
         out << plan_to_svg(m, hw, r, entries);
     }
     if (f.json) {
-        print_json(plan_to_json(m, hw, r, entries));
+        if (f.top == 0) {
+            print_json(plan_to_json(m, hw, r, entries));
+            return;
+        }
+        // --top N: the best N that fit, as in the table.
+        std::vector<PlanEntry> top;
+        for (const auto& e : entries)
+            if (e.fits && static_cast<int>(top.size()) < f.top) top.push_back(e);
+        print_json(plan_to_json(m, hw, r, top));
         return;
     }
     int n_fit = 0;
@@ -422,27 +433,34 @@ void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& 
     sr.cost = pr.cost;
     sr.weight_dtype = pr.weight_dtype;
     const auto entries = plan_serving(m, hw, sr);
+    int rank = 0;  // --explain's row, 1-based
+    if (!f.explain.empty()) {
+        rank = 1;
+        if (f.explain != "best") {
+            size_t used = 0;
+            try {
+                rank = std::stoi(f.explain, &used);
+            } catch (const std::exception&) {
+                rank = 0;
+            }
+            if (used != f.explain.size()) rank = 0;
+        }
+        require(rank >= 1 && rank <= static_cast<int>(entries.size()),
+                "with --disagg, --explain takes a rank of the table (1 to ", entries.size(),
+                ") or 'best', got '", f.explain, "'");
+    }
     if (!f.svg.empty()) {
         std::ofstream out(f.svg);
         require(static_cast<bool>(out), "cannot write the chart to '", f.svg, "'");
         out << serving_to_svg(m, hw, sr, entries);
     }
     if (f.json) {
-        print_json(serving_to_json(m, hw, sr, entries));
+        // --explain N: that row alone, as without --disagg.
+        print_json(serving_to_json(
+            m, hw, sr, rank > 0 ? std::vector<ServingEntry>{entries[rank - 1]} : entries));
         return;
     }
-    if (!f.explain.empty()) {
-        int rank = 1;
-        if (f.explain != "best") {
-            try {
-                rank = std::stoi(f.explain);
-            } catch (const std::exception&) {
-                rank = 0;
-            }
-        }
-        require(rank >= 1 && rank <= static_cast<int>(entries.size()),
-                "with --disagg, --explain takes a rank of the table (1 to ", entries.size(),
-                ") or 'best', got '", f.explain, "'");
+    if (rank > 0) {
         explain_serving(entries[rank - 1], sr, rank);
         return;
     }
@@ -509,20 +527,24 @@ void setup(CLI::App& app) {
                     "weight storage: model (the model's dtype), bf16, fp8 or fp4 (what fits, "
                     "bytes read per step, fp8 tensor cores at 8 bits and below)")
         ->capture_default_str();
-    sub->add_flag("--disagg", f->disagg,
-                  "also search prefill pools x decode pools (each its own layout and instance "
-                  "count), ranked with the aggregated configurations by output tokens/s per GPU "
-                  "under --ttft-slo and --tpot-slo");
+    auto* disagg = sub->add_flag(
+        "--disagg", f->disagg,
+        "also search prefill pools x decode pools (each its own layout and instance "
+        "count), ranked with the aggregated configurations by output tokens/s per GPU "
+        "under --ttft-slo and --tpot-slo");
     sub->add_option("--ttft-slo", f->ttft_slo, "with --disagg: TTFT objective, seconds");
     sub->add_option("--tpot-slo", f->tpot_slo, "with --disagg: TPOT objective, seconds");
     sub->add_option("--output-tokens", f->output_tokens,
-                    "with --disagg: output tokens per request (default 256, or the trace's mean)");
-    sub->add_option("--trace", f->trace,
-                    "Mooncake JSONL trace: its mean lengths, and the prefix-hit rate of its replay "
-                    "(kvshard simulate) over the best configuration's replicas, shorten prefill");
+                    "with --disagg: output tokens per request (default 256, or the trace's mean)")
+        ->needs(disagg);
+    auto* trace = sub->add_option(
+        "--trace", f->trace,
+        "Mooncake JSONL trace: its mean lengths, and the prefix-hit rate of its replay "
+        "(kvshard simulate) over the best configuration's replicas, shorten prefill");
     sub->add_option("--route", f->route,
                     "with --trace: routing policy of the replay (as kvshard simulate --policy)")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->needs(trace);
     sub->add_option("--batch,-b", f->batch,
                     "requests decoding together per DP replica (default 0: as many as fit, up to "
                     "--max-batch)")

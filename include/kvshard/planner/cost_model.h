@@ -84,7 +84,9 @@ CpMergePolicy parse_cp_merge_policy(std::string_view s);  // auto|all-gather|all
 
 struct CostOptions {
     int activation_bytes = 2;  // bf16 activations (also under fp8 weights)
-    // Prefill chunks pipelined through the PP stages; 0: as many as stages (pp).
+    // Prefill chunks pipelined through the PP stages; 0: as many as stages (pp). At most
+    // kMaxPpPrefillChunks (each chunk is a step of the schedule, costed per stage).
+    static constexpr int kMaxPpPrefillChunks = 1024;
     int pp_prefill_chunks = 0;
     CpPrefillPolicy cp_prefill = CpPrefillPolicy::kAuto;
     CpMergePolicy cp_decode_merge = CpMergePolicy::kAuto;

@@ -28,8 +28,9 @@ struct ServingRequest {
     // Share of prompt tokens found in the prefix cache (from a trace replay, sim/): only the rest
     // is prefilled. The KV moved to a decode instance is still the whole prompt's.
     double prefix_hit_rate = 0;
-    double ttft_slo_s = 0;  // required
-    double tpot_slo_s = 0;  // required
+    static constexpr double kMaxSloS = 1e6;  // SLOs are in (0, kMaxSloS] seconds
+    double ttft_slo_s = 0;                   // required
+    double tpot_slo_s = 0;                   // required
     int64_t max_batch = 256;
     CpScheme cp_scheme = CpScheme::kZigzag;
     CapacityOptions capacity;
