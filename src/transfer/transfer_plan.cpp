@@ -65,8 +65,8 @@ void validate_endpoint(const TransferEndpoint& e, const char* side, int64_t num_
             " layout is empty: build it with make_layout");
     require(e.dp >= 0 && e.dp < p.dp, "the ", side, " replica dp=", e.dp,
             " does not exist: valid are 0..", p.dp - 1);
-    require(e.block_size >= 1, "the ", side, " block size must be at least 1 token, got ",
-            e.block_size);
+    require(e.block_size >= 1 && e.block_size <= (1 << 20), "the ", side,
+            " block size must be in [1, 2^20] tokens, got ", e.block_size);
     require(static_cast<int>(e.block_tables.size()) == p.cp, "the ", side,
             " side needs one block table per CP rank (", p.cp, "), got ", e.block_tables.size());
     for (int c = 0; c < p.cp; ++c) {
@@ -297,7 +297,8 @@ std::vector<TransferPiece> slice_pieces(const std::vector<TransferPiece>& pieces
 
 std::vector<std::vector<int32_t>> sequential_block_tables(const KvLayout& layout, int block_size,
                                                           int64_t num_tokens) {
-    require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
+    require(block_size >= 1 && block_size <= (1 << 20),
+            "block size must be in [1, 2^20] tokens, got ", block_size);
     require(num_tokens >= 0 && num_tokens <= kMaxTransferTokens, "a transfer of ", num_tokens,
             " tokens: kvshard plans transfers of [1, 2^26] tokens");
     std::vector<std::vector<int32_t>> tables(layout.parallel.cp);
@@ -501,6 +502,15 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
     require_same_model(src.layout.model, dst.layout.model);
     validate_endpoint(src, "source", num_tokens);
     validate_endpoint(dst, "destination", num_tokens);
+    // The plan lists a piece per block a message covers (TransferPiece, 32 bytes): bounded before
+    // the pieces are made, here for one message and below for all of them.
+    const int64_t min_block = std::min(src.block_size, dst.block_size);
+    require((num_tokens + min_block - 1) / min_block <= kMaxTransferMessagePieces, "a transfer of ",
+            num_tokens, " tokens in blocks of ", min_block, " lists ",
+            (num_tokens + min_block - 1) / min_block, " pieces per message, more than the ",
+            kMaxTransferMessagePieces, " a plan lists: use blocks of at least ",
+            (num_tokens + kMaxTransferMessagePieces - 1) / kMaxTransferMessagePieces,
+            " tokens or fewer tokens");
 
     const ModelSpec& m = src.layout.model;
     if (m.kv_dtype == DType::kFp8)
@@ -617,6 +627,7 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
     // group share its demands (choose_copies).
     using DemandKey = std::tuple<int, int, int, int, int>;  // (kv group, axis, stage, cs, group)
     std::map<DemandKey, std::vector<Demand>> demands;
+    int64_t listed_pieces = 0;  // of all messages, counted before they are made
     const std::vector<int> src_split = pp_layer_split(m, ps);
     std::vector<int> src_stage_begin(ps.pp + 1, 0);
     for (int s = 0; s < ps.pp; ++s) src_stage_begin[s + 1] = src_stage_begin[s] + src_split[s];
@@ -667,6 +678,14 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
                         for (int cs = 0; cs < ps.cp; ++cs) {
                             const auto& pcs = (*pieces[k])[cs][cd];
                             if (pcs.empty()) continue;
+                            // Each layer group of [l0, l1) gets a message with these pieces.
+                            listed_pieces += static_cast<int64_t>(pcs.size()) *
+                                             (lpg == 0 ? 1 : (l1 - 1) / lpg - l0 / lpg + 1);
+                            require(listed_pieces <= kMaxTransferPieces, "the transfer plan of ",
+                                    num_tokens, " tokens would list more than ", kMaxTransferPieces,
+                                    " pieces (a piece per block of each message): use larger "
+                                    "blocks, fewer tokens or fewer layer groups "
+                                    "(--layers-per-message)");
                             Demand t = dm;
                             t.pieces = &pcs;
                             for (const auto& p : pcs) t.tokens += p.count;

@@ -128,6 +128,30 @@ TEST(TransferPlanCli, Gemma4GroupsOfTheirOwnHeadShape) {
         << run.out;
 }
 
+// Flags of --schedule and --descriptors without them did nothing (and took any value); --json
+// dropped the schedule; --staging-mib 0 was refused only after the plan was printed; a layout that
+// named tp twice kept the last.
+TEST(TransferPlanCli, FlagsAreUsedOrRefusedBeforeAnythingIsPrinted) {
+    const std::string base = "transfer-plan --model tiny --from tp=2 --to tp=1 --tokens 64";
+    for (const auto& [args, needle] :
+         {std::pair{base + " --staging-mib 0", "--staging-mib requires --schedule"},
+          {base + " --direct-read", "--direct-read requires --schedule"},
+          {base + " --descriptor-limit 5", "--descriptor-limit requires --descriptors"},
+          {base + " --schedule --json", "--schedule excludes --json"},
+          {base + " --block-size-to 2097152", "block size must be in [1, 2^20] tokens"},
+          {"transfer-plan --model tiny --from tp=2,tp=4 --to tp=1 --tokens 64",
+           "gives tp twice"}}) {
+        const auto r = run_cli(args);
+        EXPECT_EQ(r.status, 2) << args << "\n" << r.out;
+        EXPECT_NE(r.out.find(needle), std::string::npos) << args << "\n" << r.out;
+    }
+    // Refused with nothing on stdout.
+    const auto staging = kvshard::test::run_command(std::string(KVSHARD_CLI_PATH) + " " + base +
+                                                    " --schedule --staging-mib 0 2>/dev/null");
+    EXPECT_EQ(staging.status, 2);
+    EXPECT_EQ(staging.out, "");
+}
+
 // kvshard run with a context-parallel prefill side: ring-attention prefill, each CP rank's KV
 // streamed to the decode group layer by layer, tokens identical to the unsharded model.
 TEST(DisaggRunCli, CpPrefillVerifies) {

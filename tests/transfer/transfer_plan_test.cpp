@@ -151,6 +151,32 @@ std::map<std::pair<int, int>, int> pair_counts(const TransferPlan& plan) {
     return m;
 }
 
+// Plans of the longest transfers are bounded before their pieces are made: 2^26 tokens in blocks
+// of 1 (67M pieces a message) and a 126-layer model streamed a message per layer took minutes and
+// ran out of memory; blocks past 2^20 tokens are refused like the CLI's.
+TEST(TransferPlan, HugePlansAndBlocksAreRefusedBeforeTheyAreMade) {
+    const ModelSpec m = catalog_model("tiny");
+    auto error_of = [&](const std::string& from, const std::string& to, int64_t tokens, int bs,
+                        int layers_per_group) -> std::string {
+        try {
+            auto src = testing::make_endpoint(m, from, bs, PageOrder::kHnd, tokens);
+            auto dst = testing::make_endpoint(m, to, bs, PageOrder::kHnd, tokens);
+            make_transfer_plan(src, dst, tokens, {.layers_per_group = layers_per_group});
+        } catch (const Error& e) {
+            return e.what();
+        }
+        return "";
+    };
+    EXPECT_NE(error_of("tp=1", "tp=1", kMaxTransferTokens, 1, 0).find("use blocks of at least 4"),
+              std::string::npos);
+    // A message per layer: 4 sources x 4 layers = 16 messages of 2^23 pieces, 2^27 in all.
+    EXPECT_NE(error_of("tp=4", "tp=1", kMaxTransferTokens, 8, 1).find("would list more than"),
+              std::string::npos);
+    EXPECT_NE(error_of("tp=1", "tp=1", 64, (1 << 20) + 1, 0).find("in [1, 2^20] tokens"),
+              std::string::npos);
+    EXPECT_EQ(error_of("tp=2", "tp=1", 100000, 4, 1), "");
+}
+
 TEST(TransferPlan, SeedExampleTp8ToTp4) {
     // [H0][H1]...[H7] -> [H0H1][H2H3][H4H5][H6H7]
     Case c{.model = llama_mini(), .from = "tp=8", .to = "tp=4", .tokens = 100};

@@ -63,13 +63,15 @@ TransferEndpoint endpoint(const char* side, const ModelSpec& m, const std::strin
     e.dp = dp;
     e.block_size = block_size;
     e.order = parse_page_order(order);
-    require(block_size >= 1, "block size must be at least 1 token, got ", block_size);
     e.block_tables = sequential_block_tables(e.layout, block_size, tokens);
     return e;
 }
 
 void run(const TransferPlanFlags& f) {
     require(f.tokens >= 1, "--tokens must be at least 1, got ", f.tokens);
+    // Checked before anything is printed.
+    require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
+            "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
     const ModelSpec m = load_model(f.model);
     const TransferEndpoint src =
         endpoint("--from", m, f.from, f.dp_from, f.block_size_from, f.order_from, f.tokens);
@@ -168,8 +170,6 @@ void run(const TransferPlanFlags& f) {
                        desc->descriptor_count - static_cast<int64_t>(desc->descriptors.size()));
     }
     if (f.schedule) {
-        require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
-                "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
         const TransferSchedule sched = make_transfer_schedule(
             plan, side_pool_pages(plan, true, pool_blocks(src)),
             side_pool_pages(plan, false, pool_blocks(dst)),
@@ -210,23 +210,29 @@ void setup(CLI::App& app) {
     sub->add_option("--mode", f->mode, "pre-send|post-receive|auto (where the reshape happens)")
         ->capture_default_str();
     sub->add_flag("--messages", f->messages, "also list every message");
-    sub->add_flag("--schedule", f->schedule,
-                  "also print the transfer schedule: per source rank, each message's path "
-                  "(direct-read, zero-copy, batched), pool offsets and batch (pools holding "
-                  "each side's blocks numbered 0, 1, ...)");
+    auto* schedule =
+        sub->add_flag("--schedule", f->schedule,
+                      "also print the transfer schedule: per source rank, each message's path "
+                      "(direct-read, zero-copy, batched), pool offsets and batch (pools holding "
+                      "each side's blocks numbered 0, 1, ...)");
     sub->add_flag("--direct-read", f->direct_read,
-                  "with --schedule: the destinations read the source pools in place");
+                  "with --schedule: the destinations read the source pools in place")
+        ->needs(schedule);
     sub->add_option("--staging-mib", f->staging_mib,
                     "with --schedule: packed KV in flight per rank (MiB), which bounds a batch")
-        ->capture_default_str();
-    sub->add_flag("--descriptors", f->descriptors,
-                  "also list the transfer descriptors: maximal runs contiguous in both pools "
-                  "(pools holding each side's blocks numbered 0, 1, ...), the count a per-block "
-                  "scheme would post, and the counts with a reshape (docs/transfer.md)");
+        ->capture_default_str()
+        ->needs(schedule);
+    auto* descriptors = sub->add_flag(
+        "--descriptors", f->descriptors,
+        "also list the transfer descriptors: maximal runs contiguous in both pools "
+        "(pools holding each side's blocks numbered 0, 1, ...), the count a per-block "
+        "scheme would post, and the counts with a reshape (docs/transfer.md)");
     sub->add_option("--descriptor-limit", f->descriptor_limit,
                     "with --descriptors: descriptors listed (all are counted); -1: all")
-        ->capture_default_str();
-    sub->add_flag("--json", f->json, "print JSON instead of a table");
+        ->capture_default_str()
+        ->needs(descriptors);
+    // The schedule is text only (transfer_schedule.h has no JSON form).
+    sub->add_flag("--json", f->json, "print JSON instead of a table")->excludes(schedule);
     sub->callback([f] { run(*f); });
 }
 

@@ -42,6 +42,12 @@ struct TransferEndpoint {
 // The most tokens one transfer may move: 2^26, so that the block tables a plan lists (a block id
 // per block per CP rank) stay within a few hundred MiB.
 inline constexpr int64_t kMaxTransferTokens = int64_t{1} << 26;
+// The most pieces (TransferPiece: a run of tokens within one block on both sides) one plan lists,
+// in one message (2^26 tokens need blocks of at least 4) and over all its messages (about 2 GiB):
+// make_transfer_plan refuses a plan past them (small blocks; large models between many ranks, a
+// message per layer) before making its pieces.
+inline constexpr int64_t kMaxTransferMessagePieces = int64_t{1} << 24;
+inline constexpr int64_t kMaxTransferPieces = int64_t{1} << 26;
 
 std::vector<std::vector<int32_t>> sequential_block_tables(const KvLayout& layout, int block_size,
                                                           int64_t num_tokens);
