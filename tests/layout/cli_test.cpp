@@ -205,6 +205,41 @@ TEST(CliErrors, ParseErrorsNameTheFlagAndWhatItTakes) {
                        "--mem-util expects a number, got 'abc'");
 }
 
+// CLI11 alone clamped an integer past 64 bits to 2^63 - 1 (--batch 18446744073709551616 ran with
+// 9223372036854775807), read 0x10 as 16 and a leading 0 as octal (--context 010 was 8), and
+// took '' as 0.
+TEST(CliErrors, IntegersAreDecimalAndFitIn64Bits) {
+    const std::string plan = "plan --model tiny --gpus 8 --context 1024 ";
+    expect_usage_error(plan + "--batch 18446744073709551616",
+                       "--batch: '18446744073709551616' does not fit in a 64-bit integer");
+    expect_usage_error(plan + "--max-batch -9223372036854775809", "does not fit in a 64-bit");
+    expect_usage_error("layout --model tiny --tp 0x2",
+                       "--tp: expects a decimal integer (digits, e.g. 16), got '0x2'");
+    expect_usage_error(plan + "--batch ''", "--batch: expects an integer, got ''");
+    expect_usage_error("run --model tiny --seed 18446744073709551616",
+                       "--seed must be in [0, 9223372036854775807]");
+    const Result octal = kvshard("plan --model tiny --gpus 8 --context 010 --top 1");
+    EXPECT_EQ(octal.status, 0) << octal.out;
+    EXPECT_NE(octal.out.find("context 10 tokens"), std::string::npos) << octal.out;
+}
+
+// models without --model lists the catalog: --kv-dtype and --all-full-attention were accepted and
+// ignored there, a bad --kv-dtype included.
+TEST(CliErrors, ModelsCatalogHonoursItsFlags) {
+    expect_usage_error("models --kv-dtype bogus", "unknown element type 'bogus'");
+    const Result bf16 = kvshard("models --json");
+    const Result fp8 = kvshard("models --json --kv-dtype fp8");
+    const Result full = kvshard("models --json --all-full-attention");
+    ASSERT_EQ(bf16.status, 0) << bf16.out;
+    ASSERT_EQ(fp8.status, 0) << fp8.out;
+    ASSERT_EQ(full.status, 0) << full.out;
+    const auto a = nlohmann::json::parse(bf16.out), b = nlohmann::json::parse(fp8.out),
+               c = nlohmann::json::parse(full.out);
+    ASSERT_EQ(a.size(), b.size());
+    for (const auto& m : b) EXPECT_EQ(m.at("kv_dtype"), "fp8") << m.at("name");
+    EXPECT_NE(a, c);
+}
+
 // Sizes that used to crash or loop: refused with the range in the message.
 TEST(CliErrors, HugeSizesAreRefusedNotCrashed) {
     expect_usage_error("plan --model tiny --gpus 2147483647 --context 10",

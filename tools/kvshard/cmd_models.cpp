@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "command.h"
 #include "kvshard/model/catalog.h"
@@ -21,11 +23,19 @@ void run(const ModelsFlags& f) {
         print_json(to_json(m));
         return;
     }
+    // The catalog, each entry as --kv-dtype and --all-full-attention change it (all made before
+    // printing, so a bad --kv-dtype prints nothing but the error).
+    std::vector<ModelSpec> catalog;
+    for (const auto& n : catalog_names()) {
+        ModelFlags one = f.model;
+        one.model = n;
+        catalog.push_back(load_model(one));
+    }
     if (f.json) {
         std::string out = "[";
         bool first = true;
-        for (const auto& n : catalog_names()) {
-            out += (first ? "" : ",") + to_json(catalog_model(n));
+        for (const ModelSpec& m : catalog) {
+            out += (first ? "" : ",") + to_json(m);
             first = false;
         }
         print_json(out + "]");
@@ -34,8 +44,9 @@ void run(const ModelsFlags& f) {
     fmt::print("{:<19} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>9} {:>7} {:>10} {:>10}  {}\n",
                "name", "layers", "hidden", "H", "H_kv", "d", "attn", "experts", "params", "weights",
                "KV/token", "state/seq", "layer mix");
-    for (const auto& n : catalog_names()) {
-        const ModelSpec m = catalog_model(n);
+    const std::vector<std::string> names = catalog_names();
+    for (size_t i = 0; i < catalog.size(); ++i) {
+        const ModelSpec& m = catalog[i];
         const int64_t kv = m.kv_bytes_per_token();
         const int64_t state = m.state_bytes_per_sequence();
         const std::string mix = m.layer_mix();
@@ -44,8 +55,8 @@ void run(const ModelsFlags& f) {
                                                       : fmt::format("{:.2f}M", params / 1e6);
         fmt::print(
             "{:<19} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>9} {:>7} {:>7.1f}KiB {:>10}  {}\n",
-            n, m.num_layers, m.hidden, m.num_heads, m.is_mla() ? 1 : m.num_kv_heads, m.head_dim,
-            attention_kind_name(m.attention),
+            names[i], m.num_layers, m.hidden, m.num_heads, m.is_mla() ? 1 : m.num_kv_heads,
+            m.head_dim, attention_kind_name(m.attention),
             m.moe.enabled() ? fmt::format("{}/{}", m.moe.experts_per_token, m.moe.num_experts)
                             : "-",
             params_text, weight_storage_name(m), kv / 1024.0,

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
     app.require_subcommand(1);
     app.set_version_flag("--version", "kvshard 0.1.0");
     for (auto& cmd : kvshard::cli::command_registry()) cmd.setup(app);
+    kvshard::cli::require_decimal_integers(app);
     try {
         app.parse(argc, argv);
     } catch (const CLI::CallForHelp& e) {

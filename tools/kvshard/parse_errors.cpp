@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <charconv>
+#include <cstdint>
 #include <regex>
 #include <sstream>
 #include <string_view>
@@ -33,7 +35,63 @@ const CLI::Option* find_option(const CLI::App* sub, const std::string& name) {
     }
 }
 
+// The text of a signed (or, for UINT options, unsigned) 64-bit decimal integer, or what is wrong.
+// What CLI11's integer conversion (strtoll / strtoull, base 0) would wrongly accept in text:
+// empty text (read as 0), a value past 64 bits (clamped), a 0x / 0b prefix or a leading 0
+// (hex, binary, octal). A decimal with leading zeros is rewritten without them; text that is
+// not a number at all is left to CLI11, whose error describe_parse_error words.
+std::string decimal_integer_error(std::string& text, bool is_unsigned) {
+    if (text.empty()) return "expects an integer, got ''";
+    const size_t sign = text[0] == '-' ? 1 : 0;
+    if (is_unsigned && sign) return {};  // strtoull negates it: the option's range check refuses
+    const size_t digits_end = text.find_first_not_of("0123456789", sign);
+    if (digits_end == sign) return {};  // not a number: CLI11's error
+    if (digits_end != std::string::npos) {
+        // 0x10, 0b1, 010e: a prefix or suffix CLI11 might read as a number.
+        if (text[sign] == '0' && digits_end == sign + 1 &&
+            (text[digits_end] == 'x' || text[digits_end] == 'X' || text[digits_end] == 'b' ||
+             text[digits_end] == 'B'))
+            return fmt::format("expects a decimal integer (digits, e.g. 16), got '{}'", text);
+        return {};
+    }
+    const char* first = text.data();
+    const char* last = text.data() + text.size();
+    std::from_chars_result r{};
+    std::string canonical;  // without leading zeros, which CLI11 would read as octal
+    if (is_unsigned) {
+        uint64_t v = 0;
+        r = std::from_chars(first, last, v);
+        canonical = std::to_string(v);
+    } else {
+        int64_t v = 0;
+        r = std::from_chars(first, last, v);
+        canonical = std::to_string(v);
+    }
+    // Unsigned (--seed): strtoull clamps to 2^64 - 1, which the option's range check refuses.
+    if (r.ec == std::errc::result_out_of_range && is_unsigned) return {};
+    if (r.ec == std::errc::result_out_of_range)
+        return fmt::format(
+            "'{}' does not fit in a 64-bit integer; give a value in [-9223372036854775808, "
+            "9223372036854775807]",
+            text);
+    text = canonical;
+    return {};
+}
+
 }  // namespace
+
+void require_decimal_integers(CLI::App& app) {
+    for (CLI::Option* opt : app.get_options()) {
+        const std::string t = opt->get_type_name();
+        const bool is_unsigned = t.rfind("UINT", 0) == 0;
+        if (!is_unsigned && t.rfind("INT", 0) != 0) continue;
+        opt->transform(CLI::Validator(
+            [is_unsigned](std::string& text) { return decimal_integer_error(text, is_unsigned); },
+            ""));
+    }
+    for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+        require_decimal_integers(*sub);
+}
 
 const CLI::App* named_subcommand(const CLI::App& app, int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
