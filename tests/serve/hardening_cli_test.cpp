@@ -44,6 +44,23 @@ TEST(Hardening, RefusedInsteadOfIgnoredOrWrapped) {
                    "rms_norm_eps must be a positive finite number");
 }
 
+// The disaggregated run's own flags did nothing (and took any value) without --prefill/--decode.
+TEST(Hardening, DisaggFlagsNeedADisaggregatedRun) {
+    for (const char* flag :
+         {"--staging-mib 5", "--staging-mib 0", "--decode-block-size 8", "--prefill-order nhd",
+          "--decode-order nhd", "--transfer-mode pre-send", "--no-stream", "--sender-sleep-us 5",
+          "--check-thread-bytes 0", "--direct-read off", "--direct-window 4",
+          "--source-checksums off", "--prefill-replicas 2", "--decode-replicas 2",
+          "--prefill-route least-tokens"}) {
+        const std::string name = std::string(flag).substr(0, std::string(flag).find(' '));
+        expect_refused(std::string("run --model tiny --gen 2 ") + flag,
+                       name + " applies to a disaggregated run only");
+    }
+    const auto ok =
+        kvshard("run --model tiny --gen 2 --prefill tp=2 --decode tp=1 --staging-mib 5");
+    EXPECT_EQ(ok.status, 0) << ok.out;
+}
+
 // Under a CP scheme whose ranks do not hold whole hashed blocks the prefix cache cannot hit: asked
 // for hits (--shared-prefix) the run is refused; otherwise it runs and says the cache is off.
 TEST(Hardening, CpPrefixCacheOffIsReported) {

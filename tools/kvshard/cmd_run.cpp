@@ -193,6 +193,7 @@ void print_result(const RunFlags& f, const ModelSpec& m, const ParallelConfig& p
 }
 
 void run(const RunFlags& f) {
+    check_disagg_options_used(f.disagg);
     ModelSpec m = load_model(f.model);
     const ParallelConfig p = to_parallel_config(f.parallel);
     validate(m, p);

@@ -71,59 +71,85 @@ void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
         "--decode", f.decode,
         "disaggregated run: the decode group's layout, e.g. tp=4, tp=2,pp=2 or cp=2,tp=2 "
         "(cp > 1: context-parallel decode, dp=1)");
-    sub->add_option("--decode-block-size", f.decode_block_size,
-                    "disaggregated run: decode block size (default: --block-size)");
-    sub->add_option("--prefill-order", f.prefill_order,
-                    "disaggregated run: prefill page order hnd|nhd")
-        ->capture_default_str();
-    sub->add_option("--decode-order", f.decode_order,
-                    "disaggregated run: decode page order hnd|nhd")
-        ->capture_default_str();
-    sub->add_option("--transfer-mode", f.transfer_mode,
-                    "disaggregated run: where the KV is reshaped: pre-send|post-receive|auto")
-        ->capture_default_str();
-    sub->add_flag("--no-stream", f.no_stream,
-                  "disaggregated run: send the KV after prefill instead of layer by layer");
-    sub->add_option("--staging-mib", f.staging_mib,
-                    "disaggregated run: packed KV in flight per rank (MiB; back-pressure beyond)")
-        ->capture_default_str();
-    sub->add_option("--sender-sleep-us", f.sender_sleep_us,
-                    "disaggregated run: a prefill rank with all its KV posted sleeps this long "
-                    "between polls (0: spins; > 0 frees its core where the transport moves the "
-                    "bytes without it, e.g. MPI on one host with CMA)")
-        ->capture_default_str();
-    sub->add_option("--check-thread-bytes", f.check_thread_bytes,
-                    "disaggregated run: a payload received straight into the pool of at least this "
-                    "many bytes is checksummed on a worker thread beside the receive (where the "
-                    "rank may use more than one CPU; -1: never)")
-        ->capture_default_str();
-    sub->add_option("--direct-read", f.direct_read,
-                    "disaggregated run: on: the prefill pools are shareable and each decode rank "
-                    "on the same host reads its KV from them in place (one copy, only headers "
-                    "travel); rma: each decode rank reads its KV from the prefill pools through an "
-                    "MPI RMA window (MPI_Rget of each contiguous run, then a checksum check), "
-                    "which works across hosts; off: the KV travels in messages")
-        ->capture_default_str();
-    sub->add_option("--direct-window", f.direct_window,
-                    "disaggregated run, direct read: messages a prefill rank announces to one "
-                    "decode rank ahead of what it has read (0: no bound)")
-        ->capture_default_str();
-    sub->add_option("--source-checksums", f.source_checksums,
-                    "disaggregated run, direct read: on: each prefill rank seals every layer's KV "
-                    "as it writes it (one XXH3 per block and head), and a message that reads whole "
-                    "sealed blocks is checked against those seals, with no checksum pass over the "
-                    "prefill pool when it is sent; off: every message is checksummed when sent")
-        ->capture_default_str();
-    sub->add_option("--prefill-replicas", f.prefill_replicas,
-                    "disaggregated run: prefill groups of the --prefill layout (its dp; the "
-                    "requests go to them by --prefill-route)");
-    sub->add_option("--decode-replicas", f.decode_replicas,
-                    "disaggregated run: decode groups of the --decode layout (its dp; each request "
-                    "goes to the one with the most free KV blocks)");
-    sub->add_option("--prefill-route", f.prefill_route,
-                    "disaggregated run, several prefill groups: round-robin (request i to group i "
-                    "% dp) or least-tokens (to the group with the fewest prompt tokens so far)")
-        ->capture_default_str();
+    f.side_options.push_back(
+        sub->add_option("--decode-block-size", f.decode_block_size,
+                        "disaggregated run: decode block size (default: --block-size)"));
+    f.side_options.push_back(sub->add_option("--prefill-order", f.prefill_order,
+                                             "disaggregated run: prefill page order hnd|nhd")
+                                 ->capture_default_str());
+    f.side_options.push_back(sub->add_option("--decode-order", f.decode_order,
+                                             "disaggregated run: decode page order hnd|nhd")
+                                 ->capture_default_str());
+    f.side_options.push_back(
+        sub->add_option("--transfer-mode", f.transfer_mode,
+                        "disaggregated run: where the KV is reshaped: pre-send|post-receive|auto")
+            ->capture_default_str());
+    f.side_options.push_back(
+        sub->add_flag("--no-stream", f.no_stream,
+                      "disaggregated run: send the KV after prefill instead of layer by layer"));
+    f.side_options.push_back(
+        sub->add_option(
+               "--staging-mib", f.staging_mib,
+               "disaggregated run: packed KV in flight per rank (MiB; back-pressure beyond)")
+            ->capture_default_str());
+    f.side_options.push_back(
+        sub->add_option("--sender-sleep-us", f.sender_sleep_us,
+                        "disaggregated run: a prefill rank with all its KV posted sleeps this long "
+                        "between polls (0: spins; > 0 frees its core where the transport moves the "
+                        "bytes without it, e.g. MPI on one host with CMA)")
+            ->capture_default_str());
+    f.side_options.push_back(
+        sub->add_option(
+               "--check-thread-bytes", f.check_thread_bytes,
+               "disaggregated run: a payload received straight into the pool of at least this "
+               "many bytes is checksummed on a worker thread beside the receive (where the "
+               "rank may use more than one CPU; -1: never)")
+            ->capture_default_str());
+    f.side_options.push_back(
+        sub->add_option(
+               "--direct-read", f.direct_read,
+               "disaggregated run: on: the prefill pools are shareable and each decode rank "
+               "on the same host reads its KV from them in place (one copy, only headers "
+               "travel); rma: each decode rank reads its KV from the prefill pools through an "
+               "MPI RMA window (MPI_Rget of each contiguous run, then a checksum check), "
+               "which works across hosts; off: the KV travels in messages")
+            ->capture_default_str());
+    f.side_options.push_back(
+        sub->add_option("--direct-window", f.direct_window,
+                        "disaggregated run, direct read: messages a prefill rank announces to one "
+                        "decode rank ahead of what it has read (0: no bound)")
+            ->capture_default_str());
+    f.side_options.push_back(
+        sub->add_option(
+               "--source-checksums", f.source_checksums,
+               "disaggregated run, direct read: on: each prefill rank seals every layer's KV "
+               "as it writes it (one XXH3 per block and head), and a message that reads whole "
+               "sealed blocks is checked against those seals, with no checksum pass over the "
+               "prefill pool when it is sent; off: every message is checksummed when sent")
+            ->capture_default_str());
+    f.side_options.push_back(
+        sub->add_option("--prefill-replicas", f.prefill_replicas,
+                        "disaggregated run: prefill groups of the --prefill layout (its dp; the "
+                        "requests go to them by --prefill-route)"));
+    f.side_options.push_back(sub->add_option(
+        "--decode-replicas", f.decode_replicas,
+        "disaggregated run: decode groups of the --decode layout (its dp; each request "
+        "goes to the one with the most free KV blocks)"));
+    f.side_options.push_back(
+        sub->add_option(
+               "--prefill-route", f.prefill_route,
+               "disaggregated run, several prefill groups: round-robin (request i to group i "
+               "% dp) or least-tokens (to the group with the fewest prompt tokens so far)")
+            ->capture_default_str());
+}
+
+void check_disagg_options_used(const DisaggFlags& f) {
+    if (f.enabled()) return;
+    for (const CLI::Option* o : f.side_options)
+        require(o->count() == 0, o->get_name(),
+                " applies to a disaggregated run only: give --prefill LAYOUT and --decode LAYOUT "
+                "(e.g. --prefill tp=2 --decode tp=1), or drop ",
+                o->get_name());
 }
 
 int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {

@@ -30,6 +30,8 @@ struct DisaggFlags {
     std::string source_checksums = "on";
     int prefill_replicas = 0, decode_replicas = 0;  // 0: the layout's dp (1 unless it names one)
     std::string prefill_route = "round-robin";
+    // Every option above but --prefill and --decode: each applies to a disaggregated run only.
+    std::vector<const CLI::Option*> side_options;
     bool enabled() const { return !prefill.empty() || !decode.empty(); }
 };
 
@@ -38,6 +40,10 @@ struct DisaggFlags {
 // --direct-window, --source-checksums, --prefill-replicas, --decode-replicas, --prefill-route to
 // `kvshard run`.
 void add_disagg_options(CLI::App* sub, DisaggFlags& f);
+
+// Refuses a side option (--staging-mib, --decode-order, ...) given without --prefill/--decode,
+// where it would do nothing.
+void check_disagg_options_used(const DisaggFlags& f);
 
 struct DisaggRunInput {
     ModelSpec model;
