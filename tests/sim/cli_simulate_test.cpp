@@ -99,4 +99,20 @@ TEST(CliSimulate, BadFlagsExitWithTwo) {
     EXPECT_NE(help.out.find("--policy"), std::string::npos);
 }
 
+// --ttl sets the approximate index's TTL; with the exact index it did nothing and took any value
+// (nan, -1).
+TEST(CliSimulate, TtlNeedsTheApproximateIndex) {
+    for (const char* ttl : {"nan", "-1", "60"}) {
+        const Result r =
+            run_cli("simulate --trace " + kSample + " --capacity-tokens 65536 --ttl " + ttl);
+        EXPECT_EQ(r.code, 2) << ttl << "\n" << r.err;
+        EXPECT_NE(r.err.find("give --index approximate or drop --ttl"), std::string::npos) << r.err;
+        EXPECT_EQ(r.out, "");
+    }
+    const Result ok = run_cli("simulate --trace " + kSample +
+                              " --capacity-tokens 65536 --max-requests 20 --policy round-robin "
+                              "--index approximate --ttl 60");
+    EXPECT_EQ(ok.code, 0) << ok.err;
+}
+
 }  // namespace

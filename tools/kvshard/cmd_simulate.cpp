@@ -195,9 +195,9 @@ void setup(CLI::App& app) {
     sub->add_option("--index", f->index,
                     "router's view of the caches: exact (KV events) or approximate")
         ->capture_default_str();
-    sub->add_option("--ttl", f->ttl_s,
-                    "approximate index: seconds a routed prefix counts as cached")
-        ->capture_default_str();
+    auto* ttl = sub->add_option("--ttl", f->ttl_s,
+                                "approximate index: seconds a routed prefix counts as cached")
+                    ->capture_default_str();
     sub->add_option("--max-batch", f->max_batch, "running requests per replica")
         ->capture_default_str();
     sub->add_option("--max-prefill-tokens", f->max_prefill_tokens,
@@ -227,7 +227,13 @@ void setup(CLI::App& app) {
     sub->add_flag("--json", f->json, "print JSON instead of a table");
     sub->add_option("--svg", f->svg,
                     "write a chart (hit rate per policy against the bounds, load balance)");
-    sub->callback([f] { run(*f); });
+    sub->callback([f, ttl] {
+        // The exact index follows the KV events and has no TTL.
+        require(ttl->count() == 0 || f->index != "exact", "--ttl ", f->ttl_s,
+                " sets how long the approximate index counts a routed prefix as cached; the "
+                "exact index (the default) has no TTL: give --index approximate or drop --ttl");
+        run(*f);
+    });
 }
 
 }  // namespace
