@@ -136,6 +136,9 @@ ParallelConfig parse_parallel_config(std::string_view text) {
                 "': expected tp, pp, cp, dp, ep, cp_scheme, cp_interleave or pp_layers"));
         }
     }
+    // '' or ',' read as the default layout: transfer-plan --from '' planned tp=1.
+    require(!seen.empty(), "parallel config '", text,
+            "' names no key: give key=value pairs, e.g. tp=8,pp=2 (tp=1 for one GPU)");
     return p;
 }
 

@@ -142,6 +142,8 @@ TEST(Validation, ParallelConfigText) {
     expect_error([] { parse_parallel_config("cp=2 sp=4"); }, {"gives cp twice"});
     expect_error([] { parse_parallel_config("cp_scheme=zigzag,cp-scheme=contiguous"); },
                  {"gives cp_scheme twice"});
+    expect_error([] { parse_parallel_config(""); }, {"names no key", "e.g. tp=8,pp=2"});
+    expect_error([] { parse_parallel_config(" , "); }, {"names no key"});
     expect_error([] { parse_cp_scheme("spiral"); },
                  {"unknown CP scheme 'spiral'", "contiguous, zigzag or interleave"});
     const auto p =
