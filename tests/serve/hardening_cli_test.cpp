@@ -109,6 +109,21 @@ TEST(Hardening, DisaggReplicaFlags) {
     EXPECT_EQ(j.at("prefill").at("ranks").get<int>(), 4);
 }
 
+// --cp-prefill and --cp-decode-merge did nothing (with any valid mode) on a run without a
+// context-parallel group.
+TEST(Hardening, CpFlagsNeedAContextParallelGroup) {
+    expect_refused("run --model tiny --gen 2 --cp-prefill pass-q",
+                   "--cp-prefill chooses how a context-parallel group prefills; this run has none");
+    expect_refused("run --model tiny --gen 2 --cp-decode-merge all-to-all",
+                   "--cp-decode-merge chooses how a context-parallel group merges");
+    expect_refused("run --model tiny --gen 2 --prefill tp=1 --decode cp=2 --cp-prefill pass-q",
+                   "--cp-prefill chooses");
+    expect_refused(
+        "run --model tiny --gen 2 --prefill cp=2 --decode tp=1 --cp-decode-merge all-to-all",
+        "--cp-decode-merge chooses");
+    EXPECT_EQ(kvshard("run --model tiny --gen 2 --cp 2 --cp-prefill pass-q").status, 0);
+}
+
 // The memory a run would hold is estimated and refused before anything is allocated: an 8B model's
 // fp32 weights, a 2e9-token prompt, 1e8 prompts, a 2^31-1-token block; and the limit's own range.
 TEST(Hardening, RunMemoryCheckedBeforeAllocating) {
@@ -128,6 +143,16 @@ TEST(Hardening, RunMemoryCheckedBeforeAllocating) {
     expect_refused("run --model tiny --tp 2 --verify --max-memory-gib 0.0001",
                    "the unsharded --verify run");
     EXPECT_EQ(kvshard("run --model tiny --gen 2 --max-memory-gib 1").status, 0);
+    // The groups of --prefill-replicas / --decode-replicas count: 64 prefill groups of
+    // small-100m were estimated as one and ran out of memory (std::bad_alloc at 7 GB).
+    expect_refused(
+        "run --model tiny --prefill tp=1 --decode tp=1 --prefill-replicas 256 --prompt-len 4 "
+        "--gen 1 --max-memory-gib 0.1",
+        "over 257 rank(s)");
+    expect_refused(
+        "run --model tiny --prefill tp=1 --decode tp=1 --decode-replicas 256 --prompt-len 4 "
+        "--gen 1 --max-memory-gib 0.1",
+        "over 257 rank(s)");
 }
 
 }  // namespace

@@ -53,8 +53,10 @@ struct RunFlags {
     bool verify = false;
     bool json = false;
     std::string dump_logits;
-    std::string cp_prefill = "auto";             // --cp-prefill auto|pass-kv|pass-q
-    std::string cp_decode_merge = "all-gather";  // --cp-decode-merge all-gather|all-to-all
+    std::string cp_prefill = "auto";                 // --cp-prefill auto|pass-kv|pass-q
+    std::string cp_decode_merge = "all-gather";      // --cp-decode-merge all-gather|all-to-all
+    const CLI::Option* cp_prefill_option = nullptr;  // given: a CP group must use it
+    const CLI::Option* cp_decode_merge_option = nullptr;
     DisaggFlags disagg;  // --prefill/--decode: the disaggregated run (run_disagg.cpp)
 };
 
@@ -225,13 +227,26 @@ void run(const RunFlags& f) {
     // What the run will hold, checked before the prompts, weights or pools are made.
     std::vector<RunGroup> groups;
     if (f.disagg.enabled()) {
-        groups.push_back({parse_parallel_config(f.disagg.prefill), f.block_size});
-        groups.push_back({parse_parallel_config(f.disagg.decode), f.disagg.decode_block_size > 0
-                                                                      ? f.disagg.decode_block_size
-                                                                      : f.block_size});
+        // With their replicas (--prefill-replicas was left out: 64 groups were sized as one).
+        groups.push_back(
+            {parse_disagg_side("--prefill", f.disagg.prefill, f.disagg.prefill_replicas, m),
+             f.block_size});
+        groups.push_back(
+            {parse_disagg_side("--decode", f.disagg.decode, f.disagg.decode_replicas, m),
+             f.disagg.decode_block_size > 0 ? f.disagg.decode_block_size : f.block_size});
     } else {
         groups.push_back({p, f.block_size});
     }
+    // Both choose what a context-parallel group does: with cp = 1 they did nothing.
+    const bool cp_prefills = groups.front().parallel.cp > 1;
+    const bool cp_decodes = groups.back().parallel.cp > 1;
+    require(f.cp_prefill_option->count() == 0 || cp_prefills,
+            "--cp-prefill chooses how a context-parallel group prefills; this run has none: give "
+            "--cp 2 or more (or a --prefill side with cp > 1), or drop --cp-prefill");
+    require(f.cp_decode_merge_option->count() == 0 || cp_decodes,
+            "--cp-decode-merge chooses how a context-parallel group merges its decode partials; "
+            "this run has none: give --cp 2 or more (or a --decode side with cp > 1), or drop "
+            "--cp-decode-merge");
     const RunShape shape{
         .prompts = f.prompts,
         .prompt_len = ps.token_ids.empty() ? f.prompt_len : int64_t(ps.token_ids.size()),
@@ -376,15 +391,19 @@ void setup(CLI::App& app) {
                     "send/receive or request (a stopped, dead or stuck rank), naming the rank(s) "
                     "that did not answer; 0: no limit")
         ->capture_default_str();
-    sub->add_option("--cp-prefill", f->cp_prefill,
-                    "CP prefill: auto (the mode that moves fewer bytes, docs/context-parallel.md "
-                    "section 4) | pass-kv (KV shards travel the ring) | pass-q (queries travel, "
-                    "partial outputs come back by all-to-all)")
-        ->capture_default_str();
-    sub->add_option("--cp-decode-merge", f->cp_decode_merge,
-                    "CP decode: all-gather (every rank merges every partial) | all-to-all (Helix: "
-                    "each rank merges a share of the heads)")
-        ->capture_default_str();
+    f->cp_prefill_option =
+        sub->add_option(
+               "--cp-prefill", f->cp_prefill,
+               "CP prefill: auto (the mode that moves fewer bytes, docs/context-parallel.md "
+               "section 4) | pass-kv (KV shards travel the ring) | pass-q (queries travel, "
+               "partial outputs come back by all-to-all)")
+            ->capture_default_str();
+    f->cp_decode_merge_option =
+        sub->add_option(
+               "--cp-decode-merge", f->cp_decode_merge,
+               "CP decode: all-gather (every rank merges every partial) | all-to-all (Helix: "
+               "each rank merges a share of the heads)")
+            ->capture_default_str();
     sub->add_flag(
         "--verify", f->verify,
         "also run the model unsharded (one rank, another block size, no prefix cache) and compare: "

@@ -25,9 +25,16 @@ PageOrder parse_order(const std::string& flag, const std::string& s) {
     }
 }
 
-// replicas: --prefill-replicas / --decode-replicas (0: not given), the layout's dp.
-ParallelConfig parse_side(const char* flag, const std::string& text, int replicas,
-                          const ModelSpec& m) {
+std::string bytes_text(int64_t b) {
+    if (b >= (int64_t{1} << 20)) return fmt::format("{:.2f} MiB", b / 1048576.0);
+    if (b >= 1024) return fmt::format("{:.1f} KiB", b / 1024.0);
+    return fmt::format("{} B", b);
+}
+
+}  // namespace
+
+ParallelConfig parse_disagg_side(const char* flag, const std::string& text, int replicas,
+                                 const ModelSpec& m) {
     require(!text.empty(), flag,
             " is missing: a disaggregated run needs both --prefill and --decode, e.g. "
             "--prefill tp=8 --decode tp=4");
@@ -53,14 +60,6 @@ ParallelConfig parse_side(const char* flag, const std::string& text, int replica
         throw Error(fmt::format("{} '{}': {}", flag, text, e.what()));
     }
 }
-
-std::string bytes_text(int64_t b) {
-    if (b >= (int64_t{1} << 20)) return fmt::format("{:.2f} MiB", b / 1048576.0);
-    if (b >= 1024) return fmt::format("{:.1f} KiB", b / 1024.0);
-    return fmt::format("{} B", b);
-}
-
-}  // namespace
 
 void add_disagg_options(CLI::App* sub, DisaggFlags& f) {
     sub->add_option(
@@ -154,8 +153,8 @@ void check_disagg_options_used(const DisaggFlags& f) {
 
 int run_disagg(const DisaggFlags& f, const DisaggRunInput& in) {
     const ModelSpec& m = in.model;
-    const ParallelConfig pp = parse_side("--prefill", f.prefill, f.prefill_replicas, m);
-    const ParallelConfig pd = parse_side("--decode", f.decode, f.decode_replicas, m);
+    const ParallelConfig pp = parse_disagg_side("--prefill", f.prefill, f.prefill_replicas, m);
+    const ParallelConfig pd = parse_disagg_side("--decode", f.decode, f.decode_replicas, m);
     require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
             "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
     require(f.sender_sleep_us >= 0 && f.sender_sleep_us <= 1000000,

@@ -41,6 +41,12 @@ struct DisaggFlags {
 // `kvshard run`.
 void add_disagg_options(CLI::App* sub, DisaggFlags& f);
 
+// One side's layout: --prefill or --decode (flag) with its text and --prefill-replicas or
+// --decode-replicas (0: not given; else the layout's dp), validated for the model; an Error naming
+// the flag otherwise, or when the text is missing.
+ParallelConfig parse_disagg_side(const char* flag, const std::string& text, int replicas,
+                                 const ModelSpec& m);
+
 // Refuses a side option (--staging-mib, --decode-order, ...) given without --prefill/--decode,
 // where it would do nothing.
 void check_disagg_options_used(const DisaggFlags& f);
