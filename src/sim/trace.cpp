@@ -46,9 +46,13 @@ std::string parse_line(std::string_view text, int block_tokens, double prev_arri
     const auto& in = j["input_length"];
     if (!in.is_number_integer() || in.get<int64_t>() < 1)
         return "'input_length' must be a positive integer";
+    // At most 2^40 tokens, the longest context kvshard plans for (kMaxContextTokens): an output
+    // of 10^15 tokens was replayed as a request that never ends (0 req/s) and made plan --trace
+    // speak of a context nobody gave.
     const auto& outlen = j["output_length"];
-    if (!outlen.is_number_integer() || outlen.get<int64_t>() < 0)
-        return "'output_length' must be a non-negative integer";
+    if (!outlen.is_number_integer() || outlen.get<int64_t>() < 0 ||
+        outlen.get<int64_t>() > (int64_t{1} << 40))
+        return "'output_length' must be a non-negative integer up to 2^40 tokens";
     const auto& ids = j["hash_ids"];
     if (!ids.is_array()) return "'hash_ids' must be an array of non-negative integers";
     const int64_t input = in.get<int64_t>();

@@ -53,6 +53,9 @@ TEST(Trace, EachKindOfMalformedLineIsReportedWithItsLineNumber) {
          "'input_length'"},
         {"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1.5, \"hash_ids\": [1]}",
          "'output_length'"},
+        {"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1000000000000000, "
+         "\"hash_ids\": [1]}",
+         "'output_length' must be a non-negative integer up to 2^40 tokens"},
         {"{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1]}",
          "needs ceil(600/512) = 2"},
         {"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [\"a\"]}",
