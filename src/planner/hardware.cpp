@@ -201,6 +201,9 @@ HardwareSpec parse_hardware_json(std::string_view json_text, const std::string& 
         if (j.contains(key)) out = number(key);
     };
 
+    if (j.contains("name") && !j.at("name").is_string())
+        throw Error(detail::concat(file, ": field 'name' must be a string (e.g. \"mi300x\"), got ",
+                                   j.at("name").dump()));
     h.name = j.contains("name") && j.at("name").is_string() ? j.at("name").get<std::string>()
              : has_base                                     ? h.name + "-custom"
                         : std::filesystem::path(file).stem().string();

@@ -75,6 +75,8 @@ TEST(Hardware, BadInputsNameTheProblem) {
                  "hbm_efficiency must be in (0, 1]");
     expect_error(R"({"base": "h100-sxm", "nvlink_bw": "fast"})", "'nvlink_bw' must be a number");
     expect_error(R"({"base": "tpu"})", "unknown hardware 'tpu'");
+    // A name that is not a string was ignored (the GPU was called h100-sxm-custom).
+    expect_error(R"({"base": "h100-sxm", "name": 5})", "field 'name' must be a string");
     expect_error(R"({"base": "h100-sxm", "gpus_per_node": 0})",
                  "'gpus_per_node' must be an integer in [1, 2^20]");
     // Found by fuzz_hardware_json: a value outside int's range was cast (undefined behaviour).
