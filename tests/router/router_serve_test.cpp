@@ -543,6 +543,11 @@ TEST(RouterServe, RefusesBadFlags) {
         {"router serve --engine a=tcp://127.0.0.1:1,zz=1 --hash-seed 0", "unknown option"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --hash md5", "vllm-sha256-cbor"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --listen nope", "HOST:PORT"},
+        // std::stoi read ' 80' and '+80' as 80 (the router then listened on port 80).
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --listen '127.0.0.1: 80'",
+         "the port is not a number in [0, 65535]"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --listen 127.0.0.1:+80",
+         "the port is not a number in [0, 65535]"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --http-threads 0",
          "--http-threads must be 1 to 4096"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --keep-alive-timeout-s 0",

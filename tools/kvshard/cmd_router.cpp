@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 
 #include <cstdio>
 #include <memory>
@@ -51,13 +52,13 @@ RouterHttpOptions listen_options(const ServeFlags& f) {
     o.host = f.listen.substr(0, colon);
     if (o.host.size() > 2 && o.host.front() == '[' && o.host.back() == ']')
         o.host = o.host.substr(1, o.host.size() - 2);
-    try {
-        size_t used = 0;
-        o.port = std::stoi(f.listen.substr(colon + 1), &used);
-        require(used == f.listen.size() - colon - 1, "");
-    } catch (const std::exception&) {
-        throw Error(detail::concat("--listen '", f.listen, "': the port is not a number"));
-    }
+    // Digits only: std::stoi took ' 80' and '+80' as port 80.
+    const std::string port = f.listen.substr(colon + 1);
+    const auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), o.port);
+    require(ec == std::errc() && end == port.data() + port.size() &&
+                port.find_first_not_of("0123456789") == std::string::npos,
+            "--listen '", f.listen,
+            "': the port is not a number in [0, 65535], e.g. 127.0.0.1:8000");
     o.allow_remote = f.allow_remote;
     o.threads = f.http_threads;
     o.keep_alive_timeout_s = f.keep_alive_timeout_s;
