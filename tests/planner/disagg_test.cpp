@@ -291,7 +291,8 @@ TEST(ServingCli, DisaggTransferBytesEqualTransferPlan) {
 }
 
 // Flags that used to be accepted and ignored: --explain N with --json (the whole table came out),
-// --explain 1abc (read as 1), --json --top N (every configuration came out), --route without
+// --explain 1abc (read as 1), --json --top N (every configuration came out, with or without
+// --disagg), --route without
 // --trace, --output-tokens without --disagg, --explain with --top.
 TEST(ServingCli, FlagsAreUsedOrRefused) {
     const std::string base = "plan --model tiny --gpus 8 --context 1024";
@@ -307,6 +308,12 @@ TEST(ServingCli, FlagsAreUsedOrRefused) {
     const auto bad = test::run_cli(disagg + " --explain 1abc");
     EXPECT_EQ(bad.status, 2) << bad.out;
     EXPECT_NE(bad.out.find("--explain takes a rank of the table"), std::string::npos) << bad.out;
+
+    const auto dtop = test::run_cli(disagg + " --json --top 2");
+    ASSERT_EQ(dtop.status, 0) << dtop.out;
+    const auto dj = nlohmann::json::parse(dtop.out);
+    ASSERT_EQ(dj.at("configs").size(), 2u);
+    for (const auto& c : dj.at("configs")) EXPECT_TRUE(c.at("meets_slo").get<bool>());
 
     const auto top = test::run_cli(base + " --json --top 2");
     ASSERT_EQ(top.status, 0) << top.out;

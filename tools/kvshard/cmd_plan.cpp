@@ -455,9 +455,15 @@ void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& 
         out << serving_to_svg(m, hw, sr, entries);
     }
     if (f.json) {
-        // --explain N: that row alone, as without --disagg.
-        print_json(serving_to_json(
-            m, hw, sr, rank > 0 ? std::vector<ServingEntry>{entries[rank - 1]} : entries));
+        // --explain N: that row alone, as without --disagg; --top N: the best N that meet the
+        // SLOs, as the table lists them.
+        std::vector<ServingEntry> shown;
+        if (rank > 0)
+            shown.push_back(entries[rank - 1]);
+        else if (f.top > 0)
+            for (const auto& e : entries)
+                if (e.meets_slo && static_cast<int>(shown.size()) < f.top) shown.push_back(e);
+        print_json(serving_to_json(m, hw, sr, rank > 0 || f.top > 0 ? shown : entries));
         return;
     }
     if (rank > 0) {
