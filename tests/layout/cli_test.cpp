@@ -223,6 +223,20 @@ TEST(CliErrors, IntegersAreDecimalAndFitIn64Bits) {
     EXPECT_NE(octal.out.find("context 10 tokens"), std::string::npos) << octal.out;
 }
 
+// --cp-scheme with cp = 1 and --cp-interleave without the interleave scheme did nothing.
+TEST(CliErrors, CpSchemeFlagsNeedWhatTheyApplyTo) {
+    expect_usage_error("layout --model tiny --cp-scheme zigzag",
+                       "--cp-scheme zigzag places tokens over the CP ranks; with --cp 1 there is "
+                       "one");
+    expect_usage_error("cp-plan --model tiny --cp 2 --cp-interleave 4",
+                       "--cp-interleave 4 is the unit of --cp-scheme interleave; with --cp-scheme "
+                       "contiguous it does nothing");
+    expect_usage_error("run --model tiny --cp 2 --cp-scheme zigzag --cp-interleave 0",
+                       "--cp-interleave 0 is the unit of --cp-scheme interleave");
+    EXPECT_EQ(kvshard("layout --model tiny --cp 2 --cp-scheme interleave --cp-interleave 4").status,
+              0);
+}
+
 // models without --model lists the catalog: --kv-dtype and --all-full-attention were accepted and
 // ignored there, a bad --kv-dtype included.
 TEST(CliErrors, ModelsCatalogHonoursItsFlags) {

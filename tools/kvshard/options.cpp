@@ -67,6 +67,13 @@ ParallelConfig to_parallel_config(const ParallelFlags& f) {
     p.ep = f.ep;
     p.cp_scheme = parse_cp_scheme(f.cp_scheme);
     p.cp_interleave = f.cp_interleave;
+    // Either one did nothing where it does not apply.
+    require(p.cp > 1 || p.cp_scheme == CpScheme::kContiguous, "--cp-scheme ", f.cp_scheme,
+            " places tokens over the CP ranks; with --cp 1 there is one: give --cp 2 or more, or "
+            "drop --cp-scheme");
+    require(p.cp_interleave == 1 || p.cp_scheme == CpScheme::kInterleave, "--cp-interleave ",
+            p.cp_interleave, " is the unit of --cp-scheme interleave; with --cp-scheme ",
+            f.cp_scheme, " it does nothing: give --cp-scheme interleave, or drop --cp-interleave");
     if (!f.pp_layers.empty()) {
         std::string layers = f.pp_layers;
         for (char& c : layers)
