@@ -122,8 +122,8 @@ TEST(EngineKv, AlignModeHoldsTwoStateBlocksPastOneBlock) {
     ParallelConfig p;
     p.tp = 4;
     const KvLayout l = make_layout(catalog_model("qwen3-next-80b-a3b"), p);
-    const EngineKvArrangement none = engine_kv_arrangement(l, 16);
-    const EngineKvArrangement align = engine_kv_arrangement(l, 16, true, MambaCacheMode::kAlign);
+    const EngineKvArrangement none = engine_kv_arrangement(l, 16, true, MambaCacheMode::kNone);
+    const EngineKvArrangement align = engine_kv_arrangement(l, 16);  // the default
     ASSERT_EQ(align.block_size, 272);  // the block rule is the same in both modes
     ASSERT_EQ(align.groups.size(), 4u);
     EXPECT_EQ(engine_request_blocks(none, p, 8192), 31 + 3);       // ceil(8192 / 272) + 3 x 1

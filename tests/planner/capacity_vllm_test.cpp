@@ -67,8 +67,16 @@ CapacityReport nemotron_h(DType ssm, int64_t context, CapacityOptions o = {}) {
     return compute_capacity(m, tp(1), hardware_by_name("h100-sxm"), o);
 }
 
+CapacityOptions prefix_caching_off() {
+    CapacityOptions o;
+    o.mamba_cache_mode = MambaCacheMode::kNone;
+    return o;
+}
+
+// With prefix caching off (mamba_cache_mode none: vLLM before PR #50991, or
+// --no-enable-prefix-caching), one state block per request and state group.
 TEST(CapacityVllm, NemotronHRaisesTheBlockSoAPageHoldsAMambaState) {
-    const CapacityReport c = nemotron_h(DType::kBf16, 8192);
+    const CapacityReport c = nemotron_h(DType::kBf16, 8192, prefix_caching_off());
     // Mamba-2 state 2,158,592 B (bf16 SSM); one token's attention page 2 x 8 x 128 x 2 = 4096 B:
     // block 16 x ceil(2,158,592 / (16 x 4096)) = 528, page 528 x 4096 = 2,162,688 B.
     EXPECT_EQ(c.state_bytes_per_sequence / 24, 2158592);
@@ -86,7 +94,7 @@ TEST(CapacityVllm, NemotronHRaisesTheBlockSoAPageHoldsAMambaState) {
     EXPECT_EQ(c.max_context, (6815 - 6) * 528);
     // fp32 SSM: 4,255,744 B of state, block 16 x ceil(4,255,744 / 65,536) = 1040, page
     // 4,259,840 B, 3460 blocks, ceil(8192 / 1040) + 6 = 14 per request.
-    const CapacityReport f = nemotron_h(DType::kFp32, 8192);
+    const CapacityReport f = nemotron_h(DType::kFp32, 8192, prefix_caching_off());
     EXPECT_EQ(f.engine.block_size, 1040);
     EXPECT_EQ(f.kv_blocks_per_gpu, 3460);
     EXPECT_EQ(f.kv_tokens_per_gpu, 3460 / 7 * 1040);  // 513,760
@@ -97,20 +105,20 @@ TEST(CapacityVllm, NemotronHWithPrefixCachingHoldsTwoStateBlocksPerGroup) {
     // mamba_cache_mode align (vLLM's default for hybrid models since PR #50991): the same block
     // (1040) and blocks per GPU (3460), but a request of 8192 tokens holds ceil(8192 / 1040) + 6 x
     // 2 = 20 blocks at its peak (MambaManager) and vLLM's startup check charges each of the 6 state
-    // groups 2 blocks (MambaSpec.max_memory_usage_bytes): max_model_len (3460 - 12) x 1040.
-    CapacityOptions o;
-    o.mamba_cache_mode = MambaCacheMode::kAlign;
-    const CapacityReport a = nemotron_h(DType::kFp32, 8192, o);
+    // groups 2 blocks (MambaSpec.max_memory_usage_bytes): max_model_len (3460 - 12) x 1040. It is
+    // kvshard's default, as it is vLLM's.
+    const CapacityReport a = nemotron_h(DType::kFp32, 8192);
+    EXPECT_EQ(a.engine.mamba_cache_mode, MambaCacheMode::kAlign);
     EXPECT_EQ(a.engine.block_size, 1040);
     EXPECT_EQ(a.kv_blocks_per_gpu, 3460);
     EXPECT_EQ(a.request_blocks, 8 + 6 * 2);
     EXPECT_EQ(a.requests_per_replica, 3460 / 20);  // 173 (247 with prefix caching off)
     EXPECT_EQ(a.max_context, (3460 - 12) * 1040);  // 3,585,920 (3,592,160 off)
-    EXPECT_EQ(nemotron_h(DType::kFp32, 8192).max_context, (3460 - 6) * 1040);
+    EXPECT_EQ(nemotron_h(DType::kFp32, 8192, prefix_caching_off()).max_context, (3460 - 6) * 1040);
 }
 
 TEST(CapacityVllm, AGivenBlockSizeIsKeptAndVllmsIsNamed) {
-    CapacityOptions o;
+    CapacityOptions o = prefix_caching_off();
     o.raise_block_size = false;
     const CapacityReport kept = nemotron_h(DType::kBf16, 8192, o);
     EXPECT_EQ(kept.engine.kind, EngineKvKind::kSeparate);
@@ -123,7 +131,7 @@ TEST(CapacityVllm, AGivenBlockSizeIsKeptAndVllmsIsNamed) {
 }
 
 TEST(CapacityVllm, Qwen3NextTp4) {
-    const CapacityReport c = on_h100("qwen3-next-80b-a3b", 4, 8192);
+    const CapacityReport c = on_h100("qwen3-next-80b-a3b", 4, 8192, prefix_caching_off());
     // GDN state per rank 3 x (8 x 128 + 2 x 4 x 128) x 2 + 8 x 128 x 128 x 2 = 274,432 B; one
     // token's attention page 2 x max(1, 2/4) x 256 x 2 = 1024 B: block 16 x ceil(274,432 /
     // 16,384) = 272, page 278,528 B; 12 full + 36 GDN: group size 12, 1 + 3 groups.
@@ -135,6 +143,11 @@ TEST(CapacityVllm, Qwen3NextTp4) {
     EXPECT_EQ(c.kv_tokens_per_gpu, 10557 / 4 * 272);  // 717,808
     EXPECT_EQ(c.request_blocks, 31 + 3);              // ceil(8192 / 272) + 3
     EXPECT_EQ(c.requests_per_replica, 310);           // was 319
+    // Prefix caching on (the default): two state blocks per GDN group, 31 + 3 x 2 per request.
+    const CapacityReport a = on_h100("qwen3-next-80b-a3b", 4, 8192);
+    EXPECT_EQ(a.kv_blocks_per_gpu, 10557);
+    EXPECT_EQ(a.request_blocks, 31 + 3 * 2);
+    EXPECT_EQ(a.requests_per_replica, 10557 / 37);  // 285
 }
 
 TEST(CapacityVllm, UnpaddedHybridsKeepTheirFigures) {

@@ -38,7 +38,7 @@ struct HardwareFlags {
     int block_size = 16;
     const CLI::Option* block_size_option = nullptr;  // given: vLLM's raise is not applied
     int64_t max_num_batched_tokens = 8192;
-    std::string mamba_cache_mode = "none";
+    std::string mamba_cache_mode = "align";
     CapacityOptions capacity_options() const;  // validated
 };
 // --hardware NAME|FILE.json, --mem-util, --activation-reserve-gib, --block-size,

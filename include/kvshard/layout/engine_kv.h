@@ -64,7 +64,7 @@ struct EngineKvArrangement {
     // on that rank; kUniform: the rank's layers' pages, vLLM's fp8 keeping its per-layer scales
     // outside them; kSeparate: the token groups' blocks, state not included).
     std::vector<int64_t> block_bytes;                         // indexed by rank
-    MambaCacheMode mamba_cache_mode = MambaCacheMode::kNone;  // how state groups count blocks
+    MambaCacheMode mamba_cache_mode = MambaCacheMode::kAlign;  // how state groups count blocks
     std::string note;  // why kSeparate, or what vLLM does that differs from the options given
     int padding_slots() const;  // group_size x groups - layers (kHybrid), else 0
     bool operator==(const EngineKvArrangement&) const = default;
@@ -76,7 +76,7 @@ struct EngineKvArrangement {
 // when it is too small, with a note naming vLLM's).
 EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size,
                                           bool raise_block_size = true,
-                                          MambaCacheMode mamba_cache_mode = MambaCacheMode::kNone);
+                                          MambaCacheMode mamba_cache_mode = MambaCacheMode::kAlign);
 
 // Blocks one request holds across all groups, at the busiest CP rank of a sequence of `seq_len`
 // tokens: full groups ceil(n / B), windowed groups the most blocks they hold at any length up to

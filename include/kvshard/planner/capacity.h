@@ -54,8 +54,9 @@ struct CapacityOptions {
     // each sliding layer W - 1 + this many tokens (max_context).
     int64_t max_num_batched_tokens = 8192;
     // Mamba/GDN groups (engine_kv.h): kNone counts one state block per request and group, as vLLM
-    // with prefix caching off; kAlign two, as vLLM's default for hybrid models since PR #50991.
-    MambaCacheMode mamba_cache_mode = MambaCacheMode::kNone;
+    // with prefix caching off; kAlign (the default) two, as `vllm serve` does by default for hybrid
+    // models since PR #50991 (prefix caching on in align mode).
+    MambaCacheMode mamba_cache_mode = MambaCacheMode::kAlign;
     WeightDtype weight_dtype = WeightDtype::kModel;
     void validate() const;  // throws Error on a bad value
 };
