@@ -380,6 +380,25 @@ VllmBlockHash vllm_none_hash(VllmHashScheme s, std::string_view python_hash_seed
     return digest(s, buf);
 }
 
+std::string vllm_engine_hash_seed(VllmHashScheme s, std::string_view seed) {
+    if (seed.empty()) {
+        require(s != VllmHashScheme::kXxhashCbor && s != VllmHashScheme::kXxhashPickle,
+                "without PYTHONHASHSEED vLLM draws a random NONE_HASH per process for ",
+                vllm_hash_scheme_name(s),
+                " (a non-cryptographic hash), so no router can reproduce its hashes: start the "
+                "engines with PYTHONHASHSEED set and give the same value with --hash-seed");
+        return std::string(kVllmDefaultNoneHashSeed);
+    }
+    if (seed == "random" || seed == kVllmDefaultNoneHashSeed) return std::string(seed);
+    bool digits = seed.size() <= 10;
+    for (char c : seed) digits = digits && c >= '0' && c <= '9';
+    require(digits && std::stoull(std::string(seed)) <= 4294967295ull, "hash seed '", seed,
+            "' is not a PYTHONHASHSEED Python starts with: give \"random\" or an integer in [0, "
+            "4294967295], the engines' value (or leave it out for vLLM's default seed, \"",
+            kVllmDefaultNoneHashSeed, "\", with the sha256 schemes)");
+    return std::string(seed);
+}
+
 std::vector<uint8_t> vllm_block_pickle(std::span<const uint8_t> parent,
                                        std::span<const int32_t> tokens,
                                        std::span<const std::string> extra_keys) {

@@ -292,7 +292,11 @@ TEST(VllmHash, CliRefusesBadInputWithExitTwo) {
         {"hash --block-size 2 --tokens 1,2 --scheme vllm-sha256-cbor --parent 12zz", "hex digits"},
         {"hash --block-size 2 --tokens 1,2 --scheme vllm-sha256-cbor --parent abcd",
          "64 hex digits"},
-        {"hash --block-size 2 --tokens 1,2 --scheme vllm-xxhash-cbor", "exactly one of"},
+        {"hash --block-size 2 --tokens 1,2 --scheme vllm-xxhash-cbor", "random NONE_HASH"},
+        {"hash --block-size 2 --tokens 1,2 --scheme vllm-sha256 --hash-seed abc", "PYTHONHASHSEED"},
+        {"hash --block-size 2 --tokens 1,2 --scheme vllm-sha256 --hash-seed -1", "PYTHONHASHSEED"},
+        {"hash --block-size 2 --tokens 1,2 --scheme vllm-sha256 --hash-seed 4294967296",
+         "PYTHONHASHSEED"},
         {"hash --block-size 2 --tokens 1,2 --scheme md5 --hash-seed 0", "--scheme must be"},
         {"hash --block-size 2 --tokens 1,2 --scheme kvshard --hash-seed 0", "vLLM schemes only"},
         {"hash --block-size 2 --tokens 1,2 --scheme kvshard --parent 00", "32 hex digits"},
@@ -303,6 +307,32 @@ TEST(VllmHash, CliRefusesBadInputWithExitTwo) {
         EXPECT_NE(r.out.find(b.message), std::string::npos) << b.args << "\n" << r.out;
         EXPECT_NE(r.out.find("kvshard: error:"), std::string::npos) << b.args << "\n" << r.out;
     }
+}
+
+// Engines without PYTHONHASHSEED: vLLM's sha256 schemes derive NONE_HASH from the fixed
+// DEFAULT_NONE_HASH_SEED, so a seed left out means that string; the xxhash schemes are random per
+// process and refused. A seed given must be one Python starts with.
+TEST(VllmHash, EngineSeedDefaultsToVllmsFixedSeed) {
+    for (VllmHashScheme s : {VllmHashScheme::kSha256Pickle, VllmHashScheme::kSha256Cbor,
+                             VllmHashScheme::kSha256Cbor64})
+        EXPECT_EQ(vllm_engine_hash_seed(s, ""), "vllm-none-hash");
+    EXPECT_THROW(vllm_engine_hash_seed(VllmHashScheme::kXxhashCbor, ""), Error);
+    EXPECT_THROW(vllm_engine_hash_seed(VllmHashScheme::kXxhashPickle, ""), Error);
+    for (const char* ok : {"0", "42", "4294967295", "random", "007"})
+        EXPECT_EQ(vllm_engine_hash_seed(VllmHashScheme::kXxhashCbor, ok), ok);
+    for (const char* bad : {"abc", "-1", "+1", " 1", "4294967296", "18446744073709551616", "0x10"})
+        EXPECT_THROW(vllm_engine_hash_seed(VllmHashScheme::kSha256Cbor, bad), Error) << bad;
+    // The CLI with no seed hashes from the default seed's root.
+    const auto a =
+        test::run_cli("hash --json --scheme vllm-sha256-cbor --block-size 2 --tokens 1,2");
+    const auto b = test::run_cli(
+        "hash --json --scheme vllm-sha256-cbor --block-size 2 --tokens 1,2 --hash-seed "
+        "vllm-none-hash");
+    ASSERT_EQ(a.status, 0) << a.out;
+    EXPECT_EQ(a.out, b.out);
+    const auto c = test::run_cli(
+        "hash --json --scheme vllm-sha256-cbor --block-size 2 --tokens 1,2 --hash-seed 0");
+    EXPECT_NE(a.out, c.out);
 }
 
 TEST(VllmHash, CliKvshardSchemeMatchesTheLibrary) {

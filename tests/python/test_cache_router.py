@@ -380,3 +380,18 @@ def test_block_hashes_from_any_sequence_of_hex_strings():
         idx.prefix_overlap([1, 2])
     with pytest.raises(kvshard.Error):
         idx.prefix_overlap(["zz"])
+
+
+def test_engines_without_pythonhashseed_use_vllms_default_seed(cli_json, cli):
+    """vLLM's sha256 schemes derive NONE_HASH from DEFAULT_NONE_HASH_SEED = "vllm-none-hash" when
+    PYTHONHASHSEED is unset (resolve_none_hash_seed); `kvshard hash` without --hash-seed matches
+    that chain, computed here with cbor2 + hashlib; xxhash without a seed is refused."""
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    root = hashlib.sha256(cbor2.dumps("vllm-none-hash", canonical=True)).digest()
+    b0 = hashlib.sha256(cbor2.dumps((root, tuple(tokens[:4]), None), canonical=True)).digest()
+    b1 = hashlib.sha256(cbor2.dumps((b0, tuple(tokens[4:]), None), canonical=True)).digest()
+    doc = cli_json("hash", "--scheme", "vllm-sha256-cbor", "--block-size", "4", "--tokens",
+                   ",".join(map(str, tokens)))
+    assert [b["digest"] for b in doc["blocks"]] == [b0.hex(), b1.hex()]
+    rc, _, err = cli("hash", "--scheme", "vllm-xxhash-cbor", "--block-size", "4", "--tokens", "1,2,3,4")
+    assert rc == 2 and "PYTHONHASHSEED" in err

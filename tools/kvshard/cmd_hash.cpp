@@ -64,13 +64,12 @@ struct Digest {
 
 std::vector<Digest> vllm_digests(const HashFlags& f, VllmHashScheme scheme,
                                  const std::vector<int32_t>& tokens) {
-    require(f.have_seed != !f.parent.empty(), "--scheme ", vllm_hash_scheme_name(scheme),
-            " needs the root of the chain: give exactly one of --hash-seed S (the engine's "
-            "PYTHONHASHSEED; vLLM derives NONE_HASH from it) or --parent HEX (the digest the "
-            "first block chains from)");
+    // No --parent: the chain starts at NONE_HASH of the engine's PYTHONHASHSEED, or of vLLM's
+    // default seed when the engine has none (vllm_engine_hash_seed refuses that for xxhash).
     const VllmBlockHash root =
-        f.have_seed ? vllm_none_hash(scheme, f.hash_seed) : VllmBlockHash::from_hex(f.parent);
-    if (!f.have_seed)
+        f.parent.empty() ? vllm_none_hash(scheme, vllm_engine_hash_seed(scheme, f.hash_seed))
+                         : VllmBlockHash::from_hex(f.parent);
+    if (!f.parent.empty())
         require(root.size() == vllm_digest_size(scheme), "--parent for ",
                 vllm_hash_scheme_name(scheme), " is ", 2 * vllm_digest_size(scheme),
                 " hex digits (a ", vllm_digest_size(scheme), "-byte digest), got ",
@@ -140,8 +139,10 @@ void setup(CLI::App& app) {
                     "/ v0.10's sha256_cbor_64bit) | kvshard")
         ->required();
     sub->add_option("--block-size", f->block_size, "tokens per block")->required();
-    auto* seed = sub->add_option("--hash-seed", f->hash_seed,
-                                 "the engine's PYTHONHASHSEED (vLLM's NONE_HASH comes from it)");
+    auto* seed = sub->add_option(
+        "--hash-seed", f->hash_seed,
+        "the engine's PYTHONHASHSEED (vLLM's NONE_HASH comes from it); left out: vLLM's "
+        "default seed \"vllm-none-hash\" (sha256 schemes)");
     auto* parent = sub->add_option("--parent", f->parent, "hex digest the first block chains from");
     seed->excludes(parent);
     sub->add_option("--tokens", f->tokens, "comma-separated token ids, e.g. 1,2,3")->required();

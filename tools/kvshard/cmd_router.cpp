@@ -153,7 +153,10 @@ void setup(CLI::App& app) {
                     "vllm-sha256 | vllm-sha256-cbor | vllm-xxhash | vllm-xxhash-cbor | "
                     "vllm-sha256-cbor-64bit (the engines' --prefix-caching-hash-algo, with vllm- "
                     "before it)");
-    sub->add_option("--hash-seed", f->hash_seed, "the engines' PYTHONHASHSEED")->required();
+    sub->add_option("--hash-seed", f->hash_seed,
+                    "the engines' PYTHONHASHSEED (\"random\" or 0..4294967295); leave it out when "
+                    "they run without one: vLLM's default seed \"vllm-none-hash\" for the sha256 "
+                    "schemes (the xxhash ones need it)");
     sub->add_flag("--allow-remote", f->allow_remote, "allow --listen on a non-loopback address");
     sub->add_option("--replay-timeout-ms", f->replay_timeout_ms,
                     "how long to wait for an engine's replay after a gap");

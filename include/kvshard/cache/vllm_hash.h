@@ -78,6 +78,18 @@ struct VllmExtraKeys {
 // NONE_HASH for PYTHONHASHSEED = `python_hash_seed` (the environment string, e.g. "0").
 VllmBlockHash vllm_none_hash(VllmHashScheme s, std::string_view python_hash_seed);
 
+// The seed vLLM derives NONE_HASH from when PYTHONHASHSEED is unset and the hash is cryptographic
+// (DEFAULT_NONE_HASH_SEED, resolve_none_hash_seed in vllm/v1/core/kv_cache_utils.py): independent
+// engines on defaults then agree. Earlier revisions drew random bytes whatever the algorithm.
+inline constexpr std::string_view kVllmDefaultNoneHashSeed = "vllm-none-hash";
+
+// The string an engine's NONE_HASH comes from. `python_hash_seed` empty: the engine runs without
+// PYTHONHASHSEED, so kVllmDefaultNoneHashSeed for the sha256 schemes, and an Error for the xxhash
+// ones (vLLM draws a random seed per process for them: no router can reproduce its hashes).
+// Otherwise the seed itself, which must be one Python starts with: "random" or a decimal integer
+// in [0, 4294967295] (or kVllmDefaultNoneHashSeed, spelled out); Error naming the rule otherwise.
+std::string vllm_engine_hash_seed(VllmHashScheme s, std::string_view python_hash_seed);
+
 // The canonical CBOR bytes of (parent, tuple(tokens), extra_keys): an array of 3 items: a byte
 // string, an array of integers, and null (no extra keys) or an array of text strings.
 std::vector<uint8_t> vllm_block_cbor(std::span<const uint8_t> parent,

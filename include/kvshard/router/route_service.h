@@ -29,7 +29,8 @@ struct RouteServiceConfig {
     PolicyParams params;  // params.block_tokens is set to block_size
     // vLLM's default --prefix-caching-hash-algo, sha256 (pickle; vllm/config/cache.py).
     VllmHashScheme scheme = VllmHashScheme::kSha256Pickle;
-    std::string hash_seed = "0";
+    // The engines' PYTHONHASHSEED; empty: unset, so vLLM's default seed (vllm_engine_hash_seed).
+    std::string hash_seed;
     int block_size = 16;
     size_t max_tracked_requests = 1 << 20;  // routed, unfinished requests kept for load
 };
