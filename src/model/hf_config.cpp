@@ -451,6 +451,31 @@ LayerKind layer_type_kind(const std::string& t, const std::string& file, int lay
                                "or linear_attention"));
 }
 
+// A per-layer list of layer type names (layer_types and its aliases): num_hidden_layers strings,
+// each one of `allowed` when that is not empty.
+std::vector<std::string> layer_type_list(const HfFields& f, const std::string& key, int layers,
+                                         std::initializer_list<std::string_view> allowed = {}) {
+    const auto& types = f.array(key);
+    if (static_cast<int>(types.size()) != layers)
+        throw f.bad(key, detail::concat("lists ", types.size(), " layers but num_hidden_layers is ",
+                                        layers));
+    std::vector<std::string> out;
+    for (size_t l = 0; l < types.size(); ++l) {
+        const std::string t = types[l].is_string() ? types[l].get<std::string>() : "";
+        if (allowed.size() == 0 && !types[l].is_string())
+            throw f.bad(key, "must be a list of strings");
+        if (allowed.size() > 0 && std::find(allowed.begin(), allowed.end(), t) == allowed.end()) {
+            std::string names;
+            for (std::string_view a : allowed)
+                names += detail::concat(names.empty() ? "" : " or ", "\"", a, "\"");
+            throw f.bad(key, detail::concat("has ", types[l].dump(), " at layer ", l, ": expected ",
+                                            names));
+        }
+        out.push_back(t);
+    }
+    return out;
+}
+
 // Fields only some families read: present in another family's config they would be ignored, so
 // they are refused there.
 void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& model_type) {
@@ -774,13 +799,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     };
 
     if (f.has("layer_types") && fam != Family::kGraniteHybrid && fam != Family::kGemma4) {
-        const auto& types = f.array("layer_types");
-        if (static_cast<int>(types.size()) != L)
-            throw f.bad("layer_types", detail::concat("lists ", types.size(),
-                                                      " layers but num_hidden_layers is ", L));
+        const std::vector<std::string> types = layer_type_list(f, "layer_types", L);
         for (int l = 0; l < L; ++l) {
-            if (!types[l].is_string()) throw f.bad("layer_types", "must be a list of strings");
-            const LayerKind k = layer_type_kind(types[l].get<std::string>(), file, l);
+            const LayerKind k = layer_type_kind(types[l], file, l);
             if (k == LayerKind::kSlidingWindow)
                 set_window(layers[l], k, window_field("sliding_window"));
             else if (k == LayerKind::kChunkedLocal)
@@ -970,18 +991,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
         const int window = f.positive_int_or("sliding_window", 512);
         std::vector<bool> sliding(L);
         if (f.has("layer_types")) {
-            const auto& types = f.array("layer_types");
-            if (static_cast<int>(types.size()) != L)
-                throw f.bad("layer_types", detail::concat("lists ", types.size(),
-                                                          " layers but num_hidden_layers is ", L));
-            for (int l = 0; l < L; ++l) {
-                const std::string t = types[l].is_string() ? types[l].get<std::string>() : "";
-                if (t != "sliding_attention" && t != "full_attention")
-                    throw f.bad("layer_types",
-                                detail::concat("has ", types[l].dump(), " at layer ", l,
-                                               ": expected sliding_attention or full_attention"));
-                sliding[l] = t == "sliding_attention";
-            }
+            const std::vector<std::string> types =
+                layer_type_list(f, "layer_types", L, {"sliding_attention", "full_attention"});
+            for (int l = 0; l < L; ++l) sliding[l] = types[l] == "sliding_attention";
         } else {
             for (int l = 0; l < L; ++l) sliding[l] = (l + 1) % 6 != 0;
         }
@@ -1013,17 +1025,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
             throw Error(detail::concat(file,
                                        ": missing field 'layer_types': Granite 4.0-H names "
                                        "each layer \"mamba\" or \"attention\""));
-        const auto& types = f.array(key);
-        if (static_cast<int>(types.size()) != L)
-            throw f.bad(key, detail::concat("lists ", types.size(),
-                                            " layers but num_hidden_layers is ", L));
+        const std::vector<std::string> types = layer_type_list(f, key, L, {"mamba", "attention"});
         for (int l = 0; l < L; ++l) {
-            const std::string t = types[l].is_string() ? types[l].get<std::string>() : "";
-            if (t == "mamba")
-                layers[l].kind = LayerKind::kMamba2;
-            else if (t != "attention")
-                throw f.bad(key, detail::concat("has ", types[l].dump(), " at layer ", l,
-                                                ": expected \"mamba\" or \"attention\""));
+            if (types[l] == "mamba") layers[l].kind = LayerKind::kMamba2;
             if (!m.moe.enabled() && m.intermediate == 0) layers[l].mlp = MlpKind::kNone;
         }
         // vLLM's attention uses hidden / heads as the head size and ignores a head_dim field.

@@ -70,8 +70,9 @@ TEST(Capacity, MlaLatentIsNotSplitByTp) {
 }
 
 // fp8 KV: vLLM's pages hold 1 byte per element and nothing else (its fp8 cache keeps one k_scale
-// and one v_scale per layer outside them), so the planner's blocks are the elements alone; kvshard's
-// own pools add an fp32 scale per layer, K/V, block and KV head, which the layout still counts.
+// and one v_scale per layer outside them), so the planner's blocks are the elements alone;
+// kvshard's own pools add an fp32 scale per layer, K/V, block and KV head, which the layout still
+// counts.
 TEST(Capacity, Fp8BlocksAreVllmPages) {
     auto m = catalog_model("llama-3.1-8b");
     m.kv_dtype = DType::kFp8;

@@ -63,7 +63,7 @@ struct EngineKvArrangement {
     // Bytes one block id takes on each rank (kHybrid: page_bytes x the most layers any group has
     // on that rank; kUniform: the rank's layers' pages, vLLM's fp8 keeping its per-layer scales
     // outside them; kSeparate: the token groups' blocks, state not included).
-    std::vector<int64_t> block_bytes;                         // indexed by rank
+    std::vector<int64_t> block_bytes;                          // indexed by rank
     MambaCacheMode mamba_cache_mode = MambaCacheMode::kAlign;  // how state groups count blocks
     std::string note;  // why kSeparate, or what vLLM does that differs from the options given
     int padding_slots() const;  // group_size x groups - layers (kHybrid), else 0
