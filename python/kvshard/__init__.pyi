@@ -26,6 +26,7 @@ class ModelSpec:
     head_dim: int
     intermediate: int
     vocab: int
+    max_model_len: int
     attention: str
     kv_dtype: str
     weight_dtype: str
@@ -127,7 +128,8 @@ def hardware_names() -> list[str]: ...
 def resolve_hardware(name_or_path: str) -> HardwareSpec: ...
 def compute_capacity(model: ModelLike, parallel: ParallelLike, hardware: HardwareLike, *,
                      mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
-                     block_size: int = 16, context_tokens: int = 0) -> dict[str, Any]: ...
+                     block_size: int = 16, context_tokens: int = 0,
+                     allow_long_context: bool = False) -> dict[str, Any]: ...
 def estimate_cost(model: ModelLike, parallel: ParallelLike, hardware: HardwareLike, *,
                   prompt_tokens: int, context_tokens: int, batch: int = 1,
                   cp_prefill: str = "auto", cp_decode_merge: str = "auto",
@@ -138,18 +140,21 @@ def plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: in
          batch: int = 0, max_batch: int = 256, objective: str = "throughput",
          cp_scheme: str = "zigzag", cp_prefill: str = "auto", cp_decode_merge: str = "auto",
          pp_chunks: int = 0, mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
-         block_size: int = 16) -> dict[str, Any]: ...
+         block_size: int = 16,
+         allow_long_context: bool = False) -> dict[str, Any]: ...
 def plan_svg(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: int, *,
              batch: int = 0, max_batch: int = 256, objective: str = "throughput",
              cp_scheme: str = "zigzag", cp_prefill: str = "auto", cp_decode_merge: str = "auto",
              pp_chunks: int = 0, mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
-             block_size: int = 16) -> str: ...
+             block_size: int = 16,
+             allow_long_context: bool = False) -> str: ...
 def explain_plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: int,
                  parallel: ParallelLike, *, batch: int = 0, max_batch: int = 256,
                  objective: str = "throughput", cp_scheme: str = "zigzag",
                  cp_prefill: str = "auto", cp_decode_merge: str = "auto", pp_chunks: int = 0,
                  mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
-                 block_size: int = 16) -> dict[str, Any]: ...
+                 block_size: int = 16,
+                 allow_long_context: bool = False) -> dict[str, Any]: ...
 
 def plan_disagg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_tokens: int, *,
                 ttft_slo: float, tpot_slo: float, output_tokens: int = 256,
@@ -157,14 +162,16 @@ def plan_disagg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_toke
                 weight_dtype: str = "model", disaggregated: bool = True, max_batch: int = 256,
                 cp_scheme: str = "zigzag", cp_prefill: str = "auto",
                 cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
-                activation_reserve_gib: float = 2.0, block_size: int = 16) -> dict[str, Any]: ...
+                activation_reserve_gib: float = 2.0, block_size: int = 16,
+                allow_long_context: bool = False) -> dict[str, Any]: ...
 def plan_disagg_svg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_tokens: int, *,
                     ttft_slo: float, tpot_slo: float, output_tokens: int = 256,
                     prompt_samples: Sequence[int] = ..., prefix_hit_rate: float = 0.0,
                     weight_dtype: str = "model", disaggregated: bool = True,
                     max_batch: int = 256, cp_scheme: str = "zigzag", cp_prefill: str = "auto",
                     cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
-                    activation_reserve_gib: float = 2.0, block_size: int = 16) -> str: ...
+                    activation_reserve_gib: float = 2.0, block_size: int = 16,
+                    allow_long_context: bool = False) -> str: ...
 def price_kv_transfer(model: ModelLike, prefill: ParallelLike, decode: ParallelLike,
                       hardware: HardwareLike, tokens: int, *, prefill_s: float = 0.0,
                       block_size: int = 16) -> dict[str, Any]: ...

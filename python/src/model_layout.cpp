@@ -52,6 +52,9 @@ void bind_model_layout(py::module_& m) {
         .def_readonly("head_dim", &ModelSpec::head_dim)
         .def_readonly("intermediate", &ModelSpec::intermediate)
         .def_readonly("vocab", &ModelSpec::vocab)
+        .def_readonly("max_model_len", &ModelSpec::max_model_len,
+                      "The longest sequence vLLM serves, derived from config.json as vLLM does "
+                      "(0: the model states none).")
         .def_property_readonly(
             "attention",
             [](const ModelSpec& s) { return std::string(attention_kind_name(s.attention)); })

@@ -14,7 +14,7 @@ namespace kvshard::python {
 namespace {
 
 CapacityOptions capacity_options(double mem_util, double activation_reserve_gib, int block_size,
-                                 int64_t context_tokens) {
+                                 int64_t context_tokens, bool allow_long_context) {
     // As the CLI's --mem-util / --activation-reserve-gib / --block-size
     // (tools/kvshard/options.cpp).
     require(activation_reserve_gib >= 0 && activation_reserve_gib <= 1 << 20,
@@ -25,6 +25,7 @@ CapacityOptions capacity_options(double mem_util, double activation_reserve_gib,
     o.activation_reserve_bytes = static_cast<int64_t>(activation_reserve_gib * (1 << 30));
     o.block_size = block_size;
     o.context_tokens = context_tokens;
+    o.allow_long_context = allow_long_context;  // the CLI's --allow-long-context
     o.validate();
     return o;
 }
@@ -127,7 +128,7 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
                          const std::string& objective, const std::string& cp_scheme,
                          const std::string& cp_prefill, const std::string& cp_decode_merge,
                          int pp_chunks, double mem_util, double activation_reserve_gib,
-                         int block_size) {
+                         int block_size, bool allow_long_context) {
     PlanRequest r;
     r.gpus = gpus;
     r.context_tokens = context_tokens;
@@ -135,7 +136,8 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
     r.max_batch = max_batch;
     r.objective = parse_objective(objective);
     r.cp_scheme = parse_cp_scheme(cp_scheme);
-    r.capacity = capacity_options(mem_util, activation_reserve_gib, block_size, 0);
+    r.capacity =
+        capacity_options(mem_util, activation_reserve_gib, block_size, 0, allow_long_context);
     r.cost.cp_prefill = parse_cp_prefill_policy(cp_prefill);
     r.cost.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);
     r.cost.pp_prefill_chunks = pp_chunks;
@@ -148,7 +150,8 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
                        py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag", \
                        py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",  \
                        py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,                  \
-                       py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16
+                       py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,  \
+                       py::arg("allow_long_context") = false
 
 // The request of `kvshard plan --disagg` with the CLI's defaults (tools/kvshard/cmd_plan.cpp,
 // run_serving).
@@ -158,7 +161,7 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
                                bool disaggregated, int64_t max_batch, const std::string& cp_scheme,
                                const std::string& cp_prefill, const std::string& cp_decode_merge,
                                int pp_chunks, double mem_util, double activation_reserve_gib,
-                               int block_size) {
+                               int block_size, bool allow_long_context) {
     ServingRequest r;
     r.gpus = gpus;
     r.prompt_tokens = prompt_tokens;
@@ -169,7 +172,8 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
     r.tpot_slo_s = tpot_slo;
     r.max_batch = max_batch;
     r.cp_scheme = parse_cp_scheme(cp_scheme);
-    r.capacity = capacity_options(mem_util, activation_reserve_gib, block_size, 0);
+    r.capacity =
+        capacity_options(mem_util, activation_reserve_gib, block_size, 0, allow_long_context);
     r.cost.cp_prefill = parse_cp_prefill_policy(cp_prefill);
     r.cost.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);
     r.cost.pp_prefill_chunks = pp_chunks;
@@ -187,7 +191,8 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
         py::arg("disaggregated") = true, py::arg("max_batch") = 256,                              \
         py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto",                          \
         py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
-        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16
+        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,                      \
+        py::arg("allow_long_context") = false
 
 // A binding of (model, hardware, gpus, context_tokens, KVSHARD_PLAN_ARGS' keywords) that builds
 // the PlanRequest and returns fn(model, hardware, request).
@@ -197,11 +202,11 @@ auto with_plan_request(F fn) {
                 int64_t batch, int64_t max_batch, const std::string& objective,
                 const std::string& cp_scheme, const std::string& cp_prefill,
                 const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-                double activation_reserve_gib, int block_size) {
-        return fn(
-            model, hw,
-            plan_request(gpus, context_tokens, batch, max_batch, objective, cp_scheme, cp_prefill,
-                         cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size));
+                double activation_reserve_gib, int block_size, bool allow_long_context) {
+        return fn(model, hw,
+                  plan_request(gpus, context_tokens, batch, max_batch, objective, cp_scheme,
+                               cp_prefill, cp_decode_merge, pp_chunks, mem_util,
+                               activation_reserve_gib, block_size, allow_long_context));
     };
 }
 
@@ -214,12 +219,13 @@ auto with_serving_request(F fn) {
                 const std::string& weight_dtype, bool disaggregated, int64_t max_batch,
                 const std::string& cp_scheme, const std::string& cp_prefill,
                 const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-                double activation_reserve_gib, int block_size) {
-        return fn(model, hw,
-                  serving_request(gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens,
-                                  std::move(prompt_samples), prefix_hit_rate, weight_dtype,
-                                  disaggregated, max_batch, cp_scheme, cp_prefill, cp_decode_merge,
-                                  pp_chunks, mem_util, activation_reserve_gib, block_size));
+                double activation_reserve_gib, int block_size, bool allow_long_context) {
+        return fn(
+            model, hw,
+            serving_request(gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens,
+                            std::move(prompt_samples), prefix_hit_rate, weight_dtype, disaggregated,
+                            max_batch, cp_scheme, cp_prefill, cp_decode_merge, pp_chunks, mem_util,
+                            activation_reserve_gib, block_size, allow_long_context));
     };
 }
 
@@ -269,9 +275,10 @@ void bind_planner(py::module_& m) {
     m.def(
         "compute_capacity",
         [](const ModelSpec& model, const ParallelConfig& p, const HardwareSpec& hw, double mem_util,
-           double activation_reserve_gib, int block_size, int64_t context_tokens) {
-            const CapacityOptions o =
-                capacity_options(mem_util, activation_reserve_gib, block_size, context_tokens);
+           double activation_reserve_gib, int block_size, int64_t context_tokens,
+           bool allow_long_context) {
+            const CapacityOptions o = capacity_options(mem_util, activation_reserve_gib, block_size,
+                                                       context_tokens, allow_long_context);
             CapacityReport c;
             {
                 py::gil_scoped_release release;
@@ -282,6 +289,7 @@ void bind_planner(py::module_& m) {
         py::arg("model"), py::arg("parallel"), py::arg("hardware"), py::kw_only(),
         py::arg("mem_util") = 0.9, py::arg("activation_reserve_gib") = 2.0,
         py::arg("block_size") = 16, py::arg("context_tokens") = 0,
+        py::arg("allow_long_context") = false,
         "Weights, KV budget and KV tokens per GPU, as a dict (per-rank figures under 'ranks').");
     m.def(
         "estimate_cost",
@@ -339,10 +347,11 @@ void bind_planner(py::module_& m) {
            const ParallelConfig& p, int64_t batch, int64_t max_batch, const std::string& objective,
            const std::string& cp_scheme, const std::string& cp_prefill,
            const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-           double activation_reserve_gib, int block_size) {
-            const PlanRequest r = plan_request(gpus, context_tokens, batch, max_batch, objective,
-                                               cp_scheme, cp_prefill, cp_decode_merge, pp_chunks,
-                                               mem_util, activation_reserve_gib, block_size);
+           double activation_reserve_gib, int block_size, bool allow_long_context) {
+            const PlanRequest r =
+                plan_request(gpus, context_tokens, batch, max_batch, objective, cp_scheme,
+                             cp_prefill, cp_decode_merge, pp_chunks, mem_util,
+                             activation_reserve_gib, block_size, allow_long_context);
             std::string json;
             {
                 py::gil_scoped_release release;
@@ -356,6 +365,7 @@ void bind_planner(py::module_& m) {
         py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",
         py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,
         py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,
+        py::arg("allow_long_context") = false,
         "One configuration evaluated as `kvshard plan --explain ... --json` does (the parallel "
         "config is used as given: spell cp_scheme in it when cp > 1).");
 

@@ -31,6 +31,14 @@ ModelSpec dense(std::string name, int layers, int hidden, int heads, int kv_head
     return m;
 }
 
+// The length a published config.json states (max_position_embeddings; ModelSpec::max_model_len).
+ModelSpec with_max_len(ModelSpec m, int64_t tokens, std::string from = "") {
+    m.max_model_len = tokens;
+    m.max_model_len_from =
+        from.empty() ? detail::concat("max_position_embeddings ", tokens) : std::move(from);
+    return m;
+}
+
 // A catalog entry read from the KV- and weight-relevant fields of a published config.json
 // (tests/data/hf_configs/ holds the whole files and their sources), through the same reader as a
 // user's file.
@@ -82,21 +90,32 @@ ModelSpec tiny_hybrid() {
 const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() {
     static const std::map<std::string, std::function<ModelSpec()>, std::less<>> kCatalog = {
         {"llama-3.1-8b",
-         [] { return dense("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, 500000); }},
+         [] {
+             return with_max_len(dense("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, 500000),
+                                 131072);
+         }},
         {"llama-3.1-70b",
-         [] { return dense("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, 500000); }},
+         [] {
+             return with_max_len(
+                 dense("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, 500000), 131072);
+         }},
         {"llama-3.1-405b",
-         [] { return dense("llama-3.1-405b", 126, 16384, 128, 8, 128, 53248, 128256, 500000); }},
+         [] {
+             return with_max_len(
+                 dense("llama-3.1-405b", 126, 16384, 128, 8, 128, 53248, 128256, 500000), 131072);
+         }},
         {"llama-65b",
          [] {
              auto m = dense("llama-65b", 80, 8192, 64, 64, 128, 22016, 32000, 10000);
              m.rms_norm_eps = 1e-6;
+             m = with_max_len(std::move(m), 2048);
              return m;
          }},
         {"qwen2.5-72b",
          [] {
              auto m = dense("qwen2.5-72b", 80, 8192, 64, 8, 128, 29568, 152064, 1000000);
              m.rms_norm_eps = 1e-6;
+             m = with_max_len(std::move(m), 32768);
              return m;
          }},
         {"qwen3-235b-a22b",
@@ -108,6 +127,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                       .expert_intermediate = 1536,
                       .first_dense_layers = 0};
              m.rms_norm_eps = 1e-6;
+             m = with_max_len(std::move(m), 40960);
              return m;
          }},
         {"mixtral-8x7b",
@@ -118,6 +138,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                       .shared_experts = 0,
                       .expert_intermediate = 14336,
                       .first_dense_layers = 0};
+             m = with_max_len(std::move(m), 32768);
              return m;
          }},
         {"deepseek-v3",
@@ -139,13 +160,16 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
              // 128 x 128 block (dynamic fp8 activations).
              const double fp8_block = 8 + 32.0 / (128 * 128);
              m.weight_storage = {"fp8", fp8_block, fp8_block, fp8_block, true};
+             m = with_max_len(
+                 std::move(m), 163840,
+                 "original_max_position_embeddings 4096 x rope_scaling yarn factor 40");
              return m;
          }},
         // Per-layer models, from their published config.json (tests/data/hf_configs/).
         {"gpt-oss-120b",
          [] {
              return from_config("gpt-oss-120b", R"({"model_type": "gpt_oss",
-                 "num_hidden_layers": 36, "hidden_size": 2880, "num_attention_heads": 64,
+                 "max_position_embeddings": 131072, "num_hidden_layers": 36, "hidden_size": 2880, "num_attention_heads": 64,
                  "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
                  "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
                  "vocab_size": 201088, "sliding_window": 128, "rope_theta": 150000,
@@ -175,7 +199,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"mistral-7b-v0.1",
          [] {
              return from_config("mistral-7b-v0.1", R"({"model_type": "mistral",
-                 "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                 "max_position_embeddings": 32768, "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
                  "sliding_window": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-05,
                  "torch_dtype": "bfloat16"})");
@@ -183,7 +207,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"qwen3-next-80b-a3b",
          [] {
              return from_config("qwen3-next-80b-a3b", R"({"model_type": "qwen3_next",
-                 "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 16,
+                 "max_position_embeddings": 262144, "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 16,
                  "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120,
                  "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
                  "shared_expert_intermediate_size": 512, "full_attention_interval": 4,
@@ -197,7 +221,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"qwen3.5-35b-a3b",
          [] {
              return from_config("qwen3.5-35b-a3b", R"({"model_type": "qwen3_5_moe_text",
-                 "num_hidden_layers": 40, "hidden_size": 2048, "num_attention_heads": 16,
+                 "max_position_embeddings": 262144, "num_hidden_layers": 40, "hidden_size": 2048, "num_attention_heads": 16,
                  "num_key_value_heads": 2, "head_dim": 256, "num_experts": 256,
                  "num_experts_per_tok": 8, "moe_intermediate_size": 512,
                  "shared_expert_intermediate_size": 512, "full_attention_interval": 4,
@@ -211,7 +235,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"glm-4.5-air",
          [] {
              return from_config("glm-4.5-air", R"({"model_type": "glm4_moe",
-                 "num_hidden_layers": 46, "hidden_size": 4096, "num_attention_heads": 96,
+                 "max_position_embeddings": 131072, "num_hidden_layers": 46, "hidden_size": 4096, "num_attention_heads": 96,
                  "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944,
                  "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
                  "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
@@ -222,7 +246,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"minimax-m2",
          [] {
              return from_config("minimax-m2", R"({"model_type": "minimax_m2",
-                 "num_hidden_layers": 62, "hidden_size": 3072, "num_attention_heads": 48,
+                 "max_position_embeddings": 196608, "num_hidden_layers": 62, "hidden_size": 3072, "num_attention_heads": 48,
                  "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1536,
                  "num_local_experts": 256, "num_experts_per_tok": 8, "vocab_size": 200064,
                  "rope_theta": 5000000, "rms_norm_eps": 1e-06, "tie_word_embeddings": false,
@@ -231,7 +255,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"deepseek-v3.2",
          [] {
              return from_config("deepseek-v3.2", R"({"model_type": "deepseek_v32",
-                 "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+                 "max_position_embeddings": 163840, "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
                  "num_key_value_heads": 128, "intermediate_size": 18432,
                  "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
                  "num_experts_per_tok": 8, "first_k_dense_replace": 3, "q_lora_rank": 1536,
@@ -245,7 +269,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"llama-4-scout",
          [] {
              return from_config("llama-4-scout", R"({"model_type": "llama4",
-                 "text_config": {"model_type": "llama4_text", "num_hidden_layers": 48,
+                 "text_config": {"model_type": "llama4_text", "max_position_embeddings": 262144, "num_hidden_layers": 48,
                  "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 8,
                  "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
                  "num_local_experts": 16, "num_experts_per_tok": 1,
@@ -257,7 +281,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"nemotron-h-8b",
          [] {
              return from_config("nemotron-h-8b", R"({"model_type": "nemotron_h",
-                 "num_hidden_layers": 52, "hidden_size": 4096, "num_attention_heads": 32,
+                 "max_position_embeddings": 8192, "num_hidden_layers": 52, "hidden_size": 4096, "num_attention_heads": 32,
                  "num_key_value_heads": 8, "attention_head_dim": 128, "intermediate_size": 21504,
                  "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
                  "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8,
@@ -270,7 +294,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"gemma-4-31b",
          [] {
              return from_config("gemma-4-31b", R"({"model_type": "gemma4_text",
-                 "num_hidden_layers": 60, "hidden_size": 5376, "num_attention_heads": 32,
+                 "max_position_embeddings": 262144, "num_hidden_layers": 60, "hidden_size": 5376, "num_attention_heads": 32,
                  "num_key_value_heads": 16, "num_global_key_value_heads": 4,
                  "attention_k_eq_v": true, "head_dim": 256, "global_head_dim": 512,
                  "intermediate_size": 21504, "sliding_window": 1024,
@@ -287,7 +311,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  types +=
                      detail::concat(l ? ", " : "", l % 10 == 5 ? "\"attention\"" : "\"mamba\"");
              const std::string json = detail::concat(R"({"model_type": "granitemoehybrid",
-                 "num_hidden_layers": 40, "hidden_size": 1536, "num_attention_heads": 12,
+                 "max_position_embeddings": 131072, "num_hidden_layers": 40, "hidden_size": 1536, "num_attention_heads": 12,
                  "num_key_value_heads": 4, "intermediate_size": 512,
                  "shared_intermediate_size": 1024, "num_local_experts": 64,
                  "num_experts_per_tok": 6, "mamba_n_heads": 48, "mamba_d_head": 64,

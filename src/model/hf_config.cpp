@@ -532,6 +532,113 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
 
 }  // namespace
 
+// The longest sequence vLLM serves, as vllm/config/model.py's _get_and_verify_max_len derives it
+// from the (text) config: the smallest of its length fields, model_max_length winning when set,
+// then scaled by the RoPE scaling factor except for the su, longrope and llama3 types (whose
+// max_position_embeddings already counts it) and Gemma 3 (the same); yarn scales
+// original_max_position_embeddings. A config with none of the fields states no length (0): vLLM
+// would take the config class's default, which kvshard does not guess.
+void read_max_model_len(const HfFields& f, const std::string& model_type, ModelSpec& m) {
+    auto length = [&](const std::string& key) {
+        const auto& v = f.json().at(key);
+        if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 1 ||
+            v.get<double>() > double(int64_t{1} << 40))
+            throw f.bad(key, detail::concat("must be a positive number of tokens (at most 2^40), "
+                                            "got ",
+                                            v.dump()));
+        return v.get<double>();
+    };
+    double derived = 0;
+    std::string from;
+    for (const char* key :
+         {"max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+          "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len"}) {
+        if (!f.has(key)) continue;
+        const double v = length(key);
+        if (from.empty() || v < derived) {
+            derived = v;
+            from = detail::concat(key, " ", static_cast<int64_t>(v));
+        }
+    }
+    if (f.has("model_max_length")) {  // Command-R / Cohere: it wins over the others
+        derived = length("model_max_length");
+        from = detail::concat("model_max_length ", static_cast<int64_t>(derived));
+    }
+    // Where published configs leave the length out, vLLM reads the config class's default:
+    // Gemma3TextConfig's 131072, FalconConfig's 2048 (transformers' configuration_<type>.py).
+    if (from.empty() && model_type.rfind("gemma3", 0) == 0) {
+        derived = 131072;
+        from = "Gemma3TextConfig's default max_position_embeddings 131072";
+    } else if (from.empty() && model_type == "falcon") {
+        derived = 2048;
+        from = "FalconConfig's default max_position_embeddings 2048";
+    }
+    if (from.empty()) return;
+    const std::string rope_key = f.has("rope_parameters") ? "rope_parameters"
+                                 : f.has("rope_scaling")  ? "rope_scaling"
+                                                          : "";
+    if (!rope_key.empty() && model_type.find("gemma3") == std::string::npos) {
+        const auto& rope = f.json().at(rope_key);
+        if (!rope.is_object()) throw f.bad(rope_key, "must be an object");
+        // Transformers 5 may key the parameters by layer type.
+        static const std::set<std::string, std::less<>> kLayerTypes = {"full_attention",
+                                                                       "sliding_attention",
+                                                                       "chunked_attention",
+                                                                       "linear_attention",
+                                                                       "mamba",
+                                                                       "conv"};
+        bool per_layer_type = !rope.empty();
+        for (const auto& [key, _] : rope.items()) per_layer_type &= kLayerTypes.count(key) > 0;
+        std::vector<const nlohmann::json*> params;
+        if (per_layer_type)
+            for (const auto& [_, v] : rope.items()) params.push_back(&v);
+        else
+            params.push_back(&rope);
+        double factor = 1.0;
+        std::string scaled;
+        for (const nlohmann::json* rp : params) {
+            if (!rp->is_object()) throw f.bad(rope_key, "must hold objects per layer type");
+            std::string type = "default";
+            for (const char* k : {"rope_type", "type"})
+                if (rp->contains(k) && rp->at(k).is_string()) {
+                    type = rp->at(k).get<std::string>();
+                    break;
+                }
+            if (type == "su" || type == "longrope" || type == "llama3") continue;
+            if (rp->contains("factor")) {
+                const auto& v = rp->at("factor");
+                if (!v.is_number() || !(v.get<double>() > 0) || v.get<double>() > 1e6)
+                    throw f.bad(rope_key, detail::concat("has factor ", v.dump(),
+                                                         ": expected a positive number"));
+                factor = v.get<double>();
+            }
+            scaled = type;
+            if (type == "yarn") {
+                const nlohmann::json* orig = rp->contains("original_max_position_embeddings")
+                                                 ? &rp->at("original_max_position_embeddings")
+                                             : f.has("original_max_position_embeddings")
+                                                 ? &f.json().at("original_max_position_embeddings")
+                                                 : nullptr;
+                if (orig) {
+                    if (!orig->is_number() || !(orig->get<double>() >= 1))
+                        throw f.bad(rope_key,
+                                    detail::concat("has original_max_position_embeddings ",
+                                                   orig->dump(), ": expected a positive number"));
+                    derived = orig->get<double>();
+                    from = detail::concat("original_max_position_embeddings ",
+                                          static_cast<int64_t>(derived));
+                }
+            }
+        }
+        if (factor != 1.0) {
+            derived *= factor;
+            from = detail::concat(from, " x ", rope_key, " ", scaled, " factor ", factor);
+        }
+    }
+    m.max_model_len = std::min<int64_t>(static_cast<int64_t>(derived), int64_t{1} << 40);
+    m.max_model_len_from = from;
+}
+
 ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     nlohmann::json top;
     try {
@@ -1189,6 +1296,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     if (f.bool_or("use_sliding_window", false) && !any_sliding && !window_off)
         throw f.bad("use_sliding_window", "is true, but no layer slides (is sliding_window set?)");
 
+    read_max_model_len(f, model_type, m);
     m.layers = std::move(layers);
     if (m.uniform()) m.layers.clear();
     try {

@@ -395,6 +395,8 @@ void ModelSpec::validate() const {
             "': rope_theta must be a positive finite number, got ", rope_theta);
     require(std::isfinite(rms_norm_eps) && rms_norm_eps > 0, "model '", name,
             "': rms_norm_eps must be a positive finite number, got ", rms_norm_eps);
+    require(max_model_len >= 0 && max_model_len <= (int64_t{1} << 40), "model '", name,
+            "': max_model_len must be in [0, 2^40] tokens (0: not stated), got ", max_model_len);
     if (is_mla()) {
         positive(mla.kv_lora_rank, "mla.kv_lora_rank");
         require(mla.qk_rope_head_dim >= 0, "model '", name, "': mla.qk_rope_head_dim must be >= 0");
@@ -466,6 +468,17 @@ void ModelSpec::validate() const {
     validate_totals();
 }
 
+void ModelSpec::check_sequence_length(int64_t tokens, bool allow_long,
+                                      std::string_view what) const {
+    if (max_model_len <= 0 || tokens <= max_model_len || allow_long) return;
+    throw Error(detail::concat(
+        what, " of ", tokens, " tokens is longer than model '", name, "' serves: vLLM derives ",
+        "max_model_len ", max_model_len, " from its config (", max_model_len_from,
+        ") and refuses a longer --max-model-len unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (positions ",
+        "past it are outside what the model was trained on); give at most ", max_model_len,
+        " tokens, or --allow-long-context to plan it as that variable would"));
+}
+
 void ModelSpec::validate_totals() const {
     // Each per-layer figure fits in 64 bits under the field ranges; their sums are taken wider.
     __int128 params = embedding_params() + lm_head_params(), kv = 0, st = 0;
@@ -530,6 +543,8 @@ std::string to_json(const ModelSpec& m) {
           {"fp8_compute", m.weight_storage.fp8_compute},
           {"sized", m.weight_storage.sized}}},
         {"rope_theta", m.rope_theta},
+        {"max_model_len", m.max_model_len},
+        {"max_model_len_from", m.max_model_len_from},
         {"rms_norm_eps", m.rms_norm_eps},
         {"tie_embeddings", m.tie_embeddings},
         {"mlp_projections", m.mlp_projections},
@@ -609,6 +624,8 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
                 w.at("fp8_compute").get<bool>(),      w.value("sized", true)};
         }
         m.rope_theta = j.at("rope_theta").get<double>();
+        m.max_model_len = j.value("max_model_len", int64_t{0});
+        m.max_model_len_from = j.value("max_model_len_from", std::string());
         m.rms_norm_eps = j.at("rms_norm_eps").get<double>();
         m.tie_embeddings = j.at("tie_embeddings").get<bool>();
         m.mlp_projections = j.value("mlp_projections", 3);

@@ -179,6 +179,7 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
                                 const CapacityOptions& options) {
     options.validate();
     hw.validate();
+    m.check_sequence_length(options.context_tokens, options.allow_long_context, "a context");
     const KvLayout layout = make_layout(m, p);
     const int64_t usable =
         static_cast<int64_t>(static_cast<double>(hw.memory_bytes) * options.mem_util);

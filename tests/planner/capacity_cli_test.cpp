@@ -37,9 +37,31 @@ TEST(CapacityCli, AGivenBlockSizeBelowVllmsIsKeptAndVllmsIsNamed) {
         << kept.out;
 }
 
+// vLLM refuses --max-model-len above what the config derives (max_position_embeddings, scaled by
+// RoPE factors) unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; plan refuses such a context likewise.
+TEST(CapacityCli, ContextBeyondTheModelsLengthIsRefused) {
+    const auto over = run_cli("plan -m llama-3.1-8b -n 1 -c 131073");
+    EXPECT_EQ(over.status, 2) << over.out;
+    EXPECT_NE(over.out.find("a context of 131073 tokens is longer than model 'llama-3.1-8b' "
+                            "serves: vLLM derives max_model_len 131072"),
+              std::string::npos)
+        << over.out;
+    EXPECT_EQ(run_cli("plan -m llama-3.1-8b -n 1 -c 131072").status, 0);
+    EXPECT_EQ(run_cli("plan -m llama-3.1-8b -n 1 -c 131073 --allow-long-context").status, 0);
+    // With --disagg the decode pool holds prompt + output tokens.
+    const auto dis = run_cli(
+        "plan -m llama-3.1-8b -n 2 -c 131000 --disagg --output-tokens 256 --ttft-slo 100 "
+        "--tpot-slo 1");
+    EXPECT_EQ(dis.status, 2) << dis.out;
+    EXPECT_NE(dis.out.find("131256 tokens is longer"), std::string::npos) << dis.out;
+    // The built-in test models state no length: nothing is checked.
+    EXPECT_EQ(run_cli("plan -m tiny -n 1 -c 1000000").status, 0);
+}
+
 TEST(CapacityCli, MaxNumBatchedTokensMovesTheLongestRequest) {
-    const auto r =
-        run_cli("plan -m gemma-3-27b -n 1 -c 230000 --explain tp=1 --max-num-batched-tokens 2048");
+    const auto r = run_cli(
+        "plan -m gemma-3-27b -n 1 -c 230000 --explain tp=1 --max-num-batched-tokens 2048 "
+        "--allow-long-context");
     ASSERT_EQ(r.status, 0) << r.out;
     EXPECT_NE(r.out.find("longest request 239584 tokens"), std::string::npos) << r.out;
     EXPECT_NE(r.out.find(": fits"), std::string::npos) << r.out;

@@ -129,6 +129,7 @@ TEST(Capacity, CpSpreadsOneRequestOverCpGpus) {
         p.cp_interleave = 16;
         CapacityOptions o;
         o.context_tokens = 1 << 20;
+        o.allow_long_context = true;  // past Llama 3.1's 131072, as VLLM_ALLOW_LONG_MAX_MODEL_LEN
         const auto rep = compute_capacity(m, p, hw, o);
         EXPECT_GE(rep.max_context, 4 * rep.kv_tokens_per_gpu - 4 * 16) << cp_scheme_name(scheme);
         EXPECT_LE(rep.max_context, 4 * rep.kv_tokens_per_gpu) << cp_scheme_name(scheme);
@@ -171,8 +172,9 @@ TEST(Capacity, ConcurrencyAndFit) {
     EXPECT_FALSE(big.fits);
     EXPECT_EQ(big.kv_tokens_per_gpu, 0);
     EXPECT_NE(big.why_not.find("weights"), std::string::npos) << big.why_not;
-    // A context longer than the KV capacity does not fit.
+    // A context longer than the KV capacity does not fit (past the model's 131072 tokens too).
     o.context_tokens = rep.max_context + 1;
+    o.allow_long_context = true;
     EXPECT_FALSE(compute_capacity(m, cfg(1), hardware_by_name("h100-sxm"), o).fits);
 }
 

@@ -50,7 +50,9 @@ TEST(CapacityVllm, Gemma3PadsItsSixSlidingGroupsToTenLayers) {
 }
 
 TEST(CapacityVllm, LongestRequestIsVllmsStartupCheck) {
-    const CapacityReport c = on_h100("gemma-3-27b", 1, 230000);
+    CapacityOptions long_context;  // past Gemma 3's 131072, as VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
+    long_context.allow_long_context = true;
+    const CapacityReport c = on_h100("gemma-3-27b", 1, 230000, long_context);
     EXPECT_GE(c.requests_per_replica, 1);  // one such request's blocks fit ...
     EXPECT_FALSE(c.fits);                  // ... but vLLM refuses max_model_len 230000
     EXPECT_NE(c.why_not.find("max_num_batched_tokens"), std::string::npos) << c.why_not;

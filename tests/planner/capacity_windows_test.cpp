@@ -28,7 +28,9 @@ TEST(CapacityWindows, CapacityCountsRequestsByTheirWindows) {
     EXPECT_GE(rep.requests_per_replica, 2 * full.requests_per_replica - 1);
     EXPECT_EQ(full.requests_per_replica,
               full.ranks[0].kv_budget_bytes / 16 / full.kv_bytes_per_token / (131072 / 16));
-    // Every layer windowed: no context runs out.
+    // Every layer windowed: no context runs out (past the config's 32768 tokens, as vLLM with
+    // VLLM_ALLOW_LONG_MAX_MODEL_LEN=1).
+    o.allow_long_context = true;
     const CapacityReport mistral =
         compute_capacity(catalog_model("mistral-7b-v0.1"), ParallelConfig{}, hw, o);
     EXPECT_TRUE(mistral.context_unbounded);

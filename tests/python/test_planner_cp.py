@@ -32,6 +32,17 @@ def test_capacity():
     assert not too_big["fits"] and too_big["why_not"]
     with pytest.raises(kvshard.Error):
         kvshard.compute_capacity("llama-3.1-8b", "tp=1", "h100-sxm", mem_util=1.5)
+    # A context past the model's max_model_len (131072, from max_position_embeddings) is refused
+    # as vLLM refuses it, unless allowed as VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 allows it.
+    assert kvshard.catalog_model("llama-3.1-8b").max_model_len == 131072
+    with pytest.raises(kvshard.Error, match="max_model_len 131072"):
+        kvshard.compute_capacity("llama-3.1-8b", "tp=1", "h100-sxm", context_tokens=131073)
+    long = kvshard.compute_capacity("llama-3.1-8b", "tp=1", "h100-sxm", context_tokens=131073,
+                                    allow_long_context=True)
+    assert long["requests_per_replica"] >= 1
+    with pytest.raises(kvshard.Error, match="longer than model"):
+        kvshard.plan("llama-3.1-8b", "h100-sxm", 1, 200000)
+    assert kvshard.plan("llama-3.1-8b", "h100-sxm", 1, 200000, allow_long_context=True)["configs"]
 
 
 def test_cost():

@@ -113,6 +113,10 @@ void add_hardware_options(CLI::App* sub, HardwareFlags& f) {
                     "for hybrid models since PR #50991: two at the startup check and while a "
                     "request crosses a block)")
         ->capture_default_str();
+    sub->add_flag("--allow-long-context", f.allow_long_context,
+                  "plan a context longer than the model's max_model_len (derived from its "
+                  "config.json as vLLM does), as vLLM serves it with "
+                  "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1");
 }
 
 CapacityOptions HardwareFlags::capacity_options() const {
@@ -125,6 +129,7 @@ CapacityOptions HardwareFlags::capacity_options() const {
     o.block_size = block_size;
     o.raise_block_size = block_size_option == nullptr || block_size_option->count() == 0;
     o.max_num_batched_tokens = max_num_batched_tokens;
+    o.allow_long_context = allow_long_context;
     try {
         o.mamba_cache_mode = parse_mamba_cache_mode(mamba_cache_mode);
     } catch (const Error& e) {

@@ -39,10 +39,11 @@ struct HardwareFlags {
     const CLI::Option* block_size_option = nullptr;  // given: vLLM's raise is not applied
     int64_t max_num_batched_tokens = 8192;
     std::string mamba_cache_mode = "align";
+    bool allow_long_context = false;
     CapacityOptions capacity_options() const;  // validated
 };
 // --hardware NAME|FILE.json, --mem-util, --activation-reserve-gib, --block-size,
-// --max-num-batched-tokens, --mamba-cache-mode
+// --max-num-batched-tokens, --mamba-cache-mode, --allow-long-context
 void add_hardware_options(CLI::App* sub, HardwareFlags& f);
 HardwareSpec load_hardware(const HardwareFlags& f);
 

@@ -140,6 +140,12 @@ struct ModelSpec {
     DType weight_dtype = DType::kBf16;  // the checkpoint's torch_dtype (unquantized parts)
     WeightStorage weight_storage;       // the quantized parts, when the checkpoint is quantized
     double rope_theta = 10000.0;
+    // The longest sequence (prompt + output) vLLM serves: its max_model_len as derived from
+    // config.json by vLLM's _get_and_verify_max_len (docs/model.md, "Context length"); vLLM refuses
+    // a longer --max-model-len unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. 0: the model states none
+    // (the built-in test models; a config without a length field), and nothing is checked.
+    int64_t max_model_len = 0;
+    std::string max_model_len_from;  // how it was derived: "max_position_embeddings", ...
     double rms_norm_eps = 1e-5;
     bool tie_embeddings = false;
     // Weight matrices of a dense MLP and of each expert: 3 gated (SwiGLU, GeGLU), 2 plain up/down
@@ -190,6 +196,11 @@ struct ModelSpec {
 
     // Throws kvshard::Error naming the first bad field or range (docs/cli-inputs.md).
     void validate() const;
+
+    // Refuses a sequence of `tokens` longer than max_model_len, as vLLM refuses such a
+    // --max-model-len; allow_long: accepted, as with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. `what` names
+    // the length in the message ("the context", "prompt + output").
+    void check_sequence_length(int64_t tokens, bool allow_long, std::string_view what) const;
 
   private:
     void validate_totals() const;

@@ -58,6 +58,9 @@ struct CapacityOptions {
     // models since PR #50991 (prefix caching on in align mode).
     MambaCacheMode mamba_cache_mode = MambaCacheMode::kAlign;
     WeightDtype weight_dtype = WeightDtype::kModel;
+    // A context_tokens above the model's max_model_len (ModelSpec) is refused, as vLLM refuses
+    // such a --max-model-len; true: sized anyway, as vLLM with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.
+    bool allow_long_context = false;
     void validate() const;  // throws Error on a bad value
 };
 
