@@ -41,9 +41,10 @@ void run(const ModelsFlags& f) {
         print_json(out + "]");
         return;
     }
-    fmt::print("{:<19} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>9} {:>7} {:>10} {:>10}  {}\n",
-               "name", "layers", "hidden", "H", "H_kv", "d", "attn", "experts", "params", "weights",
-               "KV/token", "state/seq", "layer mix");
+    fmt::print(
+        "{:<19} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>9} {:>7} {:>10} {:>10} {:>8}  {}\n",
+        "name", "layers", "hidden", "H", "H_kv", "d", "attn", "experts", "params", "weights",
+        "KV/token", "state/seq", "max len", "layer mix");
     const std::vector<std::string> names = catalog_names();
     for (size_t i = 0; i < catalog.size(); ++i) {
         const ModelSpec& m = catalog[i];
@@ -54,13 +55,16 @@ void run(const ModelsFlags& f) {
         const std::string params_text = params >= 1e9 ? fmt::format("{:.2f}B", params / 1e9)
                                                       : fmt::format("{:.2f}M", params / 1e6);
         fmt::print(
-            "{:<19} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>9} {:>7} {:>7.1f}KiB {:>10}  {}\n",
+            "{:<19} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>9} {:>7} {:>7.1f}KiB {:>10} {:>8} "
+            " "
+            "{}\n",
             names[i], m.num_layers, m.hidden, m.num_heads, m.is_mla() ? 1 : m.num_kv_heads,
             m.head_dim, attention_kind_name(m.attention),
             m.moe.enabled() ? fmt::format("{}/{}", m.moe.experts_per_token, m.moe.num_experts)
                             : "-",
             params_text, weight_storage_name(m), kv / 1024.0,
             state > 0 ? fmt::format("{:.1f}MiB", state / 1048576.0) : "-",
+            m.max_model_len > 0 ? std::to_string(m.max_model_len) : "-",
             mix.substr(mix.find(": ") + 2));
     }
 }
