@@ -392,6 +392,32 @@ ModelSpec catalog_model(std::string_view name) {
     return m;
 }
 
+namespace {
+
+// model_max_length of the tokenizer_config.json beside a config.json; 0 when there is none or it
+// states none (a number is required when the field is there).
+double tokenizer_max_length(const std::string& config_path) {
+    const auto tok = std::filesystem::path(config_path).parent_path() / "tokenizer_config.json";
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(tok, ec)) return 0;
+    std::ifstream in(tok);
+    nlohmann::json j;
+    try {
+        j = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+        throw Error(detail::concat(tok.string(), ": not valid JSON (", e.what(), ")"));
+    }
+    if (!j.is_object() || !j.contains("model_max_length") || j.at("model_max_length").is_null())
+        return 0;
+    const auto& v = j.at("model_max_length");
+    if (!v.is_number() || !(v.get<double>() >= 1))
+        throw Error(detail::concat(tok.string(),
+                                   ": model_max_length must be a positive number, got ", v.dump()));
+    return v.get<double>();
+}
+
+}  // namespace
+
 ModelSpec load_hf_config(const std::string& path) {
     std::ifstream in(path);
     if (!in)
@@ -399,7 +425,7 @@ ModelSpec load_hf_config(const std::string& path) {
             detail::concat("cannot open '", path, "': expected a Hugging Face config.json"));
     std::stringstream ss;
     ss << in.rdbuf();
-    ModelSpec m = parse_hf_config(ss.str(), path);
+    ModelSpec m = parse_hf_config(ss.str(), path, tokenizer_max_length(path));
     if (m.name == "hf-model" || m.name.empty()) {
         auto parent = std::filesystem::path(path).parent_path().filename().string();
         if (!parent.empty()) m.name = parent;

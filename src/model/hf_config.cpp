@@ -538,7 +538,8 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
 // max_position_embeddings already counts it) and Gemma 3 (the same); yarn scales
 // original_max_position_embeddings. A config with none of the fields states no length (0): vLLM
 // would take the config class's default, which kvshard does not guess.
-void read_max_model_len(const HfFields& f, const std::string& model_type, ModelSpec& m) {
+void read_max_model_len(const HfFields& f, const std::string& model_type,
+                        double tokenizer_max_length, ModelSpec& m) {
     auto length = [&](const std::string& key) {
         const auto& v = f.json().at(key);
         if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 1 ||
@@ -574,6 +575,12 @@ void read_max_model_len(const HfFields& f, const std::string& model_type, ModelS
         from = "FalconConfig's default max_position_embeddings 2048";
     }
     if (from.empty()) return;
+    // Before the RoPE factor, as vLLM takes it.
+    if (tokenizer_max_length > 0 && tokenizer_max_length < derived) {
+        derived = tokenizer_max_length;
+        from = detail::concat("tokenizer_config.json's model_max_length ",
+                              static_cast<int64_t>(derived));
+    }
     const std::string rope_key = f.has("rope_parameters") ? "rope_parameters"
                                  : f.has("rope_scaling")  ? "rope_scaling"
                                                           : "";
@@ -639,7 +646,8 @@ void read_max_model_len(const HfFields& f, const std::string& model_type, ModelS
     m.max_model_len_from = from;
 }
 
-ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
+ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
+                          double tokenizer_max_length) {
     nlohmann::json top;
     try {
         top = nlohmann::json::parse(replace_non_finite(json_text));
@@ -1296,7 +1304,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file) {
     if (f.bool_or("use_sliding_window", false) && !any_sliding && !window_off)
         throw f.bad("use_sliding_window", "is true, but no layer slides (is sliding_window set?)");
 
-    read_max_model_len(f, model_type, m);
+    read_max_model_len(f, model_type, tokenizer_max_length, m);
     m.layers = std::move(layers);
     if (m.uniform()) m.layers.clear();
     try {

@@ -4,6 +4,7 @@
 // yarn scaling original_max_position_embeddings.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -134,6 +135,33 @@ TEST(MaxModelLen, VllmsDerivation) {
                   std::string::npos)
             << e.what();
     }
+}
+
+// vLLM bounds the length by the tokenizer's model_max_length (tokenizer_config.json in the model
+// directory), before the RoPE factor.
+TEST(MaxModelLen, TokenizerConfigBesideTheConfig) {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::path(testing::TempDir()) / "kvshard_max_len_tokenizer";
+    fs::create_directories(dir);
+    fs::copy_file(std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/qwen2.5-7b.json",
+                  dir / "config.json", fs::copy_options::overwrite_existing);
+    fs::remove(dir / "tokenizer_config.json");
+    EXPECT_EQ(resolve_model(dir.string()).max_model_len, 131072);
+    auto tokenizer = [&](const std::string& text) {
+        std::ofstream(dir / "tokenizer_config.json") << text;
+        return resolve_model(dir.string());
+    };
+    const ModelSpec bounded = tokenizer(R"({"model_max_length": 32768})");
+    EXPECT_EQ(bounded.max_model_len, 32768);
+    EXPECT_EQ(bounded.max_model_len_from, "tokenizer_config.json's model_max_length 32768");
+    // transformers' "no limit" sentinel (int(1e30)) and a larger length leave it alone.
+    EXPECT_EQ(tokenizer(R"({"model_max_length": 1000000000000000019884624838656})").max_model_len,
+              131072);
+    EXPECT_EQ(tokenizer(R"({"model_max_length": 262144})").max_model_len, 131072);
+    EXPECT_EQ(tokenizer(R"({"tokenizer_class": "Qwen2Tokenizer"})").max_model_len, 131072);
+    EXPECT_THROW(tokenizer(R"({"model_max_length": "long"})"), Error);
+    EXPECT_THROW(tokenizer("{not json"), Error);
+    fs::remove_all(dir);
 }
 
 TEST(MaxModelLen, LongerSequencesAreRefusedUnlessAllowed) {
