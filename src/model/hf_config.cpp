@@ -149,6 +149,10 @@ enum class Family {
     kNemotronNas,    // Nemotron Super / Ultra (block_configs)
     kGemma4,         // gemma4(_text): per-layer head sizes, K = V weights on full layers
     kGraniteHybrid,  // granitemoehybrid (Granite 4.0-H: Mamba-2 + attention, MoE on every layer)
+    kOlmo,     // olmo2, olmo3 (Olmo 3: sliding layers by layer_types, else 3 sliding : 1 full)
+    kCohere2,  // cohere2 (Command R7B / A: 3 sliding : 1 full, NoPE full layers)
+    kExaone4,  // exaone4 (EXAONE 4.0: layer_types, else sliding_window_pattern)
+    kSmolLM3,  // smollm3 (SmolLM3: NoPE layers by no_rope_layers; KV alike on every layer)
 };
 
 Family family_of(const std::string& model_type, const std::string& file) {
@@ -206,6 +210,22 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"nemotron_h", Family::kNemotronH},
         {"nemotron-nas", Family::kNemotronNas},
         {"granitemoehybrid", Family::kGraniteHybrid},
+        {"olmo2", Family::kOlmo},
+        {"olmo3", Family::kOlmo},
+        {"cohere2", Family::kCohere2},
+        {"exaone4", Family::kExaone4},
+        {"smollm3", Family::kSmolLM3},
+        // Seed-OSS (SeedOssConfig): Llama's fields with a head_dim of its own; vLLM's seed_oss.py
+        // builds every layer full attention of num_key_value_heads x config.head_dim.
+        {"seed_oss", Family::kLlama},
+        // ERNIE 4.5 dense (Ernie4_5Config): Llama's fields; vLLM's ernie45.py is LlamaForCausalLM.
+        // ernie4_5_moe (its moe_* fields: experts on every moe_layer_interval-th layer from
+        // moe_layer_start_index) is not read: refused as unknown.
+        {"ernie4_5", Family::kLlama},
+        // Granite 3.x (GraniteConfig, GraniteMoeConfig): Llama's fields plus embedding, residual,
+        // attention and logit multipliers, which scale activations and cache nothing.
+        {"granite", Family::kLlama},
+        {"granitemoe", Family::kLlama},
     };
     auto it = kFamilies.find(model_type);
     if (it != kFamilies.end()) return it->second;
@@ -278,6 +298,32 @@ ClassDefaults class_defaults(const std::string& model_type) {
         // hidden / heads whatever the config says (granitemoehybrid.py), checked below.
         {"granitemoehybrid", {"GraniteMoeHybridConfig", 32, H, H, true}},
         {"chatglm", {"ChatGLMConfig", R, H, R, false}},  // KV heads from multi_query_group_num
+        // Olmo2Config (transformers) and Olmo3Config (vLLM transformers_utils/configs/olmo3.py):
+        // 32 heads, KV None -> heads; vLLM's Olmo2Attention (olmo2.py, which also runs Olmo 3)
+        // takes head_dim = hidden / heads whatever the config says, checked below.
+        {"olmo2", {"Olmo2Config", 32, H, H, true}},
+        {"olmo3", {"Olmo3Config", 32, H, H, true}},
+        // Cohere2Config: 64 heads, KV None -> heads, head_dim set to hidden / heads in
+        // __post_init__ (vLLM's CohereAttention, commandr.py, computes the same).
+        {"cohere2", {"Cohere2Config", 64, H, H, true}},
+        // Exaone4Config: 32 heads, 32 KV heads (an int), no head_dim default; vLLM's
+        // Exaone4Attention (exaone4.py) takes config.head_dim, else hidden / heads.
+        {"exaone4", {"Exaone4Config", 32, 32, H, false}},
+        // GraniteConfig / GraniteMoeConfig: 32 heads, KV None -> heads. vLLM's GraniteAttention
+        // (granite.py) reads head_dim, else hidden / heads; GraniteMoeAttention (granitemoe.py)
+        // is built from hidden_size and the head counts only: hidden / heads, checked below.
+        {"granite", {"GraniteConfig", 32, H, H, true}},
+        {"granitemoe", {"GraniteMoeConfig", 32, H, H, true}},
+        // SmolLM3Config: 16 heads, 4 KV heads (None -> heads). vLLM runs SmolLM3 through its
+        // Transformers backend (registry.py, _TRANSFORMERS_SUPPORTED_MODELS), i.e. transformers'
+        // SmolLM3Attention: head_dim from the config, else hidden / heads.
+        {"smollm3", {"SmolLM3Config", 16, 4, H, true}},
+        // SeedOssConfig: 80 heads, 8 KV heads (None -> heads), head_dim 128 (None -> hidden /
+        // heads, read below).
+        {"seed_oss", {"SeedOssConfig", 80, 8, 128, true}},
+        // Ernie4_5Config: 16 heads, 2 KV heads (None -> heads), head_dim 128 (None -> hidden /
+        // heads); vLLM's LlamaAttention reads config.head_dim.
+        {"ernie4_5", {"Ernie4_5Config", 16, 2, 128, true}},
     };
     auto it = kDefaults.find(model_type);
     // The rest: Falcon (head_dim is hidden / heads by definition, KV heads from its own fields),
@@ -354,8 +400,9 @@ const std::set<std::string, std::less<>>& understood_fields() {
         // do not change what is cached
         "attention_dropout",
         "attention_bias",
-        "attn_output_gate",  // Qwen3.5: a sigmoid gate on the attention output
-        "attn_type_list",    // MiniMax-M2: checked below (every layer full attention)
+        "attention_out_bias",  // Seed-OSS: a bias on the output projection, after the cache
+        "attn_output_gate",    // Qwen3.5: a sigmoid gate on the attention output
+        "attn_type_list",      // MiniMax-M2: checked below (every layer full attention)
         "attn_logit_softcapping",
         "query_pre_attn_scalar",
         "use_qk_norm",
@@ -505,8 +552,9 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"linear_num_key_heads", {Family::kQwen3Next}},
         {"full_attention_interval", {Family::kQwen3Next}},
         {"attention_chunk_size", {Family::kLlama4}},
-        {"no_rope_layers", {Family::kLlama4}},
-        {"sliding_window_pattern", {Family::kGemma3}},
+        {"no_rope_layers", {Family::kLlama4, Family::kSmolLM3}},
+        {"sliding_window_pattern", {Family::kGemma3, Family::kCohere2, Family::kExaone4}},
+        {"order_of_interleaved_layers", {Family::kCohere2}},
         {"_sliding_window_pattern", {Family::kGemma3}},
         {"multi_query_group_num", {Family::kChatGlm}},
         {"new_decoder_architecture", {Family::kFalcon}},
@@ -709,7 +757,10 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     m.rms_norm_eps = f.number_or(
         pick({"rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"}, "rms_norm_eps"), 1e-6);
     const bool gemma = fam == Family::kGemma2 || fam == Family::kGemma3 || fam == Family::kGemma4;
-    m.tie_embeddings = f.bool_or("tie_word_embeddings", gemma);  // Gemma ties by default
+    // Gemma, Cohere2Config, SmolLM3Config and Ernie4_5Config tie the embeddings by default
+    m.tie_embeddings =
+        f.bool_or("tie_word_embeddings", gemma || fam == Family::kCohere2 ||
+                                             fam == Family::kSmolLM3 || model_type == "ernie4_5");
     const std::string torch_dtype =
         f.string_or(f.has("torch_dtype") ? "torch_dtype" : "dtype", "bfloat16");
     try {
@@ -767,11 +818,18 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         m.num_kv_heads = m.num_heads;
         m.head_dim = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim;
     } else {
-        if (f.has(head_dim_key) && fam != Family::kGraniteHybrid) {
+        // Families whose vLLM attention takes hidden / heads as the head size and never reads
+        // head_dim (Granite 4.0-H's own check is below).
+        const bool head_dim_from_hidden =
+            fam == Family::kOlmo || fam == Family::kCohere2 || model_type == "granitemoe";
+        if (f.has(head_dim_key) && fam != Family::kGraniteHybrid && !head_dim_from_hidden) {
             m.head_dim = f.positive_int(head_dim_key);
         } else if (defaults.head_dim == ClassDefaults::kRequired) {
             throw missing(head_dim_key.c_str());
-        } else if (defaults.head_dim != ClassDefaults::kFromHeads) {
+        } else if (defaults.head_dim != ClassDefaults::kFromHeads &&
+                   !((model_type == "seed_oss" || model_type == "ernie4_5") &&
+                     f.json().contains(head_dim_key))) {
+            // (SeedOssConfig and Ernie4_5Config map an explicit null to hidden / heads.)
             m.head_dim = defaults.head_dim;  // e.g. Gemma 3's 256 where hidden / heads is 240
         } else {
             if (m.hidden % m.num_heads != 0)
@@ -780,6 +838,13 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                            m.num_heads, ")"));
             m.head_dim = m.hidden / m.num_heads;
         }
+        if (head_dim_from_hidden && f.has(head_dim_key) &&
+            f.positive_int(head_dim_key) != m.head_dim)
+            throw f.bad(
+                head_dim_key,
+                detail::concat("is ", f.positive_int(head_dim_key), ", but vLLM's ", model_type,
+                               " attention uses hidden_size / num_attention_heads = ", m.head_dim,
+                               ": remove the field or fix it"));
         if (m.num_heads % m.num_kv_heads != 0)
             throw Error(detail::concat(file, ": num_attention_heads (", m.num_heads,
                                        ") must be a multiple of num_key_value_heads (",
@@ -913,7 +978,10 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         s.window = w;
     };
 
-    if (f.has("layer_types") && fam != Family::kGraniteHybrid && fam != Family::kGemma4) {
+    const bool per_layer_family = fam == Family::kOlmo || fam == Family::kCohere2 ||
+                                  fam == Family::kExaone4 || fam == Family::kSmolLM3;
+    if (f.has("layer_types") && fam != Family::kGraniteHybrid && fam != Family::kGemma4 &&
+        !per_layer_family) {
         const std::vector<std::string> types = layer_type_list(f, "layer_types", L);
         for (int l = 0; l < L; ++l) {
             const LayerKind k = layer_type_kind(types[l], file, l);
@@ -937,6 +1005,96 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         for (int l = 0; l < L; ++l)
             if ((l + 1) % pattern != 0)
                 set_window(layers[l], LayerKind::kSlidingWindow, window_field("sliding_window"));
+    }
+    if (per_layer_family) {
+        // Olmo 3, Cohere 2 and EXAONE 4 name each layer in layer_types ("sliding_attention" or
+        // "full_attention"); their config classes fill it when absent: Olmo3Config 3 sliding :
+        // 1 full, Cohere2Config and Exaone4Config from sliding_window_pattern (default 4), Olmo 2
+        // none sliding. vLLM builds each layer from config.layer_types (olmo2.py's
+        // Olmo2Attention, commandr.py's CohereAttention, exaone4.py's Exaone4Attention) with
+        // config.sliding_window as its window. Cohere 2's and EXAONE 4's full layers skip RoPE
+        // (NoPE): positions change what is computed, not what is cached.
+        std::vector<bool> sliding(L, false);
+        const bool listed = f.has("layer_types");
+        if (listed) {
+            const std::vector<std::string> types =
+                layer_type_list(f, "layer_types", L, {"sliding_attention", "full_attention"});
+            for (int l = 0; l < L; ++l) sliding[l] = types[l] == "sliding_attention";
+        }
+        if (f.has("sliding_window_pattern")) {
+            const auto& p = f.json().at("sliding_window_pattern");
+            std::vector<bool> from_pattern(L);
+            if (p.is_string() && fam == Family::kExaone4) {
+                // EXAONE 4's published configs write the pattern as a string, "LLLG": L local
+                // (sliding), G global, repeated over the layers, beside layer_types.
+                const std::string s = p.get<std::string>();
+                if (s.empty() || s.find_first_not_of("LG") != std::string::npos)
+                    throw f.bad("sliding_window_pattern",
+                                detail::concat("is \"", s,
+                                               "\": expected an integer or a string of L (local) "
+                                               "and G (global), e.g. \"LLLG\""));
+                for (int l = 0; l < L; ++l) from_pattern[l] = s[l % s.size()] == 'L';
+                // Exaone4Config derives layer_types from an integer pattern only: vLLM cannot
+                // build the layers from a string alone.
+                if (!listed)
+                    throw f.bad("sliding_window_pattern",
+                                detail::concat("is \"", s,
+                                               "\" and layer_types is missing: Exaone4Config "
+                                               "derives the layers from an integer pattern only; "
+                                               "give layer_types"));
+            } else {
+                const int n = f.positive_int("sliding_window_pattern");
+                for (int l = 0; l < L; ++l) from_pattern[l] = (l + 1) % n != 0;
+            }
+            if (listed && from_pattern != sliding)
+                throw f.bad("sliding_window_pattern",
+                            "disagrees with layer_types (which vLLM reads): remove one of them");
+            if (!listed) sliding = from_pattern;
+        } else if (fam == Family::kSmolLM3) {
+            // SmolLM3Config: no_rope_layers (1 RoPE, 0 NoPE), else every
+            // no_rope_layer_interval-th layer (default 4) NoPE; without layer_types the NoPE
+            // layers slide when use_sliding_window and sliding_window are set. RoPE or not, every
+            // layer caches K and V of num_key_value_heads x head_dim.
+            std::vector<int> rope(L);
+            if (f.has("no_rope_layers")) {
+                const auto& nr = f.array("no_rope_layers");
+                if (static_cast<int>(nr.size()) != L)
+                    throw f.bad("no_rope_layers",
+                                detail::concat("lists ", nr.size(), " layers but there are ", L));
+                for (int l = 0; l < L; ++l) {
+                    if (!nr[l].is_number_integer() || (nr[l] != 0 && nr[l] != 1))
+                        throw f.bad("no_rope_layers", "must be a list of 0 and 1");
+                    rope[l] = nr[l].get<int>();
+                }
+            } else {
+                const int interval = f.positive_int_or("no_rope_layer_interval", 4);
+                for (int l = 0; l < L; ++l) rope[l] = (l + 1) % interval != 0 ? 1 : 0;
+            }
+            if (!listed && f.bool_or("use_sliding_window", false) && f.has("sliding_window"))
+                for (int l = 0; l < L; ++l) sliding[l] = rope[l] == 0;
+        } else if (!listed && model_type != "olmo2") {
+            for (int l = 0; l < L; ++l) sliding[l] = (l + 1) % 4 != 0;
+        }
+        if (fam == Family::kCohere2 && f.has("order_of_interleaved_layers") &&
+            f.string_or("order_of_interleaved_layers", "") != "local_attn_first")
+            throw f.bad("order_of_interleaved_layers",
+                        detail::concat("is ", f.json().at("order_of_interleaved_layers").dump(),
+                                       ": Cohere2Config and vLLM put the sliding layers first in "
+                                       "each group (\"local_attn_first\"), the only order read"));
+        // The class default window is 4096 (Olmo3Config, Cohere2Config, Exaone4Config; None in
+        // SmolLM3Config); an explicit null reaches vLLM's Attention as no window: those layers
+        // attend fully. Exaone4Config without layer_types then divides by a pattern of 0.
+        const bool null_window =
+            f.json().contains("sliding_window") && f.json().at("sliding_window").is_null();
+        if (null_window && fam == Family::kExaone4 && !listed)
+            throw f.bad("sliding_window",
+                        "is null and layer_types is missing: Exaone4Config then derives no "
+                        "layers (its pattern becomes 0); give layer_types");
+        const int window =
+            null_window ? 0
+                        : f.positive_int_or("sliding_window", fam == Family::kSmolLM3 ? 0 : 4096);
+        for (int l = 0; l < L; ++l)
+            if (sliding[l] && window > 0) set_window(layers[l], LayerKind::kSlidingWindow, window);
     }
     if (fam == Family::kGemma3) {
         // Gemma3TextConfig stores sliding_window_pattern as _sliding_window_pattern and writes it
@@ -968,6 +1126,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                         detail::concat("is ", j.at("use_bidirectional_attention").dump(),
                                        ": kvshard sizes causal decoders' KV caches (null or "
                                        "\"vision\" are read)"));
+    } else if (!f.bool_or("is_causal", true)) {
+        // vLLM's seed_oss.py (and the Qwen-derived models) build an encoder on is_causal false.
+        throw f.bad("is_causal", "is false: kvshard sizes causal decoders' KV caches");
     } else if (f.bool_or("use_bidirectional_attention", false)) {
         throw f.bad("use_bidirectional_attention",
                     "is true: kvshard sizes causal decoders' KV caches");

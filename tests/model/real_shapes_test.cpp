@@ -1,8 +1,9 @@
-// Real model shapes: the published config.json of 24 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 33 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -179,6 +180,40 @@ std::vector<Family> families() {
     for (const auto& b : blocks)
         super.push_back(b.at("attention").at("no_op").get<bool>() ? L{'-'} : L{'F', 8, 128});
     out.push_back({"llama-3.3-nemotron-super-49b", super, {1, 2, 4, 8}});
+    // Olmo 3 7B: layer_types 3 sliding (window 4096) : 1 full, MHA of 32 heads of 4096 / 32.
+    out.push_back({"olmo-3-7b",
+                   pattern(32,
+                           [](int i) {
+                               return (i + 1) % 4 ? L{'S', 32, 128, 4096} : L{'F', 32, 128};
+                           }),
+                   {1, 2, 4, 8}});
+    // OLMo 2 7B: every layer full, MHA of 32 heads of 128.
+    out.push_back({"olmo-2-7b-instruct", uniform(32, {'F', 32, 128}), {1, 2, 4, 8}});
+    // Command R7B: sliding_window_pattern 4 (3 sliding of 4096, then a NoPE full layer), 8 KV
+    // heads of 4096 / 32 = 128.
+    out.push_back({"c4ai-command-r7b-12-2024",
+                   pattern(32,
+                           [](int i) {
+                               return (i + 1) % 4 ? L{'S', 8, 128, 4096} : L{'F', 8, 128};
+                           }),
+                   {1, 2, 4, 8}});
+    // EXAONE 4.0 32B: layer_types "LLLG" (local 4096, global NoPE), 8 KV heads of head_dim 128.
+    out.push_back({"exaone-4.0-32b",
+                   pattern(64,
+                           [](int i) {
+                               return (i + 1) % 4 ? L{'S', 8, 128, 4096} : L{'F', 8, 128};
+                           }),
+                   {1, 2, 4, 8}});
+    // Granite 3.3 8B: Llama's layout, 8 KV heads of 4096 / 32 = 128; multipliers cache nothing.
+    out.push_back({"granite-3.3-8b-instruct", uniform(40, {'F', 8, 128}), {1, 2, 4, 8}});
+    // Granite 3.1 3B-A800M (MoE): 24 heads of 1536 / 24 = 64, 8 KV heads.
+    out.push_back({"granite-3.1-3b-a800m-instruct", uniform(32, {'F', 8, 64}), {1, 2, 4, 8}});
+    // SmolLM3-3B: every 4th layer NoPE, which caches the same K and V: 4 KV heads of 128.
+    out.push_back({"smollm3-3b", uniform(36, {'F', 4, 128}), {1, 2, 4, 8}});
+    // Seed-OSS-36B: 80 query heads and 8 KV heads of head_dim 128 (not 5120 / 80 = 64).
+    out.push_back({"seed-oss-36b-instruct", uniform(64, {'F', 8, 128}), {1, 2, 4, 8}});
+    // ERNIE-4.5-0.3B: 16 query heads, 2 KV heads of head_dim 128 (not 1024 / 16 = 64).
+    out.push_back({"ernie-4.5-0.3b-pt", uniform(18, {'F', 2, 128}), {1, 2, 4, 8}});
     return out;
 }
 
@@ -224,7 +259,7 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
     return sum;
 }
 
-TEST(RealShapes, TwentyFourFamiliesPerRankAndPerRequest) {
+TEST(RealShapes, PublishedFamiliesPerRankAndPerRequest) {
     for (const Family& f : families()) {
         SCOPED_TRACE(f.file);
         const ModelSpec m = load_hf_config(config_path(f.file));
@@ -524,6 +559,170 @@ TEST(RealShapes, MiniMaxM2RefusesWhatItDoesNotModel) {
     ASSERT_NE(at, std::string::npos);
     shared.replace(at, 29, "\"shared_intermediate_size\": 1536");
     expect_refused(shared, "shared_intermediate_size");
+}
+
+// SmolLM3: NoPE layers cache what RoPE layers cache; they slide only when the config asks.
+TEST(RealShapes, SmolLM3NoPeLayersCacheAlike) {
+    const ModelSpec m = load_hf_config(config_path("smollm3-3b"));
+    EXPECT_TRUE(m.uniform());
+    EXPECT_TRUE(m.tie_embeddings);
+    EXPECT_EQ(m.kv_bytes_per_token(), 36 * 2 * 4 * 128 * 2);
+    // HuggingFaceTB/SmolLM3-3B: 3.08B parameters (norms not counted here).
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 3.08e9, 0.015 * 3.08e9);
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("smollm3-3b")));
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 4096;
+    const ModelSpec swa = parse_hf_config(j.dump(), "smollm3.json");
+    for (int l = 0; l < 36; ++l)
+        EXPECT_EQ(swa.layer(l).kind,
+                  (l + 1) % 4 == 0 ? LayerKind::kSlidingWindow : LayerKind::kFullAttention)
+            << l;
+    j["no_rope_layers"] = std::vector<int>(35, 1);
+    expect_refused(j.dump(), "no_rope_layers");
+}
+
+// Seed-OSS and ERNIE 4.5: head_dim as their config classes and vLLM (seed_oss.py, ernie45.py's
+// LlamaForCausalLM) take it; an encoder is refused.
+TEST(RealShapes, SeedOssAndErnieReadTheirHeadDim) {
+    const ModelSpec m = load_hf_config(config_path("seed-oss-36b-instruct"));
+    EXPECT_EQ(m.head_dim, 128);
+    EXPECT_EQ(m.kv_bytes_per_token(), 64 * 2 * 8 * 128 * 2);
+    // ByteDance-Seed/Seed-OSS-36B: 36.15B parameters (norms not counted here).
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 36.15e9, 0.01 * 36.15e9);
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("seed-oss-36b-instruct")));
+    j.erase("head_dim");  // SeedOssConfig's default: 128
+    EXPECT_EQ(parse_hf_config(j.dump(), "s.json").head_dim, 128);
+    j["head_dim"] = nullptr;  // SeedOssConfig: None -> hidden / heads
+    EXPECT_EQ(parse_hf_config(j.dump(), "s.json").head_dim, 64);
+    j["head_dim"] = 128;
+    j["is_causal"] = false;
+    expect_refused(j.dump(), "is_causal");
+    // ERNIE-4.5-0.3B: 0.36B parameters, tied embeddings (Ernie4_5Config's default as well).
+    nlohmann::json e = nlohmann::json::parse(read_file(config_path("ernie-4.5-0.3b-pt")));
+    const ModelSpec ernie = parse_hf_config(e.dump(), "e.json");
+    EXPECT_TRUE(ernie.tie_embeddings);
+    EXPECT_NEAR(static_cast<double>(ernie.total_params()), 0.36e9, 0.015 * 0.36e9);
+    e.erase("tie_word_embeddings");
+    e["head_dim"] = nullptr;  // Ernie4_5Config: None -> hidden / heads
+    const ModelSpec ernie_null = parse_hf_config(e.dump(), "e.json");
+    EXPECT_TRUE(ernie_null.tie_embeddings);
+    EXPECT_EQ(ernie_null.head_dim, 64);
+    // The MoE variant's moe_* fields are not read: refused as an unknown architecture.
+    e["model_type"] = "ernie4_5_moe";
+    expect_refused(e.dump(), "model_type 'ernie4_5_moe'");
+}
+
+// Olmo 2 / 3, Command R7B / A (cohere2), EXAONE 4.0 and Granite 3.x: parameter counts against
+// the published sizes, the class defaults of absent fields, and what is refused.
+TEST(RealShapes, OlmoCohereExaoneGraniteAsVllmBuildsThem) {
+    auto near = [](int64_t got, double published, double tolerance) {
+        return std::abs(static_cast<double>(got) - published) <= tolerance * published;
+    };
+    // Published sizes: Olmo-3-1025-7B and OLMo-2-1124-7B "7B" (7.30B with the untied head),
+    // c4ai-command-r7b-12-2024 8.03B (tied embeddings), EXAONE-4.0-32B 32.0B, granite-3.3-8b
+    // 8,170,864,640 (its safetensors; we count no norms), granite-3.1-3b-a800m 3.3B. Norm
+    // weights are not counted: 0.1% for the exact figure, 1.5% for the rounded ones.
+    const ModelSpec olmo3 = load_hf_config(config_path("olmo-3-7b"));
+    EXPECT_TRUE(near(olmo3.total_params(), 7.30e9, 0.015)) << olmo3.total_params();
+    const ModelSpec olmo2 = load_hf_config(config_path("olmo-2-7b-instruct"));
+    EXPECT_TRUE(near(olmo2.total_params(), 7.30e9, 0.015)) << olmo2.total_params();
+    const ModelSpec r7b = load_hf_config(config_path("c4ai-command-r7b-12-2024"));
+    EXPECT_TRUE(r7b.tie_embeddings);
+    EXPECT_TRUE(near(r7b.total_params(), 8.03e9, 0.015)) << r7b.total_params();
+    const ModelSpec exaone = load_hf_config(config_path("exaone-4.0-32b"));
+    EXPECT_TRUE(near(exaone.total_params(), 32.0e9, 0.015)) << exaone.total_params();
+    const ModelSpec granite = load_hf_config(config_path("granite-3.3-8b-instruct"));
+    EXPECT_TRUE(near(granite.total_params(), 8170864640.0, 0.001)) << granite.total_params();
+    const ModelSpec gmoe = load_hf_config(config_path("granite-3.1-3b-a800m-instruct"));
+    EXPECT_EQ(gmoe.moe.num_experts, 40);
+    EXPECT_EQ(gmoe.moe.experts_per_token, 8);
+    EXPECT_EQ(gmoe.moe.expert_intermediate, 512);
+    EXPECT_TRUE(near(gmoe.total_params(), 3.3e9, 0.015)) << gmoe.total_params();
+    // KV bytes per token per layer kind, bf16: Olmo 3 sliding and full 2 x 32 x 128 x 2.
+    EXPECT_EQ(olmo3.kv_bytes_per_token_of_layer(0), 16384);
+    EXPECT_EQ(olmo3.layer(0).kind, LayerKind::kSlidingWindow);
+    EXPECT_EQ(olmo3.layer(3).kind, LayerKind::kFullAttention);
+    EXPECT_EQ(r7b.kv_bytes_per_token(), 32 * 2 * 8 * 128 * 2);
+    EXPECT_EQ(exaone.layer(62).window, 4096);
+    EXPECT_EQ(exaone.layer(63).kind, LayerKind::kFullAttention);
+
+    auto edited = [](const std::string& file, const std::function<void(nlohmann::json&)>& edit) {
+        nlohmann::json j = nlohmann::json::parse(read_file(config_path(file)));
+        edit(j);
+        return j.dump();
+    };
+    // Olmo 3 without layer_types and sliding_window: Olmo3Config's 3 : 1 and 4096.
+    const ModelSpec olmo3_bare = parse_hf_config(edited("olmo-3-7b",
+                                                        [](nlohmann::json& j) {
+                                                            j.erase("layer_types");
+                                                            j.erase("sliding_window");
+                                                        }),
+                                                 "olmo3.json");
+    EXPECT_EQ(olmo3_bare.layers, olmo3.layers);
+    // A sliding_window of null reaches vLLM's Attention as no window: every layer full.
+    const ModelSpec olmo3_null = parse_hf_config(
+        edited("olmo-3-7b", [](nlohmann::json& j) { j["sliding_window"] = nullptr; }), "o.json");
+    EXPECT_EQ(olmo3_null.kv_bytes_per_token(), 32 * 16384);
+    EXPECT_TRUE(olmo3_null.uniform());
+    // vLLM's Olmo 2 / 3, Cohere 2 and Granite MoE attention use hidden / heads: a head_dim that
+    // disagrees is refused, one that agrees is accepted (Command R7B writes 128).
+    expect_refused(edited("olmo-3-7b", [](nlohmann::json& j) { j["head_dim"] = 64; }),
+                   "hidden_size / num_attention_heads = 128");
+    expect_refused(
+        edited("granite-3.1-3b-a800m-instruct", [](nlohmann::json& j) { j["head_dim"] = 128; }),
+        "head_dim");
+    expect_refused(
+        edited("c4ai-command-r7b-12-2024", [](nlohmann::json& j) { j["head_dim"] = 256; }),
+        "head_dim");
+    // Granite (dense) reads head_dim as vLLM's GraniteAttention does.
+    const ModelSpec granite_hd = parse_hf_config(
+        edited("granite-3.3-8b-instruct", [](nlohmann::json& j) { j["head_dim"] = 64; }), "g.json");
+    EXPECT_EQ(granite_hd.kv_bytes_per_token(), 40 * 2 * 8 * 64 * 2);
+    // Cohere 2: sliding_window_pattern drives the layers without layer_types; another order of the
+    // layers, or a pattern disagreeing with layer_types, is refused.
+    const ModelSpec r7b_2 =
+        parse_hf_config(edited("c4ai-command-r7b-12-2024",
+                               [](nlohmann::json& j) { j["sliding_window_pattern"] = 2; }),
+                        "r.json");
+    EXPECT_EQ(r7b_2.layer(0).kind, LayerKind::kSlidingWindow);
+    EXPECT_EQ(r7b_2.layer(1).kind, LayerKind::kFullAttention);
+    EXPECT_EQ(r7b_2.layer(2).kind, LayerKind::kSlidingWindow);
+    expect_refused(
+        edited("c4ai-command-r7b-12-2024",
+               [](nlohmann::json& j) { j["order_of_interleaved_layers"] = "global_attn_first"; }),
+        "order_of_interleaved_layers");
+    expect_refused(edited("c4ai-command-r7b-12-2024",
+                          [](nlohmann::json& j) {
+                              j["layer_types"] = std::vector<std::string>(32, "full_attention");
+                          }),
+                   "disagrees with layer_types");
+    // EXAONE 4: a string pattern needs layer_types and must agree with it.
+    expect_refused(edited("exaone-4.0-32b", [](nlohmann::json& j) { j.erase("layer_types"); }),
+                   "give layer_types");
+    expect_refused(
+        edited("exaone-4.0-32b", [](nlohmann::json& j) { j["sliding_window_pattern"] = "LLGG"; }),
+        "disagrees with layer_types");
+    expect_refused(
+        edited("exaone-4.0-32b", [](nlohmann::json& j) { j["sliding_window_pattern"] = "LLXG"; }),
+        "string of L (local) and G (global)");
+    // An integer pattern alone is Exaone4Config's derivation.
+    const ModelSpec exaone_int = parse_hf_config(edited("exaone-4.0-32b",
+                                                        [](nlohmann::json& j) {
+                                                            j.erase("layer_types");
+                                                            j["sliding_window_pattern"] = 4;
+                                                        }),
+                                                 "e.json");
+    EXPECT_EQ(exaone_int.layers, exaone.layers);
+    // Fields of other families: refused where they would be ignored.
+    expect_refused(
+        edited("olmo-2-7b-instruct", [](nlohmann::json& j) { j["sliding_window_pattern"] = 4; }),
+        "sliding_window_pattern");
+    expect_refused(
+        edited("olmo-2-7b-instruct", [](nlohmann::json& j) { j["sliding_window"] = 4096; }),
+        "no layer of model_type 'olmo2' slides");
+    expect_refused(edited("granite-3.3-8b-instruct",
+                          [](nlohmann::json& j) { j["order_of_interleaved_layers"] = "x"; }),
+                   "order_of_interleaved_layers");
 }
 
 TEST(RealShapes, CatalogEntriesMatchTheirPublishedConfigs) {
