@@ -222,6 +222,9 @@ Family family_of(const std::string& model_type, const std::string& file) {
         // ernie4_5_moe (its moe_* fields: experts on every moe_layer_interval-th layer from
         // moe_layer_start_index) is not read: refused as unknown.
         {"ernie4_5", Family::kLlama},
+        // Hunyuan dense (HunYuanDenseV1Config): Llama's fields; checked below for the cross-layer
+        // attention (use_cla) and the experts vLLM's hunyuan_v1.py would build instead.
+        {"hunyuan_v1_dense", Family::kLlama},
         // Granite 3.x (GraniteConfig, GraniteMoeConfig): Llama's fields plus embedding, residual,
         // attention and logit multipliers, which scale activations and cache nothing.
         {"granite", Family::kLlama},
@@ -324,6 +327,9 @@ ClassDefaults class_defaults(const std::string& model_type) {
         // Ernie4_5Config: 16 heads, 2 KV heads (None -> heads), head_dim 128 (None -> hidden /
         // heads); vLLM's LlamaAttention reads config.head_dim.
         {"ernie4_5", {"Ernie4_5Config", 16, 2, 128, true}},
+        // HunYuanDenseV1Config: 32 heads, KV None -> heads, head_dim None; vLLM's HunYuanAttention
+        // (hunyuan_v1.py) takes head_dim when set, else attention_head_dim, else hidden / heads.
+        {"hunyuan_v1_dense", {"HunYuanDenseV1Config", 32, H, H, true}},
     };
     auto it = kDefaults.find(model_type);
     // The rest: Falcon (head_dim is hidden / heads by definition, KV heads from its own fields),
@@ -913,6 +919,30 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
             m.moe.shared_experts =
                 shared == 0 ? 0 : shared_width_in_experts("shared_intermediate_size");
         }
+    } else if (model_type == "hunyuan_v1_dense") {
+        // vLLM's hunyuan_v1.py: _is_moe (num_experts above 1, or a list with one above 1) builds
+        // HunYuanSparseMoeBlock layers, which this reader does not model; 1 or absent is the
+        // dense MLP. _get_cla_factor: use_cla with cla_share_factor k makes every layer not a
+        // multiple of k a HunYuanCrossAttention reading the previous layer's K and V.
+        if (f.has("num_experts")) {
+            const auto& e = f.json().at("num_experts");
+            bool moe = e.is_number_integer() && e.get<int64_t>() > 1;
+            if (e.is_array())
+                for (const auto& v : e) moe = moe || !v.is_number_integer() || v.get<int64_t>() > 1;
+            if (!e.is_array() && !e.is_number_integer())
+                throw f.bad("num_experts", "must be an integer or a list of integers");
+            if (moe)
+                throw f.bad("num_experts",
+                            detail::concat("is ", e.dump(),
+                                           ": vLLM's hunyuan_v1.py then builds MoE layers, which "
+                                           "kvshard does not read for hunyuan_v1_dense"));
+        }
+        if (f.bool_or("use_cla", false) && f.int_or("cla_share_factor", 1) > 1)
+            throw f.bad(
+                "use_cla",
+                detail::concat("is true with cla_share_factor ", f.int_or("cla_share_factor", 1),
+                               ": cross-layer attention (layers reading an earlier "
+                               "layer's K and V) is not modelled"));
     } else if (f.has("num_local_experts")) {  // Mixtral, gpt-oss, Llama 4
         m.moe.num_experts = f.positive_int("num_local_experts");
         m.moe.experts_per_token = f.positive_int(
@@ -1016,12 +1046,19 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         // (NoPE): positions change what is computed, not what is cached.
         std::vector<bool> sliding(L, false);
         const bool listed = f.has("layer_types");
+        const bool null_window =
+            f.json().contains("sliding_window") && f.json().at("sliding_window").is_null();
         if (listed) {
             const std::vector<std::string> types =
                 layer_type_list(f, "layer_types", L, {"sliding_attention", "full_attention"});
             for (int l = 0; l < L; ++l) sliding[l] = types[l] == "sliding_attention";
         }
-        if (f.has("sliding_window_pattern")) {
+        // Exaone4Config writes a pattern of 0 when sliding_window is null, and then takes the
+        // layers from layer_types alone.
+        const bool exaone_no_pattern = fam == Family::kExaone4 && listed && null_window &&
+                                       f.has("sliding_window_pattern") &&
+                                       f.json().at("sliding_window_pattern") == 0;
+        if (f.has("sliding_window_pattern") && !exaone_no_pattern) {
             const auto& p = f.json().at("sliding_window_pattern");
             std::vector<bool> from_pattern(L);
             if (p.is_string() && fam == Family::kExaone4) {
@@ -1084,8 +1121,6 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         // The class default window is 4096 (Olmo3Config, Cohere2Config, Exaone4Config; None in
         // SmolLM3Config); an explicit null reaches vLLM's Attention as no window: those layers
         // attend fully. Exaone4Config without layer_types then divides by a pattern of 0.
-        const bool null_window =
-            f.json().contains("sliding_window") && f.json().at("sliding_window").is_null();
         if (null_window && fam == Family::kExaone4 && !listed)
             throw f.bad("sliding_window",
                         "is null and layer_types is missing: Exaone4Config then derives no "

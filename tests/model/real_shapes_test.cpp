@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 33 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 34 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -214,6 +214,8 @@ std::vector<Family> families() {
     out.push_back({"seed-oss-36b-instruct", uniform(64, {'F', 8, 128}), {1, 2, 4, 8}});
     // ERNIE-4.5-0.3B: 16 query heads, 2 KV heads of head_dim 128 (not 1024 / 16 = 64).
     out.push_back({"ernie-4.5-0.3b-pt", uniform(18, {'F', 2, 128}), {1, 2, 4, 8}});
+    // Hy-MT2-7B (hunyuan_v1_dense): Llama 3.1 8B's attention, 8 KV heads of 128, no CLA.
+    out.push_back({"hy-mt2-7b", uniform(32, {'F', 8, 128}), {1, 2, 4, 8}});
     return out;
 }
 
@@ -612,6 +614,33 @@ TEST(RealShapes, SeedOssAndErnieReadTheirHeadDim) {
     expect_refused(e.dump(), "model_type 'ernie4_5_moe'");
 }
 
+// Hunyuan dense: Llama 3.1 8B's layers under another vocabulary; the experts and the cross-layer
+// attention vLLM's hunyuan_v1.py would build are refused, not read as dense layers.
+TEST(RealShapes, HunyuanDenseAsVllmBuildsIt) {
+    const ModelSpec hy = load_hf_config(config_path("hy-mt2-7b"));
+    const ModelSpec llama = load_hf_config(config_path("llama-3.1-8b"));
+    EXPECT_EQ(hy.kv_bytes_per_token(), llama.kv_bytes_per_token());
+    // The same layers; a tied embedding of 128167 rows instead of Llama's two of 128256.
+    EXPECT_EQ(hy.total_params(),
+              llama.total_params() - int64_t{128256} * 4096 * 2 + int64_t{128167} * 4096);
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("hy-mt2-7b")));
+    j["num_experts"] = 1;  // _is_moe: not above 1, the dense MLP
+    EXPECT_EQ(parse_hf_config(j.dump(), "h.json").total_params(), hy.total_params());
+    j["head_dim"] = nullptr;  // HunYuanAttention: head_dim unset -> attention_head_dim
+    j["attention_head_dim"] = 64;
+    EXPECT_EQ(parse_hf_config(j.dump(), "h.json").head_dim, 64);
+    j["head_dim"] = 128;
+    j["num_experts"] = 8;
+    expect_refused(j.dump(), "num_experts");
+    j["num_experts"] = std::vector<int>(32, 2);
+    expect_refused(j.dump(), "num_experts");
+    j.erase("num_experts");
+    j["use_cla"] = true;  // with cla_share_factor 2: odd layers read the even layers' K and V
+    expect_refused(j.dump(), "use_cla");
+    j["cla_share_factor"] = 1;  // _get_cla_factor 1: every layer its own attention
+    EXPECT_EQ(parse_hf_config(j.dump(), "h.json").kv_bytes_per_token(), hy.kv_bytes_per_token());
+}
+
 // Olmo 2 / 3, Command R7B / A (cohere2), EXAONE 4.0 and Granite 3.x: parameter counts against
 // the published sizes, the class defaults of absent fields, and what is refused.
 TEST(RealShapes, OlmoCohereExaoneGraniteAsVllmBuildsThem) {
@@ -705,6 +734,25 @@ TEST(RealShapes, OlmoCohereExaoneGraniteAsVllmBuildsThem) {
     expect_refused(
         edited("exaone-4.0-32b", [](nlohmann::json& j) { j["sliding_window_pattern"] = "LLXG"; }),
         "string of L (local) and G (global)");
+    // A null window makes the layer_types' sliding layers full (vLLM's Attention gets no window);
+    // the pattern 0 Exaone4Config then writes is accepted, and refused without layer_types.
+    const ModelSpec exaone_full = parse_hf_config(edited("exaone-4.0-32b",
+                                                         [](nlohmann::json& j) {
+                                                             j["sliding_window"] = nullptr;
+                                                             j["sliding_window_pattern"] = 0;
+                                                         }),
+                                                  "e.json");
+    EXPECT_TRUE(exaone_full.uniform());
+    expect_refused(edited("exaone-4.0-32b",
+                          [](nlohmann::json& j) {
+                              j["sliding_window"] = nullptr;
+                              j.erase("layer_types");
+                              j["sliding_window_pattern"] = 4;
+                          }),
+                   "give layer_types");
+    expect_refused(
+        edited("exaone-4.0-32b", [](nlohmann::json& j) { j["sliding_window_pattern"] = 0; }),
+        "sliding_window_pattern");
     // An integer pattern alone is Exaone4Config's derivation.
     const ModelSpec exaone_int = parse_hf_config(edited("exaone-4.0-32b",
                                                         [](nlohmann::json& j) {
