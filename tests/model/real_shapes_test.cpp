@@ -510,7 +510,9 @@ TEST(RealShapes, Gemma4AsVllmBuildsIt) {
             << l;
         EXPECT_EQ(d.layer(l).head_dim, full ? 512 : 256) << l;
         EXPECT_EQ(d.layer(l).num_kv_heads, 4) << l;
-        if (!full) EXPECT_EQ(d.layer(l).window, 512) << l;
+        if (!full) {
+            EXPECT_EQ(d.layer(l).window, 512) << l;
+        }
     }
     EXPECT_TRUE(d.tie_embeddings);
     // attention_k_eq_v: the full layers take num_global_key_value_heads.
