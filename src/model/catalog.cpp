@@ -163,6 +163,9 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
              m = with_max_len(
                  std::move(m), 163840,
                  "original_max_position_embeddings 4096 x rope_scaling yarn factor 40");
+             // num_nextn_predict_layers 1: one MTP layer, an MLA decoder layer with the MoE.
+             m.mtp.layers = 1;
+             m.mtp.layer = m.layer(m.num_layers - 1);
              return m;
          }},
         // Per-layer models, from their published config.json (tests/data/hf_configs/).
@@ -228,7 +231,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
                  "linear_num_key_heads": 16, "linear_num_value_heads": 32,
                  "linear_value_head_dim": 128, "mamba_ssm_dtype": "float32",
-                 "vocab_size": 248320, "rope_theta": 10000000, "rms_norm_eps": 1e-06,
+                 "mtp_num_hidden_layers": 1, "vocab_size": 248320, "rope_theta": 10000000, "rms_norm_eps": 1e-06,
                  "tie_word_embeddings": false})");
          }},
         // GLM-4.5-Air: 96 query heads of 128, 8 KV heads; 128 routed + 1 shared expert.
@@ -239,7 +242,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944,
                  "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
                  "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
-                 "vocab_size": 151552, "rope_theta": 1000000, "rms_norm_eps": 1e-05,
+                 "num_nextn_predict_layers": 1, "vocab_size": 151552, "rope_theta": 1000000, "rms_norm_eps": 1e-05,
                  "tie_word_embeddings": false, "torch_dtype": "bfloat16"})");
          }},
         // MiniMax-M2: full attention on all 62 layers, 256 experts of 1536.
@@ -261,7 +264,8 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "num_experts_per_tok": 8, "first_k_dense_replace": 3, "q_lora_rank": 1536,
                  "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                  "v_head_dim": 128, "index_head_dim": 128, "index_n_heads": 64,
-                 "index_topk": 2048, "vocab_size": 129280, "rms_norm_eps": 1e-06,
+                 "index_topk": 2048, "num_nextn_predict_layers": 1, "vocab_size": 129280,
+                 "rms_norm_eps": 1e-06,
                  "torch_dtype": "bfloat16", "quantization_config": {"activation_scheme":
                  "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                  "weight_block_size": [128, 128]}})");

@@ -1501,6 +1501,34 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         throw f.bad("use_sliding_window", "is true, but no layer slides (is sliding_window set?)");
 
     read_max_model_len(f, model_type, tokenizer_max_length, m);
+    // MTP layers (ModelSpec::mtp), as vLLM builds its drafter: num_nextn_predict_layers of them
+    // (DeepSeekMultiTokenPredictor, Glm4MoeMultiTokenPredictor), Qwen3.5's mtp_num_hidden_layers,
+    // and one for Qwen3-Next, whose config names none (Qwen3NextMultiTokenPredictor:
+    // getattr(config, "num_nextn_predict_layers", 1)). Each caches what the model's last attention
+    // layer caches and has its MLP (MoE past first_k_dense_replace; Qwen3-Next's sparse step 1).
+    int mtp_layers = f.int_or("num_nextn_predict_layers", 0);
+    const char* mtp_key = "num_nextn_predict_layers";
+    if (f.has("mtp_num_hidden_layers")) {
+        mtp_layers = f.int_or("mtp_num_hidden_layers", 0);
+        mtp_key = "mtp_num_hidden_layers";
+    } else if (model_type == "qwen3_next" && !f.has("num_nextn_predict_layers")) {
+        mtp_layers = 1;
+    }
+    if (mtp_layers < 0 || mtp_layers > 64)
+        throw f.bad(mtp_key, detail::concat("must be in [0, 64], got ", mtp_layers));
+    if (mtp_layers > 0) {
+        const auto last = std::find_if(layers.rbegin(), layers.rend(), [](const LayerSpec& s) {
+            return s.kind == LayerKind::kFullAttention || s.kind == LayerKind::kMla;
+        });
+        if (last == layers.rend())
+            throw f.bad(mtp_key,
+                        "is set, but no layer is full attention or MLA for kvshard to "
+                        "model the MTP layers on");
+        m.mtp.layers = mtp_layers;
+        m.mtp.layer = *last;
+        m.mtp.proj_split_by_tp = fam == Family::kQwen3Next;  // fc: ColumnParallelLinear
+    }
+
     m.layers = std::move(layers);
     if (m.uniform()) m.layers.clear();
     try {

@@ -465,6 +465,13 @@ void ModelSpec::validate() const {
         positive(indexer.heads, "indexer.heads");
         require(indexer.scale_bytes >= 0, "model '", name, "': indexer.scale_bytes must be >= 0");
     }
+    require(mtp.layers >= 0 && mtp.layers <= 64, "model '", name,
+            "': mtp.layers must be in [0, 64], got ", mtp.layers);
+    if (mtp.enabled())
+        require(mtp.layer.kind == (is_mla() ? LayerKind::kMla : LayerKind::kFullAttention),
+                "model '", name, "': an MTP layer must be ",
+                is_mla() ? "an MLA" : "a full-attention", " layer like the model's, got ",
+                layer_kind_name(mtp.layer.kind));
     validate_totals();
 }
 
@@ -506,6 +513,19 @@ ModelSpec with_full_attention(const ModelSpec& m) {
         s.window = 0;
     }
     if (out.uniform()) out.layers.clear();
+    out.validate();
+    return out;
+}
+
+ModelSpec with_mtp_layers(const ModelSpec& m) {
+    require(m.mtp.enabled(), "model '", m.name,
+            "' carries no MTP layers (num_nextn_predict_layers / mtp_num_hidden_layers)");
+    ModelSpec out = m;
+    out.layers.clear();
+    for (int l = 0; l < m.num_layers; ++l) out.layers.push_back(m.layer(l));
+    for (int i = 0; i < m.mtp.layers; ++i) out.layers.push_back(m.mtp.layer);
+    out.num_layers = m.num_layers + m.mtp.layers;
+    out.mtp = {};
     out.validate();
     return out;
 }
@@ -572,6 +592,18 @@ std::string to_json(const ModelSpec& m) {
                       {"conv_kernel", m.state.conv_kernel},
                       {"conv_dtype", dtype_name(m.state.conv_dtype)},
                       {"state_dtype", dtype_name(m.state.state_dtype)}};
+    }
+    if (m.mtp.enabled()) {
+        const LayerSpec& s = m.mtp.layer;
+        j["mtp"] = {{"layers", m.mtp.layers},
+                    {"proj_split_by_tp", m.mtp.proj_split_by_tp},
+                    {"layer",
+                     {{"kind", layer_kind_name(s.kind)},
+                      {"num_kv_heads", s.num_kv_heads},
+                      {"head_dim", s.head_dim},
+                      {"indexer", s.indexer},
+                      {"mlp", mlp_kind_name(s.mlp)},
+                      {"intermediate", s.intermediate}}}};
     }
     // A uniform sparse-MLA model (every layer keeps indexer keys) lists no layers.
     if (!m.layers.empty() || m.indexer.enabled())
@@ -656,6 +688,18 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
             m.indexer = {ix.at("heads").get<int>(), ix.at("head_dim").get<int>(),
                          ix.at("topk").get<int>(), parse_dtype(ix.at("dtype").get<std::string>()),
                          ix.at("scale_bytes").get<int>()};
+        }
+        if (j.contains("mtp")) {
+            const auto& t = j.at("mtp");
+            const auto& l = t.at("layer");
+            m.mtp.layers = t.at("layers").get<int>();
+            m.mtp.proj_split_by_tp = t.at("proj_split_by_tp").get<bool>();
+            m.mtp.layer.kind = parse_layer_kind(l.at("kind").get<std::string>());
+            m.mtp.layer.num_kv_heads = l.at("num_kv_heads").get<int>();
+            m.mtp.layer.head_dim = l.at("head_dim").get<int>();
+            m.mtp.layer.indexer = l.at("indexer").get<bool>();
+            m.mtp.layer.mlp = parse_mlp_kind(l.at("mlp").get<std::string>());
+            m.mtp.layer.intermediate = l.at("intermediate").get<int>();
         }
         m.validate();
         return m;

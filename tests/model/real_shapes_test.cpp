@@ -796,6 +796,7 @@ TEST(RealShapes, CatalogEntriesMatchTheirPublishedConfigs) {
         EXPECT_EQ(cat.layers, pub.layers);
         EXPECT_EQ(cat.state, pub.state);
         EXPECT_EQ(cat.indexer, pub.indexer);
+        EXPECT_EQ(cat.mtp, pub.mtp);
         EXPECT_EQ(cat.kv_bytes_per_token(), pub.kv_bytes_per_token());
         EXPECT_EQ(cat.total_params(), pub.total_params());
     }

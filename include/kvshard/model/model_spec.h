@@ -124,6 +124,25 @@ struct WeightStorage {
     bool operator==(const WeightStorage&) const = default;
 };
 
+// Multi-token-prediction (MTP) layers a checkpoint carries after its decoder layers, which vLLM
+// runs as the drafter of speculative decoding (--speculative-config '{"method": "mtp"}'). Each is
+// one decoder layer of the model's own kind (vLLM: DeepSeekMultiTokenPredictorLayer.mtp_block, a
+// DeepseekV2DecoderLayer with MLA; Glm4MoeMultiTokenPredictorLayer.mtp_block, a GQA
+// Glm4MoeDecoderLayer; Qwen3NextMultiTokenPredictor.layers, a Qwen3NextDecoderLayer of
+// layer_type "full_attention") plus a projection of [embedding; hidden] (2 x hidden -> hidden:
+// eh_proj, a plain nn.Linear held whole on every rank; Qwen3-Next's fc, a ColumnParallelLinear
+// split by TP) and three RMSNorms (enorm, hnorm, shared_head.norm; Qwen3-Next pre_fc_norm_hidden,
+// pre_fc_norm_embedding, norm). The embedding and LM head are the target's: vLLM's proposer shares
+// them (SpecDecodeBaseProposer._maybe_share_embeddings / _maybe_share_lm_head, "Detected MTP
+// model").
+struct MtpSpec {
+    int layers = 0;                 // num_nextn_predict_layers / mtp_num_hidden_layers; 0: none
+    LayerSpec layer;                // what each caches (kind, KV heads, indexer) and its MLP
+    bool proj_split_by_tp = false;  // Qwen3-Next's fc; false: eh_proj, replicated
+    bool enabled() const { return layers > 0; }
+    bool operator==(const MtpSpec&) const = default;
+};
+
 struct ModelSpec {
     std::string name;
     int num_layers = 0;
@@ -156,6 +175,7 @@ struct ModelSpec {
     std::vector<LayerSpec> layers;
     StateSpec state;      // used by kGatedDeltaNet / kMamba2 layers
     IndexerSpec indexer;  // used by layers with indexer = true
+    MtpSpec mtp;          // the checkpoint's MTP layers (not counted in num_layers)
 
     bool operator==(const ModelSpec&) const = default;
 
@@ -212,6 +232,11 @@ struct ModelSpec {
 // their heads, state and no-KV layers take the model's KV heads. What a reader that ignores
 // per-layer kinds would size; kept for comparisons (`--all-full-attention`).
 ModelSpec with_full_attention(const ModelSpec& m);
+
+// The model as vLLM's KV cache sees it when its MTP layers draft: mtp.layers copies of mtp.layer
+// appended after the decoder layers (num_layers + mtp.layers, every layer listed), mtp cleared.
+// Error when the model has no MTP layers.
+ModelSpec with_mtp_layers(const ModelSpec& m);
 
 // Bytes one token's MLA entry (latent and rope key, without indexer keys) takes in one layer:
 // (kv_lora_rank + qk_rope_head_dim) x the KV element size, except fp8 on a sparse-MLA model (one
