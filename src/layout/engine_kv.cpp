@@ -66,12 +66,17 @@ void separate(const KvLayout& l, int block_size, EngineKvArrangement& a) {
 
 // Blocks group g holds at the CP position cp_rank for a sequence of seq_len tokens, at most, on
 // the way to seq_len. A state group in align mode holds the block of the last boundary and the
-// running one for the step after the sequence crosses a block.
-int64_t peak_blocks(const ParallelConfig& p, const EngineKvGroup& g, MambaCacheMode mode,
+// running one for the step after the sequence crosses a block; speculating, it holds
+// num_speculative_blocks more (MambaManager.allocate_new_blocks: none mode asks for
+// block_size x num_speculative_blocks more tokens, align mode cdiv(n, B) + num_speculative_blocks
+// blocks of which all but the running state, its speculative ones and the last boundary's are
+// null).
+int64_t peak_blocks(const ParallelConfig& p, const EngineKvGroup& g, const EngineKvArrangement& a,
                     int cp_rank, int64_t seq_len) {
     if (holds_state(g.kind)) {
         if (seq_len <= 0) return 0;
-        return mode == MambaCacheMode::kAlign && seq_len > g.block_size ? 2 : 1;
+        return (a.mamba_cache_mode == MambaCacheMode::kAlign && seq_len > g.block_size ? 2 : 1) +
+               a.speculative_blocks;
     }
     const int64_t all = ceil_div(cp_tokens_before(p, cp_rank, seq_len, seq_len), g.block_size);
     if (g.window > 0) return std::min(all, ceil_div(g.window, g.block_size) + 1);
@@ -230,7 +235,7 @@ int64_t engine_request_blocks(const EngineKvArrangement& a, const ParallelConfig
     for (int c = 0; c < p.cp; ++c) {
         int64_t blocks = 0;
         for (const EngineKvGroup& g : a.groups)
-            blocks = sat_add(blocks, peak_blocks(p, g, a.mamba_cache_mode, c, seq_len));
+            blocks = sat_add(blocks, peak_blocks(p, g, a, c, seq_len));
         most = std::max(most, blocks);
     }
     return most;
@@ -256,7 +261,8 @@ int64_t engine_startup_blocks(const EngineKvArrangement& a, const ParallelConfig
                 break;
             case LayerKind::kGatedDeltaNet:
             case LayerKind::kMamba2:
-                need = a.mamba_cache_mode == MambaCacheMode::kAlign ? 2 : 1;
+                need =
+                    (a.mamba_cache_mode == MambaCacheMode::kAlign ? 2 : 1) + a.speculative_blocks;
                 break;
             default:
                 need = ceil_div(n, b);

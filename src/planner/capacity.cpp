@@ -27,6 +27,9 @@ void CapacityOptions::validate() const {
             "the context length must be in [0, 2^40] tokens, got ", context_tokens);
     require(max_num_batched_tokens >= 1 && max_num_batched_tokens <= kMaxContextTokens,
             "max_num_batched_tokens must be in [1, 2^40] tokens, got ", max_num_batched_tokens);
+    require(speculative_tokens >= 0 && speculative_tokens <= 1024,
+            "speculative_tokens must be in [0, 1024] (0: no speculative decoding), got ",
+            speculative_tokens);
 }
 
 int64_t cp_tokens_per_rank(const ParallelConfig& p, int64_t context_tokens) {
@@ -175,11 +178,51 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
     return w;
 }
 
-CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, const HardwareSpec& hw,
-                                const CapacityOptions& options) {
+namespace {
+
+// rank_drafter_weight_bytes over layouts already made: `target` of the model, `with_mtp` of
+// with_mtp_layers(model), both of the same ParallelConfig.
+int64_t drafter_bytes(const KvLayout& target, const KvLayout& with_mtp, int rank, int bits) {
+    const ModelSpec& m = target.model;
+    // The decoder layers: what the model with them appended holds beyond the model itself.
+    const int64_t layers = rank_weight_bytes(with_mtp, rank, bits).total() -
+                           rank_weight_bytes(target, rank, bits).total();
+    const double base = weight_part_bits(m, bits).base;
+    const int64_t h = m.hidden;
+    const int64_t proj = 2 * h * h / (m.mtp.proj_split_by_tp ? target.parallel.tp : 1);
+    const int64_t per_layer =
+        static_cast<int64_t>(std::ceil(static_cast<double>(proj + 3 * h) * base / 8.0));
+    return layers + per_layer * m.mtp.layers;
+}
+
+}  // namespace
+
+int64_t rank_drafter_weight_bytes(const ModelSpec& m, const ParallelConfig& p, int rank, int bits) {
+    require(m.mtp.enabled(), "model '", m.name,
+            "' carries no MTP layers (num_nextn_predict_layers / mtp_num_hidden_layers)");
+    require(p.pp == 1, "MTP drafter weights are modelled at pp 1, got pp ", p.pp);
+    return drafter_bytes(make_layout(m, p), make_layout(with_mtp_layers(m), p), rank, bits);
+}
+
+CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p,
+                                const HardwareSpec& hw, const CapacityOptions& options) {
     options.validate();
     hw.validate();
-    m.check_sequence_length(options.context_tokens, options.allow_long_context, "a context");
+    target.check_sequence_length(options.context_tokens, options.allow_long_context, "a context");
+    const bool speculating = options.speculative_tokens > 0;
+    if (speculating) {
+        require(target.mtp.enabled(), "speculative decoding with MTP needs MTP layers, and model '",
+                target.name,
+                "' carries none (its config.json sets no num_nextn_predict_layers / "
+                "mtp_num_hidden_layers): leave speculation off, or use a checkpoint with MTP "
+                "layers (DeepSeek-V3/R1, GLM-4.5, Qwen3-Next, Qwen3.5)");
+        require(p.pp == 1,
+                "speculative decoding with MTP is modelled at pp 1 only (the drafter's "
+                "stage and its own embedding there are not), got pp ",
+                p.pp);
+    }
+    // Speculating, the KV cache holds the MTP layers beside the model's own.
+    const ModelSpec m = speculating ? with_mtp_layers(target) : target;
     const KvLayout layout = make_layout(m, p);
     const int64_t usable =
         static_cast<int64_t>(static_cast<double>(hw.memory_bytes) * options.mem_util);
@@ -187,6 +230,9 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
     CapacityReport rep;
     rep.engine = engine_kv_arrangement(layout, options.block_size, options.raise_block_size,
                                        options.mamba_cache_mode);
+    rep.engine.speculative_blocks = options.speculative_tokens;
+    const int bits = weight_bits(target, options.weight_dtype);
+    const KvLayout target_layout = speculating ? make_layout(target, p) : layout;
     const EngineKvArrangement& eng = rep.engine;
     const bool separate = eng.kind == EngineKvKind::kSeparate;
     const int64_t bs = eng.block_size;
@@ -200,7 +246,8 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
     for (int r = 0; r < layout.world_size(); ++r) {
         RankCapacity& rc = rep.ranks[r];
         rc.rank = r;
-        rc.weights = rank_weight_bytes(layout, r, weight_bits(m, options.weight_dtype));
+        rc.weights = rank_weight_bytes(target_layout, r, bits);
+        if (speculating) rc.weights.drafter = drafter_bytes(target_layout, layout, r, bits);
         rc.kv_bytes_per_token = layout.ranks[r].kv_bytes_per_token;
         rc.state_bytes_per_sequence = layout.ranks[r].state_bytes_per_sequence;
         rc.kv_budget_bytes = usable - rc.weights.total() - options.activation_reserve_bytes;
@@ -220,6 +267,14 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
     rep.kv_blocks_per_gpu = rep.ranks[lim].kv_blocks;
     rep.kv_tokens_per_gpu = rep.ranks[lim].kv_tokens;
 
+    // kSeparate: a request's peak bytes on rank r, with a state per speculative token beside each
+    // state layer's own (MambaSpec.num_speculative_blocks).
+    auto separate_request_bytes = [&](int r, int64_t len) {
+        const int64_t need = request_kv_bytes_peak(layout, r, len, options.block_size);
+        if (need <= 0) return need;
+        return sat_add(
+            need, sat_mul(options.speculative_tokens, layout.ranks[r].state_bytes_per_sequence));
+    };
     // Whether vLLM starts with max_model_len = len (kSeparate: whether a request of len fits on
     // every rank at once, each windowed group counted at the most blocks it holds on the way).
     // Non-decreasing in len, so a bisection finds the longest.
@@ -228,7 +283,7 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
             return engine_startup_blocks(eng, p, len, options.max_num_batched_tokens) <=
                    rep.kv_blocks_per_gpu;
         for (int r = 0; r < layout.world_size(); ++r) {
-            const int64_t need = request_kv_bytes_peak(layout, r, len, options.block_size);
+            const int64_t need = separate_request_bytes(r, len);
             if (need > 0 && need > rep.ranks[r].kv_budget_bytes) return false;
         }
         return true;
@@ -257,8 +312,7 @@ CapacityReport compute_capacity(const ModelSpec& m, const ParallelConfig& p, con
     } else if (options.context_tokens > 0) {
         int64_t fewest = INT64_MAX;
         for (int r = 0; r < layout.world_size(); ++r) {
-            const int64_t need =
-                request_kv_bytes_peak(layout, r, options.context_tokens, options.block_size);
+            const int64_t need = separate_request_bytes(r, options.context_tokens);
             if (r == lim) rep.request_kv_bytes = need;
             if (need <= 0) continue;
             const int64_t budget = std::max<int64_t>(0, rep.ranks[r].kv_budget_bytes);

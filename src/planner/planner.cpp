@@ -172,8 +172,11 @@ std::vector<PlanEntry> plan(const ModelSpec& m, const HardwareSpec& hw, const Pl
     r.validate();
     hw.validate();
     std::vector<PlanEntry> entries;
-    for (const ParallelConfig& p : enumerate_configs(m, r.gpus, r.cp_scheme))
+    for (const ParallelConfig& p : enumerate_configs(m, r.gpus, r.cp_scheme)) {
+        // MTP speculation is modelled at pp 1 (CapacityOptions::speculative_tokens).
+        if (r.capacity.speculative_tokens > 0 && p.pp > 1) continue;
         entries.push_back(evaluate_config(m, hw, r, p));
+    }
     auto key = [&](const PlanEntry& e) {
         switch (r.objective) {
             case Objective::kTtft:
@@ -247,6 +250,8 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
             j["cp_pass_kv_hidden"] = k.cp_prefill.pass_kv_hidden;
             j["cp_decode_merge"] = cp_merge_policy_name(k.cp_decode.chosen);
         }
+        if (r.capacity.speculative_tokens > 0)
+            j["drafter_weight_bytes_per_gpu"] = c.ranks[c.limiting_rank].weights.drafter;
         if (!e.fits) j["why_not"] = c.why_not;
         configs.push_back(std::move(j));
     }
@@ -262,6 +267,13 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
                                   {"weight_dtype", weight_dtype_name(r.weight_dtype)},
                                   {"prefix_hit_rate", r.prefix_hit_rate},
                                   {"configs", configs}};
+    if (r.capacity.speculative_tokens > 0) {
+        // Placed before "configs" so the request's fields stay together.
+        out.erase("configs");
+        out["speculative_method"] = "mtp";
+        out["speculative_tokens"] = r.capacity.speculative_tokens;
+        out["configs"] = configs;
+    }
     return out.dump(2);
 }
 

@@ -65,6 +65,10 @@ struct EngineKvArrangement {
     // outside them; kSeparate: the token groups' blocks, state not included).
     std::vector<int64_t> block_bytes;                          // indexed by rank
     MambaCacheMode mamba_cache_mode = MambaCacheMode::kAlign;  // how state groups count blocks
+    // Extra state blocks a request holds in each Mamba/GDN group while speculating: vLLM's
+    // MambaSpec.num_speculative_blocks, the number of speculative tokens
+    // (MambaBase.get_kv_cache_spec), one state per draft token a step may verify.
+    int speculative_blocks = 0;
     std::string note;  // why kSeparate, or what vLLM does that differs from the options given
     int padding_slots() const;  // group_size x groups - layers (kHybrid), else 0
     bool operator==(const EngineKvArrangement&) const = default;
@@ -81,12 +85,13 @@ EngineKvArrangement engine_kv_arrangement(const KvLayout& l, int block_size,
 // Blocks one request holds across all groups, at the busiest CP rank of a sequence of `seq_len`
 // tokens: full groups ceil(n / B), windowed groups the most blocks they hold at any length up to
 // seq_len (min(ceil(n / B), ceil(W / B) + 1)), state groups 1 (kAlign: 2 once seq_len exceeds
-// their block). Not for kSeparate.
+// their block) + speculative_blocks. Not for kSeparate.
 int64_t engine_request_blocks(const EngineKvArrangement& a, const ParallelConfig& p,
                               int64_t seq_len);
 // Blocks vLLM's startup check charges one request of max_model_len M
 // (_max_memory_usage_bytes_from_groups): full ceil(n / B), sliding ceil(min(W - 1 + T, M) / B) +
-// 1, chunked ceil(min(C + T, M) / B), state 1 (kAlign: 2), T = max_num_batched_tokens (the
+// 1, chunked ceil(min(C + T, M) / B), state 1 (kAlign: 2) + speculative_blocks
+// (MambaSpec.max_memory_usage_bytes), T = max_num_batched_tokens (the
 // chunked-prefill tokens a step may add). kUniform: the most any of its kinds needs. Not for
 // kSeparate.
 int64_t engine_startup_blocks(const EngineKvArrangement& a, const ParallelConfig& p,

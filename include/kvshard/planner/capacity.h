@@ -61,6 +61,19 @@ struct CapacityOptions {
     // A context_tokens above the model's max_model_len (ModelSpec) is refused, as vLLM refuses
     // such a --max-model-len; true: sized anyway, as vLLM with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.
     bool allow_long_context = false;
+    // Speculative decoding with the model's MTP layers as drafter (vLLM --speculative-config
+    // '{"method": "mtp", "num_speculative_tokens": N}'); 0: off. Speculating, as vLLM does:
+    //  - the MTP layers' KV joins the KV cache config (gpu_model_runner.get_kv_cache_spec walks
+    //    every attention layer of the forward context, the drafter's included): an MLA or full
+    //    attention layer more in its kind's groups (with_mtp_layers);
+    //  - their weights take memory on every rank (WeightBytes::drafter);
+    //  - each Mamba/GDN group holds N more state blocks per request (speculative_blocks);
+    //  - the scheduler asks for N lookahead slots per request (Scheduler.num_lookahead_tokens),
+    //    but KVCacheManager.allocate_slots caps a request's slots at max_model_len, which is
+    //    context_tokens here: a request of context_tokens holds no more attention blocks.
+    // Error on a model without MTP layers; pipeline parallelism is refused (the drafter's stage and
+    // its own embedding there are not modelled).
+    int speculative_tokens = 0;
     void validate() const;  // throws Error on a bad value
 };
 
@@ -73,7 +86,12 @@ struct WeightBytes {
     int64_t embedding = 0;  // first PP stage, vocab split by tp
     int64_t lm_head = 0;    // last PP stage, vocab split by tp (also when tied and pp > 1)
     int64_t norms = 0;      // RMSNorm weights, replicated
-    int64_t total() const { return attention + dense_mlp + experts + embedding + lm_head + norms; }
+    // Speculating with MTP (CapacityOptions::speculative_tokens): the MTP layers' decoder layers
+    // (sized as the model's own layers), their eh_proj / fc and three norms each.
+    int64_t drafter = 0;
+    int64_t total() const {
+        return attention + dense_mlp + experts + embedding + lm_head + norms + drafter;
+    }
     bool operator==(const WeightBytes&) const = default;
 };
 
@@ -132,6 +150,13 @@ struct CapacityReport {
 // part at its weight_storage bits, or the model's dtype; parts left at bits that are not a multiple
 // of 8 are rounded up to whole bytes per part).
 WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits = 0);
+
+// Weight bytes the MTP drafter adds on `rank` of a layout of `m` (pp 1): its decoder layers as
+// rank_weight_bytes sizes the model's own, plus per layer the 2 x hidden -> hidden projection at
+// the unquantized weight bits (eh_proj, held whole on every rank; Qwen3-Next's fc split by tp) and
+// three hidden-wide norms. Error when m has no MTP layers.
+int64_t rank_drafter_weight_bytes(const ModelSpec& m, const ParallelConfig& p, int rank,
+                                  int bits = 0);
 
 // Tokens of a sequence of `context_tokens` that the busiest CP rank stores (cp_token_ranges).
 int64_t cp_tokens_per_rank(const ParallelConfig& p, int64_t context_tokens);

@@ -1,0 +1,247 @@
+// Capacity with speculative decoding by the model's MTP layers, against vLLM v1, each expected
+// figure derived here from vLLM's source (vllm-project/vllm):
+//  - the drafter's attention layers join the KV cache spec (GPUModelRunner.get_kv_cache_spec
+//    walks every AttentionLayerBase of the forward context, the drafter's included) and are
+//    grouped with the model's own layers of their kind (kv_cache_utils.get_kv_cache_groups);
+//  - the drafter is one decoder layer per MTP layer (DeepSeekMultiTokenPredictorLayer.mtp_block,
+//    Glm4MoeMultiTokenPredictorLayer.mtp_block, Qwen3NextMultiTokenPredictor.layers) with eh_proj
+//    (nn.Linear(2h, h), whole on every rank) or fc (ColumnParallelLinear(2h, h), split by TP) and
+//    three RMSNorms; embedding and LM head shared with the target
+//    (SpecDecodeBaseProposer._maybe_share_embeddings / _maybe_share_lm_head);
+//  - Mamba/GDN groups: MambaSpec.num_speculative_blocks = num_speculative_tokens
+//    (MambaBase.get_kv_cache_spec); a request holds 1 + N state blocks (mode none) or 2 + N (align,
+//    MambaManager.allocate_new_blocks), and the startup check charges the same
+//    (MambaSpec.max_memory_usage_bytes);
+//  - the scheduler's lookahead (Scheduler.num_lookahead_tokens = N for method mtp) is capped at
+//    max_model_len by KVCacheManager.allocate_slots, so a request of max_model_len tokens holds no
+//    more attention blocks.
+// H100-80G (DeepSeek-V3: H200), mem_util 0.9, 2 GiB reserve, block 16 (raised for Qwen3-Next),
+// context 8192.
+#include <gtest/gtest.h>
+
+#include "kvshard/common/error.h"
+#include "kvshard/model/catalog.h"
+#include "kvshard/planner/capacity.h"
+#include "kvshard/planner/hardware.h"
+
+namespace kvshard {
+namespace {
+
+const std::string kData = KVSHARD_TEST_DATA_DIR;
+
+ParallelConfig tp(int n) {
+    ParallelConfig p;
+    p.tp = n;
+    return p;
+}
+
+CapacityReport on_gpu(const std::string& gpu, const ModelSpec& m, int tp_size,
+                      int speculative_tokens, CapacityOptions o = {}) {
+    o.context_tokens = 8192;
+    o.speculative_tokens = speculative_tokens;
+    return compute_capacity(m, tp(tp_size), hardware_by_name(gpu), o);
+}
+
+CapacityReport on_h100(const ModelSpec& m, int tp_size, int speculative_tokens,
+                       CapacityOptions o = {}) {
+    return on_gpu("h100-sxm", m, tp_size, speculative_tokens, o);
+}
+
+// DeepSeek-V3's 671B fp8 weights do not fit 8 x H100 (80 GiB); 8 x H200 (141 GiB).
+CapacityReport on_h200(const ModelSpec& m, int tp_size, int speculative_tokens) {
+    return on_gpu("h200", m, tp_size, speculative_tokens);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+TEST(CapacityMtp, ConfigsRecordTheirMtpLayers) {
+    const ModelSpec ds = load_hf_config(kData + "/hf_configs/deepseek-v3.json");
+    EXPECT_EQ(ds.mtp.layers, 1);  // num_nextn_predict_layers
+    EXPECT_EQ(ds.mtp.layer.kind, LayerKind::kMla);
+    EXPECT_EQ(ds.mtp.layer.mlp, MlpKind::kMoe);
+    EXPECT_FALSE(ds.mtp.proj_split_by_tp);
+    EXPECT_EQ(ds.num_layers, 61);  // not counted among the decoder layers
+    EXPECT_EQ(catalog_model("deepseek-v3").mtp, ds.mtp);
+
+    const ModelSpec glm = load_hf_config(kData + "/hf_configs/glm-4.5-air.json");
+    EXPECT_EQ(glm.mtp.layers, 1);
+    EXPECT_EQ(glm.mtp.layer.kind, LayerKind::kFullAttention);
+    EXPECT_EQ(glm.mtp.layer.num_kv_heads, 8);
+    EXPECT_EQ(glm.mtp.layer.head_dim, 128);
+    EXPECT_EQ(glm.mtp.layer.mlp, MlpKind::kMoe);
+
+    // Qwen3-Next's config names no count: vLLM builds one (num_nextn_predict_layers default 1).
+    const ModelSpec qn = load_hf_config(kData + "/hf_configs/qwen3-next-80b-a3b.json");
+    EXPECT_EQ(qn.mtp.layers, 1);
+    EXPECT_EQ(qn.mtp.layer.kind, LayerKind::kFullAttention);
+    EXPECT_EQ(qn.mtp.layer.num_kv_heads, 2);
+    EXPECT_EQ(qn.mtp.layer.head_dim, 256);
+    EXPECT_TRUE(qn.mtp.proj_split_by_tp);
+    const ModelSpec q35 = load_hf_config(kData + "/hf_configs/qwen3.5-35b-a3b.json");
+    EXPECT_EQ(q35.mtp.layers, 1);  // mtp_num_hidden_layers
+
+    EXPECT_FALSE(load_hf_config(kData + "/hf_configs/qwen3-8b.json").mtp.enabled());
+
+    // The MTP layers survive the model's JSON.
+    EXPECT_EQ(model_spec_from_json(to_json(qn)), qn);
+    EXPECT_EQ(model_spec_from_json(to_json(ds)), ds);
+}
+
+TEST(CapacityMtp, DeepSeekV3Tp8AddsAnMlaLayerToItsOneGroup) {
+    const ModelSpec m = catalog_model("deepseek-v3");
+    const CapacityReport off = on_h200(m, 8, 0);
+    const CapacityReport on = on_h200(m, 8, 3);
+    ASSERT_TRUE(on.fits) << on.why_not;
+
+    // The drafter on each of 8 ranks. Attention (MLA, DeepseekV2MLAAttention): q_a_proj and
+    // kv_a_proj_with_mqa whole, q_b_proj / kv_b_proj / o_proj split over the 128 heads (16 here),
+    // fp8 with one fp32 scale per 128 x 128 block (8 + 32/16384 bits).
+    const int64_t h = 7168, heads = 16;
+    const int64_t mla = h * 1536 + 1536 * heads * 192 + h * (512 + 64) + 512 * heads * (128 + 128) +
+                        heads * 128 * h;
+    EXPECT_EQ(mla, 36634624);
+    const int64_t mla_bytes = mla + mla / 4096;  // x (1 + 1/4096): the block scales
+    // MoE (FusedMoE split by tp at ep 1): 256 routed + 1 shared expert of 3 x 7168 x 2048, fp8;
+    // the gate (7168 x 256) in bf16.
+    const int64_t expert = 3 * h * 2048;
+    const int64_t experts = (256 * expert + expert) / 8;
+    const int64_t moe_bytes = experts + experts / 4096 + 2 * h * 256;
+    // Norms in bf16: the layer's two, q_a_layernorm (1536), kv_a_layernorm (512); then eh_proj
+    // (2h x h, unquantized nn.Linear, whole) with enorm, hnorm and shared_head.norm.
+    const int64_t norm_bytes = 2 * (2 * h + 1536 + 512);
+    const int64_t eh_bytes = 2 * (2 * h * h + 3 * h);
+    const int64_t drafter = mla_bytes + moe_bytes + norm_bytes + eh_bytes;
+    EXPECT_EQ(drafter, 1661046832);  // 1.55 GiB per GPU
+    EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
+    EXPECT_EQ(off.ranks[0].weights.drafter, 0);
+    EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
+
+    // One uniform MLA group: a block is 16 tokens x 576 bf16 in each of 61 (62) layers.
+    EXPECT_EQ(on.engine.kind, EngineKvKind::kUniform);
+    EXPECT_EQ(off.engine.block_bytes[0], 16 * 1152 * 61);
+    EXPECT_EQ(on.engine.block_bytes[0], 16 * 1152 * 62);
+    EXPECT_EQ(on.kv_bytes_per_token, 1152 * 62);
+    const int64_t blocks = on.ranks[0].kv_budget_bytes / (16 * 1152 * 62);
+    EXPECT_EQ(on.kv_blocks_per_gpu, blocks);
+    EXPECT_EQ(on.kv_tokens_per_gpu, blocks * 16);
+    EXPECT_EQ(on.max_context, blocks * 16);  // the startup check: ceil(M / 16) <= blocks
+    // A request of max_model_len = 8192 tokens: its lookahead slots are capped at max_model_len.
+    EXPECT_EQ(on.request_blocks, 8192 / 16);
+    EXPECT_EQ(on.requests_per_replica, blocks / 512);
+    // Switched off, the figures are the model's own: more blocks, more tokens and requests.
+    EXPECT_EQ(off.kv_blocks_per_gpu, off.ranks[0].kv_budget_bytes / (16 * 1152 * 61));
+    EXPECT_GT(off.kv_tokens_per_gpu, on.kv_tokens_per_gpu);
+    EXPECT_GT(off.requests_per_replica, on.requests_per_replica);
+    // The count of draft tokens moves nothing for a model without state layers.
+    EXPECT_EQ(on_h200(m, 8, 1).kv_blocks_per_gpu, blocks);
+    EXPECT_EQ(on_h200(m, 8, 1).requests_per_replica, on.requests_per_replica);
+}
+
+TEST(CapacityMtp, GlmAirTp4AddsAGqaLayer) {
+    const ModelSpec m = load_hf_config(kData + "/hf_configs/glm-4.5-air.json");
+    const CapacityReport off = on_h100(m, 4, 0);
+    const CapacityReport on = on_h100(m, 4, 1);
+    // Glm4MoeDecoderLayer at tp 4: 24 of 96 query heads, 2 of 8 KV heads of 128 (Q, K, V, O);
+    // 128 routed + 1 shared expert of 3 x 4096 x 1408 split by tp, the gate whole; two norms;
+    // eh_proj 2h x h whole and three norms. All bf16.
+    const int64_t h = 4096;
+    const int64_t attn = 2 * h * 24 * 128 + 2 * h * 2 * 128;
+    const int64_t expert = 3 * h * 1408;
+    const int64_t moe = (128 * expert + expert) / 4 + h * 128;
+    const int64_t drafter = 2 * (attn + moe + 2 * h + 2 * h * h + 3 * h);
+    EXPECT_EQ(drafter, 1238671360);
+    EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
+    EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
+    // One full-attention group of 46 (47) layers; a page is 16 tokens x 2 x 2 heads x 128 x bf16.
+    const int64_t page = 16 * 2 * 2 * 128 * 2;
+    EXPECT_EQ(off.engine.block_bytes[0], page * 46);
+    EXPECT_EQ(on.engine.block_bytes[0], page * 47);
+    const int64_t blocks = on.ranks[0].kv_budget_bytes / (page * 47);
+    EXPECT_EQ(on.kv_blocks_per_gpu, blocks);
+    EXPECT_EQ(on.kv_tokens_per_gpu, blocks * 16);
+    EXPECT_EQ(on.requests_per_replica, blocks / 512);
+    EXPECT_EQ(off.requests_per_replica, off.ranks[0].kv_budget_bytes / (page * 46) / 512);
+    EXPECT_GT(off.requests_per_replica, on.requests_per_replica);
+}
+
+TEST(CapacityMtp, QwenNextTp4RegroupsAndHoldsSpeculativeStates) {
+    const ModelSpec m = catalog_model("qwen3-next-80b-a3b");
+    const CapacityReport off = on_h100(m, 4, 0);
+    const CapacityReport on = on_h100(m, 4, 2);
+    // Pages at tp 4: one token of a full layer 2 x 1 KV head (2 replicated over 4) x 256 x 2 =
+    // 1024 B; a GDN state (3 x (2 x 4 x 128 + 8 x 128) conv + 8 x 128 x 128 recurrent) x 2 B =
+    // 274,432 B. vLLM's block: 16 x cdiv(274432, 16 x 1024) = 272 tokens, a page of 278,528 B.
+    const int64_t page = 272 * 1024;
+    EXPECT_EQ(on.engine.block_size, 272);
+    EXPECT_EQ(on.engine.page_bytes, page);
+    // Off: 12 full + 36 GDN layers, groups of 12 (36 >= 1.5 x 12): 1 + 3 groups, no padding.
+    EXPECT_EQ(off.engine.group_size, 12);
+    EXPECT_EQ(off.engine.padding_slots(), 0);
+    EXPECT_EQ(off.engine.block_bytes[0], page * 12);
+    // On: 13 full (the MTP layer) + 36 GDN: groups of 13 (36 >= 1.5 x 13), the GDN layers in
+    // cdiv(36, 13) = 3 groups of 12, 3 padding slots; a block id takes 13 pages.
+    EXPECT_EQ(on.engine.group_size, 13);
+    EXPECT_EQ(on.engine.groups.size(), 4u);
+    EXPECT_EQ(on.engine.padding_slots(), 3);
+    EXPECT_EQ(on.engine.block_bytes[0], page * 13);
+    EXPECT_EQ(on.engine.speculative_blocks, 2);
+
+    // Drafter at tp 4: Q/K/V/O of 4 query heads and 1 KV head of 256 (as kvshard sizes the
+    // model's own full layers), 512 routed + 1 shared expert of 3 x 2048 x 512 split by tp, the
+    // gate whole, two norms; fc (2h x h) split by tp and three norms. bf16.
+    const int64_t h = 2048;
+    const int64_t attn = 2 * h * 4 * 256 + 2 * h * 1 * 256;
+    const int64_t expert = 3 * h * 512;
+    const int64_t moe = (512 * expert + expert) / 4 + h * 512;
+    const int64_t drafter = 2 * (attn + moe + 2 * h + 2 * h * h / 4 + 3 * h);
+    EXPECT_EQ(drafter, 823676928);
+    EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
+    EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
+
+    const int64_t blocks = on.ranks[0].kv_budget_bytes / (page * 13);
+    EXPECT_EQ(on.kv_blocks_per_gpu, blocks);
+    EXPECT_EQ(on.kv_tokens_per_gpu, blocks / 4 * 272);  // vLLM logs blocks / groups x block
+    // A request of 8192 tokens (align mode, past one block): the full group cdiv(8192, 272) = 31
+    // blocks, each GDN group 2 + 2 speculative state blocks.
+    EXPECT_EQ(on.request_blocks, ceil_div(8192, 272) + 3 * (2 + 2));
+    EXPECT_EQ(on.request_blocks, 43);
+    EXPECT_EQ(off.request_blocks, 31 + 3 * 2);
+    EXPECT_EQ(on.requests_per_replica, blocks / 43);
+    // vLLM's startup check: cdiv(M, 272) + 3 x (2 + 2) <= blocks.
+    EXPECT_EQ(on.max_context, (blocks - 12) * 272);
+    EXPECT_GT(off.requests_per_replica, on.requests_per_replica);
+
+    // Prefix caching off (mamba_cache_mode none): 1 + 2 state blocks per GDN group.
+    CapacityOptions none;
+    none.mamba_cache_mode = MambaCacheMode::kNone;
+    const CapacityReport on_none = on_h100(m, 4, 2, none);
+    EXPECT_EQ(on_none.request_blocks, 31 + 3 * (1 + 2));
+    EXPECT_EQ(on_none.max_context, (on_none.kv_blocks_per_gpu - 9) * 272);
+    // More draft tokens, more state blocks per request: fewer requests, same pool.
+    const CapacityReport on4 = on_h100(m, 4, 4);
+    EXPECT_EQ(on4.kv_blocks_per_gpu, blocks);
+    EXPECT_EQ(on4.request_blocks, 31 + 3 * (2 + 4));
+    EXPECT_EQ(on4.requests_per_replica, blocks / 49);
+}
+
+TEST(CapacityMtp, RefusesAModelWithoutMtpLayersAndPipelineStages) {
+    const ModelSpec plain = load_hf_config(kData + "/hf_configs/qwen3-8b.json");
+    try {
+        on_h100(plain, 1, 2);
+        FAIL() << "speculation accepted on a model without MTP layers";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("carries none"), std::string::npos) << e.what();
+    }
+    ParallelConfig pp2;
+    pp2.pp = 2;
+    CapacityOptions o;
+    o.speculative_tokens = 1;
+    EXPECT_THROW(
+        compute_capacity(catalog_model("glm-4.5-air"), pp2, hardware_by_name("h100-sxm"), o),
+        Error);
+    o.speculative_tokens = -1;
+    EXPECT_THROW(o.validate(), Error);
+}
+
+}  // namespace
+}  // namespace kvshard
