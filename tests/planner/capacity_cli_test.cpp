@@ -71,5 +71,48 @@ TEST(CapacityCli, MaxNumBatchedTokensMovesTheLongestRequest) {
         << bad.out;
 }
 
+TEST(CapacityCli, SpeculativeMtpIsExplainedAndRefusedWhereItCannotApply) {
+    const std::string qn = "plan -m qwen3-next-80b-a3b -n 4 -c 8192 --explain tp=4";
+    const auto on = run_cli(qn + " --speculative-method mtp --speculative-tokens 2");
+    ASSERT_EQ(on.status, 0) << on.out;
+    EXPECT_NE(on.out.find("speculating with 1 MTP layer drafting 2 tokens"), std::string::npos)
+        << on.out;
+    EXPECT_NE(on.out.find("4 groups (3 gated_deltanet + 1 full) of 13 layer slots, 3 of them "
+                          "padding"),
+              std::string::npos)
+        << on.out;
+    EXPECT_NE(on.out.find("holds at most 43 blocks"), std::string::npos) << on.out;
+    EXPECT_NE(on.out.find("state groups 2 (align: past one block) + 2 speculative"),
+              std::string::npos)
+        << on.out;
+    EXPECT_NE(on.out.find("MTP drafter weights per GPU 0.8 GiB"), std::string::npos) << on.out;
+    const auto off = run_cli(qn);
+    ASSERT_EQ(off.status, 0) << off.out;
+    EXPECT_EQ(off.out.find("speculat"), std::string::npos) << off.out;
+    EXPECT_NE(off.out.find("holds at most 37 blocks"), std::string::npos) << off.out;
+
+    for (auto [flags, says] : {
+             std::pair{"-m tiny --speculative-method mtp --speculative-tokens 2",
+                       "speculative decoding with MTP needs MTP layers, and model 'tiny' carries "
+                       "none"},
+             {"-m glm-4.5-air --speculative-method mtp --speculative-tokens 0",
+              "--speculative-tokens must be an integer in [1, 1024]"},
+             {"-m glm-4.5-air --speculative-tokens 2",
+              "needs the drafter: give "
+              "--speculative-method mtp"},
+             {"-m glm-4.5-air --speculative-method mtp", "needs --speculative-tokens N"},
+             {"-m glm-4.5-air --speculative-method eagle --speculative-tokens 2",
+              "unknown --speculative-method 'eagle'"},
+             {"-m glm-4.5-air --speculative-method mtp --speculative-tokens 2 --disagg",
+              "modelled for aggregated plans only"},
+             {"-m glm-4.5-air --speculative-method mtp --speculative-tokens 2 --explain pp=2,tp=2",
+              "modelled at pp 1 only"},
+         }) {
+        const auto r = run_cli(std::string("plan -n 4 -c 1024 ") + flags);
+        EXPECT_EQ(r.status, 2) << flags << "\n" << r.out;
+        EXPECT_NE(r.out.find(says), std::string::npos) << flags << "\n" << r.out;
+    }
+}
+
 }  // namespace
 }  // namespace kvshard

@@ -38,7 +38,31 @@ struct PlanFlags {
     int64_t output_tokens = 0;  // 0: 256, or the trace's mean
     std::string trace;
     std::string route = "kvshard";
+    std::string speculative_method;  // "mtp"; empty: no speculative decoding
+    int speculative_tokens = 0;
+    const CLI::Option* speculative_tokens_option = nullptr;
 };
+
+// --speculative-method / --speculative-tokens: both or neither; the method vLLM's MTP drafter
+// runs as ("mtp") and N >= 1.
+int speculative_tokens(const PlanFlags& f) {
+    const bool tokens_given = f.speculative_tokens_option->count() > 0;
+    if (f.speculative_method.empty()) {
+        require(!tokens_given, "--speculative-tokens ", f.speculative_tokens,
+                " needs the drafter: give --speculative-method mtp (the model's MTP layers, the "
+                "only method modelled)");
+        return 0;
+    }
+    require(f.speculative_method == "mtp", "unknown --speculative-method '", f.speculative_method,
+            "': expected mtp (the model's MTP layers draft, as vLLM's method \"mtp\")");
+    require(tokens_given,
+            "--speculative-method mtp needs --speculative-tokens N (tokens drafted per step, "
+            "N >= 1)");
+    require(f.speculative_tokens >= 1 && f.speculative_tokens <= 1024,
+            "--speculative-tokens must be an integer in [1, 1024] (tokens drafted per step), got ",
+            f.speculative_tokens);
+    return f.speculative_tokens;
+}
 
 std::string gib(double b) { return fmt::format("{:.1f}", b / (1 << 30)); }
 
@@ -82,6 +106,14 @@ void print_phase(const char* title, const PhaseCost& ph, int pp, const char* pp_
                secs_bytes(ph.tp_s, ph.tp_bytes), secs_bytes(ph.pp_s, ph.pp_bytes),
                secs_bytes(ph.cp_s, ph.cp_bytes), secs_bytes(ph.ep_s, ph.ep_bytes));
     if (ph.pp_bubble_s > 0) fmt::print("  pipeline bubble {}\n", seconds(ph.pp_bubble_s));
+}
+
+// ", speculating with 1 MTP layer drafting 3 tokens" when speculating, else "".
+std::string speculation(const ModelSpec& m, const CapacityOptions& o) {
+    if (o.speculative_tokens == 0) return "";
+    return fmt::format(", speculating with {} MTP layer{} drafting {} token{}", m.mtp.layers,
+                       m.mtp.layers == 1 ? "" : "s", o.speculative_tokens,
+                       o.speculative_tokens == 1 ? "" : "s");
 }
 
 // Where the capacity figures come from: vLLM's arrangement of the KV cache (engine_kv.h).
@@ -141,7 +173,9 @@ std::string engine_kv_summary(const CapacityReport& c, const CapacityOptions& o,
     // vLLM's MambaManager in align mode keeps a boundary's state block beside the running one,
     // and its startup check charges both.
     const bool align = a.mamba_cache_mode == MambaCacheMode::kAlign;
-    const std::string_view state_blocks = align ? "2 (align: past one block)" : "1";
+    const std::string spec =
+        a.speculative_blocks > 0 ? fmt::format(" + {} speculative", a.speculative_blocks) : "";
+    const std::string state_blocks = (align ? "2 (align: past one block)" : "1") + spec;
     if (context > 0)
         out += fmt::format(
             "\nA request of {} tokens holds at most {} blocks{}, so {} / {} = {} per "
@@ -160,7 +194,7 @@ std::string engine_kv_summary(const CapacityReport& c, const CapacityOptions& o,
         sliding ? fmt::format(", sliding ceil(min(W - 1 + {}, M)/B) + 1", o.max_num_batched_tokens)
                 : "",
         chunked ? fmt::format(", chunked ceil(min(C + {}, M)/B)", o.max_num_batched_tokens) : "",
-        state ? (align ? ", state 2 (align)" : ", state 1") : "");
+        state ? (align ? ", state 2 (align)" : ", state 1") + spec : "");
     return out;
 }
 
@@ -175,8 +209,9 @@ void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, c
     }
     const auto& c = e.capacity;
     const auto& k = e.cost;
-    fmt::print("{}, {} on {} x {}, context {} tokens, batch {} per replica\n\n", m.name,
-               p.to_string(), r.gpus, hw.name, r.context_tokens, e.batch);
+    fmt::print("{}, {} on {} x {}, context {} tokens{}, batch {} per replica\n\n", m.name,
+               p.to_string(), r.gpus, hw.name, r.context_tokens, speculation(m, r.capacity),
+               e.batch);
     const KvLayout l = make_layout(m, p);
     fmt::print("{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9}\n", "stage",
                "layers", "attn GiB", "MLP GiB", "expert", "embed", "LM head", "norms", "total",
@@ -191,6 +226,12 @@ void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, c
                    fmt::format("{:.3f}", w.norms / double(1 << 30)), gib(w.total()),
                    rc.kv_bytes_per_token, tokens(rc.kv_tokens));
     }
+    if (c.ranks[c.limiting_rank].weights.drafter > 0)
+        fmt::print(
+            "MTP drafter weights per GPU {} GiB (in total; its {} layer{} as the model's, plus "
+            "eh_proj/fc and norms; embedding and LM head shared with the model, as vLLM does)\n",
+            gib(c.ranks[c.limiting_rank].weights.drafter), m.mtp.layers,
+            m.mtp.layers == 1 ? "" : "s");
     fmt::print("\n{}\n", engine_kv_summary(c, r.capacity, p, r.context_tokens));
     fmt::print(
         "KV tokens per GPU {} (limiting rank {}), longest request {} tokens, {} requests of {} "
@@ -244,6 +285,10 @@ void run(const PlanFlags& f) {
     r.objective = parse_objective(f.objective);
     r.cp_scheme = parse_cp_scheme(f.cp_scheme);
     r.capacity = f.hardware.capacity_options();
+    r.capacity.speculative_tokens = speculative_tokens(f);
+    require(r.capacity.speculative_tokens == 0 || !f.disagg,
+            "--speculative-method is modelled for aggregated plans only: drop --disagg, or drop "
+            "--speculative-method and --speculative-tokens");
     r.cost.cp_prefill = parse_cp_prefill_policy(f.cp_prefill);
     r.cost.cp_decode_merge = parse_cp_merge_policy(f.cp_decode_merge);
     r.cost.pp_prefill_chunks = f.pp_chunks;
@@ -292,11 +337,11 @@ void run(const PlanFlags& f) {
     int n_fit = 0;
     for (const auto& e : entries) n_fit += e.fits;
     fmt::print(
-        "{} on {} x {} ({} GiB, {} KV, {} weights), context {} tokens, objective {}\n", m.name,
+        "{} on {} x {} ({} GiB, {} KV, {} weights), context {} tokens{}, objective {}\n", m.name,
         f.gpus, hw.name, gib(static_cast<double>(hw.memory_bytes)), dtype_name(m.kv_dtype),
         r.weight_dtype == WeightDtype::kModel ? weight_storage_name(m)
                                               : std::string(weight_dtype_name(r.weight_dtype)),
-        r.context_tokens, objective_name(r.objective));
+        r.context_tokens, speculation(m, r.capacity), objective_name(r.objective));
     if (!f.trace.empty())
         fmt::print(
             "trace {}: {} requests, mean input {} and output {} tokens; replayed over {} "
@@ -574,6 +619,13 @@ void setup(CLI::App& app) {
            "--top", f->top,
            "show only the best N fitting configurations (0: all, with those that do not fit)")
         ->capture_default_str();
+    sub->add_option("--speculative-method", f->speculative_method,
+                    "speculative decoding: mtp (the model's MTP layers draft, as vLLM's "
+                    "--speculative-config method mtp): their KV joins the cache, their weights "
+                    "take memory, Mamba/GDN groups hold N more state blocks per request");
+    f->speculative_tokens_option = sub->add_option(
+        "--speculative-tokens", f->speculative_tokens,
+        "with --speculative-method: tokens drafted per step (vLLM num_speculative_tokens)");
     sub->add_flag("--json", f->json, "print JSON instead of a table");
     sub->add_option("--svg", f->svg, "also write a TTFT-vs-TPOT chart to this SVG file");
     sub->add_option(
