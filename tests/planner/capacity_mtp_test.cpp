@@ -224,6 +224,22 @@ TEST(CapacityMtp, QwenNextTp4RegroupsAndHoldsSpeculativeStates) {
     EXPECT_EQ(on4.requests_per_replica, blocks / 49);
 }
 
+TEST(CapacityMtp, SeparateArrangementCountsAStatePerDraftToken) {
+    // A given --block-size below vLLM's (272) keeps kvshard's separate sizing: each state layer's
+    // state once per request, plus one per draft token (num_speculative_blocks).
+    CapacityOptions o;
+    o.block_size = 16;
+    o.raise_block_size = false;
+    const ModelSpec m = catalog_model("qwen3-next-80b-a3b");
+    const CapacityReport off = on_h100(m, 4, 0, o);
+    const CapacityReport on = on_h100(m, 4, 2, o);
+    ASSERT_EQ(on.engine.kind, EngineKvKind::kSeparate);
+    const int64_t states = 36 * int64_t{274432};  // 36 GDN layers' state at tp 4
+    EXPECT_EQ(off.request_kv_bytes, 8192 * 12 * 1024 + states);
+    EXPECT_EQ(on.request_kv_bytes, 8192 * 13 * 1024 + (1 + 2) * states);
+    EXPECT_EQ(on.requests_per_replica, on.ranks[0].kv_budget_bytes / on.request_kv_bytes);
+}
+
 TEST(CapacityMtp, RefusesAModelWithoutMtpLayersAndPipelineStages) {
     const ModelSpec plain = load_hf_config(kData + "/hf_configs/qwen3-8b.json");
     try {
