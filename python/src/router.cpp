@@ -32,6 +32,10 @@ void bind_router(py::module_& m) {
         for (RoutingPolicy p : all_routing_policies()) out.emplace_back(routing_policy_name(p));
         return out;
     });
+    m.def("vllm_max_cache_hit_blocks", &vllm_max_cache_hit_blocks, py::arg("num_tokens"),
+          py::arg("block_tokens"),
+          "The most leading blocks of a prompt vLLM takes from its prefix cache: (num_tokens - 1) "
+          "// block_tokens (it recomputes the last token).");
 
     py::class_<ReplicaLoad>(m, "ReplicaLoad", "What a replica is busy with, as the router sees it.")
         .def(py::init(

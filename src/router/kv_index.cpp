@@ -12,6 +12,11 @@ std::string_view kv_index_mode_name(KvIndexMode m) {
     return m == KvIndexMode::kExact ? "exact" : "approximate";
 }
 
+int64_t vllm_max_cache_hit_blocks(int64_t num_tokens, int64_t block_tokens) {
+    require(block_tokens >= 1, "a block holds at least 1 token, got ", block_tokens);
+    return num_tokens <= 1 ? 0 : (num_tokens - 1) / block_tokens;
+}
+
 KvIndexMode parse_kv_index_mode(std::string_view s) {
     if (s == "exact") return KvIndexMode::kExact;
     if (s == "approximate" || s == "approx") return KvIndexMode::kApproximate;

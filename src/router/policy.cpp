@@ -288,7 +288,12 @@ RouteDecision Router::route(const RouteRequest& req, std::span<const ReplicaLoad
     require(static_cast<int>(loads.size()) == num_replicas(), "router: ", loads.size(),
             " loads for ", num_replicas(), " replicas");
     if (index_.mode() == KvIndexMode::kApproximate) index_.expire(now_s);
-    index_.prefix_overlap(req.block_hashes, overlap_);
+    // The overlap an engine would use: vLLM recomputes the last prompt token, so at most
+    // (num_tokens - 1) / block_tokens blocks (a trailing partial block's hash is never a hit).
+    const auto cap = static_cast<size_t>(
+        std::min<int64_t>(static_cast<int64_t>(req.block_hashes.size()),
+                          vllm_max_cache_hit_blocks(req.num_tokens, params_.block_tokens)));
+    index_.prefix_overlap(req.block_hashes.first(cap), overlap_);
     const RouteDecision d = decide_route(policy_, params_, req, overlap_, loads, rr_counter_++);
     if (index_.mode() == KvIndexMode::kApproximate)
         index_.record_routed(d.replica, req.block_hashes, now_s);

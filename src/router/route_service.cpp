@@ -258,7 +258,11 @@ RouteOutcome RouteService::route(const std::string& request_id, std::span<const 
     RouteOutcome out;
     out.matched_blocks.assign(static_cast<size_t>(n), 0);
     index_([&](const KvIndex& idx, const VllmEventIngest*) {
-        idx.prefix_overlap(keys, out.matched_blocks);
+        // vLLM recomputes the last prompt token: a hit of at most (tokens - 1) / block_size.
+        const auto cap = static_cast<size_t>(std::min<int64_t>(
+            static_cast<int64_t>(keys.size()),
+            vllm_max_cache_hit_blocks(static_cast<int64_t>(tokens.size()), config_.block_size)));
+        idx.prefix_overlap(std::span<const BlockHash>(keys).first(cap), out.matched_blocks);
     });
     const int64_t blocks =
         (static_cast<int64_t>(tokens.size()) + config_.block_size - 1) / config_.block_size;

@@ -9,9 +9,13 @@ std::optional<int64_t> ReplicaCache::admit(int64_t seq, std::span<const BlockHas
                                            int64_t prompt_tokens, int64_t output_tokens) {
     // can_allocate_hashes counts the blocks of prompt + output, less the cached prefix that is
     // already in use, against the free + evictable blocks.
-    if (!manager_.can_allocate_hashes(full_hashes, prompt_tokens + output_tokens))
+    // vLLM recomputes the last prompt token (KVCacheManager.get_computed_blocks caps a hit at
+    // num_tokens - 1): a fully cached prompt of k blocks shares k - 1 and computes the last one
+    // into a fresh block.
+    const int64_t max_hit = vllm_max_cache_hit_blocks(prompt_tokens, manager_.block_size());
+    if (!manager_.can_allocate_hashes(full_hashes, prompt_tokens + output_tokens, max_hit))
         return std::nullopt;
-    const AllocResult r = manager_.allocate_with_hashes(seq, full_hashes, prompt_tokens);
+    const AllocResult r = manager_.allocate_with_hashes(seq, full_hashes, prompt_tokens, max_hit);
     manager_.append_tokens(seq, output_tokens);
     return r.cached_blocks;
 }

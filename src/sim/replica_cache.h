@@ -17,8 +17,9 @@ class ReplicaCache {
     ReplicaCache(ReplicaCache&&) = default;
 
     // Sequence `seq`: a prompt of prompt_tokens with one hash per full prompt block (full_hashes),
-    // then output_tokens more (never shared). Returns the cached prefix in blocks, or nullopt when
-    // the blocks are not available now (nothing changed).
+    // then output_tokens more (never shared). Returns the cached prefix in blocks, as vLLM takes it
+    // (at most (prompt_tokens - 1) / block_tokens: the last prompt token is always computed), or
+    // nullopt when the blocks are not available now (nothing changed).
     std::optional<int64_t> admit(int64_t seq, std::span<const BlockHash> full_hashes,
                                  int64_t prompt_tokens, int64_t output_tokens);
     void release(int64_t seq) { manager_.free(seq); }

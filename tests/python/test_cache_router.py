@@ -278,8 +278,12 @@ def test_kv_index_and_router():
     router = kvshard.Router(3, "kvshard", kvshard.PolicyParams(block_tokens=16))
     assert router.policy == "kvshard" and router.num_replicas == 3
     router.index.block_stored(1, hashes)
-    d = router.route(hashes, 64)
+    d = router.route(hashes, 65)
     assert d["replica"] == 1 and d["matched_blocks"] == 4
+    # 64 tokens are exactly 4 blocks: vLLM recomputes the last token, so the hit is 3 blocks
+    # (vllm/v1/core/kv_cache_manager.py, get_computed_blocks: max_cache_hit_length = num_tokens - 1).
+    assert router.route(hashes, 64)["matched_blocks"] == 3
+    assert kvshard.vllm_max_cache_hit_blocks(64, 16) == 3
     busy = [kvshard.ReplicaLoad(), kvshard.ReplicaLoad(queued_prefill_tokens=10**7),
             kvshard.ReplicaLoad()]
     spilled = router.route(hashes, 64, busy)

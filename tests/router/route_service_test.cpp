@@ -75,6 +75,62 @@ TEST(RouteService, RoutesToTheLongestPrefixAndAccountsLoad) {
 // vLLM hashes a request's LoRA adapter name into every block and its cache salt into the first:
 // A router left on its defaults hashes as an engine left on its defaults: vLLM's
 // prefix_caching_hash_algo "sha256" (pickle).
+// vLLM recomputes the last prompt token (vllm/v1/core/kv_cache_manager.py,
+// KVCacheManager.get_computed_blocks: max_cache_hit_length = request.num_tokens - 1): a prompt of
+// exactly 5 blocks, all cached, hits 4; one token more and the 5 full blocks all hit.
+TEST(RouteService, AFullyCachedPromptHitsAllButItsLastBlock) {
+    Fixture f;
+    f.store(1, 0, 5);
+    auto svc = f.service();
+    const std::vector<int64_t> five_blocks(f.prompt.begin(), f.prompt.begin() + 20);
+    EXPECT_EQ(svc.route("", five_blocks).matched_blocks, (std::vector<int>{0, 4}));
+    const std::vector<int64_t> plus_one(f.prompt.begin(), f.prompt.begin() + 21);
+    EXPECT_EQ(svc.route("", plus_one).matched_blocks, (std::vector<int>{0, 5}));
+    const std::vector<int64_t> one_block(f.prompt.begin(), f.prompt.begin() + 4);
+    EXPECT_EQ(svc.route("", one_block).matched_blocks, (std::vector<int>{0, 0}));
+    const std::string m = svc.metrics_text();
+    EXPECT_NE(m.find("kvshard_router_hit_blocks_total 9\n"), std::string::npos) << m;
+}
+
+// With a group of 8-token blocks beside the 4-token one, vLLM's hit is a multiple of the
+// scheduler block, lcm(4, 8) = 8 tokens, within num_tokens - 1: for 16 tokens fully cached, the
+// 4-token group finds 15 // 4 = 3 blocks, aligned down to 2 (alignment_tokens = 8, FullAttention-
+// Manager.find_longest_cache_hit in vllm/v1/core/single_type_kv_cache_manager.py); the 8-token
+// group 15 // 8 = 1 block; the fixed point of HybridKVCacheCoordinator.find_longest_cache_hit
+// (vllm/v1/core/kv_cache_coordinator.py) is 8 tokens = 2 router blocks. With 17 tokens: 16 = 4.
+TEST(RouteService, TheCapMeetsTheAlignmentOfLargerBlockGroups) {
+    const Fixture f;  // the prompt and its 4-token block ids
+    KvIndex index(2);
+    VllmEventIngest ingest(index, VllmEventIngest::kDefaultMaxBlocksPerReplica, 4);
+    VllmKvEvent fine;
+    fine.kind = VllmEventKind::kBlockStored;
+    fine.block_hashes.assign(f.ids.begin(), f.ids.begin() + 4);
+    fine.block_size = 4;
+    // Group 1's 8-token blocks carry the 4-token hash at their end (BlockHashListWithBlockSize).
+    VllmKvEvent coarse = fine;
+    coarse.block_hashes = {f.ids[1], f.ids[3]};
+    coarse.block_size = 8;
+    coarse.group_idx = 1;
+    const auto p = encode_vllm_event_batch(VllmEventBatch{0.0, {fine, coarse}, 1});
+    ASSERT_EQ(ingest.on_batch(1, encode_vllm_seq(0), p).outcome,
+              VllmEventIngest::Outcome::kApplied);
+    ASSERT_EQ(index.group_block_scale(1, 1), 2);
+    RouteServiceConfig c;
+    c.replica_names = {"a", "b"};
+    c.block_size = 4;
+    c.hash_seed = "0";
+    RouteService svc(c, [&](const auto& fn) { fn(index, &ingest); });
+    auto prefix = [&](int n) {
+        return std::vector<int64_t>(f.prompt.begin(), f.prompt.begin() + n);
+    };
+    EXPECT_EQ(svc.route("", prefix(16)).matched_blocks, (std::vector<int>{0, 2}));
+    EXPECT_EQ(svc.route("", prefix(17)).matched_blocks, (std::vector<int>{0, 4}));
+    EXPECT_EQ(svc.route("", prefix(21)).matched_blocks, (std::vector<int>{0, 4}));
+    EXPECT_EQ(svc.route("", prefix(8)).matched_blocks, (std::vector<int>{0, 0}));
+    EXPECT_EQ(svc.route("", prefix(9)).matched_blocks, (std::vector<int>{0, 2}));
+    EXPECT_EQ(svc.route("", prefix(12)).matched_blocks, (std::vector<int>{0, 2}));
+}
+
 TEST(RouteService, DefaultsToVllmsDefaultHash) {
     EXPECT_EQ(RouteServiceConfig{}.scheme, VllmHashScheme::kSha256Pickle);
 }

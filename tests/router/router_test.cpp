@@ -342,25 +342,50 @@ TEST(Router, ExactIndexFollowsEventsAndRotates) {
     EXPECT_EQ(r.route({q, 3 * 512}, loads, 0.0).replica, 1);
     // Replica 2 publishes that it stored the blocks: the next request follows them.
     r.index().block_stored(2, q);
-    const auto d = r.route({q, 3 * 512}, loads, 0.0);
+    const auto d = r.route({q, 3 * 512 + 1}, loads, 0.0);
     EXPECT_EQ(d.replica, 2);
     EXPECT_EQ(d.matched_blocks, 3);
+    // A prompt of exactly 3 blocks: vLLM recomputes its last token, so the hit is 2 blocks.
+    EXPECT_EQ(r.route({q, 3 * 512}, loads, 0.0).matched_blocks, 2);
     EXPECT_THROW(r.route({q, 3 * 512}, std::vector<ReplicaLoad>(2), 0.0), Error);
+}
+
+// vLLM caps a prefix-cache hit at num_tokens - 1 tokens (vllm/v1/core/kv_cache_manager.py,
+// KVCacheManager.get_computed_blocks: max_cache_hit_length = request.num_tokens - 1; the group's
+// find_longest_cache_hit takes max_length // block_size blocks).
+TEST(Router, VllmMaxCacheHitBlocks) {
+    EXPECT_EQ(vllm_max_cache_hit_blocks(0, 16), 0);
+    EXPECT_EQ(vllm_max_cache_hit_blocks(1, 16), 0);
+    EXPECT_EQ(vllm_max_cache_hit_blocks(16, 16), 0);
+    EXPECT_EQ(vllm_max_cache_hit_blocks(17, 16), 1);
+    EXPECT_EQ(vllm_max_cache_hit_blocks(32, 16), 1);
+    EXPECT_EQ(vllm_max_cache_hit_blocks(33, 16), 2);
+    EXPECT_EQ(vllm_max_cache_hit_blocks(5, 1), 4);
+    EXPECT_THROW(vllm_max_cache_hit_blocks(5, 0), Error);
+}
+
+// A trace's hash of a trailing partial block never counts: vLLM caches only full blocks.
+TEST(Router, APartialLastBlockIsNeverAHit) {
+    Router r(2, RoutingPolicy::kCacheAware);
+    std::vector<ReplicaLoad> loads(2);
+    const auto q = chain({1, 2, 3});
+    r.index().block_stored(1, q);
+    EXPECT_EQ(r.route({q, 2 * 512 + 100}, loads, 0.0).matched_blocks, 2);
 }
 
 TEST(Router, ApproximateIndexRemembersItsOwnDecisions) {
     Router r(4, RoutingPolicy::kCacheAware, {}, KvIndexMode::kApproximate, 30.0);
     std::vector<ReplicaLoad> loads(4);
     const auto q = chain({1, 2, 3});
-    const int first = r.route({q, 3 * 512}, loads, 0.0).replica;
+    const int first = r.route({q, 3 * 512 + 1}, loads, 0.0).replica;
     // Without any event, the next request with the same prefix goes to the same replica.
     for (int k = 1; k <= 3; ++k) {
-        const auto d = r.route({q, 3 * 512}, loads, 10.0 * k);
+        const auto d = r.route({q, 3 * 512 + 1}, loads, 10.0 * k);
         EXPECT_EQ(d.replica, first);
         EXPECT_EQ(d.matched_blocks, 3);
     }
     // 30 s after the last use it is forgotten: cold again (least loaded, rotation counter 4 -> 0).
-    const auto d = r.route({q, 3 * 512}, loads, 61.0);
+    const auto d = r.route({q, 3 * 512 + 1}, loads, 61.0);
     EXPECT_EQ(d.matched_blocks, 0);
     EXPECT_EQ(d.reason, RouteReason::kLeastLoaded);
 }

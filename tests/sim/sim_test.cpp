@@ -113,14 +113,16 @@ TEST(Bounds, InfiniteCacheCountsTheLongestSeenPrefix) {
 }
 
 TEST(Bounds, PooledLruEvictsLeastRecentlyUsedTailFirst) {
-    // Capacity 3 blocks of 512. r1 fills {1,2,3}; r2 hits all 3; r3 ({4,5}) evicts 3 and 2 (a
-    // released chain's tail goes first); r4 finds only block 1.
+    // Capacity 3 blocks of 512. r1 fills {1,2,3}; r2 (exactly 3 blocks) hits 2 of them: vLLM
+    // recomputes the last prompt token, so its block 3 is computed again into a fresh block (the
+    // cached copy of 3 is the one it evicts); r3 ({4,5}) evicts 3 and 2 (a released chain's tail
+    // goes first); r4 finds only block 1.
     const Trace t = parse(line(0, 1536, 1, {1, 2, 3}) + line(1, 1536, 1, {1, 2, 3}) +
                           line(2, 1024, 1, {4, 5}) + line(3, 1536, 1, {1, 2, 3}));
     const HitRates h = pooled_lru_hit_rates(t, 3);
-    EXPECT_EQ(h.hit_blocks, 4);
+    EXPECT_EQ(h.hit_blocks, 3);
     EXPECT_EQ(h.total_blocks, 11);
-    EXPECT_EQ(h.hit_tokens, 4 * 512);
+    EXPECT_EQ(h.hit_tokens, 3 * 512);
     EXPECT_THROW(pooled_lru_hit_rates(t, 0), Error);
     // Large enough: every repeat hits; only full blocks are shared.
     const Trace p = parse(line(0, 1000, 1, {1, 2}) + line(1, 1000, 1, {1, 2}));
@@ -166,6 +168,24 @@ TEST(Replay, TtftIsThePrefillOfTheUncachedTokens) {
     EXPECT_NEAR(r.ttft_p99_s, 1.024 - 0.01 * 0.512, 1e-9);  // interpolated between the two
     EXPECT_NEAR(r.makespan_s, 5.512, 1e-9);
     EXPECT_EQ(r.tokens_per_replica, (std::vector<int64_t>{1024 + 3 + 1536 + 1}));
+}
+
+TEST(Replay, AFullyCachedPromptRecomputesItsLastBlock) {
+    // A and B: the same 1024-token prompt, 2 full blocks. vLLM caps B's hit at 1023 tokens
+    // (vllm/v1/core/kv_cache_manager.py, KVCacheManager.get_computed_blocks: max_cache_hit_length
+    // = request.num_tokens - 1), so B hits 1 block and prefills 512 tokens: TTFT 0.512 s, not the
+    // 1 ms of a single recomputed token.
+    const Trace t = parse(line(0, 1024, 1, {1, 2}) + line(5000, 1024, 1, {1, 2}));
+    const LinearServiceModel svc = ms_per_token();
+    const PolicyReport r = simulate(t, one_replica(), svc);
+    EXPECT_EQ(r.hits.hit_blocks, 1);
+    EXPECT_EQ(r.hits.hit_tokens, 512);
+    EXPECT_NEAR(r.ttft_p50_s, (1.024 + 0.512) / 2, 1e-9);
+    EXPECT_NEAR(r.makespan_s, 5.512, 1e-9);
+    EXPECT_EQ(pooled_lru_hit_rates(t, 100).hit_blocks, 1);
+    // Room for one request at a time (2 prompt blocks + 1 output block): B still hits block 1,
+    // its recomputed last block evicting A's copy of it.
+    EXPECT_EQ(simulate(t, one_replica(3), svc).hits.hit_blocks, 1);
 }
 
 TEST(Replay, RequestsQueueBehindAFullPrefillBudget) {
