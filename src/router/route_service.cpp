@@ -215,8 +215,8 @@ RouteService::RouteService(RouteServiceConfig config, IndexAccess index)
             config_.block_size);
     config_.params.block_tokens = config_.block_size;
     config_.params.validate();
-    root_ =
-        vllm_none_hash(config_.scheme, vllm_engine_hash_seed(config_.scheme, config_.hash_seed));
+    engine_hash_seed_ = vllm_engine_hash_seed(config_.scheme, config_.hash_seed);
+    root_ = vllm_none_hash(config_.scheme, engine_hash_seed_);
     load_.assign(config_.replica_names.size(), 0);
     routes_to_.assign(config_.replica_names.size(), 0);
     // Route latency buckets, seconds (Prometheus histogram upper bounds).

@@ -2,7 +2,9 @@
 #include "kvshard/router/http_server.h"
 #include "kvshard/router/vllm_event_subscriber.h"
 
+#include <algorithm>
 #include <charconv>
+#include <set>
 
 namespace kvshard {
 
@@ -46,7 +48,19 @@ void check_endpoint(std::string_view what, std::string_view endpoint) {
     }
     const int port = parse_port(endpoint);
     require(endpoint.rfind("tcp://", 0) == 0 && port >= 1 && port <= 65535, what, " '", endpoint,
-            "' is not tcp://HOST:PORT or ipc://PATH (e.g. tcp://127.0.0.1:5557)");
+            "' is not tcp://HOST:PORT or ipc://PATH with a port of 1 to 65535 (e.g. "
+            "tcp://127.0.0.1:5557)");
+    const std::string_view host = endpoint.substr(6, endpoint.rfind(':') - 6);
+    require(!host.empty(), what, " '", endpoint,
+            "' has no host; expected tcp://HOST:PORT (e.g. tcp://127.0.0.1:5557)");
+    require(host != "*" && host != "0.0.0.0" && host != "[::]", what, " '", endpoint,
+            "' names the wildcard host the engine binds to; the router connects: give the "
+            "engine's address (e.g. tcp://127.0.0.1:5557)");
+}
+
+bool name_char(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+           c == '_' || c == '-' || c == ':';
 }
 
 }  // namespace
@@ -70,6 +84,10 @@ VllmEngineSpec parse_vllm_engine_spec(std::string_view text) {
             "for either endpoint)");
     VllmEngineSpec e;
     e.name = std::string(text.substr(0, eq));
+    require(std::all_of(e.name.begin(), e.name.end(), name_char), "--engine '", text,
+            "': the name '", e.name,
+            "' may hold only letters, digits and . _ - : (it names the replica in JSON replies "
+            "and Prometheus labels)");
     std::string_view rest = text.substr(eq + 1);
     size_t comma = rest.find(',');
     e.endpoint = std::string(rest.substr(0, comma));
@@ -98,6 +116,39 @@ VllmEngineSpec parse_vllm_engine_spec(std::string_view text) {
             " needs tcp:// endpoints: vLLM gives DP rank k the port + k of a tcp:// endpoint and "
             "cannot offset an ipc:// one; give each rank's ipc:// endpoint its own --engine");
     return e;
+}
+
+VllmReplicaFeeds expand_vllm_engines(std::span<const VllmEngineSpec> engines) {
+    require(!engines.empty(),
+            "the router needs at least one engine (--engine NAME=tcp://HOST:PORT)");
+    VllmReplicaFeeds out;
+    std::set<std::string> names, endpoints;
+    for (const VllmEngineSpec& e : engines) {
+        for (int k = 0; k < e.dp; ++k) {
+            const int replica = static_cast<int>(out.names.size());
+            require(replica < KvIndex::kMaxReplicas, "the router takes at most ",
+                    KvIndex::kMaxReplicas, " replicas (engines times their dp); --engine ", e.name,
+                    " makes it more");
+            std::string name = e.dp == 1 ? e.name : e.name + "/dp" + std::to_string(k);
+            require(names.insert(name).second, "--engine ", e.name, ": replica name '", name,
+                    "' is given twice; give each engine (and DP rank) its own name");
+            VllmEventEndpoint ep{replica, offset_endpoint_port(e.endpoint, k),
+                                 e.replay_endpoint.empty()
+                                     ? std::string()
+                                     : offset_endpoint_port(e.replay_endpoint, k),
+                                 ""};
+            for (const std::string* p : {&ep.endpoint, &ep.replay_endpoint}) {
+                if (p->empty()) continue;
+                require(endpoints.insert(*p).second, "--engine ", e.name, ": replica '", name,
+                        "' would use endpoint '", *p,
+                        "', which another replica uses already; each engine rank publishes (and "
+                        "replays) on its own port");
+            }
+            out.names.push_back(std::move(name));
+            out.endpoints.push_back(std::move(ep));
+        }
+    }
+    return out;
 }
 
 }  // namespace kvshard

@@ -24,7 +24,8 @@ VllmEventIngest::VllmEventIngest(KvIndex& index, int64_t max_blocks_per_replica,
       status_(static_cast<size_t>(index.num_replicas())),
       accept_next_(static_cast<size_t>(index.num_replicas()), false),
       exact_seen_(static_cast<size_t>(index.num_replicas()), false) {
-    require(max_blocks_per_replica >= 1, "the index cap must be at least 1 block per replica, got ",
+    require(max_blocks_per_replica >= 1 && max_blocks_per_replica <= kMaxBlocksPerReplica,
+            "the index cap must be 1 to ", kMaxBlocksPerReplica, " blocks per replica, got ",
             max_blocks_per_replica);
     require(block_size >= 0, "the events' block size must be at least 1 token (0: unchecked), got ",
             block_size);

@@ -204,6 +204,9 @@ TEST(RouterServe, RoutesByVllmEventsAndStopsOnSigterm) {
     const std::string line = router.read_line();
     const size_t at = line.find("http://127.0.0.1:");
     ASSERT_NE(at, std::string::npos) << line;
+    EXPECT_NE(line.find("(2 replicas, policy kvshard, vllm-xxhash-cbor, hash seed 42)\n"),
+              std::string::npos)
+        << line;
     const int port = std::atoi(line.c_str() + at + 17);
     ASSERT_GT(port, 0);
     ASSERT_TRUE(pa.wait_subscribed());
@@ -525,6 +528,57 @@ TEST(RouterServe, ServesAsManyKeepAliveClientsAsThreads) {
     EXPECT_THROW(check_http_options(bad), Error);
 }
 
+// Without --hash-seed the startup line names the seed the router hashes with: vLLM's default
+// NONE_HASH seed for engines that run without PYTHONHASHSEED.
+TEST(RouterServe, TheStartupLineNamesTheHashSeedInUse) {
+    if (!VllmEventSubscriber::available() || !RouterHttpServer::available())
+        GTEST_SKIP() << "built without libzmq or cpp-httplib";
+    RouterProcess router({"router", "serve", "--listen", "127.0.0.1:0", "--engine",
+                          "a=tcp://127.0.0.1:1", "--engine", "b=tcp://127.0.0.1:2,dp=2"});
+    const std::string line = router.read_line();
+    EXPECT_NE(line.find("(3 replicas, policy kvshard, vllm-sha256, hash seed vllm-none-hash: "
+                        "vLLM's default without PYTHONHASHSEED)\n"),
+              std::string::npos)
+        << line;
+    EXPECT_EQ(router.terminate(), 0);
+}
+
+TEST(RouterServe, ExpandsEnginesIntoUniquelyNamedReplicas) {
+    const std::vector<VllmEngineSpec> two = {
+        parse_vllm_engine_spec("a=tcp://h:10,dp=2,replay=tcp://h:20"),
+        parse_vllm_engine_spec("b=ipc:///tmp/b")};
+    const VllmReplicaFeeds f = expand_vllm_engines(two);
+    EXPECT_EQ(f.names, (std::vector<std::string>{"a/dp0", "a/dp1", "b"}));
+    ASSERT_EQ(f.endpoints.size(), 3u);
+    EXPECT_EQ(f.endpoints[1].replica, 1);
+    EXPECT_EQ(f.endpoints[1].endpoint, "tcp://h:11");
+    EXPECT_EQ(f.endpoints[1].replay_endpoint, "tcp://h:21");
+    EXPECT_EQ(f.endpoints[2].replay_endpoint, "");
+    auto refused = [](std::vector<std::string> texts) {
+        std::vector<VllmEngineSpec> e;
+        for (const auto& t : texts) e.push_back(parse_vllm_engine_spec(t));
+        try {
+            expand_vllm_engines(e);
+        } catch (const Error& err) {
+            return std::string(err.what());
+        }
+        return std::string();
+    };
+    EXPECT_NE(refused({"a=tcp://h:10", "a=tcp://h:11"}).find("replica name 'a' is given twice"),
+              std::string::npos);
+    EXPECT_NE(refused({"a=tcp://h:10", "b=tcp://h:10"}).find("which another replica uses"),
+              std::string::npos);
+    // dp=2 on port 10 takes 10 and 11: an engine on 11 would read rank 1's events.
+    EXPECT_NE(refused({"a=tcp://h:10,dp=2", "b=tcp://h:11"}).find("which another replica uses"),
+              std::string::npos);
+    EXPECT_NE(refused({"a=tcp://h:10,replay=tcp://h:10"}).find("which another replica uses"),
+              std::string::npos);
+    EXPECT_NE(refused({"a=tcp://h:10,dp=64", "b=tcp://h:100"}).find("at most 64 replicas"),
+              std::string::npos);
+    EXPECT_NE(refused({}).find("at least one engine"), std::string::npos);
+    EXPECT_EQ(refused({"a=tcp://h:10,dp=64"}), "");
+}
+
 TEST(RouterServe, RefusesBadFlags) {
     struct Bad {
         std::string args, message;
@@ -552,6 +606,37 @@ TEST(RouterServe, RefusesBadFlags) {
          "--http-threads must be 1 to 4096"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed 0 --keep-alive-timeout-s 0",
          "--keep-alive-timeout-s must be 1 to 3600"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --engine a=tcp://127.0.0.1:2",
+         "replica name 'a' is given twice"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --engine b=tcp://127.0.0.1:1",
+         "which another replica uses"},
+        {"router serve --engine a=tcp://:5557", "has no host"},
+        {"router serve --engine a=tcp://*:5557", "wildcard host"},
+        {"router serve --engine a=tcp://0.0.0.0:5557", "wildcard host"},
+        {"router serve --engine a=tcp://127.0.0.1:70000", "a port of 1 to 65535"},
+        {"router serve --engine a=tcp://127.0.0.1:0", "a port of 1 to 65535"},
+        {"router serve --engine a=tcp://127.0.0.1:-1", "a port of 1 to 65535"},
+        {"router serve --engine a=tcp://127.0.0.1:99999999999", "a port of 1 to 65535"},
+        {"router serve --engine a=tcp://127.0.0.1:65535,dp=2", "is over 65535"},
+        {"router serve --engine 'a\"b=tcp://127.0.0.1:1'", "may hold only letters"},
+        {"router serve --engine a/dp0=tcp://127.0.0.1:1", "may hold only letters"},
+        {"router serve --engine =tcp://127.0.0.1:1", "NAME=tcp://HOST:PORT"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --listen 127.0.0.1:70000",
+         "the listen port must be 0 to 65535"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --listen 127.0.0.1:99999999999",
+         "the port is not a number in [0, 65535]"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --listen :8000", "expected HOST:PORT"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --listen []:8000", "expected HOST:PORT"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --index-cap-blocks 0",
+         "--index-cap-blocks must be 1 to 268435456"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --index-cap-blocks 1000000000000000000",
+         "--index-cap-blocks must be 1 to 268435456"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --block-size 0", "--block-size must be 1"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --block-size -16", "--block-size must be 1"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed -1", "is not a PYTHONHASHSEED"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash vllm-xxhash", "PYTHONHASHSEED"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --replay-timeout-ms 0",
+         "--replay-timeout-ms must be 1 to 600000"},
     };
     for (const auto& b : bad) {
         const auto r = test::run_cli(b.args);

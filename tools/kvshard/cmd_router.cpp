@@ -50,8 +50,11 @@ RouterHttpOptions listen_options(const ServeFlags& f) {
             f.listen, "': expected HOST:PORT, e.g. 127.0.0.1:8000");
     RouterHttpOptions o;
     o.host = f.listen.substr(0, colon);
-    if (o.host.size() > 2 && o.host.front() == '[' && o.host.back() == ']')
+    if (o.host.front() == '[' || o.host.back() == ']') {
+        require(o.host.size() > 2 && o.host.front() == '[' && o.host.back() == ']', "--listen '",
+                f.listen, "': expected HOST:PORT, e.g. 127.0.0.1:8000 or [::1]:8000");
         o.host = o.host.substr(1, o.host.size() - 2);
+    }
     // Digits only: std::stoi took ' 80' and '+80' as port 80.
     const std::string port = f.listen.substr(colon + 1);
     const auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), o.port);
@@ -69,25 +72,31 @@ RouterHttpOptions listen_options(const ServeFlags& f) {
 void serve(const ServeFlags& f) {
     require(f.replay_timeout_ms >= 1 && f.replay_timeout_ms <= 600000,
             "--replay-timeout-ms must be 1 to 600000, got ", f.replay_timeout_ms);
+    require(f.index_cap_blocks >= 1 && f.index_cap_blocks <= VllmEventIngest::kMaxBlocksPerReplica,
+            "--index-cap-blocks must be 1 to ", VllmEventIngest::kMaxBlocksPerReplica,
+            " blocks per replica, got ", f.index_cap_blocks);
     RouteServiceConfig cfg;
     cfg.policy = parse_routing_policy(f.policy);
     cfg.scheme = parse_vllm_hash_scheme(f.hash);
     cfg.hash_seed = f.hash_seed;
     cfg.block_size = f.block_size;
-    std::vector<VllmEventEndpoint> endpoints;
-    for (const auto& text : f.engines) {
-        const VllmEngineSpec e = parse_vllm_engine_spec(text);
-        for (int k = 0; k < e.dp; ++k) {
-            const int replica = static_cast<int>(cfg.replica_names.size());
-            cfg.replica_names.push_back(e.dp == 1 ? e.name : fmt::format("{}/dp{}", e.name, k));
-            endpoints.push_back({replica, offset_endpoint_port(e.endpoint, k),
-                                 e.replay_endpoint.empty()
-                                     ? std::string()
-                                     : offset_endpoint_port(e.replay_endpoint, k),
-                                 ""});
-        }
-    }
+    std::vector<VllmEngineSpec> engines;
+    for (const auto& text : f.engines) engines.push_back(parse_vllm_engine_spec(text));
+    VllmReplicaFeeds feeds = expand_vllm_engines(engines);
+    cfg.replica_names = std::move(feeds.names);
     const RouterHttpOptions http_options = listen_options(f);
+
+    // Every flag is checked (the service's constructor checks the rest) before a socket opens.
+    KvIndex index(static_cast<int>(cfg.replica_names.size()));
+    std::unique_ptr<VllmEventSubscriber> subscriber;
+    RouteService service(cfg, [&subscriber](const auto& fn) {
+        subscriber->with_index(
+            [&fn](const KvIndex& idx, const VllmEventIngest& ingest) { fn(idx, &ingest); });
+    });
+    VllmSubscriberOptions sub_options;
+    sub_options.replay_timeout_ms = f.replay_timeout_ms;
+    sub_options.max_blocks_per_replica = f.index_cap_blocks;
+    sub_options.block_size = cfg.block_size;
 
     // SIGTERM / SIGINT: the handler only writes a byte to a pipe (async-signal-safe; any thread
     // may run it, libraries start threads of their own before main); a watcher thread reads it
@@ -101,19 +110,7 @@ void serve(const ServeFlags& f) {
     sigaction(SIGTERM, &sa, nullptr);
     sigaction(SIGINT, &sa, nullptr);
 
-    KvIndex index(static_cast<int>(cfg.replica_names.size()));
-    VllmSubscriberOptions sub_options;
-    sub_options.replay_timeout_ms = f.replay_timeout_ms;
-    require(f.index_cap_blocks >= 1, "--index-cap-blocks must be at least 1, got ",
-            f.index_cap_blocks);
-    sub_options.max_blocks_per_replica = f.index_cap_blocks;
-    // A --block-size out of range is refused by RouteService below, with its message.
-    sub_options.block_size = std::max(cfg.block_size, 0);
-    VllmEventSubscriber subscriber(index, endpoints, sub_options);
-    RouteService service(cfg, [&subscriber](const auto& fn) {
-        subscriber.with_index(
-            [&fn](const KvIndex& idx, const VllmEventIngest& ingest) { fn(idx, &ingest); });
-    });
+    subscriber = std::make_unique<VllmEventSubscriber>(index, feeds.endpoints, sub_options);
     RouterHttpServer http(service, http_options);
     std::thread waiter([&] {
         char c = 0;
@@ -121,12 +118,14 @@ void serve(const ServeFlags& f) {
         }
         http.stop();
     });
-    fmt::print("kvshard router: listening on http://{}:{} ({} replicas, policy {}, {})\n",
-               http_options.host, http.port(), cfg.replica_names.size(),
-               routing_policy_name(cfg.policy), vllm_hash_scheme_name(cfg.scheme));
+    fmt::print(
+        "kvshard router: listening on http://{}:{} ({} replicas, policy {}, {}, hash seed {}{})\n",
+        http_options.host, http.port(), cfg.replica_names.size(), routing_policy_name(cfg.policy),
+        vllm_hash_scheme_name(cfg.scheme), service.engine_hash_seed(),
+        cfg.hash_seed.empty() ? ": vLLM's default without PYTHONHASHSEED" : "");
     std::fflush(stdout);
     http.run();
-    subscriber.stop();
+    subscriber->stop();
     const char wake = 0;
     (void)!write(fds[1], &wake, 1);  // the waiter, if run() ended for another reason
     waiter.join();

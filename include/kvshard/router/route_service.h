@@ -85,6 +85,9 @@ class RouteService {
     bool finished(const std::string& request_id);
 
     const RouteServiceConfig& config() const { return config_; }
+    // The string the engines' NONE_HASH comes from, as the service hashes with it:
+    // vllm_engine_hash_seed(scheme, hash_seed), so "vllm-none-hash" when hash_seed is empty.
+    const std::string& engine_hash_seed() const { return engine_hash_seed_; }
     int num_replicas() const { return static_cast<int>(config_.replica_names.size()); }
     // JSON: {"replicas": [{"name", "index_blocks", "last_seq", "stale", "load_blocks", ...}]}.
     std::string replicas_json() const;
@@ -96,6 +99,7 @@ class RouteService {
   private:
     RouteServiceConfig config_;
     IndexAccess index_;
+    std::string engine_hash_seed_;
     VllmBlockHash root_;
     // route_reply_json: replica indices in name order and their names as JSON strings.
     std::vector<size_t> names_sorted_;

@@ -98,10 +98,13 @@ class VllmEventIngest {
     };
 
     static constexpr int64_t kDefaultMaxBlocksPerReplica = 4'000'000;
+    // The largest cap accepted: 2^28 blocks, 4 billion tokens at a block of 16, far more than one
+    // engine's KV cache holds; a larger cap would not bound the index's memory at all.
+    static constexpr int64_t kMaxBlocksPerReplica = int64_t{1} << 28;
 
     // `index` must outlive this; replicas 0 .. index.num_replicas() - 1. `block_size`: the
     // engines' block size in tokens, which every BlockStored must carry; 0 accepts any. Error
-    // unless max_blocks_per_replica >= 1 and block_size >= 0.
+    // unless max_blocks_per_replica is 1 to kMaxBlocksPerReplica and block_size >= 0.
     explicit VllmEventIngest(KvIndex& index,
                              int64_t max_blocks_per_replica = kDefaultMaxBlocksPerReplica,
                              int block_size = 0);

@@ -10,6 +10,7 @@
 // throws Error.
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -44,10 +45,23 @@ struct VllmEngineSpec {
     std::string replay_endpoint;
 };
 // An endpoint is tcp://HOST:PORT or ipc://PATH (vLLM binds either; inproc:// is refused: it
-// cannot be reached from another process). Error naming what is wrong (no '=', an empty name, an
-// endpoint of neither form, dp outside 1..64, dp above 1 with an ipc:// endpoint, an unknown
-// option).
+// cannot be reached from another process). Error naming what is wrong (no '=', a name that is
+// empty or has characters other than letters, digits and . _ - : (names are JSON keys and
+// Prometheus label values), an endpoint of neither form, a tcp:// endpoint with an empty host or
+// the wildcard host * (the engine binds there; the router connects to its address), dp outside
+// 1..64, dp above 1 with an ipc:// endpoint, an unknown option).
 VllmEngineSpec parse_vllm_engine_spec(std::string_view text);
+
+// The router's replicas from its engines, in order: an engine with dp = K gives K replicas,
+// NAME/dp0 .. NAME/dp(K-1), rank k on the endpoints offset by k (offset_endpoint_port); dp = 1
+// gives one replica, NAME. Error on no engine, more than KvIndex::kMaxReplicas replicas, a replica
+// name twice, or an event or replay endpoint that two replicas would share (each engine rank
+// publishes on its own socket; two replicas fed by one publisher would each claim its blocks).
+struct VllmReplicaFeeds {
+    std::vector<std::string> names;            // replica index order
+    std::vector<VllmEventEndpoint> endpoints;  // endpoints[r].replica == r
+};
+VllmReplicaFeeds expand_vllm_engines(std::span<const VllmEngineSpec> engines);
 // tcp://host:port with port + rank (rank 0: unchanged); Error when there is no numeric port or
 // the endpoint is ipc:// (vLLM's offset_endpoint_port refuses it for a rank above 0).
 std::string offset_endpoint_port(const std::string& endpoint, int rank);
