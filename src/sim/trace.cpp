@@ -1,6 +1,7 @@
 #include "kvshard/sim/trace.h"
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <unordered_set>
 
@@ -43,9 +44,11 @@ std::string parse_line(std::string_view text, int block_tokens, double prev_arri
     const auto& ts = j["timestamp"];
     if (!ts.is_number() || !std::isfinite(ts.get<double>()) || ts.get<double>() < 0)
         return "'timestamp' must be a non-negative number of milliseconds";
+    // Up to 2^40 tokens, as output_length below: a larger one overflowed ceil(input / block) into
+    // a negative block count.
     const auto& in = j["input_length"];
-    if (!in.is_number_integer() || in.get<int64_t>() < 1)
-        return "'input_length' must be a positive integer";
+    if (!in.is_number_integer() || in.get<int64_t>() < 1 || in.get<int64_t>() > (int64_t{1} << 40))
+        return "'input_length' must be a positive integer up to 2^40 tokens";
     // At most 2^40 tokens, the longest context kvshard plans for (kMaxContextTokens): an output
     // of 10^15 tokens was replayed as a request that never ends (0 req/s) and made plan --trace
     // speak of a context nobody gave.
@@ -120,6 +123,9 @@ Trace parse_trace(std::istream& in, const std::string& source, TraceErrorPolicy 
 
 Trace load_trace(const std::string& path, TraceErrorPolicy on_error, int block_tokens,
                  int64_t max_requests) {
+    std::error_code ec;
+    require(!std::filesystem::is_directory(path, ec), "trace file '", path,
+            "' is a directory; expected a JSON-lines file");
     std::ifstream f(path);
     require(f.good(), "cannot open trace file '", path, "'");
     return parse_trace(f, path, on_error, block_tokens, max_requests);

@@ -300,6 +300,13 @@ TEST(VllmHash, CliRefusesBadInputWithExitTwo) {
         {"hash --block-size 2 --tokens 1,2 --scheme md5 --hash-seed 0", "--scheme must be"},
         {"hash --block-size 2 --tokens 1,2 --scheme kvshard --hash-seed 0", "vLLM schemes only"},
         {"hash --block-size 2 --tokens 1,2 --scheme kvshard --parent 00", "32 hex digits"},
+        // An empty value was taken as the flag left out.
+        {"hash --block-size 2 --tokens 1,2 --scheme vllm-sha256 --hash-seed ''",
+         "--hash-seed is empty; give the engines' PYTHONHASHSEED or leave the flag out"},
+        {"hash --block-size 2 --tokens 1,2 --scheme vllm-sha256-cbor --parent ''",
+         "--parent is empty"},
+        {"hash --block-size 2 --tokens 1,2" + ok + " --cache-salt ''", "--cache-salt is empty"},
+        {"hash --block-size 2 --tokens 1,2" + ok + " --lora-name ''", "--lora-name is empty"},
     };
     for (const auto& b : bad) {
         const auto r = test::run_cli(b.args);

@@ -635,6 +635,7 @@ TEST(RouterServe, RefusesBadFlags) {
         {"router serve --engine a=tcp://127.0.0.1:1 --block-size -16", "--block-size must be 1"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed -1", "is not a PYTHONHASHSEED"},
         {"router serve --engine a=tcp://127.0.0.1:1 --hash vllm-xxhash", "PYTHONHASHSEED"},
+        {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed ''", "--hash-seed is empty"},
         {"router serve --engine a=tcp://127.0.0.1:1 --replay-timeout-ms 0",
          "--replay-timeout-ms must be 1 to 600000"},
     };

@@ -62,6 +62,25 @@ TEST(Trace, EachKindOfMalformedLineIsReportedWithItsLineNumber) {
          "non-negative integers"},
         {"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [-3]}",
          "non-negative integers"},
+        // ceil(input / 512) overflowed int64 into a negative block count.
+        {"{\"timestamp\": 0, \"input_length\": 9223372036854775807, \"output_length\": 1, "
+         "\"hash_ids\": [1]}",
+         "'input_length' must be a positive integer up to 2^40 tokens"},
+        {"{\"timestamp\": 0, \"input_length\": 18446744073709551615, \"output_length\": 1, "
+         "\"hash_ids\": [1]}",
+         "'input_length'"},
+        {"{\"timestamp\": 1e999, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}",
+         ""},
+        {"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [[1]]}",
+         "non-negative integers"},
+        {"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1.0]}",
+         "non-negative integers"},
+        {"{\"timestamp\": \"0\", \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}",
+         "'timestamp'"},
+        {"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, "
+         "\"hash_ids\": [18446744073709551616]}",
+         "non-negative integers"},
+        {"null", "not a JSON object"},
     };
     for (const auto& [text, what] : bad) {
         const std::string trace = line(0, 10, 1, {7}) + text + "\n" + line(1, 10, 1, {8});
@@ -96,6 +115,15 @@ TEST(Trace, ErrorPolicyNamesAndMissingFile) {
     EXPECT_EQ(parse_trace_error_policy("fail"), TraceErrorPolicy::kFail);
     EXPECT_THROW(parse_trace_error_policy("ignore"), Error);
     EXPECT_THROW(load_trace("/nonexistent/trace.jsonl", TraceErrorPolicy::kFail), Error);
+    // A directory opened as a stream and failed on its first read ("read error after line 0").
+    try {
+        load_trace(KVSHARD_TEST_SOURCE_DIR, TraceErrorPolicy::kFail);
+        ADD_FAILURE() << "a directory was read as a trace";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("is a directory; expected a JSON-lines file"),
+                  std::string::npos)
+            << e.what();
+    }
 }
 
 // ---------------------------------------------------------------- bounds

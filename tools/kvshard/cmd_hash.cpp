@@ -8,6 +8,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "command.h"
@@ -146,12 +147,23 @@ void setup(CLI::App& app) {
     auto* parent = sub->add_option("--parent", f->parent, "hex digest the first block chains from");
     seed->excludes(parent);
     sub->add_option("--tokens", f->tokens, "comma-separated token ids, e.g. 1,2,3")->required();
-    sub->add_option("--lora-name", f->lora_name, "LoRA adapter name (an extra key on every block)");
-    sub->add_option("--cache-salt", f->cache_salt, "cache salt (an extra key on the first block)");
+    auto* lora = sub->add_option("--lora-name", f->lora_name,
+                                 "LoRA adapter name (an extra key on every block)");
+    auto* salt = sub->add_option("--cache-salt", f->cache_salt,
+                                 "cache salt (an extra key on the first block)");
     sub->add_flag("--json", f->json, "print {\"blocks\": [{\"digest\": hex, \"id\": uint64}]}");
-    sub->callback([f, seed] {
+    sub->callback([f, seed, parent, lora, salt] {
         HashFlags copy = *f;
         copy.have_seed = seed->count() > 0;
+        // An empty value would be taken as the flag left out: refused, so that a flag given does
+        // what it says (vLLM's server refuses an empty cache_salt too).
+        for (const auto& [opt, value, what] :
+             {std::tuple{seed, &f->hash_seed, "the engines' PYTHONHASHSEED"},
+              std::tuple{parent, &f->parent, "a hex digest"},
+              std::tuple{lora, &f->lora_name, "the LoRA adapter's name"},
+              std::tuple{salt, &f->cache_salt, "the request's cache salt"}})
+            require(opt->count() == 0 || !value->empty(), opt->get_name(), " is empty; give ", what,
+                    " or leave the flag out");
         run(copy);
     });
 }

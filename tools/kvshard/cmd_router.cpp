@@ -152,10 +152,11 @@ void setup(CLI::App& app) {
                     "vllm-sha256 | vllm-sha256-cbor | vllm-xxhash | vllm-xxhash-cbor | "
                     "vllm-sha256-cbor-64bit (the engines' --prefix-caching-hash-algo, with vllm- "
                     "before it)");
-    sub->add_option("--hash-seed", f->hash_seed,
-                    "the engines' PYTHONHASHSEED (\"random\" or 0..4294967295); leave it out when "
-                    "they run without one: vLLM's default seed \"vllm-none-hash\" for the sha256 "
-                    "schemes (the xxhash ones need it)");
+    auto* seed = sub->add_option(
+        "--hash-seed", f->hash_seed,
+        "the engines' PYTHONHASHSEED (\"random\" or 0..4294967295); leave it out when "
+        "they run without one: vLLM's default seed \"vllm-none-hash\" for the sha256 "
+        "schemes (the xxhash ones need it)");
     sub->add_flag("--allow-remote", f->allow_remote, "allow --listen on a non-loopback address");
     sub->add_option("--replay-timeout-ms", f->replay_timeout_ms,
                     "how long to wait for an engine's replay after a gap");
@@ -166,7 +167,13 @@ void setup(CLI::App& app) {
                     "or idles past --keep-alive-timeout-s)");
     sub->add_option("--keep-alive-timeout-s", f->keep_alive_timeout_s,
                     "seconds an idle keep-alive connection is kept open");
-    sub->callback([f] { serve(*f); });
+    sub->callback([f, seed] {
+        // An empty seed would be taken as the flag left out.
+        require(seed->count() == 0 || !f->hash_seed.empty(),
+                "--hash-seed is empty; give the engines' PYTHONHASHSEED or leave the flag out "
+                "(vLLM's default seed \"vllm-none-hash\")");
+        serve(*f);
+    });
 }
 
 KVSHARD_COMMAND("router", setup);
