@@ -56,7 +56,9 @@ RouteRequestBody parse_route_request(std::string_view body);
 struct RouteOutcome {
     int replica = 0;
     std::string replica_name;
-    std::vector<int> matched_blocks;   // per replica
+    // Per replica: the prefix hit vLLM would take there, at most (tokens - 1) / block_size
+    // blocks (vllm_max_cache_hit_blocks).
+    std::vector<int> matched_blocks;
     std::vector<int64_t> load_blocks;  // per replica, after this request
     RouteReason reason = RouteReason::kRoundRobin;
 };
