@@ -345,6 +345,7 @@ class KvEventIndex:
 
 # ---- router ----
 def routing_policy_names() -> list[str]: ...
+def vllm_max_cache_hit_blocks(num_tokens: int, block_tokens: int) -> int: ...
 
 class ReplicaLoad:
     queued_prefill_tokens: int
