@@ -504,6 +504,28 @@ LayerKind layer_type_kind(const std::string& t, const std::string& file, int lay
                                "or linear_attention"));
 }
 
+// Which layers apply RoPE (1) and which are NoPE (0): no_rope_layers as listed (Llama 4 and
+// SmolLM3 name it so, 1 meaning RoPE), else every no_rope_layer_interval-th layer (default 4) NoPE.
+// empty_is_absent: an empty list is computed as if absent (Llama4TextConfig fills it in).
+std::vector<int> rope_layer_list(const HfFields& f, int L, bool empty_is_absent) {
+    std::vector<int> rope(L, 1);
+    if (f.has("no_rope_layers") && !(empty_is_absent && f.array("no_rope_layers").empty())) {
+        const auto& nr = f.array("no_rope_layers");
+        if (static_cast<int>(nr.size()) != L)
+            throw f.bad("no_rope_layers",
+                        detail::concat("lists ", nr.size(), " layers but there are ", L));
+        for (int l = 0; l < L; ++l) {
+            if (!nr[l].is_number_integer() || (nr[l] != 0 && nr[l] != 1))
+                throw f.bad("no_rope_layers", "must be a list of 0 and 1");
+            rope[l] = nr[l].get<int>();
+        }
+    } else {
+        const int interval = f.positive_int_or("no_rope_layer_interval", 4);
+        for (int l = 0; l < L; ++l) rope[l] = (l + 1) % interval != 0 ? 1 : 0;
+    }
+    return rope;
+}
+
 // A per-layer list of layer type names (layer_types and its aliases): num_hidden_layers strings,
 // each one of `allowed` when that is not empty.
 std::vector<std::string> layer_type_list(const HfFields& f, const std::string& key, int layers,
@@ -1092,21 +1114,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
             // no_rope_layer_interval-th layer (default 4) NoPE; without layer_types the NoPE
             // layers slide when use_sliding_window and sliding_window are set. RoPE or not, every
             // layer caches K and V of num_key_value_heads x head_dim.
-            std::vector<int> rope(L);
-            if (f.has("no_rope_layers")) {
-                const auto& nr = f.array("no_rope_layers");
-                if (static_cast<int>(nr.size()) != L)
-                    throw f.bad("no_rope_layers",
-                                detail::concat("lists ", nr.size(), " layers but there are ", L));
-                for (int l = 0; l < L; ++l) {
-                    if (!nr[l].is_number_integer() || (nr[l] != 0 && nr[l] != 1))
-                        throw f.bad("no_rope_layers", "must be a list of 0 and 1");
-                    rope[l] = nr[l].get<int>();
-                }
-            } else {
-                const int interval = f.positive_int_or("no_rope_layer_interval", 4);
-                for (int l = 0; l < L; ++l) rope[l] = (l + 1) % interval != 0 ? 1 : 0;
-            }
+            const std::vector<int> rope = rope_layer_list(f, L, /*empty_is_absent=*/false);
             if (!listed && f.bool_or("use_sliding_window", false) && f.has("sliding_window"))
                 for (int l = 0; l < L; ++l) sliding[l] = rope[l] == 0;
         } else if (!listed && model_type != "olmo2") {
@@ -1188,21 +1196,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         // Layers with RoPE attend within their chunk; the NoPE layers (no_rope_layers[i] == 0)
         // attend fully. Absent: every no_rope_layer_interval-th layer is NoPE.
         const int chunk = f.positive_int("attention_chunk_size");
-        std::vector<int> rope(L, 1);
-        if (f.has("no_rope_layers") && !f.array("no_rope_layers").empty()) {
-            const auto& nr = f.array("no_rope_layers");
-            if (static_cast<int>(nr.size()) != L)
-                throw f.bad("no_rope_layers",
-                            detail::concat("lists ", nr.size(), " layers but there are ", L));
-            for (int l = 0; l < L; ++l) {
-                if (!nr[l].is_number_integer() || (nr[l] != 0 && nr[l] != 1))
-                    throw f.bad("no_rope_layers", "must be a list of 0 and 1");
-                rope[l] = nr[l].get<int>();
-            }
-        } else {
-            const int interval = f.positive_int_or("no_rope_layer_interval", 4);
-            for (int l = 0; l < L; ++l) rope[l] = (l + 1) % interval != 0 ? 1 : 0;
-        }
+        const std::vector<int> rope = rope_layer_list(f, L, /*empty_is_absent=*/true);
         for (int l = 0; l < L; ++l)
             if (rope[l]) set_window(layers[l], LayerKind::kChunkedLocal, chunk);
     }
