@@ -52,6 +52,7 @@ py::dict capacity_dict(const CapacityReport& c) {
     d["kv_blocks_per_gpu"] = c.kv_blocks_per_gpu;
     d["max_context"] = c.max_context;
     d["context_unbounded"] = c.context_unbounded;
+    d["context_limited_by_model"] = c.context_limited_by_model;
     d["request_kv_bytes"] = c.request_kv_bytes;
     d["request_blocks"] = c.request_blocks;
     d["block_size"] = c.engine.block_size;

@@ -616,14 +616,13 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
 // would take the config class's default, which kvshard does not guess.
 void read_max_model_len(const HfFields& f, const std::string& model_type,
                         double tokenizer_max_length, ModelSpec& m) {
+    // A length above 2^40 (transformers' "no limit" int(1e30)) bounds nothing kvshard checks.
+    constexpr double kLongest = double(int64_t{1} << 40);
     auto length = [&](const std::string& key) {
         const auto& v = f.json().at(key);
-        if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 1 ||
-            v.get<double>() > double(int64_t{1} << 40))
-            throw f.bad(key, detail::concat("must be a positive number of tokens (at most 2^40), "
-                                            "got ",
-                                            v.dump()));
-        return v.get<double>();
+        if (!v.is_number() || std::isnan(v.get<double>()) || v.get<double>() < 1)
+            throw f.bad(key, detail::concat("must be a positive number of tokens, got ", v.dump()));
+        return std::min(v.get<double>(), kLongest);
     };
     double derived = 0;
     std::string from;
@@ -650,10 +649,9 @@ void read_max_model_len(const HfFields& f, const std::string& model_type,
         derived = 2048;
         from = "FalconConfig's default max_position_embeddings 2048";
     }
-    if (from.empty()) return;
-    // Before the RoPE factor, as vLLM takes it.
-    if (tokenizer_max_length > 0 && tokenizer_max_length < derived) {
-        derived = tokenizer_max_length;
+    // Before the RoPE factor, as vLLM takes it; also where the config states no length.
+    if (tokenizer_max_length > 0 && (from.empty() || tokenizer_max_length < derived)) {
+        derived = std::min(tokenizer_max_length, kLongest);
         from = detail::concat("tokenizer_config.json's model_max_length ",
                               static_cast<int64_t>(derived));
     }
@@ -713,12 +711,13 @@ void read_max_model_len(const HfFields& f, const std::string& model_type,
                 }
             }
         }
-        if (factor != 1.0) {
+        if (factor != 1.0 && !from.empty()) {
             derived *= factor;
             from = detail::concat(from, " x ", rope_key, " ", scaled, " factor ", factor);
         }
     }
-    m.max_model_len = std::min<int64_t>(static_cast<int64_t>(derived), int64_t{1} << 40);
+    if (from.empty()) return;  // none stated (vLLM would take its class default or 2048)
+    m.max_model_len = static_cast<int64_t>(std::min(derived, kLongest));
     m.max_model_len_from = from;
 }
 

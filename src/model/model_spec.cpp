@@ -189,7 +189,8 @@ int64_t state_bytes(const StateSpec& st, int tp) {
     const int64_t groups = std::max(1, st.groups / tp);
     const int64_t conv_dim = heads * st.head_dim + 2 * groups * st.group_dim;
     const int64_t conv =
-        int64_t{st.conv_kernel - 1} * conv_dim * static_cast<int64_t>(dtype_size(st.conv_dtype));
+        int64_t{st.conv_kernel - 1 + st.spec_conv_rows} * conv_dim *
+        static_cast<int64_t>(dtype_size(st.conv_dtype));
     const int64_t rec =
         heads * st.head_dim * st.group_dim * static_cast<int64_t>(dtype_size(st.state_dtype));
     return conv + rec;
@@ -458,6 +459,8 @@ void ModelSpec::validate() const {
         positive(state.head_dim, "state.head_dim");
         positive(state.groups, "state.groups");
         positive(state.group_dim, "state.group_dim");
+        require(state.spec_conv_rows >= 0 && state.spec_conv_rows <= 1024, "model '", name,
+                "': state.spec_conv_rows must be in [0, 1024], got ", state.spec_conv_rows);
         require(state.conv_kernel >= 1, "model '", name,
                 "': state.conv_kernel must be a positive integer, got ", state.conv_kernel);
     }
@@ -479,11 +482,12 @@ void ModelSpec::check_sequence_length(int64_t tokens, bool allow_long,
                                       std::string_view what) const {
     if (max_model_len <= 0 || tokens <= max_model_len || allow_long) return;
     throw Error(detail::concat(
-        what, " of ", tokens, " tokens is longer than model '", name, "' serves: vLLM derives ",
+        what, " (", tokens, " tokens) is longer than model '", name, "' serves: vLLM derives ",
         "max_model_len ", max_model_len, " from its config (", max_model_len_from,
         ") and refuses a longer --max-model-len unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (positions ",
         "past it are outside what the model was trained on); give at most ", max_model_len,
-        " tokens, or --allow-long-context to plan it as that variable would"));
+        " tokens, or allow long contexts (--allow-long-context; Python allow_long_context=True) "
+        "to plan it as that variable would"));
 }
 
 void ModelSpec::validate_totals() const {
@@ -591,7 +595,8 @@ std::string to_json(const ModelSpec& m) {
                       {"group_dim", m.state.group_dim},
                       {"conv_kernel", m.state.conv_kernel},
                       {"conv_dtype", dtype_name(m.state.conv_dtype)},
-                      {"state_dtype", dtype_name(m.state.state_dtype)}};
+                      {"state_dtype", dtype_name(m.state.state_dtype)},
+                      {"spec_conv_rows", m.state.spec_conv_rows}};
     }
     if (m.mtp.enabled()) {
         const LayerSpec& s = m.mtp.layer;
@@ -682,6 +687,7 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
                        st.at("conv_kernel").get<int>(),
                        parse_dtype(st.at("conv_dtype").get<std::string>()),
                        parse_dtype(st.at("state_dtype").get<std::string>())};
+            m.state.spec_conv_rows = st.value("spec_conv_rows", 0);
         }
         if (j.contains("indexer")) {
             const auto& ix = j.at("indexer");

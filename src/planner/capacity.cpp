@@ -208,7 +208,7 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
                                 const HardwareSpec& hw, const CapacityOptions& options) {
     options.validate();
     hw.validate();
-    target.check_sequence_length(options.context_tokens, options.allow_long_context, "a context");
+    target.check_sequence_length(options.context_tokens, options.allow_long_context, "the context");
     const bool speculating = options.speculative_tokens > 0;
     if (speculating) {
         require(target.mtp.enabled(), "speculative decoding with MTP needs MTP layers, and model '",
@@ -222,7 +222,16 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
                 p.pp);
     }
     // Speculating, the KV cache holds the MTP layers beside the model's own.
-    const ModelSpec m = speculating ? with_mtp_layers(target) : target;
+    ModelSpec m = speculating ? with_mtp_layers(target) : target;
+    // Speculating, a Gated DeltaNet layer's conv state keeps conv_kernel - 1 + N rows (its weights
+    // do not change), so that the
+    // verify step's N + 1 tokens slide through it (vLLM: GatedDeltaNet.get_state_shape passes
+    // num_spec = num_speculative_tokens to MambaStateShapeCalculator.gated_delta_net_state_shape).
+    // Mamba-2 layers keep theirs (no MTP checkpoint of a Mamba-2 hybrid is read here).
+    if (speculating && std::any_of(m.layers.begin(), m.layers.end(), [](const LayerSpec& s) {
+            return s.kind == LayerKind::kGatedDeltaNet;
+        }))
+        m.state.spec_conv_rows = options.speculative_tokens;
     const KvLayout layout = make_layout(m, p);
     const int64_t usable =
         static_cast<int64_t>(static_cast<double>(hw.memory_bytes) * options.mem_util);
@@ -301,6 +310,12 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
                 hi = mid - 1;
         }
         rep.max_context = lo;
+    }
+    if (target.max_model_len > 0 && !options.allow_long_context &&
+        rep.max_context > target.max_model_len) {
+        rep.max_context = target.max_model_len;
+        rep.context_unbounded = false;
+        rep.context_limited_by_model = true;
     }
 
     if (options.context_tokens > 0 && !separate) {

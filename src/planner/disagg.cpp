@@ -330,6 +330,10 @@ std::vector<ServingEntry> plan_serving(const ModelSpec& m, const HardwareSpec& h
     r.validate();
     hw.validate();
     m.validate();
+    // A request holds its prompt and its output: vLLM's max_model_len bounds both together.
+    m.check_sequence_length(r.prompt_tokens + r.output_tokens, r.capacity.allow_long_context,
+                            detail::concat("a prompt of ", r.prompt_tokens, " tokens plus ",
+                                           r.output_tokens, " of output"));
     Evaluator ev(m, hw, r);
     std::vector<ServingEntry> out;
     for (const ParallelConfig& p : enumerate_configs(m, r.gpus, r.cp_scheme))

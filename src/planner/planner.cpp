@@ -224,6 +224,7 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
             {"state_bytes_per_sequence", c.state_bytes_per_sequence},
             {"request_kv_bytes", c.request_kv_bytes},
             {"context_unbounded", c.context_unbounded},
+            {"context_limited_by_model", c.context_limited_by_model},
             {"kv_blocks_per_gpu", c.kv_blocks_per_gpu},
             {"block_size", c.engine.block_size},
             {"kv_cache_groups", c.engine.groups.size()},

@@ -119,8 +119,17 @@ TEST(MaxModelLen, VllmsDerivation) {
          "sliding_attention": {"rope_type": "default"}})")
                   .max_model_len,
               8192);
-    // No length field: none stated, nothing checked.
+    // No length field: none stated, nothing checked; but yarn states original x factor.
     EXPECT_EQ(llama_with("").max_model_len, 0);
+    EXPECT_EQ(
+        llama_with(R"(, "rope_scaling": {"rope_type": "linear", "factor": 4.0})").max_model_len, 0);
+    EXPECT_EQ(llama_with(R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 32768})")
+                  .max_model_len,
+              131072);
+    // transformers' "no limit" (int(1e30)) bounds nothing: clamped to 2^40, not refused.
+    EXPECT_EQ(llama_with(R"(, "model_max_length": 1000000000000000019884624838656)").max_model_len,
+              int64_t{1} << 40);
     // Bad values are refused by name.
     EXPECT_THROW(llama_with(R"(, "max_position_embeddings": -5)"), Error);
     EXPECT_THROW(llama_with(R"(, "max_position_embeddings": "long")"), Error);
@@ -160,6 +169,13 @@ TEST(MaxModelLen, TokenizerConfigBesideTheConfig) {
     EXPECT_EQ(tokenizer(R"({"model_max_length": 262144})").max_model_len, 131072);
     EXPECT_EQ(tokenizer(R"({"tokenizer_class": "Qwen2Tokenizer"})").max_model_len, 131072);
     EXPECT_THROW(tokenizer(R"({"model_max_length": "long"})"), Error);
+    // A config without a length field takes the tokenizer's.
+    {
+        std::ofstream(dir / "config.json") << R"({"model_type": "llama", "num_hidden_layers": 2,
+            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 128, "vocab_size": 100})";
+        EXPECT_EQ(tokenizer(R"({"model_max_length": 4096})").max_model_len, 4096);
+    }
     EXPECT_THROW(tokenizer("{not json"), Error);
     fs::remove_all(dir);
 }

@@ -19,10 +19,16 @@ TEST(CapacityCli, ExplainShowsTheGroupsPaddingAndEachFiguresArithmetic) {
               std::string::npos)
         << r.out;
     EXPECT_NE(r.out.find("holds at most 902 blocks"), std::string::npos) << r.out;
-    EXPECT_NE(r.out.find("KV tokens per GPU 36864 (limiting rank 0), longest request 202720 "
-                         "tokens, 17 requests of 8192"),
+    EXPECT_NE(r.out.find("KV tokens per GPU 36864 (limiting rank 0), longest request 131072 "
+                         "tokens (the model's max_model_len; memory allows more), 17 requests of "
+                         "8192"),
               std::string::npos)
         << r.out;
+    const auto allowed =
+        run_cli("plan -m gemma-3-27b -n 1 -c 8192 --explain tp=1 --allow-long-context");
+    EXPECT_NE(allowed.out.find("longest request 202720 tokens, 17 requests of 8192"),
+              std::string::npos)
+        << allowed.out;
 }
 
 TEST(CapacityCli, AGivenBlockSizeBelowVllmsIsKeptAndVllmsIsNamed) {
@@ -42,7 +48,7 @@ TEST(CapacityCli, AGivenBlockSizeBelowVllmsIsKeptAndVllmsIsNamed) {
 TEST(CapacityCli, ContextBeyondTheModelsLengthIsRefused) {
     const auto over = run_cli("plan -m llama-3.1-8b -n 1 -c 131073");
     EXPECT_EQ(over.status, 2) << over.out;
-    EXPECT_NE(over.out.find("a context of 131073 tokens is longer than model 'llama-3.1-8b' "
+    EXPECT_NE(over.out.find("the context (131073 tokens) is longer than model 'llama-3.1-8b' "
                             "serves: vLLM derives max_model_len 131072"),
               std::string::npos)
         << over.out;
@@ -53,7 +59,10 @@ TEST(CapacityCli, ContextBeyondTheModelsLengthIsRefused) {
         "plan -m llama-3.1-8b -n 2 -c 131000 --disagg --output-tokens 256 --ttft-slo 100 "
         "--tpot-slo 1");
     EXPECT_EQ(dis.status, 2) << dis.out;
-    EXPECT_NE(dis.out.find("131256 tokens is longer"), std::string::npos) << dis.out;
+    EXPECT_NE(
+        dis.out.find("a prompt of 131000 tokens plus 256 of output (131256 tokens) is longer"),
+        std::string::npos)
+        << dis.out;
     // The built-in test models state no length: nothing is checked.
     EXPECT_EQ(run_cli("plan -m tiny -n 1 -c 1000000").status, 0);
 }
@@ -81,7 +90,9 @@ TEST(CapacityCli, SpeculativeMtpIsExplainedAndRefusedWhereItCannotApply) {
                           "padding"),
               std::string::npos)
         << on.out;
-    EXPECT_NE(on.out.find("holds at most 43 blocks"), std::string::npos) << on.out;
+    // cdiv(8192, 288) + 3 x (2 + 2): the conv rows for 2 draft tokens raise the block 272 -> 288.
+    EXPECT_NE(on.out.find("blocks of 288 tokens"), std::string::npos) << on.out;
+    EXPECT_NE(on.out.find("holds at most 41 blocks"), std::string::npos) << on.out;
     EXPECT_NE(on.out.find("state groups 2 (align: past one block) + 2 speculative"),
               std::string::npos)
         << on.out;

@@ -39,6 +39,9 @@ CapacityReport on_gpu(const std::string& gpu, const ModelSpec& m, int tp_size,
                       int speculative_tokens, CapacityOptions o = {}) {
     o.context_tokens = 8192;
     o.speculative_tokens = speculative_tokens;
+    // max_context as vLLM's memory check gives it, past the model's max_model_len (as with
+    // VLLM_ALLOW_LONG_MAX_MODEL_LEN=1); capacity_test.cpp checks the cap.
+    o.allow_long_context = true;
     return compute_capacity(m, tp(tp_size), hardware_by_name(gpu), o);
 }
 
@@ -171,13 +174,18 @@ TEST(CapacityMtp, QwenNextTp4RegroupsAndHoldsSpeculativeStates) {
     // Pages at tp 4: one token of a full layer 2 x 1 KV head (2 replicated over 4) x 256 x 2 =
     // 1024 B; a GDN state (3 x (2 x 4 x 128 + 8 x 128) conv + 8 x 128 x 128 recurrent) x 2 B =
     // 274,432 B. vLLM's block: 16 x cdiv(274432, 16 x 1024) = 272 tokens, a page of 278,528 B.
-    const int64_t page = 272 * 1024;
-    EXPECT_EQ(on.engine.block_size, 272);
+    // Speculating N = 2, the conv state keeps 3 + 2 rows (gated_delta_net_state_shape's num_spec):
+    // (5 x 2048 + 8 x 128 x 128) x 2 = 282,624 B, block 16 x cdiv(282624, 16384) = 288 tokens.
+    const int64_t page_off = 272 * 1024;
+    const int64_t page = 288 * 1024;
+    EXPECT_EQ(off.engine.block_size, 272);
+    EXPECT_EQ(off.engine.page_bytes, page_off);
+    EXPECT_EQ(on.engine.block_size, 288);
     EXPECT_EQ(on.engine.page_bytes, page);
     // Off: 12 full + 36 GDN layers, groups of 12 (36 >= 1.5 x 12): 1 + 3 groups, no padding.
     EXPECT_EQ(off.engine.group_size, 12);
     EXPECT_EQ(off.engine.padding_slots(), 0);
-    EXPECT_EQ(off.engine.block_bytes[0], page * 12);
+    EXPECT_EQ(off.engine.block_bytes[0], page_off * 12);
     // On: 13 full (the MTP layer) + 36 GDN: groups of 13 (36 >= 1.5 x 13), the GDN layers in
     // cdiv(36, 13) = 3 groups of 12, 3 padding slots; a block id takes 13 pages.
     EXPECT_EQ(on.engine.group_size, 13);
@@ -200,28 +208,30 @@ TEST(CapacityMtp, QwenNextTp4RegroupsAndHoldsSpeculativeStates) {
 
     const int64_t blocks = on.ranks[0].kv_budget_bytes / (page * 13);
     EXPECT_EQ(on.kv_blocks_per_gpu, blocks);
-    EXPECT_EQ(on.kv_tokens_per_gpu, blocks / 4 * 272);  // vLLM logs blocks / groups x block
-    // A request of 8192 tokens (align mode, past one block): the full group cdiv(8192, 272) = 31
+    EXPECT_EQ(on.kv_tokens_per_gpu, blocks / 4 * 288);  // vLLM logs blocks / groups x block
+    // A request of 8192 tokens (align mode, past one block): the full group cdiv(8192, 288) = 29
     // blocks, each GDN group 2 + 2 speculative state blocks.
-    EXPECT_EQ(on.request_blocks, ceil_div(8192, 272) + 3 * (2 + 2));
-    EXPECT_EQ(on.request_blocks, 43);
+    EXPECT_EQ(on.request_blocks, ceil_div(8192, 288) + 3 * (2 + 2));
+    EXPECT_EQ(on.request_blocks, 41);
     EXPECT_EQ(off.request_blocks, 31 + 3 * 2);
-    EXPECT_EQ(on.requests_per_replica, blocks / 43);
-    // vLLM's startup check: cdiv(M, 272) + 3 x (2 + 2) <= blocks.
-    EXPECT_EQ(on.max_context, (blocks - 12) * 272);
+    EXPECT_EQ(on.requests_per_replica, blocks / 41);
+    // vLLM's startup check: cdiv(M, 288) + 3 x (2 + 2) <= blocks.
+    EXPECT_EQ(on.max_context, (blocks - 12) * 288);
     EXPECT_GT(off.requests_per_replica, on.requests_per_replica);
 
     // Prefix caching off (mamba_cache_mode none): 1 + 2 state blocks per GDN group.
     CapacityOptions none;
     none.mamba_cache_mode = MambaCacheMode::kNone;
     const CapacityReport on_none = on_h100(m, 4, 2, none);
-    EXPECT_EQ(on_none.request_blocks, 31 + 3 * (1 + 2));
-    EXPECT_EQ(on_none.max_context, (on_none.kv_blocks_per_gpu - 9) * 272);
-    // More draft tokens, more state blocks per request: fewer requests, same pool.
+    EXPECT_EQ(on_none.request_blocks, 29 + 3 * (1 + 2));
+    EXPECT_EQ(on_none.max_context, (on_none.kv_blocks_per_gpu - 9) * 288);
+    // More draft tokens, more state blocks per request: fewer requests, same pool (3 + 4 conv
+    // rows: (7 x 2048 + 131072) x 2 = 290,816 B, still a block of 288).
     const CapacityReport on4 = on_h100(m, 4, 4);
+    EXPECT_EQ(on4.engine.block_size, 288);
     EXPECT_EQ(on4.kv_blocks_per_gpu, blocks);
-    EXPECT_EQ(on4.request_blocks, 31 + 3 * (2 + 4));
-    EXPECT_EQ(on4.requests_per_replica, blocks / 49);
+    EXPECT_EQ(on4.request_blocks, 29 + 3 * (2 + 4));
+    EXPECT_EQ(on4.requests_per_replica, blocks / 47);
 }
 
 TEST(CapacityMtp, SeparateArrangementCountsAStatePerDraftToken) {
@@ -236,7 +246,9 @@ TEST(CapacityMtp, SeparateArrangementCountsAStatePerDraftToken) {
     ASSERT_EQ(on.engine.kind, EngineKvKind::kSeparate);
     const int64_t states = 36 * int64_t{274432};  // 36 GDN layers' state at tp 4
     EXPECT_EQ(off.request_kv_bytes, 8192 * 12 * 1024 + states);
-    EXPECT_EQ(on.request_kv_bytes, 8192 * 13 * 1024 + (1 + 2) * states);
+    // Speculating, each state's conv keeps 2 more rows of 2048 bf16 channels.
+    const int64_t spec_states = 36 * (int64_t{274432} + 2 * 2048 * 2);
+    EXPECT_EQ(on.request_kv_bytes, 8192 * 13 * 1024 + (1 + 2) * spec_states);
     EXPECT_EQ(on.requests_per_replica, on.ranks[0].kv_budget_bytes / on.request_kv_bytes);
 }
 

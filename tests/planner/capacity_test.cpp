@@ -24,7 +24,9 @@ ParallelConfig cfg(int tp, int pp = 1, int cp = 1, int dp = 1, int ep = 1) {
 
 TEST(Capacity, Llama70bTp8OnH100MatchesHandComputedEngineFormula) {
     const auto m = catalog_model("llama-3.1-70b");
-    const auto rep = compute_capacity(m, cfg(8), hardware_by_name("h100-sxm"));
+    CapacityOptions long_context;  // the memory check's figure, past the model's 131072 tokens
+    long_context.allow_long_context = true;
+    const auto rep = compute_capacity(m, cfg(8), hardware_by_name("h100-sxm"), long_context);
     // Per rank and layer: Q and O for 64/8 = 8 heads, K and V for 8/8 = 1 head; the MLP split by 8.
     const int64_t attn = 2LL * 8192 * 8 * 128 + 2LL * 8192 * 1 * 128;
     const int64_t mlp = 3LL * 8192 * 28672 / 8;
@@ -41,7 +43,14 @@ TEST(Capacity, Llama70bTp8OnH100MatchesHandComputedEngineFormula) {
     EXPECT_EQ(rep.kv_tokens_per_gpu, 1404320);
     EXPECT_EQ(rep.kv_blocks_per_gpu, tokens / 16);
     EXPECT_EQ(rep.max_context, tokens);  // cp = 1: one GPU's KV
+    EXPECT_FALSE(rep.context_limited_by_model);
     EXPECT_TRUE(rep.fits);
+    // vLLM serves at most max_model_len (131072 for Llama 3.1) however much memory is left.
+    const auto capped = compute_capacity(m, cfg(8), hardware_by_name("h100-sxm"));
+    EXPECT_EQ(capped.max_context, 131072);
+    EXPECT_TRUE(capped.context_limited_by_model);
+    EXPECT_FALSE(capped.context_unbounded);
+    EXPECT_EQ(capped.kv_tokens_per_gpu, tokens);
     for (const auto& r : rep.ranks) EXPECT_EQ(r.kv_tokens, tokens);
 }
 
@@ -163,6 +172,7 @@ TEST(Capacity, ConcurrencyAndFit) {
     const auto m = catalog_model("llama-3.1-8b");
     CapacityOptions o;
     o.context_tokens = 8192;
+    o.allow_long_context = true;  // max_context as memory allows (above the model's 131072)
     const auto rep = compute_capacity(m, cfg(1, 1, 1, 4), hardware_by_name("h100-sxm"), o);
     EXPECT_EQ(rep.requests_per_replica, rep.kv_tokens_per_gpu / 8192);
     EXPECT_EQ(rep.max_concurrency, 4 * rep.requests_per_replica);
@@ -174,7 +184,6 @@ TEST(Capacity, ConcurrencyAndFit) {
     EXPECT_NE(big.why_not.find("weights"), std::string::npos) << big.why_not;
     // A context longer than the KV capacity does not fit (past the model's 131072 tokens too).
     o.context_tokens = rep.max_context + 1;
-    o.allow_long_context = true;
     EXPECT_FALSE(compute_capacity(m, cfg(1), hardware_by_name("h100-sxm"), o).fits);
 }
 

@@ -19,6 +19,9 @@ ParallelConfig tp(int n) {
 CapacityReport on_h100(const std::string& model, int tp_size, int64_t context,
                        CapacityOptions o = {}) {
     o.context_tokens = context;
+    // max_context as vLLM's memory check gives it, past the model's max_model_len (as with
+    // VLLM_ALLOW_LONG_MAX_MODEL_LEN=1); capacity_test.cpp checks the cap.
+    o.allow_long_context = true;
     return compute_capacity(catalog_model(model), tp(tp_size), hardware_by_name("h100-sxm"), o);
 }
 
@@ -66,6 +69,7 @@ CapacityReport nemotron_h(DType ssm, int64_t context, CapacityOptions o = {}) {
     ModelSpec m = catalog_model("nemotron-h-8b");
     m.state.state_dtype = ssm;
     o.context_tokens = context;
+    o.allow_long_context = true;  // max_context past the model's 8192, as on_h100
     return compute_capacity(m, tp(1), hardware_by_name("h100-sxm"), o);
 }
 

@@ -234,10 +234,12 @@ void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, c
             m.mtp.layers == 1 ? "" : "s");
     fmt::print("\n{}\n", engine_kv_summary(c, r.capacity, p, r.context_tokens));
     fmt::print(
-        "KV tokens per GPU {} (limiting rank {}), longest request {} tokens, {} requests of {} "
+        "KV tokens per GPU {} (limiting rank {}), longest request {} tokens{}, {} requests of {} "
         "per replica, {} in all: {}\n\n",
-        c.kv_tokens_per_gpu, c.limiting_rank, c.max_context, c.requests_per_replica,
-        r.context_tokens, c.max_concurrency, e.fits ? "fits" : "does not fit: " + c.why_not);
+        c.kv_tokens_per_gpu, c.limiting_rank, c.max_context,
+        c.context_limited_by_model ? " (the model's max_model_len; memory allows more)" : "",
+        c.requests_per_replica, r.context_tokens, c.max_concurrency,
+        e.fits ? "fits" : "does not fit: " + c.why_not);
     print_phase(fmt::format("Prefill of {} tokens, TTFT", r.context_tokens).c_str(), k.prefill,
                 p.pp, "prefill chunks overlap them");
     if (p.cp > 1)
@@ -427,7 +429,8 @@ void run(const PlanFlags& f) {
     fmt::print(
         "\nW: weights per GPU. KV B/tok: KV bytes per token on the limiting GPU. KV/req: KV one "
         "request of the context holds there. KV tok: KV "
-        "tokens per GPU. max ctx: longest single request (spans cp GPUs). conc: requests of "
+        "tokens per GPU. max ctx: longest single request (spans cp GPUs; at most the model's "
+        "max_model_len). conc: requests of "
         "the context that fit at once, all replicas. comm/tok: bytes one GPU sends per decode "
         "step (TP+PP+CP+EP); comm pf: per prefill. tok/s: decode tokens/s, all replicas.\n");
     if (!f.svg.empty()) fmt::print("Chart written to {}\n", f.svg);

@@ -84,6 +84,9 @@ struct StateSpec {
     int conv_kernel = 0;  // the causal conv's width; the state keeps conv_kernel - 1 columns
     DType conv_dtype = DType::kBf16;
     DType state_dtype = DType::kBf16;  // the recurrent / SSM state (vLLM mamba_ssm_cache_dtype)
+    // Conv state rows beyond conv_kernel - 1: an engine's, not the checkpoint's (vLLM's num_spec,
+    // the speculative tokens, while drafting with a Gated DeltaNet model); 0 otherwise.
+    int spec_conv_rows = 0;
     bool operator==(const StateSpec&) const = default;
 };
 

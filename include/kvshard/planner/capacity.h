@@ -123,10 +123,15 @@ struct CapacityReport {
     // _check_enough_kv_cache_memory): engine_startup_blocks(M) <= kv_blocks_per_gpu, sliding layers
     // charged W - 1 + max_num_batched_tokens tokens. kSeparate: request_kv_bytes_peak within every
     // rank's budget.
+    // At most the model's max_model_len (ModelSpec), as vLLM serves no longer sequence, unless
+    // options.allow_long_context.
     int64_t max_context = 0;
     // Every layer keeps a bounded window or state: no context length runs out of memory
-    // (max_context is then 2^40, the longest checked).
+    // (max_context is then 2^40, the longest checked), and the model states no length (or
+    // allow_long_context).
     bool context_unbounded = false;
+    // max_context is the model's max_model_len, not what memory allows (which is more).
+    bool context_limited_by_model = false;
     // Blocks one request of options.context_tokens holds at most on its way
     // (engine_request_blocks: full groups all its tokens, windowed groups ceil(W/B) + 1, state
     // groups one); 0 for kSeparate.
