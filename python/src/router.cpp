@@ -36,6 +36,10 @@ void bind_router(py::module_& m) {
           py::arg("block_tokens"),
           "The most leading blocks of a prompt vLLM takes from its prefix cache: (num_tokens - 1) "
           "// block_tokens (it recomputes the last token).");
+    m.def("vllm_eagle_block_drop", &vllm_eagle_block_drop, py::arg("method"),
+          "Whether a vLLM engine speculating with this --speculative-config method drops the last "
+          "matched block of each prefix-cache hit (eagle, eagle3, mtp); ValueError for a method "
+          "vLLM does not have.");
 
     py::class_<ReplicaLoad>(m, "ReplicaLoad", "What a replica is busy with, as the router sees it.")
         .def(py::init(
@@ -113,6 +117,11 @@ void bind_router(py::module_& m) {
              "The group's blocks are `scale` router blocks (vLLM's hash_block_size): its block j "
              "is the request's hash (j + 1) * scale - 1.")
         .def("group_block_scale", &KvIndex::group_block_scale, py::arg("replica"), py::arg("group"))
+        .def("set_eagle_block_drop", &KvIndex::set_eagle_block_drop, py::arg("replica"),
+             py::arg("on"),
+             "The replica's engine drafts with EAGLE/MTP: its overlaps lose the last matched block "
+             "(per group, as vLLM's find_longest_cache_hit with drop_eagle_block).")
+        .def("eagle_block_drop", &KvIndex::eagle_block_drop, py::arg("replica"))
         .def("all_cleared", &KvIndex::all_cleared, py::arg("replica"))
         .def(
             "apply",

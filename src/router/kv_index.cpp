@@ -17,6 +17,19 @@ int64_t vllm_max_cache_hit_blocks(int64_t num_tokens, int64_t block_tokens) {
     return num_tokens <= 1 ? 0 : (num_tokens - 1) / block_tokens;
 }
 
+bool vllm_eagle_block_drop(std::string_view method) {
+    for (std::string_view m : {"eagle", "eagle3", "mtp"})
+        if (method == m) return true;
+    for (std::string_view m :
+         {"", "none", "ngram", "medusa", "mlp_speculator", "draft_model", "suffix"})
+        if (method == m) return false;
+    throw Error(detail::concat(
+        "unknown speculative method '", method,
+        "': expected vLLM's --speculative-config method: eagle, eagle3 or mtp (these drop the last "
+        "block of a prefix-cache hit), ngram, medusa, mlp_speculator, draft_model, suffix, or "
+        "none"));
+}
+
 KvIndexMode parse_kv_index_mode(std::string_view s) {
     if (s == "exact") return KvIndexMode::kExact;
     if (s == "approximate" || s == "approx") return KvIndexMode::kApproximate;
@@ -145,6 +158,17 @@ int KvIndex::group_block_scale(int replica, int group) const {
     return group >= 0 && static_cast<size_t>(group) < s.size() ? s[static_cast<size_t>(group)] : 1;
 }
 
+void KvIndex::set_eagle_block_drop(int replica, bool on) {
+    check_replica(replica);
+    const uint64_t bit = uint64_t{1} << replica;
+    eagle_ = on ? (eagle_ | bit) : (eagle_ & ~bit);
+}
+
+bool KvIndex::eagle_block_drop(int replica) const {
+    check_replica(replica);
+    return (eagle_ >> replica & 1) != 0;
+}
+
 void KvIndex::all_cleared(int replica) {
     check_replica(replica);
     const uint64_t bit = uint64_t{1} << replica;
@@ -245,6 +269,11 @@ void KvIndex::prefix_overlap(std::span<const BlockHash> hashes, std::span<int> o
         out[static_cast<size_t>(std::countr_zero(alive))] = pos;
         alive &= alive - 1;
     }
+    // vLLM's unitary coordinator: the walk stops at the cap, then one block is popped.
+    for (uint64_t e = eagle_; e != 0; e &= e - 1) {
+        int& hit = out[static_cast<size_t>(std::countr_zero(e))];
+        if (hit > 0) --hit;
+    }
 }
 
 void KvIndex::hybrid_overlap(std::span<const BlockHash> hashes, std::span<int> out) const {
@@ -266,6 +295,7 @@ void KvIndex::hybrid_overlap(std::span<const BlockHash> hashes, std::span<int> o
     for (int r = 0; r < num_replicas_; ++r) {
         const auto ru = static_cast<size_t>(r);
         const uint64_t bit = uint64_t{1} << r;
+        const bool eagle = (eagle_ & bit) != 0;
         // Group 0 always takes part (a replica that stored nothing there holds no prefix).
         const uint64_t gs = groups_[ru] | 1;
         auto scale_of = [&](size_t g) { return g < scale_[ru].size() ? scale_[ru][g] : 1; };
@@ -284,22 +314,30 @@ void KvIndex::hybrid_overlap(std::span<const BlockHash> hashes, std::span<int> o
                 // In the group's own blocks: block j is held when the request's hash at its end,
                 // (j + 1) * s - 1, is; a hit of j blocks must be a multiple of step = align / s.
                 auto has = [&](int j) { return (h[static_cast<size_t>((j + 1) * s - 1)] & bit); };
-                const int m = k / s;
+                // With the EAGLE drop (set_eagle_block_drop), a group serves j blocks when it
+                // would serve j + 1 without it, with a window one block longer: vLLM's hybrid
+                // coordinator looks one group block past the candidate (within the cap) and pops
+                // it. m: the blocks the group may look at.
+                const int e = eagle && w != 0 ? 1 : 0;
+                const int m = std::min(k / s + e, n / s);
                 const int step = static_cast<int>(align / s);
                 int hit = 0;
                 if (w < 0) {  // full attention: the held run from block 0
                     while (hit < m && has(hit)) ++hit;
+                    if (hit > 0) hit -= e;
                     hit -= hit % step;
                 } else if (w == 0) {
                     hit = m;
-                } else {  // the largest aligned j <= m with blocks [max(0, j - w), j) held
+                } else {  // the largest aligned j <= m - e with blocks [max(0, j - w), j + e) held
                     // run[i]: held blocks ending at block i (inclusive), for i < m.
                     std::vector<int> run(static_cast<size_t>(m));
                     for (int i = 0; i < m; ++i)
                         run[static_cast<size_t>(i)] =
                             has(i) ? (i > 0 ? run[static_cast<size_t>(i - 1)] : 0) + 1 : 0;
-                    for (hit = m - m % step; hit > 0; hit -= step)
-                        if (run[static_cast<size_t>(hit - 1)] >= std::min(w, hit)) break;
+                    const int top = std::max(0, m - e);
+                    for (hit = top - top % step; hit > 0; hit -= step)
+                        if (run[static_cast<size_t>(hit + e - 1)] >= std::min(w + e, hit + e))
+                            break;
                 }
                 const int hit_k = hit * s;
                 if (hit_k < k) {

@@ -80,7 +80,8 @@ std::string offset_endpoint_port(const std::string& endpoint, int rank) {
 VllmEngineSpec parse_vllm_engine_spec(std::string_view text) {
     const size_t eq = text.find('=');
     require(eq != std::string_view::npos && eq > 0, "--engine '", text,
-            "': expected NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT] (or ipc://PATH "
+            "': expected NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT,spec=METHOD] (or "
+            "ipc://PATH "
             "for either endpoint)");
     VllmEngineSpec e;
     e.name = std::string(text.substr(0, eq));
@@ -106,9 +107,18 @@ VllmEngineSpec parse_vllm_engine_spec(std::string_view text) {
         } else if (opt.rfind("replay=", 0) == 0) {
             e.replay_endpoint = std::string(opt.substr(7));
             check_endpoint("--engine " + e.name + ": the replay endpoint", e.replay_endpoint);
+        } else if (opt.rfind("spec=", 0) == 0) {
+            e.speculative_method = std::string(opt.substr(5));
+            try {
+                (void)vllm_eagle_block_drop(e.speculative_method);
+            } catch (const Error& err) {
+                throw Error(detail::concat("--engine ", e.name, ": ", err.what()));
+            }
         } else {
-            throw Error(detail::concat("--engine ", e.name, ": unknown option '", opt,
-                                       "'; expected dp=K or replay=tcp://HOST:PORT"));
+            throw Error(detail::concat(
+                "--engine ", e.name, ": unknown option '", opt,
+                "'; expected dp=K, replay=tcp://HOST:PORT or spec=METHOD (the engine's "
+                "--speculative-config method)"));
         }
     }
     require(e.dp == 1 || (!is_ipc(e.endpoint) && !is_ipc(e.replay_endpoint)), "--engine ", e.name,
@@ -146,9 +156,18 @@ VllmReplicaFeeds expand_vllm_engines(std::span<const VllmEngineSpec> engines) {
             }
             out.names.push_back(std::move(name));
             out.endpoints.push_back(std::move(ep));
+            out.eagle_block_drop.push_back(vllm_eagle_block_drop(e.speculative_method));
         }
     }
     return out;
+}
+
+void configure_vllm_index(KvIndex& index, const VllmReplicaFeeds& feeds) {
+    require(static_cast<size_t>(index.num_replicas()) == feeds.eagle_block_drop.size(),
+            "the KV index has ", index.num_replicas(), " replicas, the engines give ",
+            feeds.eagle_block_drop.size());
+    for (int r = 0; r < index.num_replicas(); ++r)
+        index.set_eagle_block_drop(r, feeds.eagle_block_drop[static_cast<size_t>(r)]);
 }
 
 }  // namespace kvshard

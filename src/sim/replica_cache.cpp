@@ -2,8 +2,9 @@
 
 namespace kvshard::sim_detail {
 
-ReplicaCache::ReplicaCache(int64_t capacity_blocks, int block_tokens)
-    : manager_(BlockManagerConfig{capacity_blocks, block_tokens, /*enable_prefix_cache=*/true}) {}
+ReplicaCache::ReplicaCache(int64_t capacity_blocks, int block_tokens, bool eagle_block_drop)
+    : manager_(BlockManagerConfig{capacity_blocks, block_tokens, /*enable_prefix_cache=*/true}),
+      eagle_block_drop_(eagle_block_drop) {}
 
 std::optional<int64_t> ReplicaCache::admit(int64_t seq, std::span<const BlockHash> full_hashes,
                                            int64_t prompt_tokens, int64_t output_tokens) {
@@ -17,6 +18,14 @@ std::optional<int64_t> ReplicaCache::admit(int64_t seq, std::span<const BlockHas
         return std::nullopt;
     const AllocResult r = manager_.allocate_with_hashes(seq, full_hashes, prompt_tokens, max_hit);
     manager_.append_tokens(seq, output_tokens);
+    // EAGLE/MTP: vLLM walks the cached run up to the cap, then pops its last block
+    // (FullAttentionManager.find_longest_cache_hit, drop_eagle_block) and computes it again. vLLM
+    // caches the recomputed block beside the first under the same hash, and the prompt's later
+    // blocks chain on; here the request shares the cached block instead (the BlockManager
+    // registers no second copy and would stop the chain there), so the same hashes stay findable
+    // and the request holds one block less than in vLLM. The hit, the tokens prefilled, is the
+    // popped run.
+    if (eagle_block_drop_ && r.cached_blocks > 0) return r.cached_blocks - 1;
     return r.cached_blocks;
 }
 

@@ -13,12 +13,15 @@ namespace kvshard::sim_detail {
 
 class ReplicaCache {
   public:
-    ReplicaCache(int64_t capacity_blocks, int block_tokens);
+    // eagle_block_drop: the engine drafts with EAGLE/MTP and drops the last block of each hit
+    // (vllm_eagle_block_drop).
+    ReplicaCache(int64_t capacity_blocks, int block_tokens, bool eagle_block_drop = false);
     ReplicaCache(ReplicaCache&&) = default;
 
     // Sequence `seq`: a prompt of prompt_tokens with one hash per full prompt block (full_hashes),
     // then output_tokens more (never shared). Returns the cached prefix in blocks, as vLLM takes it
-    // (at most (prompt_tokens - 1) / block_tokens: the last prompt token is always computed), or
+    // (at most (prompt_tokens - 1) / block_tokens: the last prompt token is always computed; one
+    // block fewer than the cached run with eagle_block_drop), or
     // nullopt when the blocks are not available now (nothing changed).
     std::optional<int64_t> admit(int64_t seq, std::span<const BlockHash> full_hashes,
                                  int64_t prompt_tokens, int64_t output_tokens);
@@ -33,6 +36,7 @@ class ReplicaCache {
 
   private:
     BlockManager manager_;
+    bool eagle_block_drop_;
 };
 
 }  // namespace kvshard::sim_detail

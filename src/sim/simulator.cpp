@@ -52,7 +52,8 @@ struct Running {
 };
 
 struct Replica {
-    explicit Replica(int64_t capacity, int block_tokens) : cache(capacity, block_tokens) {}
+    Replica(int64_t capacity, int block_tokens, bool eagle_block_drop)
+        : cache(capacity, block_tokens, eagle_block_drop) {}
     ReplicaCache cache;
     std::deque<int32_t> waiting;
     std::vector<Running> running;
@@ -74,7 +75,8 @@ class Engine {
                   cfg.index_ttl_s) {
         replicas_.reserve(static_cast<size_t>(cfg.num_replicas));
         for (int r = 0; r < cfg.num_replicas; ++r) {
-            replicas_.emplace_back(cfg.replica_capacity_blocks, bt_);
+            replicas_.emplace_back(cfg.replica_capacity_blocks, bt_, cfg.eagle_block_drop);
+            router_.index().set_eagle_block_drop(r, cfg.eagle_block_drop);
             if (cfg.index_mode == KvIndexMode::kExact)
                 replicas_.back().cache.publish_to(&router_.index(), r);
         }
@@ -274,10 +276,10 @@ PolicyReport simulate(const Trace& trace, const SimConfig& config, const Service
     return engine.run(progress);
 }
 
-HitRates pooled_lru_hit_rates(const Trace& trace, int64_t capacity_blocks) {
+HitRates pooled_lru_hit_rates(const Trace& trace, int64_t capacity_blocks, bool eagle_block_drop) {
     require(capacity_blocks >= 1, "pooled LRU: capacity must be at least one block, got ",
             capacity_blocks);
-    ReplicaCache cache(capacity_blocks, trace.block_tokens);
+    ReplicaCache cache(capacity_blocks, trace.block_tokens, eagle_block_drop);
     HitRates h;
     const int64_t bt = trace.block_tokens;
     for (size_t i = 0; i < trace.requests.size(); ++i) {

@@ -284,6 +284,16 @@ def test_kv_index_and_router():
     # (vllm/v1/core/kv_cache_manager.py, get_computed_blocks: max_cache_hit_length = num_tokens - 1).
     assert router.route(hashes, 64)["matched_blocks"] == 3
     assert kvshard.vllm_max_cache_hit_blocks(64, 16) == 3
+    # An engine drafting with EAGLE/MTP pops one more block (vllm/v1/core/
+    # single_type_kv_cache_manager.py, find_longest_cache_hit: drop_eagle_block).
+    assert kvshard.vllm_eagle_block_drop("eagle3") and not kvshard.vllm_eagle_block_drop("ngram")
+    with pytest.raises(kvshard.Error, match="unknown speculative method 'Eagle'"):
+        kvshard.vllm_eagle_block_drop("Eagle")
+    router.index.set_eagle_block_drop(1, True)
+    assert router.index.eagle_block_drop(1) and not router.index.eagle_block_drop(0)
+    assert router.route(hashes, 65)["matched_blocks"] == 3
+    assert router.route(hashes, 64)["matched_blocks"] == 2
+    router.index.set_eagle_block_drop(1, False)
     busy = [kvshard.ReplicaLoad(), kvshard.ReplicaLoad(queued_prefill_tokens=10**7),
             kvshard.ReplicaLoad()]
     spilled = router.route(hashes, 64, busy)

@@ -104,10 +104,15 @@ TEST(KvIndexGroups, AGroupWithLargerBlocksIsLookedUpAtTheEndsOfItsBlocks) {
 // group serves k when its scale s divides k and its rule holds on its own blocks, block j being the
 // query's hash (j + 1) * s - 1; k must be a multiple of the LCM of the scales of the groups that
 // take part.
-void matches_naive_reference(uint64_t seed, int n, int qlen, int max_window, bool scales) {
+// With eagle, the even replicas drop the EAGLE block (set_eagle_block_drop): a full-attention or
+// windowed group serves k when it would serve k + s without the drop, with its window one block
+// longer, and that block lies within the query (the cap); a window-0 group is unchanged.
+void matches_naive_reference(uint64_t seed, int n, int qlen, int max_window, bool scales,
+                             bool eagle = false) {
     std::mt19937_64 rng(seed);
     const int groups = 3, ids = 12;
     KvIndex idx(n);
+    for (int r = 0; r < n; ++r) idx.set_eagle_block_drop(r, eagle && r % 2 == 0);
     std::vector<std::vector<std::set<uint64_t>>> ref(n, std::vector<std::set<uint64_t>>(groups));
     std::vector<uint64_t> present(n, 0);
     std::vector<std::vector<int>> window(n, std::vector<int>(groups, -1));
@@ -150,7 +155,10 @@ void matches_naive_reference(uint64_t seed, int n, int qlen, int max_window, boo
             auto serves = [&](int gg, int k) {
                 const int sc = scale[i][gg];
                 if (k % sc != 0) return false;
-                const int m = k / sc, w = window[i][gg];
+                const int e = eagle && i % 2 == 0 && window[i][gg] != 0 ? 1 : 0;
+                const int m = k / sc + e;
+                if (m * sc > qlen) return false;
+                const int w = window[i][gg] < 0 ? -1 : window[i][gg] + e;
                 const int from = w < 0 ? 0 : std::max(0, m - w);
                 for (int j = from; j < m; ++j)
                     if (!ref[i][gg].count(qi[static_cast<size_t>((j + 1) * sc - 1)])) return false;
@@ -174,6 +182,52 @@ TEST(KvIndexGroups, MatchesNaiveReferenceUnderRandomEvents) {
 
 TEST(KvIndexGroups, MatchesNaiveReferenceWithLargerBlockGroups) {
     matches_naive_reference(11, 3, 12, 2, true);
+}
+
+TEST(KvIndexGroups, MatchesNaiveReferenceWithTheEagleBlockDrop) {
+    matches_naive_reference(13, 4, 8, 3, false, true);
+    matches_naive_reference(17, 3, 12, 2, true, true);
+}
+
+// vLLM with EAGLE/MTP (vllm/v1/core/single_type_kv_cache_manager.py, find_longest_cache_hit with
+// drop_eagle_block): a full-attention group pops its last matched block, then the hit is rounded
+// down to the alignment; a sliding-window group needs one more contiguous block and pops it
+// (SlidingWindowManager: sliding_window_contiguous_blocks + 1).
+TEST(KvIndexGroups, TheEagleDropTakesOneBlockPerGroupThenAligns) {
+    KvIndex idx(2);
+    for (int r = 0; r < 2; ++r) {
+        idx.block_stored(r, chain({1, 2, 3, 4, 5, 6}), 0);
+        idx.set_group_window(r, 1, 2);
+        idx.block_stored(r, chain({3, 4, 6}), 1);
+    }
+    idx.set_eagle_block_drop(0, true);
+    EXPECT_TRUE(idx.eagle_block_drop(0));
+    EXPECT_FALSE(idx.eagle_block_drop(1));
+    // Replica 1 (no drop): 4 (the window before 4, {3, 4}, is held; before 6, 5 is missing).
+    // Replica 0: the window of 3 blocks up to and including block j must be held: j = 3 needs
+    // {2, 3, 4} (2 is gone), j = 2 needs {1, 2, 3}, j = 1 needs {1, 2}, j = 0 needs {1}: none.
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5, 6})), (std::vector<int>{0, 4}));
+    idx.block_stored(0, chain({2}), 1);
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5, 6})), (std::vector<int>{3, 4}));
+    idx.block_stored(0, chain({5}), 1);
+    // Blocks 4, 5, 6 held: j = 5 needs block index 5 (hash 6) plus 3, 4: held, but j + 1 = 6
+    // blocks must lie within the 6 hashes given: j = 5 is allowed. Group 0 pops 6 -> 5.
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5, 6})), (std::vector<int>{5, 4}));
+    // A cap of 5 hashes: group 0 walks 5 and pops 1: 4. Replica 1 does not hold hash 5 in
+    // group 1: 4 as well, by its window.
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5})), (std::vector<int>{4, 4}));
+    // Group 0 with blocks of 2 router blocks: hits are multiples of 2; group 0 walks its blocks
+    // {1,2} {3,4} {5,6}, pops one: 2 of them = 4 router blocks, aligned.
+    idx.set_group_block_scale(0, 0, 2);
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5, 6}))[0], 4);
+    // 5 hashes: group 0 walks 2 blocks, pops one: 2; the windowed group then needs its blocks
+    // 0..2 (a run from the start shorter than its window + 1), and hash 1 is not held: 0.
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5}))[0], 0);
+    idx.block_stored(0, chain({1}), 1);
+    EXPECT_EQ(overlaps(idx, chain({1, 2, 3, 4, 5}))[0], 2);
+    // Kept across a clear (it is the engine's configuration).
+    idx.all_cleared(0);
+    EXPECT_TRUE(idx.eagle_block_drop(0));
 }
 
 }  // namespace

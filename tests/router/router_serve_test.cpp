@@ -543,6 +543,39 @@ TEST(RouterServe, TheStartupLineNamesTheHashSeedInUse) {
     EXPECT_EQ(router.terminate(), 0);
 }
 
+// An engine started with an EAGLE/MTP --speculative-config pops the last block of each prefix
+// hit (vllm/v1/core/single_type_kv_cache_manager.py, find_longest_cache_hit, drop_eagle_block;
+// SpeculativeConfig.use_eagle() in vllm/config/speculative.py): spec= says so per engine.
+TEST(RouterServe, AnEagleEngineIsCreditedOneBlockLess) {
+    if (!VllmEventSubscriber::available() || !RouterHttpServer::available())
+        GTEST_SKIP() << "built without libzmq or cpp-httplib";
+    test::PythonPublisher pa, pb;
+    ASSERT_TRUE(pa.ok() && pb.ok());
+    RouterProcess router({"router", "serve", "--listen", "127.0.0.1:0", "--engine",
+                          "a=" + pa.endpoint() + ",spec=eagle3", "--engine", "b=" + pb.endpoint(),
+                          "--policy", "cache-aware", "--block-size", std::to_string(kBlock),
+                          "--hash", "vllm-xxhash-cbor", "--hash-seed", "42"});
+    const std::string line = router.read_line();
+    const size_t at = line.find("http://127.0.0.1:");
+    ASSERT_NE(at, std::string::npos) << line;
+    const int port = std::atoi(line.c_str() + at + 17);
+    ASSERT_TRUE(pa.wait_subscribed());
+    ASSERT_TRUE(pb.wait_subscribed());
+    auto replicas = [&] { return json::parse(http(port, "GET", "/replicas").body)["replicas"]; };
+    // Both hold all 8 full blocks of the 34-token prompt (cap: 33 / 4 = 8 blocks).
+    ASSERT_TRUE(pa.send(batch(0, {stored(0, 8)})));
+    ASSERT_TRUE(pb.send(batch(0, {stored(0, 8)})));
+    ASSERT_TRUE(eventually(
+        [&] { return replicas()[0]["last_seq"] == 0 && replicas()[1]["last_seq"] == 0; }));
+    const auto rep = http(port, "POST", "/route", json{{"token_ids", prompt()}}.dump());
+    ASSERT_EQ(rep.status, 200) << rep.body;
+    const auto j = json::parse(rep.body);
+    EXPECT_EQ(j["matched_blocks"]["a"], 7);
+    EXPECT_EQ(j["matched_blocks"]["b"], 8);
+    EXPECT_EQ(j["replica"], "b");
+    EXPECT_EQ(router.terminate(), 0);
+}
+
 TEST(RouterServe, ExpandsEnginesIntoUniquelyNamedReplicas) {
     const std::vector<VllmEngineSpec> two = {
         parse_vllm_engine_spec("a=tcp://h:10,dp=2,replay=tcp://h:20"),
@@ -554,6 +587,20 @@ TEST(RouterServe, ExpandsEnginesIntoUniquelyNamedReplicas) {
     EXPECT_EQ(f.endpoints[1].endpoint, "tcp://h:11");
     EXPECT_EQ(f.endpoints[1].replay_endpoint, "tcp://h:21");
     EXPECT_EQ(f.endpoints[2].replay_endpoint, "");
+    EXPECT_EQ(f.eagle_block_drop, (std::vector<bool>{false, false, false}));
+    // spec= applies to every DP rank of its engine.
+    const std::vector<VllmEngineSpec> spec = {parse_vllm_engine_spec("a=tcp://h:10,spec=mtp,dp=2"),
+                                              parse_vllm_engine_spec("b=tcp://h:30,spec=ngram"),
+                                              parse_vllm_engine_spec("c=tcp://h:40,spec=eagle")};
+    EXPECT_EQ(spec[0].speculative_method, "mtp");
+    const VllmReplicaFeeds fs = expand_vllm_engines(spec);
+    EXPECT_EQ(fs.eagle_block_drop, (std::vector<bool>{true, true, false, true}));
+    KvIndex index(4);
+    configure_vllm_index(index, fs);
+    EXPECT_TRUE(index.eagle_block_drop(1));
+    EXPECT_FALSE(index.eagle_block_drop(2));
+    KvIndex wrong(3);
+    EXPECT_THROW(configure_vllm_index(wrong, fs), Error);
     auto refused = [](std::vector<std::string> texts) {
         std::vector<VllmEngineSpec> e;
         for (const auto& t : texts) e.push_back(parse_vllm_engine_spec(t));
@@ -638,6 +685,11 @@ TEST(RouterServe, RefusesBadFlags) {
         {"router serve --engine a=tcp://127.0.0.1:1 --hash-seed ''", "--hash-seed is empty"},
         {"router serve --engine a=tcp://127.0.0.1:1 --replay-timeout-ms 0",
          "--replay-timeout-ms must be 1 to 600000"},
+        {"router serve --engine a=tcp://127.0.0.1:5557,spec=eagle-3",
+         "--engine a: unknown speculative method 'eagle-3': expected vLLM's --speculative-config "
+         "method: eagle, eagle3 or mtp"},
+        {"router serve --engine a=tcp://127.0.0.1:5557,specs=eagle",
+         "unknown option 'specs=eagle'; expected dp=K, replay=tcp://HOST:PORT or spec=METHOD"},
     };
     for (const auto& b : bad) {
         const auto r = test::run_cli(b.args);

@@ -364,6 +364,53 @@ TEST(Router, VllmMaxCacheHitBlocks) {
     EXPECT_THROW(vllm_max_cache_hit_blocks(5, 0), Error);
 }
 
+// An engine drafting with EAGLE/MTP pops the last block of the capped hit
+// (vllm/v1/core/single_type_kv_cache_manager.py, FullAttentionManager.find_longest_cache_hit:
+// `if drop_eagle_block and computed_blocks[0]: computed.pop()`, reached when
+// SpeculativeConfig.use_eagle(), vllm/config/speculative.py: method eagle, eagle3 or mtp).
+TEST(Router, AnEagleEngineDropsTheLastBlockOfTheCappedHit) {
+    Router r(2, RoutingPolicy::kCacheAware);
+    std::vector<ReplicaLoad> loads(2);
+    const auto q = chain({1, 2, 3, 4});
+    r.index().block_stored(0, q);
+    r.index().block_stored(1, q);
+    r.index().set_eagle_block_drop(1, true);
+    std::vector<int> out(2);
+    r.index().prefix_overlap(q, out);
+    EXPECT_EQ(out, (std::vector<int>{4, 3}));
+    // 4 full blocks and one token more: the cap is 4; the EAGLE engine takes 3.
+    const auto d = r.route({q, 4 * 512 + 1}, loads, 0.0);
+    EXPECT_EQ(d.replica, 0);
+    EXPECT_EQ(d.matched_blocks, 4);
+    // Exactly 4 blocks: the cap is 3 (the last token is recomputed); the EAGLE engine pops one
+    // more, 2: not 3 - 1 applied to a shorter cap twice, and not the cap less one only when the
+    // cap binds.
+    r.index().prefix_overlap(std::span<const BlockHash>(q).first(3), out);
+    EXPECT_EQ(out, (std::vector<int>{3, 2}));
+    // Held run shorter than the cap: it still loses its last block.
+    r.index().block_removed(1, chain({3}));
+    r.index().prefix_overlap(q, out);
+    EXPECT_EQ(out, (std::vector<int>{4, 1}));
+    // Nothing held: 0, never negative.
+    r.index().all_cleared(1);
+    r.index().prefix_overlap(q, out);
+    EXPECT_EQ(out, (std::vector<int>{4, 0}));
+}
+
+TEST(Router, SpeculativeMethodsThatDropABlock) {
+    for (const char* m : {"eagle", "eagle3", "mtp"}) EXPECT_TRUE(vllm_eagle_block_drop(m)) << m;
+    for (const char* m : {"", "none", "ngram", "medusa", "mlp_speculator", "draft_model", "suffix"})
+        EXPECT_FALSE(vllm_eagle_block_drop(m)) << m;
+    try {
+        vllm_eagle_block_drop("EAGLE");
+        FAIL() << "no error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("'EAGLE'"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("eagle, eagle3 or mtp"), std::string::npos)
+            << e.what();
+    }
+}
+
 // A trace's hash of a trailing partial block never counts: vLLM caches only full blocks.
 TEST(Router, APartialLastBlockIsNeverAHit) {
     Router r(2, RoutingPolicy::kCacheAware);

@@ -60,6 +60,29 @@ TEST(CliSimulate, JsonReportsEveryPolicyAndBothBounds) {
     EXPECT_NE(slurp(testing::TempDir() + "kvshard_sim.svg").find("</svg>"), std::string::npos);
 }
 
+// --eagle-block-drop: vLLM engines drafting with EAGLE/MTP recompute the last matched block of
+// each prefix hit, so every cache-aware hit rate (and the pooled LRU bound) falls; the infinite
+// cache bound is the trace's own and stays.
+TEST(CliSimulate, TheEagleBlockDropLowersTheHitRates) {
+    const std::string args = "simulate --trace " + kSample +
+                             " --replicas 2 --model llama-3.1-70b --hardware h100-sxm --tp 8 "
+                             "--policy cache-aware --json";
+    const Result plain = run_cli(args);
+    const Result eagle = run_cli(args + " --eagle-block-drop");
+    ASSERT_EQ(plain.code, 0) << plain.err;
+    ASSERT_EQ(eagle.code, 0) << eagle.err;
+    const auto p = nlohmann::json::parse(plain.out);
+    const auto e = nlohmann::json::parse(eagle.out);
+    EXPECT_EQ(p["infinite_cache_token_hit_rate"], e["infinite_cache_token_hit_rate"]);
+    EXPECT_LT(e["pooled_lru_token_hit_rate"].get<double>(),
+              p["pooled_lru_token_hit_rate"].get<double>());
+    EXPECT_LT(e["policies"][0]["token_hit_rate"].get<double>(),
+              p["policies"][0]["token_hit_rate"].get<double>());
+    EXPECT_GT(e["policies"][0]["token_hit_rate"].get<double>(), 0.0);
+    EXPECT_NE(e["setup"].get<std::string>().find("EAGLE block drop"), std::string::npos);
+    EXPECT_EQ(p["setup"].get<std::string>().find("EAGLE"), std::string::npos);
+}
+
 TEST(CliSimulate, MalformedLineFailsWithItsNumberOrIsSkipped) {
     const std::string bad = testing::TempDir() + "kvshard_bad_trace.jsonl";
     {

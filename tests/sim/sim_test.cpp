@@ -216,6 +216,42 @@ TEST(Replay, AFullyCachedPromptRecomputesItsLastBlock) {
     EXPECT_EQ(simulate(t, one_replica(3), svc).hits.hit_blocks, 1);
 }
 
+TEST(Replay, AnEagleEngineRecomputesOneMoreBlock) {
+    // A and B: the same prompt of 3 full blocks and one token. Without speculation B hits all 3
+    // (cap 1536 / 512 = 3); an engine drafting with EAGLE/MTP pops the last matched block
+    // (vllm/v1/core/single_type_kv_cache_manager.py, FullAttentionManager.find_longest_cache_hit:
+    // drop_eagle_block), so B hits 2 and prefills 513 tokens.
+    const Trace t = parse(line(0, 1537, 1, {1, 2, 3, 4}) + line(5000, 1537, 1, {1, 2, 3, 4}));
+    const LinearServiceModel svc = ms_per_token();
+    EXPECT_EQ(simulate(t, one_replica(), svc).hits.hit_blocks, 3);
+    SimConfig eagle = one_replica();
+    eagle.eagle_block_drop = true;
+    const PolicyReport r = simulate(t, eagle, svc);
+    EXPECT_EQ(r.hits.hit_blocks, 2);
+    EXPECT_NEAR(r.makespan_s, 5.513, 1e-9);
+    EXPECT_EQ(pooled_lru_hit_rates(t, 100).hit_blocks, 3);
+    EXPECT_EQ(pooled_lru_hit_rates(t, 100, true).hit_blocks, 2);
+    // Two replicas, cache-aware routing on the exact index: the router sees the same 2 blocks the
+    // replica takes (the index knows the replica drops one).
+    eagle.num_replicas = 2;
+    eagle.policy = RoutingPolicy::kCacheAware;
+    EXPECT_EQ(simulate(t, eagle, svc).hits.hit_blocks, 2);
+}
+
+TEST(Replay, AfterTheEagleDropThePromptsLaterBlocksAreCachedToo) {
+    // B extends A's 3 blocks by 2 (5 full blocks and one token) and hits 2 of them; C repeats B.
+    // vLLM caches B's recomputed block 2 under its hash beside A's and chains B's blocks 3 and 4
+    // on, so C finds all 5 and pops one: 4. (Had B's recomputed copy stopped the chain, C would
+    // find 3 and hit 2.)
+    const Trace t = parse(line(0, 1537, 1, {1, 2, 3, 4}) + line(5000, 2561, 1, {1, 2, 3, 5, 6, 7}) +
+                          line(10000, 2561, 1, {1, 2, 3, 5, 6, 7}));
+    SimConfig eagle = one_replica();
+    eagle.eagle_block_drop = true;
+    EXPECT_EQ(simulate(t, eagle, ms_per_token()).hits.hit_blocks, 2 + 4);
+    EXPECT_EQ(pooled_lru_hit_rates(t, 100, true).hit_blocks, 2 + 4);
+    EXPECT_EQ(simulate(t, one_replica(), ms_per_token()).hits.hit_blocks, 3 + 5);
+}
+
 TEST(Replay, RequestsQueueBehindAFullPrefillBudget) {
     // Two 1000-token requests at t = 0 with a 1000-token prefill budget per step: the second waits.
     const Trace t = parse(line(0, 1000, 1, {1, 2}) + line(0, 1000, 1, {3, 4}));

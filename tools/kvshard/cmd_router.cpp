@@ -88,6 +88,7 @@ void serve(const ServeFlags& f) {
 
     // Every flag is checked (the service's constructor checks the rest) before a socket opens.
     KvIndex index(static_cast<int>(cfg.replica_names.size()));
+    configure_vllm_index(index, feeds);
     std::unique_ptr<VllmEventSubscriber> subscriber;
     RouteService service(cfg, [&subscriber](const auto& fn) {
         subscriber->with_index(
@@ -142,8 +143,10 @@ void setup(CLI::App& app) {
         "Route requests by the prefixes vLLM engines report in their KV events (HTTP API)");
     sub->add_option("--listen", f->listen, "HOST:PORT to serve HTTP on (loopback by default)");
     sub->add_option("--engine", f->engines,
-                    "NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]: an engine's KV event "
-                    "publisher, tcp:// or ipc://PATH (repeat per engine)")
+                    "NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT,spec=METHOD]: an "
+                    "engine's KV event publisher, tcp:// or ipc://PATH (repeat per engine); "
+                    "spec= its --speculative-config method (eagle, eagle3, mtp: vLLM drops the "
+                    "last block of each prefix-cache hit)")
         ->required();
     sub->add_option("--policy", f->policy,
                     "round-robin | least-loaded | cache-aware | cost | kvshard");

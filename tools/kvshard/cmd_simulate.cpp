@@ -31,6 +31,7 @@ struct SimulateFlags {
     double ttl_s = SimConfig{}.index_ttl_s;
     int max_batch = 256;
     int64_t max_prefill_tokens = 16384;
+    bool eagle_block_drop = false;
     double load_slack = PolicyParams{}.load_slack;
     double load_headroom = PolicyParams{}.load_headroom_tokens;
     double balance_abs = PolicyParams{}.balance_abs_threshold;
@@ -99,6 +100,7 @@ void run(const SimulateFlags& f) {
     cfg.index_ttl_s = f.ttl_s;
     cfg.max_batch = f.max_batch;
     cfg.max_prefill_tokens = f.max_prefill_tokens;
+    cfg.eagle_block_drop = f.eagle_block_drop;
     cfg.params.load_slack = f.load_slack;
     cfg.params.load_headroom_tokens = f.load_headroom;
     cfg.params.balance_abs_threshold = f.balance_abs;
@@ -122,10 +124,12 @@ void run(const SimulateFlags& f) {
     rep.num_replicas = f.replicas;
     rep.block_tokens = trace.block_tokens;
     rep.replica_capacity_blocks = cfg.replica_capacity_blocks;
-    rep.setup = fmt::format("{}: {} KV tokens{}", setup.to_string(), capacity_tokens,
-                            f.capacity_tokens > 0 ? " (--capacity-tokens)" : " (planner)");
+    rep.setup = fmt::format("{}: {} KV tokens{}{}", setup.to_string(), capacity_tokens,
+                            f.capacity_tokens > 0 ? " (--capacity-tokens)" : " (planner)",
+                            f.eagle_block_drop ? ", EAGLE block drop" : "");
     rep.infinite_cache = infinite_cache_hit_rates(trace);
-    rep.pooled_lru = pooled_lru_hit_rates(trace, cfg.replica_capacity_blocks * f.replicas);
+    rep.pooled_lru =
+        pooled_lru_hit_rates(trace, cfg.replica_capacity_blocks * f.replicas, cfg.eagle_block_drop);
     for (RoutingPolicy p : policies) {
         cfg.policy = p;
         ProgressBar bar{std::string(routing_policy_name(p))};
@@ -203,6 +207,10 @@ void setup(CLI::App& app) {
     sub->add_option("--max-prefill-tokens", f->max_prefill_tokens,
                     "prompt tokens prefilled per engine step")
         ->capture_default_str();
+    sub->add_flag("--eagle-block-drop", f->eagle_block_drop,
+                  "the engines draft with EAGLE, EAGLE3 or MTP: vLLM drops the last matched block "
+                  "of each prefix-cache hit (replicas and router); capacity and step times stay "
+                  "those of a plain engine");
     sub->add_option("--load-slack", f->load_slack,
                     "kvshard policy: eps in the load bound (1+eps)*mean")
         ->capture_default_str();

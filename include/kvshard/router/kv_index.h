@@ -64,6 +64,13 @@ enum class KvIndexMode { kExact, kApproximate };
 // 0 when num_tokens <= 1. Error when block_tokens < 1.
 int64_t vllm_max_cache_hit_blocks(int64_t num_tokens, int64_t block_tokens);
 
+// Whether a vLLM engine speculating with `method` (its --speculative-config "method") drops the
+// last matched block of each prefix-cache hit: true for eagle, eagle3 and mtp
+// (vllm/config/speculative.py, SpeculativeConfig.use_eagle(); KVCacheManager passes it to the
+// coordinator as use_eagle), false for "" / none (no speculation), ngram, medusa, mlp_speculator,
+// draft_model and suffix. Error naming the accepted methods for any other string.
+bool vllm_eagle_block_drop(std::string_view method);
+
 std::string_view kv_index_mode_name(KvIndexMode m);  // "exact" | "approximate"
 KvIndexMode parse_kv_index_mode(std::string_view s);
 
@@ -97,6 +104,21 @@ class KvIndex {
     // the router's block size). Kept across all_cleared, like the rules. Error on bad arguments.
     void set_group_block_scale(int replica, int group, int scale);
     int group_block_scale(int replica, int group) const;
+    // The replica's engine drafts with EAGLE/MTP (vLLM's SpeculativeConfig.use_eagle(): method
+    // eagle, eagle3 or mtp): vLLM drops the last matched block of a prefix-cache hit so that the
+    // drafter gets the hidden states of those tokens again (FullAttentionManager /
+    // SlidingWindowManager.find_longest_cache_hit in vllm/v1/core/single_type_kv_cache_manager.py,
+    // drop_eagle_block; the coordinator in kv_cache_coordinator.py applies it to every KV cache
+    // group when none is marked as the draft's). prefix_overlap then gives, for this replica:
+    //  - one group of full attention: the held run of the (capped) hashes less one block, never
+    //    below 0 (a run of 0 stays 0);
+    //  - several groups: a full-attention group serves k when it holds k / s + 1 of its blocks, a
+    //    windowed group when its last window + 1 blocks up to and including block k / s are held,
+    //    both within the hashes passed (the cap); a group with window 0 (never limits) is
+    //    unchanged (vLLM's Mamba finder does not drop); k stays a multiple of the LCM alignment.
+    // Kept across all_cleared (it describes the engine, not its cache). Off by default.
+    void set_eagle_block_drop(int replica, bool on);
+    bool eagle_block_drop(int replica) const;
     // Any of the three, as published by a BlockManager (kvshard/cache/kv_events.h). The first event
     // of a replica fixes where its feed starts; after that an event whose sequence number is not
     // the next one throws Error naming both (a lost or replayed event: that replica's part of the
@@ -151,6 +173,8 @@ class KvIndex {
     // Bit r: replica r has a group other than 0, or a windowed or scaled group 0 (prefix_overlap's
     // slow path).
     uint64_t hybrid_ = 0;
+    // Bit r: replica r's engine drops the last matched block (set_eagle_block_drop).
+    uint64_t eagle_ = 0;
     void update_hybrid(int replica);
     void grow_groups(size_t replica, size_t group);
     std::vector<int64_t> next_seq_;  // next event number per replica; -1 before its first event

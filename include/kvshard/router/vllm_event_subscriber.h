@@ -34,7 +34,8 @@ struct VllmSubscriberOptions {
     int block_size = 0;  // the engines' block size; BlockStored of another size: not indexed
 };
 
-// One engine of `kvshard router serve --engine NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT]`
+// One engine of `kvshard router serve --engine
+// NAME=tcp://HOST:PORT[,dp=K,replay=tcp://HOST:PORT,spec=METHOD]`
 // (or ipc://PATH for either endpoint, with dp=1):
 // K data-parallel ranks, rank k publishing on PORT + k (and replaying on its replay PORT + k), as
 // vLLM's offset_endpoint_port does.
@@ -43,13 +44,18 @@ struct VllmEngineSpec {
     std::string endpoint;
     int dp = 1;
     std::string replay_endpoint;
+    // spec=METHOD: the engine's --speculative-config method ("" or none: no speculation). Set per
+    // engine because vLLM's SpeculativeConfig is per `vllm serve` (all its DP ranks share it) and
+    // a fleet may mix drafting and plain engines. eagle / eagle3 / mtp turn on the EAGLE block drop
+    // (vllm_eagle_block_drop); the other methods change nothing the router sees.
+    std::string speculative_method;
 };
 // An endpoint is tcp://HOST:PORT or ipc://PATH (vLLM binds either; inproc:// is refused: it
 // cannot be reached from another process). Error naming what is wrong (no '=', a name that is
 // empty or has characters other than letters, digits and . _ - : (names are JSON keys and
 // Prometheus label values), an endpoint of neither form, a tcp:// endpoint with an empty host or
 // the wildcard host * (the engine binds there; the router connects to its address), dp outside
-// 1..64, dp above 1 with an ipc:// endpoint, an unknown option).
+// 1..64, dp above 1 with an ipc:// endpoint, an unknown option or speculative method).
 VllmEngineSpec parse_vllm_engine_spec(std::string_view text);
 
 // The router's replicas from its engines, in order: an engine with dp = K gives K replicas,
@@ -60,8 +66,12 @@ VllmEngineSpec parse_vllm_engine_spec(std::string_view text);
 struct VllmReplicaFeeds {
     std::vector<std::string> names;            // replica index order
     std::vector<VllmEventEndpoint> endpoints;  // endpoints[r].replica == r
+    std::vector<bool> eagle_block_drop;        // [r]: its engine's spec= drops a block
 };
 VllmReplicaFeeds expand_vllm_engines(std::span<const VllmEngineSpec> engines);
+// Sets what the engines' options say about their prefix caches on the index (today: the EAGLE
+// block drop, KvIndex::set_eagle_block_drop). Error when the index has another replica count.
+void configure_vllm_index(KvIndex& index, const VllmReplicaFeeds& feeds);
 // tcp://host:port with port + rank (rank 0: unchanged); Error when there is no numeric port or
 // the endpoint is ipc:// (vLLM's offset_endpoint_port refuses it for a rank above 0).
 std::string offset_endpoint_port(const std::string& endpoint, int rank);

@@ -61,7 +61,10 @@ struct SimConfig {
     double index_ttl_s = 300.0;          // approximate mode: ~ how long a block survives in LRU
     int max_batch = 256;                 // running requests per replica
     int64_t max_prefill_tokens = 16384;  // prompt tokens per step (a longer prompt runs alone)
-    void validate() const;               // throws Error on a bad value
+    // The engines draft with EAGLE/MTP (vllm_eagle_block_drop): each replica's cache drops the last
+    // matched block of a prefix hit, and the router's index knows it (set_eagle_block_drop).
+    bool eagle_block_drop = false;
+    void validate() const;  // throws Error on a bad value
 };
 
 struct PolicyReport {
@@ -88,8 +91,9 @@ PolicyReport simulate(const Trace& trace, const SimConfig& config, const Service
 
 // One LRU cache of capacity_blocks (a BlockManager) that sees every request in arrival order: what
 // perfect routing without duplicated blocks reaches under LRU. Counts full prompt blocks only, as
-// the replicas do.
-HitRates pooled_lru_hit_rates(const Trace& trace, int64_t capacity_blocks);
+// the replicas do; eagle_block_drop as SimConfig's.
+HitRates pooled_lru_hit_rates(const Trace& trace, int64_t capacity_blocks,
+                              bool eagle_block_drop = false);
 
 // Percentile (0..100) of unsorted values, by linear interpolation between order statistics.
 double percentile(std::vector<double> values, double p);
