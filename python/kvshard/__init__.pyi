@@ -129,7 +129,8 @@ def resolve_hardware(name_or_path: str) -> HardwareSpec: ...
 def compute_capacity(model: ModelLike, parallel: ParallelLike, hardware: HardwareLike, *,
                      mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
                      block_size: int = 16, context_tokens: int = 0,
-                     allow_long_context: bool = False) -> dict[str, Any]: ...
+                     allow_long_context: bool = False, speculative_method: str = "",
+                     speculative_tokens: int = 0) -> dict[str, Any]: ...
 def estimate_cost(model: ModelLike, parallel: ParallelLike, hardware: HardwareLike, *,
                   prompt_tokens: int, context_tokens: int, batch: int = 1,
                   cp_prefill: str = "auto", cp_decode_merge: str = "auto",
@@ -141,20 +142,23 @@ def plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: in
          cp_scheme: str = "zigzag", cp_prefill: str = "auto", cp_decode_merge: str = "auto",
          pp_chunks: int = 0, mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
          block_size: int = 16,
-         allow_long_context: bool = False) -> dict[str, Any]: ...
+         allow_long_context: bool = False, speculative_method: str = "",
+         speculative_tokens: int = 0) -> dict[str, Any]: ...
 def plan_svg(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: int, *,
              batch: int = 0, max_batch: int = 256, objective: str = "throughput",
              cp_scheme: str = "zigzag", cp_prefill: str = "auto", cp_decode_merge: str = "auto",
              pp_chunks: int = 0, mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
              block_size: int = 16,
-             allow_long_context: bool = False) -> str: ...
+             allow_long_context: bool = False, speculative_method: str = "",
+             speculative_tokens: int = 0) -> str: ...
 def explain_plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: int,
                  parallel: ParallelLike, *, batch: int = 0, max_batch: int = 256,
                  objective: str = "throughput", cp_scheme: str = "zigzag",
                  cp_prefill: str = "auto", cp_decode_merge: str = "auto", pp_chunks: int = 0,
                  mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
                  block_size: int = 16,
-                 allow_long_context: bool = False) -> dict[str, Any]: ...
+                 allow_long_context: bool = False, speculative_method: str = "",
+                 speculative_tokens: int = 0) -> dict[str, Any]: ...
 
 def plan_disagg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_tokens: int, *,
                 ttft_slo: float, tpot_slo: float, output_tokens: int = 256,

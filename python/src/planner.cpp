@@ -13,8 +13,27 @@ namespace kvshard::python {
 
 namespace {
 
+// speculative_method / speculative_tokens as the CLI's --speculative-method /
+// --speculative-tokens (tools/kvshard/cmd_plan.cpp): both or neither, method "mtp" only.
+int speculative_tokens_of(const std::string& method, int tokens) {
+    if (method.empty()) {
+        require(tokens == 0, "speculative_tokens=", tokens,
+                " needs the drafter: give speculative_method=\"mtp\" (the model's MTP layers, the "
+                "only method modelled)");
+        return 0;
+    }
+    require(method == "mtp", "unknown speculative_method '", method,
+            "': expected \"mtp\" (the model's MTP layers draft, as vLLM's method \"mtp\")");
+    require(tokens >= 1 && tokens <= 1024,
+            "speculative_method=\"mtp\" needs speculative_tokens "
+            "in [1, 1024] (tokens drafted per step), got ",
+            tokens);
+    return tokens;
+}
+
 CapacityOptions capacity_options(double mem_util, double activation_reserve_gib, int block_size,
-                                 int64_t context_tokens, bool allow_long_context) {
+                                 int64_t context_tokens, bool allow_long_context,
+                                 int speculative_tokens = 0) {
     // As the CLI's --mem-util / --activation-reserve-gib / --block-size
     // (tools/kvshard/options.cpp).
     require(activation_reserve_gib >= 0 && activation_reserve_gib <= 1 << 20,
@@ -26,6 +45,7 @@ CapacityOptions capacity_options(double mem_util, double activation_reserve_gib,
     o.block_size = block_size;
     o.context_tokens = context_tokens;
     o.allow_long_context = allow_long_context;  // the CLI's --allow-long-context
+    o.speculative_tokens = speculative_tokens;
     o.validate();
     return o;
 }
@@ -129,7 +149,8 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
                          const std::string& objective, const std::string& cp_scheme,
                          const std::string& cp_prefill, const std::string& cp_decode_merge,
                          int pp_chunks, double mem_util, double activation_reserve_gib,
-                         int block_size, bool allow_long_context) {
+                         int block_size, bool allow_long_context,
+                         const std::string& speculative_method, int speculative_tokens) {
     PlanRequest r;
     r.gpus = gpus;
     r.context_tokens = context_tokens;
@@ -138,21 +159,23 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
     r.objective = parse_objective(objective);
     r.cp_scheme = parse_cp_scheme(cp_scheme);
     r.capacity =
-        capacity_options(mem_util, activation_reserve_gib, block_size, 0, allow_long_context);
+        capacity_options(mem_util, activation_reserve_gib, block_size, 0, allow_long_context,
+                         speculative_tokens_of(speculative_method, speculative_tokens));
     r.cost.cp_prefill = parse_cp_prefill_policy(cp_prefill);
     r.cost.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);
     r.cost.pp_prefill_chunks = pp_chunks;
     return r;
 }
 
-#define KVSHARD_PLAN_ARGS                                                                    \
-    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("context_tokens"),       \
-        py::kw_only(), py::arg("batch") = 0, py::arg("max_batch") = 256,                     \
-                       py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag", \
-                       py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",  \
-                       py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,                  \
-                       py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,  \
-                       py::arg("allow_long_context") = false
+#define KVSHARD_PLAN_ARGS                                                                         \
+    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("context_tokens"),            \
+        py::kw_only(), py::arg("batch") = 0, py::arg("max_batch") = 256,                          \
+                       py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag",      \
+                       py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",       \
+                       py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,                       \
+                       py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,       \
+                       py::arg("allow_long_context") = false, py::arg("speculative_method") = "", \
+                       py::arg("speculative_tokens") = 0
 
 // The request of `kvshard plan --disagg` with the CLI's defaults (tools/kvshard/cmd_plan.cpp,
 // run_serving).
@@ -203,11 +226,13 @@ auto with_plan_request(F fn) {
                 int64_t batch, int64_t max_batch, const std::string& objective,
                 const std::string& cp_scheme, const std::string& cp_prefill,
                 const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-                double activation_reserve_gib, int block_size, bool allow_long_context) {
-        return fn(model, hw,
-                  plan_request(gpus, context_tokens, batch, max_batch, objective, cp_scheme,
-                               cp_prefill, cp_decode_merge, pp_chunks, mem_util,
-                               activation_reserve_gib, block_size, allow_long_context));
+                double activation_reserve_gib, int block_size, bool allow_long_context,
+                const std::string& speculative_method, int speculative_tokens) {
+        return fn(
+            model, hw,
+            plan_request(gpus, context_tokens, batch, max_batch, objective, cp_scheme, cp_prefill,
+                         cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size,
+                         allow_long_context, speculative_method, speculative_tokens));
     };
 }
 
@@ -277,9 +302,10 @@ void bind_planner(py::module_& m) {
         "compute_capacity",
         [](const ModelSpec& model, const ParallelConfig& p, const HardwareSpec& hw, double mem_util,
            double activation_reserve_gib, int block_size, int64_t context_tokens,
-           bool allow_long_context) {
-            const CapacityOptions o = capacity_options(mem_util, activation_reserve_gib, block_size,
-                                                       context_tokens, allow_long_context);
+           bool allow_long_context, const std::string& speculative_method, int speculative_tokens) {
+            const CapacityOptions o = capacity_options(
+                mem_util, activation_reserve_gib, block_size, context_tokens, allow_long_context,
+                speculative_tokens_of(speculative_method, speculative_tokens));
             CapacityReport c;
             {
                 py::gil_scoped_release release;
@@ -290,8 +316,11 @@ void bind_planner(py::module_& m) {
         py::arg("model"), py::arg("parallel"), py::arg("hardware"), py::kw_only(),
         py::arg("mem_util") = 0.9, py::arg("activation_reserve_gib") = 2.0,
         py::arg("block_size") = 16, py::arg("context_tokens") = 0,
-        py::arg("allow_long_context") = false,
-        "Weights, KV budget and KV tokens per GPU, as a dict (per-rank figures under 'ranks').");
+        py::arg("allow_long_context") = false, py::arg("speculative_method") = "",
+        py::arg("speculative_tokens") = 0,
+        "Weights, KV budget and KV tokens per GPU, as a dict (per-rank figures under 'ranks'). "
+        "speculative_method=\"mtp\" with speculative_tokens=N: the model's MTP layers draft N "
+        "tokens per step (`kvshard plan --speculative-method mtp --speculative-tokens N`).");
     m.def(
         "estimate_cost",
         [](const ModelSpec& model, const ParallelConfig& p, const HardwareSpec& hw,
@@ -348,11 +377,12 @@ void bind_planner(py::module_& m) {
            const ParallelConfig& p, int64_t batch, int64_t max_batch, const std::string& objective,
            const std::string& cp_scheme, const std::string& cp_prefill,
            const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-           double activation_reserve_gib, int block_size, bool allow_long_context) {
-            const PlanRequest r =
-                plan_request(gpus, context_tokens, batch, max_batch, objective, cp_scheme,
-                             cp_prefill, cp_decode_merge, pp_chunks, mem_util,
-                             activation_reserve_gib, block_size, allow_long_context);
+           double activation_reserve_gib, int block_size, bool allow_long_context,
+           const std::string& speculative_method, int speculative_tokens) {
+            const PlanRequest r = plan_request(
+                gpus, context_tokens, batch, max_batch, objective, cp_scheme, cp_prefill,
+                cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size,
+                allow_long_context, speculative_method, speculative_tokens);
             std::string json;
             {
                 py::gil_scoped_release release;
@@ -366,7 +396,8 @@ void bind_planner(py::module_& m) {
         py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",
         py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,
         py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,
-        py::arg("allow_long_context") = false,
+        py::arg("allow_long_context") = false, py::arg("speculative_method") = "",
+        py::arg("speculative_tokens") = 0,
         "One configuration evaluated as `kvshard plan --explain ... --json` does (the parallel "
         "config is used as given: spell cp_scheme in it when cp > 1).");
 

@@ -101,3 +101,53 @@ def test_plan_disagg_equals_cli(cli_json):
                     "--gpus", "16", "--context", "8192", "--ttft-slo", "2", "--tpot-slo", "0.05")
     got = kvshard.plan_disagg("llama-3.1-70b", "h100-sxm", 16, 8192, ttft_slo=2, tpot_slo=0.05)
     assert got == want
+
+
+# Speculative decoding with the model's MTP layers (`kvshard plan --speculative-method mtp
+# --speculative-tokens N`): the same keywords in the Python API give the same documents.
+SPEC = ["--speculative-method", "mtp", "--speculative-tokens", "2"]
+
+
+def test_plan_with_mtp_equals_cli(cli_json):
+    want = cli_json("plan", "--model", "glm-4.5-air", "--hardware", "h100-sxm", "--gpus", "4",
+                    "--context", "8192", *SPEC)
+    got = kvshard.plan("glm-4.5-air", "h100-sxm", 4, 8192, speculative_method="mtp",
+                       speculative_tokens=2)
+    assert got == want
+    # Speculation moves the figures: the keywords are not ignored.
+    assert kvshard.plan("glm-4.5-air", "h100-sxm", 4, 8192) != want
+
+
+def test_explain_plan_with_mtp_equals_cli(cli_json):
+    want = cli_json("plan", "--model", "qwen3-next-80b-a3b", "--hardware", "h100-sxm", "--gpus",
+                    "4", "--context", "8192", "--explain", "tp=4", *SPEC)
+    got = kvshard.explain_plan("qwen3-next-80b-a3b", "h100-sxm", 4, 8192, "tp=4",
+                               speculative_method="mtp", speculative_tokens=2)
+    assert got == want
+    cap = kvshard.compute_capacity("qwen3-next-80b-a3b", "tp=4", "h100-sxm", context_tokens=8192,
+                                   speculative_method="mtp", speculative_tokens=2)
+    plain = kvshard.compute_capacity("qwen3-next-80b-a3b", "tp=4", "h100-sxm", context_tokens=8192)
+    assert cap != plain
+    for key in ("weight_bytes_per_gpu", "kv_tokens_per_gpu", "kv_blocks_per_gpu",
+                "request_blocks", "requests_per_replica", "max_context"):
+        assert cap[key] == want["configs"][0][key], key
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"speculative_tokens": 2}, "speculative_tokens=2 needs the drafter"),
+    ({"speculative_method": "eagle", "speculative_tokens": 2}, "unknown speculative_method 'eagle'"),
+    ({"speculative_method": "mtp"}, "needs speculative_tokens in \\[1, 1024\\]"),
+])
+def test_speculative_keywords_are_checked(kwargs, message):
+    for call in (lambda: kvshard.plan("glm-4.5-air", "h100-sxm", 4, 1024, **kwargs),
+                 lambda: kvshard.compute_capacity("glm-4.5-air", "tp=4", "h100-sxm", **kwargs)):
+        with pytest.raises(kvshard.Error, match=message):
+            call()
+
+
+def test_speculation_without_mtp_layers_is_refused_like_the_cli(cli):
+    rc, _, err = cli("plan", "--model", "tiny", "--gpus", "1", "--context", "1024", *SPEC)
+    assert rc == 2
+    with pytest.raises(kvshard.Error) as e:
+        kvshard.plan("tiny", "h100-sxm", 1, 1024, speculative_method="mtp", speculative_tokens=2)
+    assert err.strip() == f"kvshard: error: {e.value}"
