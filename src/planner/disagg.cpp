@@ -62,7 +62,12 @@ struct DecodeSide {
 class Evaluator {
   public:
     Evaluator(const ModelSpec& m, const HardwareSpec& hw, const ServingRequest& r)
-        : m_(m), hw_(hw), r_(r) {
+        : m_(m),
+          hw_(hw),
+          r_(r),
+          // Speculating, the MTP layers' KV is in the same KV cache groups as the model's own
+          // layers (gpu_model_runner.get_kv_cache_spec), so the connector moves it with them.
+          moved_(r.capacity.speculative_tokens > 0 && m.mtp.enabled() ? with_mtp_layers(m) : m) {
         cost_ = r.cost;
         cost_.weight_dtype = r.weight_dtype;
         new_tokens_ =
@@ -163,7 +168,7 @@ class Evaluator {
         auto it = transfer_.find(key);
         if (it != transfer_.end()) return it->second;
         return transfer_
-            .emplace(key, price_kv_transfer(m_, pf, dc, hw_, r_.prompt_tokens, prefill_s,
+            .emplace(key, price_kv_transfer(moved_, pf, dc, hw_, r_.prompt_tokens, prefill_s,
                                             r_.capacity.block_size))
             .first->second;
     }
@@ -179,6 +184,7 @@ class Evaluator {
     const ModelSpec& m_;
     const HardwareSpec& hw_;
     const ServingRequest& r_;
+    ModelSpec moved_;  // the layers whose KV a prefill instance sends
     CostOptions cost_;
     int64_t new_tokens_ = 1;
     std::map<std::string, PrefillSide> prefill_;
@@ -336,15 +342,17 @@ std::vector<ServingEntry> plan_serving(const ModelSpec& m, const HardwareSpec& h
                                            r.output_tokens, " of output"));
     Evaluator ev(m, hw, r);
     std::vector<ServingEntry> out;
+    // MTP speculation is modelled at pp 1 (CapacityOptions::speculative_tokens).
+    const bool pp1_only = r.capacity.speculative_tokens > 0;
     for (const ParallelConfig& p : enumerate_configs(m, r.gpus, r.cp_scheme))
-        out.push_back(aggregated(ev, r, p));
+        if (!pp1_only || p.pp == 1) out.push_back(aggregated(ev, r, p));
 
     if (r.disaggregated) {
         // Instance layouts (dp = 1) of every size below N that some split of N can use.
         std::vector<ParallelConfig> layouts;
         for (int g = 1; g < r.gpus; ++g)
             for (const ParallelConfig& p : enumerate_configs(m, g, r.cp_scheme))
-                if (p.dp == 1) layouts.push_back(p);
+                if (p.dp == 1 && (!pp1_only || p.pp == 1)) layouts.push_back(p);
         const double out_tokens = static_cast<double>(r.output_tokens);
         for (const ParallelConfig& pf : layouts) {
             const PrefillSide& ps = ev.prefill(pf);
@@ -445,8 +453,12 @@ std::string serving_to_json(const ModelSpec& m, const HardwareSpec& hw, const Se
                                 {"prefix_hit_rate", r.prefix_hit_rate},
                                 {"ttft_slo_s", r.ttft_slo_s},
                                 {"tpot_slo_s", r.tpot_slo_s},
-                                {"weight_dtype", weight_dtype_name(r.weight_dtype)},
-                                {"configs", list}};
+                                {"weight_dtype", weight_dtype_name(r.weight_dtype)}};
+    if (r.capacity.speculative_tokens > 0) {
+        o["speculative_method"] = "mtp";
+        o["speculative_tokens"] = r.capacity.speculative_tokens;
+    }
+    o["configs"] = list;
     return o.dump(2);
 }
 

@@ -102,6 +102,15 @@ TEST(CapacityCli, SpeculativeMtpIsExplainedAndRefusedWhereItCannotApply) {
     EXPECT_EQ(off.out.find("speculat"), std::string::npos) << off.out;
     EXPECT_NE(off.out.find("holds at most 37 blocks"), std::string::npos) << off.out;
 
+    // --disagg: both pools speculate (disagg_test.cpp); the header says so.
+    const auto pd = run_cli(
+        "plan -n 8 -c 8192 -m glm-4.5-air --disagg --ttft-slo 2 --tpot-slo 0.05 "
+        "--speculative-method mtp --speculative-tokens 2 --top 3");
+    ASSERT_EQ(pd.status, 0) << pd.out;
+    EXPECT_NE(pd.out.find("TPOT SLO 50.0 ms, speculating with 1 MTP layer drafting 2 tokens\n"),
+              std::string::npos)
+        << pd.out;
+
     for (auto [flags, says] : {
              std::pair{"-m tiny --speculative-method mtp --speculative-tokens 2",
                        "speculative decoding with MTP needs MTP layers, and model 'tiny' carries "
@@ -114,8 +123,6 @@ TEST(CapacityCli, SpeculativeMtpIsExplainedAndRefusedWhereItCannotApply) {
              {"-m glm-4.5-air --speculative-method mtp", "needs --speculative-tokens N"},
              {"-m glm-4.5-air --speculative-method eagle --speculative-tokens 2",
               "unknown --speculative-method 'eagle'"},
-             {"-m glm-4.5-air --speculative-method mtp --speculative-tokens 2 --disagg",
-              "modelled for aggregated plans only"},
              {"-m glm-4.5-air --speculative-method mtp --speculative-tokens 2 --explain pp=2,tp=2",
               "modelled at pp 1 only"},
          }) {

@@ -122,6 +122,53 @@ TEST(Serving, MoeConfigurationsWithEpAcrossReplicas) {
     EXPECT_TRUE(entries.front().meets_slo);
 }
 
+// MTP speculation in P/D: vLLM starts the prefill instance with the same --speculative-config (its
+// MTP layers draft at the end of the prefill: vllm-project/vllm PR #55055), so both pools hold the
+// drafter and its layers' KV, and the transfer moves that KV with the model's (the MTP layer joins
+// the model's KV cache groups).
+TEST(Serving, SpeculatingBothPoolsHoldTheDrafterAndTheTransferMovesItsKv) {
+    const ModelSpec m = catalog_model("glm-4.5-air");
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    const ServingRequest plain = request(8, 8192, 2.0, 0.05);
+    ServingRequest spec = plain;
+    spec.capacity.speculative_tokens = 2;
+    const auto a = plan_serving(m, hw, plain);
+    const auto b = plan_serving(m, hw, spec);
+    int compared = 0;
+    for (const ServingEntry& e : b) {
+        EXPECT_EQ(e.prefill.pp, 1) << e.name();
+        EXPECT_EQ(e.decode.pp, 1) << e.name();
+        if (!e.disaggregated) continue;
+        // Every pair's transfer is kvshard's plan over the model with its MTP layer: 47 of 46
+        // layers' KV (GLM-4.5-Air: 46 layers, one MTP layer, all full attention).
+        const KvTransferCost t =
+            price_kv_transfer(with_mtp_layers(m), e.prefill, e.decode, hw, 8192, e.prefill_s, 16);
+        EXPECT_EQ(e.transfer.bytes, t.bytes) << e.name();
+        for (const ServingEntry& p : a) {
+            if (!p.disaggregated || p.name() != e.name()) continue;
+            EXPECT_EQ(e.transfer.bytes * 46, p.transfer.bytes * 47) << e.name();
+            // The drafter's weights and KV leave less room for requests on the decode side.
+            EXPECT_LE(e.decode_batch, p.decode_batch) << e.name();
+            ++compared;
+        }
+    }
+    EXPECT_GT(compared, 0);
+    const auto j = nlohmann::json::parse(serving_to_json(m, hw, spec, b));
+    EXPECT_EQ(j["speculative_method"], "mtp");
+    EXPECT_EQ(j["speculative_tokens"], 2);
+    EXPECT_FALSE(
+        nlohmann::json::parse(serving_to_json(m, hw, plain, a)).contains("speculative_tokens"));
+    // A model without MTP layers: refused by the capacity's own message.
+    ServingRequest tiny = spec;
+    tiny.gpus = 2;
+    try {
+        plan_serving(catalog_model("tiny"), hw, tiny);
+        FAIL() << "speculation accepted on a model without MTP layers";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("needs MTP layers"), std::string::npos) << e.what();
+    }
+}
+
 // A decode instance's step is the cost model's at the request's prompt and mean context: the prompt
 // places the context on the CP ranks. Gemma 3 27B's sliding windows (1024 tokens) at the end of a
 // 32K zigzag prompt lie on one CP rank, so cp 2 reads the whole window there; priced with a prompt

@@ -288,9 +288,6 @@ void run(const PlanFlags& f) {
     r.cp_scheme = parse_cp_scheme(f.cp_scheme);
     r.capacity = f.hardware.capacity_options();
     r.capacity.speculative_tokens = speculative_tokens(f);
-    require(r.capacity.speculative_tokens == 0 || !f.disagg,
-            "--speculative-method is modelled for aggregated plans only: drop --disagg, or drop "
-            "--speculative-method and --speculative-tokens");
     r.cost.cp_prefill = parse_cp_prefill_policy(f.cp_prefill);
     r.cost.cp_decode_merge = parse_cp_merge_policy(f.cp_decode_merge);
     r.cost.pp_prefill_chunks = f.pp_chunks;
@@ -525,9 +522,10 @@ void run_serving(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& 
     }
     fmt::print(
         "{} on {} x {}, prompt {} tokens ({} prefilled after a {:.1f}% prefix hit), output {}, "
-        "TTFT SLO {}, TPOT SLO {}\n",
+        "TTFT SLO {}, TPOT SLO {}{}\n",
         m.name, sr.gpus, hw.name, sr.prompt_tokens, entries.empty() ? 0 : entries[0].prefill_tokens,
-        100 * sr.prefix_hit_rate, sr.output_tokens, seconds(sr.ttft_slo_s), seconds(sr.tpot_slo_s));
+        100 * sr.prefix_hit_rate, sr.output_tokens, seconds(sr.ttft_slo_s), seconds(sr.tpot_slo_s),
+        speculation(m, sr.capacity));
     fmt::print("{} aggregated and {} disaggregated configurations; {} meet both SLOs.\n\n",
                entries.size() - n_dis, n_dis, n_ok);
     fmt::print("{:>4} {:<36} {:>9} {:>9} {:>9} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}\n", "#",

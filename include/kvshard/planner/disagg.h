@@ -33,6 +33,12 @@ struct ServingRequest {
     double tpot_slo_s = 0;                   // required
     int64_t max_batch = 256;
     CpScheme cp_scheme = CpScheme::kZigzag;
+    // capacity.speculative_tokens > 0 (MTP drafting): both pools speculate, as vLLM's P/D runs
+    // (the prefill instance is started with the same --speculative-config: its MTP layers draft
+    // at the end of the prefill, vllm-project/vllm PR #55055 "Fix decode instance's multi-layer
+    // MTP kv caches during P/D", and the decode instance needs their KV): every instance holds the
+    // drafter's weights and its layers' KV, and a request's transfer moves those layers' KV too
+    // (they share the KV cache groups of the model's own layers). Layouts at pp 1 only.
     CapacityOptions capacity;
     CostOptions cost;
     WeightDtype weight_dtype = WeightDtype::kModel;
