@@ -167,7 +167,8 @@ def plan_disagg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_toke
                 cp_scheme: str = "zigzag", cp_prefill: str = "auto",
                 cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
                 activation_reserve_gib: float = 2.0, block_size: int = 16,
-                allow_long_context: bool = False) -> dict[str, Any]: ...
+                allow_long_context: bool = False, speculative_method: str = "",
+                speculative_tokens: int = 0) -> dict[str, Any]: ...
 def plan_disagg_svg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_tokens: int, *,
                     ttft_slo: float, tpot_slo: float, output_tokens: int = 256,
                     prompt_samples: Sequence[int] = ..., prefix_hit_rate: float = 0.0,
@@ -175,7 +176,8 @@ def plan_disagg_svg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_
                     max_batch: int = 256, cp_scheme: str = "zigzag", cp_prefill: str = "auto",
                     cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
                     activation_reserve_gib: float = 2.0, block_size: int = 16,
-                    allow_long_context: bool = False) -> str: ...
+                    allow_long_context: bool = False, speculative_method: str = "",
+                    speculative_tokens: int = 0) -> str: ...
 def price_kv_transfer(model: ModelLike, prefill: ParallelLike, decode: ParallelLike,
                       hardware: HardwareLike, tokens: int, *, prefill_s: float = 0.0,
                       block_size: int = 16) -> dict[str, Any]: ...

@@ -185,7 +185,8 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
                                bool disaggregated, int64_t max_batch, const std::string& cp_scheme,
                                const std::string& cp_prefill, const std::string& cp_decode_merge,
                                int pp_chunks, double mem_util, double activation_reserve_gib,
-                               int block_size, bool allow_long_context) {
+                               int block_size, bool allow_long_context,
+                               const std::string& speculative_method, int speculative_tokens) {
     ServingRequest r;
     r.gpus = gpus;
     r.prompt_tokens = prompt_tokens;
@@ -197,7 +198,8 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
     r.max_batch = max_batch;
     r.cp_scheme = parse_cp_scheme(cp_scheme);
     r.capacity =
-        capacity_options(mem_util, activation_reserve_gib, block_size, 0, allow_long_context);
+        capacity_options(mem_util, activation_reserve_gib, block_size, 0, allow_long_context,
+                         speculative_tokens_of(speculative_method, speculative_tokens));
     r.cost.cp_prefill = parse_cp_prefill_policy(cp_prefill);
     r.cost.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);
     r.cost.pp_prefill_chunks = pp_chunks;
@@ -216,7 +218,8 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
         py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto",                          \
         py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
         py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,                      \
-        py::arg("allow_long_context") = false
+        py::arg("allow_long_context") = false, py::arg("speculative_method") = "",                \
+        py::arg("speculative_tokens") = 0
 
 // A binding of (model, hardware, gpus, context_tokens, KVSHARD_PLAN_ARGS' keywords) that builds
 // the PlanRequest and returns fn(model, hardware, request).
@@ -245,13 +248,14 @@ auto with_serving_request(F fn) {
                 const std::string& weight_dtype, bool disaggregated, int64_t max_batch,
                 const std::string& cp_scheme, const std::string& cp_prefill,
                 const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-                double activation_reserve_gib, int block_size, bool allow_long_context) {
-        return fn(
-            model, hw,
-            serving_request(gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens,
-                            std::move(prompt_samples), prefix_hit_rate, weight_dtype, disaggregated,
-                            max_batch, cp_scheme, cp_prefill, cp_decode_merge, pp_chunks, mem_util,
-                            activation_reserve_gib, block_size, allow_long_context));
+                double activation_reserve_gib, int block_size, bool allow_long_context,
+                const std::string& speculative_method, int speculative_tokens) {
+        return fn(model, hw,
+                  serving_request(gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens,
+                                  std::move(prompt_samples), prefix_hit_rate, weight_dtype,
+                                  disaggregated, max_batch, cp_scheme, cp_prefill, cp_decode_merge,
+                                  pp_chunks, mem_util, activation_reserve_gib, block_size,
+                                  allow_long_context, speculative_method, speculative_tokens));
     };
 }
 

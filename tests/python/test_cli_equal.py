@@ -133,6 +133,17 @@ def test_explain_plan_with_mtp_equals_cli(cli_json):
         assert cap[key] == want["configs"][0][key], key
 
 
+def test_plan_disagg_with_mtp_equals_cli(cli_json):
+    want = cli_json("plan", "--model", "glm-4.5-air", "--hardware", "h100-sxm", "--gpus", "8",
+                    "--context", "8192", "--disagg", "--ttft-slo", "2", "--tpot-slo", "0.05", *SPEC)
+    got = kvshard.plan_disagg("glm-4.5-air", "h100-sxm", 8, 8192, ttft_slo=2, tpot_slo=0.05,
+                              speculative_method="mtp", speculative_tokens=2)
+    assert got == want
+    assert want["speculative_tokens"] == 2
+    plain = kvshard.plan_disagg("glm-4.5-air", "h100-sxm", 8, 8192, ttft_slo=2, tpot_slo=0.05)
+    assert "speculative_tokens" not in plain and plain["configs"] != want["configs"]
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"speculative_tokens": 2}, "speculative_tokens=2 needs the drafter"),
     ({"speculative_method": "eagle", "speculative_tokens": 2}, "unknown speculative_method 'eagle'"),
