@@ -91,6 +91,9 @@ TraceWorkload trace_workload(const Trace& trace, const ReplicaSetup& setup, int 
     cfg.num_replicas = replicas;
     cfg.replica_capacity_blocks = capacity_tokens / trace.block_tokens;
     cfg.policy = policy;
+    // MTP drafting is one of vLLM's use_eagle() methods: its engines drop the last block of each
+    // prefix hit (vllm_eagle_block_drop).
+    cfg.eagle_block_drop = setup.capacity.speculative_tokens > 0;
     const PolicyReport rep = simulate(trace, cfg, service);
     w.token_hit_rate = rep.hits.token_hit_rate;
     w.policy = rep.name;

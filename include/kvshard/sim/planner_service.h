@@ -56,7 +56,9 @@ class PlannerServiceModel final : public ServiceModel {
 // What a trace says about the planner's workload: its mean prompt and output lengths, and the
 // prefix-hit rate its replay reaches over `replicas` replicas of `setup` under `policy` (each
 // replica's cache as large as its KV capacity, replica_kv_tokens), so the planner prefills only
-// the uncached share of a prompt.
+// the uncached share of a prompt. With setup.capacity.speculative_tokens > 0 (MTP drafting) the
+// replicas drop the last block of each prefix hit, as vLLM's engines do
+// (SimConfig::eagle_block_drop).
 struct TraceWorkload {
     int64_t requests = 0;
     int64_t mean_input_tokens = 0;   // rounded
