@@ -57,7 +57,8 @@ struct RouteOutcome {
     int replica = 0;
     std::string replica_name;
     // Per replica: the prefix hit vLLM would take there, at most (tokens - 1) / block_size
-    // blocks (vllm_max_cache_hit_blocks).
+    // blocks (vllm_max_cache_hit_blocks), one block less for an engine that drafts with
+    // EAGLE/MTP (KvIndex::set_eagle_block_drop).
     std::vector<int> matched_blocks;
     std::vector<int64_t> load_blocks;  // per replica, after this request
     RouteReason reason = RouteReason::kRoundRobin;
