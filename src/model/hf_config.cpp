@@ -149,10 +149,11 @@ enum class Family {
     kNemotronNas,    // Nemotron Super / Ultra (block_configs)
     kGemma4,         // gemma4(_text): per-layer head sizes, K = V weights on full layers
     kGraniteHybrid,  // granitemoehybrid (Granite 4.0-H: Mamba-2 + attention, MoE on every layer)
-    kOlmo,     // olmo2, olmo3 (Olmo 3: sliding layers by layer_types, else 3 sliding : 1 full)
-    kCohere2,  // cohere2 (Command R7B / A: 3 sliding : 1 full, NoPE full layers)
-    kExaone4,  // exaone4 (EXAONE 4.0: layer_types, else sliding_window_pattern)
-    kSmolLM3,  // smollm3 (SmolLM3: NoPE layers by no_rope_layers; KV alike on every layer)
+    kOlmo,        // olmo2, olmo3 (Olmo 3: sliding layers by layer_types, else 3 sliding : 1 full)
+    kCohere2,     // cohere2 (Command R7B / A: 3 sliding : 1 full, NoPE full layers)
+    kExaone4,     // exaone4 (EXAONE 4.0: layer_types, else sliding_window_pattern)
+    kSmolLM3,     // smollm3 (SmolLM3: NoPE layers by no_rope_layers; KV alike on every layer)
+    kKimiLinear,  // kimi_linear (Kimi Linear: KDA layers by linear_attn_config, the others MLA)
 };
 
 Family family_of(const std::string& model_type, const std::string& file) {
@@ -215,6 +216,7 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"cohere2", Family::kCohere2},
         {"exaone4", Family::kExaone4},
         {"smollm3", Family::kSmolLM3},
+        {"kimi_linear", Family::kKimiLinear},
         // Seed-OSS (SeedOssConfig): Llama's fields with a head_dim of its own; vLLM's seed_oss.py
         // builds every layer full attention of num_key_value_heads x config.head_dim.
         {"seed_oss", Family::kLlama},
@@ -300,6 +302,9 @@ ClassDefaults class_defaults(const std::string& model_type) {
         // GraniteMoeHybridConfig: 32 heads, KV None -> heads; vLLM's attention takes head_dim =
         // hidden / heads whatever the config says (granitemoehybrid.py), checked below.
         {"granitemoehybrid", {"GraniteMoeHybridConfig", 32, H, H, true}},
+        // KimiLinearConfig (vLLM transformers_utils/configs/kimi_linear.py): 32 heads, KV None ->
+        // heads; its attention layers are MLA, sized from kv_lora_rank and qk_rope_head_dim.
+        {"kimi_linear", {"KimiLinearConfig", 32, H, H, true}},
         {"chatglm", {"ChatGLMConfig", R, H, R, false}},  // KV heads from multi_query_group_num
         // Olmo2Config (transformers) and Olmo3Config (vLLM transformers_utils/configs/olmo3.py):
         // 32 heads, KV None -> heads; vLLM's Olmo2Attention (olmo2.py, which also runs Olmo 3)
@@ -388,7 +393,8 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "mamba_n_groups",
         "mamba_d_conv",
         "mamba_expand",
-        "layers_block_type",  // GraniteMoeHybridConfig's alias of layer_types
+        "layers_block_type",   // GraniteMoeHybridConfig's alias of layer_types
+        "linear_attn_config",  // Kimi Linear: its KDA layers and their shape, read below
         "block_configs",
         "kv_lora_rank",
         "q_lora_rank",
@@ -433,6 +439,8 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "rescale_prenorm_residual",
         "n_group",
         "topk_group",
+        "num_expert_group",  // Kimi Linear's grouped top-k routing: which experts, not the KV
+        "use_grouped_topk",
         "attention_multiplier",
         "partial_rotary_factor",
         "rotary_dim",
@@ -576,6 +584,7 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"mamba_expand", {Family::kGraniteHybrid}},
         {"layers_block_type", {Family::kGraniteHybrid}},
         {"block_configs", {Family::kNemotronNas}},
+        {"linear_attn_config", {Family::kKimiLinear}},
         {"linear_num_value_heads", {Family::kQwen3Next}},
         {"linear_num_key_heads", {Family::kQwen3Next}},
         {"full_attention_interval", {Family::kQwen3Next}},
@@ -604,6 +613,88 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
                     " quantizes the KV cache, which kvshard does not read from config.json: remove "
                     "it and give the KV element type with --kv-dtype"));
     }
+}
+
+// Kimi Linear (vLLM's kimi_linear.py, KimiLinearConfig in transformers_utils/configs): layer l is
+// Kimi Delta Attention when l + 1 is in linear_attn_config.kda_layers (1-based,
+// KimiLinearConfig.is_kda_layer), else MLA (KimiMLAAttention, which asserts q_lora_rank None and
+// mla_use_nope). MoE on layers from first_k_dense_replace that are multiples of moe_layer_freq.
+// The KDA state is sized by the Gated DeltaNet formula (StateSpec::kda says why).
+void read_kimi_linear(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& layers) {
+    const int L = m.num_layers;
+    if (f.has("q_lora_rank"))
+        throw f.bad("q_lora_rank",
+                    "is set, but vLLM's Kimi Linear MLA projects queries directly (it asserts "
+                    "q_lora_rank is null)");
+    if (m.is_mla() && !f.bool_or("mla_use_nope", false))
+        throw f.bad("mla_use_nope",
+                    "is not true, which vLLM's Kimi Linear MLA asserts (its MLA layers use no "
+                    "RoPE): set it to true");
+    if (f.int_or("num_nextn_predict_layers", 0) > 0)
+        throw f.bad("num_nextn_predict_layers",
+                    "is above 0, but vLLM's Kimi Linear skips MTP layers (no drafter is modelled "
+                    "for it): set it to 0");
+    // Kimi K3's fields (a latent MoE, gated MLA output, block residuals): not Kimi Linear's.
+    for (const char* k3 : {"mla_use_output_gate", "routed_expert_hidden_size",
+                           "latent_moe_use_norm", "attn_res_block_size"})
+        if (f.has(k3) && !(f.json().at(k3).is_boolean() && !f.json().at(k3).get<bool>()))
+            throw f.bad(k3,
+                        "is set: kvshard reads Kimi Linear (KimiLinearForCausalLM), whose vLLM "
+                        "model has no such part; it would be sized wrong");
+    if (m.moe.enabled()) {
+        const int freq = f.positive_int_or("moe_layer_freq", 1);
+        for (int l = 0; l < L; ++l) {
+            const bool moe = l >= m.moe.first_dense_layers && l % freq == 0;
+            layers[l].mlp = moe ? MlpKind::kMoe : MlpKind::kDense;
+            layers[l].intermediate = moe ? 0 : m.intermediate;
+        }
+    }
+    if (!f.has("linear_attn_config")) return;  // is_kda_layer false everywhere: all MLA
+    const auto& lac = f.json().at("linear_attn_config");
+    if (!lac.is_object()) throw f.bad("linear_attn_config", "must be an object");
+    const HfFields c(lac, detail::concat(f.file(), ": linear_attn_config"));
+    for (const auto& [key, value] : lac.items()) {
+        static const std::set<std::string, std::less<>> kRead = {
+            "kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size"};
+        if (!kRead.count(key) && !value.is_null())
+            throw c.bad(key,
+                        "is not read by vLLM's Kimi Linear KDA (kda_layers, full_attn_layers, "
+                        "num_heads, head_dim, short_conv_kernel_size): kvshard would size a KDA "
+                        "layer it does not model");
+    }
+    auto layer_list = [&](const char* key) {
+        std::vector<int> out;
+        for (const auto& v : c.array(key)) {
+            if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > L)
+                throw c.bad(key, detail::concat("has ", v.dump(),
+                                                ": expected 1-based layer "
+                                                "numbers in [1, ",
+                                                L, "] (num_hidden_layers)"));
+            out.push_back(v.get<int>());
+        }
+        return out;
+    };
+    const std::vector<int> kda = layer_list("kda_layers");
+    const std::vector<int> full = layer_list("full_attn_layers");
+    std::vector<int> listed(L + 1, 0);
+    for (int n : kda) ++listed[n];
+    for (int n : full) ++listed[n];
+    for (int n = 1; n <= L; ++n)
+        if (listed[n] != 1)
+            throw c.bad("kda_layers",
+                        detail::concat("and full_attn_layers must list each layer 1..", L,
+                                       " exactly once between them; layer ", n, " is listed ",
+                                       listed[n], " times"));
+    if (!kda.empty() && !m.is_mla())
+        throw f.bad("kv_lora_rank", "is missing: Kimi Linear's full-attention layers are MLA");
+    for (int n : kda) layers[n - 1].kind = LayerKind::kGatedDeltaNet;
+    if (kda.empty()) return;
+    m.state.heads = m.state.groups = c.positive_int("num_heads");
+    m.state.head_dim = m.state.group_dim = c.positive_int("head_dim");
+    m.state.conv_kernel = c.positive_int("short_conv_kernel_size");
+    m.state.kda = true;
+    m.state.conv_dtype = m.kv_dtype;     // kda_state_dtype: mamba_cache_dtype (auto: model's)
+    m.state.state_dtype = DType::kFp32;  // and the recurrent state always float32
 }
 
 }  // namespace
@@ -940,6 +1031,22 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
             m.moe.shared_experts =
                 shared == 0 ? 0 : shared_width_in_experts("shared_intermediate_size");
         }
+    } else if (fam == Family::kKimiLinear) {
+        // KimiLinearConfig: num_experts None is a dense model. vLLM's KimiMoE: num_experts of
+        // moe_intermediate_size, top num_experts_per_token, a shared KimiMLP of
+        // moe_intermediate_size x num_shared_experts; layers below first_k_dense_replace (and
+        // those not a multiple of moe_layer_freq, set per layer below) keep the dense MLP.
+        if (f.has("num_experts")) {
+            m.moe.num_experts = f.positive_int("num_experts");
+            m.moe.experts_per_token = f.positive_int("num_experts_per_token");
+            m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
+            m.moe.shared_experts = f.int_or("num_shared_experts", 0);
+            m.moe.first_dense_layers = f.int_or("first_k_dense_replace", 0);
+            if (m.moe.first_dense_layers >= m.num_layers)
+                throw f.bad("first_k_dense_replace",
+                            detail::concat("must be below num_hidden_layers (", m.num_layers,
+                                           "), got ", m.moe.first_dense_layers));
+        }
     } else if (model_type == "hunyuan_v1_dense") {
         // vLLM's hunyuan_v1.py: _is_moe (num_experts above 1, or a list with one above 1) builds
         // HunYuanSparseMoeBlock layers, which this reader does not model; 1 or absent is the
@@ -995,7 +1102,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     if (fam == Family::kFalcon || fam == Family::kNemotronH) m.mlp_projections = 2;
     const std::string inter_key = pick(
         {"intermediate_size_mlp", "ffn_hidden_size", "intermediate_size"}, "intermediate_size");
-    const bool needs_dense = !m.moe.enabled() || m.moe.first_dense_layers > 0;
+    const bool needs_dense = !m.moe.enabled() || m.moe.first_dense_layers > 0 ||
+                             (fam == Family::kKimiLinear && f.int_or("moe_layer_freq", 1) > 1);
     if (fam == Family::kFalcon)
         m.intermediate = f.positive_int_or("ffn_hidden_size", 4 * m.hidden);
     else if (fam == Family::kNemotronNas)
@@ -1232,6 +1340,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         m.state.group_dim = f.positive_int("linear_key_head_dim");
         m.state.conv_kernel = f.positive_int("linear_conv_kernel_dim");
     }
+
+    if (fam == Family::kKimiLinear) read_kimi_linear(f, m, layers);
 
     if (fam == Family::kNemotronH) {
         const std::string pattern = f.string_or("hybrid_override_pattern", "");

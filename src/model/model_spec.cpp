@@ -260,6 +260,17 @@ int64_t ModelSpec::mixer_params_of_layer(int l) const {
                 (s.learned_sinks ? num_heads : 0);
             break;
         case LayerKind::kGatedDeltaNet: {
+            if (state.kda) {
+                // vLLM's KimiDeltaAttention (layers/kda.py): q, k, v and o projections of
+                // heads x head_dim, the forget gate f_a (hidden -> head_dim) and f_b (head_dim ->
+                // heads x head_dim) with dt_bias, beta's b_proj (hidden -> heads), the q/k/v
+                // short convs, A_log per head, the output gate g_a / g_b, o_norm (head_dim).
+                const int64_t w = int64_t{state.heads} * state.head_dim;
+                const int64_t d = state.head_dim;
+                p = 4 * h * w + 2 * (h * d + d * w) + w + h * state.heads +
+                    3 * w * state.conv_kernel + state.heads + d;
+                break;
+            }
             // in_proj_qkvz, in_proj_ba, conv1d, A_log + dt_bias, gated norm, out_proj.
             const int64_t k_dim = int64_t{state.groups} * state.group_dim;
             const int64_t v_dim = int64_t{state.heads} * state.head_dim;
@@ -463,6 +474,12 @@ void ModelSpec::validate() const {
                 "': state.spec_conv_rows must be in [0, 1024], got ", state.spec_conv_rows);
         require(state.conv_kernel >= 1, "model '", name,
                 "': state.conv_kernel must be a positive integer, got ", state.conv_kernel);
+        require(!state.kda || (state.groups == state.heads && state.group_dim == state.head_dim),
+                "model '", name,
+                "': a KDA state has as many key heads as value heads, of one head_dim (state "
+                "groups ",
+                state.groups, " x ", state.group_dim, " vs heads ", state.heads, " x ",
+                state.head_dim, ")");
     }
     if (indexer.enabled()) {
         positive(indexer.heads, "indexer.heads");
@@ -597,6 +614,7 @@ std::string to_json(const ModelSpec& m) {
                       {"conv_dtype", dtype_name(m.state.conv_dtype)},
                       {"state_dtype", dtype_name(m.state.state_dtype)},
                       {"spec_conv_rows", m.state.spec_conv_rows}};
+        if (m.state.kda) j["state"]["kda"] = true;
     }
     if (m.mtp.enabled()) {
         const LayerSpec& s = m.mtp.layer;
@@ -686,7 +704,8 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
                        st.at("group_dim").get<int>(),
                        st.at("conv_kernel").get<int>(),
                        parse_dtype(st.at("conv_dtype").get<std::string>()),
-                       parse_dtype(st.at("state_dtype").get<std::string>())};
+                       parse_dtype(st.at("state_dtype").get<std::string>()),
+                       st.value("kda", false)};
             m.state.spec_conv_rows = st.value("spec_conv_rows", 0);
         }
         if (j.contains("indexer")) {

@@ -132,6 +132,9 @@ void check_executable(const ModelSpec& m) {
             require(s.intermediate == m.intermediate, m.name, ": layer ", l, " has an MLP of ",
                     s.intermediate, " where the model's is ", m.intermediate,
                     ": the reference model runs one dense MLP width");
+        require(s.kind != LayerKind::kGatedDeltaNet || !m.state.kda, m.name, ": layer ", l,
+                " is a Kimi Delta Attention (KDA) layer; the reference model runs Gated DeltaNet "
+                "only (KDA is sized by the layout but not executed)");
         if (s.kind == LayerKind::kGatedDeltaNet)
             require(m.state.heads > 0 && m.state.groups > 0 &&
                         m.state.heads % m.state.groups == 0 && m.state.conv_kernel >= 1,
@@ -183,6 +186,8 @@ void mixer_tensors(const ModelSpec& m, int l,
         }
         case LayerKind::kGatedDeltaNet:
         case LayerKind::kMamba2: {
+            require(!m.state.kda, m.name,
+                    ": Kimi Delta Attention layers have no tensor list here (not executed)");
             const auto& st = m.state;
             const int64_t kd = st.group_dim, vd = st.head_dim, g = st.groups, hv = st.heads;
             const std::string a = p + "linear_attn.";

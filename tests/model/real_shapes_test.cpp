@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 34 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 35 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -47,6 +47,13 @@ int64_t state_bf16(int heads, int head_dim, int groups, int group_dim, int k, in
 int64_t state_bf16_ssm_fp32(int heads, int head_dim, int groups, int group_dim, int k, int tp) {
     const int64_t h = std::max(1, heads / tp), g = std::max(1, groups / tp);
     return 2 * (k - 1) * (h * head_dim + 2 * g * group_dim) + 4 * h * head_dim * group_dim;
+}
+
+// Kimi Linear's KDA layer as vLLM sizes it (MambaStateShapeCalculator.kda_state_shape, dtypes
+// from MambaStateDtypeCalculator.kda_state_dtype): conv (k-1) x (heads*dim + 2*heads*dim) / tp at
+// the model's bf16, recurrent (heads/tp) x dim x dim always float32.
+int64_t kda_state(int heads, int dim, int k, int tp) {
+    return int64_t{k - 1} * (3 * heads * dim / tp) * 2 + int64_t{heads / tp} * dim * dim * 4;
 }
 
 struct Family {
@@ -156,6 +163,14 @@ std::vector<Family> families() {
                    0,
                    0,
                    [](int tp) { return state_bf16(48, 64, 1, 128, 4, tp); }});
+    // Kimi-Linear-48B-A3B: linear_attn_config.full_attn_layers 4, 8, ..., 24, 27 (1-based) are
+    // MLA (latent 512 + rope 64), the other 20 KDA of 32 heads of 128, short conv 4.
+    out.push_back({"kimi-linear-48b-a3b-instruct",
+                   pattern(27, [](int i) { return (i + 1) % 4 == 0 || i == 26 ? L{'L'} : L{'G'}; }),
+                   {1, 2, 4, 8},
+                   2 * (512 + 64),
+                   0,
+                   [](int tp) { return kda_state(32, 128, 4, tp); }});
     // Phi-3-mini-4k: Llama's fields, MHA of 32 heads of 3072 / 32 = 96, every layer sliding over
     // 2047 tokens (no layer_types: vLLM's Attention takes the model-level window).
     out.push_back({"phi-3-mini-4k-instruct",
@@ -387,6 +402,86 @@ TEST(RealShapes, Qwen35ReadsItsSsmDtype) {
     std::string next = read_file(config_path("qwen3-next-80b-a3b"));
     next.insert(next.find('{') + 1, "\"mamba_ssm_dtype\": \"float32\",");
     expect_refused(next, "mamba_ssm_dtype");
+}
+
+// Kimi Linear: KDA layers by linear_attn_config (1-based), MLA elsewhere, the KDA state as vLLM
+// sizes it, and the fields vLLM's model asserts or does not read, refused by name.
+TEST(RealShapes, KimiLinearAsVllmBuildsIt) {
+    const std::string text = read_file(config_path("kimi-linear-48b-a3b-instruct"));
+    const ModelSpec m = parse_hf_config(text, "kimi.json");
+    EXPECT_EQ(m.layer_mix(), "27 layers: 20 gated_deltanet + 7 mla");
+    EXPECT_TRUE(m.is_mla());
+    EXPECT_EQ(m.layer(0).kind, LayerKind::kGatedDeltaNet);
+    EXPECT_EQ(m.layer(3).kind, LayerKind::kMla);   // layer 4, 1-based
+    EXPECT_EQ(m.layer(26).kind, LayerKind::kMla);  // layer 27
+    EXPECT_TRUE(m.state.kda);
+    EXPECT_EQ(m.state.conv_dtype, DType::kBf16);
+    EXPECT_EQ(m.state.state_dtype, DType::kFp32);
+    // KV per token: 7 MLA layers x (512 + 64) x 2 bytes, whatever the TP.
+    EXPECT_EQ(m.kv_bytes_per_token(), 7 * 1152);
+    // State per sequence and KDA layer, by hand from vLLM's shapes at tp 1 / 2 / 4:
+    //   tp 1: conv 3 x 12288 x 2 = 73,728 + recurrent 32 x 128 x 128 x 4 = 2,097,152
+    //   tp 2: conv 3 x 6144 x 2 = 36,864 + 16 x 128 x 128 x 4 = 1,048,576
+    //   tp 4: conv 3 x 3072 x 2 = 18,432 + 8 x 128 x 128 x 4 = 524,288
+    EXPECT_EQ(state_bytes(m.state, 1), 73728 + 2097152);
+    EXPECT_EQ(state_bytes(m.state, 2), 36864 + 1048576);
+    EXPECT_EQ(state_bytes(m.state, 4), 18432 + 524288);
+    EXPECT_EQ(m.state_bytes_per_sequence(), 20 * (73728 + 2097152));
+    // MoE from layer 1 (first_k_dense_replace), 256 experts of 1024, top 8, one shared expert.
+    EXPECT_EQ(m.num_moe_layers(), 26);
+    EXPECT_EQ(m.moe.num_experts, 256);
+    EXPECT_EQ(m.moe.experts_per_token, 8);
+    EXPECT_EQ(m.moe.shared_experts, 1);
+    EXPECT_EQ(m.layer(0).intermediate, 9216);
+    // Named 48B total, 3B activated. By hand: 26 MoE layers x 256 experts x 3 x 2304 x 1024 =
+    // 47.11B, embedding + LM head 2 x 163840 x 2304 = 0.755B, 20 KDA mixers 0.788B, 7 MLA
+    // mixers 0.204B, shared experts, routers and the dense layer 0.26B: 49.12B, within 3% of
+    // the name (which rounds down).
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 48e9, 0.03 * 48e9);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 3e9, 0.1 * 3e9);
+    // A KDA layer's projections (vLLM's KimiDeltaAttention), not Gated DeltaNet's: q, k, v, o of
+    // 2304 x 4096, f_a / g_a 2304 x 128, f_b / g_b 128 x 4096, dt_bias 4096, b_proj 2304 x 32,
+    // three convs of 4096 x 4, A_log 32, o_norm 128.
+    EXPECT_EQ(m.mixer_params_of_layer(0), int64_t{4} * 2304 * 4096 + 2 * (2304 * 128 + 128 * 4096) +
+                                              4096 + 2304 * 32 + 3 * 4096 * 4 + 32 + 128);
+    // JSON keeps the KDA mark.
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+
+    auto with = [&](const std::string& field) {
+        std::string t = text;
+        t.insert(t.find('{') + 1, field + ",");
+        return t;
+    };
+    auto replaced = [&](const std::string& from, const std::string& to) {
+        std::string t = text;
+        const auto at = t.find(from);
+        EXPECT_NE(at, std::string::npos) << from;
+        if (at != std::string::npos) t.replace(at, from.size(), to);
+        return t;
+    };
+    expect_refused(replaced("\"q_lora_rank\": null", "\"q_lora_rank\": 1536"), "q_lora_rank");
+    expect_refused(replaced("\"mla_use_nope\": true", "\"mla_use_nope\": false"), "mla_use_nope");
+    expect_refused(replaced("\"num_nextn_predict_layers\": 0", "\"num_nextn_predict_layers\": 1"),
+                   "num_nextn_predict_layers");
+    expect_refused(with("\"routed_expert_hidden_size\": 3584"), "routed_expert_hidden_size");
+    expect_refused(replaced("\"short_conv_kernel_size\": 4",
+                            "\"short_conv_kernel_size\": 4, \"use_full_rank_gate\": true"),
+                   "use_full_rank_gate");
+    // Layer 27 in both lists, or in neither.
+    expect_refused(replaced("\"num_heads\": 32", "\"num_heads\": 32, \"kda_layers\": [1]"),
+                   "kda_layers");
+    expect_refused(replaced("24,\n      27\n", "24\n"), "layer 27 is listed 0 times");
+    // MoE on every second layer from layer 1 (moe_layer_freq 2: layers 2, 4, ..., 26).
+    const ModelSpec half =
+        parse_hf_config(replaced("\"moe_layer_freq\": 1", "\"moe_layer_freq\": 2"), "kimi.json");
+    EXPECT_EQ(half.num_moe_layers(), 13);
+    EXPECT_FALSE(half.is_moe_layer(1));
+    EXPECT_TRUE(half.is_moe_layer(2));
+    // Another family's config naming linear_attn_config: refused.
+    expect_refused(R"({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "linear_attn_config": {"kda_layers": [1]}})",
+                   "linear_attn_config");
 }
 
 // Granite 4.0-H: the MoE with its shared MLP on every layer, the dense variant, the head size

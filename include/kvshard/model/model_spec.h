@@ -43,7 +43,8 @@ enum class LayerKind {
                      // before)
     kChunkedLocal,   // K and V of the tokens of the current chunk of `window` tokens (Llama 4)
     kMla,            // the MLA latent of every token (kv_lora_rank + qk_rope_head_dim)
-    kGatedDeltaNet,  // linear attention: a fixed conv + recurrent state per sequence (Qwen3-Next)
+    kGatedDeltaNet,  // linear attention: a fixed conv + recurrent state per sequence (Qwen3-Next;
+                     // Kimi Linear's KDA, StateSpec::kda)
     kMamba2,         // SSM: a fixed conv + SSM state per sequence (Nemotron-H, Granite 4)
     kNoKv,           // no KV: an MLP-only layer or a no-op / linear-replaced attention
 };
@@ -84,6 +85,13 @@ struct StateSpec {
     int conv_kernel = 0;  // the causal conv's width; the state keeps conv_kernel - 1 columns
     DType conv_dtype = DType::kBf16;
     DType state_dtype = DType::kBf16;  // the recurrent / SSM state (vLLM mamba_ssm_cache_dtype)
+    // Kimi Delta Attention (Kimi Linear) in the kGatedDeltaNet layers. Its state is the Gated
+    // DeltaNet formula with groups = heads and group_dim = head_dim: vLLM's
+    // MambaStateShapeCalculator.kda_state_shape keeps conv (conv_kernel-1) x (num_heads*head_dim
+    // + 2*num_heads*head_dim) / tp and recurrent (num_heads/tp) x head_dim x head_dim, the
+    // recurrent one always float32 (MambaStateDtypeCalculator.kda_state_dtype). Only its
+    // projections differ (mixer_params_of_layer); the reference model does not run it.
+    bool kda = false;
     // Conv state rows beyond conv_kernel - 1: an engine's, not the checkpoint's (vLLM's num_spec,
     // the speculative tokens, while drafting with a Gated DeltaNet model); 0 otherwise.
     int spec_conv_rows = 0;
