@@ -156,6 +156,43 @@ TEST(CapacityVllm, Qwen3NextTp4) {
     EXPECT_EQ(a.requests_per_replica, 10557 / 37);  // 285
 }
 
+// Kimi-Linear-48B-A3B: 7 MLA layers and 20 KDA layers. On an H100 (SM 9.x) vLLM's first MLA
+// backend is FLASH_ATTN_MLA (vllm/platforms/cuda.py, _get_backend_priorities), whose kernel blocks
+// are MultipleOf(16) (FlashAttnMLABackend.get_supported_kernel_block_sizes): the alignment is 16,
+// as for FlashAttention. The MLA page per token is (512 + 64) x 2 = 1152 B at any TP.
+TEST(CapacityVllm, KimiLinearTp4) {
+    const ModelSpec m = load_hf_config(std::string(KVSHARD_TEST_DATA_DIR) +
+                                       "/hf_configs/kimi-linear-48b-a3b-instruct.json");
+    CapacityOptions o = prefix_caching_off();
+    o.context_tokens = 8192;
+    const CapacityReport c = compute_capacity(m, tp(4), hardware_by_name("h100-sxm"), o);
+    // KDA state per rank (kda_state_shape at tp 4): conv 3 x (3 x 4096 / 4) x 2 = 18,432 B +
+    // recurrent 8 x 128 x 128 x 4 = 524,288 B = 542,720 B per layer. Block 16 x ceil(542,720 /
+    // (16 x 1152)) = 16 x 30 = 480, page 480 x 1152 = 552,960 B, 10,240 B of it padding.
+    EXPECT_EQ(c.state_bytes_per_sequence, 20 * 542720);
+    EXPECT_EQ(c.engine.kind, EngineKvKind::kHybrid);
+    EXPECT_EQ(c.engine.block_size, 480);
+    EXPECT_EQ(c.engine.page_bytes, 552960);
+    EXPECT_EQ(c.engine.state_page_padding, 552960 - 542720);
+    // 7 MLA + 20 KDA: group size 7 (20 >= 1.5 x 7), 1 + ceil(20 / 7) = 4 groups, 28 slots for 27
+    // layers.
+    EXPECT_EQ(c.engine.group_size, 7);
+    EXPECT_EQ(c.engine.groups.size(), 4u);
+    EXPECT_EQ(c.engine.padding_slots(), 1);
+    const int64_t blocks = c.ranks[0].kv_budget_bytes / (552960LL * 7);
+    EXPECT_EQ(c.kv_blocks_per_gpu, blocks);
+    EXPECT_EQ(c.kv_tokens_per_gpu, blocks / 4 * 480);
+    EXPECT_EQ(c.request_blocks, 18 + 3);  // ceil(8192 / 480) + one per KDA group
+    EXPECT_EQ(c.requests_per_replica, blocks / 21);
+    // Prefix caching on (vLLM's default, align mode): two state blocks per KDA group.
+    CapacityOptions a;
+    a.context_tokens = 8192;
+    const CapacityReport ca = compute_capacity(m, tp(4), hardware_by_name("h100-sxm"), a);
+    EXPECT_EQ(ca.kv_blocks_per_gpu, blocks);
+    EXPECT_EQ(ca.request_blocks, 18 + 3 * 2);
+    EXPECT_EQ(ca.requests_per_replica, blocks / 24);
+}
+
 TEST(CapacityVllm, UnpaddedHybridsKeepTheirFigures) {
     // gpt-oss-120b: 18 sliding(128) + 18 full, group size 18, no padding.
     const CapacityReport g = on_h100("gpt-oss-120b", 1, 8192);
