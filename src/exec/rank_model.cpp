@@ -314,6 +314,11 @@ std::vector<float> RankModel::forward(const ForwardBatch& b) {
             case LayerKind::kGatedDeltaNet:
                 gated_deltanet_block(l, b, x);
                 break;
+            case LayerKind::kMamba2:
+            case LayerKind::kShortConv:
+                KVSHARD_CHECK(false, "check_executable refuses ", layer_kind_name(w.kind),
+                              " layers");
+                break;
             case LayerKind::kNoKv:
                 break;
             default:

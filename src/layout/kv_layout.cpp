@@ -72,6 +72,7 @@ std::vector<int> valid_tp_sizes(const ModelSpec& m) {
             if (g.num_kv_heads > 0) ok = ok && fits(g.num_kv_heads, t);
         if (has_state) ok = ok && fits(m.state.heads, t) && fits(m.state.groups, t);
         if (has_layer_kind(m, LayerKind::kMamba2)) ok = ok && mamba2_tp_fits(m.state, t);
+        if (has_layer_kind(m, LayerKind::kShortConv)) ok = ok && m.state.heads % t == 0;
         if (ok) out.push_back(t);
     }
     return out;
@@ -120,6 +121,12 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
                                            " do not divide one another: valid tp sizes are ",
                                            join(valid_tp)));
     }
+    if (has_layer_kind(m, LayerKind::kShortConv) && m.state.heads % p.tp != 0)
+        throw Error(detail::concat("tp=", p.tp, " does not divide the ", m.state.heads,
+                                   " conv channels of ", m.name,
+                                   "'s short-conv layers, which vLLM splits over tp "
+                                   "(short_conv_state_shape): valid tp sizes are ",
+                                   join(valid_tp)));
     if (has_layer_kind(m, LayerKind::kMamba2) && !mamba2_tp_fits(m.state, p.tp))
         throw Error(detail::concat(
             "tp=", p.tp, " and the ", m.state.heads, " SSM heads and ", m.state.groups,
@@ -372,6 +379,7 @@ int64_t first_kept_position(LayerKind kind, int window, int64_t seq_len) {
             return 0;
         case LayerKind::kGatedDeltaNet:
         case LayerKind::kMamba2:
+        case LayerKind::kShortConv:
         case LayerKind::kNoKv:
             return seq_len;
     }

@@ -154,6 +154,7 @@ enum class Family {
     kExaone4,     // exaone4 (EXAONE 4.0: layer_types, else sliding_window_pattern)
     kSmolLM3,     // smollm3 (SmolLM3: NoPE layers by no_rope_layers; KV alike on every layer)
     kKimiLinear,  // kimi_linear (Kimi Linear: KDA layers by linear_attn_config, the others MLA)
+    kLfm2,        // lfm2 (LiquidAI LFM2: short-conv layers and GQA layers by layer_types)
 };
 
 Family family_of(const std::string& model_type, const std::string& file) {
@@ -217,6 +218,7 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"exaone4", Family::kExaone4},
         {"smollm3", Family::kSmolLM3},
         {"kimi_linear", Family::kKimiLinear},
+        {"lfm2", Family::kLfm2},
         // Seed-OSS (SeedOssConfig): Llama's fields with a head_dim of its own; vLLM's seed_oss.py
         // builds every layer full attention of num_key_value_heads x config.head_dim.
         {"seed_oss", Family::kLlama},
@@ -305,6 +307,9 @@ ClassDefaults class_defaults(const std::string& model_type) {
         // KimiLinearConfig (vLLM transformers_utils/configs/kimi_linear.py): 32 heads, KV None ->
         // heads; its attention layers are MLA, sized from kv_lora_rank and qk_rope_head_dim.
         {"kimi_linear", {"KimiLinearConfig", 32, H, H, true}},
+        // Lfm2Config (transformers configuration_lfm2.py): 32 heads, 8 KV heads (an int); vLLM's
+        // Lfm2Attention takes head_dim = hidden / heads, checked below.
+        {"lfm2", {"Lfm2Config", 32, 8, H, false}},
         {"chatglm", {"ChatGLMConfig", R, H, R, false}},  // KV heads from multi_query_group_num
         // Olmo2Config (transformers) and Olmo3Config (vLLM transformers_utils/configs/olmo3.py):
         // 32 heads, KV None -> heads; vLLM's Olmo2Attention (olmo2.py, which also runs Olmo 3)
@@ -395,6 +400,13 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "mamba_expand",
         "layers_block_type",   // GraniteMoeHybridConfig's alias of layer_types
         "linear_attn_config",  // Kimi Linear: its KDA layers and their shape, read below
+        "conv_L_cache",        // LFM2's short conv: its width, and which layers are attention
+        "conv_dim",
+        "full_attn_idxs",
+        "num_heads",  // LFM2's original key beside num_attention_heads, checked equal below
+        "conv_bias",  // LFM2: checked below (biases are not counted)
+        "conv_dim_out",
+        "conv_use_xavier_init",  // initialization only
         "block_configs",
         "kv_lora_rank",
         "q_lora_rank",
@@ -585,6 +597,10 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"layers_block_type", {Family::kGraniteHybrid}},
         {"block_configs", {Family::kNemotronNas}},
         {"linear_attn_config", {Family::kKimiLinear}},
+        {"conv_L_cache", {Family::kLfm2}},
+        {"conv_dim", {Family::kLfm2}},
+        {"full_attn_idxs", {Family::kLfm2}},
+        {"num_heads", {Family::kLfm2}},
         {"linear_num_value_heads", {Family::kQwen3Next}},
         {"linear_num_key_heads", {Family::kQwen3Next}},
         {"full_attention_interval", {Family::kQwen3Next}},
@@ -695,6 +711,84 @@ void read_kimi_linear(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& l
     m.state.kda = true;
     m.state.conv_dtype = m.kv_dtype;     // kda_state_dtype: mamba_cache_dtype (auto: model's)
     m.state.state_dtype = DType::kFp32;  // and the recurrent state always float32
+}
+
+// LFM2's dense MLP width as vLLM's Lfm2MLP takes it: block_ff_dim (transformers' Lfm2Config maps
+// it to intermediate_size, default 12288); with block_auto_adjust_ff_dim (default true) 2/3 of
+// it, times block_ffn_dim_multiplier when set, rounded up to block_multiple_of (256).
+int lfm2_ff_width(const HfFields& f) {
+    const std::string key = f.has("block_ff_dim") ? "block_ff_dim" : "intermediate_size";
+    int64_t ff = f.positive_int_or(key, 12288);
+    if (f.bool_or("block_auto_adjust_ff_dim", true)) {
+        ff = 2 * ff / 3;
+        if (f.has("block_ffn_dim_multiplier")) {
+            const double mult = f.number_or("block_ffn_dim_multiplier", 1.0);
+            if (!(mult > 0 && mult <= 1e4))
+                throw f.bad("block_ffn_dim_multiplier",
+                            detail::concat("must be a positive number up to 1e4, got ", mult));
+            ff = static_cast<int64_t>(mult * static_cast<double>(ff));
+        }
+        const int64_t multiple = f.positive_int_or("block_multiple_of", 256);
+        ff = (ff + multiple - 1) / multiple * multiple;
+    }
+    return checked_narrow(ff, "LFM2's MLP width");
+}
+
+// LFM2 (vLLM's lfm2.py): layer i is attention when config.layer_types[i] is "full_attention",
+// else a ShortConv layer ("conv"). Lfm2Config fills layer_types from full_attn_idxs (0-based)
+// when absent, and makes every layer attention when both are absent. A ShortConv keeps one conv
+// state of (conv_L_cache - 1) x conv_dim / tp (MambaStateShapeCalculator.short_conv_state_shape)
+// at the model dtype (short_conv_state_dtype): a kShortConv layer, StateSpec heads = conv_dim
+// channels of head_dim 1, no groups.
+void read_lfm2(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& layers) {
+    const int L = m.num_layers;
+    std::vector<bool> attention(L, true);
+    if (f.has("layer_types")) {
+        const auto types = layer_type_list(f, "layer_types", L, {"conv", "full_attention"});
+        for (int l = 0; l < L; ++l) attention[l] = types[l] == "full_attention";
+        if (f.has("full_attn_idxs")) {
+            std::vector<bool> listed(L, false);
+            for (const auto& v : f.array("full_attn_idxs"))
+                if (v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < L)
+                    listed[v.get<int>()] = true;
+            if (listed != attention)
+                throw f.bad("full_attn_idxs",
+                            "disagrees with layer_types, which vLLM reads (Lfm2Config keeps "
+                            "layer_types when both are set): remove one");
+        }
+    } else if (f.has("full_attn_idxs")) {
+        attention.assign(L, false);
+        for (const auto& v : f.array("full_attn_idxs")) {
+            if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= L)
+                throw f.bad(
+                    "full_attn_idxs",
+                    detail::concat("has ", v.dump(), ": expected layer indices in [0, ", L, ")"));
+            attention[v.get<int>()] = true;
+        }
+    }
+    if (f.has("num_heads") && f.positive_int("num_heads") != m.num_heads)
+        throw f.bad("num_heads", detail::concat("is ", f.positive_int("num_heads"),
+                                                " but num_attention_heads is ", m.num_heads,
+                                                ": vLLM reads num_attention_heads"));
+    if (f.bool_or("conv_bias", false))
+        throw f.bad("conv_bias", "is true: kvshard counts LFM2's short conv without biases");
+    for (const char* key : {"block_dim", "conv_dim", "conv_dim_out"})
+        if (f.has(key) && f.positive_int(key) != m.hidden)
+            throw f.bad(key, detail::concat("is ", f.positive_int(key), ", not hidden_size (",
+                                            m.hidden, "): vLLM's LFM2 layers take hidden_size"));
+    bool any_conv = false;
+    for (int l = 0; l < L; ++l)
+        if (!attention[l]) {
+            layers[l].kind = LayerKind::kShortConv;
+            any_conv = true;
+        }
+    if (!any_conv) return;
+    m.state.heads = f.positive_int_or("conv_dim", m.hidden);
+    m.state.head_dim = 1;
+    m.state.groups = 0;
+    m.state.group_dim = 0;
+    m.state.conv_kernel = f.positive_int_or("conv_L_cache", 3);
+    m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;
 }
 
 }  // namespace
@@ -876,9 +970,11 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         pick({"rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"}, "rms_norm_eps"), 1e-6);
     const bool gemma = fam == Family::kGemma2 || fam == Family::kGemma3 || fam == Family::kGemma4;
     // Gemma, Cohere2Config, SmolLM3Config and Ernie4_5Config tie the embeddings by default
-    m.tie_embeddings =
-        f.bool_or("tie_word_embeddings", gemma || fam == Family::kCohere2 ||
-                                             fam == Family::kSmolLM3 || model_type == "ernie4_5");
+    m.tie_embeddings = f.bool_or("tie_word_embeddings",
+                                 gemma || fam == Family::kCohere2 || fam == Family::kSmolLM3 ||
+                                     model_type == "ernie4_5" || fam == Family::kLfm2);
+    // Lfm2Config: its original key tie_embedding wins over tie_word_embeddings.
+    if (fam == Family::kLfm2) m.tie_embeddings = f.bool_or("tie_embedding", m.tie_embeddings);
     const std::string torch_dtype =
         f.string_or(f.has("torch_dtype") ? "torch_dtype" : "dtype", "bfloat16");
     try {
@@ -938,8 +1034,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     } else {
         // Families whose vLLM attention takes hidden / heads as the head size and never reads
         // head_dim (Granite 4.0-H's own check is below).
-        const bool head_dim_from_hidden =
-            fam == Family::kOlmo || fam == Family::kCohere2 || model_type == "granitemoe";
+        const bool head_dim_from_hidden = fam == Family::kOlmo || fam == Family::kCohere2 ||
+                                          model_type == "granitemoe" || fam == Family::kLfm2;
         if (f.has(head_dim_key) && fam != Family::kGraniteHybrid && !head_dim_from_hidden) {
             m.head_dim = f.positive_int(head_dim_key);
         } else if (defaults.head_dim == ClassDefaults::kRequired) {
@@ -1113,6 +1209,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     else if (fam == Family::kGraniteHybrid)
         m.intermediate = m.moe.enabled() ? m.moe.expert_intermediate
                                          : f.int_or("shared_intermediate_size", 1024);
+    else if (fam == Family::kLfm2)
+        m.intermediate = lfm2_ff_width(f);
     else
         m.intermediate = needs_dense ? f.positive_int(inter_key)
                                      : f.positive_int_or(inter_key, m.moe.expert_intermediate);
@@ -1140,7 +1238,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     const bool per_layer_family = fam == Family::kOlmo || fam == Family::kCohere2 ||
                                   fam == Family::kExaone4 || fam == Family::kSmolLM3;
     if (f.has("layer_types") && fam != Family::kGraniteHybrid && fam != Family::kGemma4 &&
-        !per_layer_family) {
+        fam != Family::kLfm2 && !per_layer_family) {
         const std::vector<std::string> types = layer_type_list(f, "layer_types", L);
         for (int l = 0; l < L; ++l) {
             const LayerKind k = layer_type_kind(types[l], file, l);
@@ -1342,6 +1440,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     }
 
     if (fam == Family::kKimiLinear) read_kimi_linear(f, m, layers);
+    if (fam == Family::kLfm2) read_lfm2(f, m, layers);
 
     if (fam == Family::kNemotronH) {
         const std::string pattern = f.string_or("hybrid_override_pattern", "");

@@ -45,6 +45,8 @@ std::string_view layer_kind_name(LayerKind k) {
             return "gated_deltanet";
         case LayerKind::kMamba2:
             return "mamba2";
+        case LayerKind::kShortConv:
+            return "short_conv";
         case LayerKind::kNoKv:
             return "none";
     }
@@ -52,13 +54,13 @@ std::string_view layer_kind_name(LayerKind k) {
 }
 
 LayerKind parse_layer_kind(std::string_view s) {
-    for (LayerKind k :
-         {LayerKind::kFullAttention, LayerKind::kSlidingWindow, LayerKind::kChunkedLocal,
-          LayerKind::kMla, LayerKind::kGatedDeltaNet, LayerKind::kMamba2, LayerKind::kNoKv})
+    for (LayerKind k : {LayerKind::kFullAttention, LayerKind::kSlidingWindow,
+                        LayerKind::kChunkedLocal, LayerKind::kMla, LayerKind::kGatedDeltaNet,
+                        LayerKind::kMamba2, LayerKind::kShortConv, LayerKind::kNoKv})
         if (layer_kind_name(k) == s) return k;
     throw Error(detail::concat("unknown layer kind '", s,
-                               "': expected full, sliding, chunked, mla, gated_deltanet, mamba2 "
-                               "or none"));
+                               "': expected full, sliding, chunked, mla, gated_deltanet, mamba2, "
+                               "short_conv or none"));
 }
 
 bool holds_tokens(LayerKind k) {
@@ -66,7 +68,9 @@ bool holds_tokens(LayerKind k) {
            k == LayerKind::kChunkedLocal || k == LayerKind::kMla;
 }
 
-bool holds_state(LayerKind k) { return k == LayerKind::kGatedDeltaNet || k == LayerKind::kMamba2; }
+bool holds_state(LayerKind k) {
+    return k == LayerKind::kGatedDeltaNet || k == LayerKind::kMamba2 || k == LayerKind::kShortConv;
+}
 
 namespace {
 std::string_view mlp_kind_name(MlpKind k) {
@@ -287,6 +291,14 @@ int64_t ModelSpec::mixer_params_of_layer(int l) const {
                 3 * state.heads + inner + inner * h;
             break;
         }
+        case LayerKind::kShortConv: {
+            // vLLM's ShortConv (layers/mamba/short_conv.py): in_proj (hidden -> 3 x channels: B,
+            // C, x), a depthwise conv of conv_kernel taps per channel, out_proj (channels ->
+            // hidden); no biases (conv_bias is refused).
+            const int64_t c = state.heads;
+            p = 3 * h * c + c * state.conv_kernel + c * h;
+            break;
+        }
         case LayerKind::kNoKv:
             p = 0;
             break;
@@ -438,6 +450,7 @@ void ModelSpec::validate() const {
     require(static_cast<int>(layers.size()) == num_layers, "model '", name, "': layers lists ",
             layers.size(), " layers but num_layers is ", num_layers, ": give one per layer");
     bool uses_state = false;
+    bool short_conv = false, other_state = false;
     for (int l = 0; l < num_layers; ++l) {
         const LayerSpec& s = layers[static_cast<size_t>(l)];
         const std::string where =
@@ -464,8 +477,24 @@ void ModelSpec::validate() const {
         require(s.mlp != MlpKind::kDense || s.intermediate > 0, where,
                 ": a dense MLP needs a positive intermediate size, got ", s.intermediate);
         uses_state = uses_state || holds_state(s.kind);
+        short_conv = short_conv || s.kind == LayerKind::kShortConv;
+        other_state = other_state || (holds_state(s.kind) && s.kind != LayerKind::kShortConv);
     }
-    if (uses_state) {
+    require(!(short_conv && other_state), "model '", name,
+            "': short_conv layers and other state layers cannot share the one StateSpec");
+    if (short_conv) {
+        // A conv state only: heads = conv channels of head_dim 1, no groups.
+        positive(state.heads, "state.heads");
+        require(state.head_dim == 1 && state.groups == 0 && state.group_dim == 0 && !state.kda,
+                "model '", name,
+                "': a short_conv state is state.heads conv channels of head_dim 1 with no groups "
+                "(groups 0, group_dim 0), got head_dim ",
+                state.head_dim, ", groups ", state.groups, ", group_dim ", state.group_dim);
+        require(state.conv_kernel >= 2, "model '", name,
+                "': a short_conv state keeps conv_kernel - 1 columns: conv_kernel must be at "
+                "least 2, got ",
+                state.conv_kernel);
+    } else if (uses_state) {
         positive(state.heads, "state.heads");
         positive(state.head_dim, "state.head_dim");
         positive(state.groups, "state.groups");

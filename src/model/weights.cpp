@@ -121,6 +121,9 @@ void check_executable(const ModelSpec& m) {
         require(s.kind != LayerKind::kMamba2, m.name, ": layer ", l,
                 " is a Mamba-2 layer; the reference model runs Gated DeltaNet as its state layer "
                 "(Mamba-2 is sized by the layout but not executed)");
+        require(s.kind != LayerKind::kShortConv, m.name, ": layer ", l,
+                " is a short-conv layer (LFM2); the reference model runs Gated DeltaNet as its "
+                "state layer (short conv is sized by the layout but not executed)");
         require(!s.indexer, m.name, ": layer ", l,
                 " has a sparse-attention indexer, which the reference model does not execute");
         if (s.kind != LayerKind::kMla && holds_tokens(s.kind))
@@ -184,6 +187,10 @@ void mixer_tensors(const ModelSpec& m, int l,
             out.push_back({p + "self_attn.o_proj.weight", {h, H * a.v_head_dim}});
             return;
         }
+        case LayerKind::kShortConv:
+            throw Error(detail::concat(m.name,
+                                       ": short-conv layers have no tensor list here "
+                                       "(not executed)"));
         case LayerKind::kGatedDeltaNet:
         case LayerKind::kMamba2: {
             require(!m.state.kda, m.name,
@@ -420,6 +427,9 @@ double weight_shard_bytes(const ModelSpec& m, const WeightShard& s) {
             elems += (2 * gl * st.group_dim + 2 * hl * st.head_dim + 2 * hl) * h;  // projections
             elems += ch * st.conv_kernel + 2 * hl + st.head_dim;  // conv, dt_bias, A_log, norm
             elems += hl * st.head_dim * h;                        // out_proj
+        } else if (ls.kind == LayerKind::kShortConv) {
+            require(false, m.name, ": layer ", l, " (", layer_kind_name(ls.kind),
+                    ") is not executed by the reference model, whose weights this sizes");
         } else if (ls.kind != LayerKind::kNoKv) {
             elems += 2 * nq * d * h;                // wq, wo
             elems += 2 * s.num_kv_heads() * d * h;  // wk, wv

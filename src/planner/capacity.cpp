@@ -143,13 +143,14 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
             }
             case LayerKind::kGatedDeltaNet:
             case LayerKind::kMamba2:
+            case LayerKind::kShortConv:
                 // Every projection of the mixer is split by head (docs/model.md).
                 attn = m.mixer_params_of_layer(l) / tp;
                 break;
             case LayerKind::kNoKv:
                 break;
         }
-        if (s.indexer && s.kind != LayerKind::kGatedDeltaNet && s.kind != LayerKind::kMamba2) {
+        if (s.indexer && !holds_state(s.kind)) {
             // The indexer's projections are replicated: its keys are one head shared by all.
             const IndexerSpec& ix = m.indexer;
             attn += int64_t{m.mla.q_lora_rank} * ix.heads * ix.head_dim + h * ix.head_dim +

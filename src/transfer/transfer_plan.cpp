@@ -110,11 +110,12 @@ struct HeadSplit {
 };
 
 // How tp splits n heads (KV heads of a group, state heads, state key heads): max(1, n / tp) per
-// rank, each held by max(1, tp / n) ranks; mla: one latent on every rank.
+// rank, each held by max(1, tp / n) ranks; mla: one latent on every rank. n = 0 (a short-conv
+// state has no key heads) is split as one empty head on every rank.
 HeadSplit head_split(int n, int tp, bool mla) {
     HeadSplit h;
     h.per_rank = mla ? 1 : std::max(1, n / tp);
-    h.replication = mla ? tp : std::max(1, tp / n);
+    h.replication = mla ? tp : std::max(1, tp / std::max(1, n));
     h.groups = tp / h.replication;
     return h;
 }

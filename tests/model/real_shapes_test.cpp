@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 35 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 36 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -30,7 +30,7 @@ std::string read_file(const std::string& path) {
 }
 
 // One layer as the test knows it from the model card: 'F' full, 'S' sliding, 'C' chunked,
-// 'L' latent (MLA), 'G' Gated DeltaNet, 'M' Mamba-2, '-' no KV.
+// 'L' latent (MLA), 'G' Gated DeltaNet, 'M' Mamba-2, 'X' short conv, '-' no KV.
 struct L {
     char kind;
     int kv_heads = 0, head_dim = 0, window = 0;
@@ -171,6 +171,20 @@ std::vector<Family> families() {
                    2 * (512 + 64),
                    0,
                    [](int tp) { return kda_state(32, 128, 4, tp); }});
+    // LFM2-1.2B: full_attn_idxs 2, 5, 8, 10, 12, 14 are GQA (8 KV heads of 2048 / 32 = 64), the
+    // other 10 short conv: vLLM's short_conv_state_shape keeps (conv_L_cache - 1) x conv_dim / tp
+    // = 2 x 2048 / tp at bf16.
+    out.push_back({"lfm2-1.2b",
+                   pattern(16,
+                           [](int i) {
+                               for (int a : {2, 5, 8, 10, 12, 14})
+                                   if (i == a) return L{'F', 8, 64};
+                               return L{'X'};
+                           }),
+                   {1, 2, 4, 8},
+                   0,
+                   0,
+                   [](int tp) { return int64_t{2} * (2048 / tp) * 2; }});
     // Phi-3-mini-4k: Llama's fields, MHA of 32 heads of 3072 / 32 = 96, every layer sliding over
     // 2047 tokens (no layer_types: vLLM's Attention takes the model-level window).
     out.push_back({"phi-3-mini-4k-instruct",
@@ -267,6 +281,7 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
                 break;
             case 'G':
             case 'M':
+            case 'X':
                 sum += f.state(1);
                 break;
             default:
@@ -283,7 +298,7 @@ TEST(RealShapes, PublishedFamiliesPerRankAndPerRequest) {
         const int n = static_cast<int>(f.layers.size());
         ASSERT_EQ(m.num_layers, n);
         int state_layers = 0;
-        for (const L& l : f.layers) state_layers += l.kind == 'G' || l.kind == 'M';
+        for (const L& l : f.layers) state_layers += l.kind == 'G' || l.kind == 'M' || l.kind == 'X';
         for (int tp : {1, 2, 4, 8}) {
             ParallelConfig p;
             p.tp = tp;
@@ -482,6 +497,69 @@ TEST(RealShapes, KimiLinearAsVllmBuildsIt) {
         "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
         "linear_attn_config": {"kda_layers": [1]}})",
                    "linear_attn_config");
+}
+
+// LFM2: short-conv layers and GQA layers by full_attn_idxs (or layer_types), the MLP width vLLM's
+// Lfm2MLP derives, and the fields it does not model refused by name.
+TEST(RealShapes, Lfm2AsVllmBuildsIt) {
+    const std::string text = read_file(config_path("lfm2-1.2b"));
+    const ModelSpec m = parse_hf_config(text, "lfm2.json");
+    EXPECT_EQ(m.layer_mix(), "16 layers: 10 short_conv + 6 full");
+    EXPECT_EQ(m.layer(0).kind, LayerKind::kShortConv);
+    EXPECT_EQ(m.layer(2).kind, LayerKind::kFullAttention);
+    EXPECT_EQ(m.head_dim, 64);
+    // KV per token: 6 layers x K and V x 8 heads x 64 x bf16.
+    EXPECT_EQ(m.kv_bytes_per_token(), 6 * 2 * 8 * 64 * 2);
+    // Conv state per sequence and layer, by hand from vLLM's short_conv_state_shape:
+    // (3 - 1) x 2048 / tp x 2 bytes: 8192 at tp 1, 4096 at tp 2, 2048 at tp 4.
+    EXPECT_EQ(state_bytes(m.state, 1), 8192);
+    EXPECT_EQ(state_bytes(m.state, 2), 4096);
+    EXPECT_EQ(state_bytes(m.state, 4), 2048);
+    EXPECT_EQ(m.state_bytes_per_sequence(), 10 * 8192);  // 81,920
+    // block_ff_dim 12288, auto-adjusted: int(2 x 12288 / 3) = 8192, x 1.0, a multiple of 256.
+    EXPECT_EQ(m.intermediate, 8192);
+    EXPECT_TRUE(m.tie_embeddings);  // tie_embedding
+    // Published as 1,170,340,608 parameters. By hand: embedding 65536 x 2048 = 134,217,728 (tied),
+    // 16 MLPs 3 x 2048 x 8192 = 805,306,368, 6 attention layers 2 x 2048 x 2048 + 2 x 2048 x 512
+    // = 62,914,560, 10 short convs (in_proj 3 x 2048^2, out_proj 2048^2, conv 2048 x 3) =
+    // 167,833,600: 1,170,272,256 plus 68,352 of norms. Within 0.01%.
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 1170340608.0, 1e-4 * 1170340608.0);
+    EXPECT_EQ(m.mixer_params_of_layer(0), int64_t{4} * 2048 * 2048 + 2048 * 3);
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+    // layer_types, the form later LFM2 checkpoints write, reads the same.
+    nlohmann::json j = nlohmann::json::parse(text);
+    j.erase("full_attn_idxs");
+    j["layer_types"] = nlohmann::json::array();
+    for (int l = 0; l < 16; ++l)
+        j["layer_types"].push_back(m.layer(l).kind == LayerKind::kShortConv ? "conv"
+                                                                            : "full_attention");
+    EXPECT_EQ(parse_hf_config(j.dump(), "lfm2.json"), m);
+    // ... and disagreeing with full_attn_idxs, refused.
+    j["full_attn_idxs"] = {2, 5};
+    expect_refused(j.dump(), "full_attn_idxs");
+    auto replaced = [&](const std::string& from, const std::string& to) {
+        std::string t = text;
+        const auto at = t.find(from);
+        EXPECT_NE(at, std::string::npos) << from;
+        if (at != std::string::npos) t.replace(at, from.size(), to);
+        return t;
+    };
+    expect_refused(replaced("\"conv_bias\": false", "\"conv_bias\": true"), "conv_bias");
+    expect_refused(replaced("\"conv_dim\": 2048", "\"conv_dim\": 1024"), "conv_dim");
+    expect_refused(replaced("\"num_heads\": 32", "\"num_heads\": 16"), "num_heads");
+    expect_refused(replaced("\"full_attn_idxs\": [", "\"full_attn_idxs\": [16, "),
+                   "full_attn_idxs");
+    // LFM2's fields in another family's config: refused.
+    expect_refused(R"({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "conv_L_cache": 3})",
+                   "conv_L_cache");
+    // tp must divide the conv channels, as vLLM's divide(conv_dim, tp) requires.
+    ModelSpec odd = m;
+    odd.state.heads = 2046;
+    ParallelConfig p4;
+    p4.tp = 4;
+    EXPECT_THROW(make_layout(odd, p4), Error);
 }
 
 // Granite 4.0-H: the MoE with its shared MLP on every layer, the dense variant, the head size

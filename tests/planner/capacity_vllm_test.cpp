@@ -193,6 +193,36 @@ TEST(CapacityVllm, KimiLinearTp4) {
     EXPECT_EQ(ca.requests_per_replica, blocks / 24);
 }
 
+// LFM2-1.2B on one H100: 6 GQA layers (8 KV heads of 64) and 10 short-conv layers whose conv
+// state, 2 x 2048 x 2 = 8192 B, fits a block of 16 tokens' attention page (16 x 2 x 8 x 64 x 2 =
+// 32,768 B): vLLM keeps block 16 and pads the state page to 32,768 B.
+TEST(CapacityVllm, Lfm2KeepsBlock16AndPadsTheConvState) {
+    const ModelSpec m =
+        load_hf_config(std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/lfm2-1.2b.json");
+    CapacityOptions o = prefix_caching_off();
+    o.context_tokens = 8192;
+    const CapacityReport c = compute_capacity(m, tp(1), hardware_by_name("h100-sxm"), o);
+    EXPECT_EQ(c.state_bytes_per_sequence, 10 * 8192);
+    EXPECT_EQ(c.engine.kind, EngineKvKind::kHybrid);
+    EXPECT_EQ(c.engine.block_size, 16);
+    EXPECT_EQ(c.engine.page_bytes, 32768);
+    EXPECT_EQ(c.engine.state_page_padding, 32768 - 8192);
+    // 6 attention + 10 short conv: group size 6 (10 >= 1.5 x 6), 1 + ceil(10 / 6) = 3 groups, 18
+    // slots for 16 layers.
+    EXPECT_EQ(c.engine.group_size, 6);
+    EXPECT_EQ(c.engine.groups.size(), 3u);
+    EXPECT_EQ(c.engine.padding_slots(), 2);
+    const int64_t blocks = c.ranks[0].kv_budget_bytes / (32768LL * 6);
+    EXPECT_EQ(c.kv_blocks_per_gpu, blocks);
+    EXPECT_EQ(c.kv_tokens_per_gpu, blocks / 3 * 16);
+    EXPECT_EQ(c.request_blocks, 512 + 2);  // 8192 / 16 + one per short-conv group
+    EXPECT_EQ(c.requests_per_replica, blocks / 514);
+    CapacityOptions a;
+    a.context_tokens = 8192;
+    EXPECT_EQ(compute_capacity(m, tp(1), hardware_by_name("h100-sxm"), a).request_blocks,
+              512 + 2 * 2);
+}
+
 TEST(CapacityVllm, UnpaddedHybridsKeepTheirFigures) {
     // gpt-oss-120b: 18 sliding(128) + 18 full, group size 18, no padding.
     const CapacityReport g = on_h100("gpt-oss-120b", 1, 8192);

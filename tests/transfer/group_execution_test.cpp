@@ -130,56 +130,93 @@ StateAccess access(RankStates& s) {
     return [&s](int layer) { return StateRef{s.conv.at(layer), s.rec.at(layer)}; };
 }
 
+// tiny-hybrid with its state in Kimi Linear's KDA shape: as many key heads as value heads, of
+// one head_dim (the conv state q | k | v, the recurrent state heads x d x d).
+ModelSpec tiny_kda() {
+    ModelSpec m = catalog_model("tiny-hybrid");
+    m.name = "tiny-kda";
+    m.state.groups = m.state.heads;
+    m.state.group_dim = m.state.head_dim;
+    m.state.kda = true;
+    m.validate();
+    return m;
+}
+
+// tiny-hybrid with LFM2's short-conv layers in place of its Gated DeltaNet ones: a conv state of
+// (k-1) x hidden channels, no recurrent state.
+ModelSpec tiny_short_conv() {
+    ModelSpec m = catalog_model("tiny-hybrid");
+    m.name = "tiny-short-conv";
+    for (LayerSpec& s : m.layers)
+        if (s.kind == LayerKind::kGatedDeltaNet) s.kind = LayerKind::kShortConv;
+    m.state.heads = m.hidden;
+    m.state.head_dim = 1;
+    m.state.groups = 0;
+    m.state.group_dim = 0;
+    m.state.conv_kernel = 3;
+    m.validate();
+    return m;
+}
+
 // State messages between TP 1, 2 and 4 (tiny-hybrid: 4 value heads over 2 key heads, shared where
-// tp exceeds them), with a PP split on one side: every destination ends up with exactly the
-// states its shard holds, as a rank of that shard made them.
+// tp exceeds them; the same in KDA's shape; short-conv channels), with a PP split on one side:
+// every destination ends up with exactly the states its shard holds, as a rank of that shard
+// made them, byte for byte.
 TEST(GroupExecution, StateMessagesDeliverEachShardItsState) {
-    const ModelSpec m = catalog_model("tiny-hybrid");
-    for (auto [from, to] : std::vector<std::pair<std::string, std::string>>{
-             {"tp=1", "tp=4"}, {"tp=4", "tp=1"}, {"tp=2,pp=2", "tp=4"}, {"tp=4", "pp=2,tp=2"}}) {
-        SCOPED_TRACE(from + " -> " + to);
-        const TransferPlan plan = plan_for(m, from, to, 30, 4);
-        int state_group = -1;
-        for (int k = 0; k < int(plan.groups.size()); ++k)
-            if (plan.groups[size_t(k)].holds_state()) state_group = k;
-        ASSERT_GE(state_group, 0);
-        const std::vector<int>& layers = plan.groups[size_t(state_group)].layers;
-        auto held = [&](const KvLayout& l, int r) {
-            std::vector<int> out;
-            for (int x : layers)
-                if (x >= l.ranks[size_t(r)].layer_begin && x < l.ranks[size_t(r)].layer_end)
-                    out.push_back(x);
-            return out;
-        };
-        std::vector<RankStates> src, dst, want;
-        for (int r = 0; r < plan.src.layout.world_size(); ++r)
-            src.push_back(make_states(plan.src.layout, r, held(plan.src.layout, r), true));
-        for (int r = 0; r < plan.dst.layout.world_size(); ++r) {
-            dst.push_back(make_states(plan.dst.layout, r, held(plan.dst.layout, r), false));
-            want.push_back(make_states(plan.dst.layout, r, held(plan.dst.layout, r), true));
-        }
-        for (const TransferMessage& msg : plan.messages) {
-            if (msg.kv_group != state_group) continue;
-            std::vector<std::byte> wire(size_t(msg.bytes));
-            pack_state_message(plan, msg, src[size_t(msg.src_rank)].shard,
-                               access(src[size_t(msg.src_rank)]), wire);
-            unpack_state_message(plan, msg, dst[size_t(msg.dst_rank)].shard,
-                                 access(dst[size_t(msg.dst_rank)]), wire);
-        }
-        for (size_t r = 0; r < dst.size(); ++r) {
-            EXPECT_EQ(dst[r].conv, want[r].conv) << "destination " << r;
-            EXPECT_EQ(dst[r].rec, want[r].rec) << "destination " << r;
-        }
-        // A payload of the wrong size is refused.
-        for (const TransferMessage& msg : plan.messages)
-            if (msg.kv_group == state_group) {
-                std::vector<std::byte> small(size_t(msg.bytes - 4));
-                EXPECT_THROW(pack_state_message(plan, msg, src[size_t(msg.src_rank)].shard,
-                                                access(src[size_t(msg.src_rank)]), small),
-                             Error);
-                break;
+    for (const ModelSpec& m : {catalog_model("tiny-hybrid"), tiny_kda(), tiny_short_conv()})
+        for (auto [from, to] :
+             std::vector<std::pair<std::string, std::string>>{{"tp=1", "tp=4"},
+                                                              {"tp=4", "tp=1"},
+                                                              {"tp=2,pp=2", "tp=4"},
+                                                              {"tp=4", "pp=2,tp=2"}}) {
+            SCOPED_TRACE(m.name + ": " + from + " -> " + to);
+            const TransferPlan plan = plan_for(m, from, to, 30, 4);
+            int state_group = -1;
+            for (int k = 0; k < int(plan.groups.size()); ++k)
+                if (plan.groups[size_t(k)].holds_state()) state_group = k;
+            ASSERT_GE(state_group, 0);
+            const std::vector<int>& layers = plan.groups[size_t(state_group)].layers;
+            auto held = [&](const KvLayout& l, int r) {
+                std::vector<int> out;
+                for (int x : layers)
+                    if (x >= l.ranks[size_t(r)].layer_begin && x < l.ranks[size_t(r)].layer_end)
+                        out.push_back(x);
+                return out;
+            };
+            std::vector<RankStates> src, dst, want;
+            for (int r = 0; r < plan.src.layout.world_size(); ++r)
+                src.push_back(make_states(plan.src.layout, r, held(plan.src.layout, r), true));
+            for (int r = 0; r < plan.dst.layout.world_size(); ++r) {
+                dst.push_back(make_states(plan.dst.layout, r, held(plan.dst.layout, r), false));
+                want.push_back(make_states(plan.dst.layout, r, held(plan.dst.layout, r), true));
             }
-    }
+            for (const TransferMessage& msg : plan.messages) {
+                if (msg.kv_group != state_group) continue;
+                std::vector<std::byte> wire(size_t(msg.bytes));
+                pack_state_message(plan, msg, src[size_t(msg.src_rank)].shard,
+                                   access(src[size_t(msg.src_rank)]), wire);
+                unpack_state_message(plan, msg, dst[size_t(msg.dst_rank)].shard,
+                                     access(dst[size_t(msg.dst_rank)]), wire);
+            }
+            int64_t moved = 0;
+            for (const TransferMessage& msg : plan.messages) moved += msg.kv_group == state_group;
+            EXPECT_GT(moved, 0);
+            for (size_t r = 0; r < dst.size(); ++r) {
+                for (const auto& [layer, conv] : dst[r].conv)
+                    EXPECT_EQ(int64_t(conv.size()), dst[r].shard.conv_elems()) << layer;
+                EXPECT_EQ(dst[r].conv, want[r].conv) << "destination " << r;
+                EXPECT_EQ(dst[r].rec, want[r].rec) << "destination " << r;
+            }
+            // A payload of the wrong size is refused.
+            for (const TransferMessage& msg : plan.messages)
+                if (msg.kv_group == state_group) {
+                    std::vector<std::byte> small(size_t(msg.bytes - 4));
+                    EXPECT_THROW(pack_state_message(plan, msg, src[size_t(msg.src_rank)].shard,
+                                                    access(src[size_t(msg.src_rank)]), small),
+                                 Error);
+                    break;
+                }
+        }
 }
 
 }  // namespace

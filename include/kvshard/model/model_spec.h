@@ -46,12 +46,13 @@ enum class LayerKind {
     kGatedDeltaNet,  // linear attention: a fixed conv + recurrent state per sequence (Qwen3-Next;
                      // Kimi Linear's KDA, StateSpec::kda)
     kMamba2,         // SSM: a fixed conv + SSM state per sequence (Nemotron-H, Granite 4)
+    kShortConv,      // a gated short convolution: a conv state only per sequence (LFM2)
     kNoKv,           // no KV: an MLP-only layer or a no-op / linear-replaced attention
 };
 std::string_view layer_kind_name(LayerKind k);  // "full", "sliding", "chunked", "mla", ...
 LayerKind parse_layer_kind(std::string_view s);
 bool holds_tokens(LayerKind k);  // full, sliding, chunked, mla: KV grows with the sequence
-bool holds_state(LayerKind k);   // gated_deltanet, mamba2: a constant state per sequence
+bool holds_state(LayerKind k);  // gated_deltanet, mamba2, short_conv: a constant state per sequence
 
 // The MLP of one layer.
 enum class MlpKind { kDense, kMoe, kNone };
@@ -76,6 +77,9 @@ struct LayerSpec {
 //                  recurrent state v_heads x k_head_dim x v_head_dim.
 //  Mamba-2:        conv state (conv_kernel-1) x (heads*head_dim + 2*groups*d_state),
 //                  SSM state heads x head_dim x d_state.
+//  Short conv:     conv state (conv_kernel-1) x heads, no recurrent state: heads are the conv
+//                  channels (LFM2's conv_dim), head_dim 1, groups and group_dim 0; the same
+//                  formula then gives vLLM's short_conv_state_shape.
 // TP splits the heads (and the key heads / groups) as it splits KV heads.
 struct StateSpec {
     int heads = 0;        // GDN: value heads; Mamba-2: SSM heads
@@ -184,7 +188,7 @@ struct ModelSpec {
     // One entry per layer, or empty: every layer full attention (MLA when attention is kMla) with
     // num_kv_heads x head_dim and the MoE / dense MLP of is_moe_layer.
     std::vector<LayerSpec> layers;
-    StateSpec state;      // used by kGatedDeltaNet / kMamba2 layers
+    StateSpec state;      // used by kGatedDeltaNet / kMamba2 / kShortConv layers
     IndexerSpec indexer;  // used by layers with indexer = true
     MtpSpec mtp;          // the checkpoint's MTP layers (not counted in num_layers)
 
