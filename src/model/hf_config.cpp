@@ -1280,12 +1280,10 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                 layer_type_list(f, "layer_types", L, {"sliding_attention", "full_attention"});
             for (int l = 0; l < L; ++l) sliding[l] = types[l] == "sliding_attention";
         }
-        // Exaone4Config writes a pattern of 0 when sliding_window is null, and then takes the
-        // layers from layer_types alone.
-        const bool exaone_no_pattern = fam == Family::kExaone4 && listed && null_window &&
-                                       f.has("sliding_window_pattern") &&
-                                       f.json().at("sliding_window_pattern") == 0;
-        if (f.has("sliding_window_pattern") && !exaone_no_pattern) {
+        // With layer_types listed the pattern only filled them when absent (Cohere2Config,
+        // Exaone4Config; Exaone4Config even sets it to 0 when sliding_window is null): vLLM reads
+        // layer_types, so the pattern is checked for its form only.
+        if (f.has("sliding_window_pattern")) {
             const auto& p = f.json().at("sliding_window_pattern");
             std::vector<bool> from_pattern(L);
             if (p.is_string() && fam == Family::kExaone4) {
@@ -1307,12 +1305,13 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                                "derives the layers from an integer pattern only; "
                                                "give layer_types"));
             } else {
-                const int n = f.positive_int("sliding_window_pattern");
-                for (int l = 0; l < L; ++l) from_pattern[l] = (l + 1) % n != 0;
+                const int n = f.int_or("sliding_window_pattern", 0);
+                if (n == 0 && !listed)
+                    throw f.bad("sliding_window_pattern",
+                                "is 0 and layer_types is missing: the config class derives no "
+                                "layers from it; give layer_types or a positive pattern");
+                for (int l = 0; l < L && n > 0; ++l) from_pattern[l] = (l + 1) % n != 0;
             }
-            if (listed && from_pattern != sliding)
-                throw f.bad("sliding_window_pattern",
-                            "disagrees with layer_types (which vLLM reads): remove one of them");
             if (!listed) sliding = from_pattern;
         } else if (fam == Family::kSmolLM3) {
             // SmolLM3Config: no_rope_layers (1 RoPE, 0 NoPE), else every

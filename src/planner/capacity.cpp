@@ -229,9 +229,9 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
     // verify step's N + 1 tokens slide through it (vLLM: GatedDeltaNet.get_state_shape passes
     // num_spec = num_speculative_tokens to MambaStateShapeCalculator.gated_delta_net_state_shape).
     // Mamba-2 layers keep theirs (no MTP checkpoint of a Mamba-2 hybrid is read here).
-    if (speculating && std::any_of(m.layers.begin(), m.layers.end(), [](const LayerSpec& s) {
-            return s.kind == LayerKind::kGatedDeltaNet;
-        }))
+    if (speculating && !m.state.kda &&
+        std::any_of(m.layers.begin(), m.layers.end(),
+                    [](const LayerSpec& s) { return s.kind == LayerKind::kGatedDeltaNet; }))
         m.state.spec_conv_rows = options.speculative_tokens;
     const KvLayout layout = make_layout(m, p);
     const int64_t usable =

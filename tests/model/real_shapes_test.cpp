@@ -883,7 +883,7 @@ TEST(RealShapes, OlmoCohereExaoneGraniteAsVllmBuildsThem) {
         edited("granite-3.3-8b-instruct", [](nlohmann::json& j) { j["head_dim"] = 64; }), "g.json");
     EXPECT_EQ(granite_hd.kv_bytes_per_token(), 40 * 2 * 8 * 64 * 2);
     // Cohere 2: sliding_window_pattern drives the layers without layer_types; another order of the
-    // layers, or a pattern disagreeing with layer_types, is refused.
+    // layers is refused; with layer_types listed they win (vLLM reads them), whatever the pattern.
     const ModelSpec r7b_2 =
         parse_hf_config(edited("c4ai-command-r7b-12-2024",
                                [](nlohmann::json& j) { j["sliding_window_pattern"] = 2; }),
@@ -895,22 +895,32 @@ TEST(RealShapes, OlmoCohereExaoneGraniteAsVllmBuildsThem) {
         edited("c4ai-command-r7b-12-2024",
                [](nlohmann::json& j) { j["order_of_interleaved_layers"] = "global_attn_first"; }),
         "order_of_interleaved_layers");
-    expect_refused(edited("c4ai-command-r7b-12-2024",
-                          [](nlohmann::json& j) {
-                              j["layer_types"] = std::vector<std::string>(32, "full_attention");
-                          }),
-                   "disagrees with layer_types");
-    // EXAONE 4: a string pattern needs layer_types and must agree with it.
+    const ModelSpec r7b_listed = parse_hf_config(
+        edited("c4ai-command-r7b-12-2024",
+               [](nlohmann::json& j) {
+                   std::vector<std::string> types;
+                   for (int l = 0; l < 32; ++l)
+                       types.push_back(l % 2 ? "full_attention" : "sliding_attention");
+                   j["layer_types"] = types;  // pattern 2; the file says 4
+               }),
+        "r.json");
+    EXPECT_EQ(r7b_listed.layer(1).kind, LayerKind::kFullAttention);
+    EXPECT_EQ(r7b_listed.layer(2).kind, LayerKind::kSlidingWindow);
+    // EXAONE 4: a string pattern needs layer_types, which win over it.
     expect_refused(edited("exaone-4.0-32b", [](nlohmann::json& j) { j.erase("layer_types"); }),
                    "give layer_types");
-    expect_refused(
-        edited("exaone-4.0-32b", [](nlohmann::json& j) { j["sliding_window_pattern"] = "LLGG"; }),
-        "disagrees with layer_types");
+    const ModelSpec exaone_published =
+        parse_hf_config(read_file(config_path("exaone-4.0-32b")), "e.json");
+    EXPECT_EQ(
+        parse_hf_config(edited("exaone-4.0-32b",
+                               [](nlohmann::json& j) { j["sliding_window_pattern"] = "LLGG"; }),
+                        "e.json"),
+        exaone);
     expect_refused(
         edited("exaone-4.0-32b", [](nlohmann::json& j) { j["sliding_window_pattern"] = "LLXG"; }),
         "string of L (local) and G (global)");
-    // A null window makes the layer_types' sliding layers full (vLLM's Attention gets no window);
-    // the pattern 0 Exaone4Config then writes is accepted, and refused without layer_types.
+    // A null window makes the layer_types' sliding layers full (vLLM's Attention gets no window),
+    // whatever pattern is written (Exaone4Config sets it to 0 then); refused without layer_types.
     const ModelSpec exaone_full = parse_hf_config(edited("exaone-4.0-32b",
                                                          [](nlohmann::json& j) {
                                                              j["sliding_window"] = nullptr;
@@ -925,9 +935,21 @@ TEST(RealShapes, OlmoCohereExaoneGraniteAsVllmBuildsThem) {
                               j["sliding_window_pattern"] = 4;
                           }),
                    "give layer_types");
-    expect_refused(
-        edited("exaone-4.0-32b", [](nlohmann::json& j) { j["sliding_window_pattern"] = 0; }),
-        "sliding_window_pattern");
+    EXPECT_TRUE(parse_hf_config(edited("exaone-4.0-32b",
+                                       [](nlohmann::json& j) { j["sliding_window"] = nullptr; }),
+                                "e.json")
+                    .uniform());
+    // A pattern of 0 beside layer_types is harmless; without them it derives nothing.
+    EXPECT_EQ(parse_hf_config(edited("exaone-4.0-32b",
+                                     [](nlohmann::json& j) { j["sliding_window_pattern"] = 0; }),
+                              "e.json"),
+              exaone_published);
+    expect_refused(edited("exaone-4.0-32b",
+                          [](nlohmann::json& j) {
+                              j.erase("layer_types");
+                              j["sliding_window_pattern"] = 0;
+                          }),
+                   "is 0 and layer_types is missing");
     // An integer pattern alone is Exaone4Config's derivation.
     const ModelSpec exaone_int = parse_hf_config(edited("exaone-4.0-32b",
                                                         [](nlohmann::json& j) {

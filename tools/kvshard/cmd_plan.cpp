@@ -41,12 +41,16 @@ struct PlanFlags {
     std::string speculative_method;  // "mtp"; empty: no speculative decoding
     int speculative_tokens = 0;
     const CLI::Option* speculative_tokens_option = nullptr;
+    const CLI::Option* speculative_method_option = nullptr;
 };
 
 // --speculative-method / --speculative-tokens: both or neither; the method vLLM's MTP drafter
 // runs as ("mtp") and N >= 1.
 int speculative_tokens(const PlanFlags& f) {
     const bool tokens_given = f.speculative_tokens_option->count() > 0;
+    require(f.speculative_method_option->count() == 0 || !f.speculative_method.empty(),
+            "--speculative-method is empty: give mtp (the model's MTP layers draft), or leave the "
+            "flag out for no speculative decoding");
     if (f.speculative_method.empty()) {
         require(!tokens_given, "--speculative-tokens ", f.speculative_tokens,
                 " needs the drafter: give --speculative-method mtp (the model's MTP layers, the "
@@ -385,10 +389,17 @@ void run(const PlanFlags& f) {
             "most ceil(W/B) + 1, state layers one), so requests = blocks / its blocks; max ctx: "
             "vLLM's startup check at max_num_batched_tokens {}\n",
             m.layer_mix(), f.context, r.capacity.max_num_batched_tokens);
-    fmt::print("{} of {} configurations fit.{}\n\n", n_fit, entries.size(),
+    fmt::print("{} of {} configurations fit.{}\n", n_fit, entries.size(),
                f.batch > 0
                    ? fmt::format(" Batch {} per replica.", f.batch)
                    : fmt::format(" Batch per replica: as many as fit, at most {}.", f.max_batch));
+    if (r.capacity.speculative_tokens > 0)
+        fmt::print(
+            "Speculating ({} draft token{}): memory and KV as vLLM allocates them; pp > 1 is not "
+            "searched (the drafter's stage is not modelled), and TTFT, TPOT and tok/s are the "
+            "target model's alone (the drafter's steps and the accepted tokens are not priced).\n",
+            r.capacity.speculative_tokens, r.capacity.speculative_tokens == 1 ? "" : "s");
+    fmt::print("\n");
     fmt::print(
         "{:>3} {:>3} {:>3} {:>3} {:>3} {:>3}  {:>4} {:>7} {:>8} {:>8} {:>8} {:>8} {:>6} {:>6} "
         "{:>8} {:>8} {:>9} {:>9} {:>9}\n",
@@ -620,10 +631,11 @@ void setup(CLI::App& app) {
            "--top", f->top,
            "show only the best N fitting configurations (0: all, with those that do not fit)")
         ->capture_default_str();
-    sub->add_option("--speculative-method", f->speculative_method,
-                    "speculative decoding: mtp (the model's MTP layers draft, as vLLM's "
-                    "--speculative-config method mtp): their KV joins the cache, their weights "
-                    "take memory, Mamba/GDN groups hold N more state blocks per request");
+    f->speculative_method_option =
+        sub->add_option("--speculative-method", f->speculative_method,
+                        "speculative decoding: mtp (the model's MTP layers draft, as vLLM's "
+                        "--speculative-config method mtp): their KV joins the cache, their weights "
+                        "take memory, Mamba/GDN groups hold N more state blocks per request");
     f->speculative_tokens_option = sub->add_option(
         "--speculative-tokens", f->speculative_tokens,
         "with --speculative-method: tokens drafted per step (vLLM num_speculative_tokens)");
