@@ -192,9 +192,8 @@ int64_t state_bytes(const StateSpec& st, int tp) {
     const int64_t heads = std::max(1, st.heads / tp);
     const int64_t groups = std::max(1, st.groups / tp);
     const int64_t conv_dim = heads * st.head_dim + 2 * groups * st.group_dim;
-    const int64_t conv =
-        int64_t{st.conv_kernel - 1 + st.spec_conv_rows} * conv_dim *
-        static_cast<int64_t>(dtype_size(st.conv_dtype));
+    const int64_t conv = int64_t{st.conv_kernel - 1 + st.spec_conv_rows} * conv_dim *
+                         static_cast<int64_t>(dtype_size(st.conv_dtype));
     const int64_t rec =
         heads * st.head_dim * st.group_dim * static_cast<int64_t>(dtype_size(st.state_dtype));
     return conv + rec;
