@@ -214,7 +214,7 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
     if (speculating) {
         require(target.mtp.enabled(), "speculative decoding with MTP needs MTP layers, and model '",
                 target.name,
-                "' carries none (its config.json sets no num_nextn_predict_layers / "
+                "' carries none (no num_nextn_predict_layers / "
                 "mtp_num_hidden_layers): leave speculation off, or use a checkpoint with MTP "
                 "layers (DeepSeek-V3/R1, GLM-4.5, Qwen3-Next, Qwen3.5)");
         require(p.pp == 1,
