@@ -34,6 +34,11 @@ void walk_state(const TransferPlan& plan, const TransferMessage& msg, const Stat
             sh.head_begin + sh.num_heads, ")");
     const int rows = sh.conv_kernel - 1;
     const int64_t ch = sh.conv_channels(), kd = sh.key_dim, vd = sh.value_dim;
+    // A part of no elements (a short-conv state has no keys and no recurrent state) may have no
+    // storage at all: it is skipped, never handed on as a null pointer.
+    auto emit = [&fn](auto* p, int64_t n) {
+        if (n > 0) fn(p, n);
+    };
     const int64_t q_cols = 0, k_cols = int64_t{sh.num_keys} * kd, v_cols = 2 * k_cols;
     for (int l : g.layers) {
         if (l < msg.layer_begin || l >= msg.layer_end) continue;
@@ -45,14 +50,14 @@ void walk_state(const TransferPlan& plan, const TransferMessage& msg, const Stat
         for (int k = msg.key_begin; k < msg.key_end; ++k) {
             const int64_t kl = k - sh.key_begin;
             for (int r = 0; r < rows; ++r) {
-                fn(s.conv.data() + r * ch + q_cols + kl * kd, kd);
-                fn(s.conv.data() + r * ch + k_cols + kl * kd, kd);
+                emit(s.conv.data() + r * ch + q_cols + kl * kd, kd);
+                emit(s.conv.data() + r * ch + k_cols + kl * kd, kd);
             }
         }
         for (int h = msg.head_begin; h < msg.head_end; ++h) {
             const int64_t hl = h - sh.head_begin;
-            for (int r = 0; r < rows; ++r) fn(s.conv.data() + r * ch + v_cols + hl * vd, vd);
-            fn(s.rec.data() + hl * kd * vd, kd * vd);
+            for (int r = 0; r < rows; ++r) emit(s.conv.data() + r * ch + v_cols + hl * vd, vd);
+            emit(s.rec.data() + hl * kd * vd, kd * vd);
         }
     }
 }
