@@ -299,4 +299,9 @@ std::vector<BlockHash> hash_token_blocks(std::span<const int32_t> tokens, int bl
     return h.hash_blocks(tokens, block_size, extra_keys);
 }
 
+int64_t vllm_max_cache_hit_blocks(int64_t num_tokens, int64_t block_tokens) {
+    require(block_tokens >= 1, "a block holds at least 1 token, got ", block_tokens);
+    return num_tokens <= 1 ? 0 : (num_tokens - 1) / block_tokens;
+}
+
 }  // namespace kvshard

@@ -164,7 +164,8 @@ int64_t CpSession::discover_and_move(std::span<const int32_t> tokens) {
     BlockHasher hasher;
     const std::vector<BlockHash> hashes = hasher.hash_blocks(tokens, B, {});
     // Keep at least the last token to compute: it gives the logits.
-    const int64_t limit = std::min<int64_t>(static_cast<int64_t>(hashes.size()), (len - 1) / B);
+    const int64_t limit =
+        std::min<int64_t>(static_cast<int64_t>(hashes.size()), vllm_max_cache_hit_blocks(len, B));
     BlockManager& bm = dev_.blocks();
 
     // Every device says which of the prompt's blocks it holds: [tp, tp_rank, pp, pp_rank,

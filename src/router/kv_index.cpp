@@ -12,11 +12,6 @@ std::string_view kv_index_mode_name(KvIndexMode m) {
     return m == KvIndexMode::kExact ? "exact" : "approximate";
 }
 
-int64_t vllm_max_cache_hit_blocks(int64_t num_tokens, int64_t block_tokens) {
-    require(block_tokens >= 1, "a block holds at least 1 token, got ", block_tokens);
-    return num_tokens <= 1 ? 0 : (num_tokens - 1) / block_tokens;
-}
-
 bool vllm_eagle_block_drop(std::string_view method) {
     for (std::string_view m : {"eagle", "eagle3", "mtp"})
         if (method == m) return true;

@@ -188,8 +188,10 @@ DisaggPlan plan_requests(const ModelSpec& spec, const ParallelConfig& prefill,
             BlockManager& pm = pms[size_t(plan.prefill_replica[i])];
             BlockManager& dm = dms[size_t(plan.decode_replica[i])];
             // At least the last prompt token is computed (its logits) and sent.
-            const AllocResult a = pm.allocate(i, prompts[i], {}, (len - 1) / pbs);
-            const AllocResult d = dm.allocate(i, prompts[i], {}, (len - 1) / dbs);
+            const AllocResult a =
+                pm.allocate(i, prompts[i], {}, vllm_max_cache_hit_blocks(len, pbs));
+            const AllocResult d =
+                dm.allocate(i, prompts[i], {}, vllm_max_cache_hit_blocks(len, dbs));
             dm.append_tokens(i, opt.max_new_tokens);  // room for the output, never hashed
             plan.prefill_cached[i] = a.cached_tokens;
             plan.decode_cached[i] = d.cached_tokens;

@@ -84,4 +84,16 @@ std::vector<BlockHash> hash_token_blocks(std::span<const int32_t> tokens, int bl
 std::vector<std::byte> encode_block(const BlockHash& parent, std::span<const int32_t> tokens,
                                     std::span<const std::byte> extra_keys = {});
 
+// The most leading blocks of a prompt of num_tokens that vLLM takes from its prefix cache: it caps
+// a hit at num_tokens - 1 tokens, so that the last prompt token is computed and gives logits
+// (vllm/v1/core/kv_cache_manager.py, KVCacheManager.get_computed_blocks: max_cache_hit_length =
+// request.num_tokens - 1; each group's find_longest_cache_hit in single_type_kv_cache_manager.py
+// then looks at max_length // block_size blocks). A prompt of exactly k full blocks, all cached,
+// hits k - 1 of them and recomputes the last. With groups of s-times-larger blocks the cap in
+// their blocks is floor((num_tokens - 1) / (s * block_tokens)), which is this cap divided by s
+// (rounded down), so capping the hashes a route walks (in block_tokens blocks) caps every group,
+// and KvIndex's LCM alignment then rounds the capped k down as vLLM's alignment_tokens does.
+// 0 when num_tokens <= 1. Error when block_tokens < 1.
+int64_t vllm_max_cache_hit_blocks(int64_t num_tokens, int64_t block_tokens);
+
 }  // namespace kvshard
