@@ -472,8 +472,10 @@ void bind_cache(py::module_& m) {
 
     bind_kv_group_manager(m);
 
-    py::class_<KvEventIndex>(m, "KvEventIndex",
-                             "The set of block hashes one engine holds, kept from its KV events.")
+    py::class_<KvEventIndex>(
+        m, "KvEventIndex",
+        "The block hashes one engine holds (a multiset: copies of one hash count each), kept from "
+        "its KV events.")
         .def(py::init<>())
         .def(
             "apply", [](KvEventIndex& i, const py::object& e) { i.apply(event_of(e)); },

@@ -45,6 +45,17 @@ void BlockManager::HashIndex::insert(const BlockHash& h, BlockId b) {
     }
 }
 
+void BlockManager::HashIndex::assign(const BlockHash& h, BlockId b) {
+    for (size_t i = home(h);; i = (i + 1) & mask_) {
+        Slot& s = slots_[i];
+        KVSHARD_CHECK(s.value >= 0, "assigning a hash that is not in the index");
+        if (s.key == h) {
+            s.value = b;
+            return;
+        }
+    }
+}
+
 void BlockManager::HashIndex::erase(const BlockHash& h) {
     size_t i = home(h);
     while (true) {
@@ -337,12 +348,12 @@ void BlockManager::register_blocks(Seq& s, size_t from, size_t to) {
     bool group_open = false;
     to = std::min(to, s.hashes.size());
     for (size_t i = from; i < to; ++i) {
-        // A block is findable only below a findable parent (see the header).
-        if (i > 0) {
-            const Block& p = blocks_[static_cast<size_t>(s.blocks[i - 1])];
-            if (!p.registered || p.hash != s.hashes[i - 1]) break;
-        }
-        if (index_.find(s.hashes[i]) >= 0) break;  // same content in another block
+        // The sequence's previous block is registered (in vLLM always: see the header; here not
+        // after clear_cache dropped the hashes of used blocks, and then nothing below it is).
+        if (i > 0 && !blocks_[static_cast<size_t>(s.blocks[i - 1])].registered) break;
+        // Another block may hold the same hash (the same content computed by another sequence,
+        // or past a capped hit): this one is registered beside it, as vLLM's cache_full_blocks
+        // does (it never de-duplicates, so that block tables stay append-only).
         const BlockId b = s.blocks[i];
         Block& m = blocks_[static_cast<size_t>(b)];
         KVSHARD_CHECK(!m.registered, "block ", b, " registered twice");
@@ -351,7 +362,7 @@ void BlockManager::register_blocks(Seq& s, size_t from, size_t to) {
         m.hash = s.hashes[i];
         m.has_parent = i > 0;
         m.parent = i > 0 ? s.hashes[i - 1] : BlockHash{};
-        index_.insert(m.hash, b);
+        index_link(b);
         ++counters_.stored_blocks;
         if (!group_open) {
             group = event_for(KvEventKind::kBlockStored, true);
@@ -366,9 +377,40 @@ void BlockManager::register_blocks(Seq& s, size_t from, size_t to) {
     }
 }
 
+void BlockManager::index_link(BlockId b) {
+    Block& m = blocks_[static_cast<size_t>(b)];
+    const BlockId head = index_.find(m.hash);
+    if (head < 0) {
+        index_.insert(m.hash, b);
+        m.dup_prev = m.dup_next = b;
+    } else {  // behind the newest copy: the ring runs oldest (the head) to newest
+        Block& h = blocks_[static_cast<size_t>(head)];
+        const BlockId tail = h.dup_prev;
+        blocks_[static_cast<size_t>(tail)].dup_next = b;
+        m.dup_prev = tail;
+        m.dup_next = head;
+        h.dup_prev = b;
+    }
+    ++num_registered_;
+}
+
+void BlockManager::index_unlink(BlockId b) {
+    Block& m = blocks_[static_cast<size_t>(b)];
+    if (m.dup_next == b) {
+        index_.erase(m.hash);
+    } else {
+        blocks_[static_cast<size_t>(m.dup_prev)].dup_next = m.dup_next;
+        blocks_[static_cast<size_t>(m.dup_next)].dup_prev = m.dup_prev;
+        // The oldest remaining copy is what a lookup finds next.
+        if (index_.find(m.hash) == b) index_.assign(m.hash, m.dup_next);
+    }
+    m.dup_prev = m.dup_next = -1;
+    --num_registered_;
+}
+
 void BlockManager::unregister(BlockId b) {
     Block& m = blocks_[static_cast<size_t>(b)];
-    index_.erase(m.hash);
+    index_unlink(b);
     m.registered = false;
     m.has_parent = false;
     m.hash = BlockHash{};
@@ -474,8 +516,10 @@ void BlockManager::clear_cache() {
         }
         m.registered = m.has_parent = false;
         m.hash = m.parent = BlockHash{};
+        m.dup_prev = m.dup_next = -1;
     }
     index_.clear();
+    num_registered_ = 0;
     KVSHARD_CHECK(index_.empty(), "prefix index not empty after clearing every block");
     event_for(KvEventKind::kAllCleared, true);
     flush_events();
@@ -526,7 +570,7 @@ CacheMetrics BlockManager::metrics() const {
     m.used_blocks = num_used_;
     m.free_blocks = num_free_;
     m.cached_blocks = num_cached_;
-    m.hashed_blocks = static_cast<int64_t>(index_.size());
+    m.hashed_blocks = num_registered_;
     m.num_sequences = static_cast<int64_t>(seqs_.size());
     return m;
 }
@@ -657,6 +701,7 @@ void BlockManager::check_invariants() const {
                       id, " holds a block twice");
     }
     int64_t used = 0, cached = 0, unused = 0, registered = 0;
+    size_t heads = 0;
     for (size_t b = 0; b < n; ++b) {
         const Block& m = blocks_[b];
         KVSHARD_CHECK(m.ref == refs[b], "block ", b, " reference count ", m.ref, " but ", refs[b],
@@ -676,15 +721,36 @@ void BlockManager::check_invariants() const {
                       " marked computed");
         if (m.registered) {
             ++registered;
-            KVSHARD_CHECK(index_.find(m.hash) == static_cast<BlockId>(b), "block ", b,
-                          " registered but not indexed");
+            // Its copies (blocks of the same hash) form a ring through dup_next whose head, the
+            // oldest copy, is the one the index names.
+            const BlockId head = index_.find(m.hash);
+            KVSHARD_CHECK(head >= 0, "block ", b, " registered but its hash is not indexed");
+            heads += head == static_cast<BlockId>(b);
+            size_t steps = 0;
+            bool head_seen = false;
+            BlockId c = static_cast<BlockId>(b);
+            do {
+                const Block& cm = blocks_[static_cast<size_t>(c)];
+                KVSHARD_CHECK(cm.registered && cm.hash == m.hash && cm.dup_next >= 0 &&
+                                  blocks_[static_cast<size_t>(cm.dup_next)].dup_prev == c,
+                              "copy ring of block ", b, " broken at block ", c);
+                head_seen = head_seen || c == head;
+                c = cm.dup_next;
+                KVSHARD_CHECK(++steps <= n, "copy ring of block ", b, " does not close");
+            } while (c != static_cast<BlockId>(b));
+            KVSHARD_CHECK(head_seen, "block ", b, " is not among the copies the index finds");
+        } else {
+            KVSHARD_CHECK(m.dup_prev < 0 && m.dup_next < 0, "unregistered block ", b,
+                          " linked to copies");
         }
     }
     KVSHARD_CHECK(used == num_used_ && cached == num_cached_ && unused == num_free_,
                   "state counters: used ", num_used_, "/", used, " cached ", num_cached_, "/",
                   cached, " free ", num_free_, "/", unused);
-    KVSHARD_CHECK(static_cast<int64_t>(index_.size()) == registered, "index holds ", index_.size(),
-                  " hashes for ", registered, " registered blocks");
+    KVSHARD_CHECK(index_.size() == heads, "index holds ", index_.size(), " hashes but ", heads,
+                  " blocks are the copies it names");
+    KVSHARD_CHECK(num_registered_ == registered, "registered blocks: counted ", num_registered_,
+                  ", found ", registered);
     KVSHARD_CHECK(static_cast<int64_t>(free_list_.size()) == unused, "free list size");
     std::vector<char> seen(n, 0);
     for (const BlockId b : free_list_) {
@@ -706,17 +772,24 @@ void BlockManager::check_invariants() const {
         prev = b;
     }
     KVSHARD_CHECK(prev == lru_tail_ && k == cached, "LRU list tail / length");
-    // Chains: a registered block's parent is registered; a cached block is evicted before its
-    // parent (the parent is used, or cached and more recent).
+    // Chains: a registered block's parent hash is registered; a cached block is evicted before
+    // its parent hash: some copy of it is used, or cached and more recent (a sequence releases
+    // its blocks tail first, and a hit takes a parent with every child).
     for (size_t b = 0; b < n; ++b) {
         const Block& m = blocks_[b];
         if (!m.registered || !m.has_parent) continue;
         const BlockId parent = index_.find(m.parent);
         KVSHARD_CHECK(parent >= 0, "block ", b, " is registered but its parent hash is not");
         if (m.ref == 0) {
-            const auto p = static_cast<size_t>(parent);
-            KVSHARD_CHECK(blocks_[p].ref > 0 || pos[p] > pos[b], "cached block ", b,
-                          " would be evicted after its parent block ", p);
+            bool later = false;
+            BlockId p = parent;
+            do {
+                const Block& pm = blocks_[static_cast<size_t>(p)];
+                later = later || pm.ref > 0 || pos[static_cast<size_t>(p)] > pos[b];
+                p = pm.dup_next;
+            } while (p != parent && !later);
+            KVSHARD_CHECK(later, "cached block ", b,
+                          " would be evicted after every copy of its parent hash");
         }
     }
     KVSHARD_CHECK(pending_.empty(), "undelivered events outside an operation");

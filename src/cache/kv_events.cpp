@@ -148,8 +148,10 @@ void KvEventIndex::apply(const KvEvent& e) {
             break;
         }
         case KvEventKind::kBlockRemoved: {
+            // One copy per hash listed: another block of the same hash may still hold it.
             HashSet& set = set_of(e.group);
-            for (const BlockHash& h : e.block_hashes) set.erase(h);
+            for (const BlockHash& h : e.block_hashes)
+                if (const auto it = set.find(h); it != set.end()) set.erase(it);
             break;
         }
         case KvEventKind::kAllCleared:

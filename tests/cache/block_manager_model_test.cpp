@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <deque>
 #include <list>
 #include <map>
 #include <optional>
@@ -167,7 +168,12 @@ class Model {
             ASSERT_EQ(ref_[static_cast<size_t>(b)], 0) << "a used block was evicted";
             ASSERT_EQ(reg_[static_cast<size_t>(b)], ev[k].block_hashes[j]);
             lru_.pop_front();
-            index_.erase(ev[k].block_hashes[j]);
+            // That copy goes; other copies of the hash stay findable.
+            auto& copies = index_.at(ev[k].block_hashes[j]);
+            const auto at = std::find(copies.begin(), copies.end(), b);
+            ASSERT_NE(at, copies.end()) << "evicted block " << b << " was not a registered copy";
+            copies.erase(at);
+            if (copies.empty()) index_.erase(ev[k].block_hashes[j]);
             reg_[static_cast<size_t>(b)].reset();
             written_[static_cast<size_t>(b)] = false;
         }
@@ -176,8 +182,9 @@ class Model {
     }
 
     // The store part: the blocks [from, min(to, chain.size())) of a sequence that the
-    // registration rule admits (parent registered as the sequence's previous block, hash not yet
-    // indexed), in BlockStored events whose hashes match the model's block contents.
+    // registration rule admits (the sequence's previous block registered; a hash already indexed
+    // in another block is registered again, as a copy: vLLM's cache_full_blocks), in BlockStored
+    // events whose hashes match the model's block contents.
     void check_stored(const std::vector<KvEvent>& ev, size_t& k,
                       const std::vector<BlockHash>& chain, const std::vector<BlockId>& table,
                       size_t from, size_t to) {
@@ -188,14 +195,11 @@ class Model {
                 const auto& pr = reg_[static_cast<size_t>(table[i - 1])];
                 if (!pr || *pr != chain[i - 1]) break;
             }
-            if (index_.count(chain[i])) {
-                ++duplicates_seen_;  // same content already indexed in another block
-                break;
-            }
+            if (index_.count(chain[i])) ++duplicates_seen_;  // same content in another block
             want_h.push_back(chain[i]);
             want_b.push_back(table[i]);
             reg_[static_cast<size_t>(table[i])] = chain[i];
-            index_[chain[i]] = table[i];
+            index_[chain[i]].push_back(table[i]);
         }
         std::vector<BlockHash> got_h;
         std::vector<BlockId> got_b;
@@ -245,7 +249,7 @@ class Model {
         const int64_t total = m_.blocks_for_tokens(static_cast<int64_t>(tokens.size()));
         int64_t hit_cached = 0;
         for (size_t i = 0; i < hits; ++i)
-            hit_cached += ref_[static_cast<size_t>(index_.at(chain[i]))] == 0;
+            hit_cached += ref_[static_cast<size_t>(index_.at(chain[i]).front())] == 0;
         const int64_t need = total - static_cast<int64_t>(hits) + hit_cached;
         const int64_t available = ref_free() + static_cast<int64_t>(lru_.size());
         const Outcome want = total > p_.num_blocks ? Outcome::kTooLarge
@@ -285,7 +289,7 @@ class Model {
         const std::vector<BlockId> table(m_.block_table(id).begin(), m_.block_table(id).end());
         ASSERT_EQ(static_cast<int64_t>(table.size()), total);
         for (size_t i = 0; i < hits; ++i) {
-            ASSERT_EQ(table[i], index_.at(chain[i]));
+            ASSERT_EQ(table[i], index_.at(chain[i]).front());
             expect_content(table[i], tokens, i, extra);
             auto& rc = ref_[static_cast<size_t>(table[i])];
             if (rc == 0) lru_.remove(table[i]);
@@ -467,7 +471,7 @@ class Model {
         ASSERT_EQ(got.blocks.size(), hits);
         ASSERT_EQ(got.num_tokens, static_cast<int64_t>(hits) * p_.block_size);
         for (size_t i = 0; i < hits; ++i) {
-            ASSERT_EQ(got.blocks[i], index_.at(chain[i]));
+            ASSERT_EQ(got.blocks[i], index_.at(chain[i]).front());
             expect_content(got.blocks[i], tokens, i, extra);
         }
         expect_unchanged(before);
@@ -600,7 +604,9 @@ class Model {
     std::map<SeqId, RefSeq> seqs_;
     std::vector<int32_t> ref_;
     std::vector<std::optional<BlockHash>> reg_;
-    std::unordered_map<BlockHash, BlockId, BlockHashHasher> index_;
+    // hash -> its registered copies, oldest first: a lookup finds the front (vLLM's
+    // BlockHashToBlockMap.get_one_block, the first inserted block still there).
+    std::unordered_map<BlockHash, std::deque<BlockId>, BlockHashHasher> index_;
     std::list<BlockId> lru_;
     std::vector<bool> written_;  // the block is full and its KV committed
     std::vector<std::vector<int32_t>> content_;
@@ -639,6 +645,8 @@ TEST_P(BlockManagerModel, RandomOperationsAgreeWithTheReference) {
     EXPECT_GT(model.hits_seen(), 0);
     EXPECT_GT(model.evictions_seen(), 0);
     EXPECT_GT(model.out_of_blocks_seen(), 0);
+    // Blocks of a hash another block held were registered as copies (vLLM's rule).
+    EXPECT_GT(model.duplicates_seen(), 0);
     // Deferred: allocations met blocks inside their allocate-commit window (and did not hit them).
     if (p.deferred) {
         EXPECT_GT(model.uncommitted_skips(), 0);

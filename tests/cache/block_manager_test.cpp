@@ -70,9 +70,18 @@ TEST(BlockManager, DeferredCommitHidesBlocksUntilTheirKvIsWritten) {
     EXPECT_EQ(events[1].block_hashes.size(), 2u);  // blocks 1 and 2; the partial one never
     EXPECT_EQ(events[1].parent_hash, m.block_hashes(1)[0]);
     EXPECT_EQ(m.lookup(a).num_tokens, 12);
-    // Sequence 2's own copies hold the same hashes: never registered a second time.
+    // Sequence 2's own blocks hold the same hashes: registered too, as copies, as vLLM's
+    // BlockPool.cache_full_blocks registers every new full block (vllm/v1/core/block_pool.py);
+    // lookups keep finding sequence 1's, the first registered.
     m.commit(2, 14);
-    EXPECT_EQ(events.size(), 2u);
+    ASSERT_EQ(events.size(), 3u);
+    EXPECT_EQ(events[2].kind, KvEventKind::kBlockStored);
+    EXPECT_EQ(events[2].block_hashes,
+              std::vector<BlockHash>(m.block_hashes(2).begin(), m.block_hashes(2).end()));
+    EXPECT_EQ(events[2].block_ids,
+              std::vector<BlockId>(m.block_table(2).begin(), m.block_table(2).begin() + 3));
+    EXPECT_EQ(m.lookup(a).blocks,
+              std::vector<BlockId>(m.block_table(1).begin(), m.block_table(1).begin() + 3));
     m.check_invariants();
 
     // A freed uncommitted block is free (not cached) and forgets that it was ever allocated.
@@ -257,10 +266,83 @@ TEST(BlockManager, MaxCachedBlocksCapsTheSharedPrefix) {
     const auto r = m.allocate(2, t, {}, (12 - 1) / 4);
     EXPECT_EQ(r.cached_blocks, 2);
     EXPECT_EQ(r.new_blocks, 1);
-    // Block 2 holds the same tokens as the cached one but is a private copy: not registered.
-    EXPECT_FALSE(m.registered_hash(m.block_table(2)[2]).has_value());
+    // Block 2 holds the same tokens as the cached one: registered beside it as a copy, as vLLM's
+    // cache_full_blocks registers every new full block (vllm/v1/core/block_pool.py); a lookup still
+    // finds the older copy (BlockHashToBlockMap.get_one_block).
+    const auto h = hash_token_blocks(t, 4);
+    const BlockId copy = m.block_table(2)[2];
+    EXPECT_EQ(m.registered_hash(copy), h[2]);
+    EXPECT_NE(m.lookup(t).blocks[2], copy);
+    EXPECT_EQ(m.metrics().hashed_blocks, 4);
     EXPECT_EQ(m.allocate_with_hashes(3, hash_token_blocks(t, 4), 12, 0).cached_blocks, 0);
     EXPECT_TRUE(m.can_allocate(t, {}, 1));
+    m.check_invariants();
+}
+
+// Two sequences compute the same prompt at once (neither can hit the other's blocks before they
+// are written): vLLM registers both (BlockPool.cache_full_blocks never de-duplicates;
+// BlockHashToBlockMap keeps hash -> {block_id: block}), publishes BlockStored for each, and a
+// lookup takes the first registered copy still there (get_one_block). Evicting a copy publishes
+// BlockRemoved for its hash (_maybe_evict_cached_block) while the other copy keeps the prefix
+// findable. vllm/v1/core/block_pool.py.
+TEST(BlockManager, TheSamePromptComputedTwiceIsRegisteredTwiceAndEvictedCopyByCopy) {
+    BlockManager m({.num_blocks = 6, .block_size = 4, .deferred_commit = true});
+    std::vector<KvEvent> got;
+    m.subscribe([&](const KvEvent& e) { got.push_back(e); });
+    KvEventIndex consumer;
+    m.subscribe([&](const KvEvent& e) { consumer.apply(e); });
+    const auto t = iota_tokens(8);
+    const auto h = hash_token_blocks(t, 4);
+    EXPECT_EQ(m.allocate(1, t).cached_blocks, 0);
+    EXPECT_EQ(m.allocate(2, t).cached_blocks, 0);  // seq 1's KV is not written yet
+    const std::vector<BlockId> a(m.block_table(1).begin(), m.block_table(1).end());
+    const std::vector<BlockId> b(m.block_table(2).begin(), m.block_table(2).end());
+    m.commit(1, 8);
+    m.commit(2, 8);
+    ASSERT_EQ(got.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+        EXPECT_EQ(got[i].kind, KvEventKind::kBlockStored);
+        EXPECT_EQ(got[i].block_hashes, h);
+        EXPECT_FALSE(got[i].parent_hash.has_value());
+    }
+    EXPECT_EQ(got[0].block_ids, a);
+    EXPECT_EQ(got[1].block_ids, b);
+    EXPECT_EQ(m.registered_hash(b[0]), h[0]);
+    EXPECT_EQ(m.registered_hash(b[1]), h[1]);
+    EXPECT_EQ(m.metrics().hashed_blocks, 4);
+    EXPECT_EQ(m.metrics().stored_blocks, 4);
+    EXPECT_EQ(m.lookup(t).blocks, a);  // the first registered copies
+    EXPECT_EQ(consumer.size(), 4u);
+    m.check_invariants();
+
+    // Released: a[1], a[0], b[1], b[0] in LRU order. A new sequence of 3 blocks takes the 2 free
+    // ones and evicts a[1]: BlockRemoved for h[1], yet b[1] keeps the prefix whole.
+    m.free(1);
+    m.free(2);
+    got.clear();
+    m.allocate(3, iota_tokens(12, 100));
+    ASSERT_EQ(got.size(), 1u);
+    EXPECT_EQ(got[0].kind, KvEventKind::kBlockRemoved);
+    EXPECT_EQ(got[0].block_hashes, std::vector<BlockHash>{h[1]});
+    EXPECT_EQ(got[0].block_ids, std::vector<BlockId>{a[1]});
+    m.commit(3, 12);
+    EXPECT_EQ(m.lookup(t).blocks, (std::vector<BlockId>{a[0], b[1]}));
+    EXPECT_EQ(consumer.match_length(h), 2u);
+    m.check_invariants();
+
+    // The prefix hits through the remaining copies; evicting them all ends it.
+    const auto r = m.allocate(4, t);
+    EXPECT_EQ(r.cached_blocks, 2);
+    EXPECT_EQ(std::vector<BlockId>(m.block_table(4).begin(), m.block_table(4).end()),
+              (std::vector<BlockId>{a[0], b[1]}));
+    m.free(4);
+    m.free(3);
+    got.clear();
+    m.allocate(5, iota_tokens(24, 200));  // the whole pool: evicts all 6 cached blocks
+    ASSERT_GE(got.size(), 1u);
+    EXPECT_EQ(got[0].kind, KvEventKind::kBlockRemoved);
+    EXPECT_EQ(m.lookup(t).blocks.size(), 0u);
+    EXPECT_EQ(consumer.match_length(h), 0u);
     m.check_invariants();
 }
 

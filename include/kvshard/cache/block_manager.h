@@ -8,10 +8,22 @@
 //   used:   referenced by >= 1 sequence (ref_count > 0); never evicted;
 //   cached: ref_count 0, its hash is in the prefix index; evictable (LRU);
 //   free:   ref_count 0, no hash.
-// Only full blocks are hashed and shared. A sequence's full block i is registered in the index
-// (made findable) when its blocks 0..i-1 are registered too, so a registered block's parent hash is
-// always registered: lookups never reach a block whose prefix is gone, and eviction (LRU over the
-// cached blocks, a sequence's blocks released tail first) always takes a chain's tail before its
+// Only full blocks are hashed and shared. The prefix index follows vLLM's BlockPool
+// (vllm/v1/core/block_pool.py: BlockHashToBlockMap, cache_full_blocks, get_cached_block,
+// _maybe_evict_cached_block; docs/cache.md, "Copies of one hash"):
+//  - every new full block of a sequence is registered (BlockStored), also when another block
+//    already holds the same hash (the same prompt computed by two sequences at once, or blocks
+//    past a capped hit): vLLM never de-duplicates, so that block tables stay append-only. Such
+//    blocks are copies of one hash; each is registered, cached and evicted on its own;
+//  - a lookup of a hash finds its oldest registered copy (vLLM's get_one_block: the first
+//    inserted block of the hash's dict that is still there);
+//  - evicting a copy publishes BlockRemoved for its hash, even when other copies stay; they stay
+//    findable.
+// The one rule beyond vLLM's: block i is registered only when the sequence's block i - 1 is
+// (always true in vLLM, whose reset_prefix_cache refuses while blocks are used; clear_cache here
+// drops the hashes of used blocks too). So a registered block's parent hash is always registered:
+// lookups never reach a block whose prefix is gone, and eviction (LRU over the cached blocks, a
+// sequence's blocks released tail first) always takes a chain's tail before the last copy of its
 // head.
 //
 // A block is *computed* once its KV is written. With deferred_commit (an executor's manager) a
@@ -62,7 +74,7 @@ struct CacheMetrics {
     int64_t used_blocks = 0;    // referenced by a sequence
     int64_t free_blocks = 0;    // unreferenced, no hash
     int64_t cached_blocks = 0;  // unreferenced, hash known: evictable
-    int64_t hashed_blocks = 0;  // in the prefix index (used or cached)
+    int64_t hashed_blocks = 0;  // registered in the prefix index (used or cached), copies each
     int64_t num_sequences = 0;
     int64_t queries = 0;        // allocations that consulted the prefix cache
     int64_t query_tokens = 0;   // prompt tokens of those allocations
@@ -103,6 +115,7 @@ class BlockManager {
     }
 
     // ---- prefix lookup (const: changes neither state nor metrics) ----
+    // Each hash finds its oldest registered copy (see above); the walk stops at the first miss.
     PrefixMatch lookup(std::span<const int32_t> tokens,
                        std::span<const std::byte> extra_keys = {}) const;
     // The same for a query given as chained block hashes (one per full block, head first).
@@ -178,16 +191,18 @@ class BlockManager {
     // Whether block b holds a full block of committed KV (always for a cached block, never for a
     // free one).
     bool block_computed(BlockId b) const;
-    // The hash under which block b is registered; nullopt when it is not in the index.
+    // The hash under which block b is registered (as a copy or the only block of that hash);
+    // nullopt when it is not in the index.
     std::optional<BlockHash> registered_hash(BlockId b) const;
     // Cached blocks, least recently used first (the eviction order).
     std::vector<BlockId> eviction_order() const;
-    // Every hash in the prefix index (used or cached blocks), in block id order: with
-    // next_event_seq(), the state a subscriber that joins late starts from (KvEventIndex::sync).
+    // The hash of every registered block (used or cached), in block id order; a hash held by
+    // several copies appears once per copy: with next_event_seq(), the state a subscriber that
+    // joins late starts from (KvEventIndex::sync).
     std::vector<BlockHash> registered_hashes() const;
     // Checks every structural invariant (states partition the pool, reference counts equal the
-    // block tables' references, the index and LRU agree, parents of registered blocks are
-    // registered); throws InternalError naming the first violation.
+    // block tables' references, the index, the copy rings and LRU agree, parents of registered
+    // blocks are registered); throws InternalError naming the first violation.
     void check_invariants() const;
 
   private:
@@ -198,6 +213,7 @@ class BlockManager {
         explicit HashIndex(size_t max_entries);
         BlockId find(const BlockHash& h) const;      // -1 when absent
         void insert(const BlockHash& h, BlockId b);  // h must be absent
+        void assign(const BlockHash& h, BlockId b);  // h must be present
         void erase(const BlockHash& h);              // h must be present
         void clear();
         size_t size() const { return size_; }
@@ -224,6 +240,9 @@ class BlockManager {
         BlockId lru_prev = -1, lru_next = -1;
         bool in_lru = false;
         bool computed = false;  // full and its KV committed; implied by registered
+        // Registered blocks of one hash (copies) form a ring, oldest first: the index names the
+        // oldest, dup_prev of the oldest is the newest. -1 when not registered.
+        BlockId dup_prev = -1, dup_next = -1;
     };
     struct Seq {
         std::vector<BlockId> blocks;
@@ -256,6 +275,9 @@ class BlockManager {
     // Marks tokens [committed_tokens, n) committed: their full blocks computed, then registered.
     void commit_impl(Seq& s, int64_t n);
     void unregister(BlockId b);
+    // Adds registered block b (hash set) behind the copies of its hash / takes it out of them.
+    void index_link(BlockId b);
+    void index_unlink(BlockId b);
     void lru_push_back(BlockId b);
     void lru_remove(BlockId b);
     void begin_op();
@@ -269,7 +291,8 @@ class BlockManager {
     std::vector<BlockId> free_list_;         // back() is handed out next
     BlockId lru_head_ = -1, lru_tail_ = -1;  // head: least recently used
     int64_t num_free_ = 0, num_cached_ = 0, num_used_ = 0;
-    HashIndex index_;
+    HashIndex index_;             // hash -> its oldest registered copy
+    int64_t num_registered_ = 0;  // registered blocks, copies included
     std::unordered_map<SeqId, Seq> seqs_;
     mutable BlockHasher hasher_;
     mutable std::vector<BlockHash> scratch_hashes_;

@@ -18,7 +18,7 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_set>
+#include <unordered_set>  // unordered_multiset
 #include <utility>
 #include <vector>
 
@@ -73,10 +73,13 @@ std::string to_json_line(const KvEvent& e, std::string_view source = {});
 // line.
 KvEvent kv_event_from_json(std::string_view line);
 
-// A consumer's copy of one manager's set of findable block hashes, kept exact by applying the
-// manager's events in order (what a cache-aware router keeps per replica). Insert on BlockStored,
-// erase on BlockRemoved, clear on AllCleared. One set per KV group (KvEvent::group): the same hash
-// may be cached in one group and evicted from another (KvGroupManager).
+// A consumer's copy of one manager's registered block hashes, kept exact by applying the
+// manager's events in order (what a cache-aware router keeps per replica). A multiset: several
+// blocks may hold one hash (copies, as in vLLM's BlockPool; docs/cache.md "Copies of one hash"),
+// each stored and removed by its own event, so BlockStored adds one copy per hash listed,
+// BlockRemoved takes one away, and a hash is findable while a copy is left; AllCleared empties it.
+// One multiset per KV group (KvEvent::group): the same hash may be cached in one group and evicted
+// from another (KvGroupManager).
 class KvEventIndex {
   public:
     // Applies one event. The first event applied (or sync()) fixes where the feed starts; after
@@ -89,12 +92,12 @@ class KvEventIndex {
     bool contains(const BlockHash& h, int group = 0) const;
     // How many leading hashes of a request are present in the group: the blocks it would hit.
     size_t match_length(std::span<const BlockHash> request, int group = 0) const;
-    size_t size() const;  // over all groups
+    size_t size() const;  // registered blocks (copies each) over all groups
     // Sequence number the next event must carry; nullopt before the first event or sync.
     std::optional<uint64_t> next_seq() const { return next_seq_; }
 
   private:
-    using HashSet = std::unordered_set<BlockHash, BlockHashHasher>;
+    using HashSet = std::unordered_multiset<BlockHash, BlockHashHasher>;
     HashSet& set_of(int group) { return group == 0 ? hashes_ : other_groups_[group]; }
     const HashSet* find_set(int group) const;
     HashSet hashes_;                       // group 0
