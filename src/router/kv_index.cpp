@@ -43,6 +43,8 @@ KvIndex::KvIndex(int num_replicas, KvIndexMode mode, double ttl_s)
     groups_.assign(static_cast<size_t>(num_replicas), 0);
     window_.assign(static_cast<size_t>(num_replicas), std::vector<int>(1, -1));
     scale_.assign(static_cast<size_t>(num_replicas), std::vector<int>(1, 1));
+    copies_.resize(static_cast<size_t>(num_replicas));
+    for (auto& c : copies_) c.resize(1);
     next_seq_.assign(static_cast<size_t>(num_replicas), -1);
     if (mode == KvIndexMode::kApproximate) expiry_of_.resize(static_cast<size_t>(num_replicas));
 }
@@ -62,6 +64,7 @@ void KvIndex::grow_groups(size_t r, size_t g) {
     if (g >= group_counts_[r].size()) group_counts_[r].resize(g + 1, 0);
     if (g >= window_[r].size()) window_[r].resize(g + 1, -1);
     if (g >= scale_[r].size()) scale_[r].resize(g + 1, 1);
+    if (g >= copies_[r].size()) copies_[r].resize(g + 1);
 }
 
 void KvIndex::update_hybrid(int replica) {
@@ -73,24 +76,45 @@ void KvIndex::update_hybrid(int replica) {
     hybrid_ = hybrid ? (hybrid_ | bit) : (hybrid_ & ~bit);
 }
 
-void KvIndex::set_bit(int replica, BlockHash h, int group) {
+void KvIndex::set_bit(int replica, BlockHash h, int group, bool count_copy) {
     const uint64_t bit = uint64_t{1} << replica;
-    uint64_t& m = masks_[static_cast<size_t>(group)][h];
-    if (!(m & bit)) {
+    const auto r = static_cast<size_t>(replica);
+    const auto g = static_cast<size_t>(group);
+    uint64_t& m = masks_[g][h];
+    if (m & bit) {
+        if (!count_copy) return;
+        ++copies_[r][g][h];  // another block of the replica holds the same hash
+    } else {
         m |= bit;
-        ++counts_[static_cast<size_t>(replica)];
-        ++group_counts_[static_cast<size_t>(replica)][static_cast<size_t>(group)];
     }
+    ++counts_[r];
+    ++group_counts_[r][g];
 }
 
-void KvIndex::clear_bit(int replica, BlockHash h, int group) {
+void KvIndex::clear_bit(int replica, BlockHash h, int group, bool every_copy) {
     auto& masks = masks_[static_cast<size_t>(group)];
     uint64_t* m = masks.find(h);
     const uint64_t bit = uint64_t{1} << replica;
     if (!m || !(*m & bit)) return;
+    const auto r = static_cast<size_t>(replica);
+    const auto g = static_cast<size_t>(group);
+    int64_t gone = 1;
+    if (g < copies_[r].size() && !copies_[r][g].empty()) {
+        auto& copies = copies_[r][g];
+        if (const auto it = copies.find(h); it != copies.end()) {
+            if (!every_copy) {  // one copy goes, the others keep the hash
+                if (--it->second == 0) copies.erase(it);
+                --counts_[r];
+                --group_counts_[r][g];
+                return;
+            }
+            gone += it->second;
+            copies.erase(it);
+        }
+    }
     *m &= ~bit;
-    --counts_[static_cast<size_t>(replica)];
-    --group_counts_[static_cast<size_t>(replica)][static_cast<size_t>(group)];
+    counts_[r] -= gone;
+    group_counts_[r][g] -= gone;
     if (*m == 0) masks.erase(h);
 }
 
@@ -106,7 +130,7 @@ void KvIndex::block_stored(int replica, std::span<const BlockHash> hashes, int g
     auto& masks = masks_[g];
     if (masks.size() + hashes.size() <= masks.capacity())
         for (BlockHash h : hashes) masks.prefetch(h);  // (a growing table moves them)
-    for (BlockHash h : hashes) set_bit(replica, h, group);
+    for (BlockHash h : hashes) set_bit(replica, h, group, /*count_copy=*/true);
 }
 
 void KvIndex::block_removed(int replica, std::span<const BlockHash> hashes, int group) {
@@ -114,7 +138,14 @@ void KvIndex::block_removed(int replica, std::span<const BlockHash> hashes, int 
     check_group(group);
     if (static_cast<size_t>(group) >= masks_.size()) return;
     for (BlockHash h : hashes) masks_[static_cast<size_t>(group)].prefetch(h);
-    for (BlockHash h : hashes) clear_bit(replica, h, group);
+    for (BlockHash h : hashes) clear_bit(replica, h, group, /*every_copy=*/false);
+}
+
+void KvIndex::block_forgotten(int replica, std::span<const BlockHash> hashes, int group) {
+    check_replica(replica);
+    check_group(group);
+    if (static_cast<size_t>(group) >= masks_.size()) return;
+    for (BlockHash h : hashes) clear_bit(replica, h, group, /*every_copy=*/true);
 }
 
 void KvIndex::set_group_window(int replica, int group, int window_blocks) {
@@ -176,6 +207,7 @@ void KvIndex::all_cleared(int replica) {
     const auto r = static_cast<size_t>(replica);
     counts_[r] = 0;
     std::fill(group_counts_[r].begin(), group_counts_[r].end(), 0);
+    for (auto& c : copies_[r]) c.clear();
     groups_[r] = 0;
     update_hybrid(replica);
     next_seq_[r] = -1;
@@ -221,7 +253,7 @@ void KvIndex::record_routed(int replica, std::span<const BlockHash> hashes, doub
     const double at = now_s + ttl_s_;
     auto& expiry = expiry_of_[static_cast<size_t>(replica)];
     for (BlockHash h : hashes) {
-        set_bit(replica, h);
+        set_bit(replica, h, 0, /*count_copy=*/false);
         groups_[static_cast<size_t>(replica)] |= 1;
         expiry[h] = at;
         expiries_.push_back({at, h, replica});
@@ -238,7 +270,7 @@ void KvIndex::expire(double now_s) {
         // A later record_routed refreshed this entry: a later FIFO element will expire it.
         if (it == expiry.end() || it->second > now_s) continue;
         expiry.erase(it);
-        clear_bit(e.replica, e.hash);
+        clear_bit(e.replica, e.hash, 0, /*every_copy=*/true);
     }
 }
 

@@ -88,8 +88,10 @@ void VllmEventIngest::stored(int replica, std::span<const BlockHash> keys, int g
         if (!latest || *latest != gen) continue;  // removed or stored again since
         h.latest.erase(hk);
         const BlockHash key{hk.lo, 0};
-        index_->block_removed(replica, std::span<const BlockHash>(&key, 1),
-                              static_cast<int>(hk.hi));
+        // Every copy: the cap forgets the hash (the engine's BlockRemoved for each copy it
+        // still holds then finds nothing to remove).
+        index_->block_forgotten(replica, std::span<const BlockHash>(&key, 1),
+                                static_cast<int>(hk.hi));
         ++s.evicted;
     }
     // Stale FIFO entries (re-stored or removed keys) are dropped once they outnumber live ones.
@@ -107,7 +109,8 @@ void VllmEventIngest::removed(int replica, std::span<const BlockHash> keys, int 
     index_->block_removed(replica, keys, group);
     Held& h = held_[static_cast<size_t>(replica)];
     if (h.tracking)
-        for (const auto& k : keys) h.latest.erase(held_key(k, group));
+        for (const auto& k : keys)  // (a hash with copies left stays, and stays capped)
+            if (!index_->contains(replica, k, group)) h.latest.erase(held_key(k, group));
 }
 
 std::optional<int> vllm_group_window_blocks(std::string_view kind,

@@ -113,7 +113,9 @@ void matches_naive_reference(uint64_t seed, int n, int qlen, int max_window, boo
     const int groups = 3, ids = 12;
     KvIndex idx(n);
     for (int r = 0; r < n; ++r) idx.set_eagle_block_drop(r, eagle && r % 2 == 0);
-    std::vector<std::vector<std::set<uint64_t>>> ref(n, std::vector<std::set<uint64_t>>(groups));
+    // A multiset: a hash stored twice is two copies, held until removed twice (vLLM's BlockPool).
+    std::vector<std::vector<std::multiset<uint64_t>>> ref(
+        n, std::vector<std::multiset<uint64_t>>(groups));
     std::vector<uint64_t> present(n, 0);
     std::vector<std::vector<int>> window(n, std::vector<int>(groups, -1));
     std::vector<std::vector<int>> scale(n, std::vector<int>(groups, 1));
@@ -128,7 +130,7 @@ void matches_naive_reference(uint64_t seed, int n, int qlen, int max_window, boo
             present[r] |= uint64_t{1} << g;
         } else if (op < 16) {
             idx.block_removed(r, chain({id}), g);
-            ref[r][g].erase(id);
+            if (const auto it = ref[r][g].find(id); it != ref[r][g].end()) ref[r][g].erase(it);
         } else if (op == 16) {
             const int w = static_cast<int>(rng() % (max_window + 2)) - 1;  // -1: full attention
             if (w < 0) {

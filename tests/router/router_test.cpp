@@ -3,6 +3,8 @@
 #include <map>
 #include <random>
 #include <set>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "kvshard/cache/block_manager.h"
@@ -38,8 +40,9 @@ TEST(KvIndex, ExactEventsGivePrefixOverlaps) {
     EXPECT_EQ(overlaps(idx, chain({9})), (std::vector<int>{0, 0, 0}));
     EXPECT_EQ(overlaps(idx, {}), (std::vector<int>{0, 0, 0}));
     EXPECT_EQ(idx.num_blocks(0), 3);
-    idx.block_stored(0, chain({1}));  // idempotent
-    EXPECT_EQ(idx.num_blocks(0), 3);
+    // A second block of the same hash (vLLM registers copies): one more block, the same prefix.
+    idx.block_stored(0, chain({1}));
+    EXPECT_EQ(idx.num_blocks(0), 4);
     idx.block_removed(0, chain({2}));
     EXPECT_EQ(overlaps(idx, chain({1, 2, 3})), (std::vector<int>{1, 2, 0}));
     idx.block_removed(1, chain({7}));  // not held: harmless
@@ -81,7 +84,7 @@ TEST(KvIndex, MatchesNaiveReferenceUnderRandomEvents) {
     std::mt19937_64 rng(42);
     const int n = 5;
     KvIndex idx(n);
-    std::vector<std::set<uint64_t>> ref(n);
+    std::vector<std::multiset<uint64_t>> ref(n);  // copies: a hash stored twice, removed twice
     for (int step = 0; step < 4000; ++step) {
         const int r = static_cast<int>(rng() % n);
         const uint64_t id = rng() % 40;
@@ -97,7 +100,7 @@ TEST(KvIndex, MatchesNaiveReferenceUnderRandomEvents) {
             case 5:
             case 6:
                 idx.block_removed(r, chain({id}));
-                ref[r].erase(id);
+                if (const auto it = ref[r].find(id); it != ref[r].end()) ref[r].erase(it);
                 break;
             default:
                 if (rng() % 20 == 0) {
@@ -460,6 +463,61 @@ TEST(KvIndex, FollowsABlockManagerThroughEvictions) {
     EXPECT_EQ(idx.num_blocks(1), m.metrics().hashed_blocks);
     m.clear_cache();
     EXPECT_EQ(idx.num_blocks(1), 0);
+}
+
+// vLLM registers the same content in several blocks (BlockPool.cache_full_blocks never
+// de-duplicates) and publishes BlockStored for each and BlockRemoved for each copy it evicts
+// (_maybe_evict_cached_block), while get_cached_block still hits through any copy left
+// (vllm/v1/core/block_pool.py). The index counts copies: a removal of one leaves the prefix.
+TEST(KvIndex, ARemovedCopyLeavesTheHashWhileAnotherCopyHoldsIt) {
+    KvIndex idx(2);
+    const auto q = chain({1, 2});
+    idx.block_stored(1, q);
+    idx.block_stored(1, q);  // the same prompt computed by a second sequence
+    EXPECT_EQ(idx.num_blocks(1), 4);
+    idx.block_removed(1, std::span(q).subspan(1));  // one copy of block 1 evicted
+    EXPECT_EQ(overlaps(idx, q), (std::vector<int>{0, 2}));
+    EXPECT_EQ(idx.num_blocks(1), 3);
+    idx.block_removed(1, std::span(q).subspan(1));  // the last copy
+    EXPECT_EQ(overlaps(idx, q), (std::vector<int>{0, 1}));
+    idx.block_removed(1, std::span(q).subspan(1));  // nothing left to remove: harmless
+    EXPECT_EQ(idx.num_blocks(1), 2);
+    // A router forgetting a hash (its memory cap) drops every copy: both of block 0.
+    idx.block_forgotten(1, std::span(q).first(1));
+    EXPECT_EQ(overlaps(idx, q), (std::vector<int>{0, 0}));
+    EXPECT_EQ(idx.num_blocks(1), 0);
+    idx.all_cleared(1);
+    idx.block_stored(1, q);
+    idx.block_removed(1, q);
+    EXPECT_EQ(idx.num_blocks(1), 0);  // all_cleared dropped the copies' counts too
+    EXPECT_EQ(idx.num_hashes(), 0);
+    // Approximate mode: a routed request refreshes its hashes, it does not add copies.
+    KvIndex approx(1, KvIndexMode::kApproximate, 10.0);
+    approx.record_routed(0, q, 0.0);
+    approx.record_routed(0, q, 1.0);
+    EXPECT_EQ(approx.num_blocks(0), 2);
+    approx.expire(11.5);
+    EXPECT_EQ(approx.num_blocks(0), 0);
+}
+
+// Two sequences of one replica compute the same prompt at once; the index fed by the manager's
+// events keeps the prefix while the manager still serves it from a copy.
+TEST(KvIndex, FollowsABlockManagerThroughCopiesOfOneHash) {
+    BlockManager m({.num_blocks = 6, .block_size = 4, .deferred_commit = true});
+    KvIndex idx(2);
+    m.subscribe([&](const KvEvent& e) { idx.apply(1, e); });
+    const auto a = chain({1, 2});
+    m.allocate_with_hashes(0, a, 8);
+    m.allocate_with_hashes(1, a, 8);
+    m.commit(0, 8);
+    m.commit(1, 8);
+    EXPECT_EQ(idx.num_blocks(1), 4);
+    m.free(0);
+    m.free(1);
+    m.allocate_with_hashes(2, chain({7, 8, 9}), 12);  // 2 free blocks + evicts seq 0's block 1
+    EXPECT_EQ(m.lookup_hashes(a).blocks.size(), 2u);
+    EXPECT_EQ(overlaps(idx, a), (std::vector<int>{0, 2}));
+    EXPECT_EQ(idx.num_blocks(1), m.metrics().hashed_blocks);
 }
 
 TEST(KvIndex, ALostEventIsAnError) {

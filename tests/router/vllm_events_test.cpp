@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <random>
 
 #include "kvshard/cache/vllm_hash.h"
@@ -699,14 +700,18 @@ TEST(VllmIngest, TheIndexCapDropsTheOldestStoredBlocks) {
     auto holds = [&](uint64_t id) { return index.contains(0, vllm_index_key(id)); };
     send({stored({1, 2, 3}, std::nullopt, {}, 16)});
     EXPECT_EQ(index.num_blocks(0), 3);
-    send({stored({1}, std::nullopt, {}, 16)});  // 1 is now the newest
-    send({stored({4}, 1, {}, 16)});             // over the cap: 2 (the oldest) goes
-    EXPECT_EQ(index.num_blocks(0), 3);
+    // 1 is now the newest, and a second block of it: vLLM registers the same content again in
+    // another block (BlockPool.cache_full_blocks), so the replica holds 4 blocks of 3 hashes.
+    send({stored({1}, std::nullopt, {}, 16)});
+    EXPECT_EQ(index.num_blocks(0), 4);
+    send({stored({4}, 1, {}, 16)});  // 4 hashes, over the cap: 2 (the oldest) goes
+    EXPECT_EQ(index.num_blocks(0), 4);
     EXPECT_FALSE(holds(2));
     EXPECT_TRUE(holds(1) && holds(3) && holds(4));
     send({removed({3})});
-    send({stored({5, 6}, 4, {}, 16)});  // 1, 4, 5, 6: 1 goes
+    send({stored({5, 6}, 4, {}, 16)});  // 1, 4, 5, 6: 1 goes, both its blocks
     EXPECT_FALSE(holds(1));
+    EXPECT_EQ(index.num_blocks(0), 3);
     EXPECT_TRUE(holds(4) && holds(5) && holds(6));
     EXPECT_EQ(ingest.status(0).evicted, 2);
     send({cleared()});
@@ -716,9 +721,10 @@ TEST(VllmIngest, TheIndexCapDropsTheOldestStoredBlocks) {
     EXPECT_THROW(VllmEventIngest(index, 0), Error);
 }
 
-// Randomized: the cap against a naive LRU by latest store, through stores, re-stores and
-// removals in two groups; caps small enough that the store-order map is built mid-stream (the
-// replica past half its cap) and large enough that it is built to compact the FIFO first.
+// Randomized: the cap against a naive LRU of hashes by latest store, through stores, re-stores
+// (another copy of the hash: it is held until removed as often as stored; the cap forgets every
+// copy) and removals in two groups; caps small enough that the store-order map is built mid-stream
+// (the replica past half its cap) and large enough that it is built to compact the FIFO first.
 TEST(VllmIngest, TheIndexCapMatchesANaiveLruUnderRandomEvents) {
     for (int64_t cap : {int64_t{40}, int64_t{100000}}) {
         SCOPED_TRACE("cap " + std::to_string(cap));
@@ -726,6 +732,7 @@ TEST(VllmIngest, TheIndexCapMatchesANaiveLruUnderRandomEvents) {
         KvIndex index(1);
         VllmEventIngest ingest(index, cap);
         std::vector<std::pair<uint64_t, int>> lru;  // (id, group), oldest first
+        std::map<std::pair<uint64_t, int>, int64_t> copies;
         auto find = [&](uint64_t id, int g) {
             return std::find(lru.begin(), lru.end(), std::make_pair(id, g));
         };
@@ -737,17 +744,28 @@ TEST(VllmIngest, TheIndexCapMatchesANaiveLruUnderRandomEvents) {
             VllmKvEvent e = rng() % 3 == 0 ? removed(ids) : stored(ids, std::nullopt, {}, 16);
             e.group_idx = g;
             for (uint64_t id : ids) {
-                if (auto it = find(id, g); it != lru.end()) lru.erase(it);
-                if (e.kind == VllmEventKind::kBlockStored) lru.emplace_back(id, g);
+                const auto it = find(id, g);
+                if (e.kind == VllmEventKind::kBlockStored) {
+                    if (it != lru.end()) lru.erase(it);
+                    lru.emplace_back(id, g);
+                    ++copies[{id, g}];
+                } else if (it != lru.end() && --copies[{id, g}] == 0) {
+                    lru.erase(it);
+                    copies.erase({id, g});
+                }
             }
             while (static_cast<int64_t>(lru.size()) > cap) {
+                copies.erase(lru.front());
                 lru.erase(lru.begin());
                 ++evicted;
             }
+            int64_t blocks = 0;
+            for (const auto& [key, c] : copies) blocks += c;
             const auto s = encode_vllm_seq(seq);
             const auto p = encode_vllm_event_batch(VllmEventBatch{1.0, {e}, 0});
             ASSERT_EQ(ingest.on_batch(0, s, p).outcome, VllmEventIngest::Outcome::kApplied);
-            ASSERT_EQ(index.num_blocks(0), static_cast<int64_t>(lru.size())) << "seq " << seq;
+            ASSERT_EQ(index.num_blocks(0), blocks) << "seq " << seq;
+            ASSERT_EQ(index.num_hashes(), static_cast<int64_t>(lru.size())) << "seq " << seq;
             for (const auto& [id, gg] : lru)
                 ASSERT_TRUE(index.contains(0, vllm_index_key(id), gg)) << "seq " << seq;
             ASSERT_EQ(ingest.status(0).evicted, evicted) << "seq " << seq;

@@ -77,12 +77,19 @@ class KvIndex {
     int num_replicas() const { return num_replicas_; }
     KvIndexMode mode() const { return mode_; }
 
-    // Exact mode: the events of replica `replica`'s block store. Storing a hash twice or removing
-    // a hash the replica does not hold is harmless (idempotent set semantics).
+    // Exact mode: the events of replica `replica`'s block store. Each hash stored is one block: a
+    // hash stored k times without a removal between is k blocks of the same content (copies:
+    // vLLM's BlockPool registers the same prefix in several blocks and publishes BlockStored for
+    // each, BlockRemoved for each copy it evicts; docs/router.md "Copies of one hash"), and the
+    // replica holds the hash until it is removed k times, since the engine still hits it through
+    // the remaining copies. Removing a hash the replica does not hold is harmless.
     // `group` is the KV cache group, 0 to kMaxGroups - 1 (Error otherwise); a group takes part in
     // the replica's overlap from its first stored block on, until all_cleared.
     void block_stored(int replica, std::span<const BlockHash> hashes, int group = 0);
     void block_removed(int replica, std::span<const BlockHash> hashes, int group = 0);
+    // Forgets the hashes, every copy, without an event saying so (a router bounding its memory:
+    // VllmEventIngest's cap). Unknown hashes are harmless.
+    void block_forgotten(int replica, std::span<const BlockHash> hashes, int group = 0);
     // Every group of the replica (their rules are kept: they describe the model, not the cache).
     void all_cleared(int replica);
     // Group `group` of `replica` serves a prefix k when its last `window_blocks` blocks before k
@@ -127,7 +134,7 @@ class KvIndex {
     // vllm_max_cache_hit_blocks(prompt tokens, block size) hashes of the prompt.
     void prefix_overlap(std::span<const BlockHash> hashes, std::span<int> out) const;
     bool contains(int replica, BlockHash h, int group = 0) const;
-    // Blocks the index believes replica r holds, over all its groups / in one group.
+    // Blocks the index believes replica r holds (copies each), over all its groups / in one group.
     int64_t num_blocks(int replica) const { return counts_[static_cast<size_t>(replica)]; }
     int64_t num_blocks(int replica, int group) const;
     // Distinct (hash, group) pairs held by at least one replica.
@@ -137,8 +144,10 @@ class KvIndex {
 
   private:
     using MaskMap = BlockHashMap<uint64_t>;
-    void set_bit(int replica, BlockHash h, int group = 0);
-    void clear_bit(int replica, BlockHash h, int group = 0);
+    // count_copy: a hash the replica holds already gains a copy (events); else unchanged (the
+    // approximate mode's refresh). every_copy: the hash goes (forget, expiry); else one copy.
+    void set_bit(int replica, BlockHash h, int group, bool count_copy);
+    void clear_bit(int replica, BlockHash h, int group, bool every_copy);
     void check_replica(int replica) const;
     void check_group(int group) const;
     // prefix_overlap when some replica has groups besides a full-attention group 0.
@@ -155,7 +164,10 @@ class KvIndex {
     std::vector<MaskMap> masks_;   // [group]: hash -> bit r set when replica r holds it
     std::vector<int64_t> counts_;  // blocks per replica, all groups
     std::vector<std::vector<int64_t>> group_counts_;  // [replica][group]
-    std::vector<uint64_t> groups_;                    // [replica]: groups with a stored block
+    // [replica][group]: hash -> copies beyond the first, only for hashes the replica holds in
+    // several blocks (rare: the bit in masks_ answers lookups; this only counts removals down).
+    std::vector<std::vector<std::unordered_map<BlockHash, int64_t, BlockHashHasher>>> copies_;
+    std::vector<uint64_t> groups_;  // [replica]: groups with a stored block
     // [replica][group]: -1 full attention, else the window in blocks (set_group_window).
     std::vector<std::vector<int>> window_;
     // [replica][group]: the group's block in router blocks (set_group_block_scale), 1 by default.
