@@ -1,5 +1,7 @@
 #include "sim/replica_cache.h"
 
+#include <algorithm>
+
 namespace kvshard::sim_detail {
 
 ReplicaCache::ReplicaCache(int64_t capacity_blocks, int block_tokens, bool eagle_block_drop)
@@ -8,24 +10,27 @@ ReplicaCache::ReplicaCache(int64_t capacity_blocks, int block_tokens, bool eagle
 
 std::optional<int64_t> ReplicaCache::admit(int64_t seq, std::span<const BlockHash> full_hashes,
                                            int64_t prompt_tokens, int64_t output_tokens) {
-    // can_allocate_hashes counts the blocks of prompt + output, less the cached prefix that is
-    // already in use, against the free + evictable blocks.
     // vLLM recomputes the last prompt token (KVCacheManager.get_computed_blocks caps a hit at
     // num_tokens - 1): a fully cached prompt of k blocks shares k - 1 and computes the last one
     // into a fresh block.
-    const int64_t max_hit = vllm_max_cache_hit_blocks(prompt_tokens, manager_.block_size());
+    int64_t max_hit = vllm_max_cache_hit_blocks(prompt_tokens, manager_.block_size());
+    // EAGLE/MTP: vLLM walks the cached run up to that cap, then pops its last block
+    // (FullAttentionManager.find_longest_cache_hit, drop_eagle_block) and computes it again into a
+    // fresh block, which cache_full_blocks registers beside the cached one as a copy of its hash
+    // (vllm/v1/core/block_pool.py); the prompt's later blocks chain on. The BlockManager does the
+    // same when the hit is capped one block short of the run.
+    if (eagle_block_drop_) {
+        const size_t walk = std::min(full_hashes.size(), static_cast<size_t>(max_hit));
+        const auto run =
+            static_cast<int64_t>(manager_.lookup_hashes(full_hashes.first(walk)).blocks.size());
+        max_hit = std::max<int64_t>(0, run - 1);
+    }
+    // can_allocate_hashes counts the blocks of prompt + output, less the cached prefix that is
+    // already in use, against the free + evictable blocks.
     if (!manager_.can_allocate_hashes(full_hashes, prompt_tokens + output_tokens, max_hit))
         return std::nullopt;
     const AllocResult r = manager_.allocate_with_hashes(seq, full_hashes, prompt_tokens, max_hit);
     manager_.append_tokens(seq, output_tokens);
-    // EAGLE/MTP: vLLM walks the cached run up to the cap, then pops its last block
-    // (FullAttentionManager.find_longest_cache_hit, drop_eagle_block) and computes it again. vLLM
-    // caches the recomputed block beside the first under the same hash, and the prompt's later
-    // blocks chain on; here the request shares the cached block instead (the BlockManager
-    // registers no second copy and would stop the chain there), so the same hashes stay findable
-    // and the request holds one block less than in vLLM. The hit, the tokens prefilled, is the
-    // popped run.
-    if (eagle_block_drop_ && r.cached_blocks > 0) return r.cached_blocks - 1;
     return r.cached_blocks;
 }
 

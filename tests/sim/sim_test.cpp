@@ -252,6 +252,21 @@ TEST(Replay, AfterTheEagleDropThePromptsLaterBlocksAreCachedToo) {
     EXPECT_EQ(simulate(t, one_replica(), ms_per_token()).hits.hit_blocks, 3 + 5);
 }
 
+TEST(Replay, TheEagleDropsRecomputedBlockTakesAFreshBlockAsInVllm) {
+    // A 4-block replica; A holds 3 full blocks and a partial one, then they are cached / free. B
+    // repeats A under EAGLE: vLLM hits 2 blocks and computes block 2 again into a fresh block
+    // (registered beside A's copy by BlockPool.cache_full_blocks), so B takes 2 fresh blocks: the
+    // free one and, by eviction, A's block 2 (released first, LRU). Sharing A's block 2 instead
+    // would need no eviction.
+    const Trace t = parse(line(0, 1537, 1, {1, 2, 3, 4}) + line(5000, 1537, 1, {1, 2, 3, 4}));
+    SimConfig eagle = one_replica(4);
+    eagle.eagle_block_drop = true;
+    const PolicyReport r = simulate(t, eagle, ms_per_token());
+    EXPECT_EQ(r.hits.hit_blocks, 2);
+    EXPECT_EQ(r.evicted_blocks, 1);
+    EXPECT_EQ(simulate(t, one_replica(4), ms_per_token()).evicted_blocks, 0);
+}
+
 TEST(Replay, RequestsQueueBehindAFullPrefillBudget) {
     // Two 1000-token requests at t = 0 with a 1000-token prefill budget per step: the second waits.
     const Trace t = parse(line(0, 1000, 1, {1, 2}) + line(0, 1000, 1, {3, 4}));
