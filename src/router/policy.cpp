@@ -287,6 +287,17 @@ RouteDecision Router::route(const RouteRequest& req, std::span<const ReplicaLoad
                             double now_s) {
     require(static_cast<int>(loads.size()) == num_replicas(), "router: ", loads.size(),
             " loads for ", num_replicas(), " replicas");
+    // The hashes name the prompt's blocks: one per full block, optionally one for a partial last
+    // block (a trace's hash_ids), never more. Fewer is a prefix of the prompt (allowed).
+    require(req.num_tokens >= 0, "router: a prompt of ", req.num_tokens,
+            " tokens; the token count must be >= 0");
+    const int64_t most = (req.num_tokens + params_.block_tokens - 1) / params_.block_tokens;
+    if (static_cast<int64_t>(req.block_hashes.size()) > most)
+        throw Error(detail::concat(
+            "router: ", req.block_hashes.size(), " block hashes for a prompt of ", req.num_tokens,
+            " tokens, but blocks of ", params_.block_tokens, " tokens give it at most ", most,
+            " (one per full block, optionally one for a partial last block); pass the prompt's "
+            "token count with its hashes"));
     if (index_.mode() == KvIndexMode::kApproximate) index_.expire(now_s);
     // The overlap an engine would use: vLLM recomputes the last prompt token, so at most
     // (num_tokens - 1) / block_tokens blocks (a trailing partial block's hash is never a hit).

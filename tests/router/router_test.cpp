@@ -353,6 +353,30 @@ TEST(Router, ExactIndexFollowsEventsAndRotates) {
     EXPECT_THROW(r.route({q, 3 * 512}, std::vector<ReplicaLoad>(2), 0.0), Error);
 }
 
+TEST(Router, RefusesMoreHashesThanTheTokenCountHasBlocks) {
+    Router r(2, RoutingPolicy::kCacheAware);
+    std::vector<ReplicaLoad> loads(2);
+    const auto q = chain({1, 2, 3});
+    r.index().block_stored(1, q);
+    // A trace's hash_ids: one per full block and one for the partial last block (ceil).
+    EXPECT_EQ(r.route({q, 2 * 512 + 1}, loads, 0.0).matched_blocks, 2);
+    // Fewer hashes than blocks: a prefix of the prompt.
+    EXPECT_EQ(r.route({std::span(q).first(2), 3 * 512 + 1}, loads, 0.0).matched_blocks, 2);
+    // num_tokens 0 (forgotten) would silently make every hit 0: refused, saying what fits.
+    try {
+        r.route({q, 0}, loads, 0.0);
+        FAIL() << "a token count of 0 with 3 hashes was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("3 block hashes for a prompt of 0 tokens"),
+                  std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find("at most 0"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(r.route({q, 2 * 512}, loads, 0.0), Error);  // 3 hashes, 2 blocks
+    EXPECT_THROW(r.route({q, -1}, loads, 0.0), Error);
+    EXPECT_EQ(r.route({{}, 0}, loads, 0.0).matched_blocks, 0);  // an empty prompt
+}
+
 // vLLM caps a prefix-cache hit at num_tokens - 1 tokens (vllm/v1/core/kv_cache_manager.py,
 // KVCacheManager.get_computed_blocks: max_cache_hit_length = request.num_tokens - 1; the group's
 // find_longest_cache_hit takes max_length // block_size blocks).

@@ -121,7 +121,11 @@ class Router {
     const KvIndex& index() const { return index_; }
 
     // Decides, and in approximate mode records the request's blocks on the chosen replica.
-    // loads.size() must equal num_replicas().
+    // loads.size() must equal num_replicas(). req.block_hashes holds at most one hash per block of
+    // req.num_tokens, ceil(num_tokens / block_tokens) (a partial last block's hash allowed, as a
+    // trace's hash_ids carry it; fewer: a prefix); Error otherwise, and for num_tokens < 0, since
+    // the token count caps the hit (vllm_max_cache_hit_blocks) and a wrong one silently zeroes
+    // it.
     RouteDecision route(const RouteRequest& req, std::span<const ReplicaLoad> loads, double now_s);
 
   private:
