@@ -298,7 +298,10 @@ def test_kv_index_and_router():
             kvshard.ReplicaLoad()]
     spilled = router.route(hashes, 64, busy)
     assert spilled["replica"] != 1
-    rr = kvshard.Router(3, "round-robin")
+    # More hashes than the token count has blocks (here: a forgotten count) is refused.
+    with pytest.raises(kvshard.Error, match="4 block hashes for a prompt of 0 tokens"):
+        router.route(hashes, 0)
+    rr = kvshard.Router(3, "round-robin", kvshard.PolicyParams(block_tokens=16))
     assert [rr.route(hashes, 64)["replica"] for _ in range(4)] == [0, 1, 2, 0]
     pure = kvshard.decide_route("least-loaded", hashes, 64, [0, 0, 0],
                                 [kvshard.ReplicaLoad(active_blocks=5), kvshard.ReplicaLoad(),
