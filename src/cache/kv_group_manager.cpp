@@ -142,7 +142,7 @@ int64_t KvGroupManager::cached_hits_in(int g, std::span<const BlockHash> hashes,
     const Pool& p = pool(g);
     int64_t n = 0;
     for (int64_t i = from; i < to; ++i) {
-        const BlockId b = p.index.at(hashes[static_cast<size_t>(i)]);
+        const BlockId b = p.index.at(hashes[static_cast<size_t>(i)]).front();
         n += p.blocks[static_cast<size_t>(b)].ref == 0;
     }
     return n;
@@ -236,7 +236,7 @@ GroupAllocResult KvGroupManager::allocate(SeqId seq, std::span<const int32_t> to
         const int64_t first = keep_from(g, committed, len);
         t.assign(static_cast<size_t>(total), kNullBlock);
         for (int64_t i = first; i < std::max(first, k); ++i) {
-            const BlockId b = p.index.at(s.hashes[static_cast<size_t>(i)]);
+            const BlockId b = p.index.at(s.hashes[static_cast<size_t>(i)]).front();
             Block& m = p.blocks[static_cast<size_t>(b)];
             if (m.ref == 0) {
                 lru_remove(p, b);
@@ -382,8 +382,9 @@ void KvGroupManager::commit_impl(Seq& s, int64_t n, int64_t next_query) {
             const BlockId b = t[static_cast<size_t>(i)];
             const BlockHash& h = s.hashes[static_cast<size_t>(i)];
             // A null entry was out of the window before it was ever taken (no commit deferred).
-            // A hash indexed already: the same content is cached in another block.
-            if (b == kNullBlock || !config_.enable_prefix_cache || p.index.count(h)) {
+            // A hash indexed already (the same content in another block) is registered again, as
+            // a copy: vLLM's BlockPool.cache_full_blocks never de-duplicates (docs/cache.md).
+            if (b == kNullBlock || !config_.enable_prefix_cache) {
                 if (b != kNullBlock) p.blocks[static_cast<size_t>(b)].computed = true;
                 run_open = false;
                 continue;
@@ -392,7 +393,7 @@ void KvGroupManager::commit_impl(Seq& s, int64_t n, int64_t next_query) {
             m.computed = true;
             m.registered = true;
             m.hash = h;
-            p.index.emplace(h, b);
+            p.index[h].push_back(b);
             if (!run_open) {
                 run = new_event(KvEventKind::kBlockStored, g);
                 run_open = true;
@@ -455,7 +456,10 @@ BlockId KvGroupManager::take_block(int g) {
         e->block_hashes.push_back(m.hash);
         e->block_ids.push_back(b);
     }
-    p.index.erase(m.hash);
+    // That copy only; the others of its hash stay findable (vLLM's _maybe_evict_cached_block).
+    auto& copies = p.index.at(m.hash);
+    copies.erase(std::find(copies.begin(), copies.end(), b));
+    if (copies.empty()) p.index.erase(m.hash);
     m.registered = false;
     m.computed = false;
     m.hash = BlockHash{};
@@ -673,15 +677,17 @@ void KvGroupManager::check_invariants() const {
             if (m.registered) {
                 ++registered;
                 const auto it = p.index.find(m.hash);
-                KVSHARD_CHECK(it != p.index.end() && it->second == static_cast<BlockId>(b),
-                              "group ", g, " block ", b, " registered but not indexed");
+                KVSHARD_CHECK(
+                    it != p.index.end() && std::count(it->second.begin(), it->second.end(), b) == 1,
+                    "group ", g, " block ", b, " registered but not indexed once");
             }
         }
         KVSHARD_CHECK(used == p.num_used && cached == p.num_cached && unused == p.num_free,
                       "group ", g, " state counters");
-        KVSHARD_CHECK(static_cast<int64_t>(p.index.size()) == registered, "group ", g,
-                      " index holds ", p.index.size(), " hashes for ", registered,
-                      " registered blocks");
+        int64_t indexed = 0;
+        for (const auto& [h, copies] : p.index) indexed += static_cast<int64_t>(copies.size());
+        KVSHARD_CHECK(indexed == registered, "group ", g, " index holds ", indexed, " blocks for ",
+                      registered, " registered blocks");
         KVSHARD_CHECK(static_cast<int64_t>(p.free_list.size()) == unused, "group ", g,
                       " free list size");
         int64_t k = 0;

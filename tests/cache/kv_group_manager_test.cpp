@@ -255,7 +255,8 @@ struct RefGroup {
     std::vector<std::optional<BlockHash>> reg;
     std::vector<bool> written;
     std::vector<std::vector<int32_t>> content;
-    std::unordered_map<BlockHash, BlockId, BlockHashHasher> index;
+    // hash -> registered copies, oldest first (a lookup finds the front: vLLM's get_one_block).
+    std::unordered_map<BlockHash, std::vector<BlockId>, BlockHashHasher> index;
     std::list<BlockId> lru;
     int64_t free_count() const {
         int64_t n = 0;
@@ -318,6 +319,7 @@ class GroupModel {
     }
 
     int64_t hits = 0, window_hits = 0, evictions = 0, oob = 0, commits = 0;
+    int64_t copies_registered = 0;  // blocks registered beside another copy of their hash
 
   private:
     int pick(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
@@ -382,7 +384,9 @@ class GroupModel {
             ASSERT_EQ(r.free_count(), 0) << "evicted while free blocks remained";
             ASSERT_EQ(r.lru.front(), b) << "eviction is not least-recently-used first";
             r.lru.pop_front();
-            r.index.erase(*r.reg[ub]);
+            auto& copies = r.index.at(*r.reg[ub]);
+            copies.erase(std::find(copies.begin(), copies.end(), b));
+            if (copies.empty()) r.index.erase(*r.reg[ub]);
             r.reg[ub].reset();
             removed[static_cast<size_t>(g)].push_back(b);
             ++evictions;
@@ -394,8 +398,9 @@ class GroupModel {
                             : block_tokens(tokens, i);
     }
 
-    // Tokens [s.committed, n) written: blocks become written, registered when their hash is new
-    // to the group (expected in stored[g]), then the windows drop what they no longer need.
+    // Tokens [s.committed, n) written: blocks become written and registered, beside any copy of
+    // their hash the group holds already (vLLM's cache_full_blocks; expected in stored[g]), then
+    // the windows drop what they no longer need.
     void commit_ref(RefSeq& s, int64_t n, std::vector<std::vector<BlockId>>& stored) {
         if (n > s.committed) {
             const auto h = hash_token_blocks(s.tokens, p_.block_size);
@@ -408,9 +413,10 @@ class GroupModel {
                     const auto ub = static_cast<size_t>(b);
                     r.written[ub] = true;
                     r.content[ub] = block_tokens(s.tokens, i);
-                    if (!p_.prefix_cache || r.index.count(h[static_cast<size_t>(i)])) continue;
+                    if (!p_.prefix_cache) continue;
+                    copies_registered += r.index.count(h[static_cast<size_t>(i)]) != 0;
                     r.reg[ub] = h[static_cast<size_t>(i)];
-                    r.index[h[static_cast<size_t>(i)]] = b;
+                    r.index[h[static_cast<size_t>(i)]].push_back(b);
                     stored[static_cast<size_t>(g)].push_back(b);
                 }
             }
@@ -492,7 +498,8 @@ class GroupModel {
             if (total - first > cap_g) too_large = true;
             int64_t need = total - std::max(first, k);
             for (int64_t i = first; i < k; ++i)
-                need += r.ref[static_cast<size_t>(r.index.at(h[static_cast<size_t>(i)]))] == 0;
+                need +=
+                    r.ref[static_cast<size_t>(r.index.at(h[static_cast<size_t>(i)]).front())] == 0;
             short_now = short_now || need > r.available();
         }
         ASSERT_EQ(m_.can_allocate(tokens, {}, cap), !too_large && !short_now);
@@ -541,7 +548,7 @@ class GroupModel {
                     ASSERT_EQ(b, kNullBlock) << "group " << g << " entry " << i;
                 } else if (i < k) {
                     // A shared block: the query's tokens, written.
-                    ASSERT_EQ(b, r.index.at(h[static_cast<size_t>(i)]));
+                    ASSERT_EQ(b, r.index.at(h[static_cast<size_t>(i)]).front());
                     ASSERT_TRUE(r.written[static_cast<size_t>(b)]) << "a hit on unwritten KV";
                     ASSERT_EQ(r.content[static_cast<size_t>(b)], block_tokens(tokens, i));
                     if (r.ref[static_cast<size_t>(b)]++ == 0) r.lru.remove(b);
@@ -707,9 +714,9 @@ class GroupModel {
         // A consumer of the events holds exactly every group's index.
         size_t registered = 0;
         for (int g = 0; g < ngroups(); ++g)
-            for (const auto& [h, b] : groups_[static_cast<size_t>(g)].index) {
+            for (const auto& [h, copies] : groups_[static_cast<size_t>(g)].index) {
                 ASSERT_TRUE(consumer_.contains(h, g)) << "group " << g;
-                ++registered;
+                registered += copies.size();
             }
         ASSERT_EQ(consumer_.size(), registered);
         for (int g = 0; g < ngroups(); ++g) {
@@ -771,10 +778,13 @@ TEST_P(KvGroupManagerModel, RandomOperationsAgreeWithTheReference) {
         EXPECT_GT(model.evictions, 0);
         EXPECT_GT(model.hits, 0);
         EXPECT_GT(model.window_hits, 0);
+        EXPECT_GT(model.copies_registered, 0);
     }
-    std::printf("hit blocks %lld (windowed groups %lld), evictions %lld, out-of-blocks %lld\n",
-                static_cast<long long>(model.hits), static_cast<long long>(model.window_hits),
-                static_cast<long long>(model.evictions), static_cast<long long>(model.oob));
+    std::printf(
+        "hit blocks %lld (windowed groups %lld), evictions %lld, out-of-blocks %lld, copies %lld\n",
+        static_cast<long long>(model.hits), static_cast<long long>(model.window_hits),
+        static_cast<long long>(model.evictions), static_cast<long long>(model.oob),
+        static_cast<long long>(model.copies_registered));
 }
 
 using K = LayerKind;

@@ -169,7 +169,9 @@ class KvGroupManager {
         std::vector<BlockId> free_list;  // back() is handed out next
         BlockId lru_head = -1, lru_tail = -1;
         int64_t num_free = 0, num_cached = 0, num_used = 0;
-        std::unordered_map<BlockHash, BlockId, BlockHashHasher> index;
+        // hash -> its registered copies, oldest first; a lookup takes the front (vLLM's
+        // BlockHashToBlockMap.get_one_block), an eviction that one copy.
+        std::unordered_map<BlockHash, std::vector<BlockId>, BlockHashHasher> index;
     };
     struct Seq {
         std::vector<std::vector<BlockId>> tables;  // per group
