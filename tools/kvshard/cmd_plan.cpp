@@ -11,6 +11,7 @@
 #include "kvshard/router/policy.h"
 #include "kvshard/sim/planner_service.h"
 #include "kvshard/sim/trace.h"
+#include "kvshard/sim/trace_lengths.h"
 #include "options.h"
 
 namespace kvshard::cli {
@@ -298,8 +299,10 @@ void run(const PlanFlags& f) {
     require(f.top >= 0, "--top must be >= 0 (0: all), got ", f.top);
     TraceWorkload tw;
     if (!f.trace.empty()) {
-        tw = plan_trace_workload(load_trace(f.trace, TraceErrorPolicy::kFail), m, hw, r,
-                                 parse_routing_policy(f.route));
+        const Trace trace = load_trace(f.trace, TraceErrorPolicy::kFail);
+        // Each request is checked, not only the means: vLLM refuses each longer one.
+        check_trace_lengths(trace, m, r.capacity.allow_long_context);
+        tw = plan_trace_workload(trace, m, hw, r, parse_routing_policy(f.route));
         if (f.context < 0)
             r.context_tokens =
                 f.disagg ? tw.mean_input_tokens : tw.mean_input_tokens + tw.mean_output_tokens;

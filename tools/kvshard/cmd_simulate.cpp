@@ -11,6 +11,7 @@
 #include "kvshard/planner/hardware.h"
 #include "kvshard/sim/planner_service.h"
 #include "kvshard/sim/simulator.h"
+#include "kvshard/sim/trace_lengths.h"
 #include "options.h"
 
 namespace kvshard::cli {
@@ -39,6 +40,7 @@ struct SimulateFlags {
     double cache_threshold = PolicyParams{}.cache_threshold;
     double overlap_weight = PolicyParams{}.overlap_weight;
     double prefill_weight = PolicyParams{}.prefill_weight;
+    bool allow_long_context = false;
     bool json = false;
     std::string svg;
 };
@@ -81,6 +83,8 @@ void run(const SimulateFlags& f) {
 
     ReplicaSetup setup;
     setup.model = load_model(f.model);
+    // A request vLLM refuses is not replayed as if served.
+    const int64_t long_requests = check_trace_lengths(trace, setup.model, f.allow_long_context);
     setup.hardware = resolve_hardware(f.hardware);
     setup.parallel =
         parse_parallel_config("tp=" + std::to_string(f.tp) + ",pp=" + std::to_string(f.pp));
@@ -124,9 +128,14 @@ void run(const SimulateFlags& f) {
     rep.num_replicas = f.replicas;
     rep.block_tokens = trace.block_tokens;
     rep.replica_capacity_blocks = cfg.replica_capacity_blocks;
-    rep.setup = fmt::format("{}: {} KV tokens{}{}", setup.to_string(), capacity_tokens,
-                            f.capacity_tokens > 0 ? " (--capacity-tokens)" : " (planner)",
-                            f.eagle_block_drop ? ", EAGLE block drop" : "");
+    rep.setup =
+        fmt::format("{}: {} KV tokens{}{}{}", setup.to_string(), capacity_tokens,
+                    f.capacity_tokens > 0 ? " (--capacity-tokens)" : " (planner)",
+                    f.eagle_block_drop ? ", EAGLE block drop" : "",
+                    long_requests > 0 ? fmt::format(", {} requests longer than max_model_len {} "
+                                                    "(--allow-long-context)",
+                                                    long_requests, setup.model.max_model_len)
+                                      : std::string());
     rep.infinite_cache = infinite_cache_hit_rates(trace);
     rep.pooled_lru =
         pooled_lru_hit_rates(trace, cfg.replica_capacity_blocks * f.replicas, cfg.eagle_block_drop);
@@ -232,6 +241,10 @@ void setup(CLI::App& app) {
     sub->add_option("--prefill-weight", f->prefill_weight,
                     "kvshard policy: weight of a queued prefill block against an active block")
         ->capture_default_str();
+    sub->add_flag("--allow-long-context", f->allow_long_context,
+                  "replay requests whose prompt + output exceeds the model's max_model_len, as "
+                  "engines started with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and a --max-model-len "
+                  "that long would serve them (without it such a trace is refused)");
     sub->add_flag("--json", f->json, "print JSON instead of a table");
     sub->add_option("--svg", f->svg,
                     "write a chart (hit rate per policy against the bounds, load balance)");
