@@ -22,6 +22,7 @@ struct CpPlanFlags {
     int64_t fresh = 1024;
     int block_size = 16;
     int reuse_from = 0;
+    bool allow_long_context = false;
     bool json = false;
 };
 
@@ -35,6 +36,8 @@ void run(const CpPlanFlags& f) {
     require(f.block_size >= 1, "--block-size must be >= 1, got ", f.block_size);
     require(f.reuse_from >= 0, "--reuse-from must be a CP size >= 1 (or 0: none), got ",
             f.reuse_from);
+    m.check_sequence_length(f.cached + f.fresh, f.allow_long_context,
+                            detail::concat("--cached ", f.cached, " + --new ", f.fresh));
     const std::string doc =
         cp_plan_report_json(m, p, f.cached, f.fresh, f.block_size, f.reuse_from);
     if (f.json) {
@@ -93,6 +96,9 @@ void setup(CLI::App& app) {
     sub->add_option("--block-size", f->block_size, "tokens per KV block (for --reuse-from)")
         ->capture_default_str()
         ->needs(reuse_from);
+    sub->add_flag("--allow-long-context", f->allow_long_context,
+                  "plan a sequence longer than the model's max_model_len, as vLLM serves one with "
+                  "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (without it such a length is refused)");
     sub->add_flag("--json", f->json, "print JSON");
     sub->callback([f] { run(*f); });
 }

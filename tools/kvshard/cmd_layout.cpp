@@ -20,6 +20,8 @@ struct LayoutFlags {
     bool gpus_given = false;
     bool json = false;
     int64_t context = 32768;
+    bool context_given = false;
+    bool allow_long_context = false;
     int block_size = 16;
     bool kv_balanced = false;
 };
@@ -45,10 +47,13 @@ std::string group_text(const RankKvGroup& g) {
     return fmt::format("{} x{} {}h {}", kind, g.layers.size(), g.kv_heads, size);
 }
 
-void run(const LayoutFlags& f) {
+void run(LayoutFlags f) {
     const ModelSpec m = load_model(f.model);
+    // The default is a request the model serves: 32768 tokens, or its whole length when shorter.
+    if (!f.context_given && m.max_model_len > 0) f.context = std::min(f.context, m.max_model_len);
     require(f.context >= 1 && f.context <= kMaxContextTokens,
             "--context must be in [1, 2^40] tokens, got ", f.context);
+    m.check_sequence_length(f.context, f.allow_long_context, "--context");
     require(f.block_size >= 1 && f.block_size <= (1 << 20),
             "--block-size must be in [1, 2^20] tokens, got ", f.block_size);
     ParallelConfig p = to_parallel_config(f.parallel);
@@ -130,9 +135,13 @@ void setup(CLI::App& app) {
     add_parallel_options(sub, f->parallel);
     auto* gpus = sub->add_option("--gpus", f->gpus, "check that dp*pp*cp*tp equals this GPU count");
     sub->add_flag("--json", f->json, "print JSON instead of a table");
-    sub->add_option("--context", f->context,
-                    "tokens of one request for the per-request KV column and the PP balance")
-        ->capture_default_str();
+    auto* context = sub->add_option("--context", f->context,
+                                    "tokens of one request for the per-request KV column and the "
+                                    "PP balance (default: 32768, or the model's max_model_len "
+                                    "when shorter)");
+    sub->add_flag("--allow-long-context", f->allow_long_context,
+                  "a --context longer than the model's max_model_len, as vLLM serves one with "
+                  "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (without it such a --context is refused)");
     sub->add_option("--block-size", f->block_size, "tokens per KV block")->capture_default_str();
     auto* split = sub->add_option_function<std::string>(
         "--pp-split",
@@ -145,8 +154,9 @@ void setup(CLI::App& app) {
         "how to split layers over PP stages: even (layer counts) or kv (balance KV bytes at "
         "--context)");
     (void)split;
-    sub->callback([f, gpus] {
+    sub->callback([f, gpus, context] {
         f->gpus_given = gpus->count() > 0;
+        f->context_given = context->count() > 0;
         run(*f);
     });
 }

@@ -50,6 +50,7 @@ struct RunFlags {
     double comm_timeout_s = kDefaultCommTimeoutS;
     std::string route = "round-robin";  // --route: how prompts go to DP replicas  // else: the
                                         // machine's available memory
+    bool allow_long_context = false;
     bool verify = false;
     bool json = false;
     std::string dump_logits;
@@ -247,12 +248,20 @@ void run(const RunFlags& f) {
             "--cp-decode-merge chooses how a context-parallel group merges its decode partials; "
             "this run has none: give --cp 2 or more (or a --decode side with cp > 1), or drop "
             "--cp-decode-merge");
-    const RunShape shape{
-        .prompts = f.prompts,
-        .prompt_len = ps.token_ids.empty() ? f.prompt_len : int64_t(ps.token_ids.size()),
-        .gen = f.gen,
-        .verify = f.verify,
-        .local_ranks = backend == Backend::kMpi ? mpirun_local_size() : 0};
+    // Each prompt and its output are one sequence: a vLLM server refuses prompt + max_tokens >
+    // max_model_len (vllm/renderers/params.py, TokenizeParams._token_len_check).
+    const int64_t prompt_tokens =
+        ps.token_ids.empty() ? int64_t{f.prompt_len} : static_cast<int64_t>(ps.token_ids.size());
+    m.check_sequence_length(
+        prompt_tokens + f.gen, f.allow_long_context,
+        detail::concat("a prompt of ", prompt_tokens,
+                       ps.token_ids.empty() ? " tokens (--prompt-len)" : " tokens (--prompt-ids)",
+                       " plus --gen ", f.gen));
+    const RunShape shape{.prompts = f.prompts,
+                         .prompt_len = prompt_tokens,
+                         .gen = f.gen,
+                         .verify = f.verify,
+                         .local_ranks = backend == Backend::kMpi ? mpirun_local_size() : 0};
     check_run_memory(estimate_run_memory(m, groups, shape),
                      f.max_memory_given
                          ? require_finite_in(f.max_memory_gib, 1e-6, 1 << 20, "--max-memory-gib")
@@ -408,6 +417,9 @@ void setup(CLI::App& app) {
         "--verify", f->verify,
         "also run the model unsharded (one rank, another block size, no prefix cache) and compare: "
         "last-step logits within 1e-4 relative L2 and identical tokens (exit 1 otherwise)");
+    sub->add_flag("--allow-long-context", f->allow_long_context,
+                  "run prompts whose prompt + --gen exceeds the model's max_model_len, as vLLM "
+                  "serves them with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (without it they are refused)");
     sub->add_flag("--json", f->json, "print JSON");
     sub->add_option("--dump-logits", f->dump_logits,
                     "write the last step's logits [prompts][vocab] to FILE.npy");

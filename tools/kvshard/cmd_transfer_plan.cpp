@@ -36,6 +36,7 @@ struct TransferPlanFlags {
     bool json = false;
     bool descriptors = false;
     int64_t descriptor_limit = 1000;
+    bool allow_long_context = false;
 };
 
 // The blocks of each pool of one side: what its longest block table needs (sequential tables).
@@ -73,6 +74,7 @@ void run(const TransferPlanFlags& f) {
     require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
             "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
     const ModelSpec m = load_model(f.model);
+    m.check_sequence_length(f.tokens, f.allow_long_context, "--tokens");
     const TransferEndpoint src =
         endpoint("--from", m, f.from, f.dp_from, f.block_size_from, f.order_from, f.tokens);
     const TransferEndpoint dst =
@@ -231,6 +233,9 @@ void setup(CLI::App& app) {
                     "with --descriptors: descriptors listed (all are counted); -1: all")
         ->capture_default_str()
         ->needs(descriptors);
+    sub->add_flag("--allow-long-context", f->allow_long_context,
+                  "--tokens longer than the model's max_model_len, as vLLM serves such a request "
+                  "with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (without it such --tokens are refused)");
     // The schedule is text only (transfer_schedule.h has no JSON form).
     sub->add_flag("--json", f->json, "print JSON instead of a table")->excludes(schedule);
     sub->callback([f] { run(*f); });
