@@ -25,7 +25,10 @@ void bind_cp(py::module_& m) {
     m.def(
         "cp_plan",
         [](const ModelSpec& model, const ParallelConfig& p, int64_t cached, int64_t fresh,
-           int block_size, int reuse_from) {
+           int block_size, int reuse_from, bool allow_long_context) {
+            // The CLI's --allow-long-context.
+            model.check_sequence_length(cached + fresh, allow_long_context,
+                                        detail::concat("cached ", cached, " + new ", fresh));
             std::string json;
             {
                 py::gil_scoped_release release;
@@ -35,7 +38,10 @@ void bind_cp(py::module_& m) {
         },
         py::arg("model"), py::arg("parallel"), py::arg("cached"), py::arg("new"), py::kw_only(),
         py::arg("block_size") = 16, py::arg("reuse_from") = 0,
-        "One request under CP (cached + new tokens): the dict of `kvshard cp-plan --json`.");
+        py::arg("allow_long_context") = false,
+        "One request under CP (cached + new tokens): the dict of `kvshard cp-plan --json`. "
+        "Raises kvshard.Error when cached + new exceeds the model's max_model_len, unless "
+        "allow_long_context.");
     m.def(
         "choose_cp_prefill",
         [](const KvLayout& l, int64_t cached, int64_t fresh) {

@@ -253,22 +253,28 @@ void bind_model_layout(py::module_& m) {
           "Layers held by each PP stage.");
     m.def(
         "pp_stage_kv_bytes",
-        [](const ModelSpec& model, const ParallelConfig& p, int64_t context_tokens) {
+        [](const ModelSpec& model, const ParallelConfig& p, int64_t context_tokens,
+           bool allow_long_context) {
             validate(model, p);
             require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
                     "context_tokens must be in [0, ", kMaxContextTokens, "], got ", context_tokens);
+            model.check_sequence_length(context_tokens, allow_long_context, "context_tokens");
             return pp_stage_kv_bytes(model, p, context_tokens);
         },
-        py::arg("model"), py::arg("parallel"), py::arg("context_tokens"));
+        py::arg("model"), py::arg("parallel"), py::arg("context_tokens"), py::kw_only(),
+        py::arg("allow_long_context") = false);
     m.def(
         "pp_layer_split_kv_balanced",
-        [](const ModelSpec& model, const ParallelConfig& p, int64_t context_tokens) {
+        [](const ModelSpec& model, const ParallelConfig& p, int64_t context_tokens,
+           bool allow_long_context) {
             validate(model, p);
             require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
                     "context_tokens must be in [0, ", kMaxContextTokens, "], got ", context_tokens);
+            model.check_sequence_length(context_tokens, allow_long_context, "context_tokens");
             return pp_layer_split_kv_balanced(model, p, context_tokens);
         },
-        py::arg("model"), py::arg("parallel"), py::arg("context_tokens"));
+        py::arg("model"), py::arg("parallel"), py::arg("context_tokens"), py::kw_only(),
+        py::arg("allow_long_context") = false);
     m.def(
         "kv_groups",
         [](const ModelSpec& model) {

@@ -134,7 +134,9 @@ void bind_transfer(py::module_& m) {
            int dst_block_size, const std::string& src_order, const std::string& dst_order,
            int src_dp, int dst_dp, std::optional<BlockTables> src_block_tables,
            std::optional<BlockTables> dst_block_tables, int layers_per_message,
-           int64_t dst_cached_tokens) {
+           int64_t dst_cached_tokens, bool allow_long_context) {
+            // The CLI's --allow-long-context (one model on both sides: make_transfer_plan checks).
+            src.model.check_sequence_length(num_tokens, allow_long_context, "num_tokens");
             py::gil_scoped_release release;
             const TransferEndpoint s = endpoint("src", src, src_dp, src_block_size, src_order,
                                                 std::move(src_block_tables), num_tokens);
@@ -149,10 +151,12 @@ void bind_transfer(py::module_& m) {
         py::arg("src_order") = "hnd", py::arg("dst_order") = "hnd", py::arg("src_dp") = 0,
         py::arg("dst_dp") = 0, py::arg("src_block_tables") = py::none(),
         py::arg("dst_block_tables") = py::none(), py::arg("layers_per_message") = 0,
-        py::arg("dst_cached_tokens") = 0,
+        py::arg("dst_cached_tokens") = 0, py::arg("allow_long_context") = false,
         "The plan that moves a request of num_tokens tokens from layout `src` (prefill) to `dst` "
         "(decode). Block tables: one int sequence per CP rank of the side's replica, entry j the "
-        "block of that rank's j-th block of tokens; None: blocks 0, 1, 2, ... as the CLI.");
+        "block of that rank's j-th block of tokens; None: blocks 0, 1, 2, ... as the CLI. Raises "
+        "kvshard.Error when num_tokens exceeds the model's max_model_len, "
+        "unless allow_long_context.");
 
     py::class_<TransferDescriptors>(m, "TransferDescriptors",
                                     "The (src offset, dst offset, bytes) copies that carry a plan "

@@ -1,0 +1,40 @@
+"""Every entry point that takes a model and a length checks it against the model's max_model_len
+(ModelSpec::check_sequence_length, as `plan`): kvshard.Error naming the model's length and
+allow_long_context; accepted with allow_long_context=True; no check for a model that states no
+length (the built-in tiny models)."""
+import pytest
+
+import kvshard
+
+MODEL = "llama-3.1-8b"  # max_model_len 131072 (max_position_embeddings)
+
+
+def test_cp_plan():
+    with pytest.raises(kvshard.Error, match=r"cached 131000 \+ new 100 \(131100 tokens\) is "
+                                            r"longer than model 'llama-3.1-8b' serves.*"
+                                            r"max_model_len 131072.*allow_long_context=True"):
+        kvshard.cp_plan(MODEL, "cp=2", 131000, 100)
+    assert kvshard.cp_plan(MODEL, "cp=2", 131000, 72)["ranks"]
+    assert kvshard.cp_plan(MODEL, "cp=2", 131000, 100, allow_long_context=True)["ranks"]
+    assert kvshard.cp_plan("tiny", "cp=2", 10**6, 100)["ranks"]
+
+
+def test_transfer_plan():
+    src, dst = kvshard.make_layout(MODEL, "tp=2"), kvshard.make_layout(MODEL, "tp=1")
+    with pytest.raises(kvshard.Error, match=r"num_tokens \(131073 tokens\) is longer.*"
+                                            r"max_model_len 131072"):
+        kvshard.transfer_plan(src, dst, 131073)
+    assert kvshard.transfer_plan(src, dst, 131072).num_tokens == 131072
+    assert kvshard.transfer_plan(src, dst, 131073, allow_long_context=True).num_tokens == 131073
+    tiny = kvshard.make_layout("tiny", "tp=1")
+    assert kvshard.transfer_plan(tiny, tiny, 10**6).num_tokens == 10**6
+
+
+@pytest.mark.parametrize("fn", [kvshard.pp_stage_kv_bytes, kvshard.pp_layer_split_kv_balanced])
+def test_pp_split_context(fn):
+    with pytest.raises(kvshard.Error, match=r"context_tokens \(131073 tokens\) is longer.*"
+                                            r"max_model_len 131072"):
+        fn(MODEL, "pp=2", 131073)
+    assert len(fn(MODEL, "pp=2", 131072)) == 2
+    assert len(fn(MODEL, "pp=2", 131073, allow_long_context=True)) == 2
+    assert len(fn("tiny", "pp=2", 10**6)) == 2
