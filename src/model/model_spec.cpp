@@ -532,7 +532,7 @@ void ModelSpec::check_sequence_length(int64_t tokens, bool allow_long,
         ") and refuses a longer --max-model-len unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (positions ",
         "past it are outside what the model was trained on); give at most ", max_model_len,
         " tokens, or allow long contexts (--allow-long-context; Python allow_long_context=True) "
-        "to plan it as that variable would"));
+        "as that variable does"));
 }
 
 void ModelSpec::validate_totals() const {
