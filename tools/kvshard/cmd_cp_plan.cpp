@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "kvshard/common/checked.h"
 #include "kvshard/common/error.h"
 #include "kvshard/layout/cp_plan.h"
 #include "kvshard/layout/kv_layout.h"
@@ -36,7 +37,7 @@ void run(const CpPlanFlags& f) {
     require(f.block_size >= 1, "--block-size must be >= 1, got ", f.block_size);
     require(f.reuse_from >= 0, "--reuse-from must be a CP size >= 1 (or 0: none), got ",
             f.reuse_from);
-    m.check_sequence_length(f.cached + f.fresh, f.allow_long_context,
+    m.check_sequence_length(sat_add(f.cached, f.fresh), f.allow_long_context,
                             detail::concat("--cached ", f.cached, " + --new ", f.fresh));
     const std::string doc =
         cp_plan_report_json(m, p, f.cached, f.fresh, f.block_size, f.reuse_from);
