@@ -223,12 +223,15 @@ Family family_of(const std::string& model_type, const std::string& file) {
         // builds every layer full attention of num_key_value_heads x config.head_dim.
         {"seed_oss", Family::kLlama},
         // ERNIE 4.5 dense (Ernie4_5Config): Llama's fields; vLLM's ernie45.py is LlamaForCausalLM.
-        // ernie4_5_moe (its moe_* fields: experts on every moe_layer_interval-th layer from
-        // moe_layer_start_index) is not read: refused as unknown.
         {"ernie4_5", Family::kLlama},
-        // Hunyuan dense (HunYuanDenseV1Config): Llama's fields; checked below for the cross-layer
-        // attention (use_cla) and the experts vLLM's hunyuan_v1.py would build instead.
+        // ERNIE 4.5 MoE (Ernie4_5_MoeConfig, vLLM's ernie45_moe.py): Llama's attention, experts on
+        // the layers its moe_* fields name (read below).
+        {"ernie4_5_moe", Family::kLlama},
+        // Hunyuan (HunYuanDenseV1Config, HunYuanMoEV1Config): Llama's fields; vLLM's hunyuan_v1.py
+        // builds both, with experts where num_experts is above 1 and cross-layer attention
+        // (use_cla) checked below.
         {"hunyuan_v1_dense", Family::kLlama},
+        {"hunyuan_v1_moe", Family::kLlama},
         // Granite 3.x (GraniteConfig, GraniteMoeConfig): Llama's fields plus embedding, residual,
         // attention and logit multipliers, which scale activations and cache nothing.
         {"granite", Family::kLlama},
@@ -236,6 +239,23 @@ Family family_of(const std::string& model_type, const std::string& file) {
     };
     auto it = kFamilies.find(model_type);
     if (it != kFamilies.end()) return it->second;
+    // Architectures whose cache kvshard's layer kinds cannot express: refused with the reason.
+    static const std::map<std::string, const char*, std::less<>> kNotExpressible = {
+        // vLLM's falcon_h1.py: every FalconH1ParallelHybrid layer runs an attention branch
+        // (FalconH1AttentionDecoderLayer, a KV cache) and a Mamba-2 branch
+        // (FalconH1SSMDecoderLayer, a conv + SSM state) side by side.
+        {"falcon_h1",
+         "every Falcon-H1 layer holds both attention K/V and a Mamba-2 state (vLLM's "
+         "FalconH1ParallelHybrid runs the two branches in parallel), and a kvshard layer holds "
+         "one kind; sizing either alone would leave the other out"},
+        // vLLM's jamba.py: JambaMambaDecoderLayer is a Mamba-1 mixer (mamba1_state_shape).
+        {"jamba",
+         "Jamba's Mamba layers are Mamba-1 (vLLM's JambaMambaDecoderLayer, state shapes of "
+         "MambaStateShapeCalculator.mamba1_state_shape), a state kind kvshard does not model"},
+    };
+    if (auto why = kNotExpressible.find(model_type); why != kNotExpressible.end())
+        throw Error(detail::concat(file, ": model_type '", model_type,
+                                   "' is not supported: ", why->second));
     std::string known;
     for (const auto& [name, _] : kFamilies)
         if (!name.empty()) known += (known.empty() ? "" : ", ") + name;
@@ -337,9 +357,14 @@ ClassDefaults class_defaults(const std::string& model_type) {
         // Ernie4_5Config: 16 heads, 2 KV heads (None -> heads), head_dim 128 (None -> hidden /
         // heads); vLLM's LlamaAttention reads config.head_dim.
         {"ernie4_5", {"Ernie4_5Config", 16, 2, 128, true}},
+        // Ernie4_5_MoeConfig: 20 heads, 4 KV heads (None stays None), no head_dim of its own:
+        // vLLM's Ernie4_5_MoeAttention takes head_dim or hidden / heads.
+        {"ernie4_5_moe", {"Ernie4_5_MoeConfig", 20, 4, H, false}},
         // HunYuanDenseV1Config: 32 heads, KV None -> heads, head_dim None; vLLM's HunYuanAttention
         // (hunyuan_v1.py) takes head_dim when set, else attention_head_dim, else hidden / heads.
         {"hunyuan_v1_dense", {"HunYuanDenseV1Config", 32, H, H, true}},
+        // HunYuanMoEV1Config: 32 heads, KV None -> heads, head_dim None (the same attention).
+        {"hunyuan_v1_moe", {"HunYuanMoEV1Config", 32, H, H, true}},
     };
     auto it = kDefaults.find(model_type);
     // The rest: Falcon (head_dim is hidden / heads by definition, KV heads from its own fields),
@@ -969,10 +994,12 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     m.rms_norm_eps = f.number_or(
         pick({"rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"}, "rms_norm_eps"), 1e-6);
     const bool gemma = fam == Family::kGemma2 || fam == Family::kGemma3 || fam == Family::kGemma4;
-    // Gemma, Cohere2Config, SmolLM3Config and Ernie4_5Config tie the embeddings by default
-    m.tie_embeddings = f.bool_or("tie_word_embeddings",
-                                 gemma || fam == Family::kCohere2 || fam == Family::kSmolLM3 ||
-                                     model_type == "ernie4_5" || fam == Family::kLfm2);
+    // Gemma, Cohere2Config, SmolLM3Config, Ernie4_5Config and Ernie4_5_MoeConfig tie the
+    // embeddings by default
+    m.tie_embeddings =
+        f.bool_or("tie_word_embeddings", gemma || fam == Family::kCohere2 ||
+                                             fam == Family::kSmolLM3 || model_type == "ernie4_5" ||
+                                             model_type == "ernie4_5_moe" || fam == Family::kLfm2);
     // Lfm2Config: its original key tie_embedding wins over tie_word_embeddings.
     if (fam == Family::kLfm2) m.tie_embeddings = f.bool_or("tie_embedding", m.tie_embeddings);
     const std::string torch_dtype =
@@ -1143,23 +1170,107 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                             detail::concat("must be below num_hidden_layers (", m.num_layers,
                                            "), got ", m.moe.first_dense_layers));
         }
-    } else if (model_type == "hunyuan_v1_dense") {
-        // vLLM's hunyuan_v1.py: _is_moe (num_experts above 1, or a list with one above 1) builds
-        // HunYuanSparseMoeBlock layers, which this reader does not model; 1 or absent is the
-        // dense MLP. _get_cla_factor: use_cla with cla_share_factor k makes every layer not a
-        // multiple of k a HunYuanCrossAttention reading the previous layer's K and V.
+    } else if (model_type == "ernie4_5_moe") {
+        // vLLM's ernie45_moe.py (Ernie4_5_MoeDecoderLayer): layer l holds Ernie4_5_MoeMoE when
+        // use_moe (default: moe_num_experts > 0) and (l + 1) % moe_layer_interval == 0 and
+        // moe_layer_start_index <= l <= moe_layer_end_index, else the dense MLP of
+        // intermediate_size. The MoE: moe_num_experts of moe_intermediate_size, top moe_k, and
+        // a shared MLP of moe_intermediate_size x moe_num_shared_experts. Ernie4_5_MoeConfig's
+        // defaults: 64 experts, moe_k 6, 1536 wide, 2 shared, start 1, end -1 (the last layer),
+        // interval 1. Which layers are MoE is set per layer below.
+        const int experts = f.int_or("moe_num_experts", 64);
+        if (f.bool_or("use_moe", experts > 0)) {
+            if (experts == 0)
+                throw f.bad("moe_num_experts",
+                            "is 0 while use_moe is true: vLLM's Ernie4_5_MoeMoE needs experts");
+            m.moe.num_experts = experts;
+            m.moe.experts_per_token = f.positive_int_or("moe_k", 6);
+            m.moe.expert_intermediate = f.positive_int_or("moe_intermediate_size", 1536);
+            m.moe.shared_experts = f.int_or("moe_num_shared_experts", 2);
+        }
+    } else if (model_type == "hunyuan_v1_dense" || model_type == "hunyuan_v1_moe") {
+        // vLLM's hunyuan_v1.py, for both: _is_moe (num_experts an int above 1, or a list of
+        // ints one of which is above 1; a list holding anything else is dense) builds
+        // HunYuanSparseMoeBlock on every layer: num_experts experts (one count: its router
+        // has config.num_experts outputs, so a list fails there), top moe_topk (an int, or a
+        // per-layer list indexed by layer), each moe_intermediate_size wide (int or per-layer
+        // list; None: intermediate_size), and with use_mixed_mlp_moe a shared HunYuanMLP of
+        // intermediate_size x num_shared_expert (int or per-layer list). MoeSpec keeps one
+        // top-k and one width per model: per-layer lists must agree over the layers.
+        bool moe = false;
         if (f.has("num_experts")) {
             const auto& e = f.json().at("num_experts");
-            bool moe = e.is_number_integer() && e.get<int64_t>() > 1;
-            if (e.is_array())
-                for (const auto& v : e) moe = moe || !v.is_number_integer() || v.get<int64_t>() > 1;
-            if (!e.is_array() && !e.is_number_integer())
+            if (e.is_number_integer()) {
+                moe = e.get<int64_t>() > 1;
+            } else if (e.is_array()) {
+                const bool all_ints = std::all_of(e.begin(), e.end(), [](const nlohmann::json& v) {
+                    return v.is_number_integer();
+                });
+                for (const auto& v : e) moe = moe || (all_ints && v.get<int64_t>() > 1);
+            } else {
                 throw f.bad("num_experts", "must be an integer or a list of integers");
-            if (moe)
+            }
+            if (moe && !e.is_number_integer())
                 throw f.bad("num_experts",
                             detail::concat("is ", e.dump(),
-                                           ": vLLM's hunyuan_v1.py then builds MoE layers, which "
-                                           "kvshard does not read for hunyuan_v1_dense"));
+                                           ": a list with an entry above 1 makes vLLM's "
+                                           "hunyuan_v1.py build HunYuanSparseMoeBlock, which "
+                                           "takes num_experts as one count and fails on a "
+                                           "list; give one integer"));
+        }
+        const int L = m.num_layers;
+        // An int, or a list of ints with at least L entries that agree over the first L.
+        auto per_layer = [&](const char* key) {
+            const auto& v = f.json().at(key);
+            if (v.is_number_integer()) return f.int_or(key, 0);
+            if (!v.is_array() || static_cast<int>(v.size()) < L)
+                throw f.bad(key, detail::concat("must be an integer or a list of at least ", L,
+                                                " integers (one per layer), got ", v.dump()));
+            for (int l = 0; l < L; ++l)
+                if (!v[l].is_number_integer() || v[l].get<int64_t>() < 0 ||
+                    v[l].get<int64_t>() > (int64_t{1} << 30))
+                    throw f.bad(key, detail::concat("has ", v[l].dump(), " at layer ", l,
+                                                    ": expected a non-negative integer"));
+            for (int l = 1; l < L; ++l)
+                if (v[l] != v[0])
+                    throw f.bad(key, detail::concat("varies over the layers (", v[0].dump(),
+                                                    " at layer 0, ", v[l].dump(), " at layer ", l,
+                                                    "): kvshard keeps one value per model"));
+            return v[0].get<int>();
+        };
+        if (moe) {
+            m.moe.num_experts = f.positive_int("num_experts");
+            // HunYuanMoEV1Config: moe_topk 1; HunYuanDenseV1Config names no default.
+            if (!f.has("moe_topk") && model_type != "hunyuan_v1_moe") throw missing("moe_topk");
+            m.moe.experts_per_token = f.has("moe_topk") ? per_layer("moe_topk") : 1;
+            // vLLM reads config.moe_intermediate_size, which neither config class defaults.
+            if (!f.json().contains("moe_intermediate_size")) throw missing("moe_intermediate_size");
+            const int dense_width = f.positive_int("intermediate_size");
+            m.moe.expert_intermediate =
+                f.has("moe_intermediate_size") ? per_layer("moe_intermediate_size") : dense_width;
+            if (m.moe.experts_per_token <= 0 || m.moe.expert_intermediate <= 0)
+                throw f.bad(m.moe.experts_per_token <= 0 ? "moe_topk" : "moe_intermediate_size",
+                            "must be positive");
+            const auto& mixed = f.json().value("use_mixed_mlp_moe", nlohmann::json(false));
+            const bool shared = mixed.is_boolean()  ? mixed.get<bool>()
+                                : mixed.is_number() ? mixed.get<double>() > 0
+                                                    : false;
+            if (shared) {
+                if (!f.has("num_shared_expert"))
+                    throw f.bad("num_shared_expert",
+                                "is missing while use_mixed_mlp_moe is set: vLLM's "
+                                "HunYuanSparseMoeBlock reads it for the shared MLP's width");
+                const int64_t width = int64_t{dense_width} * per_layer("num_shared_expert");
+                if (width % m.moe.expert_intermediate != 0)
+                    throw f.bad(
+                        "num_shared_expert",
+                        detail::concat("x intermediate_size (", width,
+                                       ") is not a multiple of moe_intermediate_size (",
+                                       m.moe.expert_intermediate,
+                                       "): kvshard counts shared experts in routed widths"));
+                m.moe.shared_experts =
+                    checked_narrow(width / m.moe.expert_intermediate, "Hunyuan's shared MLP");
+            }
         }
         if (f.bool_or("use_cla", false) && f.int_or("cla_share_factor", 1) > 1)
             throw f.bad(
@@ -1211,6 +1322,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                          : f.int_or("shared_intermediate_size", 1024);
     else if (fam == Family::kLfm2)
         m.intermediate = lfm2_ff_width(f);
+    else if (model_type == "ernie4_5_moe")  // its dense layers (layer 0 by default)
+        m.intermediate = f.positive_int_or("intermediate_size", 12288);
     else
         m.intermediate = needs_dense ? f.positive_int(inter_key)
                                      : f.positive_int_or(inter_key, m.moe.expert_intermediate);
@@ -1419,6 +1532,31 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         for (int l = 0; l < L; ++l) {
             layers[l].mlp = moe[l] ? MlpKind::kMoe : MlpKind::kDense;
             layers[l].intermediate = moe[l] ? 0 : m.intermediate;
+        }
+    }
+    if (model_type == "ernie4_5_moe" && m.moe.enabled()) {
+        // Ernie4_5_MoeConfig turns moe_layer_end_index -1 into the last layer.
+        const int start = f.int_or("moe_layer_start_index", 1);
+        int end = L - 1;
+        if (f.has("moe_layer_end_index")) {
+            const auto& v = f.json().at("moe_layer_end_index");
+            if (!(v.is_number_integer() && v.get<int64_t>() == -1))
+                end = f.int_or("moe_layer_end_index", L - 1);
+        }
+        const int interval = f.positive_int_or("moe_layer_interval", 1);
+        bool any = false;
+        for (int l = 0; l < L; ++l) {
+            const bool moe = (l + 1) % interval == 0 && l >= start && l <= end;
+            layers[l].mlp = moe ? MlpKind::kMoe : MlpKind::kDense;
+            layers[l].intermediate = moe ? 0 : m.intermediate;
+            any = any || moe;
+        }
+        if (!any) {  // no layer in range: vLLM builds only dense MLPs
+            m.moe = MoeSpec{};
+        } else {
+            int first = 0;
+            while (layers[first].mlp != MlpKind::kMoe) ++first;
+            m.moe.first_dense_layers = first;  // lets a contiguous tail read as uniform
         }
     }
     if (fam == Family::kGptOss)
@@ -1727,6 +1865,12 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                         "model the MTP layers on");
         m.mtp.layers = mtp_layers;
         m.mtp.layer = *last;
+        if (model_type == "ernie4_5_moe") {
+            // vLLM's ernie_mtp.py: ErnieMultiTokenPredictorLayer.mtp_block is a
+            // LlamaDecoderLayer, whose MLP is the dense one of intermediate_size.
+            m.mtp.layer.mlp = MlpKind::kDense;
+            m.mtp.layer.intermediate = m.intermediate;
+        }
         m.mtp.proj_split_by_tp = fam == Family::kQwen3Next;  // fc: ColumnParallelLinear
     }
 

@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 36 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 38 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -245,6 +245,10 @@ std::vector<Family> families() {
     out.push_back({"ernie-4.5-0.3b-pt", uniform(18, {'F', 2, 128}), {1, 2, 4, 8}});
     // Hy-MT2-7B (hunyuan_v1_dense): Llama 3.1 8B's attention, 8 KV heads of 128, no CLA.
     out.push_back({"hy-mt2-7b", uniform(32, {'F', 8, 128}), {1, 2, 4, 8}});
+    // ERNIE-4.5-21B-A3B: 20 query heads, 4 KV heads of 2560 / 20 = 128 on every layer.
+    out.push_back({"ernie-4.5-21b-a3b-pt", uniform(28, {'F', 4, 128}), {1, 2, 4}});
+    // Hunyuan-A13B: 32 query heads, 8 KV heads of head_dim 128, no CLA (use_cla false).
+    out.push_back({"hunyuan-a13b-instruct", uniform(32, {'F', 8, 128}), {1, 2, 4, 8}});
     return out;
 }
 
@@ -784,9 +788,136 @@ TEST(RealShapes, SeedOssAndErnieReadTheirHeadDim) {
     const ModelSpec ernie_null = parse_hf_config(e.dump(), "e.json");
     EXPECT_TRUE(ernie_null.tie_embeddings);
     EXPECT_EQ(ernie_null.head_dim, 64);
-    // The MoE variant's moe_* fields are not read: refused as an unknown architecture.
-    e["model_type"] = "ernie4_5_moe";
-    expect_refused(e.dump(), "model_type 'ernie4_5_moe'");
+}
+
+// ERNIE-4.5-21B-A3B as vLLM's ernie45_moe.py builds it (Ernie4_5_MoeDecoderLayer): layer 0 dense
+// (moe_layer_start_index 1), layers 1..27 MoE of 64 experts of 1536, top 6, plus a shared MLP of
+// 2 x 1536. Published size 21B total, 3B active.
+TEST(RealShapes, Ernie45MoeAsVllmBuildsIt) {
+    const ModelSpec m = load_hf_config(config_path("ernie-4.5-21b-a3b-pt"));
+    EXPECT_EQ(m.head_dim, 128);
+    EXPECT_EQ(m.num_kv_heads, 4);
+    EXPECT_TRUE(m.tie_embeddings);
+    EXPECT_EQ(m.moe.num_experts, 64);
+    EXPECT_EQ(m.moe.experts_per_token, 6);
+    EXPECT_EQ(m.moe.shared_experts, 2);
+    EXPECT_EQ(m.moe.expert_intermediate, 1536);
+    EXPECT_FALSE(m.is_moe_layer(0));
+    for (int l = 1; l < 28; ++l) EXPECT_TRUE(m.is_moe_layer(l)) << l;
+    EXPECT_EQ(m.num_moe_layers(), 27);
+    // By hand: attention 2560 x (2 x 2560 + 2 x 4 x 128) per layer; layer 0's dense MLP 3 x 2560
+    // x 12288; each MoE layer (64 + 2) experts of 3 x 2560 x 1536 and a 2560 x 64 router; one
+    // tied embedding of 103424 x 2560.
+    const int64_t attn = int64_t{2560} * (2 * 2560 + 2 * 4 * 128);
+    const int64_t expert = int64_t{3} * 2560 * 1536;
+    const int64_t moe_layer = 66 * expert + int64_t{2560} * 64;
+    const int64_t embed = int64_t{103424} * 2560;
+    const int64_t total = 28 * attn + int64_t{3} * 2560 * 12288 + 27 * moe_layer + embed;
+    EXPECT_EQ(m.total_params(), total);
+    EXPECT_NEAR(static_cast<double>(total), 21.8e9, 0.01 * 21.8e9);
+    // Active: top 6 + 2 shared of 27 layers, the LM head once: about 3B ("A3B").
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 3.0e9, 0.2 * 3.0e9);
+    // KV per token: 28 layers x 2 x 4 x 128 x bf16.
+    EXPECT_EQ(m.kv_bytes_per_token(), int64_t{28} * 2 * 4 * 128 * 2);
+
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("ernie-4.5-21b-a3b-pt")));
+    // moe_layer_interval 2 from start 1 up to end 20: (l + 1) % 2 == 0 and 1 <= l <= 20.
+    j["moe_layer_interval"] = 2;
+    j["moe_layer_end_index"] = 20;
+    const ModelSpec every_other = parse_hf_config(j.dump(), "e.json");
+    for (int l = 0; l < 28; ++l)
+        EXPECT_EQ(every_other.is_moe_layer(l), (l + 1) % 2 == 0 && l <= 20) << l;
+    EXPECT_EQ(every_other.num_moe_layers(), 10);
+    j["moe_layer_end_index"] = -1;  // Ernie4_5_MoeConfig: the last layer
+    EXPECT_EQ(parse_hf_config(j.dump(), "e.json").num_moe_layers(), 14);
+    j["use_moe"] = false;  // vLLM: no layer gets experts
+    const ModelSpec dense = parse_hf_config(j.dump(), "e.json");
+    EXPECT_FALSE(dense.moe.enabled());
+    EXPECT_EQ(dense.num_moe_layers(), 0);
+    EXPECT_EQ(dense.mlp_params_of_layer(5), int64_t{3} * 2560 * 12288);
+    // MTP (vLLM's ernie_mtp.py): the drafter's block is a LlamaDecoderLayer, a dense MLP.
+    j.erase("use_moe");
+    j["num_nextn_predict_layers"] = 1;
+    const ModelSpec mtp = parse_hf_config(j.dump(), "e.json");
+    EXPECT_EQ(mtp.mtp.layers, 1);
+    EXPECT_EQ(mtp.mtp.layer.mlp, MlpKind::kDense);
+    EXPECT_EQ(mtp.mtp.layer.intermediate, 12288);
+    // Absent fields take Ernie4_5_MoeConfig's defaults; a null KV head count stays None there.
+    nlohmann::json d = nlohmann::json::parse(read_file(config_path("ernie-4.5-21b-a3b-pt")));
+    for (const char* k : {"moe_num_experts", "moe_k", "moe_num_shared_experts",
+                          "moe_intermediate_size", "moe_layer_start_index", "moe_layer_interval",
+                          "tie_word_embeddings", "intermediate_size"})
+        d.erase(k);
+    EXPECT_EQ(parse_hf_config(d.dump(), "e.json").total_params(), total);
+    d["num_key_value_heads"] = nullptr;
+    expect_refused(d.dump(), "num_key_value_heads");
+    d["num_key_value_heads"] = 4;
+    d["use_moe"] = true;
+    d["moe_num_experts"] = 0;
+    expect_refused(d.dump(), "moe_num_experts");
+}
+
+// Hunyuan-A13B as vLLM's hunyuan_v1.py builds it: HunYuanSparseMoeBlock on every layer, 64
+// experts of moe_intermediate_size[l] = 3072, top moe_topk[l] = 8, and (use_mixed_mlp_moe) a
+// shared MLP of intermediate_size x num_shared_expert[l] = 3072. Published: 80B total, 13B active.
+TEST(RealShapes, HunyuanMoeAsVllmBuildsIt) {
+    const ModelSpec m = load_hf_config(config_path("hunyuan-a13b-instruct"));
+    EXPECT_EQ(m.moe.num_experts, 64);
+    EXPECT_EQ(m.moe.experts_per_token, 8);
+    EXPECT_EQ(m.moe.expert_intermediate, 3072);
+    EXPECT_EQ(m.moe.shared_experts, 1);
+    EXPECT_EQ(m.num_moe_layers(), 32);
+    const int64_t attn = int64_t{4096} * (2 * 4096 + 2 * 8 * 128);
+    const int64_t expert = int64_t{3} * 4096 * 3072;
+    const int64_t total = 32 * (attn + 65 * expert + int64_t{4096} * 64) + int64_t{128167} * 4096;
+    EXPECT_EQ(m.total_params(), total);
+    EXPECT_NEAR(static_cast<double>(total), 80.4e9, 0.01 * 80.4e9);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 13e9, 0.05 * 13e9);
+    EXPECT_EQ(m.kv_bytes_per_token(), int64_t{32} * 2 * 8 * 128 * 2);
+
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("hunyuan-a13b-instruct")));
+    // The int forms read the same as the per-layer lists.
+    j["moe_topk"] = 8;
+    j["moe_intermediate_size"] = 3072;
+    j["num_shared_expert"] = 1;
+    EXPECT_EQ(parse_hf_config(j.dump(), "h.json"), m);
+    // moe_intermediate_size null: intermediate_size; num_shared_expert 2: 2 x 3072 wide.
+    j["moe_intermediate_size"] = nullptr;
+    j["num_shared_expert"] = 2;
+    EXPECT_EQ(parse_hf_config(j.dump(), "h.json").moe.shared_experts, 2);
+    j["use_mixed_mlp_moe"] = false;  // no shared MLP
+    EXPECT_EQ(parse_hf_config(j.dump(), "h.json").moe.shared_experts, 0);
+    // Per-layer values kvshard cannot keep apart are refused, not averaged.
+    std::vector<int> topk(32, 8);
+    topk[5] = 4;
+    j["moe_topk"] = topk;
+    expect_refused(j.dump(), "moe_topk");
+    j["moe_topk"] = std::vector<int>(31, 8);  // shorter than the layers: vLLM asserts
+    expect_refused(j.dump(), "moe_topk");
+    j["moe_topk"] = 8;
+    j.erase("moe_intermediate_size");  // vLLM reads config.moe_intermediate_size
+    expect_refused(j.dump(), "moe_intermediate_size");
+    j["moe_intermediate_size"] = 3072;
+    j["num_experts"] = std::vector<int>(32, 64);  // _is_moe, but the block needs one count
+    expect_refused(j.dump(), "num_experts");
+    // _is_moe: a list holding a non-integer is dense, and so is num_experts 1.
+    j["num_experts"] = nlohmann::json::array({64, "x"});
+    EXPECT_FALSE(parse_hf_config(j.dump(), "h.json").moe.enabled());
+    j["num_experts"] = 1;
+    EXPECT_FALSE(parse_hf_config(j.dump(), "h.json").moe.enabled());
+    j["num_experts"] = 64;
+    j["use_cla"] = true;  // cla_share_factor 2: odd layers read the even layers' K and V
+    expect_refused(j.dump(), "use_cla");
+}
+
+// Architectures whose layers kvshard's one-kind-per-layer model cannot express are refused with
+// the reason, not approximated.
+TEST(RealShapes, ParallelHybridAndMamba1Refused) {
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("llama-3.1-8b")));
+    j["model_type"] = "falcon_h1";
+    expect_refused(j.dump(), "both attention K/V and a Mamba-2 state");
+    j["model_type"] = "jamba";
+    expect_refused(j.dump(), "Mamba-1");
 }
 
 // Hunyuan dense: Llama 3.1 8B's layers under another vocabulary; the experts and the cross-layer
@@ -805,10 +936,17 @@ TEST(RealShapes, HunyuanDenseAsVllmBuildsIt) {
     j["attention_head_dim"] = 64;
     EXPECT_EQ(parse_hf_config(j.dump(), "h.json").head_dim, 64);
     j["head_dim"] = 128;
-    j["num_experts"] = 8;
+    j["num_experts"] = 8;  // experts, but HunYuanDenseV1Config names no moe_topk default
+    expect_refused(j.dump(), "moe_topk");
+    j["moe_topk"] = 2;
+    j["moe_intermediate_size"] = 14336;
+    const ModelSpec moe = parse_hf_config(j.dump(), "h.json");
+    EXPECT_EQ(moe.moe.num_experts, 8);
+    EXPECT_EQ(moe.num_moe_layers(), 32);
+    j["num_experts"] = std::vector<int>(32, 2);  // the MoE block needs one count
     expect_refused(j.dump(), "num_experts");
-    j["num_experts"] = std::vector<int>(32, 2);
-    expect_refused(j.dump(), "num_experts");
+    j["num_experts"] = nlohmann::json::array({2, nullptr});  // _is_moe: not all ints, dense
+    EXPECT_EQ(parse_hf_config(j.dump(), "h.json").total_params(), hy.total_params());
     j.erase("num_experts");
     j["use_cla"] = true;  // with cla_share_factor 2: odd layers read the even layers' K and V
     expect_refused(j.dump(), "use_cla");
