@@ -315,6 +315,7 @@ std::vector<float> RankModel::forward(const ForwardBatch& b) {
                 gated_deltanet_block(l, b, x);
                 break;
             case LayerKind::kMamba2:
+            case LayerKind::kMamba1:
             case LayerKind::kShortConv:
                 KVSHARD_CHECK(false, "check_executable refuses ", layer_kind_name(w.kind),
                               " layers");

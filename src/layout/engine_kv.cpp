@@ -261,6 +261,7 @@ int64_t engine_startup_blocks(const EngineKvArrangement& a, const ParallelConfig
                 break;
             case LayerKind::kGatedDeltaNet:
             case LayerKind::kMamba2:
+            case LayerKind::kMamba1:
             case LayerKind::kShortConv:
                 need =
                     (a.mamba_cache_mode == MambaCacheMode::kAlign ? 2 : 1) + a.speculative_blocks;

@@ -72,7 +72,8 @@ std::vector<int> valid_tp_sizes(const ModelSpec& m) {
             if (g.num_kv_heads > 0) ok = ok && fits(g.num_kv_heads, t);
         if (has_state) ok = ok && fits(m.state.heads, t) && fits(m.state.groups, t);
         if (has_layer_kind(m, LayerKind::kMamba2)) ok = ok && mamba2_tp_fits(m.state, t);
-        if (has_layer_kind(m, LayerKind::kShortConv)) ok = ok && m.state.heads % t == 0;
+        if (has_layer_kind(m, LayerKind::kShortConv) || has_layer_kind(m, LayerKind::kMamba1))
+            ok = ok && m.state.heads % t == 0;
         if (ok) out.push_back(t);
     }
     return out;
@@ -126,6 +127,12 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
                                    " conv channels of ", m.name,
                                    "'s short-conv layers, which vLLM splits over tp "
                                    "(short_conv_state_shape): valid tp sizes are ",
+                                   join(valid_tp)));
+    if (has_layer_kind(m, LayerKind::kMamba1) && m.state.heads % p.tp != 0)
+        throw Error(detail::concat("tp=", p.tp, " does not divide the ", m.state.heads,
+                                   " channels (d_inner) of ", m.name,
+                                   "'s Mamba-1 layers, which vLLM splits over tp "
+                                   "(mamba1_state_shape): valid tp sizes are ",
                                    join(valid_tp)));
     if (has_layer_kind(m, LayerKind::kMamba2) && !mamba2_tp_fits(m.state, p.tp))
         throw Error(detail::concat(
@@ -379,6 +386,7 @@ int64_t first_kept_position(LayerKind kind, int window, int64_t seq_len) {
             return 0;
         case LayerKind::kGatedDeltaNet:
         case LayerKind::kMamba2:
+        case LayerKind::kMamba1:
         case LayerKind::kShortConv:
         case LayerKind::kNoKv:
             return seq_len;

@@ -149,6 +149,8 @@ enum class Family {
     kNemotronNas,    // Nemotron Super / Ultra (block_configs)
     kGemma4,         // gemma4(_text): per-layer head sizes, K = V weights on full layers
     kGraniteHybrid,  // granitemoehybrid (Granite 4.0-H: Mamba-2 + attention, MoE on every layer)
+    kBamba,          // bamba (Bamba-9B: Mamba-2 + attention by attn_layer_indices, dense MLPs)
+    kJamba,          // jamba (AI21 Jamba: Mamba-1 + attention by period / offset, MoE likewise)
     kOlmo,        // olmo2, olmo3 (Olmo 3: sliding layers by layer_types, else 3 sliding : 1 full)
     kCohere2,     // cohere2 (Command R7B / A: 3 sliding : 1 full, NoPE full layers)
     kExaone4,     // exaone4 (EXAONE 4.0: layer_types, else sliding_window_pattern)
@@ -212,6 +214,8 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"nemotron_h", Family::kNemotronH},
         {"nemotron-nas", Family::kNemotronNas},
         {"granitemoehybrid", Family::kGraniteHybrid},
+        {"bamba", Family::kBamba},
+        {"jamba", Family::kJamba},
         {"olmo2", Family::kOlmo},
         {"olmo3", Family::kOlmo},
         {"cohere2", Family::kCohere2},
@@ -248,10 +252,6 @@ Family family_of(const std::string& model_type, const std::string& file) {
          "every Falcon-H1 layer holds both attention K/V and a Mamba-2 state (vLLM's "
          "FalconH1ParallelHybrid runs the two branches in parallel), and a kvshard layer holds "
          "one kind; sizing either alone would leave the other out"},
-        // vLLM's jamba.py: JambaMambaDecoderLayer is a Mamba-1 mixer (mamba1_state_shape).
-        {"jamba",
-         "Jamba's Mamba layers are Mamba-1 (vLLM's JambaMambaDecoderLayer, state shapes of "
-         "MambaStateShapeCalculator.mamba1_state_shape), a state kind kvshard does not model"},
     };
     if (auto why = kNotExpressible.find(model_type); why != kNotExpressible.end())
         throw Error(detail::concat(file, ": model_type '", model_type,
@@ -365,6 +365,12 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"hunyuan_v1_dense", {"HunYuanDenseV1Config", 32, H, H, true}},
         // HunYuanMoEV1Config: 32 heads, KV None -> heads, head_dim None (the same attention).
         {"hunyuan_v1_moe", {"HunYuanMoEV1Config", 32, H, H, true}},
+        // BambaConfig: 32 heads, 8 KV heads (None -> heads); vLLM's BambaAttentionDecoderLayer
+        // takes head_dim = hidden / heads whatever the config says, checked below.
+        {"bamba", {"BambaConfig", 32, 8, H, true}},
+        // JambaConfig: 32 heads, 8 KV heads (None -> heads); vLLM's JambaAttentionDecoderLayer
+        // takes head_dim = hidden / heads, checked below.
+        {"jamba", {"JambaConfig", 32, 8, H, true}},
     };
     auto it = kDefaults.find(model_type);
     // The rest: Falcon (head_dim is hidden / heads by definition, KV heads from its own fields),
@@ -424,8 +430,14 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "mamba_d_conv",
         "mamba_expand",
         "layers_block_type",   // GraniteMoeHybridConfig's alias of layer_types
-        "linear_attn_config",  // Kimi Linear: its KDA layers and their shape, read below
-        "conv_L_cache",        // LFM2's short conv: its width, and which layers are attention
+        "attn_layer_indices",  // Bamba: its attention layers, read below
+        "attn_rotary_emb",     // Bamba: the rotary dim (positions only)
+        "attn_layer_period",   // Jamba: its attention layers, read below
+        "attn_layer_offset",
+        "mamba_dt_rank",           // Jamba: checked below
+        "mamba_inner_layernorms",  // Jamba: dt / B / C norms (weights only, not counted)
+        "linear_attn_config",      // Kimi Linear: its KDA layers and their shape, read below
+        "conv_L_cache",            // LFM2's short conv: its width, and which layers are attention
         "conv_dim",
         "full_attn_idxs",
         "num_heads",  // LFM2's original key beside num_attention_heads, checked equal below
@@ -613,13 +625,19 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"num_kv_shared_layers", {Family::kGemma4}},
         {"hidden_size_per_layer_input", {Family::kGemma4}},
         {"enable_moe_block", {Family::kGemma4}},
-        {"mamba_n_heads", {Family::kGraniteHybrid}},
-        {"mamba_d_head", {Family::kGraniteHybrid}},
-        {"mamba_d_state", {Family::kGraniteHybrid}},
-        {"mamba_n_groups", {Family::kGraniteHybrid}},
-        {"mamba_d_conv", {Family::kGraniteHybrid}},
-        {"mamba_expand", {Family::kGraniteHybrid}},
+        {"mamba_n_heads", {Family::kGraniteHybrid, Family::kBamba}},
+        {"mamba_d_head", {Family::kGraniteHybrid, Family::kBamba}},
+        {"mamba_d_state", {Family::kGraniteHybrid, Family::kBamba, Family::kJamba}},
+        {"mamba_n_groups", {Family::kGraniteHybrid, Family::kBamba}},
+        {"mamba_d_conv", {Family::kGraniteHybrid, Family::kBamba, Family::kJamba}},
+        {"mamba_expand", {Family::kGraniteHybrid, Family::kBamba, Family::kJamba}},
         {"layers_block_type", {Family::kGraniteHybrid}},
+        {"attn_layer_indices", {Family::kBamba}},
+        {"attn_layer_period", {Family::kJamba}},
+        {"attn_layer_offset", {Family::kJamba}},
+        {"expert_layer_period", {Family::kJamba}},
+        {"expert_layer_offset", {Family::kJamba}},
+        {"mamba_dt_rank", {Family::kJamba}},
         {"block_configs", {Family::kNemotronNas}},
         {"linear_attn_config", {Family::kKimiLinear}},
         {"conv_L_cache", {Family::kLfm2}},
@@ -1062,7 +1080,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         // Families whose vLLM attention takes hidden / heads as the head size and never reads
         // head_dim (Granite 4.0-H's own check is below).
         const bool head_dim_from_hidden = fam == Family::kOlmo || fam == Family::kCohere2 ||
-                                          model_type == "granitemoe" || fam == Family::kLfm2;
+                                          model_type == "granitemoe" || fam == Family::kLfm2 ||
+                                          fam == Family::kBamba || fam == Family::kJamba;
         if (f.has(head_dim_key) && fam != Family::kGraniteHybrid && !head_dim_from_hidden) {
             m.head_dim = f.positive_int(head_dim_key);
         } else if (defaults.head_dim == ClassDefaults::kRequired) {
@@ -1169,6 +1188,17 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                 throw f.bad("first_k_dense_replace",
                             detail::concat("must be below num_hidden_layers (", m.num_layers,
                                            "), got ", m.moe.first_dense_layers));
+        }
+    } else if (fam == Family::kJamba) {
+        // JambaConfig.layers_num_experts: num_experts (default 16) on layers l with
+        // l % expert_layer_period == expert_layer_offset, else 1; vLLM's jamba.py builds JambaMoE
+        // (experts of intermediate_size, top num_experts_per_tok, default 2) where that is above
+        // 1, else JambaMLP of intermediate_size. Which layers is set per layer below.
+        const int experts = f.int_or("num_experts", 16);
+        if (experts > 1) {
+            m.moe.num_experts = experts;
+            m.moe.experts_per_token = f.positive_int_or("num_experts_per_tok", 2);
+            m.moe.expert_intermediate = f.positive_int_or("intermediate_size", 14336);
         }
     } else if (model_type == "ernie4_5_moe") {
         // vLLM's ernie45_moe.py (Ernie4_5_MoeDecoderLayer): layer l holds Ernie4_5_MoeMoE when
@@ -1322,6 +1352,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                          : f.int_or("shared_intermediate_size", 1024);
     else if (fam == Family::kLfm2)
         m.intermediate = lfm2_ff_width(f);
+    else if (fam == Family::kBamba || fam == Family::kJamba)  // their dense MLP
+        m.intermediate = f.positive_int_or("intermediate_size", 14336);
     else if (model_type == "ernie4_5_moe")  // its dense layers (layer 0 by default)
         m.intermediate = f.positive_int_or("intermediate_size", 12288);
     else
@@ -1350,8 +1382,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
 
     const bool per_layer_family = fam == Family::kOlmo || fam == Family::kCohere2 ||
                                   fam == Family::kExaone4 || fam == Family::kSmolLM3;
-    if (f.has("layer_types") && fam != Family::kGraniteHybrid && fam != Family::kGemma4 &&
-        fam != Family::kLfm2 && !per_layer_family) {
+    if (f.has("layer_types") && fam != Family::kGraniteHybrid && fam != Family::kBamba &&
+        fam != Family::kGemma4 && fam != Family::kLfm2 && !per_layer_family) {
         const std::vector<std::string> types = layer_type_list(f, "layer_types", L);
         for (int l = 0; l < L; ++l) {
             const LayerKind k = layer_type_kind(types[l], file, l);
@@ -1559,6 +1591,53 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
             m.moe.first_dense_layers = first;  // lets a contiguous tail read as uniform
         }
     }
+    if (fam == Family::kJamba) {
+        // JambaConfig.layers_block_type: attention where l % attn_layer_period ==
+        // attn_layer_offset (defaults 8 and 4), else Mamba-1 (vLLM's JambaMambaDecoderLayer:
+        // MambaMixer of d_inner = mamba_expand x hidden, d_state mamba_d_state, d_conv
+        // mamba_d_conv; JambaConfig's defaults 2, 16, 4). An offset not below its period is
+        // refused, as JambaConfig refuses it.
+        auto period_offset = [&](const char* period_key, const char* offset_key, int period,
+                                 int offset) {
+            const int p = f.positive_int_or(period_key, period);
+            const int o = f.int_or(offset_key, offset);
+            if (o >= p)
+                throw f.bad(offset_key, detail::concat("(", o, ") must be below ", period_key, " (",
+                                                       p, "), as JambaConfig requires"));
+            return std::pair{p, o};
+        };
+        const auto [attn_p, attn_o] = period_offset("attn_layer_period", "attn_layer_offset", 8, 4);
+        const auto [exp_p, exp_o] =
+            period_offset("expert_layer_period", "expert_layer_offset", 2, 1);
+        for (int l = 0; l < L; ++l) {
+            if (l % attn_p != attn_o) layers[l].kind = LayerKind::kMamba1;
+            const bool moe = m.moe.enabled() && l % exp_p == exp_o;
+            layers[l].mlp = moe ? MlpKind::kMoe : MlpKind::kDense;
+            layers[l].intermediate = moe ? 0 : m.intermediate;
+        }
+        if (m.moe.enabled()) {
+            bool any = false;
+            for (const auto& s : layers) any = any || s.mlp == MlpKind::kMoe;
+            if (!any) m.moe = MoeSpec{};  // the offset names no layer: all dense
+        }
+        const int64_t inner = int64_t{f.positive_int_or("mamba_expand", 2)} * m.hidden;
+        m.state.heads = checked_narrow(inner, "Jamba's d_inner (mamba_expand x hidden_size)");
+        m.state.head_dim = 1;
+        m.state.groups = 0;
+        m.state.group_dim = f.positive_int_or("mamba_d_state", 16);
+        m.state.conv_kernel = f.positive_int_or("mamba_d_conv", 4);
+        // "auto" is ceil(hidden / 16) (JambaConfig), the rank mixer_params_of_layer counts.
+        const int auto_rank = (m.hidden + 15) / 16;
+        if (f.has("mamba_dt_rank") &&
+            !(f.json().at("mamba_dt_rank").is_string() &&
+              f.string_or("mamba_dt_rank", "") == "auto") &&
+            f.positive_int("mamba_dt_rank") != auto_rank)
+            throw f.bad("mamba_dt_rank",
+                        detail::concat("is ", f.json().at("mamba_dt_rank").dump(),
+                                       ": kvshard counts Jamba's Mamba-1 weights with dt_rank "
+                                       "ceil(hidden_size / 16) = ",
+                                       auto_rank, " (\"auto\")"));
+    }
     if (fam == Family::kGptOss)
         for (auto& s : layers) s.learned_sinks = true;
     if (fam == Family::kQwen3Next && f.has("mlp_only_layers"))
@@ -1667,28 +1746,49 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
             }
         }
     }
-    if (fam == Family::kGraniteHybrid) {
-        // vLLM builds each layer from config.layer_types[i] ("mamba" or "attention") and fails
-        // without the list; transformers reads layers_block_type as its alias.
-        const char* key = f.has("layer_types") ? "layer_types" : "layers_block_type";
-        if (!f.has(key))
-            throw Error(detail::concat(file,
-                                       ": missing field 'layer_types': Granite 4.0-H names "
-                                       "each layer \"mamba\" or \"attention\""));
-        const std::vector<std::string> types = layer_type_list(f, key, L, {"mamba", "attention"});
+    if (fam == Family::kGraniteHybrid || fam == Family::kBamba) {
+        std::vector<std::string> types;
+        if (fam == Family::kBamba) {
+            // vLLM's bamba.py builds layer i from config.layers_block_type[i], a BambaConfig
+            // property: "attention" where i is in attn_layer_indices, else "mamba" (every layer
+            // Mamba-2 when the list is absent or empty). A saved layer_types is not read there.
+            if (f.has("layer_types"))
+                throw f.bad("layer_types",
+                            "is set, but BambaConfig derives the layers from attn_layer_indices "
+                            "only (vLLM would not read it): remove it");
+            types.assign(L, "mamba");
+            if (f.has("attn_layer_indices"))
+                for (const auto& v : f.array("attn_layer_indices")) {
+                    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= L)
+                        throw f.bad("attn_layer_indices",
+                                    detail::concat("has ", v.dump(),
+                                                   ": expected layer indices in [0, ", L, ")"));
+                    types[v.get<int>()] = "attention";
+                }
+        } else {
+            // vLLM builds each layer from config.layer_types[i] ("mamba" or "attention") and
+            // fails without the list; transformers reads layers_block_type as its alias.
+            const char* key = f.has("layer_types") ? "layer_types" : "layers_block_type";
+            if (!f.has(key))
+                throw Error(detail::concat(file,
+                                           ": missing field 'layer_types': Granite 4.0-H names "
+                                           "each layer \"mamba\" or \"attention\""));
+            types = layer_type_list(f, key, L, {"mamba", "attention"});
+        }
         for (int l = 0; l < L; ++l) {
             if (types[l] == "mamba") layers[l].kind = LayerKind::kMamba2;
             if (!m.moe.enabled() && m.intermediate == 0) layers[l].mlp = MlpKind::kNone;
         }
         // vLLM's attention uses hidden / heads as the head size and ignores a head_dim field.
         if (f.has(head_dim_key) && f.positive_int(head_dim_key) != m.head_dim)
-            throw f.bad(head_dim_key,
-                        detail::concat("is ", f.positive_int(head_dim_key),
-                                       ", but vLLM's Granite 4.0-H attention uses hidden_size / "
-                                       "num_attention_heads = ",
-                                       m.head_dim, ": remove the field or fix it"));
+            throw f.bad(head_dim_key, detail::concat("is ", f.positive_int(head_dim_key),
+                                                     ", but vLLM's ", model_type,
+                                                     " attention uses hidden_size / "
+                                                     "num_attention_heads = ",
+                                                     m.head_dim, ": remove the field or fix it"));
         // MambaMixer2 of intermediate mamba_expand * hidden_size in heads of mamba_d_head
-        // ("auto": intermediate / heads); GraniteMoeHybridConfig's defaults where absent.
+        // ("auto": intermediate / heads); GraniteMoeHybridConfig's defaults where absent, which
+        // BambaConfig shares (128 heads, 1 group, d_state 256, d_conv 4, expand 2).
         const int expand = f.positive_int_or("mamba_expand", 2);
         const int64_t inner = int64_t{expand} * m.hidden;
         const int heads = f.positive_int_or("mamba_n_heads", 128);
@@ -1717,8 +1817,10 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         throw f.bad("mamba_ssm_dtype", detail::concat("is set, but kvshard reads it for Qwen3.5 "
                                                       "only, not model_type '",
                                                       model_type, "'"));
-    if (fam == Family::kNemotronH || fam == Family::kQwen3Next || fam == Family::kGraniteHybrid) {
-        // Granite 4.0-H: vLLM's mamba2_state_dtype of the model dtype (no config override).
+    if (fam == Family::kNemotronH || fam == Family::kQwen3Next || fam == Family::kGraniteHybrid ||
+        fam == Family::kBamba || fam == Family::kJamba) {
+        // Granite 4.0-H, Bamba: vLLM's mamba2_state_dtype of the model dtype (no config
+        // override); Jamba: mamba1_state_dtype, the same rule (_mamba_state_dtype).
         m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;
         // Nemotron-H: vLLM's NemotronHForCausalLMConfig sets mamba_ssm_cache_dtype, while it is
         // 'auto', to the config's mamba_ssm_cache_dtype, else DEFAULT_MAMBA_SSM_CACHE_DTYPE =

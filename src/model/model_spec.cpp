@@ -45,6 +45,8 @@ std::string_view layer_kind_name(LayerKind k) {
             return "gated_deltanet";
         case LayerKind::kMamba2:
             return "mamba2";
+        case LayerKind::kMamba1:
+            return "mamba1";
         case LayerKind::kShortConv:
             return "short_conv";
         case LayerKind::kNoKv:
@@ -54,13 +56,14 @@ std::string_view layer_kind_name(LayerKind k) {
 }
 
 LayerKind parse_layer_kind(std::string_view s) {
-    for (LayerKind k : {LayerKind::kFullAttention, LayerKind::kSlidingWindow,
-                        LayerKind::kChunkedLocal, LayerKind::kMla, LayerKind::kGatedDeltaNet,
-                        LayerKind::kMamba2, LayerKind::kShortConv, LayerKind::kNoKv})
+    for (LayerKind k :
+         {LayerKind::kFullAttention, LayerKind::kSlidingWindow, LayerKind::kChunkedLocal,
+          LayerKind::kMla, LayerKind::kGatedDeltaNet, LayerKind::kMamba2, LayerKind::kMamba1,
+          LayerKind::kShortConv, LayerKind::kNoKv})
         if (layer_kind_name(k) == s) return k;
     throw Error(detail::concat("unknown layer kind '", s,
                                "': expected full, sliding, chunked, mla, gated_deltanet, mamba2, "
-                               "short_conv or none"));
+                               "mamba1, short_conv or none"));
 }
 
 bool holds_tokens(LayerKind k) {
@@ -69,7 +72,8 @@ bool holds_tokens(LayerKind k) {
 }
 
 bool holds_state(LayerKind k) {
-    return k == LayerKind::kGatedDeltaNet || k == LayerKind::kMamba2 || k == LayerKind::kShortConv;
+    return k == LayerKind::kGatedDeltaNet || k == LayerKind::kMamba2 || k == LayerKind::kMamba1 ||
+           k == LayerKind::kShortConv;
 }
 
 namespace {
@@ -190,7 +194,8 @@ int64_t mla_bytes_per_token(const ModelSpec& m) {
 int64_t state_bytes(const StateSpec& st, int tp) {
     KVSHARD_CHECK(tp >= 1, "tp must be positive");
     const int64_t heads = std::max(1, st.heads / tp);
-    const int64_t groups = std::max(1, st.groups / tp);
+    // No groups (short conv, Mamba-1): no B / C columns in the conv state, at any tp.
+    const int64_t groups = st.groups > 0 ? std::max(1, st.groups / tp) : 0;
     const int64_t conv_dim = heads * st.head_dim + 2 * groups * st.group_dim;
     const int64_t conv = int64_t{st.conv_kernel - 1 + st.spec_conv_rows} * conv_dim *
                          static_cast<int64_t>(dtype_size(st.conv_dtype));
@@ -288,6 +293,18 @@ int64_t ModelSpec::mixer_params_of_layer(int l) const {
             const int64_t conv_dim = inner + 2 * int64_t{state.groups} * state.group_dim;
             p = h * (inner + conv_dim + state.heads) + conv_dim * (state.conv_kernel + 1) +
                 3 * state.heads + inner + inner * h;
+            break;
+        }
+        case LayerKind::kMamba1: {
+            // vLLM's MambaMixer (layers/mamba/mamba_mixer.py), as Jamba builds it: in_proj
+            // (hidden -> 2 x d_inner: x and the gate), conv1d of conv_kernel taps + bias per
+            // channel, x_proj (d_inner -> dt_rank + 2 x d_state), dt_proj (dt_rank -> d_inner,
+            // with bias), A (d_inner x d_state), D (d_inner), out_proj (d_inner -> hidden).
+            // dt_rank is ceil(hidden / 16) (JambaConfig's "auto"; another is refused on read).
+            // Jamba's dt / B / C RMSNorm weights (dt_rank + 2 x d_state) are not counted.
+            const int64_t c = state.heads, n = state.group_dim, r = (h + 15) / 16;
+            p = 2 * h * c + c * (state.conv_kernel + 1) + c * (r + 2 * n) + r * c + c + c * n + c +
+                c * h;
             break;
         }
         case LayerKind::kShortConv: {
@@ -449,7 +466,7 @@ void ModelSpec::validate() const {
     require(static_cast<int>(layers.size()) == num_layers, "model '", name, "': layers lists ",
             layers.size(), " layers but num_layers is ", num_layers, ": give one per layer");
     bool uses_state = false;
-    bool short_conv = false, other_state = false;
+    bool short_conv = false, mamba1 = false, other_state = false;
     for (int l = 0; l < num_layers; ++l) {
         const LayerSpec& s = layers[static_cast<size_t>(l)];
         const std::string where =
@@ -477,11 +494,25 @@ void ModelSpec::validate() const {
                 ": a dense MLP needs a positive intermediate size, got ", s.intermediate);
         uses_state = uses_state || holds_state(s.kind);
         short_conv = short_conv || s.kind == LayerKind::kShortConv;
-        other_state = other_state || (holds_state(s.kind) && s.kind != LayerKind::kShortConv);
+        mamba1 = mamba1 || s.kind == LayerKind::kMamba1;
+        other_state = other_state || (holds_state(s.kind) && s.kind != LayerKind::kShortConv &&
+                                      s.kind != LayerKind::kMamba1);
     }
-    require(!(short_conv && other_state), "model '", name,
-            "': short_conv layers and other state layers cannot share the one StateSpec");
-    if (short_conv) {
+    require(int{short_conv} + int{mamba1} + int{other_state} <= 1, "model '", name,
+            "': short_conv, mamba1 and other state layers cannot share the one StateSpec");
+    if (mamba1) {
+        // d_inner channels of head_dim 1, no groups, d_state per channel.
+        positive(state.heads, "state.heads");
+        positive(state.group_dim, "state.group_dim");
+        require(state.head_dim == 1 && state.groups == 0 && !state.kda, "model '", name,
+                "': a mamba1 state is state.heads channels of head_dim 1 with no groups (groups "
+                "0) and group_dim d_state, got head_dim ",
+                state.head_dim, ", groups ", state.groups);
+        require(state.conv_kernel >= 2, "model '", name,
+                "': a mamba1 state keeps conv_kernel - 1 columns: conv_kernel must be at least 2, "
+                "got ",
+                state.conv_kernel);
+    } else if (short_conv) {
         // A conv state only: heads = conv channels of head_dim 1, no groups.
         positive(state.heads, "state.heads");
         require(state.head_dim == 1 && state.groups == 0 && state.group_dim == 0 && !state.kda,

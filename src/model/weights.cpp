@@ -121,6 +121,9 @@ void check_executable(const ModelSpec& m) {
         require(s.kind != LayerKind::kMamba2, m.name, ": layer ", l,
                 " is a Mamba-2 layer; the reference model runs Gated DeltaNet as its state layer "
                 "(Mamba-2 is sized by the layout but not executed)");
+        require(s.kind != LayerKind::kMamba1, m.name, ": layer ", l,
+                " is a Mamba-1 layer (Jamba); the reference model runs Gated DeltaNet as its "
+                "state layer (Mamba-1 is sized by the layout but not executed)");
         require(s.kind != LayerKind::kShortConv, m.name, ": layer ", l,
                 " is a short-conv layer (LFM2); the reference model runs Gated DeltaNet as its "
                 "state layer (short conv is sized by the layout but not executed)");
@@ -190,6 +193,10 @@ void mixer_tensors(const ModelSpec& m, int l,
         case LayerKind::kShortConv:
             throw Error(detail::concat(m.name,
                                        ": short-conv layers have no tensor list here "
+                                       "(not executed)"));
+        case LayerKind::kMamba1:
+            throw Error(detail::concat(m.name,
+                                       ": Mamba-1 layers have no tensor list here "
                                        "(not executed)"));
         case LayerKind::kGatedDeltaNet:
         case LayerKind::kMamba2: {
@@ -427,7 +434,7 @@ double weight_shard_bytes(const ModelSpec& m, const WeightShard& s) {
             elems += (2 * gl * st.group_dim + 2 * hl * st.head_dim + 2 * hl) * h;  // projections
             elems += ch * st.conv_kernel + 2 * hl + st.head_dim;  // conv, dt_bias, A_log, norm
             elems += hl * st.head_dim * h;                        // out_proj
-        } else if (ls.kind == LayerKind::kShortConv) {
+        } else if (ls.kind == LayerKind::kShortConv || ls.kind == LayerKind::kMamba1) {
             require(false, m.name, ": layer ", l, " (", layer_kind_name(ls.kind),
                     ") is not executed by the reference model, whose weights this sizes");
         } else if (ls.kind != LayerKind::kNoKv) {

@@ -143,6 +143,7 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
             }
             case LayerKind::kGatedDeltaNet:
             case LayerKind::kMamba2:
+            case LayerKind::kMamba1:
             case LayerKind::kShortConv:
                 // Every projection of the mixer is split by head (docs/model.md).
                 attn = m.mixer_params_of_layer(l) / tp;

@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 38 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 40 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -30,7 +30,7 @@ std::string read_file(const std::string& path) {
 }
 
 // One layer as the test knows it from the model card: 'F' full, 'S' sliding, 'C' chunked,
-// 'L' latent (MLA), 'G' Gated DeltaNet, 'M' Mamba-2, 'X' short conv, '-' no KV.
+// 'L' latent (MLA), 'G' Gated DeltaNet, 'M' Mamba-2, '1' Mamba-1, 'X' short conv, '-' no KV.
 struct L {
     char kind;
     int kv_heads = 0, head_dim = 0, window = 0;
@@ -54,6 +54,14 @@ int64_t state_bf16_ssm_fp32(int heads, int head_dim, int groups, int group_dim, 
 // the model's bf16, recurrent (heads/tp) x dim x dim always float32.
 int64_t kda_state(int heads, int dim, int k, int tp) {
     return int64_t{k - 1} * (3 * heads * dim / tp) * 2 + int64_t{heads / tp} * dim * dim * 4;
+}
+
+// A Mamba-1 layer as vLLM sizes it (MambaStateShapeCalculator.mamba1_state_shape, dtypes from
+// MambaStateDtypeCalculator.mamba1_state_dtype: the model's bf16 for both): conv (d_conv - 1) x
+// (d_inner / tp), SSM (d_inner / tp) x d_state.
+int64_t mamba1_state_by_hand(int d_inner, int d_state, int d_conv, int tp) {
+    const int64_t c = d_inner / tp;
+    return 2 * (int64_t{d_conv - 1} * c + c * d_state);
 }
 
 struct Family {
@@ -249,6 +257,28 @@ std::vector<Family> families() {
     out.push_back({"ernie-4.5-21b-a3b-pt", uniform(28, {'F', 4, 128}), {1, 2, 4}});
     // Hunyuan-A13B: 32 query heads, 8 KV heads of head_dim 128, no CLA (use_cla false).
     out.push_back({"hunyuan-a13b-instruct", uniform(32, {'F', 8, 128}), {1, 2, 4, 8}});
+    // Bamba-9B: attention at attn_layer_indices 9, 18, 27 (8 KV heads of 4096 / 32 = 128), the
+    // other 29 Mamba-2 of 128 heads of 64, 1 group, d_state 128, d_conv 4.
+    out.push_back({"bamba-9b",
+                   pattern(32,
+                           [](int i) {
+                               return i == 9 || i == 18 || i == 27 ? L{'F', 8, 128} : L{'M'};
+                           }),
+                   {1, 2, 4, 8},
+                   0,
+                   0,
+                   [](int tp) { return state_bf16(128, 64, 1, 128, 4, tp); }});
+    // Jamba-v0.1: attention where l % 8 == 4 (8 KV heads of 4096 / 32 = 128), the other 28
+    // layers Mamba-1 of d_inner 8192, d_state 16, d_conv 4 (mamba1_state_by_hand).
+    out.push_back({"jamba-v0.1",
+                   pattern(32,
+                           [](int i) {
+                               return i % 8 == 4 ? L{'F', 8, 128} : L{'1'};
+                           }),
+                   {1, 2, 4, 8},
+                   0,
+                   0,
+                   [](int tp) { return mamba1_state_by_hand(8192, 16, 4, tp); }});
     return out;
 }
 
@@ -285,6 +315,7 @@ int64_t expected_request_bytes(const Family& f, int64_t n) {
                 break;
             case 'G':
             case 'M':
+            case '1':
             case 'X':
                 sum += f.state(1);
                 break;
@@ -302,7 +333,8 @@ TEST(RealShapes, PublishedFamiliesPerRankAndPerRequest) {
         const int n = static_cast<int>(f.layers.size());
         ASSERT_EQ(m.num_layers, n);
         int state_layers = 0;
-        for (const L& l : f.layers) state_layers += l.kind == 'G' || l.kind == 'M' || l.kind == 'X';
+        for (const L& l : f.layers)
+            state_layers += l.kind == 'G' || l.kind == 'M' || l.kind == '1' || l.kind == 'X';
         for (int tp : {1, 2, 4, 8}) {
             ParallelConfig p;
             p.tp = tp;
@@ -910,14 +942,117 @@ TEST(RealShapes, HunyuanMoeAsVllmBuildsIt) {
     expect_refused(j.dump(), "use_cla");
 }
 
-// Architectures whose layers kvshard's one-kind-per-layer model cannot express are refused with
-// the reason, not approximated.
-TEST(RealShapes, ParallelHybridAndMamba1Refused) {
+// Bamba-9B as vLLM's bamba.py builds it: layers_block_type from attn_layer_indices, BambaMLP of
+// intermediate_size on every layer, MambaMixer2 of mamba_expand x hidden in mamba_n_heads heads.
+TEST(RealShapes, BambaAsVllmBuildsIt) {
+    const ModelSpec m = load_hf_config(config_path("bamba-9b"));
+    EXPECT_EQ(m.head_dim, 128);
+    EXPECT_FALSE(m.moe.enabled());
+    for (int l = 0; l < 32; ++l) EXPECT_EQ(m.layer(l).mlp, MlpKind::kDense) << l;
+    // 29 Mamba-2 layers at bf16: conv 3 x (8192 + 2 x 128), SSM 128 x 64 x 128.
+    EXPECT_EQ(m.state_bytes_per_sequence(), int64_t{29} * 2 * (3 * 8448 + 128 * 64 * 128));
+    EXPECT_EQ(m.kv_bytes_per_token(), int64_t{3} * 2 * 8 * 128 * 2);
+    // Published: 9.78B. By hand: attention 4096 x (2 x 4096 + 2 x 1024); Mamba-2 in_proj 4096 x
+    // (8192 + 8448 + 128), conv 8448 x (4 + 1), A + D + dt_bias 3 x 128, norm 8192, out_proj
+    // 8192 x 4096; MLP 3 x 4096 x 14336 on all 32 layers; untied embedding and LM head.
+    const int64_t attn = int64_t{4096} * (2 * 4096 + 2 * 1024);
+    const int64_t mamba =
+        int64_t{4096} * (8192 + 8448 + 128) + 8448 * 5 + 3 * 128 + 8192 + int64_t{8192} * 4096;
+    const int64_t total =
+        3 * attn + 29 * mamba + int64_t{32} * 3 * 4096 * 14336 + 2 * int64_t{128256} * 4096;
+    EXPECT_EQ(m.total_params(), total);
+    EXPECT_NEAR(static_cast<double>(total), 9.78e9, 0.01 * 9.78e9);
+
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("bamba-9b")));
+    j["layer_types"] = std::vector<std::string>(32, "attention");  // not read by vLLM
+    expect_refused(j.dump(), "attn_layer_indices");
+    j.erase("layer_types");
+    j["attn_layer_indices"] = {3, 32};
+    expect_refused(j.dump(), "attn_layer_indices");
+    j.erase("attn_layer_indices");  // BambaConfig: every layer Mamba-2
+    EXPECT_EQ(parse_hf_config(j.dump(), "b.json").kv_bytes_per_token(), 0);
+    j["attn_layer_indices"] = {9};
+    j["head_dim"] = 64;  // vLLM's attention takes hidden / heads = 128
+    expect_refused(j.dump(), "head_dim");
+    j.erase("head_dim");
+    j["mamba_d_head"] = 32;  // x 128 heads must be mamba_expand x hidden
+    expect_refused(j.dump(), "mamba_d_head");
+}
+
+// Falcon-H1's layers hold attention K/V and a Mamba-2 state side by side, which kvshard's
+// one-kind-per-layer model cannot express: refused with the reason, not approximated.
+TEST(RealShapes, ParallelHybridRefused) {
     nlohmann::json j = nlohmann::json::parse(read_file(config_path("llama-3.1-8b")));
     j["model_type"] = "falcon_h1";
     expect_refused(j.dump(), "both attention K/V and a Mamba-2 state");
-    j["model_type"] = "jamba";
-    expect_refused(j.dump(), "Mamba-1");
+}
+
+// Jamba-v0.1 as vLLM's jamba.py builds it: JambaConfig.layers_block_type (attention where
+// l % 8 == 4), layers_num_experts (16 experts, top 2, on odd layers; JambaMLP elsewhere),
+// Mamba-1 mixers of d_inner 2 x 4096. Published: 52B total, 12B active.
+TEST(RealShapes, JambaAsVllmBuildsIt) {
+    const ModelSpec m = load_hf_config(config_path("jamba-v0.1"));
+    int attn = 0, mamba = 0;
+    for (int l = 0; l < 32; ++l) {
+        const LayerKind k = m.layer(l).kind;
+        EXPECT_EQ(k, l % 8 == 4 ? LayerKind::kFullAttention : LayerKind::kMamba1) << l;
+        EXPECT_EQ(m.is_moe_layer(l), l % 2 == 1) << l;
+        attn += k == LayerKind::kFullAttention;
+        mamba += k == LayerKind::kMamba1;
+    }
+    EXPECT_EQ(attn, 4);
+    EXPECT_EQ(mamba, 28);
+    EXPECT_EQ(m.head_dim, 128);
+    EXPECT_EQ(m.kv_bytes_per_token(), int64_t{4} * 2 * 8 * 128 * 2);
+    // State per sequence, tp 1: 28 x bf16 x (3 x 8192 + 8192 x 16) = 8,028,160 bytes; tp 2:
+    // half the channels on each rank.
+    EXPECT_EQ(m.state_bytes_per_sequence(), int64_t{28} * 2 * (3 * 8192 + 8192 * 16));
+    EXPECT_EQ(state_bytes(m.state, 1), 2 * (3 * 8192 + 8192 * 16));
+    EXPECT_EQ(state_bytes(m.state, 2), 2 * (3 * 4096 + 4096 * 16));
+    EXPECT_EQ(state_bytes(m.state, 2), mamba1_state_by_hand(8192, 16, 4, 2));
+    // The layout sizes a rank's state groups with the same bytes.
+    for (int tp : {1, 2}) {
+        ParallelConfig p;
+        p.tp = tp;
+        const KvLayout lay = make_layout(m, p);
+        int64_t state = 0;
+        for (const auto& g : lay.ranks.at(0).groups) state += g.state_bytes_per_sequence;
+        EXPECT_EQ(state, 28 * mamba1_state_by_hand(8192, 16, 4, tp)) << tp;
+        EXPECT_EQ(lay.ranks.at(0).state_bytes_per_sequence, state) << tp;
+    }
+    // Parameters by hand. Mamba-1: in_proj 4096 x 2 x 8192, conv 8192 x (4 + 1), x_proj 8192 x
+    // (256 + 2 x 16), dt_proj 256 x 8192 + 8192, A 8192 x 16, D 8192, out_proj 8192 x 4096.
+    const int64_t c = 8192;
+    const int64_t mixer =
+        4096 * 2 * c + c * 5 + c * (256 + 32) + 256 * c + c + c * 16 + c + c * 4096;
+    const int64_t attn_p = int64_t{4096} * (2 * 4096 + 2 * 1024);
+    const int64_t mlp = int64_t{3} * 4096 * 14336;
+    const int64_t moe = 16 * mlp + int64_t{4096} * 16;
+    const int64_t total = 4 * attn_p + 28 * mixer + 16 * mlp + 16 * moe + 2 * int64_t{65536} * 4096;
+    EXPECT_EQ(m.total_params(), total);
+    EXPECT_NEAR(static_cast<double>(total), 51.6e9, 0.01 * 51.6e9);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 12e9, 0.05 * 12e9);
+
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("jamba-v0.1")));
+    j["mamba_dt_rank"] = 128;  // not what kvshard counts
+    expect_refused(j.dump(), "mamba_dt_rank");
+    j["mamba_dt_rank"] = "auto";
+    EXPECT_EQ(parse_hf_config(j.dump(), "j.json").total_params(), total);
+    j["attn_layer_offset"] = 8;  // JambaConfig: offset below period
+    expect_refused(j.dump(), "attn_layer_offset");
+    j["attn_layer_offset"] = 4;
+    j["num_experts"] = 1;  // layers_num_experts all 1: JambaMLP everywhere
+    const ModelSpec dense = parse_hf_config(j.dump(), "j.json");
+    EXPECT_FALSE(dense.moe.enabled());
+    EXPECT_EQ(dense.num_moe_layers(), 0);
+    // tp must divide d_inner (vLLM's divide in mamba1_state_shape).
+    j["num_experts"] = 16;
+    j["mamba_expand"] = 3;
+    j["hidden_size"] = 4096;
+    const ModelSpec odd = parse_hf_config(j.dump(), "j.json");
+    EXPECT_EQ(odd.state.heads, 12288);
+    const auto tps = valid_tp_sizes(odd);
+    for (int t : tps) EXPECT_EQ(12288 % t, 0) << t;
 }
 
 // Hunyuan dense: Llama 3.1 8B's layers under another vocabulary; the experts and the cross-layer

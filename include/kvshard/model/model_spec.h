@@ -46,13 +46,14 @@ enum class LayerKind {
     kGatedDeltaNet,  // linear attention: a fixed conv + recurrent state per sequence (Qwen3-Next;
                      // Kimi Linear's KDA, StateSpec::kda)
     kMamba2,         // SSM: a fixed conv + SSM state per sequence (Nemotron-H, Granite 4)
+    kMamba1,         // SSM (Mamba-1, Jamba): a conv + SSM state per channel, no heads or groups
     kShortConv,      // a gated short convolution: a conv state only per sequence (LFM2)
     kNoKv,           // no KV: an MLP-only layer or a no-op / linear-replaced attention
 };
 std::string_view layer_kind_name(LayerKind k);  // "full", "sliding", "chunked", "mla", ...
 LayerKind parse_layer_kind(std::string_view s);
 bool holds_tokens(LayerKind k);  // full, sliding, chunked, mla: KV grows with the sequence
-bool holds_state(LayerKind k);  // gated_deltanet, mamba2, short_conv: a constant state per sequence
+bool holds_state(LayerKind k);   // gated_deltanet, mamba2, mamba1, short_conv: a constant state
 
 // The MLP of one layer.
 enum class MlpKind { kDense, kMoe, kNone };
@@ -80,12 +81,17 @@ struct LayerSpec {
 //  Short conv:     conv state (conv_kernel-1) x heads, no recurrent state: heads are the conv
 //                  channels (LFM2's conv_dim), head_dim 1, groups and group_dim 0; the same
 //                  formula then gives vLLM's short_conv_state_shape.
+//  Mamba-1:        conv state (conv_kernel-1) x heads, SSM state heads x d_state: heads are the
+//                  d_inner channels (mamba_expand x hidden), head_dim 1, groups 0 (no B/C in the
+//                  conv), group_dim d_state; the same formula then gives vLLM's
+//                  MambaStateShapeCalculator.mamba1_state_shape ((d_conv-1, d_inner/tp) and
+//                  (d_inner/tp, d_state)). Groups of 0 add no conv columns at any tp.
 // TP splits the heads (and the key heads / groups) as it splits KV heads.
 struct StateSpec {
     int heads = 0;        // GDN: value heads; Mamba-2: SSM heads
     int head_dim = 0;     // GDN: v_head_dim; Mamba-2: head_dim
-    int groups = 0;       // GDN: key heads; Mamba-2: n_groups (B and C share them)
-    int group_dim = 0;    // GDN: k_head_dim; Mamba-2: d_state (ssm_state_size)
+    int groups = 0;       // GDN: key heads; Mamba-2: n_groups (B and C share them); Mamba-1: 0
+    int group_dim = 0;    // GDN: k_head_dim; Mamba-2 and Mamba-1: d_state (ssm_state_size)
     int conv_kernel = 0;  // the causal conv's width; the state keeps conv_kernel - 1 columns
     DType conv_dtype = DType::kBf16;
     DType state_dtype = DType::kBf16;  // the recurrent / SSM state (vLLM mamba_ssm_cache_dtype)
@@ -188,7 +194,7 @@ struct ModelSpec {
     // One entry per layer, or empty: every layer full attention (MLA when attention is kMla) with
     // num_kv_heads x head_dim and the MoE / dense MLP of is_moe_layer.
     std::vector<LayerSpec> layers;
-    StateSpec state;      // used by kGatedDeltaNet / kMamba2 / kShortConv layers
+    StateSpec state;      // used by kGatedDeltaNet / kMamba2 / kMamba1 / kShortConv layers
     IndexerSpec indexer;  // used by layers with indexer = true
     MtpSpec mtp;          // the checkpoint's MTP layers (not counted in num_layers)
 
