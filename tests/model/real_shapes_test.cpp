@@ -1004,7 +1004,7 @@ TEST(RealShapes, JambaAsVllmBuildsIt) {
     EXPECT_EQ(mamba, 28);
     EXPECT_EQ(m.head_dim, 128);
     EXPECT_EQ(m.kv_bytes_per_token(), int64_t{4} * 2 * 8 * 128 * 2);
-    // State per sequence, tp 1: 28 x bf16 x (3 x 8192 + 8192 x 16) = 8,028,160 bytes; tp 2:
+    // State per sequence, tp 1: 28 x bf16 x (3 x 8192 + 8192 x 16) = 8,716,288 bytes; tp 2:
     // half the channels on each rank.
     EXPECT_EQ(m.state_bytes_per_sequence(), int64_t{28} * 2 * (3 * 8192 + 8192 * 16));
     EXPECT_EQ(state_bytes(m.state, 1), 2 * (3 * 8192 + 8192 * 16));
