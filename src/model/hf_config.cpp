@@ -869,13 +869,17 @@ void read_max_model_len(const HfFields& f, const std::string& model_type,
         from = detail::concat("model_max_length ", static_cast<int64_t>(derived));
     }
     // Where published configs leave the length out, vLLM reads the config class's default:
-    // Gemma3TextConfig's 131072, FalconConfig's 2048 (transformers' configuration_<type>.py).
+    // Gemma3TextConfig's 131072, FalconConfig's 2048, JambaConfig's 262144 (transformers'
+    // configuration_<type>.py).
     if (from.empty() && model_type.rfind("gemma3", 0) == 0) {
         derived = 131072;
         from = "Gemma3TextConfig's default max_position_embeddings 131072";
     } else if (from.empty() && model_type == "falcon") {
         derived = 2048;
         from = "FalconConfig's default max_position_embeddings 2048";
+    } else if (from.empty() && model_type == "jamba") {
+        derived = 262144;  // Jamba-v0.1 writes its length as n_ctx, which vLLM does not read
+        from = "JambaConfig's default max_position_embeddings 262144";
     }
     // Before the RoPE factor, as vLLM takes it; also where the config states no length.
     if (tokenizer_max_length > 0 && (from.empty() || tokenizer_max_length < derived)) {

@@ -1002,6 +1002,8 @@ TEST(RealShapes, JambaAsVllmBuildsIt) {
     }
     EXPECT_EQ(attn, 4);
     EXPECT_EQ(mamba, 28);
+    // No length field vLLM reads: JambaConfig's default max_position_embeddings.
+    EXPECT_EQ(m.max_model_len, 262144);
     EXPECT_EQ(m.head_dim, 128);
     EXPECT_EQ(m.kv_bytes_per_token(), int64_t{4} * 2 * 8 * 128 * 2);
     // State per sequence, tp 1: 28 x bf16 x (3 x 8192 + 8192 x 16) = 8,716,288 bytes; tp 2:
