@@ -45,11 +45,10 @@ struct RunFlags {
     bool no_prefix_cache = false;
     int64_t prefill_chunk = 0;
     int arrive_every = 0;
-    double max_memory_gib = 0;
+    double max_memory_gib = 0;  // --max-memory-gib; else: the machine's available memory
     bool max_memory_given = false;
     double comm_timeout_s = kDefaultCommTimeoutS;
-    std::string route = "round-robin";  // --route: how prompts go to DP replicas  // else: the
-                                        // machine's available memory
+    std::string route = "round-robin";  // --route: how prompts go to DP replicas
     bool allow_long_context = false;
     bool verify = false;
     bool json = false;
