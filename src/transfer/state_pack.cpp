@@ -76,6 +76,7 @@ StateShard rank_state_shard(const KvLayout& layout, int rank) {
     };
     StateShard s;
     split(st.groups, s.key_begin, s.num_keys);
+    if (st.groups == 0) s.key_begin = s.num_keys = 0;  // Mamba-1, short conv: no B/C columns
     split(st.heads, s.head_begin, s.num_heads);
     s.conv_kernel = st.conv_kernel;
     s.key_dim = st.group_dim;

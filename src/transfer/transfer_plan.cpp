@@ -181,7 +181,10 @@ std::vector<TransferGroup> transfer_groups(const ModelSpec& m, int64_t num_token
             g.state_keys = st.groups;
             g.state_head_bytes = int64_t{st.conv_kernel - 1} * st.head_dim * ce +
                                  int64_t{st.head_dim} * st.group_dim * se;
-            g.state_key_bytes = int64_t{st.conv_kernel - 1} * 2 * st.group_dim * ce;
+            // B/C conv columns exist only where the state has groups: Mamba-2 and GDN/KDA have
+            // them; Mamba-1 (vLLM mamba1_state_shape: conv (k-1, d_inner)) and short conv do not.
+            g.state_key_bytes =
+                st.groups > 0 ? int64_t{st.conv_kernel - 1} * 2 * st.group_dim * ce : 0;
         }
         // The decode side's first query is at position num_tokens: its window, not the last
         // prefill token's (first_kept_position(.., num_tokens), what the prefill side keeps).

@@ -9,6 +9,7 @@
 #include "cli_runner.h"
 #include "kvshard/cache/kv_group_manager.h"
 #include "kvshard/common/error.h"
+#include "kvshard/model/catalog.h"
 #include "kvshard/transfer/pack.h"
 #include "transfer/transfer_harness.h"
 
@@ -72,6 +73,8 @@ int64_t expected_bytes_cp1(const ModelSpec& m, int tp, int64_t L, int bs) {
             }
             case LayerKind::kGatedDeltaNet:
             case LayerKind::kMamba2:
+            case LayerKind::kMamba1:
+            case LayerKind::kShortConv:
                 sum += int64_t{tp} * state_bytes(m.state, tp);
                 break;
             case LayerKind::kNoKv:
@@ -277,6 +280,25 @@ TEST(TransferPlanGroups, StateGroupMovesExactlyItsState) {
             }
             previous = state;
         }
+    }
+}
+
+// Jamba-v0.1's Mamba-1 state: vLLM's mamba1_state_shape is conv (k - 1, d_inner / tp) and ssm
+// (d_inner / tp, d_state), no B/C conv columns (a Mamba-2 state's groups). Computed here from the
+// shape, not from state_bytes: 28 Mamba layers, d_inner 8192, d_state 16, k 4, bf16 both.
+TEST(TransferPlanGroups, Mamba1StateMovesItsShapeAndNoGroupColumns) {
+    const ModelSpec m = load_hf_config(KVSHARD_TEST_DATA_DIR "/hf_configs/jamba-v0.1.json");
+    for (const auto& [from, to] :
+         {std::pair{"tp=1", "tp=2"}, std::pair{"tp=2", "tp=4"}, std::pair{"tp=4", "tp=1"}}) {
+        SCOPED_TRACE(std::string(from) + " -> " + to);
+        const TransferPlan plan = plan_for(m, from, to, 1000);
+        const int64_t tp = plan.dst.layout.parallel.tp, d_inner = 8192 / tp;
+        const int64_t per_rank = 28 * ((4 - 1) * d_inner * 2 + d_inner * 16 * 2);
+        int64_t state = 0;
+        for (const auto& msg : plan.messages)
+            if (plan.groups[msg.kv_group].holds_state()) state += msg.bytes;
+        EXPECT_EQ(state, tp * per_rank);
+        EXPECT_EQ(plan.bytes, plan.min_bytes);
     }
 }
 
