@@ -291,7 +291,8 @@ RouteDecision Router::route(const RouteRequest& req, std::span<const ReplicaLoad
     // block (a trace's hash_ids), never more. Fewer is a prefix of the prompt (allowed).
     require(req.num_tokens >= 0, "router: a prompt of ", req.num_tokens,
             " tokens; the token count must be >= 0");
-    const int64_t most = (req.num_tokens + params_.block_tokens - 1) / params_.block_tokens;
+    const int64_t bt = params_.block_tokens;  // ceil without overflow near 2^63
+    const int64_t most = req.num_tokens / bt + (req.num_tokens % bt != 0);
     if (static_cast<int64_t>(req.block_hashes.size()) > most)
         throw Error(detail::concat(
             "router: ", req.block_hashes.size(), " block hashes for a prompt of ", req.num_tokens,

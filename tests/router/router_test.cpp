@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <map>
 #include <random>
 #include <set>
@@ -375,6 +377,9 @@ TEST(Router, RefusesMoreHashesThanTheTokenCountHasBlocks) {
     EXPECT_THROW(r.route({q, 2 * 512}, loads, 0.0), Error);  // 3 hashes, 2 blocks
     EXPECT_THROW(r.route({q, -1}, loads, 0.0), Error);
     EXPECT_EQ(r.route({{}, 0}, loads, 0.0).matched_blocks, 0);  // an empty prompt
+    // The largest count: its block count does not overflow (it did as (n + B - 1) / B).
+    const int64_t huge = std::numeric_limits<int64_t>::max();
+    EXPECT_EQ(r.route({q, huge}, loads, 0.0).matched_blocks, 3);
 }
 
 // vLLM caps a prefix-cache hit at num_tokens - 1 tokens (vllm/v1/core/kv_cache_manager.py,
