@@ -512,6 +512,11 @@ void ModelSpec::validate() const {
                 "': a mamba1 state keeps conv_kernel - 1 columns: conv_kernel must be at least 2, "
                 "got ",
                 state.conv_kernel);
+        // vLLM's mamba1_state_shape takes no num_spec: its conv rows do not grow speculating.
+        require(state.spec_conv_rows == 0, "model '", name,
+                "': a mamba1 state keeps conv_kernel - 1 rows (vLLM adds no speculative rows), so "
+                "state.spec_conv_rows must be 0, got ",
+                state.spec_conv_rows);
     } else if (short_conv) {
         // A conv state only: heads = conv channels of head_dim 1, no groups.
         positive(state.heads, "state.heads");
@@ -524,6 +529,11 @@ void ModelSpec::validate() const {
                 "': a short_conv state keeps conv_kernel - 1 columns: conv_kernel must be at "
                 "least 2, got ",
                 state.conv_kernel);
+        // vLLM's short_conv_state_shape takes no num_spec either.
+        require(state.spec_conv_rows == 0, "model '", name,
+                "': a short_conv state keeps conv_kernel - 1 rows (vLLM adds no speculative "
+                "rows), so state.spec_conv_rows must be 0, got ",
+                state.spec_conv_rows);
     } else if (uses_state) {
         positive(state.heads, "state.heads");
         positive(state.head_dim, "state.head_dim");

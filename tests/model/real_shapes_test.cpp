@@ -3,6 +3,7 @@
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -562,6 +563,9 @@ TEST(RealShapes, Lfm2AsVllmBuildsIt) {
     EXPECT_NEAR(static_cast<double>(m.total_params()), 1170340608.0, 1e-4 * 1170340608.0);
     EXPECT_EQ(m.mixer_params_of_layer(0), int64_t{4} * 2048 * 2048 + 2048 * 3);
     EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+    ModelSpec spec = m;  // short_conv_state_shape takes no num_spec: no speculative conv rows
+    spec.state.spec_conv_rows = 1;
+    EXPECT_THROW(spec.validate(), Error);
     // layer_types, the form later LFM2 checkpoints write, reads the same.
     nlohmann::json j = nlohmann::json::parse(text);
     j.erase("full_attn_idxs");
@@ -1053,8 +1057,26 @@ TEST(RealShapes, JambaAsVllmBuildsIt) {
     j["hidden_size"] = 4096;
     const ModelSpec odd = parse_hf_config(j.dump(), "j.json");
     EXPECT_EQ(odd.state.heads, 12288);
-    const auto tps = valid_tp_sizes(odd);
-    for (int t : tps) EXPECT_EQ(12288 % t, 0) << t;
+    // A state of 4 channels: tp 8 divides the 32 heads and 8 KV heads (and would replicate 4
+    // heads of another kind), but vLLM cannot split 4 channels 8 ways.
+    ModelSpec narrow = m;
+    narrow.state.heads = 4;
+    const auto tps = valid_tp_sizes(narrow);
+    EXPECT_NE(std::find(tps.begin(), tps.end(), 4), tps.end());
+    EXPECT_EQ(std::find(tps.begin(), tps.end(), 8), tps.end());
+    ParallelConfig p8;
+    p8.tp = 8;
+    try {
+        (void)make_layout(narrow, p8);
+        ADD_FAILURE() << "tp=8 over 4 Mamba-1 channels was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("does not divide the 4 channels"), std::string::npos)
+            << e.what();
+    }
+    // No speculative conv rows for Mamba-1 (mamba1_state_shape takes no num_spec).
+    ModelSpec spec = m;
+    spec.state.spec_conv_rows = 2;
+    EXPECT_THROW(spec.validate(), Error);
 }
 
 // Hunyuan dense: Llama 3.1 8B's layers under another vocabulary; the experts and the cross-layer
