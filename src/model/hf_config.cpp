@@ -1823,8 +1823,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                                       model_type, "'"));
     if (fam == Family::kNemotronH || fam == Family::kQwen3Next || fam == Family::kGraniteHybrid ||
         fam == Family::kBamba || fam == Family::kJamba) {
-        // Granite 4.0-H, Bamba: vLLM's mamba2_state_dtype of the model dtype (no config
-        // override); Jamba: mamba1_state_dtype, the same rule (_mamba_state_dtype).
+        // Granite 4.0-H, Bamba, Qwen3-Next: vLLM's mamba2_state_dtype of the model dtype under
+        // the engine's default 'auto' (no config override); Jamba: mamba1_state_dtype, the same
+        // rule (_mamba_state_dtype).
         m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;
         // Nemotron-H: vLLM's NemotronHForCausalLMConfig sets mamba_ssm_cache_dtype, while it is
         // 'auto', to the config's mamba_ssm_cache_dtype, else DEFAULT_MAMBA_SSM_CACHE_DTYPE =
@@ -1841,6 +1842,18 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                 throw f.bad("mamba_ssm_dtype", e.what());
             }
         }
+        // Only Nemotron-H's config class reads the field (update_mamba_ssm_cache_dtype); for
+        // the other families vLLM takes the engine's --mamba-ssm-cache-dtype, 'auto' by default,
+        // whatever config.json says. A config naming it there is refused, as mamba_ssm_dtype
+        // outside Qwen3.5: the reader does not guess which of the two the user means.
+        if (fam != Family::kNemotronH && f.has("mamba_ssm_cache_dtype"))
+            throw f.bad("mamba_ssm_cache_dtype",
+                        detail::concat("is set, but vLLM reads it from config.json for Nemotron-H "
+                                       "only; model_type '",
+                                       model_type,
+                                       "' keeps its SSM state in the engine's "
+                                       "--mamba-ssm-cache-dtype (auto: the model dtype, as "
+                                       "kvshard sizes it): remove the field"));
         if (f.has("mamba_ssm_cache_dtype")) {
             try {
                 m.state.state_dtype = parse_dtype(f.string_or("mamba_ssm_cache_dtype", ""));

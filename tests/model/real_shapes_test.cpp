@@ -378,6 +378,8 @@ TEST(RealShapes, WindowsMakeLongRequestsCheaper) {
     EXPECT_EQ(request_kv_bytes(lay, 0, 100, 16), request_kv_bytes(full, 0, 100, 16));
 }
 
+void expect_refused(const std::string& text, const std::string& needle);
+
 TEST(RealShapes, NonFiniteValuesInUnrelatedFieldsLoad) {
     // Nemotron-H's published config writes time_step_limit as [0.0, Infinity] (Python's json).
     std::string text = read_file(config_path("nemotron-h-8b"));
@@ -385,6 +387,18 @@ TEST(RealShapes, NonFiniteValuesInUnrelatedFieldsLoad) {
         "initializer_range": -Infinity, "note": "Infinity stays a string")");
     const ModelSpec m = parse_hf_config(text, "nemotron-h/config.json");
     EXPECT_EQ(m.state_bytes_per_sequence(), 24 * state_bf16_ssm_fp32(128, 64, 8, 128, 4, 1));
+    // Nemotron-H reads mamba_ssm_cache_dtype from its config (update_mamba_ssm_cache_dtype)...
+    std::string half = read_file(config_path("nemotron-h-8b"));
+    half.insert(half.rfind('}'), R"(, "mamba_ssm_cache_dtype": "bfloat16")");
+    EXPECT_EQ(parse_hf_config(half, "n.json").state_bytes_per_sequence(),
+              24 * state_bf16_ssm_fp32(128, 64, 8, 128, 4, 1) -
+                  24 * int64_t{128} * 64 * 128 * 2);  // the SSM state at 2 bytes, not 4
+    // ... the other families do not (vLLM takes the engine's flag): refused, not applied.
+    for (const char* other : {"granite-4.0-h-tiny", "jamba-v0.1", "qwen3-next-80b-a3b"}) {
+        std::string t = read_file(config_path(other));
+        t.insert(t.rfind('}'), R"(, "mamba_ssm_cache_dtype": "float32")");
+        expect_refused(t, "Nemotron-H only");
+    }
     // A non-finite value where the KV needs a number is refused by name.
     std::string bad = read_file(config_path("mistral-7b-v0.1"));
     const auto at = bad.find("\"sliding_window\": 4096");
