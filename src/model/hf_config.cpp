@@ -675,6 +675,68 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
 }
 
 // Kimi Linear (vLLM's kimi_linear.py, KimiLinearConfig in transformers_utils/configs): layer l is
+// Nemotron-H's MTP step, as vLLM builds it (models/nemotron_h_mtp.py,
+// NemotronHMultiTokenPredictor): one step only (it asserts num_nextn_predict_layers == 1), of the
+// layers mtp_hybrid_override_pattern names: '*' a NemotronHAttentionDecoderLayer (KV like the
+// model's attention layers), 'E' a NemotronHMoEDecoderLayer (no KV); any other character raises
+// NotImplementedError. Some NemotronH config classes derive the pattern from
+// mtp_layers_block_type ("attention" -> '*', "moe" -> 'E'). The step's first layer holds enorm,
+// hnorm and eh_proj, a ColumnParallelLinear(2h, h) split by TP; its last final_layernorm.
+// m.mtp.layer is already the model's last attention layer.
+void read_nemotron_h_mtp(const HfFields& f, int steps, ModelSpec& m) {
+    if (steps != 1)
+        throw f.bad("num_nextn_predict_layers",
+                    detail::concat("is ", steps,
+                                   ", but vLLM's Nemotron-H drafter builds one MTP step "
+                                   "(NemotronHMultiTokenPredictor asserts "
+                                   "num_nextn_predict_layers == 1): set it to 1, or 0 for none"));
+    std::string pattern;
+    const char* key = "mtp_hybrid_override_pattern";
+    if (f.has(key)) {
+        pattern = f.string_or(key, "");
+    } else if (f.has("mtp_layers_block_type")) {
+        key = "mtp_layers_block_type";
+        for (const auto& t : f.array(key)) {
+            const std::string type = t.is_string() ? t.get<std::string>() : t.dump();
+            if (type == "attention")
+                pattern += '*';
+            else if (type == "moe")
+                pattern += 'E';
+            else
+                throw f.bad(key, detail::concat("names '", type,
+                                                "': vLLM's Nemotron-H MTP step builds attention "
+                                                "and moe layers only"));
+        }
+    } else {
+        throw f.bad("num_nextn_predict_layers",
+                    "is set, but the config names no mtp_hybrid_override_pattern (or "
+                    "mtp_layers_block_type), the layers of vLLM's Nemotron-H MTP step");
+    }
+    if (pattern.empty() || pattern[0] != '*')
+        throw f.bad(key, detail::concat("is '", pattern,
+                                        "': kvshard models a Nemotron-H MTP step that starts "
+                                        "with its attention layer (as \"*E\")"));
+    LayerSpec moe;
+    moe.kind = LayerKind::kNoKv;
+    moe.mlp = MlpKind::kMoe;
+    const LayerSpec attention = m.mtp.layer;
+    m.mtp.following.clear();
+    for (size_t i = 1; i < pattern.size(); ++i) {
+        if (pattern[i] == '*') {
+            m.mtp.following.push_back(attention);
+        } else if (pattern[i] == 'E') {
+            if (!m.moe.enabled())
+                throw f.bad(key, "has an E (MoE) layer but the config names no experts");
+            m.mtp.following.push_back(moe);
+        } else {
+            throw f.bad(key, detail::concat("has '", pattern[i], "' at ", i,
+                                            ": vLLM's Nemotron-H MTP step builds * (attention) "
+                                            "and E (MoE) layers only (NotImplementedError)"));
+        }
+    }
+    m.mtp.proj_split_by_tp = true;  // eh_proj: ColumnParallelLinear
+}
+
 // Kimi Delta Attention when l + 1 is in linear_attn_config.kda_layers (1-based,
 // KimiLinearConfig.is_kda_layer), else MLA (KimiMLAAttention, which asserts q_lora_rank None and
 // mla_use_nope). MoE on layers from first_k_dense_replace that are multiples of moe_layer_freq.
@@ -1700,6 +1762,13 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                                "or E (MoE)"));
             }
         }
+        // Nemotron 3 Super / Ultra's LatentMoE: routed experts work in moe_latent_size between
+        // fc1_latent_proj and fc2_latent_proj (NemotronHMoE), which the planner does not size.
+        if (f.has("moe_latent_size"))
+            throw f.bad("moe_latent_size",
+                        "is set: kvshard does not size Nemotron-H's latent MoE (experts of "
+                        "moe_latent_size between fc1_latent_proj and fc2_latent_proj), so its "
+                        "weights would be wrong; a config without it (null) is read");
         m.state.heads = f.positive_int("mamba_num_heads");
         m.state.head_dim = f.positive_int("mamba_head_dim");
         m.state.groups = f.positive_int("n_groups");
@@ -1991,6 +2060,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
             m.mtp.layer.intermediate = m.intermediate;
         }
         m.mtp.proj_split_by_tp = fam == Family::kQwen3Next;  // fc: ColumnParallelLinear
+        if (fam == Family::kNemotronH) read_nemotron_h_mtp(f, mtp_layers, m);
     }
 
     m.layers = std::move(layers);

@@ -561,6 +561,10 @@ void ModelSpec::validate() const {
                 "model '", name, "': an MTP layer must be ",
                 is_mla() ? "an MLA" : "a full-attention", " layer like the model's, got ",
                 layer_kind_name(mtp.layer.kind));
+    for (const LayerSpec& s : mtp.following)
+        require(s.kind == LayerKind::kNoKv || s.kind == mtp.layer.kind, "model '", name,
+                "': a layer following an MTP step's first must cache nothing or be like it (",
+                layer_kind_name(mtp.layer.kind), "), got ", layer_kind_name(s.kind));
     validate_totals();
 }
 
@@ -613,8 +617,11 @@ ModelSpec with_mtp_layers(const ModelSpec& m) {
     ModelSpec out = m;
     out.layers.clear();
     for (int l = 0; l < m.num_layers; ++l) out.layers.push_back(m.layer(l));
-    for (int i = 0; i < m.mtp.layers; ++i) out.layers.push_back(m.mtp.layer);
-    out.num_layers = m.num_layers + m.mtp.layers;
+    for (int i = 0; i < m.mtp.layers; ++i) {
+        out.layers.push_back(m.mtp.layer);
+        out.layers.insert(out.layers.end(), m.mtp.following.begin(), m.mtp.following.end());
+    }
+    out.num_layers = m.num_layers + m.mtp.layers * m.mtp.layers_per_step();
     out.mtp = {};
     out.validate();
     return out;
@@ -686,16 +693,20 @@ std::string to_json(const ModelSpec& m) {
         if (m.state.kda) j["state"]["kda"] = true;
     }
     if (m.mtp.enabled()) {
-        const LayerSpec& s = m.mtp.layer;
+        auto layer_json = [](const LayerSpec& s) {
+            return nlohmann::json{
+                {"kind", layer_kind_name(s.kind)}, {"num_kv_heads", s.num_kv_heads},
+                {"head_dim", s.head_dim},          {"indexer", s.indexer},
+                {"mlp", mlp_kind_name(s.mlp)},     {"intermediate", s.intermediate}};
+        };
         j["mtp"] = {{"layers", m.mtp.layers},
                     {"proj_split_by_tp", m.mtp.proj_split_by_tp},
-                    {"layer",
-                     {{"kind", layer_kind_name(s.kind)},
-                      {"num_kv_heads", s.num_kv_heads},
-                      {"head_dim", s.head_dim},
-                      {"indexer", s.indexer},
-                      {"mlp", mlp_kind_name(s.mlp)},
-                      {"intermediate", s.intermediate}}}};
+                    {"layer", layer_json(m.mtp.layer)}};
+        if (!m.mtp.following.empty()) {
+            nlohmann::json following = nlohmann::json::array();
+            for (const LayerSpec& s : m.mtp.following) following.push_back(layer_json(s));
+            j["mtp"]["following"] = std::move(following);
+        }
     }
     // A uniform sparse-MLA model (every layer keeps indexer keys) lists no layers.
     if (!m.layers.empty() || m.indexer.enabled())
@@ -785,15 +796,21 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
         }
         if (j.contains("mtp")) {
             const auto& t = j.at("mtp");
-            const auto& l = t.at("layer");
+            auto layer_of = [](const nlohmann::json& l) {
+                LayerSpec s;
+                s.kind = parse_layer_kind(l.at("kind").get<std::string>());
+                s.num_kv_heads = l.at("num_kv_heads").get<int>();
+                s.head_dim = l.at("head_dim").get<int>();
+                s.indexer = l.at("indexer").get<bool>();
+                s.mlp = parse_mlp_kind(l.at("mlp").get<std::string>());
+                s.intermediate = l.at("intermediate").get<int>();
+                return s;
+            };
             m.mtp.layers = t.at("layers").get<int>();
             m.mtp.proj_split_by_tp = t.at("proj_split_by_tp").get<bool>();
-            m.mtp.layer.kind = parse_layer_kind(l.at("kind").get<std::string>());
-            m.mtp.layer.num_kv_heads = l.at("num_kv_heads").get<int>();
-            m.mtp.layer.head_dim = l.at("head_dim").get<int>();
-            m.mtp.layer.indexer = l.at("indexer").get<bool>();
-            m.mtp.layer.mlp = parse_mlp_kind(l.at("mlp").get<std::string>());
-            m.mtp.layer.intermediate = l.at("intermediate").get<int>();
+            m.mtp.layer = layer_of(t.at("layer"));
+            if (t.contains("following"))
+                for (const auto& l : t.at("following")) m.mtp.following.push_back(layer_of(l));
         }
         m.validate();
         return m;

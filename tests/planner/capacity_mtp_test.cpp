@@ -271,5 +271,92 @@ TEST(CapacityMtp, RefusesAModelWithoutMtpLayersAndPipelineStages) {
     EXPECT_THROW(o.validate(), Error);
 }
 
+// NVIDIA-Nemotron-3-Nano-30B-A3B's geometry (as tests/model/hf_config_audit_test.cpp quotes it)
+// with the MTP fields Nemotron 3 Super carries (num_nextn_predict_layers 1,
+// mtp_hybrid_override_pattern "*E"). No published Nemotron-H checkpoint with MTP layers has a
+// plain MoE: Super and Ultra carry LatentMoE (moe_latent_size), which is refused, not sized.
+std::string nemotron_mtp_config(const std::string& mtp_fields) {
+    return R"({"model_type": "nemotron_h", "head_dim": 128, "hidden_size": 2688,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "intermediate_size": 1856, "mamba_head_dim": 64, "mamba_num_heads": 64, "n_groups": 8,
+        "ssm_state_size": 128, "conv_kernel": 4, "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712, "n_routed_experts": 128,
+        "n_shared_experts": 1, "num_attention_heads": 32, "num_experts_per_tok": 6,
+        "num_hidden_layers": 52, "num_key_value_heads": 2, "torch_dtype": "bfloat16",
+        "vocab_size": 131072)" +
+           mtp_fields + "}";
+}
+
+std::string nemotron_mtp_error(const std::string& mtp_fields) {
+    try {
+        parse_hf_config(nemotron_mtp_config(mtp_fields), "nemotron-mtp/config.json");
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+TEST(CapacityMtp, NemotronHReadsItsMtpStepAsVllmBuildsIt) {
+    // vLLM's NemotronHMultiTokenPredictor (models/nemotron_h_mtp.py): one step of the layers of
+    // mtp_hybrid_override_pattern, '*' a NemotronHAttentionDecoderLayer, 'E' a
+    // NemotronHMoEDecoderLayer; eh_proj a ColumnParallelLinear, split by TP.
+    const ModelSpec m = parse_hf_config(nemotron_mtp_config(R"(, "num_nextn_predict_layers": 1,
+            "mtp_hybrid_override_pattern": "*E")"),
+                                        "nemotron-mtp/config.json");
+    EXPECT_EQ(m.num_layers, 52);
+    EXPECT_EQ(m.mtp.layers, 1);
+    EXPECT_EQ(m.mtp.layer.kind, LayerKind::kFullAttention);
+    EXPECT_EQ(m.mtp.layer.num_kv_heads, 2);
+    EXPECT_EQ(m.mtp.layer.head_dim, 128);
+    EXPECT_EQ(m.mtp.layer.mlp, MlpKind::kNone);  // the attention layer has no MLP
+    ASSERT_EQ(m.mtp.following.size(), 1u);
+    EXPECT_EQ(m.mtp.following[0].kind, LayerKind::kNoKv);
+    EXPECT_EQ(m.mtp.following[0].mlp, MlpKind::kMoe);
+    EXPECT_TRUE(m.mtp.proj_split_by_tp);
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+    // The draft layers follow the model's: 52 + 2, the attention one caching, the MoE one not.
+    const ModelSpec d = with_mtp_layers(m);
+    EXPECT_EQ(d.num_layers, 54);
+    EXPECT_EQ(d.layer(52).kind, LayerKind::kFullAttention);
+    EXPECT_EQ(d.layer(53).kind, LayerKind::kNoKv);
+    EXPECT_EQ(d.layer(53).mlp, MlpKind::kMoe);
+
+    // mtp_layers_block_type, from which some NemotronH config classes derive the pattern.
+    EXPECT_EQ(parse_hf_config(nemotron_mtp_config(R"(, "num_nextn_predict_layers": 1,
+                  "mtp_layers_block_type": ["attention", "moe"])"),
+                              "nemotron-mtp/config.json")
+                  .mtp,
+              m.mtp);
+    // Without num_nextn_predict_layers (or 0) the pattern names no drafter.
+    EXPECT_FALSE(parse_hf_config(nemotron_mtp_config(R"(, "mtp_hybrid_override_pattern": "*E")"),
+                                 "nemotron-mtp/config.json")
+                     .mtp.enabled());
+
+    // What vLLM refuses, or kvshard does not size, is refused.
+    EXPECT_NE(nemotron_mtp_error(R"(, "num_nextn_predict_layers": 2,
+                  "mtp_hybrid_override_pattern": "*E")")
+                  .find("asserts num_nextn_predict_layers == 1"),
+              std::string::npos);
+    EXPECT_NE(nemotron_mtp_error(R"(, "num_nextn_predict_layers": 1,
+                  "mtp_hybrid_override_pattern": "*M")")
+                  .find("has 'M' at 1"),
+              std::string::npos);
+    EXPECT_NE(nemotron_mtp_error(R"(, "num_nextn_predict_layers": 1,
+                  "mtp_hybrid_override_pattern": "E*")")
+                  .find("starts with its attention layer"),
+              std::string::npos);
+    EXPECT_NE(nemotron_mtp_error(R"(, "num_nextn_predict_layers": 1)")
+                  .find("names no mtp_hybrid_override_pattern"),
+              std::string::npos);
+    EXPECT_NE(nemotron_mtp_error(R"(, "num_nextn_predict_layers": 1,
+                  "mtp_layers_block_type": ["attention", "mamba"])")
+                  .find("names 'mamba'"),
+              std::string::npos);
+    EXPECT_NE(nemotron_mtp_error(R"(, "num_nextn_predict_layers": 1,
+                  "mtp_hybrid_override_pattern": "*E", "moe_latent_size": 1024)")
+                  .find("latent MoE"),
+              std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvshard

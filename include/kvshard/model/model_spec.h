@@ -160,6 +160,12 @@ struct MtpSpec {
     int layers = 0;                 // num_nextn_predict_layers / mtp_num_hidden_layers; 0: none
     LayerSpec layer;                // what each caches (kind, KV heads, indexer) and its MLP
     bool proj_split_by_tp = false;  // Qwen3-Next's fc; false: eh_proj, replicated
+    // Decoder layers after `layer` in each MTP step, in order; empty for one layer a step.
+    // Nemotron-H builds a step of its mtp_hybrid_override_pattern (vLLM
+    // NemotronHMultiTokenPredictor: "*E" is an attention layer, here `layer`, then a MoE layer,
+    // here `following`, which caches nothing); the projection and norms come once a step.
+    std::vector<LayerSpec> following;
+    int layers_per_step() const { return 1 + static_cast<int>(following.size()); }
     bool enabled() const { return layers > 0; }
     bool operator==(const MtpSpec&) const = default;
 };
