@@ -225,14 +225,19 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
     }
     // Speculating, the KV cache holds the MTP layers beside the model's own.
     ModelSpec m = speculating ? with_mtp_layers(target) : target;
-    // Speculating, a Gated DeltaNet layer's conv state keeps conv_kernel - 1 + N rows (its weights
-    // do not change), so that the
-    // verify step's N + 1 tokens slide through it (vLLM: GatedDeltaNet.get_state_shape passes
-    // num_spec = num_speculative_tokens to MambaStateShapeCalculator.gated_delta_net_state_shape).
-    // Mamba-2 layers keep theirs (no MTP checkpoint of a Mamba-2 hybrid is read here).
+    // Speculating, a Gated DeltaNet or Mamba-2 layer's conv state keeps conv_kernel - 1 + N rows
+    // (its weights do not change), so that the verify step's N + 1 tokens slide through it. vLLM
+    // (vllm/model_executor/layers/mamba/mamba_utils.py, MambaStateShapeCalculator):
+    // GatedDeltaNet.get_state_shape passes num_spec = num_speculative_tokens to
+    // gated_delta_net_state_shape, and Mamba2Base.get_state_shape (mamba2/base.py; MambaMixer2
+    // hands it vllm_config.num_speculative_tokens) to mamba2_state_shape. Kimi's KDA layer calls
+    // kda_state_shape without num_spec (gdn/kimi_gdn_linear_attn.py,
+    // KimiGatedDeltaNetAttention.get_state_shape) and a short conv's short_conv_state_shape takes
+    // none: both keep conv_kernel - 1.
     if (speculating && !m.state.kda &&
-        std::any_of(m.layers.begin(), m.layers.end(),
-                    [](const LayerSpec& s) { return s.kind == LayerKind::kGatedDeltaNet; }))
+        std::any_of(m.layers.begin(), m.layers.end(), [](const LayerSpec& s) {
+            return s.kind == LayerKind::kGatedDeltaNet || s.kind == LayerKind::kMamba2;
+        }))
         m.state.spec_conv_rows = options.speculative_tokens;
     const KvLayout layout = make_layout(m, p);
     const int64_t usable =

@@ -358,5 +358,56 @@ TEST(CapacityMtp, NemotronHReadsItsMtpStepAsVllmBuildsIt) {
               std::string::npos);
 }
 
+TEST(CapacityMtp, NemotronHTp2GrowsItsMamba2ConvStatesAndAddsAnAttentionLayer) {
+    const ModelSpec m = parse_hf_config(nemotron_mtp_config(R"(, "num_nextn_predict_layers": 1,
+            "mtp_hybrid_override_pattern": "*E")"),
+                                        "nemotron-mtp/config.json");
+    ASSERT_EQ(m.state.conv_dtype, DType::kBf16);
+    const CapacityReport off = on_h100(m, 2, 0);
+    const CapacityReport on = on_h100(m, 2, 2);
+    ASSERT_TRUE(on.fits) << on.why_not;
+
+    // KV: 6 attention layers of 2 KV heads of 128 (1 per rank at tp 2) in bf16, 7 with the
+    // drafter's; its MoE layer caches nothing.
+    EXPECT_EQ(off.kv_bytes_per_token, 6 * 2 * 1 * 128 * 2);
+    EXPECT_EQ(on.kv_bytes_per_token, 7 * 2 * 1 * 128 * 2);
+
+    // Mamba-2 conv state: vLLM's Mamba2Base.get_state_shape (MambaMixer2 hands it
+    // vllm_config.num_speculative_tokens) passes num_spec to
+    // MambaStateShapeCalculator.mamba2_state_shape, whose conv state keeps conv_kernel - 1 +
+    // num_spec rows of (intermediate + 2 * n_groups * d_state) / tp channels: at tp 2,
+    // 64 * 64 / 2 + 2 * 8 * 128 / 2 = 3072 channels, 3 rows off, 3 + 2 speculating. The SSM state
+    // is unchanged. 23 Mamba-2 layers.
+    const int64_t conv_channels = 64 * 64 / 2 + 2 * 8 * 128 / 2;
+    EXPECT_EQ(conv_channels, 3072);
+    EXPECT_EQ(on.state_bytes_per_sequence - off.state_bytes_per_sequence,
+              23 * int64_t{2} * conv_channels * 2);
+
+    // The drafter per rank, bf16: the attention layer (Q and O of 16 of 32 heads, K and V of 1 of
+    // 2 KV heads, head_dim 128), the MoE layer (128 routed and a shared expert of twice 1856,
+    // squared-ReLU: up and down, split by tp; the router whole), two norms a layer as the planner
+    // counts the model's, eh_proj (2h x h split by tp) and enorm, hnorm, final_layernorm.
+    const int64_t h = 2688;
+    const int64_t attention = 2 * h * 16 * 128 + 2 * h * 1 * 128;
+    const int64_t expert = 2 * h * 1856;
+    const int64_t moe = 128 * expert / 2 + 2 * expert / 2 + h * 128;
+    const int64_t drafter = 2 * (attention + moe + 2 * 2 * h + 2 * h * h / 2 + 3 * h);
+    EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
+    EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
+}
+
+TEST(CapacityMtp, OnlyGdnAndMamba2ConvStatesGrowWhileDrafting) {
+    // Kimi Linear's KDA: KimiGatedDeltaNetAttention.get_state_shape calls kda_state_shape without
+    // num_spec (gdn/kimi_gdn_linear_attn.py), so its conv keeps conv_kernel - 1 rows. Given MTP
+    // layers by hand (its config's are refused: vLLM skips them), its states stay as they are.
+    ModelSpec kimi = load_hf_config(kData + "/hf_configs/kimi-linear-48b-a3b-instruct.json");
+    ASSERT_TRUE(kimi.state.kda);
+    kimi.mtp.layers = 1;
+    kimi.mtp.layer = kimi.layer(kimi.num_layers - 1);
+    const CapacityReport off = on_gpu("h200", kimi, 2, 0);
+    const CapacityReport on = on_gpu("h200", kimi, 2, 2);
+    EXPECT_EQ(on.state_bytes_per_sequence, off.state_bytes_per_sequence);
+}
+
 }  // namespace
 }  // namespace kvshard

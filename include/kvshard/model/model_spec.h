@@ -103,7 +103,7 @@ struct StateSpec {
     // projections differ (mixer_params_of_layer); the reference model does not run it.
     bool kda = false;
     // Conv state rows beyond conv_kernel - 1: an engine's, not the checkpoint's (vLLM's num_spec,
-    // the speculative tokens, while drafting with a Gated DeltaNet model); 0 otherwise.
+    // the speculative tokens, while drafting with a Gated DeltaNet or Mamba-2 model); 0 otherwise.
     int spec_conv_rows = 0;
     bool operator==(const StateSpec&) const = default;
 };
