@@ -216,8 +216,9 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
         require(target.mtp.enabled(), "speculative decoding with MTP needs MTP layers, and model '",
                 target.name,
                 "' carries none (no num_nextn_predict_layers / "
-                "mtp_num_hidden_layers): leave speculation off, or use a checkpoint with MTP "
-                "layers (DeepSeek-V3/R1, GLM-4.5, Qwen3-Next, Qwen3.5)");
+                "mtp_num_hidden_layers; MiniMax-M2's num_mtp_modules are not read, as vLLM "
+                "builds no MiniMax-M2 drafter): leave speculation off, or use a checkpoint with "
+                "MTP layers (DeepSeek-V3/R1, GLM-4.5, Qwen3-Next, Qwen3.5)");
         require(p.pp == 1,
                 "speculative decoding with MTP is modelled at pp 1 only (the drafter's "
                 "stage and its own embedding there are not), got pp ",

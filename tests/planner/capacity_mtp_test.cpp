@@ -260,6 +260,19 @@ TEST(CapacityMtp, RefusesAModelWithoutMtpLayersAndPipelineStages) {
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("carries none"), std::string::npos) << e.what();
     }
+    // MiniMax-M2's config names num_mtp_modules 3, but vLLM builds no MiniMax-M2 drafter
+    // (vllm/config/speculative.py, SpeculativeConfig.hf_config_override maps minimax_m3 to
+    // MiniMaxM3MTP and nothing for minimax_m2; MTPModelTypes lists no minimax_m2_mtp).
+    const ModelSpec minimax = load_hf_config(kData + "/hf_configs/minimax-m2.json");
+    EXPECT_FALSE(minimax.mtp.enabled());
+    try {
+        on_h100(minimax, 8, 2);
+        FAIL() << "speculation accepted on MiniMax-M2";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("vLLM builds no MiniMax-M2 drafter"),
+                  std::string::npos)
+            << e.what();
+    }
     ParallelConfig pp2;
     pp2.pp = 2;
     CapacityOptions o;
