@@ -182,19 +182,41 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
 
 namespace {
 
+// The ParallelConfig of the model with its MTP layers appended: at pp > 1 vLLM puts the whole
+// drafter on the last stage (GPUModelRunner.__init__, vllm/v1/worker/gpu_model_runner.py:
+// "currently we put the entire draft model on the last PP rank"), so the model's own layers keep
+// their stages and the MTP layers join the last one.
+ParallelConfig with_mtp_parallel(const ModelSpec& target, const ParallelConfig& p) {
+    ParallelConfig out = p;
+    if (p.pp > 1) {
+        out.pp_layers = pp_layer_split(target, p);
+        out.pp_layers.back() += target.mtp.layers * target.mtp.layers_per_step();
+    }
+    return out;
+}
+
 // rank_drafter_weight_bytes over layouts already made: `target` of the model, `with_mtp` of
-// with_mtp_layers(model), both of the same ParallelConfig.
+// with_mtp_layers(model) at with_mtp_parallel.
 int64_t drafter_bytes(const KvLayout& target, const KvLayout& with_mtp, int rank, int bits) {
     const ModelSpec& m = target.model;
-    // The decoder layers: what the model with them appended holds beyond the model itself.
+    const ParallelConfig& p = target.parallel;
+    // The decoder layers: what the model with them appended holds beyond the model itself (0
+    // off the last stage).
     const int64_t layers = rank_weight_bytes(with_mtp, rank, bits).total() -
                            rank_weight_bytes(target, rank, bits).total();
+    if (target.ranks.at(rank).coord.pp != p.pp - 1) return layers;
     const double base = weight_part_bits(m, bits).base;
+    auto bytes = [&](int64_t elems) {
+        return static_cast<int64_t>(std::ceil(static_cast<double>(elems) * base / 8.0));
+    };
     const int64_t h = m.hidden;
-    const int64_t proj = 2 * h * h / (m.mtp.proj_split_by_tp ? target.parallel.tp : 1);
-    const int64_t per_layer =
-        static_cast<int64_t>(std::ceil(static_cast<double>(proj + 3 * h) * base / 8.0));
-    return layers + per_layer * m.mtp.layers;
+    const int64_t proj = 2 * h * h / (m.mtp.proj_split_by_tp ? p.tp : 1);
+    // At pp > 1 the drafter keeps its own vocab embedding (a VocabParallelEmbedding, split by tp):
+    // LLMBaseProposer._maybe_share_embeddings shares the target's only when the PP group has one
+    // rank ("The draft model's vocab embedding will be loaded separately from the target
+    // model"); the LM head, on the last stage with the drafter, is still shared.
+    const int64_t embedding = p.pp > 1 ? bytes((m.vocab + p.tp - 1) / p.tp * h) : 0;
+    return layers + bytes(proj + 3 * h) * m.mtp.layers + embedding;
 }
 
 }  // namespace
@@ -202,8 +224,8 @@ int64_t drafter_bytes(const KvLayout& target, const KvLayout& with_mtp, int rank
 int64_t rank_drafter_weight_bytes(const ModelSpec& m, const ParallelConfig& p, int rank, int bits) {
     require(m.mtp.enabled(), "model '", m.name,
             "' carries no MTP layers (num_nextn_predict_layers / mtp_num_hidden_layers)");
-    require(p.pp == 1, "MTP drafter weights are modelled at pp 1, got pp ", p.pp);
-    return drafter_bytes(make_layout(m, p), make_layout(with_mtp_layers(m), p), rank, bits);
+    return drafter_bytes(make_layout(m, p),
+                         make_layout(with_mtp_layers(m), with_mtp_parallel(m, p)), rank, bits);
 }
 
 CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p,
@@ -219,10 +241,6 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
                 "mtp_num_hidden_layers; MiniMax-M2's num_mtp_modules are not read, as vLLM "
                 "builds no MiniMax-M2 drafter): leave speculation off, or use a checkpoint with "
                 "MTP layers (DeepSeek-V3/R1, GLM-4.5, Qwen3-Next, Qwen3.5)");
-        require(p.pp == 1,
-                "speculative decoding with MTP is modelled at pp 1 only (the drafter's "
-                "stage and its own embedding there are not), got pp ",
-                p.pp);
     }
     // Speculating, the KV cache holds the MTP layers beside the model's own.
     ModelSpec m = speculating ? with_mtp_layers(target) : target;
@@ -240,7 +258,8 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
             return s.kind == LayerKind::kGatedDeltaNet || s.kind == LayerKind::kMamba2;
         }))
         m.state.spec_conv_rows = options.speculative_tokens;
-    const KvLayout layout = make_layout(m, p);
+    // At pp > 1 the MTP layers' KV and weights are on the last stage (with_mtp_parallel).
+    const KvLayout layout = make_layout(m, speculating ? with_mtp_parallel(target, p) : p);
     const int64_t usable =
         static_cast<int64_t>(static_cast<double>(hw.memory_bytes) * options.mem_util);
 

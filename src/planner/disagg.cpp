@@ -342,7 +342,8 @@ std::vector<ServingEntry> plan_serving(const ModelSpec& m, const HardwareSpec& h
                                            r.output_tokens, " of output"));
     Evaluator ev(m, hw, r);
     std::vector<ServingEntry> out;
-    // MTP speculation is modelled at pp 1 (CapacityOptions::speculative_tokens).
+    // Speculating, the transfer of the MTP layers' KV (moved_) is modelled at pp 1 only: at
+    // pp > 1 vLLM puts them on the last stage, which price_kv_transfer's layouts do not follow.
     const bool pp1_only = r.capacity.speculative_tokens > 0;
     for (const ParallelConfig& p : enumerate_configs(m, r.gpus, r.cp_scheme))
         if (!pp1_only || p.pp == 1) out.push_back(aggregated(ev, r, p));

@@ -172,11 +172,8 @@ std::vector<PlanEntry> plan(const ModelSpec& m, const HardwareSpec& hw, const Pl
     r.validate();
     hw.validate();
     std::vector<PlanEntry> entries;
-    for (const ParallelConfig& p : enumerate_configs(m, r.gpus, r.cp_scheme)) {
-        // MTP speculation is modelled at pp 1 (CapacityOptions::speculative_tokens).
-        if (r.capacity.speculative_tokens > 0 && p.pp > 1) continue;
+    for (const ParallelConfig& p : enumerate_configs(m, r.gpus, r.cp_scheme))
         entries.push_back(evaluate_config(m, hw, r, p));
-    }
     auto key = [&](const PlanEntry& e) {
         switch (r.objective) {
             case Objective::kTtft:

@@ -111,6 +111,16 @@ TEST(CapacityCli, SpeculativeMtpIsExplainedAndRefusedWhereItCannotApply) {
               std::string::npos)
         << pd.out;
 
+    // pp 2: the drafter is on the last stage, with its own embedding.
+    const auto pp2 = run_cli(
+        "plan -n 4 -c 1024 -m glm-4.5-air --speculative-method mtp --speculative-tokens 2 "
+        "--explain pp=2,tp=2");
+    ASSERT_EQ(pp2.status, 0) << pp2.out;
+    EXPECT_NE(pp2.out.find("MTP drafter weights per GPU of stage 1 2.8 GiB (in total; vLLM runs "
+                           "the drafter on the last stage"),
+              std::string::npos)
+        << pp2.out;
+
     for (auto [flags, says] : {
              std::pair{"-m tiny --speculative-method mtp --speculative-tokens 2",
                        "speculative decoding with MTP needs MTP layers, and model 'tiny' carries "
@@ -123,8 +133,6 @@ TEST(CapacityCli, SpeculativeMtpIsExplainedAndRefusedWhereItCannotApply) {
              {"-m glm-4.5-air --speculative-method mtp", "needs --speculative-tokens N"},
              {"-m glm-4.5-air --speculative-method eagle --speculative-tokens 2",
               "unknown --speculative-method 'eagle'"},
-             {"-m glm-4.5-air --speculative-method mtp --speculative-tokens 2 --explain pp=2,tp=2",
-              "modelled at pp 1 only"},
          }) {
         const auto r = run_cli(std::string("plan -n 4 -c 1024 ") + flags);
         EXPECT_EQ(r.status, 2) << flags << "\n" << r.out;

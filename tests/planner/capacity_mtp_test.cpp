@@ -252,7 +252,7 @@ TEST(CapacityMtp, SeparateArrangementCountsAStatePerDraftToken) {
     EXPECT_EQ(on.requests_per_replica, on.ranks[0].kv_budget_bytes / on.request_kv_bytes);
 }
 
-TEST(CapacityMtp, RefusesAModelWithoutMtpLayersAndPipelineStages) {
+TEST(CapacityMtp, RefusesAModelWithoutMtpLayers) {
     const ModelSpec plain = load_hf_config(kData + "/hf_configs/qwen3-8b.json");
     try {
         on_h100(plain, 1, 2);
@@ -273,13 +273,7 @@ TEST(CapacityMtp, RefusesAModelWithoutMtpLayersAndPipelineStages) {
                   std::string::npos)
             << e.what();
     }
-    ParallelConfig pp2;
-    pp2.pp = 2;
     CapacityOptions o;
-    o.speculative_tokens = 1;
-    EXPECT_THROW(
-        compute_capacity(catalog_model("glm-4.5-air"), pp2, hardware_by_name("h100-sxm"), o),
-        Error);
     o.speculative_tokens = -1;
     EXPECT_THROW(o.validate(), Error);
 }
@@ -420,6 +414,51 @@ TEST(CapacityMtp, OnlyGdnAndMamba2ConvStatesGrowWhileDrafting) {
     const CapacityReport off = on_gpu("h200", kimi, 2, 0);
     const CapacityReport on = on_gpu("h200", kimi, 2, 2);
     EXPECT_EQ(on.state_bytes_per_sequence, off.state_bytes_per_sequence);
+}
+
+TEST(CapacityMtp, GlmAirPp2PutsTheDrafterOnTheLastStageWithItsOwnEmbedding) {
+    // vLLM at pp > 1: GPUModelRunner.__init__ builds the drafter only on the last PP rank
+    // ("currently we put the entire draft model on the last PP rank"), and
+    // LLMBaseProposer._maybe_share_embeddings shares the target's embedding only when the PP
+    // group has one rank, so there the drafter loads its own (a VocabParallelEmbedding, split by
+    // tp); the LM head, on the last stage, is still shared.
+    const ModelSpec m = load_hf_config(kData + "/hf_configs/glm-4.5-air.json");
+    ParallelConfig p;
+    p.pp = 2;
+    p.tp = 2;
+    CapacityOptions o;
+    o.context_tokens = 8192;
+    const CapacityReport off = compute_capacity(m, p, hardware_by_name("h100-sxm"), o);
+    o.speculative_tokens = 2;
+    const CapacityReport on = compute_capacity(m, p, hardware_by_name("h100-sxm"), o);
+    ASSERT_EQ(on.ranks.size(), 4u);
+
+    // KV: 46 layers split 23 + 23, the MTP layer on stage 1 (ranks 2, 3); a GQA layer of 2 x 4 of
+    // 8 KV heads x 128 in bf16 per token at tp 2.
+    const int64_t layer_kv = 2 * 4 * 128 * 2;
+    for (int r : {0, 1}) {
+        EXPECT_EQ(off.ranks[r].kv_bytes_per_token, 23 * layer_kv);
+        EXPECT_EQ(on.ranks[r].kv_bytes_per_token, 23 * layer_kv);
+        EXPECT_EQ(on.ranks[r].weights.drafter, 0);  // no drafter off the last stage
+        EXPECT_EQ(on.ranks[r].weights.total(), off.ranks[r].weights.total());
+    }
+    // Weights on stage 1: the drafter of a pp 1 layout of the same tp (its decoder layer split by
+    // tp 2, eh_proj whole, three norms) plus its own embedding of ceil(151552 / 2) x 4096 bf16.
+    ParallelConfig tp2;
+    tp2.tp = 2;
+    const int64_t embedding = (151552 + 1) / 2 * int64_t{4096} * 2;
+    for (int r : {2, 3}) {
+        EXPECT_EQ(on.ranks[r].kv_bytes_per_token, 24 * layer_kv);
+        EXPECT_EQ(on.ranks[r].weights.drafter,
+                  rank_drafter_weight_bytes(m, tp2, r - 2) + embedding);
+        EXPECT_EQ(rank_drafter_weight_bytes(m, p, r), on.ranks[r].weights.drafter);
+        EXPECT_EQ(on.ranks[r].weights.total() - on.ranks[r].weights.drafter,
+                  off.ranks[r].weights.total());
+    }
+    EXPECT_EQ(rank_drafter_weight_bytes(m, p, 0), 0);
+    // The last stage, with more weights and more KV per token, holds fewer tokens.
+    EXPECT_EQ(on.limiting_rank, 2);
+    EXPECT_LT(on.kv_tokens_per_gpu, off.kv_tokens_per_gpu);
 }
 
 }  // namespace

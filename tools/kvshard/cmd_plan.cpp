@@ -231,12 +231,19 @@ void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, c
                    fmt::format("{:.3f}", w.norms / double(1 << 30)), gib(w.total()),
                    rc.kv_bytes_per_token, tokens(rc.kv_tokens));
     }
-    if (c.ranks[c.limiting_rank].weights.drafter > 0)
+    // The drafter is on the last stage (all of them at pp 1).
+    const int64_t drafter = c.ranks[rank_of(p, 0, p.pp - 1, 0, 0)].weights.drafter;
+    if (drafter > 0 && p.pp == 1)
         fmt::print(
             "MTP drafter weights per GPU {} GiB (in total; its {} layer{} as the model's, plus "
             "eh_proj/fc and norms; embedding and LM head shared with the model, as vLLM does)\n",
-            gib(c.ranks[c.limiting_rank].weights.drafter), m.mtp.layers,
-            m.mtp.layers == 1 ? "" : "s");
+            gib(drafter), m.mtp.layers, m.mtp.layers == 1 ? "" : "s");
+    else if (drafter > 0)
+        fmt::print(
+            "MTP drafter weights per GPU of stage {} {} GiB (in total; vLLM runs the drafter on "
+            "the last stage: its {} layer{} as the model's, eh_proj/fc, norms and its own "
+            "embedding, shared with the model's only at pp 1; LM head shared)\n",
+            p.pp - 1, gib(drafter), m.mtp.layers, m.mtp.layers == 1 ? "" : "s");
     fmt::print("\n{}\n", engine_kv_summary(c, r.capacity, p, r.context_tokens));
     fmt::print(
         "KV tokens per GPU {} (limiting rank {}), longest request {} tokens{}, {} requests of {} "

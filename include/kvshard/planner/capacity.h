@@ -66,13 +66,14 @@ struct CapacityOptions {
     //  - the MTP layers' KV joins the KV cache config (gpu_model_runner.get_kv_cache_spec walks
     //    every attention layer of the forward context, the drafter's included): an MLA or full
     //    attention layer more in its kind's groups (with_mtp_layers);
-    //  - their weights take memory on every rank (WeightBytes::drafter);
+    //  - their weights take memory on every rank (WeightBytes::drafter); at pp > 1 vLLM runs the
+    //    whole drafter on the last stage, so its layers' KV and weights are there, with its own
+    //    vocab embedding (rank_drafter_weight_bytes);
     //  - each Mamba/GDN group holds N more state blocks per request (speculative_blocks);
     //  - the scheduler asks for N lookahead slots per request (Scheduler.num_lookahead_tokens),
     //    but KVCacheManager.allocate_slots caps a request's slots at max_model_len, which is
     //    context_tokens here: a request of context_tokens holds no more attention blocks.
-    // Error on a model without MTP layers; pipeline parallelism is refused (the drafter's stage and
-    // its own embedding there are not modelled).
+    // Error on a model without MTP layers.
     int speculative_tokens = 0;
     void validate() const;  // throws Error on a bad value
 };
@@ -156,10 +157,12 @@ struct CapacityReport {
 // of 8 are rounded up to whole bytes per part).
 WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits = 0);
 
-// Weight bytes the MTP drafter adds on `rank` of a layout of `m` (pp 1): its decoder layers as
-// rank_weight_bytes sizes the model's own, plus per layer the 2 x hidden -> hidden projection at
-// the unquantized weight bits (eh_proj, held whole on every rank; Qwen3-Next's fc split by tp) and
-// three hidden-wide norms. Error when m has no MTP layers.
+// Weight bytes the MTP drafter adds on `rank` of a layout of `m`: its decoder layers as
+// rank_weight_bytes sizes the model's own, plus per MTP step the 2 x hidden -> hidden projection at
+// the unquantized weight bits (eh_proj, held whole on every rank; Qwen3-Next's and Nemotron-H's
+// split by tp) and three hidden-wide norms. At pp > 1 all of it is on the last stage (vLLM runs the
+// drafter there), with the drafter's own vocab embedding (split by tp), which vLLM shares with the
+// target's only at pp 1; other stages add 0. Error when m has no MTP layers.
 int64_t rank_drafter_weight_bytes(const ModelSpec& m, const ParallelConfig& p, int rank,
                                   int bits = 0);
 
