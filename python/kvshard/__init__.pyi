@@ -130,7 +130,8 @@ def resolve_hardware(name_or_path: str) -> HardwareSpec: ...
 def compute_capacity(model: ModelLike, parallel: ParallelLike, hardware: HardwareLike, *,
                      mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
                      block_size: int = 16, context_tokens: int = 0,
-                     allow_long_context: bool = False, speculative_method: str = "",
+                     allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
+                     mamba_cache_mode: str = "align", speculative_method: str = "",
                      speculative_tokens: int = 0) -> dict[str, Any]: ...
 def estimate_cost(model: ModelLike, parallel: ParallelLike, hardware: HardwareLike, *,
                   prompt_tokens: int, context_tokens: int, batch: int = 1,
@@ -143,14 +144,16 @@ def plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: in
          cp_scheme: str = "zigzag", cp_prefill: str = "auto", cp_decode_merge: str = "auto",
          pp_chunks: int = 0, mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
          block_size: int = 16,
-         allow_long_context: bool = False, speculative_method: str = "",
+         allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
+         mamba_cache_mode: str = "align", speculative_method: str = "",
          speculative_tokens: int = 0) -> dict[str, Any]: ...
 def plan_svg(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: int, *,
              batch: int = 0, max_batch: int = 256, objective: str = "throughput",
              cp_scheme: str = "zigzag", cp_prefill: str = "auto", cp_decode_merge: str = "auto",
              pp_chunks: int = 0, mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
              block_size: int = 16,
-             allow_long_context: bool = False, speculative_method: str = "",
+             allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
+             mamba_cache_mode: str = "align", speculative_method: str = "",
              speculative_tokens: int = 0) -> str: ...
 def explain_plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: int,
                  parallel: ParallelLike, *, batch: int = 0, max_batch: int = 256,
@@ -158,7 +161,8 @@ def explain_plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_to
                  cp_prefill: str = "auto", cp_decode_merge: str = "auto", pp_chunks: int = 0,
                  mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
                  block_size: int = 16,
-                 allow_long_context: bool = False, speculative_method: str = "",
+                 allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
+                 mamba_cache_mode: str = "align", speculative_method: str = "",
                  speculative_tokens: int = 0) -> dict[str, Any]: ...
 
 def plan_disagg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_tokens: int, *,
@@ -168,7 +172,8 @@ def plan_disagg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_toke
                 cp_scheme: str = "zigzag", cp_prefill: str = "auto",
                 cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
                 activation_reserve_gib: float = 2.0, block_size: int = 16,
-                allow_long_context: bool = False, speculative_method: str = "",
+                allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
+                mamba_cache_mode: str = "align", speculative_method: str = "",
                 speculative_tokens: int = 0) -> dict[str, Any]: ...
 def plan_disagg_svg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_tokens: int, *,
                     ttft_slo: float, tpot_slo: float, output_tokens: int = 256,
@@ -177,7 +182,8 @@ def plan_disagg_svg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_
                     max_batch: int = 256, cp_scheme: str = "zigzag", cp_prefill: str = "auto",
                     cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
                     activation_reserve_gib: float = 2.0, block_size: int = 16,
-                    allow_long_context: bool = False, speculative_method: str = "",
+                    allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
+                    mamba_cache_mode: str = "align", speculative_method: str = "",
                     speculative_tokens: int = 0) -> str: ...
 def price_kv_transfer(model: ModelLike, prefill: ParallelLike, decode: ParallelLike,
                       hardware: HardwareLike, tokens: int, *, prefill_s: float = 0.0,

@@ -33,7 +33,8 @@ int speculative_tokens_of(const std::string& method, int tokens) {
 
 CapacityOptions capacity_options(double mem_util, double activation_reserve_gib, int block_size,
                                  int64_t context_tokens, bool allow_long_context,
-                                 int speculative_tokens = 0) {
+                                 int64_t max_num_batched_tokens,
+                                 const std::string& mamba_cache_mode, int speculative_tokens = 0) {
     // As the CLI's --mem-util / --activation-reserve-gib / --block-size
     // (tools/kvshard/options.cpp).
     require(activation_reserve_gib >= 0 && activation_reserve_gib <= 1 << 20,
@@ -45,6 +46,13 @@ CapacityOptions capacity_options(double mem_util, double activation_reserve_gib,
     o.block_size = block_size;
     o.context_tokens = context_tokens;
     o.allow_long_context = allow_long_context;  // the CLI's --allow-long-context
+    // The CLI's --max-num-batched-tokens and --mamba-cache-mode (tools/kvshard/options.cpp).
+    o.max_num_batched_tokens = max_num_batched_tokens;
+    try {
+        o.mamba_cache_mode = parse_mamba_cache_mode(mamba_cache_mode);
+    } catch (const Error& e) {
+        throw Error(detail::concat("mamba_cache_mode: ", e.what()));
+    }
     o.speculative_tokens = speculative_tokens;
     o.validate();
     return o;
@@ -149,8 +157,9 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
                          const std::string& objective, const std::string& cp_scheme,
                          const std::string& cp_prefill, const std::string& cp_decode_merge,
                          int pp_chunks, double mem_util, double activation_reserve_gib,
-                         int block_size, bool allow_long_context,
-                         const std::string& speculative_method, int speculative_tokens) {
+                         int block_size, bool allow_long_context, int64_t max_num_batched_tokens,
+                         const std::string& mamba_cache_mode, const std::string& speculative_method,
+                         int speculative_tokens) {
     PlanRequest r;
     r.gpus = gpus;
     r.context_tokens = context_tokens;
@@ -158,9 +167,9 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
     r.max_batch = max_batch;
     r.objective = parse_objective(objective);
     r.cp_scheme = parse_cp_scheme(cp_scheme);
-    r.capacity =
-        capacity_options(mem_util, activation_reserve_gib, block_size, 0, allow_long_context,
-                         speculative_tokens_of(speculative_method, speculative_tokens));
+    r.capacity = capacity_options(mem_util, activation_reserve_gib, block_size, 0,
+                                  allow_long_context, max_num_batched_tokens, mamba_cache_mode,
+                                  speculative_tokens_of(speculative_method, speculative_tokens));
     r.cost.cp_prefill = parse_cp_prefill_policy(cp_prefill);
     r.cost.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);
     r.cost.pp_prefill_chunks = pp_chunks;
@@ -169,13 +178,14 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
 
 #define KVSHARD_PLAN_ARGS                                                                         \
     py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("context_tokens"),            \
-        py::kw_only(), py::arg("batch") = 0, py::arg("max_batch") = 256,                          \
-                       py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag",      \
-                       py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",       \
-                       py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,                       \
-                       py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,       \
-                       py::arg("allow_long_context") = false, py::arg("speculative_method") = "", \
-                       py::arg("speculative_tokens") = 0
+        py::kw_only(),                                                                            \
+        py::arg("batch") = 0, py::arg("max_batch") = 256, py::arg("objective") = "throughput",    \
+        py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto",                          \
+        py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
+        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,                      \
+        py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,          \
+        py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",                \
+        py::arg("speculative_tokens") = 0
 
 // The request of `kvshard plan --disagg` with the CLI's defaults (tools/kvshard/cmd_plan.cpp,
 // run_serving).
@@ -186,6 +196,7 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
                                const std::string& cp_prefill, const std::string& cp_decode_merge,
                                int pp_chunks, double mem_util, double activation_reserve_gib,
                                int block_size, bool allow_long_context,
+                               int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
                                const std::string& speculative_method, int speculative_tokens) {
     ServingRequest r;
     r.gpus = gpus;
@@ -197,9 +208,9 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
     r.tpot_slo_s = tpot_slo;
     r.max_batch = max_batch;
     r.cp_scheme = parse_cp_scheme(cp_scheme);
-    r.capacity =
-        capacity_options(mem_util, activation_reserve_gib, block_size, 0, allow_long_context,
-                         speculative_tokens_of(speculative_method, speculative_tokens));
+    r.capacity = capacity_options(mem_util, activation_reserve_gib, block_size, 0,
+                                  allow_long_context, max_num_batched_tokens, mamba_cache_mode,
+                                  speculative_tokens_of(speculative_method, speculative_tokens));
     r.cost.cp_prefill = parse_cp_prefill_policy(cp_prefill);
     r.cost.cp_decode_merge = parse_cp_merge_policy(cp_decode_merge);
     r.cost.pp_prefill_chunks = pp_chunks;
@@ -218,7 +229,8 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
         py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto",                          \
         py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
         py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,                      \
-        py::arg("allow_long_context") = false, py::arg("speculative_method") = "",                \
+        py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,          \
+        py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",                \
         py::arg("speculative_tokens") = 0
 
 // A binding of (model, hardware, gpus, context_tokens, KVSHARD_PLAN_ARGS' keywords) that builds
@@ -230,12 +242,14 @@ auto with_plan_request(F fn) {
                 const std::string& cp_scheme, const std::string& cp_prefill,
                 const std::string& cp_decode_merge, int pp_chunks, double mem_util,
                 double activation_reserve_gib, int block_size, bool allow_long_context,
+                int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
                 const std::string& speculative_method, int speculative_tokens) {
         return fn(
             model, hw,
             plan_request(gpus, context_tokens, batch, max_batch, objective, cp_scheme, cp_prefill,
                          cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size,
-                         allow_long_context, speculative_method, speculative_tokens));
+                         allow_long_context, max_num_batched_tokens, mamba_cache_mode,
+                         speculative_method, speculative_tokens));
     };
 }
 
@@ -249,13 +263,15 @@ auto with_serving_request(F fn) {
                 const std::string& cp_scheme, const std::string& cp_prefill,
                 const std::string& cp_decode_merge, int pp_chunks, double mem_util,
                 double activation_reserve_gib, int block_size, bool allow_long_context,
+                int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
                 const std::string& speculative_method, int speculative_tokens) {
         return fn(model, hw,
                   serving_request(gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens,
                                   std::move(prompt_samples), prefix_hit_rate, weight_dtype,
                                   disaggregated, max_batch, cp_scheme, cp_prefill, cp_decode_merge,
                                   pp_chunks, mem_util, activation_reserve_gib, block_size,
-                                  allow_long_context, speculative_method, speculative_tokens));
+                                  allow_long_context, max_num_batched_tokens, mamba_cache_mode,
+                                  speculative_method, speculative_tokens));
     };
 }
 
@@ -306,10 +322,13 @@ void bind_planner(py::module_& m) {
         "compute_capacity",
         [](const ModelSpec& model, const ParallelConfig& p, const HardwareSpec& hw, double mem_util,
            double activation_reserve_gib, int block_size, int64_t context_tokens,
-           bool allow_long_context, const std::string& speculative_method, int speculative_tokens) {
-            const CapacityOptions o = capacity_options(
-                mem_util, activation_reserve_gib, block_size, context_tokens, allow_long_context,
-                speculative_tokens_of(speculative_method, speculative_tokens));
+           bool allow_long_context, int64_t max_num_batched_tokens,
+           const std::string& mamba_cache_mode, const std::string& speculative_method,
+           int speculative_tokens) {
+            const CapacityOptions o =
+                capacity_options(mem_util, activation_reserve_gib, block_size, context_tokens,
+                                 allow_long_context, max_num_batched_tokens, mamba_cache_mode,
+                                 speculative_tokens_of(speculative_method, speculative_tokens));
             CapacityReport c;
             {
                 py::gil_scoped_release release;
@@ -320,7 +339,8 @@ void bind_planner(py::module_& m) {
         py::arg("model"), py::arg("parallel"), py::arg("hardware"), py::kw_only(),
         py::arg("mem_util") = 0.9, py::arg("activation_reserve_gib") = 2.0,
         py::arg("block_size") = 16, py::arg("context_tokens") = 0,
-        py::arg("allow_long_context") = false, py::arg("speculative_method") = "",
+        py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,
+        py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",
         py::arg("speculative_tokens") = 0,
         "Weights, KV budget and KV tokens per GPU, as a dict (per-rank figures under 'ranks'). "
         "speculative_method=\"mtp\" with speculative_tokens=N: the model's MTP layers draft N "
@@ -382,11 +402,13 @@ void bind_planner(py::module_& m) {
            const std::string& cp_scheme, const std::string& cp_prefill,
            const std::string& cp_decode_merge, int pp_chunks, double mem_util,
            double activation_reserve_gib, int block_size, bool allow_long_context,
+           int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
            const std::string& speculative_method, int speculative_tokens) {
             const PlanRequest r = plan_request(
                 gpus, context_tokens, batch, max_batch, objective, cp_scheme, cp_prefill,
                 cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib, block_size,
-                allow_long_context, speculative_method, speculative_tokens);
+                allow_long_context, max_num_batched_tokens, mamba_cache_mode, speculative_method,
+                speculative_tokens);
             std::string json;
             {
                 py::gil_scoped_release release;
@@ -400,7 +422,8 @@ void bind_planner(py::module_& m) {
         py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",
         py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,
         py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,
-        py::arg("allow_long_context") = false, py::arg("speculative_method") = "",
+        py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,
+        py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",
         py::arg("speculative_tokens") = 0,
         "One configuration evaluated as `kvshard plan --explain ... --json` does (the parallel "
         "config is used as given: spell cp_scheme in it when cp > 1).");

@@ -162,3 +162,63 @@ def test_speculation_without_mtp_layers_is_refused_like_the_cli(cli):
     with pytest.raises(kvshard.Error) as e:
         kvshard.plan("tiny", "h100-sxm", 1, 1024, speculative_method="mtp", speculative_tokens=2)
     assert err.strip() == f"kvshard: error: {e.value}"
+
+
+# The CLI's --max-num-batched-tokens and --mamba-cache-mode as keywords, with its defaults (8192,
+# "align") and the library's checks.
+ENGINE = [
+    # vLLM's startup check charges each sliding layer W - 1 + max_num_batched_tokens tokens.
+    ("gemma-3-27b", 2, "tp=2", {"max_num_batched_tokens": 262144, "allow_long_context": True},
+     ["--max-num-batched-tokens", "262144", "--allow-long-context"]),
+    # Prefix caching off: one state block per request and state group, not two.
+    ("qwen3-next-80b-a3b", 4, "tp=4", {"mamba_cache_mode": "none"}, ["--mamba-cache-mode", "none"]),
+]
+
+
+@pytest.mark.parametrize("model,gpus,parallel,kwargs,flags", ENGINE)
+def test_engine_keywords_equal_cli(cli_json, model, gpus, parallel, kwargs, flags):
+    args = ("--model", model, "--hardware", "h100-sxm", "--gpus", str(gpus), "--context", "8192")
+    want = cli_json("plan", *args, "--explain", parallel, *flags)
+    assert kvshard.explain_plan(model, "h100-sxm", gpus, 8192, parallel, **kwargs) == want
+    assert kvshard.plan(model, "h100-sxm", gpus, 8192, **kwargs) == cli_json("plan", *args, *flags)
+    cap = kvshard.compute_capacity(model, parallel, "h100-sxm", context_tokens=8192, **kwargs)
+    for key in ("max_context", "request_blocks", "requests_per_replica"):
+        assert cap[key] == want["configs"][0][key], key
+    # The keywords are not ignored: the defaults give other figures.
+    defaults = {k: v for k, v in kwargs.items() if k == "allow_long_context"}
+    plain = kvshard.compute_capacity(model, parallel, "h100-sxm", context_tokens=8192, **defaults)
+    assert plain != cap
+    explicit = dict(defaults, max_num_batched_tokens=8192, mamba_cache_mode="align")
+    assert kvshard.compute_capacity(model, parallel, "h100-sxm", context_tokens=8192,
+                                    **explicit) == plain
+
+
+def test_engine_keywords_reach_plan_disagg(cli_json):
+    flags = ["--mamba-cache-mode", "none"]
+    want = cli_json("plan", "--model", "qwen3-next-80b-a3b", "--hardware", "h100-sxm", "--gpus",
+                    "8", "--context", "8192", "--disagg", "--ttft-slo", "2", "--tpot-slo", "0.05",
+                    *flags)
+    got = kvshard.plan_disagg("qwen3-next-80b-a3b", "h100-sxm", 8, 8192, ttft_slo=2,
+                              tpot_slo=0.05, mamba_cache_mode="none")
+    assert got == want
+
+
+def test_engine_keywords_are_checked_like_the_cli(cli):
+    rc, _, err = cli("plan", "--model", "glm-4.5-air", "--gpus", "4", "--context", "1024",
+                     "--max-num-batched-tokens", "0")
+    assert rc == 2
+    with pytest.raises(kvshard.Error) as e:
+        kvshard.plan("glm-4.5-air", "h100-sxm", 4, 1024, max_num_batched_tokens=0)
+    assert err.strip() == f"kvshard: error: {e.value}"
+    assert "max_num_batched_tokens must be in [1, 2^40] tokens, got 0" in str(e.value)
+    for call in (
+            lambda: kvshard.compute_capacity("glm-4.5-air", "tp=4", "h100-sxm",
+                                             mamba_cache_mode="prefix"),
+            lambda: kvshard.explain_plan("glm-4.5-air", "h100-sxm", 4, 1024, "tp=4",
+                                         mamba_cache_mode="prefix"),
+            lambda: kvshard.plan_disagg("glm-4.5-air", "h100-sxm", 8, 1024, ttft_slo=2,
+                                        tpot_slo=0.05, mamba_cache_mode="prefix")):
+        with pytest.raises(kvshard.Error,
+                           match="mamba_cache_mode: unknown mamba cache mode 'prefix': expected "
+                                 "none .* or align"):
+            call()
