@@ -674,7 +674,6 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
     }
 }
 
-// Kimi Linear (vLLM's kimi_linear.py, KimiLinearConfig in transformers_utils/configs): layer l is
 // Nemotron-H's MTP step, as vLLM builds it (models/nemotron_h_mtp.py,
 // NemotronHMultiTokenPredictor): one step only (it asserts num_nextn_predict_layers == 1), of the
 // layers mtp_hybrid_override_pattern names: '*' a NemotronHAttentionDecoderLayer (KV like the
@@ -737,6 +736,7 @@ void read_nemotron_h_mtp(const HfFields& f, int steps, ModelSpec& m) {
     m.mtp.proj_split_by_tp = true;  // eh_proj: ColumnParallelLinear
 }
 
+// Kimi Linear (vLLM's kimi_linear.py, KimiLinearConfig in transformers_utils/configs): layer l is
 // Kimi Delta Attention when l + 1 is in linear_attn_config.kda_layers (1-based,
 // KimiLinearConfig.is_kda_layer), else MLA (KimiMLAAttention, which asserts q_lora_rank None and
 // mla_use_nope). MoE on layers from first_k_dense_replace that are multiples of moe_layer_freq.
