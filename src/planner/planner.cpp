@@ -248,8 +248,12 @@ std::string plan_to_json(const ModelSpec& m, const HardwareSpec& hw, const PlanR
             j["cp_pass_kv_hidden"] = k.cp_prefill.pass_kv_hidden;
             j["cp_decode_merge"] = cp_merge_policy_name(k.cp_decode.chosen);
         }
-        if (r.capacity.speculative_tokens > 0)
-            j["drafter_weight_bytes_per_gpu"] = c.ranks[c.limiting_rank].weights.drafter;
+        if (r.capacity.speculative_tokens > 0) {
+            // The most one GPU holds: at pp > 1 only the last stage holds the drafter.
+            int64_t drafter = 0;
+            for (const RankCapacity& rc : c.ranks) drafter = std::max(drafter, rc.weights.drafter);
+            j["drafter_weight_bytes_per_gpu"] = drafter;
+        }
         if (!e.fits) j["why_not"] = c.why_not;
         configs.push_back(std::move(j));
     }

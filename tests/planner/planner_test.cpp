@@ -4,6 +4,7 @@
 
 #include "kvshard/common/error.h"
 #include "kvshard/model/catalog.h"
+#include "kvshard/planner/capacity.h"
 #include "kvshard/planner/planner.h"
 
 namespace kvshard {
@@ -122,6 +123,31 @@ TEST(Plan, BadRequestsAreErrors) {
     r.batch = -1;
     EXPECT_THROW(plan(m, hw, r), Error);
     EXPECT_THROW(parse_objective("cost"), Error);
+}
+
+TEST(Plan, SpeculatingTheSearchTakesPipelineStagesWithTheDrafterOnTheLast) {
+    // vLLM runs the MTP drafter on the last PP rank (GPUModelRunner.__init__): the search keeps
+    // pp > 1 configurations, and the JSON gives the drafter bytes of the GPU that holds them.
+    PlanRequest r;
+    r.gpus = 4;
+    r.context_tokens = 1024;
+    r.capacity.speculative_tokens = 2;
+    const auto m = catalog_model("glm-4.5-air");
+    const auto hw = hardware_by_name("h100-sxm");
+    const auto entries = plan(m, hw, r);
+    const auto j = nlohmann::json::parse(plan_to_json(m, hw, r, entries));
+    bool pp2 = false;
+    for (const auto& c : j["configs"]) {
+        if (c["pp"] != 2 || c["tp"] != 2) continue;
+        pp2 = true;
+        ParallelConfig p;
+        p.pp = 2;
+        p.tp = 2;
+        EXPECT_EQ(c["drafter_weight_bytes_per_gpu"], rank_drafter_weight_bytes(m, p, 3));
+        EXPECT_GT(c["drafter_weight_bytes_per_gpu"].get<int64_t>(), 0);
+        EXPECT_EQ(rank_drafter_weight_bytes(m, p, 0), 0);
+    }
+    EXPECT_TRUE(pp2) << "no pp=2 tp=2 configuration among " << j["configs"].size();
 }
 
 }  // namespace
