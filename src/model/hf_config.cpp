@@ -896,14 +896,99 @@ void read_lfm2(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& layers) 
     m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;
 }
 
+// The length a config class gives where config.json states none. vLLM's _get_and_verify_max_len
+// (vllm/config/model.py) reads each length key with getattr(hf_config, key, None), so a key the
+// file leaves out is the class's default; only a class with no such attribute leaves vLLM at its
+// fallback (2048, or an unchecked --max-model-len), which kvshard reports as no length (0).
+// Each default read from the class's source: transformers src/transformers/models/<type>/
+// configuration_<type>.py (main, commit 008e5743 unless named), vLLM's own classes in
+// vllm/transformers_utils/configs/<file>.py (the model_type -> class mapping is vLLM's
+// _CONFIG_REGISTRY, vllm/transformers_utils/config.py).
+// Not confirmed, so left unknown: qwen3_5_moe(_text) (Qwen3_5MoeTextConfig not read), kimi_k2
+// (remote code), glm_moe_dsa (vLLM maps it to DeepseekV3Config in some versions and to
+// transformers' GlmMoeDsaConfig in others), nemotron-nas (DeciLMConfig, remote code),
+// RefinedWeb / RefinedWebModel (vLLM's RWConfig not read), a config without model_type. Known to
+// have none: KimiLinearConfig (vLLM configs/kimi_linear.py) defines no length attribute.
+struct ClassLength {
+    const char* config_class;
+    const char* key;  // the possible_keys entry the class defaults
+    int64_t tokens;
+};
+
+const ClassLength* class_length(const std::string& model_type) {
+    static const std::map<std::string, ClassLength, std::less<>> kLengths = {
+        {"llama", {"LlamaConfig", "max_position_embeddings", 2048}},
+        {"mistral", {"MistralConfig", "max_position_embeddings", 4096 * 32}},  // commit 001f85b3
+        // Ministral3Config: 262144, and its default rope_parameters (yarn 16 x 16384) give the
+        // same.
+        {"ministral3", {"Ministral3Config", "max_position_embeddings", 262144}},
+        {"phi3", {"Phi3Config", "max_position_embeddings", 4096}},
+        {"mixtral", {"MixtralConfig", "max_position_embeddings", 4096 * 32}},
+        {"qwen2", {"Qwen2Config", "max_position_embeddings", 32768}},
+        {"qwen2_moe", {"Qwen2MoeConfig", "max_position_embeddings", 32768}},
+        {"qwen3", {"Qwen3Config", "max_position_embeddings", 32768}},
+        {"qwen3_moe", {"Qwen3MoeConfig", "max_position_embeddings", 32768}},
+        {"qwen3_vl", {"Qwen3VLTextConfig", "max_position_embeddings", 128000}},  // 000c33fd
+        {"qwen3_vl_text", {"Qwen3VLTextConfig", "max_position_embeddings", 128000}},
+        {"qwen3_vl_moe", {"Qwen3VLMoeTextConfig", "max_position_embeddings", 128000}},
+        {"qwen3_vl_moe_text", {"Qwen3VLMoeTextConfig", "max_position_embeddings", 128000}},
+        {"qwen3_next", {"Qwen3NextConfig", "max_position_embeddings", 32768}},
+        // vLLM configs/qwen3_5.py (commit c04143bb).
+        {"qwen3_5", {"Qwen3_5TextConfig", "max_position_embeddings", 32768}},
+        {"qwen3_5_text", {"Qwen3_5TextConfig", "max_position_embeddings", 32768}},
+        {"gemma2", {"Gemma2Config", "max_position_embeddings", 8192}},
+        {"gemma3", {"Gemma3TextConfig", "max_position_embeddings", 131072}},
+        {"gemma3_text", {"Gemma3TextConfig", "max_position_embeddings", 131072}},
+        {"gemma4", {"Gemma4TextConfig", "max_position_embeddings", 131072}},
+        {"gemma4_text", {"Gemma4TextConfig", "max_position_embeddings", 131072}},
+        // GptOssConfig (commit 02b8f42b): 131072; its default rope_parameters (yarn 32 x 4096) give
+        // the same.
+        {"gpt_oss", {"GptOssConfig", "max_position_embeddings", 131072}},
+        {"llama4", {"Llama4TextConfig", "max_position_embeddings", 4096 * 32}},
+        {"llama4_text", {"Llama4TextConfig", "max_position_embeddings", 4096 * 32}},
+        {"deepseek_v2", {"DeepseekV2Config", "max_position_embeddings", 2048}},
+        // transformers' DeepseekV3Config (commit 001f85b3) and vLLM's (configs/deepseek_v3.py,
+        // which _CONFIG_REGISTRY gives deepseek_v32): 4096 both.
+        {"deepseek_v3", {"DeepseekV3Config", "max_position_embeddings", 4096}},
+        {"deepseek_v32", {"DeepseekV3Config", "max_position_embeddings", 4096}},
+        // vLLM configs/chatglm.py: seq_length 2048, and max_position_embeddings = seq_length.
+        {"chatglm", {"ChatGLMConfig", "seq_length", 2048}},
+        {"glm4", {"Glm4Config", "max_position_embeddings", 131072}},
+        {"glm4_moe", {"Glm4MoeConfig", "max_position_embeddings", 131072}},  // commit 008c726d
+        {"minimax_m2", {"MiniMaxM2Config", "max_position_embeddings", 196608}},
+        {"falcon", {"FalconConfig", "max_position_embeddings", 2048}},
+        {"nemotron_h", {"NemotronHConfig", "max_position_embeddings", 4096}},  // commit 13923c63
+        {"granitemoehybrid", {"GraniteMoeHybridConfig", "max_position_embeddings", 2048}},
+        {"bamba", {"BambaConfig", "max_position_embeddings", 262144}},  // commit 001f85b3
+        // Jamba-v0.1 writes its length as n_ctx, which vLLM does not read: the class's counts.
+        {"jamba", {"JambaConfig", "max_position_embeddings", 262144}},
+        {"olmo2", {"Olmo2Config", "max_position_embeddings", 2048}},
+        {"olmo3", {"Olmo3Config", "max_position_embeddings", 2048}},  // vLLM configs/olmo3.py
+        {"cohere2", {"Cohere2Config", "max_position_embeddings", 8192}},
+        {"exaone4", {"Exaone4Config", "max_position_embeddings", 2048}},
+        {"smollm3", {"SmolLM3Config", "max_position_embeddings", 32768}},
+        {"lfm2", {"Lfm2Config", "max_position_embeddings", 128000}},  // commit 05cd1ec1
+        {"seed_oss", {"SeedOssConfig", "max_position_embeddings", 524288}},
+        {"ernie4_5", {"Ernie4_5Config", "max_position_embeddings", 131072}},
+        {"ernie4_5_moe", {"Ernie4_5_MoeConfig", "max_position_embeddings", 131072}},  // 001f85b3
+        {"hunyuan_v1_dense", {"HunYuanDenseV1Config", "max_position_embeddings", 2048}},
+        {"hunyuan_v1_moe", {"HunYuanMoEV1Config", "max_position_embeddings", 2048}},  // 008cd60e
+        {"granite", {"GraniteConfig", "max_position_embeddings", 2048}},
+        {"granitemoe", {"GraniteMoeConfig", "max_position_embeddings", 2048}},  // 040e1a7e
+    };
+    auto it = kLengths.find(model_type);
+    return it != kLengths.end() ? &it->second : nullptr;
+}
+
 }  // namespace
 
 // The longest sequence vLLM serves, as vllm/config/model.py's _get_and_verify_max_len derives it
-// from the (text) config: the smallest of its length fields, model_max_length winning when set,
-// then scaled by the RoPE scaling factor except for the su, longrope and llama3 types (whose
+// from the (text) config: the smallest of its length fields (a field the file leaves out is the
+// config class's default, class_length above), model_max_length winning when set, then scaled by
+// the RoPE scaling factor except for the su, longrope and llama3 types (whose
 // max_position_embeddings already counts it) and Gemma 3 (the same); yarn scales
-// original_max_position_embeddings. A config with none of the fields states no length (0): vLLM
-// would take the config class's default, which kvshard does not guess.
+// original_max_position_embeddings. A config with none of the fields and a class with none
+// states no length (0).
 void read_max_model_len(const HfFields& f, const std::string& model_type,
                         double tokenizer_max_length, ModelSpec& m) {
     // A length above 2^40 (transformers' "no limit" int(1e30)) bounds nothing kvshard checks.
@@ -914,34 +999,32 @@ void read_max_model_len(const HfFields& f, const std::string& model_type,
             throw f.bad(key, detail::concat("must be a positive number of tokens, got ", v.dump()));
         return std::min(v.get<double>(), kLongest);
     };
+    const ClassLength* class_default = class_length(model_type);
     double derived = 0;
     std::string from;
     for (const char* key :
          {"max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
           "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len"}) {
-        if (!f.has(key)) continue;
-        const double v = length(key);
+        double v = 0;
+        std::string what;
+        if (f.has(key)) {
+            v = length(key);
+            what = detail::concat(key, " ", static_cast<int64_t>(v));
+        } else if (class_default && std::string_view(class_default->key) == key) {
+            v = static_cast<double>(class_default->tokens);
+            what = detail::concat(class_default->config_class, "'s default ", key, " ",
+                                  class_default->tokens);
+        } else {
+            continue;
+        }
         if (from.empty() || v < derived) {
             derived = v;
-            from = detail::concat(key, " ", static_cast<int64_t>(v));
+            from = what;
         }
     }
     if (f.has("model_max_length")) {  // Command-R / Cohere: it wins over the others
         derived = length("model_max_length");
         from = detail::concat("model_max_length ", static_cast<int64_t>(derived));
-    }
-    // Where published configs leave the length out, vLLM reads the config class's default:
-    // Gemma3TextConfig's 131072, FalconConfig's 2048, JambaConfig's 262144 (transformers'
-    // configuration_<type>.py).
-    if (from.empty() && model_type.rfind("gemma3", 0) == 0) {
-        derived = 131072;
-        from = "Gemma3TextConfig's default max_position_embeddings 131072";
-    } else if (from.empty() && model_type == "falcon") {
-        derived = 2048;
-        from = "FalconConfig's default max_position_embeddings 2048";
-    } else if (from.empty() && model_type == "jamba") {
-        derived = 262144;  // Jamba-v0.1 writes its length as n_ctx, which vLLM does not read
-        from = "JambaConfig's default max_position_embeddings 262144";
     }
     // Before the RoPE factor, as vLLM takes it; also where the config states no length.
     if (tokenizer_max_length > 0 && (from.empty() || tokenizer_max_length < derived)) {
@@ -1010,7 +1093,7 @@ void read_max_model_len(const HfFields& f, const std::string& model_type,
             from = detail::concat(from, " x ", rope_key, " ", scaled, " factor ", factor);
         }
     }
-    if (from.empty()) return;  // none stated (vLLM would take its class default or 2048)
+    if (from.empty()) return;  // none stated, none defaulted (vLLM: 2048 or --max-model-len)
     m.max_model_len = static_cast<int64_t>(std::min(derived, kLongest));
     m.max_model_len_from = from;
 }

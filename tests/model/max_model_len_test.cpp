@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 
@@ -119,10 +120,14 @@ TEST(MaxModelLen, VllmsDerivation) {
          "sliding_attention": {"rope_type": "default"}})")
                   .max_model_len,
               8192);
-    // No length field: none stated, nothing checked; but yarn states original x factor.
-    EXPECT_EQ(llama_with("").max_model_len, 0);
+    // No length field: LlamaConfig's default max_position_embeddings (2048), which the RoPE
+    // factor scales as it scales a stated one; yarn states original x factor.
+    EXPECT_EQ(llama_with("").max_model_len, 2048);
+    EXPECT_EQ(llama_with("").max_model_len_from,
+              "LlamaConfig's default max_position_embeddings 2048");
     EXPECT_EQ(
-        llama_with(R"(, "rope_scaling": {"rope_type": "linear", "factor": 4.0})").max_model_len, 0);
+        llama_with(R"(, "rope_scaling": {"rope_type": "linear", "factor": 4.0})").max_model_len,
+        8192);
     EXPECT_EQ(llama_with(R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
         "original_max_position_embeddings": 32768})")
                   .max_model_len,
@@ -144,6 +149,116 @@ TEST(MaxModelLen, VllmsDerivation) {
                   std::string::npos)
             << e.what();
     }
+}
+
+// A config.json without a length field: vLLM's getattr(hf_config, key, None) reads the config
+// class's default (src/model/hf_config.cpp class_length names each class and its source file).
+// Each case takes a published config of that model_type (or of a sibling whose fields the type
+// reads, model_type replaced), drops every length field and the RoPE scaling, and expects the
+// class's default, named in max_model_len_from.
+TEST(MaxModelLen, ClassDefaultWhereTheConfigStatesNone) {
+    struct Case {
+        const char* model_type;
+        const char* file;
+        const char* config_class;
+        const char* key;
+        int64_t tokens;
+        const char* extra = "";  // fields the type needs beyond the file's (JSON object body)
+    };
+    const Case cases[] = {
+        {"llama", "llama-3.1-8b", "LlamaConfig", "max_position_embeddings", 2048},
+        {"mistral", "mistral-7b-v0.1", "MistralConfig", "max_position_embeddings", 131072},
+        {"ministral3", "mistral-7b-v0.1", "Ministral3Config", "max_position_embeddings", 262144,
+         R"("head_dim": 128)"},
+        {"phi3", "phi-3-mini-4k-instruct", "Phi3Config", "max_position_embeddings", 4096},
+        {"mixtral", "mixtral-8x7b-v0.1", "MixtralConfig", "max_position_embeddings", 131072},
+        {"qwen2", "qwen2.5-7b", "Qwen2Config", "max_position_embeddings", 32768},
+        {"qwen2_moe", "qwen2.5-7b", "Qwen2MoeConfig", "max_position_embeddings", 32768},
+        {"qwen3", "qwen3-8b", "Qwen3Config", "max_position_embeddings", 32768},
+        {"qwen3_moe", "qwen3-30b-a3b", "Qwen3MoeConfig", "max_position_embeddings", 32768},
+        {"qwen3_vl_text", "qwen3-8b", "Qwen3VLTextConfig", "max_position_embeddings", 128000},
+        {"qwen3_vl_moe", "qwen3-vl-30b-a3b", "Qwen3VLMoeTextConfig", "max_position_embeddings",
+         128000},
+        {"qwen3_next", "qwen3-next-80b-a3b", "Qwen3NextConfig", "max_position_embeddings", 32768},
+        {"gemma2", "gemma-2-9b-it", "Gemma2Config", "max_position_embeddings", 8192},
+        {"gemma3", "gemma-3-27b", "Gemma3TextConfig", "max_position_embeddings", 131072},
+        {"gemma4", "gemma-4-31b", "Gemma4TextConfig", "max_position_embeddings", 131072},
+        {"gpt_oss", "gpt-oss-20b", "GptOssConfig", "max_position_embeddings", 131072},
+        {"llama4", "llama-4-scout", "Llama4TextConfig", "max_position_embeddings", 131072},
+        {"deepseek_v2", "deepseek-v3", "DeepseekV2Config", "max_position_embeddings", 2048},
+        {"deepseek_v3", "deepseek-v3", "DeepseekV3Config", "max_position_embeddings", 4096},
+        {"deepseek_v32", "deepseek-v3.2-exp", "DeepseekV3Config", "max_position_embeddings", 4096},
+        {"chatglm", "glm-4-9b-chat", "ChatGLMConfig", "seq_length", 2048},
+        {"glm4", "qwen3-8b", "Glm4Config", "max_position_embeddings", 131072},
+        {"glm4_moe", "glm-4.5-air", "Glm4MoeConfig", "max_position_embeddings", 131072},
+        {"minimax_m2", "minimax-m2", "MiniMaxM2Config", "max_position_embeddings", 196608},
+        {"falcon", "falcon-7b-instruct", "FalconConfig", "max_position_embeddings", 2048},
+        {"nemotron_h", "nemotron-h-8b", "NemotronHConfig", "max_position_embeddings", 4096},
+        {"granitemoehybrid", "granite-4.0-h-tiny", "GraniteMoeHybridConfig",
+         "max_position_embeddings", 2048},
+        {"bamba", "bamba-9b", "BambaConfig", "max_position_embeddings", 262144},
+        {"jamba", "jamba-v0.1", "JambaConfig", "max_position_embeddings", 262144},
+        {"olmo2", "olmo-2-7b-instruct", "Olmo2Config", "max_position_embeddings", 2048},
+        {"olmo3", "olmo-3-7b", "Olmo3Config", "max_position_embeddings", 2048},
+        {"cohere2", "c4ai-command-r7b-12-2024", "Cohere2Config", "max_position_embeddings", 8192},
+        {"exaone4", "exaone-4.0-32b", "Exaone4Config", "max_position_embeddings", 2048},
+        {"smollm3", "smollm3-3b", "SmolLM3Config", "max_position_embeddings", 32768},
+        {"lfm2", "lfm2-1.2b", "Lfm2Config", "max_position_embeddings", 128000},
+        {"seed_oss", "seed-oss-36b-instruct", "SeedOssConfig", "max_position_embeddings", 524288},
+        {"ernie4_5", "ernie-4.5-0.3b-pt", "Ernie4_5Config", "max_position_embeddings", 131072},
+        {"ernie4_5_moe", "ernie-4.5-21b-a3b-pt", "Ernie4_5_MoeConfig", "max_position_embeddings",
+         131072},
+        {"hunyuan_v1_dense", "hy-mt2-7b", "HunYuanDenseV1Config", "max_position_embeddings", 2048},
+        {"hunyuan_v1_moe", "hunyuan-a13b-instruct", "HunYuanMoEV1Config", "max_position_embeddings",
+         2048},
+        {"granite", "granite-3.3-8b-instruct", "GraniteConfig", "max_position_embeddings", 2048},
+        {"granitemoe", "granite-3.1-3b-a800m-instruct", "GraniteMoeConfig",
+         "max_position_embeddings", 2048},
+    };
+    const char* kLengthKeys[] = {"max_position_embeddings",
+                                 "n_positions",
+                                 "max_seq_len",
+                                 "seq_length",
+                                 "model_max_length",
+                                 "max_target_positions",
+                                 "max_sequence_length",
+                                 "max_seq_length",
+                                 "seq_len",
+                                 "rope_scaling",
+                                 "rope_parameters"};
+    for (const Case& c : cases) {
+        SCOPED_TRACE(c.model_type);
+        nlohmann::json j = nlohmann::json::parse(read_config(c.file));
+        nlohmann::json& text = j.contains("text_config") ? j["text_config"] : j;
+        for (nlohmann::json* o : {&j, &text})
+            for (const char* k : kLengthKeys) o->erase(k);
+        // The text config's model_type is the one read; a wrapper keeps its own.
+        if (!j.contains("text_config")) j["model_type"] = c.model_type;
+        if (*c.extra) text.update(nlohmann::json::parse(std::string("{") + c.extra + "}"));
+        const ModelSpec m = parse_hf_config(j.dump(), c.file);
+        EXPECT_EQ(m.max_model_len, c.tokens);
+        EXPECT_EQ(m.max_model_len_from, std::string(c.config_class) + "'s default " + c.key + " " +
+                                            std::to_string(c.tokens));
+        // A stated length still wins over the default, smaller or larger.
+        text["max_position_embeddings"] = 1000;
+        if (std::string(c.key) == "max_position_embeddings") {
+            EXPECT_EQ(parse_hf_config(j.dump(), c.file).max_model_len, 1000);
+        }
+    }
+    // ChatGLMConfig defaults seq_length whatever max_position_embeddings says (vLLM takes the
+    // smaller): a config stating only max_position_embeddings 8192 serves 2048.
+    nlohmann::json glm = nlohmann::json::parse(read_config("glm-4-9b-chat"));
+    glm.erase("seq_length");
+    glm["max_position_embeddings"] = 8192;
+    EXPECT_EQ(parse_hf_config(glm.dump(), "glm").max_model_len, 2048);
+    // A class with no length attribute (KimiLinearConfig) and an unconfirmed one state none.
+    nlohmann::json kimi = nlohmann::json::parse(read_config("kimi-linear-48b-a3b-instruct"));
+    kimi.erase("model_max_length");
+    EXPECT_EQ(parse_hf_config(kimi.dump(), "kimi").max_model_len, 0);
+    nlohmann::json nas = nlohmann::json::parse(read_config("llama-3.3-nemotron-super-49b"));
+    nas.erase("max_position_embeddings");
+    nas.erase("rope_scaling");
+    EXPECT_EQ(parse_hf_config(nas.dump(), "nas").max_model_len, 0);
 }
 
 // vLLM bounds the length by the tokenizer's model_max_length (tokenizer_config.json in the model
@@ -169,12 +284,14 @@ TEST(MaxModelLen, TokenizerConfigBesideTheConfig) {
     EXPECT_EQ(tokenizer(R"({"model_max_length": 262144})").max_model_len, 131072);
     EXPECT_EQ(tokenizer(R"({"tokenizer_class": "Qwen2Tokenizer"})").max_model_len, 131072);
     EXPECT_THROW(tokenizer(R"({"model_max_length": "long"})"), Error);
-    // A config without a length field takes the tokenizer's.
+    // A config without a length field takes the tokenizer's where it is below the class's
+    // default (LlamaConfig's 2048).
     {
         std::ofstream(dir / "config.json") << R"({"model_type": "llama", "num_hidden_layers": 2,
             "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
             "intermediate_size": 128, "vocab_size": 100})";
-        EXPECT_EQ(tokenizer(R"({"model_max_length": 4096})").max_model_len, 4096);
+        EXPECT_EQ(tokenizer(R"({"model_max_length": 1024})").max_model_len, 1024);
+        EXPECT_EQ(tokenizer(R"({"model_max_length": 4096})").max_model_len, 2048);
     }
     EXPECT_THROW(tokenizer("{not json"), Error);
     fs::remove_all(dir);
