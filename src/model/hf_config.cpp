@@ -1786,6 +1786,21 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                        ": kvshard counts Jamba's Mamba-1 weights with dt_rank "
                                        "ceil(hidden_size / 16) = ",
                                        auto_rank, " (\"auto\")"));
+        // vLLM's JambaMambaDecoderLayer (jamba.py) builds MambaMixer(use_conv_bias=
+        // mamba_conv_bias, use_bias=mamba_proj_bias): a conv1d bias of d_inner when the first is
+        // true, in_proj (2 x d_inner) and out_proj (hidden) biases when the second is
+        // (layers/mamba/mamba_mixer.py). mixer_params_of_layer counts JambaConfig's defaults, conv
+        // bias on and projection biases off, as every published Jamba sets them; another setting
+        // is refused rather than miscounted.
+        if (!f.bool_or("mamba_conv_bias", true))
+            throw f.bad("mamba_conv_bias",
+                        "is false: kvshard counts Jamba's Mamba-1 weights with the conv1d bias "
+                        "(JambaConfig's default, true); a Jamba without it is not supported");
+        if (f.bool_or("mamba_proj_bias", false))
+            throw f.bad("mamba_proj_bias",
+                        "is true: kvshard counts Jamba's Mamba-1 weights without in_proj / "
+                        "out_proj biases (JambaConfig's default, false); a Jamba with them is not "
+                        "supported");
     }
     if (fam == Family::kGptOss)
         for (auto& s : layers) s.learned_sinks = true;

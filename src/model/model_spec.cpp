@@ -300,7 +300,9 @@ int64_t ModelSpec::mixer_params_of_layer(int l) const {
             // (hidden -> 2 x d_inner: x and the gate), conv1d of conv_kernel taps + bias per
             // channel, x_proj (d_inner -> dt_rank + 2 x d_state), dt_proj (dt_rank -> d_inner,
             // with bias), A (d_inner x d_state), D (d_inner), out_proj (d_inner -> hidden).
-            // dt_rank is ceil(hidden / 16) (JambaConfig's "auto"; another is refused on read).
+            // dt_rank is ceil(hidden / 16) (JambaConfig's "auto"; another is refused on read). The
+            // conv bias is mamba_conv_bias true, in_proj / out_proj carry none (mamba_proj_bias
+            // false): JambaConfig's defaults, the other settings refused on read.
             // Jamba's dt / B / C RMSNorm weights (dt_rank + 2 x d_state) are not counted.
             const int64_t c = state.heads, n = state.group_dim, r = (h + 15) / 16;
             p = 2 * h * c + c * (state.conv_kernel + 1) + c * (r + 2 * n) + r * c + c + c * n + c +

@@ -1058,6 +1058,18 @@ TEST(RealShapes, JambaAsVllmBuildsIt) {
     expect_refused(j.dump(), "mamba_dt_rank");
     j["mamba_dt_rank"] = "auto";
     EXPECT_EQ(parse_hf_config(j.dump(), "j.json").total_params(), total);
+    // vLLM's MambaMixer takes use_conv_bias=mamba_conv_bias (the conv1d bias counted above) and
+    // use_bias=mamba_proj_bias (in_proj / out_proj biases, not counted): JambaConfig's defaults,
+    // stated or not, are what the count holds; the other settings are refused, not miscounted.
+    j["mamba_conv_bias"] = true;
+    j["mamba_proj_bias"] = false;
+    EXPECT_EQ(parse_hf_config(j.dump(), "j.json").total_params(), total);
+    j["mamba_conv_bias"] = false;
+    expect_refused(j.dump(), "'mamba_conv_bias' is false: kvshard counts Jamba's Mamba-1 weights");
+    j["mamba_conv_bias"] = true;
+    j["mamba_proj_bias"] = true;
+    expect_refused(j.dump(), "'mamba_proj_bias' is true: kvshard counts Jamba's Mamba-1 weights");
+    j["mamba_proj_bias"] = false;
     j["attn_layer_offset"] = 8;  // JambaConfig: offset below period
     expect_refused(j.dump(), "attn_layer_offset");
     j["attn_layer_offset"] = 4;
