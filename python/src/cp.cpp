@@ -29,7 +29,8 @@ void bind_cp(py::module_& m) {
            int block_size, int reuse_from, bool allow_long_context) {
             // The CLI's --allow-long-context.
             model.check_sequence_length(sat_add(cached, fresh), allow_long_context,
-                                        detail::concat("cached ", cached, " + new ", fresh));
+                                        detail::concat("cached ", cached, " + new ", fresh),
+                                        kAllowLongContextKwarg);
             std::string json;
             {
                 py::gil_scoped_release release;

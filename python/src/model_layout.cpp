@@ -258,7 +258,8 @@ void bind_model_layout(py::module_& m) {
             validate(model, p);
             require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
                     "context_tokens must be in [0, ", kMaxContextTokens, "], got ", context_tokens);
-            model.check_sequence_length(context_tokens, allow_long_context, "context_tokens");
+            model.check_sequence_length(context_tokens, allow_long_context, "context_tokens",
+                                        kAllowLongContextKwarg);
             return pp_stage_kv_bytes(model, p, context_tokens);
         },
         py::arg("model"), py::arg("parallel"), py::arg("context_tokens"), py::kw_only(),
@@ -270,7 +271,8 @@ void bind_model_layout(py::module_& m) {
             validate(model, p);
             require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
                     "context_tokens must be in [0, ", kMaxContextTokens, "], got ", context_tokens);
-            model.check_sequence_length(context_tokens, allow_long_context, "context_tokens");
+            model.check_sequence_length(context_tokens, allow_long_context, "context_tokens",
+                                        kAllowLongContextKwarg);
             return pp_layer_split_kv_balanced(model, p, context_tokens);
         },
         py::arg("model"), py::arg("parallel"), py::arg("context_tokens"), py::kw_only(),

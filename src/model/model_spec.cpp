@@ -570,16 +570,15 @@ void ModelSpec::validate() const {
     validate_totals();
 }
 
-void ModelSpec::check_sequence_length(int64_t tokens, bool allow_long,
-                                      std::string_view what) const {
+void ModelSpec::check_sequence_length(int64_t tokens, bool allow_long, std::string_view what,
+                                      std::string_view allow_long_how) const {
     if (max_model_len <= 0 || tokens <= max_model_len || allow_long) return;
     throw Error(detail::concat(
         what, " (", tokens, " tokens) is longer than model '", name, "' serves: vLLM derives ",
         "max_model_len ", max_model_len, " from its config (", max_model_len_from,
         ") and refuses a longer --max-model-len unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (positions ",
         "past it are outside what the model was trained on); give at most ", max_model_len,
-        " tokens, or allow long contexts (--allow-long-context; Python allow_long_context=True) "
-        "as that variable does"));
+        " tokens, or allow long contexts (", allow_long_how, ") as that variable does"));
 }
 
 void ModelSpec::validate_totals() const {

@@ -40,7 +40,11 @@ void expect_refused(const test::CliResult& r, const std::string& what, const std
                    std::to_string(max_len) + ")"),
         std::string::npos)
         << r.out;
-    EXPECT_NE(r.out.find("--allow-long-context"), std::string::npos) << r.out;
+    // The CLI's override, not the Python keyword (these commands are the CLI's).
+    EXPECT_NE(r.out.find("or allow long contexts (--allow-long-context) as that variable does"),
+              std::string::npos)
+        << r.out;
+    EXPECT_EQ(r.out.find("allow_long_context=True"), std::string::npos) << r.out;
 }
 
 TEST(ContextLengthCli, Layout) {
@@ -88,7 +92,8 @@ TEST(ContextLengthCli, TransferPlan) {
         "transfer-plan --model llama-3.1-8b --from tp=2 --to tp=1 --tokens 131073 "
         "--allow-long-context");
     ASSERT_EQ(allowed.status, 0) << allowed.out;
-    EXPECT_NE(allowed.out.find("llama-3.1-8b: 131073 tokens, dp=1"), std::string::npos) << allowed.out;
+    EXPECT_NE(allowed.out.find("llama-3.1-8b: 131073 tokens, dp=1"), std::string::npos)
+        << allowed.out;
     EXPECT_EQ(run_cli("transfer-plan --model tiny --from tp=2 --to tp=1 --tokens 1000000").status,
               0);
 }
@@ -109,6 +114,10 @@ TEST(ContextLengthCli, RunCountsThePromptAndItsOutput) {
                             "(max_position_embeddings 64)"),
               std::string::npos)
         << over.out;
+    // run has no Python counterpart: the flag only.
+    EXPECT_NE(over.out.find("or allow long contexts (--allow-long-context) as"), std::string::npos)
+        << over.out;
+    EXPECT_EQ(over.out.find("allow_long_context=True"), std::string::npos) << over.out;
     const auto ids = run_cli("run --model " + model + " --prompt-ids 1,2,3 --gen 62");
     EXPECT_EQ(ids.status, 2) << ids.out;
     EXPECT_NE(ids.out.find("a prompt of 3 tokens (--prompt-ids) plus --gen 62 (65 tokens)"),

@@ -14,6 +14,11 @@ def test_cp_plan():
                                             r"longer than model 'llama-3.1-8b' serves.*"
                                             r"max_model_len 131072.*allow_long_context=True"):
         kvshard.cp_plan(MODEL, "cp=2", 131000, 100)
+    # A Python caller is told the keyword, not the CLI's flag.
+    with pytest.raises(kvshard.Error) as refused:
+        kvshard.cp_plan(MODEL, "cp=2", 131000, 100)
+    assert "allow long contexts (Python allow_long_context=True)" in str(refused.value)
+    assert "--allow-long-context" not in str(refused.value)
     assert kvshard.cp_plan(MODEL, "cp=2", 131000, 72)["ranks"]
     assert kvshard.cp_plan(MODEL, "cp=2", 131000, 100, allow_long_context=True)["ranks"]
     assert kvshard.cp_plan("tiny", "cp=2", 10**6, 100)["ranks"]
@@ -24,6 +29,9 @@ def test_transfer_plan():
     with pytest.raises(kvshard.Error, match=r"num_tokens \(131073 tokens\) is longer.*"
                                             r"max_model_len 131072"):
         kvshard.transfer_plan(src, dst, 131073)
+    with pytest.raises(kvshard.Error, match=r"\(Python allow_long_context=True\)") as refused:
+        kvshard.transfer_plan(src, dst, 131073)
+    assert "--allow-long-context" not in str(refused.value)
     assert kvshard.transfer_plan(src, dst, 131072).num_tokens == 131072
     assert kvshard.transfer_plan(src, dst, 131073, allow_long_context=True).num_tokens == 131073
     tiny = kvshard.make_layout("tiny", "tp=1")
@@ -35,6 +43,9 @@ def test_pp_split_context(fn):
     with pytest.raises(kvshard.Error, match=r"context_tokens \(131073 tokens\) is longer.*"
                                             r"max_model_len 131072"):
         fn(MODEL, "pp=2", 131073)
+    with pytest.raises(kvshard.Error, match=r"\(Python allow_long_context=True\)") as refused:
+        fn(MODEL, "pp=2", 131073)
+    assert "--allow-long-context" not in str(refused.value)
     assert len(fn(MODEL, "pp=2", 131072)) == 2
     assert len(fn(MODEL, "pp=2", 131073, allow_long_context=True)) == 2
     assert len(fn("tiny", "pp=2", 10**6)) == 2

@@ -1,7 +1,8 @@
 // A trace's requests against the model's max_model_len (sim/trace_lengths.h): a vLLM server
 // refuses prompt + max_tokens > max_model_len (vllm/renderers/params.py,
-// TokenizeParams._token_len_check), so `simulate` and `plan --trace` refuse such a trace unless
-// --allow-long-context, naming how many requests and the first.
+// TokenizeParams._token_len_check) when it arrives, not at startup, so `simulate` and `plan
+// --trace` refuse such a trace unless --allow-long-context, naming how many requests, the first,
+// and the cures (filter the trace, or the flag).
 #include <gtest/gtest.h>
 
 #include <sstream>
@@ -39,24 +40,32 @@ ModelSpec with_length(int64_t tokens) {
 
 TEST(TraceLengths, CountsPromptPlusOutputAndNamesTheFirst) {
     const Trace t = three_requests();
-    EXPECT_EQ(check_trace_lengths(t, with_length(131), false), 0);       // 131 fits exactly
-    EXPECT_EQ(check_trace_lengths(t, catalog_model("tiny"), false), 0);  // no length: no check
+    EXPECT_EQ(check_trace_lengths(t, with_length(131), false, "--flag"), 0);  // 131 fits exactly
+    EXPECT_EQ(check_trace_lengths(t, catalog_model("tiny"), false, "--flag"),
+              0);  // no length: no check
     try {
-        check_trace_lengths(t, with_length(128), false);
+        check_trace_lengths(t, with_length(128), false, "--flag");
         FAIL() << "a trace with requests past max_model_len was accepted";
     } catch (const Error& e) {
         const std::string what = e.what();
-        EXPECT_NE(what.find("trace 'three.jsonl': 2 of 3 requests are ones a vLLM server refuses "
-                            "(prompt + max_tokens > max_model_len); the first, at line 3, a "
-                            "prompt of 120 tokens plus 9 of output (129 tokens) is longer than "
-                            "model 'tiny' serves: vLLM derives max_model_len 128 from its config "
-                            "(max_position_embeddings 128)"),
+        EXPECT_NE(what.find("trace 'three.jsonl': 2 of 3 requests are longer than model 'tiny' "
+                            "serves (prompt + max_tokens > max_model_len 128, which vLLM derives "
+                            "from its config: max_position_embeddings 128); the first, at line 3, "
+                            "is a prompt of 120 tokens plus 9 of output (129 tokens)."),
                   std::string::npos)
             << what;
-        EXPECT_NE(what.find("--allow-long-context"), std::string::npos) << what;
+        // Refused per request at request time, not at startup: the cures are the trace or the
+        // override the caller names (here "--flag"), not a server setting.
+        EXPECT_NE(what.find("refuses each such request when it arrives"), std::string::npos)
+            << what;
+        EXPECT_NE(what.find("filter the trace to requests of at most 128 tokens, or replay them "
+                            "anyway (--flag)"),
+                  std::string::npos)
+            << what;
+        EXPECT_EQ(what.find("allow_long_context=True"), std::string::npos) << what;
     }
-    EXPECT_EQ(check_trace_lengths(t, with_length(128), true), 2);
-    EXPECT_EQ(check_trace_lengths(t, with_length(109), true), 3);
+    EXPECT_EQ(check_trace_lengths(t, with_length(128), true, "--flag"), 2);
+    EXPECT_EQ(check_trace_lengths(t, with_length(109), true, "--flag"), 3);
 }
 
 TEST(TraceLengthsCli, SimulateRefusesATraceVllmWouldRejectPartOf) {
@@ -66,14 +75,18 @@ TEST(TraceLengthsCli, SimulateRefusesATraceVllmWouldRejectPartOf) {
     // line 1.
     const auto over = test::run_cli(args + " --model llama-65b");
     EXPECT_EQ(over.status, 2) << over.out;
-    EXPECT_NE(over.out.find("250 of 300 requests are ones a vLLM server refuses"),
+    EXPECT_NE(over.out.find("250 of 300 requests are longer than model 'llama-65b' serves "
+                            "(prompt + max_tokens > max_model_len 2048"),
               std::string::npos)
         << over.out;
-    EXPECT_NE(over.out.find("the first, at line 1, a prompt of 6758 tokens plus 500 of output "
-                            "(7258 tokens) is longer than model 'llama-65b' serves: vLLM derives "
-                            "max_model_len 2048"),
+    EXPECT_NE(over.out.find("the first, at line 1, is a prompt of 6758 tokens plus 500 of output "
+                            "(7258 tokens)"),
               std::string::npos)
         << over.out;
+    // simulate has no Python counterpart: the CLI flag only.
+    EXPECT_NE(over.out.find("or replay them anyway (--allow-long-context)"), std::string::npos)
+        << over.out;
+    EXPECT_EQ(over.out.find("allow_long_context=True"), std::string::npos) << over.out;
     const auto allowed = test::run_cli(args + " --model llama-65b --allow-long-context");
     ASSERT_EQ(allowed.status, 0) << allowed.out;
     EXPECT_NE(
@@ -92,9 +105,12 @@ TEST(TraceLengthsCli, PlanTraceChecksEveryRequest) {
     // qwen2.5-72b serves 32768 tokens: 29 of the sample's requests are longer.
     const auto over = test::run_cli(args);
     EXPECT_EQ(over.status, 2) << over.out;
-    EXPECT_NE(over.out.find("29 of 300 requests are ones a vLLM server refuses"), std::string::npos)
+    EXPECT_NE(over.out.find("29 of 300 requests are longer than model 'qwen2.5-72b' serves"),
+              std::string::npos)
         << over.out;
-    EXPECT_NE(over.out.find("--allow-long-context"), std::string::npos) << over.out;
+    EXPECT_NE(over.out.find("or replay them anyway (--allow-long-context)"), std::string::npos)
+        << over.out;
+    EXPECT_EQ(over.out.find("allow_long_context=True"), std::string::npos) << over.out;
     EXPECT_EQ(test::run_cli(args + " --allow-long-context").status, 0);
     EXPECT_EQ(test::run_cli("plan --model llama-3.1-70b --gpus 8 --trace " + kSample).status, 0);
 }

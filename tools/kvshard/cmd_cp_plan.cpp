@@ -38,7 +38,8 @@ void run(const CpPlanFlags& f) {
     require(f.reuse_from >= 0, "--reuse-from must be a CP size >= 1 (or 0: none), got ",
             f.reuse_from);
     m.check_sequence_length(sat_add(f.cached, f.fresh), f.allow_long_context,
-                            detail::concat("--cached ", f.cached, " + --new ", f.fresh));
+                            detail::concat("--cached ", f.cached, " + --new ", f.fresh),
+                            kAllowLongContextFlag);
     const std::string doc =
         cp_plan_report_json(m, p, f.cached, f.fresh, f.block_size, f.reuse_from);
     if (f.json) {

@@ -53,7 +53,7 @@ void run(LayoutFlags f) {
     if (!f.context_given && m.max_model_len > 0) f.context = std::min(f.context, m.max_model_len);
     require(f.context >= 1 && f.context <= kMaxContextTokens,
             "--context must be in [1, 2^40] tokens, got ", f.context);
-    m.check_sequence_length(f.context, f.allow_long_context, "--context");
+    m.check_sequence_length(f.context, f.allow_long_context, "--context", kAllowLongContextFlag);
     require(f.block_size >= 1 && f.block_size <= (1 << 20),
             "--block-size must be in [1, 2^20] tokens, got ", f.block_size);
     ParallelConfig p = to_parallel_config(f.parallel);

@@ -308,7 +308,7 @@ void run(const PlanFlags& f) {
     if (!f.trace.empty()) {
         const Trace trace = load_trace(f.trace, TraceErrorPolicy::kFail);
         // Each request is checked, not only the means: vLLM refuses each longer one.
-        check_trace_lengths(trace, m, r.capacity.allow_long_context);
+        check_trace_lengths(trace, m, r.capacity.allow_long_context, kAllowLongContextFlag);
         tw = plan_trace_workload(trace, m, hw, r, parse_routing_policy(f.route));
         if (f.context < 0)
             r.context_tokens =

@@ -255,7 +255,8 @@ void run(const RunFlags& f) {
         prompt_tokens + f.gen, f.allow_long_context,
         detail::concat("a prompt of ", prompt_tokens,
                        ps.token_ids.empty() ? " tokens (--prompt-len)" : " tokens (--prompt-ids)",
-                       " plus --gen ", f.gen));
+                       " plus --gen ", f.gen),
+        kAllowLongContextFlag);
     const RunShape shape{.prompts = f.prompts,
                          .prompt_len = prompt_tokens,
                          .gen = f.gen,

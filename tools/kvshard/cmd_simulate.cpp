@@ -84,7 +84,8 @@ void run(const SimulateFlags& f) {
     ReplicaSetup setup;
     setup.model = load_model(f.model);
     // A request vLLM refuses is not replayed as if served.
-    const int64_t long_requests = check_trace_lengths(trace, setup.model, f.allow_long_context);
+    const int64_t long_requests =
+        check_trace_lengths(trace, setup.model, f.allow_long_context, kAllowLongContextFlag);
     setup.hardware = resolve_hardware(f.hardware);
     setup.parallel =
         parse_parallel_config("tp=" + std::to_string(f.tp) + ",pp=" + std::to_string(f.pp));

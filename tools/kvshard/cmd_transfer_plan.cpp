@@ -74,7 +74,7 @@ void run(const TransferPlanFlags& f) {
     require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
             "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
     const ModelSpec m = load_model(f.model);
-    m.check_sequence_length(f.tokens, f.allow_long_context, "--tokens");
+    m.check_sequence_length(f.tokens, f.allow_long_context, "--tokens", kAllowLongContextFlag);
     const TransferEndpoint src =
         endpoint("--from", m, f.from, f.dp_from, f.block_size_from, f.order_from, f.tokens);
     const TransferEndpoint dst =

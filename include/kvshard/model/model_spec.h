@@ -170,6 +170,12 @@ struct MtpSpec {
     bool operator==(const MtpSpec&) const = default;
 };
 
+// How a caller lets a sequence past max_model_len (ModelSpec::check_sequence_length's message).
+inline constexpr std::string_view kAllowLongContextFlag = "--allow-long-context";
+inline constexpr std::string_view kAllowLongContextKwarg = "Python allow_long_context=True";
+inline constexpr std::string_view kAllowLongContextEither =
+    "--allow-long-context; Python allow_long_context=True";
+
 struct ModelSpec {
     std::string name;
     int num_layers = 0;
@@ -246,8 +252,11 @@ struct ModelSpec {
 
     // Refuses a sequence of `tokens` longer than max_model_len, as vLLM refuses such a
     // --max-model-len; allow_long: accepted, as with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. `what` names
-    // the length in the message ("the context", "prompt + output").
-    void check_sequence_length(int64_t tokens, bool allow_long, std::string_view what) const;
+    // the length in the message ("the context", "prompt + output"); `allow_long_how` the override
+    // the caller offers: kAllowLongContextFlag from a CLI command, kAllowLongContextKwarg from a
+    // Python function, both (the default) from a library function that either reaches.
+    void check_sequence_length(int64_t tokens, bool allow_long, std::string_view what,
+                               std::string_view allow_long_how = kAllowLongContextEither) const;
 
   private:
     void validate_totals() const;
