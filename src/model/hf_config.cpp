@@ -904,11 +904,11 @@ void read_lfm2(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& layers) 
 // configuration_<type>.py (main, commit 008e5743 unless named), vLLM's own classes in
 // vllm/transformers_utils/configs/<file>.py (the model_type -> class mapping is vLLM's
 // _CONFIG_REGISTRY, vllm/transformers_utils/config.py).
-// Not confirmed, so left unknown: qwen3_5_moe(_text) (Qwen3_5MoeTextConfig not read), kimi_k2
-// (remote code), glm_moe_dsa (vLLM maps it to DeepseekV3Config in some versions and to
-// transformers' GlmMoeDsaConfig in others), nemotron-nas (DeciLMConfig, remote code),
-// RefinedWeb / RefinedWebModel (vLLM's RWConfig not read), a config without model_type. Known to
-// have none: KimiLinearConfig (vLLM configs/kimi_linear.py) defines no length attribute.
+// Not confirmed, so left unknown: kimi_k2 (remote code), glm_moe_dsa (vLLM maps it to
+// DeepseekV3Config in some versions and to transformers' GlmMoeDsaConfig in others), nemotron-nas
+// (DeciLMConfig, remote code), a config without model_type. Known to have none:
+// KimiLinearConfig (vLLM configs/kimi_linear.py) and RWConfig (RefinedWeb / RefinedWebModel, vLLM
+// configs/falcon.py) define no length attribute.
 struct ClassLength {
     const char* config_class;
     const char* key;  // the possible_keys entry the class defaults
@@ -936,6 +936,9 @@ const ClassLength* class_length(const std::string& model_type) {
         // vLLM configs/qwen3_5.py (commit c04143bb).
         {"qwen3_5", {"Qwen3_5TextConfig", "max_position_embeddings", 32768}},
         {"qwen3_5_text", {"Qwen3_5TextConfig", "max_position_embeddings", 32768}},
+        // vLLM configs/qwen3_5_moe.py (commit 7f30d67b).
+        {"qwen3_5_moe", {"Qwen3_5MoeTextConfig", "max_position_embeddings", 32768}},
+        {"qwen3_5_moe_text", {"Qwen3_5MoeTextConfig", "max_position_embeddings", 32768}},
         {"gemma2", {"Gemma2Config", "max_position_embeddings", 8192}},
         {"gemma3", {"Gemma3TextConfig", "max_position_embeddings", 131072}},
         {"gemma3_text", {"Gemma3TextConfig", "max_position_embeddings", 131072}},

@@ -180,6 +180,8 @@ TEST(MaxModelLen, ClassDefaultWhereTheConfigStatesNone) {
         {"qwen3_vl_moe", "qwen3-vl-30b-a3b", "Qwen3VLMoeTextConfig", "max_position_embeddings",
          128000},
         {"qwen3_next", "qwen3-next-80b-a3b", "Qwen3NextConfig", "max_position_embeddings", 32768},
+        {"qwen3_5_moe", "qwen3.5-35b-a3b", "Qwen3_5MoeTextConfig", "max_position_embeddings",
+         32768},
         {"gemma2", "gemma-2-9b-it", "Gemma2Config", "max_position_embeddings", 8192},
         {"gemma3", "gemma-3-27b", "Gemma3TextConfig", "max_position_embeddings", 131072},
         {"gemma4", "gemma-4-31b", "Gemma4TextConfig", "max_position_embeddings", 131072},
@@ -251,10 +253,14 @@ TEST(MaxModelLen, ClassDefaultWhereTheConfigStatesNone) {
     glm.erase("seq_length");
     glm["max_position_embeddings"] = 8192;
     EXPECT_EQ(parse_hf_config(glm.dump(), "glm").max_model_len, 2048);
-    // A class with no length attribute (KimiLinearConfig) and an unconfirmed one state none.
+    // A class with no length attribute (KimiLinearConfig, RWConfig) and an unconfirmed one
+    // (Nemotron Super's DeciLMConfig) state none.
     nlohmann::json kimi = nlohmann::json::parse(read_config("kimi-linear-48b-a3b-instruct"));
     kimi.erase("model_max_length");
     EXPECT_EQ(parse_hf_config(kimi.dump(), "kimi").max_model_len, 0);
+    nlohmann::json rw = nlohmann::json::parse(read_config("falcon-7b-instruct"));
+    rw["model_type"] = "RefinedWebModel";
+    EXPECT_EQ(parse_hf_config(rw.dump(), "rw").max_model_len, 0);
     nlohmann::json nas = nlohmann::json::parse(read_config("llama-3.3-nemotron-super-49b"));
     nas.erase("max_position_embeddings");
     nas.erase("rope_scaling");
