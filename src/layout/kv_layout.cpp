@@ -188,8 +188,11 @@ void validate_world(const ParallelConfig& p, int gpus) {
 std::vector<int> pp_layer_split(const ModelSpec& m, const ParallelConfig& p) {
     validate(m, p);
     if (!p.pp_layers.empty()) return p.pp_layers;
+    // vLLM's get_pp_indices (vllm/distributed/utils.py): the remainder goes one layer each to
+    // the stages before the last, from the second-to-last backwards (the last stage holds the
+    // final norm and LM head, the first the embedding): 22 layers on 4 stages are 5, 6, 6, 5.
     std::vector<int> split(p.pp, m.num_layers / p.pp);
-    for (int s = 0; s < m.num_layers % p.pp; ++s) ++split[s];
+    for (int i = 2; i < m.num_layers % p.pp + 2; ++i) ++split[static_cast<size_t>(p.pp - i)];
     return split;
 }
 

@@ -102,9 +102,18 @@ TEST(LayoutSeed, Tp8Pp2SplitsLayers) {
         EXPECT_EQ(rk.layer_end, r < 8 ? 63 : 126);
         EXPECT_EQ(rk.kv_bytes_per_token, 63 * 2 * 1 * 128 * 2);
     }
-    // Uneven layer counts: the first (L mod pp) stages take one more; an explicit split is kept.
+    // Uneven layer counts as vLLM's get_pp_indices splits them: the (L mod pp) stages before the
+    // last take one more each, from the second-to-last backwards (vllm/distributed/utils.py; its
+    // docs' example: 61 layers on 4 stages are 15, 15, 16, 15). An explicit split is kept.
     auto p = cfg(1, 3, 1, 1);
     EXPECT_EQ(pp_layer_split(catalog_model("llama-3.1-8b"), p), (std::vector<int>{11, 11, 10}));
+    p = cfg(1, 4, 1, 1);
+    EXPECT_EQ(pp_layer_split(catalog_model("deepseek-v3"), p), (std::vector<int>{15, 15, 16, 15}));
+    EXPECT_EQ(pp_layer_split(catalog_model("llama-3.1-405b"), p),
+              (std::vector<int>{31, 32, 32, 31}));
+    p = cfg(1, 2, 1, 1);
+    EXPECT_EQ(pp_layer_split(catalog_model("deepseek-v3"), p), (std::vector<int>{31, 30}));
+    p = cfg(1, 3, 1, 1);
     p.pp_layers = {8, 12, 12};
     const auto u = make_layout(catalog_model("llama-3.1-8b"), p);
     EXPECT_EQ(u.ranks[1].layer_begin, 8);

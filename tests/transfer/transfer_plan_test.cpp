@@ -237,7 +237,8 @@ TEST(TransferPlan, Tp2ToTp16ReplicatedDestination) {
 }
 
 TEST(TransferPlan, Pp2ToPp3UnevenSplits) {
-    // 7 layers: source stages [0,4) [4,7); destination [0,3) [3,5) [5,7).
+    // 7 layers, split as vLLM's get_pp_indices: source stages [0,4) [4,7); destination [0,2)
+    // [2,5) [5,7) (the extra layer on the stage before the last).
     Case c{.model = llama_mini(7), .from = "pp=2,tp=2", .to = "pp=3,tp=2", .tokens = 50};
     const auto plan = plan_of(c);
     std::set<std::tuple<int, int, int, int>> got;  // src stage, dst stage, layer range
@@ -245,7 +246,7 @@ TEST(TransferPlan, Pp2ToPp3UnevenSplits) {
         got.insert({plan.src.layout.ranks[msg.src_rank].coord.pp,
                     plan.dst.layout.ranks[msg.dst_rank].coord.pp, msg.layer_begin, msg.layer_end});
     const std::set<std::tuple<int, int, int, int>> want = {
-        {0, 0, 0, 3}, {0, 1, 3, 4}, {1, 1, 4, 5}, {1, 2, 5, 7}};
+        {0, 0, 0, 2}, {0, 1, 2, 4}, {1, 1, 4, 5}, {1, 2, 5, 7}};
     EXPECT_EQ(got, want);
     EXPECT_EQ(plan.messages.size(), 8u);  // 4 stage pairs x 2 TP ranks
     check_exact(c, plan);
