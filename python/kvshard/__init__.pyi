@@ -129,7 +129,7 @@ def hardware_names() -> list[str]: ...
 def resolve_hardware(name_or_path: str) -> HardwareSpec: ...
 def compute_capacity(model: ModelLike, parallel: ParallelLike, hardware: HardwareLike, *,
                      mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
-                     block_size: int = 16, context_tokens: int = 0,
+                     block_size: int | None = None, context_tokens: int = 0,
                      allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
                      mamba_cache_mode: str = "align", speculative_method: str = "",
                      speculative_tokens: int = 0) -> dict[str, Any]: ...
@@ -143,7 +143,7 @@ def plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens: in
          batch: int = 0, max_batch: int = 256, objective: str = "throughput",
          cp_scheme: str = "zigzag", cp_prefill: str = "auto", cp_decode_merge: str = "auto",
          pp_chunks: int = 0, mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
-         block_size: int = 16,
+         block_size: int | None = None,
          allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
          mamba_cache_mode: str = "align", speculative_method: str = "",
          speculative_tokens: int = 0) -> dict[str, Any]: ...
@@ -151,7 +151,7 @@ def plan_svg(model: ModelLike, hardware: HardwareLike, gpus: int, context_tokens
              batch: int = 0, max_batch: int = 256, objective: str = "throughput",
              cp_scheme: str = "zigzag", cp_prefill: str = "auto", cp_decode_merge: str = "auto",
              pp_chunks: int = 0, mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
-             block_size: int = 16,
+             block_size: int | None = None,
              allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
              mamba_cache_mode: str = "align", speculative_method: str = "",
              speculative_tokens: int = 0) -> str: ...
@@ -160,7 +160,7 @@ def explain_plan(model: ModelLike, hardware: HardwareLike, gpus: int, context_to
                  objective: str = "throughput", cp_scheme: str = "zigzag",
                  cp_prefill: str = "auto", cp_decode_merge: str = "auto", pp_chunks: int = 0,
                  mem_util: float = 0.9, activation_reserve_gib: float = 2.0,
-                 block_size: int = 16,
+                 block_size: int | None = None,
                  allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
                  mamba_cache_mode: str = "align", speculative_method: str = "",
                  speculative_tokens: int = 0) -> dict[str, Any]: ...
@@ -171,7 +171,7 @@ def plan_disagg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_toke
                 weight_dtype: str = "model", disaggregated: bool = True, max_batch: int = 256,
                 cp_scheme: str = "zigzag", cp_prefill: str = "auto",
                 cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
-                activation_reserve_gib: float = 2.0, block_size: int = 16,
+                activation_reserve_gib: float = 2.0, block_size: int | None = None,
                 allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
                 mamba_cache_mode: str = "align", speculative_method: str = "",
                 speculative_tokens: int = 0) -> dict[str, Any]: ...
@@ -181,7 +181,7 @@ def plan_disagg_svg(model: ModelLike, hardware: HardwareLike, gpus: int, prompt_
                     weight_dtype: str = "model", disaggregated: bool = True,
                     max_batch: int = 256, cp_scheme: str = "zigzag", cp_prefill: str = "auto",
                     cp_decode_merge: str = "auto", pp_chunks: int = 0, mem_util: float = 0.9,
-                    activation_reserve_gib: float = 2.0, block_size: int = 16,
+                    activation_reserve_gib: float = 2.0, block_size: int | None = None,
                     allow_long_context: bool = False, max_num_batched_tokens: int = 8192,
                     mamba_cache_mode: str = "align", speculative_method: str = "",
                     speculative_tokens: int = 0) -> str: ...

@@ -1,6 +1,8 @@
 // Hardware, capacity, the cost model and the planner's search.
 #include <fmt/format.h>
 
+#include <optional>
+
 #include "bindings.h"
 #include "kvshard/planner/capacity.h"
 #include "kvshard/planner/cost_model.h"
@@ -31,9 +33,9 @@ int speculative_tokens_of(const std::string& method, int tokens) {
     return tokens;
 }
 
-CapacityOptions capacity_options(double mem_util, double activation_reserve_gib, int block_size,
-                                 int64_t context_tokens, bool allow_long_context,
-                                 int64_t max_num_batched_tokens,
+CapacityOptions capacity_options(double mem_util, double activation_reserve_gib,
+                                 std::optional<int> block_size, int64_t context_tokens,
+                                 bool allow_long_context, int64_t max_num_batched_tokens,
                                  const std::string& mamba_cache_mode, int speculative_tokens = 0) {
     // As the CLI's --mem-util / --activation-reserve-gib / --block-size
     // (tools/kvshard/options.cpp).
@@ -43,7 +45,10 @@ CapacityOptions capacity_options(double mem_util, double activation_reserve_gib,
     CapacityOptions o;
     o.mem_util = mem_util;
     o.activation_reserve_bytes = static_cast<int64_t>(activation_reserve_gib * (1 << 30));
-    o.block_size = block_size;
+    // As the CLI's --block-size: given, it is kept; left out (None), 16 is raised as vLLM raises
+    // it for attention + Mamba/GDN models (CapacityOptions::raise_block_size).
+    o.block_size = block_size.value_or(16);
+    o.raise_block_size = !block_size.has_value();
     o.context_tokens = context_tokens;
     o.allow_long_context = allow_long_context;  // the CLI's --allow-long-context
     // The CLI's --max-num-batched-tokens and --mamba-cache-mode (tools/kvshard/options.cpp).
@@ -157,9 +162,9 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
                          const std::string& objective, const std::string& cp_scheme,
                          const std::string& cp_prefill, const std::string& cp_decode_merge,
                          int pp_chunks, double mem_util, double activation_reserve_gib,
-                         int block_size, bool allow_long_context, int64_t max_num_batched_tokens,
-                         const std::string& mamba_cache_mode, const std::string& speculative_method,
-                         int speculative_tokens) {
+                         std::optional<int> block_size, bool allow_long_context,
+                         int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
+                         const std::string& speculative_method, int speculative_tokens) {
     PlanRequest r;
     r.gpus = gpus;
     r.context_tokens = context_tokens;
@@ -182,7 +187,7 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
         py::arg("batch") = 0, py::arg("max_batch") = 256, py::arg("objective") = "throughput",    \
         py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto",                          \
         py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
-        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,                      \
+        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = py::none(),              \
         py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,          \
         py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",                \
         py::arg("speculative_tokens") = 0
@@ -195,7 +200,7 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
                                bool disaggregated, int64_t max_batch, const std::string& cp_scheme,
                                const std::string& cp_prefill, const std::string& cp_decode_merge,
                                int pp_chunks, double mem_util, double activation_reserve_gib,
-                               int block_size, bool allow_long_context,
+                               std::optional<int> block_size, bool allow_long_context,
                                int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
                                const std::string& speculative_method, int speculative_tokens) {
     ServingRequest r;
@@ -228,7 +233,7 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
         py::arg("disaggregated") = true, py::arg("max_batch") = 256,                              \
         py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto",                          \
         py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
-        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,                      \
+        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = py::none(),              \
         py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,          \
         py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",                \
         py::arg("speculative_tokens") = 0
@@ -241,9 +246,10 @@ auto with_plan_request(F fn) {
                 int64_t batch, int64_t max_batch, const std::string& objective,
                 const std::string& cp_scheme, const std::string& cp_prefill,
                 const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-                double activation_reserve_gib, int block_size, bool allow_long_context,
-                int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
-                const std::string& speculative_method, int speculative_tokens) {
+                double activation_reserve_gib, std::optional<int> block_size,
+                bool allow_long_context, int64_t max_num_batched_tokens,
+                const std::string& mamba_cache_mode, const std::string& speculative_method,
+                int speculative_tokens) {
         return fn(
             model, hw,
             plan_request(gpus, context_tokens, batch, max_batch, objective, cp_scheme, cp_prefill,
@@ -256,23 +262,24 @@ auto with_plan_request(F fn) {
 // The same for KVSHARD_SERVING_ARGS and the ServingRequest.
 template <typename F>
 auto with_serving_request(F fn) {
-    return [fn](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t prompt_tokens,
-                double ttft_slo, double tpot_slo, int64_t output_tokens,
-                std::vector<int64_t> prompt_samples, double prefix_hit_rate,
-                const std::string& weight_dtype, bool disaggregated, int64_t max_batch,
-                const std::string& cp_scheme, const std::string& cp_prefill,
-                const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-                double activation_reserve_gib, int block_size, bool allow_long_context,
-                int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
-                const std::string& speculative_method, int speculative_tokens) {
-        return fn(model, hw,
-                  serving_request(gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens,
-                                  std::move(prompt_samples), prefix_hit_rate, weight_dtype,
-                                  disaggregated, max_batch, cp_scheme, cp_prefill, cp_decode_merge,
-                                  pp_chunks, mem_util, activation_reserve_gib, block_size,
-                                  allow_long_context, max_num_batched_tokens, mamba_cache_mode,
-                                  speculative_method, speculative_tokens));
-    };
+    return
+        [fn](const ModelSpec& model, const HardwareSpec& hw, int gpus, int64_t prompt_tokens,
+             double ttft_slo, double tpot_slo, int64_t output_tokens,
+             std::vector<int64_t> prompt_samples, double prefix_hit_rate,
+             const std::string& weight_dtype, bool disaggregated, int64_t max_batch,
+             const std::string& cp_scheme, const std::string& cp_prefill,
+             const std::string& cp_decode_merge, int pp_chunks, double mem_util,
+             double activation_reserve_gib, std::optional<int> block_size, bool allow_long_context,
+             int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
+             const std::string& speculative_method, int speculative_tokens) {
+            return fn(model, hw,
+                      serving_request(gpus, prompt_tokens, ttft_slo, tpot_slo, output_tokens,
+                                      std::move(prompt_samples), prefix_hit_rate, weight_dtype,
+                                      disaggregated, max_batch, cp_scheme, cp_prefill,
+                                      cp_decode_merge, pp_chunks, mem_util, activation_reserve_gib,
+                                      block_size, allow_long_context, max_num_batched_tokens,
+                                      mamba_cache_mode, speculative_method, speculative_tokens));
+        };
 }
 
 py::dict transfer_cost_dict(const KvTransferCost& t) {
@@ -321,7 +328,7 @@ void bind_planner(py::module_& m) {
     m.def(
         "compute_capacity",
         [](const ModelSpec& model, const ParallelConfig& p, const HardwareSpec& hw, double mem_util,
-           double activation_reserve_gib, int block_size, int64_t context_tokens,
+           double activation_reserve_gib, std::optional<int> block_size, int64_t context_tokens,
            bool allow_long_context, int64_t max_num_batched_tokens,
            const std::string& mamba_cache_mode, const std::string& speculative_method,
            int speculative_tokens) {
@@ -338,7 +345,7 @@ void bind_planner(py::module_& m) {
         },
         py::arg("model"), py::arg("parallel"), py::arg("hardware"), py::kw_only(),
         py::arg("mem_util") = 0.9, py::arg("activation_reserve_gib") = 2.0,
-        py::arg("block_size") = 16, py::arg("context_tokens") = 0,
+        py::arg("block_size") = py::none(), py::arg("context_tokens") = 0,
         py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,
         py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",
         py::arg("speculative_tokens") = 0,
@@ -401,7 +408,7 @@ void bind_planner(py::module_& m) {
            const ParallelConfig& p, int64_t batch, int64_t max_batch, const std::string& objective,
            const std::string& cp_scheme, const std::string& cp_prefill,
            const std::string& cp_decode_merge, int pp_chunks, double mem_util,
-           double activation_reserve_gib, int block_size, bool allow_long_context,
+           double activation_reserve_gib, std::optional<int> block_size, bool allow_long_context,
            int64_t max_num_batched_tokens, const std::string& mamba_cache_mode,
            const std::string& speculative_method, int speculative_tokens) {
             const PlanRequest r = plan_request(
@@ -421,7 +428,7 @@ void bind_planner(py::module_& m) {
         py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag",
         py::arg("cp_prefill") = "auto", py::arg("cp_decode_merge") = "auto",
         py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9,
-        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = 16,
+        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = py::none(),
         py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,
         py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",
         py::arg("speculative_tokens") = 0,

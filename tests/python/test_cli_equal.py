@@ -222,3 +222,20 @@ def test_engine_keywords_are_checked_like_the_cli(cli):
                            match="mamba_cache_mode: unknown mamba cache mode 'prefix': expected "
                                  "none .* or align"):
             call()
+
+
+def test_block_size_given_is_kept_as_the_cli_keeps_it(cli_json):
+    # Left out, 16 is raised for an attention + GDN model as vLLM raises it; given, it is kept
+    # (the CLI's --block-size; CapacityOptions::raise_block_size).
+    args = ("--model", "qwen3-next-80b-a3b", "--hardware", "h100-sxm", "--gpus", "4",
+            "--context", "8192", "--explain", "tp=4")
+    raised = kvshard.explain_plan("qwen3-next-80b-a3b", "h100-sxm", 4, 8192, "tp=4")
+    assert raised == cli_json("plan", *args)
+    kept = kvshard.explain_plan("qwen3-next-80b-a3b", "h100-sxm", 4, 8192, "tp=4", block_size=16)
+    assert kept == cli_json("plan", *args, "--block-size", "16")
+    assert kept != raised
+    cap = kvshard.compute_capacity("qwen3-next-80b-a3b", "tp=4", "h100-sxm", context_tokens=8192)
+    assert cap["block_size"] > 16
+    cap16 = kvshard.compute_capacity("qwen3-next-80b-a3b", "tp=4", "h100-sxm",
+                                     context_tokens=8192, block_size=16)
+    assert cap16["block_size"] == 16
