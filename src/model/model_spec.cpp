@@ -502,39 +502,26 @@ void ModelSpec::validate() const {
     }
     require(int{short_conv} + int{mamba1} + int{other_state} <= 1, "model '", name,
             "': short_conv, mamba1 and other state layers cannot share the one StateSpec");
-    if (mamba1) {
-        // d_inner channels of head_dim 1, no groups, d_state per channel.
+    if (mamba1 || short_conv) {
+        // Channels of head_dim 1 with no groups: Mamba-1's d_inner channels with d_state each
+        // (group_dim), short conv's conv channels alone (group_dim 0).
+        const char* kind = mamba1 ? "mamba1" : "short_conv";
         positive(state.heads, "state.heads");
-        positive(state.group_dim, "state.group_dim");
-        require(state.head_dim == 1 && state.groups == 0 && !state.kda, "model '", name,
-                "': a mamba1 state is state.heads channels of head_dim 1 with no groups (groups "
-                "0) and group_dim d_state, got head_dim ",
-                state.head_dim, ", groups ", state.groups);
-        require(state.conv_kernel >= 2, "model '", name,
-                "': a mamba1 state keeps conv_kernel - 1 columns: conv_kernel must be at least 2, "
-                "got ",
+        if (mamba1) positive(state.group_dim, "state.group_dim");
+        require(state.head_dim == 1 && state.groups == 0 && (mamba1 || state.group_dim == 0) &&
+                    !state.kda,
+                "model '", name, "': a ", kind,
+                " state is state.heads channels of head_dim 1 with no groups (groups 0) and ",
+                mamba1 ? "group_dim d_state" : "group_dim 0", ", got head_dim ", state.head_dim,
+                ", groups ", state.groups, ", group_dim ", state.group_dim);
+        require(state.conv_kernel >= 2, "model '", name, "': a ", kind,
+                " state keeps conv_kernel - 1 columns: conv_kernel must be at least 2, got ",
                 state.conv_kernel);
-        // vLLM's mamba1_state_shape takes no num_spec: its conv rows do not grow speculating.
-        require(state.spec_conv_rows == 0, "model '", name,
-                "': a mamba1 state keeps conv_kernel - 1 rows (vLLM adds no speculative rows), so "
+        // vLLM's mamba1_state_shape and short_conv_state_shape take no num_spec: their conv
+        // rows do not grow when speculating.
+        require(state.spec_conv_rows == 0, "model '", name, "': a ", kind,
+                " state keeps conv_kernel - 1 rows (vLLM adds no speculative rows), so "
                 "state.spec_conv_rows must be 0, got ",
-                state.spec_conv_rows);
-    } else if (short_conv) {
-        // A conv state only: heads = conv channels of head_dim 1, no groups.
-        positive(state.heads, "state.heads");
-        require(state.head_dim == 1 && state.groups == 0 && state.group_dim == 0 && !state.kda,
-                "model '", name,
-                "': a short_conv state is state.heads conv channels of head_dim 1 with no groups "
-                "(groups 0, group_dim 0), got head_dim ",
-                state.head_dim, ", groups ", state.groups, ", group_dim ", state.group_dim);
-        require(state.conv_kernel >= 2, "model '", name,
-                "': a short_conv state keeps conv_kernel - 1 columns: conv_kernel must be at "
-                "least 2, got ",
-                state.conv_kernel);
-        // vLLM's short_conv_state_shape takes no num_spec either.
-        require(state.spec_conv_rows == 0, "model '", name,
-                "': a short_conv state keeps conv_kernel - 1 rows (vLLM adds no speculative "
-                "rows), so state.spec_conv_rows must be 0, got ",
                 state.spec_conv_rows);
     } else if (uses_state) {
         positive(state.heads, "state.heads");
