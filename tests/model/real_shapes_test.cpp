@@ -1099,6 +1099,16 @@ TEST(RealShapes, JambaAsVllmBuildsIt) {
         EXPECT_NE(std::string(e.what()).find("does not divide the 4 channels"), std::string::npos)
             << e.what();
     }
+    // AI21-Jamba-1.5-Mini, the published config quoted verbatim: the same shapes as the
+    // reconstructed v0.1 file (which confirms its values), its length stated as
+    // max_position_embeddings.
+    const ModelSpec mini = load_hf_config(config_path("jamba-1.5-mini"));
+    EXPECT_EQ(mini.total_params(), m.total_params());
+    EXPECT_EQ(mini.kv_bytes_per_token(), m.kv_bytes_per_token());
+    EXPECT_EQ(mini.state_bytes_per_sequence(), m.state_bytes_per_sequence());
+    EXPECT_EQ(mini.max_model_len, 262144);
+    EXPECT_EQ(mini.max_model_len_from, "max_position_embeddings 262144");
+    for (int l = 0; l < 32; ++l) EXPECT_EQ(mini.layer(l).kind, m.layer(l).kind) << l;
     // No speculative conv rows for Mamba-1 (mamba1_state_shape takes no num_spec).
     ModelSpec spec = m;
     spec.state.spec_conv_rows = 2;
