@@ -619,6 +619,7 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"hybrid_override_pattern", {Family::kNemotronH}},
         {"mamba_num_heads", {Family::kNemotronH}},
         {"ssm_state_size", {Family::kNemotronH}},
+        {"moe_latent_size", {Family::kNemotronH}},
         {"global_head_dim", {Family::kGemma4}},
         {"num_global_key_value_heads", {Family::kGemma4}},
         {"attention_k_eq_v", {Family::kGemma4}},
@@ -1863,13 +1864,18 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                                "or E (MoE)"));
             }
         }
-        // Nemotron 3 Super / Ultra's LatentMoE: routed experts work in moe_latent_size between
-        // fc1_latent_proj and fc2_latent_proj (NemotronHMoE), which the planner does not size.
-        if (f.has("moe_latent_size"))
-            throw f.bad("moe_latent_size",
-                        "is set: kvshard does not size Nemotron-H's latent MoE (experts of "
-                        "moe_latent_size between fc1_latent_proj and fc2_latent_proj), so its "
-                        "weights would be wrong; a config without it (null) is read");
+        // Nemotron 3 Super / Ultra's LatentMoE, as vLLM's NemotronHMoE (models/nemotron_h.py)
+        // builds it when config.moe_latent_size is not None: the gate reads hidden_size; the
+        // routed experts (FusedMoE) take hidden_size = moe_latent_size, between fc1_latent_proj
+        // (hidden -> latent) and fc2_latent_proj (latent -> hidden), two ReplicatedLinear
+        // layers; the shared experts (NemotronHMLP) stay at hidden_size.
+        if (f.has("moe_latent_size")) {
+            if (!m.moe.enabled())
+                throw f.bad("moe_latent_size",
+                            "is set, but the config names no routed experts (n_routed_experts) "
+                            "to run in it: remove it or set it to null");
+            m.moe.latent_size = f.positive_int("moe_latent_size");
+        }
         m.state.heads = f.positive_int("mamba_num_heads");
         m.state.head_dim = f.positive_int("mamba_head_dim");
         m.state.groups = f.positive_int("n_groups");

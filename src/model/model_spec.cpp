@@ -350,10 +350,20 @@ int64_t ModelSpec::expert_params() const {
     return int64_t{mlp_projections} * hidden * moe.expert_intermediate;
 }
 
+int64_t ModelSpec::routed_expert_params() const {
+    const int64_t width = moe.latent_size > 0 ? moe.latent_size : hidden;
+    return int64_t{mlp_projections} * width * moe.expert_intermediate;
+}
+
+int64_t ModelSpec::latent_projection_params() const {
+    return 2 * int64_t{hidden} * moe.latent_size;
+}
+
 int64_t ModelSpec::moe_params_per_layer() const {
     if (!moe.enabled()) return 0;
-    return (int64_t{moe.num_experts} + moe.shared_experts) * expert_params() +
-           int64_t{hidden} * moe.num_experts;
+    return int64_t{moe.num_experts} * routed_expert_params() +
+           int64_t{moe.shared_experts} * expert_params() + int64_t{hidden} * moe.num_experts +
+           latent_projection_params();
 }
 
 int64_t ModelSpec::embedding_params() const { return int64_t{vocab} * hidden; }
@@ -367,9 +377,9 @@ int64_t ModelSpec::total_params() const {
 }
 
 int64_t ModelSpec::active_params_per_token() const {
-    const int64_t active_moe =
-        (int64_t{moe.experts_per_token} + moe.shared_experts) * expert_params() +
-        int64_t{hidden} * moe.num_experts;
+    const int64_t active_moe = int64_t{moe.experts_per_token} * routed_expert_params() +
+                               int64_t{moe.shared_experts} * expert_params() +
+                               int64_t{hidden} * moe.num_experts + latent_projection_params();
     int64_t sum = int64_t{vocab} * hidden;  // LM head (tied or not, it is a matmul)
     for (int l = 0; l < num_layers; ++l)
         sum += mixer_params_of_layer(l) + (is_moe_layer(l) ? active_moe : mlp_params_of_layer(l));
@@ -405,6 +415,7 @@ void ModelSpec::validate() const {
     at_most(moe.num_experts, kMaxExperts, "moe.num_experts");
     at_most(moe.shared_experts, 1 << 10, "moe.shared_experts");
     at_most(moe.expert_intermediate, kMaxWidth, "moe.expert_intermediate");
+    at_most(moe.latent_size, kMaxHidden, "moe.latent_size");
     for (auto [v, f] :
          {std::pair{mla.kv_lora_rank, "mla.kv_lora_rank"},
           std::pair{mla.qk_rope_head_dim, "mla.qk_rope_head_dim"},
@@ -459,6 +470,9 @@ void ModelSpec::validate() const {
         require(moe.first_dense_layers >= 0 && moe.first_dense_layers < num_layers, "model '", name,
                 "': moe.first_dense_layers must be in [0, num_layers)");
         require(moe.shared_experts >= 0, "model '", name, "': moe.shared_experts must be >= 0");
+        require(moe.latent_size >= 0, "model '", name,
+                "': moe.latent_size must be >= 0 (0: the routed experts run at hidden), got ",
+                moe.latent_size);
     }
     if (layers.empty()) {
         if (!moe.enabled() || moe.first_dense_layers > 0) positive(intermediate, "intermediate");
@@ -637,7 +651,8 @@ std::string to_json(const ModelSpec& m) {
           {"experts_per_token", m.moe.experts_per_token},
           {"shared_experts", m.moe.shared_experts},
           {"expert_intermediate", m.moe.expert_intermediate},
-          {"first_dense_layers", m.moe.first_dense_layers}}},
+          {"first_dense_layers", m.moe.first_dense_layers},
+          {"latent_size", m.moe.latent_size}}},
         {"kv_dtype", dtype_name(m.kv_dtype)},
         {"weight_dtype", dtype_name(m.weight_dtype)},
         {"weight_storage",
@@ -734,9 +749,9 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
                  mla.at("qk_nope_head_dim").get<int>(), mla.at("v_head_dim").get<int>(),
                  mla.at("q_lora_rank").get<int>()};
         const auto& moe = j.at("moe");
-        m.moe = {moe.at("num_experts").get<int>(), moe.at("experts_per_token").get<int>(),
-                 moe.at("shared_experts").get<int>(), moe.at("expert_intermediate").get<int>(),
-                 moe.at("first_dense_layers").get<int>()};
+        m.moe = {moe.at("num_experts").get<int>(),        moe.at("experts_per_token").get<int>(),
+                 moe.at("shared_experts").get<int>(),     moe.at("expert_intermediate").get<int>(),
+                 moe.at("first_dense_layers").get<int>(), moe.value("latent_size", 0)};
         m.kv_dtype = parse_dtype(j.at("kv_dtype").get<std::string>());
         m.weight_dtype = parse_dtype(j.at("weight_dtype").get<std::string>());
         if (j.contains("weight_storage")) {

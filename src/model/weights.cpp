@@ -116,6 +116,9 @@ int WeightShard::state_group_end(const ModelSpec& m) const {
 void check_executable(const ModelSpec& m) {
     require(m.moe.shared_experts == 0, m.name,
             ": shared experts are not supported by the reference model (Mixtral-style MoE only)");
+    require(m.moe.latent_size == 0, m.name,
+            ": a latent MoE (moe.latent_size) is not run by the reference model (Mixtral-style MoE "
+            "only)");
     for (int l = 0; l < m.num_layers; ++l) {
         const LayerSpec s = m.layer(l);
         require(s.kind != LayerKind::kMamba2, m.name, ": layer ", l,

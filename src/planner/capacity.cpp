@@ -161,9 +161,13 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
         if (s.mlp == MlpKind::kDense) {
             w.dense_mlp += bytes_at(m.mlp_projections * h * s.intermediate / tp, mlp_bits);
         } else if (s.mlp == MlpKind::kMoe) {
-            const int64_t routed = p.ep > 1 ? int64_t{m.moe.num_experts / p.ep} * m.expert_params()
-                                            : int64_t{m.moe.num_experts} * m.expert_params() / tp;
-            const int64_t shared = int64_t{m.moe.shared_experts} * m.expert_params() / tp;
+            const int64_t routed =
+                p.ep > 1 ? int64_t{m.moe.num_experts / p.ep} * m.routed_expert_params()
+                         : int64_t{m.moe.num_experts} * m.routed_expert_params() / tp;
+            // LatentMoE's fc1 / fc2_latent_proj are ReplicatedLinear in vLLM's NemotronHMoE
+            // (models/nemotron_h.py): whole on every rank, stored like the experts.
+            const int64_t shared = int64_t{m.moe.shared_experts} * m.expert_params() / tp +
+                                   m.latent_projection_params();
             const int64_t router = h * m.moe.num_experts;
             w.experts += expert_bits == base
                              ? bytes(routed + shared + router)

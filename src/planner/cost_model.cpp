@@ -459,9 +459,10 @@ class Model {
             double elems = attn_elems(l);
             double weight_bytes = elems * we_attn_;
             if (moe) {
-                const double pe = m_.expert_params();
+                const double pe = m_.routed_expert_params(), ps = m_.expert_params();
+                const double lat = m_.latent_projection_params();  // replicated (LatentMoE)
                 const double E = m_.moe.num_experts, k = m_.moe.experts_per_token;
-                elems += (k + m_.moe.shared_experts) * pe / p_.tp + h * E;
+                elems += (k * pe + m_.moe.shared_experts * ps) / p_.tp + lat + h * E;
                 // Experts read: those hit by the tokens routed through the rank's EP group, as in
                 // decode (a short prompt touches few of them). The TP ranks of a CP rank hold the
                 // same T tokens; the group's other TP groups (CP ranks, DP replicas) T each.
@@ -470,7 +471,7 @@ class Model {
                 weight_bytes +=
                     (expert_hit(group_tokens) *
                          (p_.ep > 1 ? double(m_.moe.num_experts / p_.ep) * pe : E * pe / p_.tp) +
-                     m_.moe.shared_experts * pe / p_.tp) *
+                     m_.moe.shared_experts * ps / p_.tp + lat) *
                         we_exp_ +
                     h * E * we_;
             } else {
@@ -588,9 +589,10 @@ class Model {
             double elems = attn_elems(l);
             double weight_bytes = elems * we_attn_;
             if (moe) {
-                const double pe = m_.expert_params();
+                const double pe = m_.routed_expert_params(), ps = m_.expert_params();
+                const double lat = m_.latent_projection_params();  // replicated (LatentMoE)
                 const double E = m_.moe.num_experts, k = m_.moe.experts_per_token;
-                elems += (k + m_.moe.shared_experts) * pe / p_.tp + h * E;
+                elems += (k * pe + m_.moe.shared_experts * ps) / p_.tp + lat + h * E;
                 // Experts read this step: each is hit by at least one of the group's tokens with
                 // probability 1 - (1 - k/E)^tokens (uniform routing).
                 const double group_tokens =
@@ -598,7 +600,7 @@ class Model {
                 const double local =
                     p_.ep > 1 ? double(m_.moe.num_experts / p_.ep) * pe : E * pe / p_.tp;
                 weight_bytes +=
-                    (expert_hit(group_tokens) * local + m_.moe.shared_experts * pe / p_.tp) *
+                    (expert_hit(group_tokens) * local + m_.moe.shared_experts * ps / p_.tp + lat) *
                         we_exp_ +
                     h * E * we_;
             } else {

@@ -1330,5 +1330,89 @@ TEST(RealShapes, CatalogEntriesMatchTheirPublishedConfigs) {
     }
 }
 
+// Nemotron 3 Super's LatentMoE, as vLLM's NemotronHMoE (models/nemotron_h.py) builds it when
+// moe_latent_size is not None: the gate (GateLinear hidden -> n_routed_experts) and the shared
+// experts (NemotronHMLP, up + down at hidden, moe_shared_expert_intermediate_size x
+// n_shared_experts wide) at hidden_size; the routed experts (FusedMoE, hidden_size =
+// moe_latent_size, up + down of moe_intermediate_size) between fc1_latent_proj (hidden -> latent)
+// and fc2_latent_proj (latent -> hidden), both ReplicatedLinear. The config file is a labelled
+// reconstruction (tests/data/hf_configs/README.md).
+TEST(RealShapes, NemotronHLatentMoeAsVllmBuildsIt) {
+    const std::string text = read_file(config_path("nemotron-3-super-120b-a12b"));
+    const ModelSpec m = parse_hf_config(text, "nemotron-3-super.json");
+    int mamba = 0, attention = 0, moe = 0;
+    for (int l = 0; l < m.num_layers; ++l) {
+        mamba += m.layer(l).kind == LayerKind::kMamba2;
+        attention += m.layer(l).kind == LayerKind::kFullAttention;
+        moe += m.layer(l).mlp == MlpKind::kMoe;
+    }
+    EXPECT_EQ(m.num_layers, 88);
+    EXPECT_EQ(mamba, 40);
+    EXPECT_EQ(attention, 8);
+    EXPECT_EQ(moe, 40);
+    EXPECT_EQ(m.moe.num_experts, 512);
+    EXPECT_EQ(m.moe.experts_per_token, 22);
+    EXPECT_EQ(m.moe.latent_size, 1024);
+    EXPECT_EQ(m.moe.shared_experts, 2);  // 5376 = 2 x 2688
+    // KV is the attention layers' alone: 8 x K and V x 2 KV heads x 128 x bf16.
+    EXPECT_EQ(m.kv_bytes_per_token(), 8 * 2 * 2 * 128 * 2);
+    // The Mamba-2 state: 128 heads of 64, 8 groups of state 128, conv 4, the SSM state at fp32.
+    EXPECT_EQ(m.state_bytes_per_sequence(), 40 * state_bf16_ssm_fp32(128, 64, 8, 128, 4, 1));
+    // Parameters by hand. Routed expert: up + down at the latent, 2 x 1024 x 2688; shared
+    // expert: 2 x 4096 x 5376; latent projections 2 x 4096 x 1024; router 4096 x 512.
+    const int64_t routed = 2LL * 1024 * 2688, shared = 2LL * 4096 * 5376;
+    const int64_t latent = 2LL * 4096 * 1024, router = 4096LL * 512;
+    EXPECT_EQ(m.routed_expert_params(), routed);
+    EXPECT_EQ(m.latent_projection_params(), latent);
+    EXPECT_EQ(m.moe_params_per_layer(), 512 * routed + shared + latent + router);
+    // Mamba-2 (in_proj 4096 x (8192 + 10240 + 128), conv1d 10240 x (4 + 1), A / D / dt_bias,
+    // norm 8192, out_proj 8192 x 4096), attention (Q, O 4096 x 4096; K, V 4096 x 256),
+    // untied embedding and LM head 131072 x 4096.
+    const int64_t mamba_p =
+        4096LL * (8192 + 10240 + 128) + 10240 * 5 + 3 * 128 + 8192 + 8192LL * 4096;
+    const int64_t attention_p = 2LL * 4096 * 4096 + 2LL * 4096 * 256;
+    const int64_t vocab = 131072LL * 4096;
+    const int64_t total =
+        40 * mamba_p + 8 * attention_p + 40 * (512 * routed + shared + latent + router) + 2 * vocab;
+    EXPECT_EQ(m.total_params(), total);  // 120,668,322,816
+    const int64_t active =
+        40 * mamba_p + 8 * attention_p + 40 * (22 * routed + shared + latent + router) + vocab;
+    EXPECT_EQ(m.active_params_per_token(), active);  // 12,232,981,504
+    // Published: 120B total, 12B active ("Nemotron 3 Super 120B-A12B").
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 120e9, 0.01 * 120e9);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 12e9, 0.03 * 12e9);
+    // Routed experts at hidden (no latent) would be four times wider: a 451B model, not 120B.
+    nlohmann::json j = nlohmann::json::parse(text);
+    j["moe_latent_size"] = nullptr;  // null reads as no latent, as vLLM's `is not None`
+    const ModelSpec wide = parse_hf_config(j.dump(), "wide.json");
+    EXPECT_EQ(wide.moe.latent_size, 0);
+    EXPECT_EQ(wide.moe_params_per_layer(), 512 * 2LL * 4096 * 2688 + shared + router);
+    EXPECT_GT(wide.total_params(), 3 * m.total_params());
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+    // The MTP step ("*E"): an attention layer with KV, then a latent MoE layer of the model's.
+    EXPECT_EQ(m.mtp.layers, 1);
+    ASSERT_EQ(m.mtp.following.size(), 1u);
+    EXPECT_EQ(m.mtp.following[0].mlp, MlpKind::kMoe);
+    EXPECT_EQ(m.mtp.layer.kind, LayerKind::kFullAttention);
+    // A latent without routed experts, or in another family: refused by name.
+    j = nlohmann::json::parse(text);
+    j["moe_latent_size"] = 0;
+    expect_refused(j.dump(), "moe_latent_size");
+    expect_refused(R"({"model_type": "nemotron_h", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 128, "vocab_size": 100, "hybrid_override_pattern": "M-",
+        "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 16,
+        "conv_kernel": 4, "moe_latent_size": 32})",
+                   "no routed experts");
+    expect_refused(R"({"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "moe_latent_size": 32})",
+                   "moe_latent_size");
+    ModelSpec bad = m;
+    bad.moe.latent_size = -1;
+    EXPECT_THROW(bad.validate(), Error);
+}
+
 }  // namespace
 }  // namespace kvshard

@@ -32,6 +32,10 @@ struct MoeSpec {
     int shared_experts = 0;
     int expert_intermediate = 0;
     int first_dense_layers = 0;  // layers [0, first_dense_layers) use the dense MLP
+    // LatentMoE (Nemotron 3 Super / Ultra): the routed experts run in this width, between two
+    // replicated projections hidden -> latent_size and latent_size -> hidden; the router and the
+    // shared experts stay at hidden. 0: no latent, the routed experts run at hidden.
+    int latent_size = 0;
     bool enabled() const { return num_experts > 0; }
     bool operator==(const MoeSpec&) const = default;
 };
@@ -241,6 +245,10 @@ struct ModelSpec {
     int64_t mlp_params_of_layer(int l) const;    // dense, MoE or none
     int64_t dense_mlp_params_per_layer() const;  // mlp_projections * hidden * intermediate
     int64_t expert_params() const;  // one expert: mlp_projections * hidden * expert_intermediate
+    // One routed expert: as expert_params, at moe.latent_size in place of hidden when it is set.
+    int64_t routed_expert_params() const;
+    // LatentMoE's two projections (hidden -> latent, latent -> hidden) per MoE layer; 0 without.
+    int64_t latent_projection_params() const;
     int64_t moe_params_per_layer() const;  // all routed + shared experts + router
     int64_t embedding_params() const;      // vocab * hidden
     int64_t lm_head_params() const;        // 0 when tied
