@@ -156,7 +156,8 @@ enum class Family {
     kExaone4,     // exaone4 (EXAONE 4.0: layer_types, else sliding_window_pattern)
     kSmolLM3,     // smollm3 (SmolLM3: NoPE layers by no_rope_layers; KV alike on every layer)
     kKimiLinear,  // kimi_linear (Kimi Linear: KDA layers by linear_attn_config, the others MLA)
-    kLfm2,        // lfm2 (LiquidAI LFM2: short-conv layers and GQA layers by layer_types)
+    kLfm2,        // lfm2, lfm2_moe (LiquidAI LFM2: short-conv layers and GQA layers by
+                  // layer_types; LFM2-MoE with experts after num_dense_layers)
 };
 
 Family family_of(const std::string& model_type, const std::string& file) {
@@ -223,6 +224,9 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"smollm3", Family::kSmolLM3},
         {"kimi_linear", Family::kKimiLinear},
         {"lfm2", Family::kLfm2},
+        // LFM2-MoE (LFM2-8B-A1B; vLLM's lfm2_moe.py): LFM2's layers, the MLP of the first
+        // num_dense_layers dense, the others MoE (read below).
+        {"lfm2_moe", Family::kLfm2},
         // Seed-OSS (SeedOssConfig): Llama's fields with a head_dim of its own; vLLM's seed_oss.py
         // builds every layer full attention of num_key_value_heads x config.head_dim.
         {"seed_oss", Family::kLlama},
@@ -330,6 +334,9 @@ ClassDefaults class_defaults(const std::string& model_type) {
         // Lfm2Config (transformers configuration_lfm2.py): 32 heads, 8 KV heads (an int); vLLM's
         // Lfm2Attention takes head_dim = hidden / heads, checked below.
         {"lfm2", {"Lfm2Config", 32, 8, H, false}},
+        // Lfm2MoeConfig (vLLM transformers_utils/configs/lfm2_moe.py, transformers'
+        // configuration_lfm2_moe.py): 32 heads, 8 KV heads; Lfm2MoeAttention takes hidden / heads.
+        {"lfm2_moe", {"Lfm2MoeConfig", 32, 8, H, false}},
         {"chatglm", {"ChatGLMConfig", R, H, R, false}},  // KV heads from multi_query_group_num
         // Olmo2Config (transformers) and Olmo3Config (vLLM transformers_utils/configs/olmo3.py):
         // 32 heads, KV None -> heads; vLLM's Olmo2Attention (olmo2.py, which also runs Olmo 3)
@@ -644,6 +651,7 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"conv_L_cache", {Family::kLfm2}},
         {"conv_dim", {Family::kLfm2}},
         {"full_attn_idxs", {Family::kLfm2}},
+        {"num_dense_layers", {Family::kLfm2}},
         {"num_heads", {Family::kLfm2}},
         {"linear_num_value_heads", {Family::kQwen3Next}},
         {"linear_num_key_heads", {Family::kQwen3Next}},
@@ -971,7 +979,8 @@ const ClassLength* class_length(const std::string& model_type) {
         {"cohere2", {"Cohere2Config", "max_position_embeddings", 8192}},
         {"exaone4", {"Exaone4Config", "max_position_embeddings", 2048}},
         {"smollm3", {"SmolLM3Config", "max_position_embeddings", 32768}},
-        {"lfm2", {"Lfm2Config", "max_position_embeddings", 128000}},  // commit 05cd1ec1
+        {"lfm2", {"Lfm2Config", "max_position_embeddings", 128000}},         // commit 05cd1ec1
+        {"lfm2_moe", {"Lfm2MoeConfig", "max_position_embeddings", 128000}},  // commit 2ab31a81
         {"seed_oss", {"SeedOssConfig", "max_position_embeddings", 524288}},
         {"ernie4_5", {"Ernie4_5Config", "max_position_embeddings", 131072}},
         {"ernie4_5_moe", {"Ernie4_5_MoeConfig", "max_position_embeddings", 131072}},  // 001f85b3
@@ -1488,6 +1497,28 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         if (f.has("shared_expert_intermediate_size"))
             m.moe.shared_experts = shared_width_in_experts("shared_expert_intermediate_size");
     }
+    if (model_type == "lfm2_moe") {
+        // vLLM's lfm2_moe.py: layer i < num_dense_layers (Lfm2MoeConfig default 2) has the dense
+        // Lfm2MoeMlp, the others Lfm2MoeSparseMoeBlock: a bias-free gate (hidden x num_experts,
+        // ReplicatedLinear), FusedMoE of num_experts (32) experts of moe_intermediate_size (1792)
+        // with gate, up and down, top num_experts_per_tok (4), no shared experts.
+        // use_expert_bias adds a num_experts bias to the routing scores (not counted, as no
+        // family's router bias is).
+        m.moe = {};
+        m.moe.num_experts = f.positive_int_or("num_experts", 32);
+        m.moe.experts_per_token = f.positive_int_or("num_experts_per_tok", 4);
+        m.moe.expert_intermediate = f.positive_int_or("moe_intermediate_size", 1792);
+        const int dense = f.int_or("num_dense_layers", 2);
+        if (dense < 0) throw f.bad("num_dense_layers", detail::concat("must be >= 0, got ", dense));
+        m.moe.first_dense_layers = dense;
+        if (dense >= m.num_layers) m.moe = {};  // every layer dense, as vLLM builds it
+        for (const char* key : {"block_ff_dim", "block_auto_adjust_ff_dim", "block_multiple_of",
+                                "block_ffn_dim_multiplier"})
+            if (f.has(key))
+                throw f.bad(key,
+                            "is set, but vLLM's LFM2-MoE dense MLP (Lfm2MoeMlp) takes "
+                            "intermediate_size as it stands: remove it");
+    }
 
     if (fam == Family::kFalcon || fam == Family::kNemotronH) m.mlp_projections = 2;
     const std::string inter_key = pick(
@@ -1503,6 +1534,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     else if (fam == Family::kGraniteHybrid)
         m.intermediate = m.moe.enabled() ? m.moe.expert_intermediate
                                          : f.int_or("shared_intermediate_size", 1024);
+    else if (model_type == "lfm2_moe")  // Lfm2MoeMlp: intermediate_size as it stands
+        m.intermediate = f.positive_int_or("intermediate_size", 7168);
     else if (fam == Family::kLfm2)
         m.intermediate = lfm2_ff_width(f);
     else if (fam == Family::kBamba || fam == Family::kJamba)  // their dense MLP
@@ -1824,6 +1857,12 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     }
 
     if (fam == Family::kKimiLinear) read_kimi_linear(f, m, layers);
+    if (model_type == "lfm2_moe" && !f.has("layer_types"))
+        throw Error(detail::concat(
+            file,
+            ": missing field 'layer_types': vLLM's Lfm2MoeModel builds layer i from "
+            "config.layer_types[i] (\"conv\" or \"full_attention\"), which Lfm2MoeConfig "
+            "does not derive from full_attn_idxs"));
     if (fam == Family::kLfm2) read_lfm2(f, m, layers);
 
     if (fam == Family::kNemotronH) {

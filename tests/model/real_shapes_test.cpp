@@ -1414,5 +1414,74 @@ TEST(RealShapes, NemotronHLatentMoeAsVllmBuildsIt) {
     EXPECT_THROW(bad.validate(), Error);
 }
 
+// LFM2-8B-A1B (lfm2_moe), as vLLM's lfm2_moe.py builds it: layer i is Lfm2MoeAttentionDecoderLayer
+// where layer_types[i] is "full_attention" (GQA, head_dim hidden / heads, q / k layernorms), else
+// Lfm2MoeShortConvDecoderLayer (LFM2's ShortConv); its MLP is Lfm2MoeMlp (w13 + w2 at
+// intermediate_size, no auto-adjust) below num_dense_layers, else Lfm2MoeSparseMoeBlock (a gate of
+// hidden x num_experts, FusedMoE of num_experts experts of moe_intermediate_size, top
+// num_experts_per_tok, no shared experts).
+TEST(RealShapes, Lfm2MoeAsVllmBuildsIt) {
+    const std::string text = read_file(config_path("lfm2-8b-a1b"));
+    const ModelSpec m = parse_hf_config(text, "lfm2-moe.json");
+    EXPECT_EQ(m.layer_mix(), "24 layers: 18 short_conv + 6 full");
+    for (int l : {2, 6, 10, 14, 18, 21}) EXPECT_EQ(m.layer(l).kind, LayerKind::kFullAttention);
+    EXPECT_EQ(m.layer(0).kind, LayerKind::kShortConv);
+    EXPECT_EQ(m.head_dim, 64);  // 2048 / 32
+    EXPECT_EQ(m.kv_bytes_per_token(), 6 * 2 * 8 * 64 * 2);
+    // Conv state: (3 - 1) x 2048 channels x bf16 per short-conv layer.
+    EXPECT_EQ(m.state_bytes_per_sequence(), 18 * 2 * 2048 * 2);
+    EXPECT_EQ(m.moe.num_experts, 32);
+    EXPECT_EQ(m.moe.experts_per_token, 4);
+    EXPECT_EQ(m.moe.expert_intermediate, 1792);
+    EXPECT_EQ(m.moe.shared_experts, 0);
+    EXPECT_EQ(m.moe.first_dense_layers, 2);
+    EXPECT_EQ(m.intermediate, 7168);  // intermediate_size as it stands (LFM2 would take 2/3)
+    EXPECT_EQ(m.layer(1).mlp, MlpKind::kDense);
+    EXPECT_EQ(m.layer(2).mlp, MlpKind::kMoe);
+    EXPECT_EQ(m.layer(23).mlp, MlpKind::kMoe);
+    EXPECT_TRUE(m.tie_embeddings);  // Lfm2MoeConfig's default
+    // Parameters by hand: embedding 65536 x 2048 (tied); 6 attention layers (Q, O 2048^2; K, V
+    // 2048 x 512); 18 short convs (in_proj 3 x 2048^2, out_proj 2048^2, conv 2048 x 3); 2 dense
+    // MLPs 3 x 2048 x 7168; 22 MoE layers of 32 experts 3 x 2048 x 1792 and the gate 2048 x 32.
+    const int64_t h = 2048, vocab = 65536 * h;
+    const int64_t attention = 2 * h * h + 2 * h * 512, conv = 4 * h * h + 3 * h;
+    const int64_t dense = 3 * h * 7168, expert = 3 * h * 1792, router = h * 32;
+    const int64_t total =
+        vocab + 6 * attention + 18 * conv + 2 * dense + 22 * (32 * expert + router);
+    EXPECT_EQ(m.total_params(), total);  // 8,339,828,736
+    const int64_t active =
+        vocab + 6 * attention + 18 * conv + 2 * dense + 22 * (4 * expert + router);
+    EXPECT_EQ(m.active_params_per_token(), active);  // 1,557,639,168
+    // Published: 8.3B total, 1.5B active.
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 8.3e9, 0.01 * 8.3e9);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 1.5e9, 0.05 * 1.5e9);
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+    // Lfm2MoeConfig's defaults where the config is silent: 2 dense layers, 32 experts top 4.
+    nlohmann::json j = nlohmann::json::parse(text);
+    for (const char* k : {"num_dense_layers", "num_experts", "num_experts_per_tok"}) j.erase(k);
+    EXPECT_EQ(parse_hf_config(j.dump(), "lfm2-moe.json"), m);
+    // num_dense_layers names the dense layers: 4 dense, 20 MoE.
+    j = nlohmann::json::parse(text);
+    j["num_dense_layers"] = 4;
+    const ModelSpec four = parse_hf_config(j.dump(), "lfm2-moe.json");
+    EXPECT_EQ(four.layer(3).mlp, MlpKind::kDense);
+    EXPECT_EQ(four.num_moe_layers(), 20);
+    j["num_dense_layers"] = -1;
+    expect_refused(j.dump(), "num_dense_layers");
+    // vLLM reads layer_types only: full_attn_idxs alone is refused, as is LFM2's MLP sizing.
+    j = nlohmann::json::parse(text);
+    j.erase("layer_types");
+    j["full_attn_idxs"] = {2, 6, 10, 14, 18, 21};
+    expect_refused(j.dump(), "layer_types");
+    j = nlohmann::json::parse(text);
+    j["block_ff_dim"] = 7168;
+    expect_refused(j.dump(), "block_ff_dim");
+    // num_dense_layers in another family's config: refused.
+    expect_refused(R"({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+        "num_dense_layers": 1})",
+                   "num_dense_layers");
+}
+
 }  // namespace
 }  // namespace kvshard
