@@ -405,9 +405,9 @@ void run(const PlanFlags& f) {
                    : fmt::format(" Batch per replica: as many as fit, at most {}.", f.max_batch));
     if (r.capacity.speculative_tokens > 0)
         fmt::print(
-            "Speculating ({} draft token{}): memory and KV as vLLM allocates them; pp > 1 is not "
-            "searched (the drafter's stage is not modelled), and TTFT, TPOT and tok/s are the "
-            "target model's alone (the drafter's steps and the accepted tokens are not priced).\n",
+            "Speculating ({} draft token{}): memory and KV as vLLM allocates them (at pp > 1 the "
+            "drafter on the last stage), and TTFT, TPOT and tok/s are the target model's alone "
+            "(the drafter's steps and the accepted tokens are not priced).\n",
             r.capacity.speculative_tokens, r.capacity.speculative_tokens == 1 ? "" : "s");
     fmt::print("\n");
     fmt::print(
