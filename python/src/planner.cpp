@@ -181,16 +181,19 @@ PlanRequest plan_request(int gpus, int64_t context_tokens, int64_t batch, int64_
     return r;
 }
 
-#define KVSHARD_PLAN_ARGS                                                                         \
-    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("context_tokens"),            \
-        py::kw_only(),                                                                            \
-        py::arg("batch") = 0, py::arg("max_batch") = 256, py::arg("objective") = "throughput",    \
-        py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto",                          \
-        py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
-        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = py::none(),              \
-        py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,          \
-        py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",                \
-        py::arg("speculative_tokens") = 0
+// The keywords every plan and serving binding ends with (the CLI's engine and memory flags).
+#define KVSHARD_ENGINE_ARGS                                                                   \
+    py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
+    py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = py::none(),              \
+    py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,          \
+    py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",                \
+    py::arg("speculative_tokens") = 0
+
+#define KVSHARD_PLAN_ARGS                                                                    \
+    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("context_tokens"),       \
+        py::kw_only(), py::arg("batch") = 0, py::arg("max_batch") = 256,                     \
+                       py::arg("objective") = "throughput", py::arg("cp_scheme") = "zigzag", \
+                       py::arg("cp_prefill") = "auto", KVSHARD_ENGINE_ARGS
 
 // The request of `kvshard plan --disagg` with the CLI's defaults (tools/kvshard/cmd_plan.cpp,
 // run_serving).
@@ -225,18 +228,13 @@ ServingRequest serving_request(int gpus, int64_t prompt_tokens, double ttft_slo,
     return r;
 }
 
-#define KVSHARD_SERVING_ARGS                                                                      \
-    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("prompt_tokens"),             \
-        py::kw_only(), py::arg("ttft_slo"), py::arg("tpot_slo"),                                  \
-        py::arg("output_tokens") = 256, py::arg("prompt_samples") = std::vector<int64_t>{},       \
-        py::arg("prefix_hit_rate") = 0.0, py::arg("weight_dtype") = "model",                      \
-        py::arg("disaggregated") = true, py::arg("max_batch") = 256,                              \
-        py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto",                          \
-        py::arg("cp_decode_merge") = "auto", py::arg("pp_chunks") = 0, py::arg("mem_util") = 0.9, \
-        py::arg("activation_reserve_gib") = 2.0, py::arg("block_size") = py::none(),              \
-        py::arg("allow_long_context") = false, py::arg("max_num_batched_tokens") = 8192,          \
-        py::arg("mamba_cache_mode") = "align", py::arg("speculative_method") = "",                \
-        py::arg("speculative_tokens") = 0
+#define KVSHARD_SERVING_ARGS                                                                \
+    py::arg("model"), py::arg("hardware"), py::arg("gpus"), py::arg("prompt_tokens"),       \
+        py::kw_only(), py::arg("ttft_slo"), py::arg("tpot_slo"),                            \
+        py::arg("output_tokens") = 256, py::arg("prompt_samples") = std::vector<int64_t>{}, \
+        py::arg("prefix_hit_rate") = 0.0, py::arg("weight_dtype") = "model",                \
+        py::arg("disaggregated") = true, py::arg("max_batch") = 256,                        \
+        py::arg("cp_scheme") = "zigzag", py::arg("cp_prefill") = "auto", KVSHARD_ENGINE_ARGS
 
 // A binding of (model, hardware, gpus, context_tokens, KVSHARD_PLAN_ARGS' keywords) that builds
 // the PlanRequest and returns fn(model, hardware, request).
