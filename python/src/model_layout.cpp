@@ -45,7 +45,14 @@ void bind_model_layout(py::module_& m) {
         .def(py::init(&resolve_model), py::arg("name_or_path"),
              "A catalog name, a config.json path, or a directory holding one.")
         .def_readonly("name", &ModelSpec::name)
-        .def_readonly("num_layers", &ModelSpec::num_layers)
+        .def_readonly("num_layers", &ModelSpec::num_layers,
+                      "Cache layers (entries of the per-layer list): num_decoder_layers x "
+                      "cache_layers_per_decoder_layer.")
+        .def_readonly("cache_layers_per_decoder_layer", &ModelSpec::cache_layers_per_decoder_layer,
+                      "1 for most models; 2 for Falcon-H1 (attention and Mamba-2 side by side), 3 "
+                      "for LongCat-Flash (two MLA attentions and the MoE).")
+        .def_property_readonly("num_decoder_layers", &ModelSpec::num_decoder_layers,
+                               "The decoder layers (num_hidden_layers), what PP splits.")
         .def_readonly("hidden", &ModelSpec::hidden)
         .def_readonly("num_heads", &ModelSpec::num_heads)
         .def_readonly("num_kv_heads", &ModelSpec::num_kv_heads)
@@ -250,7 +257,9 @@ void bind_model_layout(py::module_& m) {
         py::arg("model"), py::arg("parallel"), "Raises kvshard.Error unless the layout is valid.");
     m.def("valid_tp_sizes", &valid_tp_sizes, py::arg("model"));
     m.def("pp_layer_split", &pp_layer_split, py::arg("model"), py::arg("parallel"),
-          "Layers held by each PP stage.");
+          "Decoder layers held by each PP stage.");
+    m.def("pp_cache_layer_split", &pp_cache_layer_split, py::arg("model"), py::arg("parallel"),
+          "Cache layers held by each PP stage (decoder layers x cache_layers_per_decoder_layer).");
     m.def(
         "pp_stage_kv_bytes",
         [](const ModelSpec& model, const ParallelConfig& p, int64_t context_tokens,

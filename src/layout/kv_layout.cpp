@@ -143,9 +143,15 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
             "tp sizes are ",
             join(valid_tp)));
 
-    if (p.pp > m.num_layers)
-        throw Error(detail::concat("pp=", p.pp, " is larger than the ", m.num_layers, " layers of ",
-                                   m.name, ": pp must be at most ", m.num_layers));
+    // PP splits decoder layers (vLLM's get_pp_indices over num_hidden_layers); a model of several
+    // cache layers per decoder layer says which it counts.
+    const int decoder_layers = m.num_decoder_layers();
+    const std::string layers_word =
+        m.cache_layers_per_decoder_layer == 1 ? "layers" : "decoder layers";
+    if (p.pp > decoder_layers)
+        throw Error(detail::concat("pp=", p.pp, " is larger than the ", decoder_layers, " ",
+                                   layers_word, " of ", m.name, ": pp must be at most ",
+                                   decoder_layers));
     if (!p.pp_layers.empty()) {
         if (static_cast<int>(p.pp_layers.size()) != p.pp)
             throw Error(detail::concat("pp_layers lists ", p.pp_layers.size(), " stages but pp=",
@@ -153,10 +159,10 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
         for (int n : p.pp_layers)
             require(n >= 1, "pp_layers: every stage needs at least one layer, got ", n);
         const int sum = std::accumulate(p.pp_layers.begin(), p.pp_layers.end(), 0);
-        if (sum != m.num_layers)
+        if (sum != decoder_layers)
             throw Error(detail::concat("pp_layers sums to ", sum, " but ", m.name, " has ",
-                                       m.num_layers, " layers: the counts must add up to ",
-                                       m.num_layers));
+                                       decoder_layers, " ", layers_word,
+                                       ": the counts must add up to ", decoder_layers));
     }
 
     if (p.ep > 1) {
@@ -191,8 +197,18 @@ std::vector<int> pp_layer_split(const ModelSpec& m, const ParallelConfig& p) {
     // vLLM's get_pp_indices (vllm/distributed/utils.py): the remainder goes one layer each to
     // the stages before the last, from the second-to-last backwards (the last stage holds the
     // final norm and LM head, the first the embedding): 22 layers on 4 stages are 5, 6, 6, 5.
-    std::vector<int> split(p.pp, m.num_layers / p.pp);
-    for (int i = 2; i < m.num_layers % p.pp + 2; ++i) ++split[static_cast<size_t>(p.pp - i)];
+    // It splits num_hidden_layers, the decoder layers (make_layers builds one
+    // FalconH1ParallelHybrid or FlashDecoderLayer per index, with all of its attention and Mamba
+    // branches).
+    const int n = m.num_decoder_layers();
+    std::vector<int> split(p.pp, n / p.pp);
+    for (int i = 2; i < n % p.pp + 2; ++i) ++split[static_cast<size_t>(p.pp - i)];
+    return split;
+}
+
+std::vector<int> pp_cache_layer_split(const ModelSpec& m, const ParallelConfig& p) {
+    std::vector<int> split = pp_layer_split(m, p);
+    for (int& n : split) n *= m.cache_layers_per_decoder_layer;
     return split;
 }
 
@@ -211,7 +227,7 @@ KvLayout make_layout(const ModelSpec& m, const ParallelConfig& p) {
     KvLayout l;
     l.model = m;
     l.parallel = p;
-    const auto split = pp_layer_split(m, p);
+    const auto split = pp_cache_layer_split(m, p);
     std::vector<int> stage_begin(p.pp + 1, 0);
     for (int s = 0; s < p.pp; ++s) stage_begin[s + 1] = stage_begin[s] + split[s];
 
@@ -488,7 +504,7 @@ std::vector<int64_t> pp_stage_kv_bytes(const ModelSpec& m, const ParallelConfig&
                                        int64_t context_tokens) {
     require(context_tokens >= 0 && context_tokens <= kMaxContextTokens,
             "the context must be in [0, 2^40] tokens, got ", context_tokens);
-    const auto split = pp_layer_split(m, p);
+    const auto split = pp_cache_layer_split(m, p);
     std::vector<int64_t> out;
     int layer = 0;
     for (int n : split) {
@@ -507,10 +523,15 @@ std::vector<int> pp_layer_split_kv_balanced(const ModelSpec& m, const ParallelCo
     validate(m, even);
     require(context_tokens >= 1 && context_tokens <= kMaxContextTokens,
             "the context must be in [1, 2^40] tokens, got ", context_tokens);
-    const int L = m.num_layers, S = p.pp;
+    // Over decoder layers: a stage holds all cache layers of each of its decoder layers.
+    const int L = m.num_decoder_layers(), S = p.pp, k = m.cache_layers_per_decoder_layer;
     std::vector<int64_t> prefix(L + 1, 0);
-    for (int l = 0; l < L; ++l)
-        prefix[l + 1] = sat_add(prefix[l], layer_request_bytes(m, p, l, context_tokens));
+    for (int d = 0; d < L; ++d) {
+        int64_t bytes = 0;
+        for (int l = d * k; l < (d + 1) * k; ++l)
+            bytes = sat_add(bytes, layer_request_bytes(m, p, l, context_tokens));
+        prefix[d + 1] = sat_add(prefix[d], bytes);
+    }
     // best[s][i]: the smallest possible maximum over s stages covering layers [0, i); ties are
     // broken towards the even split by comparing the layer-count spread second.
     constexpr int64_t kInf = INT64_MAX;

@@ -139,7 +139,10 @@ std::string ModelSpec::layer_mix() const {
         else
             ++it->count;
     }
-    std::string out = detail::concat(num_layers, " layers: ");
+    std::string out = cache_layers_per_decoder_layer == 1
+                          ? detail::concat(num_layers, " layers: ")
+                          : detail::concat(num_decoder_layers(), " decoder layers x ",
+                                           cache_layers_per_decoder_layer, " cache layers: ");
     for (size_t i = 0; i < entries.size(); ++i)
         out += detail::concat(i ? " + " : "", entries[i].count, " ", entries[i].label);
     return out;
@@ -475,12 +478,16 @@ void ModelSpec::validate() const {
                 moe.latent_size);
     }
     if (layers.empty()) {
+        require(cache_layers_per_decoder_layer == 1, "model '", name,
+                "': cache_layers_per_decoder_layer is ", cache_layers_per_decoder_layer,
+                ", but a model of several cache layers per decoder layer must list its layers");
         if (!moe.enabled() || moe.first_dense_layers > 0) positive(intermediate, "intermediate");
         validate_totals();
         return;
     }
     require(static_cast<int>(layers.size()) == num_layers, "model '", name, "': layers lists ",
             layers.size(), " layers but num_layers is ", num_layers, ": give one per layer");
+    validate_decoder_layers();
     bool uses_state = false;
     bool short_conv = false, mamba1 = false, other_state = false;
     for (int l = 0; l < num_layers; ++l) {
@@ -571,6 +578,27 @@ void ModelSpec::validate() const {
     validate_totals();
 }
 
+void ModelSpec::validate_decoder_layers() const {
+    const int k = cache_layers_per_decoder_layer;
+    require(k >= 1 && k <= 8, "model '", name,
+            "': cache_layers_per_decoder_layer must be in [1, 8], got ", k);
+    if (k == 1) return;
+    require(num_layers % k == 0, "model '", name, "': its ", num_layers,
+            " cache layers are not a whole number of decoder layers of ", k,
+            ": num_layers must be a multiple of cache_layers_per_decoder_layer");
+    // Every decoder layer alike: the entries at one position within a decoder layer share their
+    // kind, so a PP stage of n decoder layers holds n of each.
+    for (int l = k; l < num_layers; ++l)
+        require(layers[static_cast<size_t>(l)] == layers[static_cast<size_t>(l % k)], "model '",
+                name, "': cache layer ", l, " (", layer_kind_name(layers[l].kind),
+                ") differs from cache layer ", l % k,
+                " at the same place of the first decoder layer: every decoder layer of a model "
+                "of several cache layers per decoder layer must be alike");
+    require(!mtp.enabled(), "model '", name,
+            "': MTP layers are not modelled for a model of several cache layers per decoder "
+            "layer (mtp.layers must be 0)");
+}
+
 void ModelSpec::check_sequence_length(int64_t tokens, bool allow_long, std::string_view what,
                                       std::string_view allow_long_how) const {
     if (max_model_len <= 0 || tokens <= max_model_len || allow_long) return;
@@ -598,6 +626,11 @@ void ModelSpec::validate_totals() const {
 }
 
 ModelSpec with_full_attention(const ModelSpec& m) {
+    require(m.cache_layers_per_decoder_layer == 1, "model '", m.name, "' holds ",
+            m.cache_layers_per_decoder_layer,
+            " cache layers per decoder layer (several branches side by side): making each of them "
+            "full attention is not a model anyone serves, so there is no all-full-attention "
+            "comparison for it; compare without --all-full-attention");
     ModelSpec out = m;
     out.name = m.name + " (all full attention)";
     for (LayerSpec& s : out.layers) {
@@ -673,6 +706,8 @@ std::string to_json(const ModelSpec& m) {
         {"state_bytes_per_sequence", m.state_bytes_per_sequence()},
         {"layer_mix", m.layer_mix()},
     };
+    if (m.cache_layers_per_decoder_layer != 1)
+        j["cache_layers_per_decoder_layer"] = m.cache_layers_per_decoder_layer;
     if (!m.layers.empty()) {
         nlohmann::json layers = nlohmann::json::array();
         for (const LayerSpec& s : m.layers)
@@ -767,6 +802,7 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
         m.rms_norm_eps = j.at("rms_norm_eps").get<double>();
         m.tie_embeddings = j.at("tie_embeddings").get<bool>();
         m.mlp_projections = j.value("mlp_projections", 3);
+        m.cache_layers_per_decoder_layer = j.value("cache_layers_per_decoder_layer", 1);
         if (j.contains("layers")) {
             for (const auto& l : j.at("layers")) {
                 LayerSpec s;

@@ -114,6 +114,11 @@ int WeightShard::state_group_end(const ModelSpec& m) const {
 }
 
 void check_executable(const ModelSpec& m) {
+    require(m.cache_layers_per_decoder_layer == 1, m.name, ": its decoder layers hold ",
+            m.cache_layers_per_decoder_layer,
+            " cache layers each (branches side by side, as Falcon-H1's attention and Mamba-2, or "
+            "LongCat-Flash's two attentions around one MoE); the reference model runs one mixer "
+            "and one MLP per decoder layer, so it sizes and plans this model but does not run it");
     require(m.moe.shared_experts == 0, m.name,
             ": shared experts are not supported by the reference model (Mixtral-style MoE only)");
     require(m.moe.latent_size == 0, m.name,

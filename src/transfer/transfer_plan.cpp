@@ -632,7 +632,7 @@ TransferPlan make_transfer_plan(const TransferEndpoint& src, const TransferEndpo
     using DemandKey = std::tuple<int, int, int, int, int>;  // (kv group, axis, stage, cs, group)
     std::map<DemandKey, std::vector<Demand>> demands;
     int64_t listed_pieces = 0;  // of all messages, counted before they are made
-    const std::vector<int> src_split = pp_layer_split(m, ps);
+    const std::vector<int> src_split = pp_cache_layer_split(m, ps);
     std::vector<int> src_stage_begin(ps.pp + 1, 0);
     for (int s = 0; s < ps.pp; ++s) src_stage_begin[s + 1] = src_stage_begin[s] + src_split[s];
 

@@ -68,8 +68,13 @@ void run(LayoutFlags f) {
         print_json(to_json(l));
         return;
     }
-    fmt::print("{}: {} layers, {} query heads, {} KV heads ({}), head_dim {}, KV {}\n", m.name,
-               m.num_layers, m.num_heads, m.is_mla() ? 1 : m.num_kv_heads,
+    const int per_decoder = m.cache_layers_per_decoder_layer;
+    const std::string layers_text =
+        per_decoder == 1 ? fmt::format("{} layers", m.num_layers)
+                         : fmt::format("{} decoder layers of {} cache layers ({} in all)",
+                                       m.num_decoder_layers(), per_decoder, m.num_layers);
+    fmt::print("{}: {}, {} query heads, {} KV heads ({}), head_dim {}, KV {}\n", m.name,
+               layers_text, m.num_heads, m.is_mla() ? 1 : m.num_kv_heads,
                attention_kind_name(m.attention), m.head_dim, dtype_name(m.kv_dtype));
     fmt::print("{}: world size {}; {} KV head(s) per TP rank", p.to_string(), l.world_size(),
                l.kv_heads_per_rank());
@@ -78,8 +83,9 @@ void run(LayoutFlags f) {
     fmt::print("{}\n", m.layer_mix());
     fmt::print(
         "{:>5} {:>3} {:>3} {:>3} {:>3} {:>3}  {:<9} {:<9} {:<10} {:<12} {:<24} {:>12} {:>12}\n",
-        "rank", "dp", "pp", "cp", "tp", "ep", "kv_heads", "q_heads", "layers", "experts",
-        "cp_tokens", "KV/token", fmt::format("KV@{}", f.context));
+        "rank", "dp", "pp", "cp", "tp", "ep", "kv_heads", "q_heads",
+        per_decoder == 1 ? "layers" : "cache lyr", "experts", "cp_tokens", "KV/token",
+        fmt::format("KV@{}", f.context));
     for (const auto& r : l.ranks) {
         const std::string experts =
             m.moe.enabled() ? fmt::format("[{},{})", r.expert_begin, r.expert_end) : "-";
@@ -105,6 +111,12 @@ void run(LayoutFlags f) {
         "\nKV@{}: bytes one rank holds for a request of {} tokens, in whole blocks of {} per "
         "group (windowed groups keep their window, state groups their state).\n",
         f.context, f.context, f.block_size);
+    if (per_decoder > 1)
+        fmt::print(
+            "cache lyr: the rank's cache layers [begin,end), {} per decoder layer; PP splits "
+            "decoder layers (--pp-layers counts them), each stage holding all cache layers of "
+            "its decoder layers.\n",
+            per_decoder);
     if (p.pp > 1) {
         const auto stage = pp_stage_kv_bytes(m, p, f.context);
         const int64_t most = *std::max_element(stage.begin(), stage.end());

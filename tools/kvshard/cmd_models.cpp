@@ -58,8 +58,8 @@ void run(const ModelsFlags& f) {
             "{:<19} {:>6} {:>6} {:>4} {:>5} {:>5} {:>4} {:>8} {:>9} {:>7} {:>7.1f}KiB {:>10} {:>8} "
             " "
             "{}\n",
-            names[i], m.num_layers, m.hidden, m.num_heads, m.is_mla() ? 1 : m.num_kv_heads,
-            m.head_dim, attention_kind_name(m.attention),
+            names[i], m.num_decoder_layers(), m.hidden, m.num_heads,
+            m.is_mla() ? 1 : m.num_kv_heads, m.head_dim, attention_kind_name(m.attention),
             m.moe.enabled() ? fmt::format("{}/{}", m.moe.experts_per_token, m.moe.num_experts)
                             : "-",
             params_text, weight_storage_name(m), kv / 1024.0,

@@ -218,17 +218,18 @@ void explain(const ModelSpec& m, const HardwareSpec& hw, const PlanRequest& r, c
                p.to_string(), r.gpus, hw.name, r.context_tokens, speculation(m, r.capacity),
                e.batch);
     const KvLayout l = make_layout(m, p);
+    const int per_decoder = m.cache_layers_per_decoder_layer;
     fmt::print("{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9}\n", "stage",
-               "layers", "attn GiB", "MLP GiB", "expert", "embed", "LM head", "norms", "total",
-               "KV B/tok", "KV tok");
+               per_decoder == 1 ? "layers" : "dec. lyrs", "attn GiB", "MLP GiB", "expert", "embed",
+               "LM head", "norms", "total", "KV B/tok", "KV tok");
     for (int s = 0; s < p.pp; ++s) {
         const auto& rc = c.ranks[rank_of(p, 0, s, 0, 0)];
         const auto& w = rc.weights;
         const auto& rk = l.ranks[rc.rank];
         fmt::print("{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9}\n", s,
-                   fmt::format("[{},{})", rk.layer_begin, rk.layer_end), gib(w.attention),
-                   gib(w.dense_mlp), gib(w.experts), gib(w.embedding), gib(w.lm_head),
-                   fmt::format("{:.3f}", w.norms / double(1 << 30)), gib(w.total()),
+                   fmt::format("[{},{})", rk.layer_begin / per_decoder, rk.layer_end / per_decoder),
+                   gib(w.attention), gib(w.dense_mlp), gib(w.experts), gib(w.embedding),
+                   gib(w.lm_head), fmt::format("{:.3f}", w.norms / double(1 << 30)), gib(w.total()),
                    rc.kv_bytes_per_token, tokens(rc.kv_tokens));
     }
     // The drafter is on the last stage (all of them at pp 1).

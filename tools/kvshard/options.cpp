@@ -53,7 +53,8 @@ void add_parallel_options(CLI::App* sub, ParallelFlags& f) {
     sub->add_option("--cp-interleave", f.cp_interleave,
                     "tokens per round-robin unit for interleave")
         ->capture_default_str();
-    sub->add_option("--pp-layers", f.pp_layers, "explicit layers per stage, e.g. 10,12,10");
+    sub->add_option("--pp-layers", f.pp_layers,
+                    "explicit (decoder) layers per stage, e.g. 10,12,10");
 }
 
 ParallelConfig to_parallel_config(const ParallelFlags& f) {

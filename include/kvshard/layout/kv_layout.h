@@ -58,7 +58,8 @@ struct RankKv {
     int q_head_begin = 0, q_head_end = 0;
     // Other ranks (same dp, pp, cp) that hold copies of exactly these heads (tp > H_kv, MQA, MLA).
     std::vector<int> head_replica_ranks;
-    int layer_begin = 0, layer_end = 0;  // [begin, end)
+    // Cache layers [begin, end): entries of ModelSpec::layers (whole decoder layers).
+    int layer_begin = 0, layer_end = 0;
     // Routed experts of this rank's MoE layers: [expert_begin, expert_end); empty for dense models.
     int expert_begin = 0, expert_end = 0;
     // Bytes of KV this rank stores for each token it holds (all its layers, K and V, its heads,
@@ -86,10 +87,15 @@ struct KvLayout {
     bool operator==(const KvLayout&) const = default;
 };
 
-// Layers held by each PP stage: explicit split if given, else vLLM's get_pp_indices: as even as
-// possible, the (L mod pp) stages before the last holding one extra layer each, from the
-// second-to-last backwards (61 layers on 4 stages: 15, 15, 16, 15). Validates as make_layout does.
+// Decoder layers held by each PP stage: explicit split if given (ParallelConfig::pp_layers counts
+// decoder layers), else vLLM's get_pp_indices: as even as possible, the (L mod pp) stages before
+// the last holding one extra layer each, from the second-to-last backwards (61 layers on 4
+// stages: 15, 15, 16, 15). L is ModelSpec::num_decoder_layers(), num_layers for most models.
+// Validates as make_layout does.
 std::vector<int> pp_layer_split(const ModelSpec& m, const ParallelConfig& p);
+// The same split in cache layers (entries of ModelSpec::layers, what RankKv::layer_begin /
+// layer_end count): each stage's decoder layers x cache_layers_per_decoder_layer.
+std::vector<int> pp_cache_layer_split(const ModelSpec& m, const ParallelConfig& p);
 
 // Throws Error with a one-line message that says what is wrong and what would be valid.
 void validate(const ModelSpec& m, const ParallelConfig& p);
@@ -130,8 +136,8 @@ int64_t request_kv_bytes_peak(const KvLayout& l, int rank, int64_t seq_len, int 
 // KV bytes each PP stage holds for one request of `context_tokens` tokens (block_size 1).
 std::vector<int64_t> pp_stage_kv_bytes(const ModelSpec& m, const ParallelConfig& p,
                                        int64_t context_tokens);
-// A split of the layers into p.pp contiguous stages that minimises the most KV bytes any stage
-// holds for a request of `context_tokens` tokens (ties: the even split's neighbourhood).
+// A split of the decoder layers into p.pp contiguous stages that minimises the most KV bytes any
+// stage holds for a request of `context_tokens` tokens (ties: the even split's neighbourhood).
 std::vector<int> pp_layer_split_kv_balanced(const ModelSpec& m, const ParallelConfig& p,
                                             int64_t context_tokens);
 

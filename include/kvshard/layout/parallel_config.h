@@ -28,8 +28,9 @@ struct ParallelConfig {
     int tp = 1;
     int ep = 1;
     CpScheme cp_scheme = CpScheme::kContiguous;
-    int cp_interleave = 1;       // tokens per round-robin unit under kInterleave
-    std::vector<int> pp_layers;  // explicit layers per stage; empty: as even as possible
+    int cp_interleave = 1;  // tokens per round-robin unit under kInterleave
+    // Explicit decoder layers per stage (ModelSpec::num_decoder_layers); empty: as even as possible
+    std::vector<int> pp_layers;
 
     // The most ranks a layout may have (and the most of any one size): a layout holds a record per
     // rank, so this bounds its memory (docs/cli-inputs.md).

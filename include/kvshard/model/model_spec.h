@@ -210,17 +210,30 @@ struct ModelSpec {
     // One entry per layer, or empty: every layer full attention (MLA when attention is kMla) with
     // num_kv_heads x head_dim and the MoE / dense MLP of is_moe_layer.
     std::vector<LayerSpec> layers;
+    // How many consecutive entries of `layers` make one decoder layer (the model's
+    // num_hidden_layers, what vLLM's get_pp_indices splits over PP stages). 1 for most models;
+    // Falcon-H1's FalconH1ParallelHybrid is 2 (an attention branch with the layer's MLP, then a
+    // Mamba-2 branch with none), LongCat-Flash's FlashDecoderLayer 3 (two MLA attentions, each
+    // with its dense MLP, then the MoE on an entry that caches nothing). num_layers counts the
+    // entries ("cache layers"): every KV group, block table and transfer iterates them, and each
+    // entry's mixer and MLP params are its own, so a decoder layer's MLP is counted once.
+    int cache_layers_per_decoder_layer = 1;
     StateSpec state;      // used by kGatedDeltaNet / kMamba2 / kMamba1 / kShortConv layers
     IndexerSpec indexer;  // used by layers with indexer = true
     MtpSpec mtp;          // the checkpoint's MTP layers (not counted in num_layers)
 
     bool operator==(const ModelSpec&) const = default;
 
+    // Decoder layers: num_layers / cache_layers_per_decoder_layer. Decoder layer d holds the
+    // cache layers [d * k, (d + 1) * k).
+    int num_decoder_layers() const { return num_layers / cache_layers_per_decoder_layer; }
+
     // Layer l as stored or as implied by the uniform fields.
     LayerSpec layer(int l) const;
     // True when every layer is the uniform full-attention (or MLA) layer the executors run.
     bool uniform() const;
-    // "36 layers: 18 sliding(128) + 18 full" style summary.
+    // "36 layers: 18 sliding(128) + 18 full" style summary; with several cache layers per decoder
+    // layer "44 decoder layers x 2 cache layers: 44 full + 44 mamba2".
     std::string layer_mix() const;
     // Bytes a token adds to layer l (all heads, K and V, plus indexer keys); 0 for state layers.
     int64_t kv_bytes_per_token_of_layer(int l) const;
@@ -268,6 +281,7 @@ struct ModelSpec {
 
   private:
     void validate_totals() const;
+    void validate_decoder_layers() const;
 
   public:
 };
