@@ -158,6 +158,7 @@ enum class Family {
     kKimiLinear,  // kimi_linear (Kimi Linear: KDA layers by linear_attn_config, the others MLA)
     kLfm2,        // lfm2, lfm2_moe (LiquidAI LFM2: short-conv layers and GQA layers by
                   // layer_types; LFM2-MoE with experts after num_dense_layers)
+    kFalconH1,    // falcon_h1 (Falcon-H1: attention and Mamba-2 side by side in every layer)
 };
 
 Family family_of(const std::string& model_type, const std::string& file) {
@@ -244,19 +245,15 @@ Family family_of(const std::string& model_type, const std::string& file) {
         // attention and logit multipliers, which scale activations and cache nothing.
         {"granite", Family::kLlama},
         {"granitemoe", Family::kLlama},
+        // Falcon-H1 (vLLM's falcon_h1.py): each FalconH1ParallelHybrid decoder layer runs an
+        // attention branch and a Mamba-2 branch side by side, then one MLP: two cache layers per
+        // decoder layer (read_falcon_h1).
+        {"falcon_h1", Family::kFalconH1},
     };
     auto it = kFamilies.find(model_type);
     if (it != kFamilies.end()) return it->second;
     // Architectures whose cache kvshard's layer kinds cannot express: refused with the reason.
-    static const std::map<std::string, const char*, std::less<>> kNotExpressible = {
-        // vLLM's falcon_h1.py: every FalconH1ParallelHybrid layer runs an attention branch
-        // (FalconH1AttentionDecoderLayer, a KV cache) and a Mamba-2 branch
-        // (FalconH1SSMDecoderLayer, a conv + SSM state) side by side.
-        {"falcon_h1",
-         "every Falcon-H1 layer holds both attention K/V and a Mamba-2 state (vLLM's "
-         "FalconH1ParallelHybrid runs the two branches in parallel), and a kvshard layer holds "
-         "one kind; sizing either alone would leave the other out"},
-    };
+    static const std::map<std::string, const char*, std::less<>> kNotExpressible = {};
     if (auto why = kNotExpressible.find(model_type); why != kNotExpressible.end())
         throw Error(detail::concat(file, ": model_type '", model_type,
                                    "' is not supported: ", why->second));
@@ -378,6 +375,10 @@ ClassDefaults class_defaults(const std::string& model_type) {
         // JambaConfig: 32 heads, 8 KV heads (None -> heads); vLLM's JambaAttentionDecoderLayer
         // takes head_dim = hidden / heads, checked below.
         {"jamba", {"JambaConfig", 32, 8, H, true}},
+        // FalconH1Config (transformers configuration_falcon_h1.py): 32 heads, 8 KV heads (None ->
+        // heads), no head_dim of its own; vLLM's FalconH1AttentionDecoderLayer takes
+        // config.head_dim when set, else hidden / heads.
+        {"falcon_h1", {"FalconH1Config", 32, 8, H, true}},
     };
     auto it = kDefaults.find(model_type);
     // The rest: Falcon (head_dim is hidden / heads by definition, KV heads from its own fields),
@@ -436,6 +437,18 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "mamba_n_groups",
         "mamba_d_conv",
         "mamba_expand",
+        "mamba_d_ssm",  // Falcon-H1: the Mamba-2 width, read below
+        // Falcon-H1: checked below; they scale activations, or (rms_norm, norm_before_gate) pick
+        // the gated norm's form, and cache nothing
+        "mamba_rms_norm",
+        "mamba_norm_before_gate",
+        "mamba_use_mlp",
+        "key_multiplier",
+        "attention_in_multiplier",
+        "attention_out_multiplier",
+        "ssm_multipliers",
+        "ssm_in_multiplier",
+        "ssm_out_multiplier",
         "layers_block_type",   // GraniteMoeHybridConfig's alias of layer_types
         "attn_layer_indices",  // Bamba: its attention layers, read below
         "attn_rotary_emb",     // Bamba: the rotary dim (positions only)
@@ -633,14 +646,21 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"num_kv_shared_layers", {Family::kGemma4}},
         {"hidden_size_per_layer_input", {Family::kGemma4}},
         {"enable_moe_block", {Family::kGemma4}},
-        {"mamba_n_heads", {Family::kGraniteHybrid, Family::kBamba}},
-        {"mamba_d_head", {Family::kGraniteHybrid, Family::kBamba}},
-        {"mamba_d_state", {Family::kGraniteHybrid, Family::kBamba, Family::kJamba}},
-        {"mamba_n_groups", {Family::kGraniteHybrid, Family::kBamba}},
-        {"mamba_d_conv", {Family::kGraniteHybrid, Family::kBamba, Family::kJamba}},
-        {"mamba_expand", {Family::kGraniteHybrid, Family::kBamba, Family::kJamba}},
+        {"mamba_n_heads", {Family::kGraniteHybrid, Family::kBamba, Family::kFalconH1}},
+        {"mamba_d_head", {Family::kGraniteHybrid, Family::kBamba, Family::kFalconH1}},
+        {"mamba_d_state",
+         {Family::kGraniteHybrid, Family::kBamba, Family::kJamba, Family::kFalconH1}},
+        {"mamba_n_groups", {Family::kGraniteHybrid, Family::kBamba, Family::kFalconH1}},
+        {"mamba_d_conv",
+         {Family::kGraniteHybrid, Family::kBamba, Family::kJamba, Family::kFalconH1}},
+        {"mamba_expand",
+         {Family::kGraniteHybrid, Family::kBamba, Family::kJamba, Family::kFalconH1}},
         {"layers_block_type", {Family::kGraniteHybrid}},
-        {"attn_layer_indices", {Family::kBamba}},
+        {"mamba_d_ssm", {Family::kFalconH1}},
+        {"mamba_rms_norm", {Family::kFalconH1}},
+        {"mamba_norm_before_gate", {Family::kFalconH1}},
+        {"mamba_use_mlp", {Family::kFalconH1}},
+        {"attn_layer_indices", {Family::kBamba, Family::kFalconH1}},  // Falcon-H1: null only
         {"attn_layer_period", {Family::kJamba}},
         {"attn_layer_offset", {Family::kJamba}},
         {"expert_layer_period", {Family::kJamba}},
@@ -905,6 +925,97 @@ void read_lfm2(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& layers) 
     m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;
 }
 
+// Falcon-H1, as vLLM's falcon_h1.py builds it: every FalconH1ParallelHybrid decoder layer runs a
+// FalconH1AttentionDecoderLayer (qkv_proj and o_proj without biases, num_key_value_heads x
+// head_dim, head_dim from the config else hidden / heads) and a FalconH1SSMDecoderLayer (a
+// MambaMixer2 of d_ssm = mamba_d_ssm, else mamba_expand x hidden, in mamba_n_heads heads of
+// mamba_d_head, mamba_n_groups groups of mamba_d_state, conv of mamba_d_conv) side by side, then
+// one FalconH1MLP (gate_up and down of intermediate_size, silu). The decoder layer becomes two
+// cache layers: the attention branch with the MLP, the Mamba-2 branch with none (vLLM names its
+// mixer model.layers.{num_hidden_layers + i}, a KV cache spec of its own). The multipliers
+// (attention_in, key, ssm_in / ssm_out, mlp, lm_head, embedding) scale activations and cache
+// nothing; the gated norm's weight (d_ssm) is counted even where mamba_rms_norm is false and vLLM's
+// Mixer2RMSNormGated registers none (d_ssm per layer, well below 0.01% of the parameters).
+void read_falcon_h1(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& layers) {
+    const int L = m.num_layers;
+    const std::string act = f.string_or("hidden_act", "silu");
+    if (act != "silu")
+        throw f.bad("hidden_act", detail::concat("is '", act,
+                                                 "', but vLLM's FalconH1MLP runs silu only "
+                                                 "(it raises on any other activation)"));
+    // Biases vLLM's falcon_h1.py never builds: its loader would drop them ("Skip loading extra
+    // bias"), so the checkpoint would not run as trained.
+    for (const char* key : {"attention_bias", "mlp_bias", "projectors_bias", "mamba_proj_bias"})
+        if (f.bool_or(key, false))
+            throw f.bad(key,
+                        "is true, but vLLM's Falcon-H1 layers carry no such bias (its "
+                        "loader skips the weights): kvshard sizes what vLLM builds, which "
+                        "would not be this checkpoint");
+    if (!f.bool_or("mamba_conv_bias", true))
+        throw f.bad("mamba_conv_bias",
+                    "is false: kvshard counts the Mamba-2 conv with its bias "
+                    "(FalconH1Config's default)");
+    if (!f.bool_or("mamba_use_mlp", true))
+        throw f.bad("mamba_use_mlp",
+                    "is false, but vLLM's FalconH1ParallelHybrid builds the MLP "
+                    "on every layer whatever it says: the checkpoint would not "
+                    "load as kvshard sizes it");
+    if (f.json().contains("attn_layer_indices") && !f.json().at("attn_layer_indices").is_null())
+        throw f.bad("attn_layer_indices",
+                    "is set, but every Falcon-H1 layer runs attention and Mamba-2 side by side "
+                    "(FalconH1Config.layers_block_type is all \"hybrid\"): it must be null");
+
+    // MambaMixer2 of d_ssm (FalconH1Config: mamba_d_ssm 1024, else mamba_expand x hidden; heads
+    // 128, mamba_d_head "auto" = d_ssm / heads, 1 group, d_state 256, d_conv 4).
+    int64_t d_ssm = int64_t{f.positive_int_or("mamba_expand", 2)} * m.hidden;
+    const char* d_ssm_key = "mamba_expand";
+    if (f.json().contains("mamba_d_ssm") && !f.json().at("mamba_d_ssm").is_null()) {
+        d_ssm = f.positive_int("mamba_d_ssm");
+        d_ssm_key = "mamba_d_ssm";
+    } else if (!f.json().contains("mamba_d_ssm")) {
+        d_ssm = 1024;  // FalconH1Config's default; null means mamba_expand x hidden
+        d_ssm_key = "mamba_d_ssm";
+    }
+    const int heads = f.positive_int_or("mamba_n_heads", 128);
+    if (d_ssm % heads != 0)
+        throw f.bad("mamba_n_heads", detail::concat("(", heads, ") must divide the Mamba-2 width (",
+                                                    d_ssm, ", from ", d_ssm_key, ")"));
+    int head = static_cast<int>(d_ssm / heads);
+    if (f.has("mamba_d_head") &&
+        !(f.json().at("mamba_d_head").is_string() && f.string_or("mamba_d_head", "") == "auto")) {
+        head = f.positive_int("mamba_d_head");
+        if (int64_t{head} * heads != d_ssm)
+            throw f.bad("mamba_d_head",
+                        detail::concat("x mamba_n_heads (", int64_t{head} * heads,
+                                       ") must equal the Mamba-2 width (", d_ssm, ", from ",
+                                       d_ssm_key, "), as FalconH1Config requires"));
+    }
+    m.state.heads = heads;
+    m.state.head_dim = head;
+    m.state.groups = f.positive_int_or("mamba_n_groups", 1);
+    m.state.group_dim = f.positive_int_or("mamba_d_state", 256);
+    m.state.conv_kernel = f.positive_int_or("mamba_d_conv", 4);
+    if (m.state.heads % m.state.groups != 0)
+        throw f.bad("mamba_n_groups",
+                    detail::concat("(", m.state.groups, ") must divide mamba_n_heads (", heads,
+                                   "): MambaMixer2 gives each group whole heads"));
+
+    std::vector<LayerSpec> out;
+    out.reserve(2 * static_cast<size_t>(L));
+    for (int l = 0; l < L; ++l) {
+        LayerSpec attention = layers[static_cast<size_t>(l)];  // full attention, dense MLP
+        attention.kind = LayerKind::kFullAttention;
+        LayerSpec mamba;
+        mamba.kind = LayerKind::kMamba2;
+        mamba.mlp = MlpKind::kNone;
+        out.push_back(attention);
+        out.push_back(mamba);
+    }
+    layers = std::move(out);
+    m.num_layers = 2 * L;
+    m.cache_layers_per_decoder_layer = 2;
+}
+
 // The length a config class gives where config.json states none. vLLM's _get_and_verify_max_len
 // (vllm/config/model.py) reads each length key with getattr(hf_config, key, None), so a key the
 // file leaves out is the class's default; only a class with no such attribute leaves vLLM at its
@@ -988,6 +1099,7 @@ const ClassLength* class_length(const std::string& model_type) {
         {"hunyuan_v1_moe", {"HunYuanMoEV1Config", "max_position_embeddings", 2048}},  // 008cd60e
         {"granite", {"GraniteConfig", "max_position_embeddings", 2048}},
         {"granitemoe", {"GraniteMoeConfig", "max_position_embeddings", 2048}},  // 040e1a7e
+        {"falcon_h1", {"FalconH1Config", "max_position_embeddings", 8192}},
     };
     auto it = kLengths.find(model_type);
     return it != kLengths.end() ? &it->second : nullptr;
@@ -1170,7 +1282,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
               : fam == Family::kGemma4
                   ? 262144   // Gemma4TextConfig's default
                   : 262208;  // Gemma3TextConfig's default; the published text_config omits it
-    m.rope_theta = f.number_or("rope_theta", 10000.0);
+    // vLLM's FalconH1AttentionDecoderLayer: getattr(config, "rope_theta", 1e11).
+    m.rope_theta = f.number_or("rope_theta", fam == Family::kFalconH1 ? 1e11 : 10000.0);
     m.rms_norm_eps = f.number_or(
         pick({"rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"}, "rms_norm_eps"), 1e-6);
     const bool gemma = fam == Family::kGemma2 || fam == Family::kGemma3 || fam == Family::kGemma4;
@@ -1538,7 +1651,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         m.intermediate = f.positive_int_or("intermediate_size", 7168);
     else if (fam == Family::kLfm2)
         m.intermediate = lfm2_ff_width(f);
-    else if (fam == Family::kBamba || fam == Family::kJamba)  // their dense MLP
+    else if (fam == Family::kBamba || fam == Family::kJamba ||
+             fam == Family::kFalconH1)  // their dense MLP (FalconH1Config's default too)
         m.intermediate = f.positive_int_or("intermediate_size", 14336);
     else if (model_type == "ernie4_5_moe")  // its dense layers (layer 0 by default)
         m.intermediate = f.positive_int_or("intermediate_size", 12288);
@@ -2036,9 +2150,11 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         throw f.bad("mamba_ssm_dtype", detail::concat("is set, but kvshard reads it for Qwen3.5 "
                                                       "only, not model_type '",
                                                       model_type, "'"));
+    if (fam == Family::kFalconH1) read_falcon_h1(f, m, layers);
     if (fam == Family::kNemotronH || fam == Family::kQwen3Next || fam == Family::kGraniteHybrid ||
-        fam == Family::kBamba || fam == Family::kJamba) {
-        // Granite 4.0-H, Bamba, Qwen3-Next: vLLM's mamba2_state_dtype of the model dtype under
+        fam == Family::kBamba || fam == Family::kJamba || fam == Family::kFalconH1) {
+        // Granite 4.0-H, Bamba, Qwen3-Next, Falcon-H1 (FalconH1ForCausalLM.
+        // get_mamba_state_dtype_from_config): vLLM's mamba2_state_dtype of the model dtype under
         // the engine's default 'auto' (no config override); Jamba: mamba1_state_dtype, the same
         // rule (_mamba_state_dtype).
         m.state.conv_dtype = m.state.state_dtype = m.kv_dtype;

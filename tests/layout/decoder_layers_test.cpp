@@ -45,6 +45,17 @@ ModelSpec parallel_hybrid(int decoder) {
     return m;
 }
 
+// vLLM's get_pp_indices (vllm/distributed/utils.py), written here from its docstring and body:
+// num_hidden_layers // pp_size each, the remainder one each to partitions[-2], [-3], ... (never
+// the last); returns [start, end) of pp_rank.
+std::pair<int, int> get_pp_indices(int num_hidden_layers, int pp_rank, int pp_size) {
+    std::vector<int> partitions(pp_size, num_hidden_layers / pp_size);
+    const int remaining = num_hidden_layers % pp_size;
+    for (int i = 2; i < remaining + 2; ++i) partitions[pp_size - i] += 1;
+    const int start = std::accumulate(partitions.begin(), partitions.begin() + pp_rank, 0);
+    return {start, start + partitions[pp_rank]};
+}
+
 void expect_error(const std::function<void()>& f, const std::string& needle) {
     try {
         f();
@@ -123,6 +134,31 @@ TEST(DecoderLayers, ModelsThatDoNotGroupAreRefused) {
     EXPECT_EQ(model_spec_from_json(to_json(h)), h);
     EXPECT_EQ(to_json(catalog_model("llama-3.1-8b")).find("cache_layers_per_decoder_layer"),
               std::string::npos);
+}
+
+// Falcon-H1-7B's 44 decoder layers on every pp from 1 to 44: each stage holds the cache layers
+// [2 x start, 2 x end) of vLLM's get_pp_indices(44, stage, pp).
+TEST(DecoderLayers, FalconH1SplitsAsGetPpIndices) {
+    const ModelSpec m = load_hf_config(std::string(KVSHARD_TEST_DATA_DIR) +
+                                       "/hf_configs/falcon-h1-7b-instruct.json");
+    ASSERT_EQ(m.num_decoder_layers(), 44);
+    for (int pp = 1; pp <= 44; ++pp) {
+        SCOPED_TRACE(pp);
+        ParallelConfig p;
+        p.pp = pp;
+        const KvLayout l = make_layout(m, p);
+        for (int s = 0; s < pp; ++s) {
+            const auto [start, end] = get_pp_indices(44, s, pp);
+            const RankKv& r = l.ranks[static_cast<size_t>(rank_of(p, 0, s, 0, 0))];
+            EXPECT_EQ(r.layer_begin, 2 * start) << "stage " << s;
+            EXPECT_EQ(r.layer_end, 2 * end) << "stage " << s;
+            // The stage's attention KV: 2 KV heads x 128 x K,V x bf16 per decoder layer.
+            EXPECT_EQ(r.kv_bytes_per_token, int64_t{end - start} * 1024) << "stage " << s;
+        }
+    }
+    ParallelConfig too_many;
+    too_many.pp = 45;
+    expect_error([&] { make_layout(m, too_many); }, "44 decoder layers");
 }
 
 }  // namespace

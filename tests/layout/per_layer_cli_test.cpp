@@ -97,4 +97,50 @@ TEST(PerLayerCli, UnmodelledFieldsAndRunsOfPerLayerModelsAreRefused) {
         << models.out;
 }
 
+// Decoder layers of several cache layers through the CLI: layout says which layers it counts, plan
+// --explain prints decoder-layer ranges per stage, models the parameter count to set beside the
+// published size (Falcon-H1-7B: 7.59B), and
+// --pp-layers counts decoder layers.
+TEST(PerLayerCli, DecoderLayersOfSeveralCacheLayers) {
+    const auto lay = kvshard("layout --model " + config("falcon-h1-7b-instruct") + " --pp 2");
+    ASSERT_EQ(lay.status, 0) << lay.out;
+    EXPECT_NE(lay.out.find("44 decoder layers of 2 cache layers (88 in all)"), std::string::npos)
+        << lay.out;
+    EXPECT_NE(lay.out.find("44 decoder layers x 2 cache layers: 44 full + 44 mamba2"),
+              std::string::npos)
+        << lay.out;
+    EXPECT_NE(lay.out.find("cache lyr"), std::string::npos) << lay.out;
+    EXPECT_NE(lay.out.find("[44,88)"), std::string::npos) << lay.out;
+    const auto split =
+        kvshard("layout --model " + config("falcon-h1-7b-instruct") + " --pp 2 --pp-layers 20,24");
+    ASSERT_EQ(split.status, 0) << split.out;
+    EXPECT_NE(split.out.find("[40,88)"), std::string::npos) << split.out;
+    const auto bad =
+        kvshard("layout --model " + config("falcon-h1-7b-instruct") + " --pp 2 --pp-layers 40,48");
+    EXPECT_EQ(bad.status, 2) << bad.out;
+    EXPECT_NE(bad.out.find("pp_layers sums to 88 but falcon_h1 has 44 decoder layers"),
+              std::string::npos)
+        << bad.out;
+
+    const auto plan = kvshard("plan --model " + config("falcon-h1-7b-instruct") +
+                              " --hardware h100-sxm -n 2 -c 8192 --explain pp=2");
+    ASSERT_EQ(plan.status, 0) << plan.out;
+    EXPECT_NE(plan.out.find("dec. lyrs"), std::string::npos) << plan.out;
+    EXPECT_NE(plan.out.find("[22,44)"), std::string::npos) << plan.out;
+    EXPECT_NE(plan.out.find("2 groups (1 full + 1 mamba2) of 44 layer slots, 0 of them padding; "
+                            "blocks of 1568 tokens"),
+              std::string::npos)
+        << plan.out;
+
+    const auto falcon = kvshard("models --model " + config("falcon-h1-7b-instruct"));
+    ASSERT_EQ(falcon.status, 0) << falcon.out;
+    const auto f = nlohmann::json::parse(falcon.out);
+    EXPECT_EQ(f.at("cache_layers_per_decoder_layer"), 2);
+    EXPECT_NEAR(f.at("total_params").get<double>(), 7.59e9, 0.01e9);
+    // The reference model does not run them: refused with the reason.
+    const auto run = kvshard("run --model " + config("falcon-h1-7b-instruct") + " --tp 1");
+    EXPECT_EQ(run.status, 2) << run.out;
+    EXPECT_NE(run.out.find("does not run it"), std::string::npos) << run.out;
+}
+
 }  // namespace

@@ -269,6 +269,18 @@ std::vector<Family> families() {
                    0,
                    0,
                    [](int tp) { return state_bf16(128, 64, 1, 128, 4, tp); }});
+    // Falcon-H1-7B: 44 decoder layers of two cache layers each, attention (2 KV heads of
+    // head_dim 128) then Mamba-2 (24 heads of 128, 1 group, d_state 256, d_conv 4); tp 8 does
+    // not divide the 12 query heads. pp 2 below splits 22 + 22 decoder layers.
+    out.push_back({"falcon-h1-7b-instruct",
+                   pattern(88,
+                           [](int i) {
+                               return i % 2 == 0 ? L{'F', 2, 128} : L{'M'};
+                           }),
+                   {1, 2, 4},
+                   0,
+                   0,
+                   [](int tp) { return state_bf16(24, 128, 1, 256, 4, tp); }});
     // Jamba-v0.1: attention where l % 8 == 4 (8 KV heads of 4096 / 32 = 128), the other 28
     // layers Mamba-1 of d_inner 8192, d_state 16, d_conv 4 (mamba1_state_by_hand).
     out.push_back({"jamba-v0.1",
@@ -997,12 +1009,79 @@ TEST(RealShapes, BambaAsVllmBuildsIt) {
     expect_refused(j.dump(), "mamba_d_head");
 }
 
-// Falcon-H1's layers hold attention K/V and a Mamba-2 state side by side, which kvshard's
-// one-kind-per-layer model cannot express: refused with the reason, not approximated.
-TEST(RealShapes, ParallelHybridRefused) {
-    nlohmann::json j = nlohmann::json::parse(read_file(config_path("llama-3.1-8b")));
-    j["model_type"] = "falcon_h1";
-    expect_refused(j.dump(), "both attention K/V and a Mamba-2 state");
+// Falcon-H1-7B as vLLM's falcon_h1.py builds it: each FalconH1ParallelHybrid decoder layer runs
+// FalconH1AttentionDecoderLayer (an Attention with its KV cache) and FalconH1SSMDecoderLayer (a
+// MambaMixer2 with its conv + SSM state, registered as model.layers.{44 + i}) side by side, then
+// one FalconH1MLP. kvshard: 88 cache layers, two per decoder layer.
+TEST(RealShapes, FalconH1AsVllmBuildsIt) {
+    const ModelSpec m = load_hf_config(config_path("falcon-h1-7b-instruct"));
+    EXPECT_EQ(m.num_decoder_layers(), 44);
+    EXPECT_EQ(m.cache_layers_per_decoder_layer, 2);
+    ASSERT_EQ(m.num_layers, 88);
+    for (int d = 0; d < 44; ++d) {
+        const LayerSpec a = m.layer(2 * d), s = m.layer(2 * d + 1);
+        EXPECT_EQ(a.kind, LayerKind::kFullAttention) << d;
+        EXPECT_EQ(a.num_kv_heads, 2) << d;
+        EXPECT_EQ(a.head_dim, 128) << d;  // config.head_dim, not 3072 / 12 = 256
+        EXPECT_EQ(a.mlp, MlpKind::kDense) << d;
+        EXPECT_EQ(a.intermediate, 12288) << d;
+        EXPECT_EQ(s.kind, LayerKind::kMamba2) << d;
+        EXPECT_EQ(s.mlp, MlpKind::kNone) << d;  // the decoder layer's one MLP is counted once
+    }
+    EXPECT_EQ(m.max_model_len, 262144);
+    EXPECT_EQ(m.rope_theta, 1e11);
+    // KV per token: 44 attention branches x K and V x 2 KV heads x 128 x bf16 = 45056 bytes.
+    EXPECT_EQ(m.kv_bytes_per_token(), int64_t{44} * 2 * 2 * 128 * 2);
+    // State per sequence: 44 Mamba-2 branches x bf16 x (conv 3 x (3072 + 2 x 1 x 256) + SSM
+    // 24 x 128 x 256) = 44 x 1,594,368 bytes (vLLM's mamba2_state_shape at the model dtype).
+    EXPECT_EQ(state_bytes(m.state, 1), 2 * (3 * 3584 + 24 * 128 * 256));
+    EXPECT_EQ(m.state_bytes_per_sequence(), int64_t{44} * 1594368);
+    // Params by hand, per decoder layer: attention 3072 x (2 x 12 x 128 + 2 x 2 x 128); Mamba-2
+    // in_proj 3072 x (2 x 3072 + 2 x 256 + 24), conv 3584 x (4 + 1), A + D + dt_bias 3 x 24,
+    // gated norm 3072, out_proj 3072 x 3072; MLP 3 x 3072 x 12288. Untied embedding and LM head
+    // of 130048. 7.585B, which an mlx 4-bit copy's 4,268,832,515 bytes of weights (4.5 bits a
+    // weight with its group-64 bf16 scale and bias) confirms: 7.59e9 x 4.5 / 8 = 4.27e9.
+    const int64_t attn = int64_t{3072} * (2 * 12 * 128 + 2 * 2 * 128);
+    const int64_t mamba =
+        int64_t{3072} * (2 * 3072 + 2 * 256 + 24) + 3584 * 5 + 3 * 24 + 3072 + int64_t{3072} * 3072;
+    const int64_t mlp = int64_t{3} * 3072 * 12288;
+    const int64_t total = 44 * (attn + mamba + mlp) + 2 * int64_t{130048} * 3072;
+    EXPECT_EQ(m.total_params(), total);
+    EXPECT_NEAR(static_cast<double>(total), 7.59e9, 0.01e9);
+    // The JSON round trip keeps the grouping.
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("falcon-h1-7b-instruct")));
+    auto refused_with = [&](const char* key, nlohmann::json value, const std::string& needle) {
+        nlohmann::json k = j;
+        k[key] = std::move(value);
+        expect_refused(k.dump(), needle);
+    };
+    refused_with("hidden_act", "gelu", "silu");
+    refused_with("attention_bias", true, "attention_bias");
+    refused_with("projectors_bias", true, "projectors_bias");
+    refused_with("mamba_proj_bias", true, "mamba_proj_bias");
+    refused_with("mamba_conv_bias", false, "mamba_conv_bias");
+    refused_with("mamba_use_mlp", false, "mamba_use_mlp");
+    refused_with("attn_layer_indices", {0, 1}, "attn_layer_indices");
+    refused_with("mamba_d_head", 64, "mamba_d_head");    // 64 x 24 heads is not 3072
+    refused_with("mamba_n_heads", 25, "mamba_n_heads");  // does not divide 3072
+    // mamba_d_ssm null: mamba_expand x hidden = 6144 in 24 heads of "auto" 256.
+    nlohmann::json wide = j;
+    wide["mamba_d_ssm"] = nullptr;
+    wide["mamba_d_head"] = "auto";
+    EXPECT_EQ(parse_hf_config(wide.dump(), "w.json").state.head_dim, 256);
+    // The multipliers scale activations: accepted, nothing changes.
+    nlohmann::json mult = j;
+    mult["key_multiplier"] = 0.39;
+    mult["ssm_multipliers"] = {0.35, 0.25, 0.35, 0.5, 0.35};
+    mult["attention_in_multiplier"] = 1.0;
+    mult["mamba_norm_before_gate"] = true;
+    EXPECT_EQ(parse_hf_config(mult.dump(), "m.json"), parse_hf_config(j.dump(), "m.json"));
+    // Another family's config does not take Falcon-H1's fields.
+    nlohmann::json llama = nlohmann::json::parse(read_file(config_path("llama-3.1-8b")));
+    llama["mamba_d_ssm"] = 1024;
+    expect_refused(llama.dump(), "mamba_d_ssm");
 }
 
 // Jamba-v0.1 as vLLM's jamba.py builds it: JambaConfig.layers_block_type (attention where

@@ -223,6 +223,49 @@ TEST(CapacityVllm, Lfm2KeepsBlock16AndPadsTheConvState) {
               512 + 2 * 2);
 }
 
+// Falcon-H1-7B on one H100: 44 decoder layers, each an attention branch (2 KV heads of 128) and a
+// Mamba-2 branch side by side. vLLM registers 44 Attention layers and 44 MambaMixer2 layers (named
+// model.layers.{44 + i}, FalconH1ParallelHybrid), so its hybrid allocator sees 44 full-attention
+// and 44 Mamba specs. HybridAttentionMambaModelConfig: the Mamba page (mamba2_state_shape at bf16)
+// is 2 x (3 x (3072 + 2 x 256) + 24 x 128 x 256) = 1,594,368 B; one token's attention page 2 x 2
+// x 128 x 2 = 1024 B; block 16 x cdiv(1,594,368, 16 x 1024) = 16 x 98 = 1568 tokens, page 1568 x
+// 1024 = 1,605,632 B, the state padded by 11,264 B. Group size 44 (the kinds have as many layers
+// each), one attention group and one Mamba group, no padding slots: a block id takes a page in
+// each of 44 tensors.
+TEST(CapacityVllm, FalconH1OneAttentionAndOneMambaGroup) {
+    const ModelSpec m = load_hf_config(std::string(KVSHARD_TEST_DATA_DIR) +
+                                       "/hf_configs/falcon-h1-7b-instruct.json");
+    CapacityOptions o = prefix_caching_off();
+    o.context_tokens = 8192;
+    const CapacityReport c = compute_capacity(m, tp(1), hardware_by_name("h100-sxm"), o);
+    EXPECT_EQ(c.state_bytes_per_sequence, 44 * 1594368);
+    EXPECT_EQ(c.engine.kind, EngineKvKind::kHybrid);
+    EXPECT_EQ(c.engine.block_size, 1568);
+    EXPECT_EQ(c.engine.page_bytes, 1605632);
+    EXPECT_EQ(c.engine.state_page_padding, 1605632 - 1594368);
+    EXPECT_EQ(c.engine.group_size, 44);
+    ASSERT_EQ(c.engine.groups.size(), 2u);
+    EXPECT_EQ(c.engine.groups[0].kind, LayerKind::kFullAttention);
+    EXPECT_EQ(c.engine.groups[1].kind, LayerKind::kMamba2);
+    EXPECT_EQ(c.engine.padding_slots(), 0);
+    const int64_t blocks = c.ranks[0].kv_budget_bytes / (1605632LL * 44);
+    EXPECT_EQ(c.kv_blocks_per_gpu, blocks);
+    EXPECT_EQ(c.kv_tokens_per_gpu, blocks / 2 * 1568);
+    EXPECT_EQ(c.request_blocks, 6 + 1);  // ceil(8192 / 1568) + the Mamba group's one state
+    EXPECT_EQ(c.requests_per_replica, blocks / 7);
+    CapacityOptions a;
+    a.context_tokens = 8192;
+    EXPECT_EQ(compute_capacity(m, tp(1), hardware_by_name("h100-sxm"), a).request_blocks, 6 + 2);
+    // pp 2: each stage holds 22 whole decoder layers (22 attention + 22 Mamba branches), so its
+    // groups have 22 slots: half the bytes per block id.
+    ParallelConfig pp2;
+    pp2.pp = 2;
+    const CapacityReport s = compute_capacity(m, pp2, hardware_by_name("h100-sxm"), o);
+    EXPECT_EQ(s.engine.block_size, 1568);
+    for (const auto& r : s.ranks)
+        EXPECT_EQ(s.engine.block_bytes[static_cast<size_t>(r.rank)], 1605632LL * 22);
+}
+
 TEST(CapacityVllm, UnpaddedHybridsKeepTheirFigures) {
     // gpt-oss-120b: 18 sliding(128) + 18 full, group size 18, no padding.
     const CapacityReport g = on_h100("gpt-oss-120b", 1, 8192);

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import SOURCE_DIR
 
 import kvshard
 
@@ -122,6 +123,17 @@ def test_layout():
     with pytest.raises(kvshard.Error):
         kvshard.validate("llama-3.1-70b", "tp=12")
     kvshard.validate("llama-3.1-70b", "tp=8")
+
+
+def test_decoder_layers_of_several_cache_layers():
+    # Falcon-H1-7B: 44 decoder layers, each an attention and a Mamba-2 cache layer; PP splits the
+    # decoder layers as vLLM's get_pp_indices (44 on pp=3: 15, 15, 14).
+    m = kvshard.load_hf_config(str(SOURCE_DIR / "tests/data/hf_configs/falcon-h1-7b-instruct.json"))
+    assert (m.num_decoder_layers, m.cache_layers_per_decoder_layer, m.num_layers) == (44, 2, 88)
+    assert kvshard.pp_layer_split(m, "pp=3") == [15, 15, 14]
+    assert kvshard.pp_cache_layer_split(m, "pp=3") == [30, 30, 28]
+    assert m.kv_bytes_per_token() == 44 * 2 * 2 * 128 * 2
+    assert kvshard.catalog_model("llama-3.1-70b").num_decoder_layers == 80
 
 
 def test_layout_helpers():
