@@ -2,6 +2,7 @@
 // them into layer kinds are listed in docs/model.md; a field that may change the KV cache and that
 // this reader does not model is refused by name, never ignored.
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <map>
 #include <regex>
@@ -159,6 +160,7 @@ enum class Family {
     kLfm2,        // lfm2, lfm2_moe (LiquidAI LFM2: short-conv layers and GQA layers by
                   // layer_types; LFM2-MoE with experts after num_dense_layers)
     kFalconH1,    // falcon_h1 (Falcon-H1: attention and Mamba-2 side by side in every layer)
+    kLongcat,     // longcat_flash (LongCat-Flash: two MLA attentions, two MLPs, one MoE a layer)
 };
 
 Family family_of(const std::string& model_type, const std::string& file) {
@@ -249,6 +251,10 @@ Family family_of(const std::string& model_type, const std::string& file) {
         // attention branch and a Mamba-2 branch side by side, then one MLP: two cache layers per
         // decoder layer (read_falcon_h1).
         {"falcon_h1", Family::kFalconH1},
+        // LongCat-Flash (vLLM's longcat_flash.py): each FlashDecoderLayer holds two MLA attentions
+        // (self_attn.0 and .1, a KV cache each), two dense MLPs and one MoE: three cache layers
+        // per decoder layer (read_longcat_flash).
+        {"longcat_flash", Family::kLongcat},
     };
     auto it = kFamilies.find(model_type);
     if (it != kFamilies.end()) return it->second;
@@ -449,6 +455,10 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "ssm_multipliers",
         "ssm_in_multiplier",
         "ssm_out_multiplier",
+        // LongCat-Flash: scale the MLA norms' weights at load; checked below (must be MLA)
+        "mla_scale_q_lora",
+        "mla_scale_kv_lora",
+        "attention_method",
         "layers_block_type",   // GraniteMoeHybridConfig's alias of layer_types
         "attn_layer_indices",  // Bamba: its attention layers, read below
         "attn_rotary_emb",     // Bamba: the rotary dim (positions only)
@@ -1016,6 +1026,53 @@ void read_falcon_h1(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& lay
     m.cache_layers_per_decoder_layer = 2;
 }
 
+// LongCat-Flash, as vLLM's longcat_flash.py builds it: every FlashDecoderLayer runs self_attn[0]
+// (a DeepseekV2MLAAttention, prefix self_attn.0: an MLA cache of its own), the MoE (LongcatMoe,
+// fed from the same point) beside mlps[0] (a FlashMLP of ffn_hidden_size), then self_attn[1]
+// (self_attn.1, a second MLA cache) and mlps[1]. The decoder layer becomes three cache layers: MLA
+// with mlps[0], MLA with mlps[1], and one that caches nothing with the MoE. Both attentions are MLA
+// of the config's fields (attention_method "MLA"); the router, its correction bias and the norms
+// are not counted (as for every family).
+void read_longcat_flash(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& layers) {
+    if (!m.is_mla())
+        throw Error(detail::concat(f.file(),
+                                   ": LongCat-Flash's attentions are MLA (DeepseekV2MLAAttention), "
+                                   "but the config has no kv_lora_rank"));
+    if (f.has("attention_method")) {
+        std::string method = f.string_or("attention_method", "");
+        std::transform(method.begin(), method.end(), method.begin(),
+                       [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+        if (method != "MLA")
+            throw f.bad("attention_method",
+                        detail::concat("is '", f.string_or("attention_method", ""),
+                                       "', but vLLM's FlashDecoderLayer builds MLA attention "
+                                       "only"));
+    }
+    const std::string act = f.string_or("hidden_act", "silu");
+    if (act != "silu")
+        throw f.bad("hidden_act", detail::concat("is '", act,
+                                                 "', but vLLM's FlashMLP runs silu only (it "
+                                                 "raises on any other activation)"));
+    const int L = m.num_layers;
+    LayerSpec attention;
+    attention.kind = LayerKind::kMla;
+    attention.mlp = MlpKind::kDense;
+    attention.intermediate = m.intermediate;
+    LayerSpec moe;
+    moe.kind = LayerKind::kNoKv;
+    moe.mlp = MlpKind::kMoe;
+    std::vector<LayerSpec> out;
+    out.reserve(3 * static_cast<size_t>(L));
+    for (int l = 0; l < L; ++l) {
+        out.push_back(attention);
+        out.push_back(attention);
+        out.push_back(moe);
+    }
+    layers = std::move(out);
+    m.num_layers = 3 * L;
+    m.cache_layers_per_decoder_layer = 3;
+}
+
 // The length a config class gives where config.json states none. vLLM's _get_and_verify_max_len
 // (vllm/config/model.py) reads each length key with getattr(hf_config, key, None), so a key the
 // file leaves out is the class's default; only a class with no such attribute leaves vLLM at its
@@ -1100,6 +1157,7 @@ const ClassLength* class_length(const std::string& model_type) {
         {"granite", {"GraniteConfig", "max_position_embeddings", 2048}},
         {"granitemoe", {"GraniteMoeConfig", "max_position_embeddings", 2048}},  // 040e1a7e
         {"falcon_h1", {"FalconH1Config", "max_position_embeddings", 8192}},
+        {"longcat_flash", {"LongcatFlashConfig", "max_position_embeddings", 131072}},
     };
     auto it = kLengths.find(model_type);
     return it != kLengths.end() ? &it->second : nullptr;
@@ -1261,6 +1319,15 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     };
     m.num_layers =
         f.positive_int(pick({"num_hidden_layers", "n_layer", "num_layers"}, "num_hidden_layers"));
+    if (fam == Family::kLongcat && f.has("num_layers") && f.has("num_hidden_layers") &&
+        f.positive_int("num_hidden_layers") != f.positive_int("num_layers"))
+        // transformers' LongcatFlashConfig counts two per decoder layer there (its cache layers).
+        throw f.bad("num_hidden_layers",
+                    detail::concat("is ", f.positive_int("num_hidden_layers"),
+                                   " beside num_layers ", f.positive_int("num_layers"),
+                                   ": vLLM's FlashConfig builds num_hidden_layers decoder layers "
+                                   "when set, while the checkpoint has num_layers of them; give "
+                                   "one count (num_layers, the decoder layers)"));
     if (m.num_layers > (1 << 14))
         throw Error(detail::concat(file, ": ", m.num_layers,
                                    " layers: kvshard reads models of at most 16384 layers"));
@@ -1583,6 +1650,28 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                 detail::concat("is true with cla_share_factor ", f.int_or("cla_share_factor", 1),
                                ": cross-layer attention (layers reading an earlier "
                                "layer's K and V) is not modelled"));
+    } else if (fam == Family::kLongcat) {
+        // vLLM's LongcatMoe: n_routed_experts (FlashConfig falls back to num_experts[layer]) of
+        // moe_intermediate_size, else expert_ffn_hidden_size, else the dense width; top moe_topk,
+        // else num_experts_per_tok; no shared expert. LongcatFlashConfig's defaults: 512 experts of
+        // 2048, top 12. Its zero_expert_num zero-computation experts are identities: no weights,
+        // only router columns (hidden x zero_expert_num, not counted, as no family's router bias
+        // is), and a token routed to them skips an expert, so the active parameters count top-k
+        // real experts: the most a token can activate.
+        m.moe.num_experts = f.positive_int_or("n_routed_experts", 512);
+        m.moe.experts_per_token =
+            f.positive_int_or(f.has("moe_topk") ? "moe_topk" : "num_experts_per_tok", 12);
+        m.moe.expert_intermediate = f.positive_int_or(
+            f.has("moe_intermediate_size") ? "moe_intermediate_size" : "expert_ffn_hidden_size",
+            2048);
+        if (f.int_or("zero_expert_num", 0) < 0)
+            throw f.bad("zero_expert_num", "must not be negative");
+        if (f.int_or("zero_expert_num", 0) > 0 &&
+            f.string_or("zero_expert_type", "identity") != "identity")
+            throw f.bad("zero_expert_type",
+                        detail::concat("is '", f.string_or("zero_expert_type", ""),
+                                       "': kvshard reads LongCat-Flash's identity zero experts "
+                                       "(no weights) only"));
     } else if (f.has("num_local_experts")) {  // Mixtral, gpt-oss, Llama 4
         m.moe.num_experts = f.positive_int("num_local_experts");
         m.moe.experts_per_token = f.positive_int(
@@ -1640,6 +1729,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                              (fam == Family::kKimiLinear && f.int_or("moe_layer_freq", 1) > 1);
     if (fam == Family::kFalcon)
         m.intermediate = f.positive_int_or("ffn_hidden_size", 4 * m.hidden);
+    else if (fam == Family::kLongcat)  // FlashMLP: ffn_hidden_size, else intermediate_size
+        m.intermediate = f.positive_int_or(inter_key, 12288);
     else if (fam == Family::kNemotronNas)
         m.intermediate = 0;  // per block, from ffn_mult
     else if (fam == Family::kLlama4)
@@ -2151,6 +2242,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                                       "only, not model_type '",
                                                       model_type, "'"));
     if (fam == Family::kFalconH1) read_falcon_h1(f, m, layers);
+    if (fam == Family::kLongcat) read_longcat_flash(f, m, layers);
     if (fam == Family::kNemotronH || fam == Family::kQwen3Next || fam == Family::kGraniteHybrid ||
         fam == Family::kBamba || fam == Family::kJamba || fam == Family::kFalconH1) {
         // Granite 4.0-H, Bamba, Qwen3-Next, Falcon-H1 (FalconH1ForCausalLM.
@@ -2303,6 +2395,9 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     } else if (model_type == "qwen3_next" && !f.has("num_nextn_predict_layers")) {
         mtp_layers = 1;
     }
+    // LongCat-Flash: vLLM's LongcatFlashForCausalLM skips the checkpoint's .mtp. weights; its
+    // drafter (longcat_flash_mtp.py) is a model of its own, not modelled here (mtp stays empty).
+    if (fam == Family::kLongcat) mtp_layers = 0;
     if (mtp_layers < 0 || mtp_layers > 64)
         throw f.bad(mtp_key, detail::concat("must be in [0, 64], got ", mtp_layers));
     if (mtp_layers > 0) {

@@ -161,5 +161,27 @@ TEST(DecoderLayers, FalconH1SplitsAsGetPpIndices) {
     expect_error([&] { make_layout(m, too_many); }, "44 decoder layers");
 }
 
+// LongCat-Flash-Chat's 28 decoder layers of three cache layers (MLA, MLA, the MoE) on every pp from
+// 1 to 28: cache layers [3 x start, 3 x end) of get_pp_indices(28, stage, pp), two MLA latents of
+// (512 + 64) x bf16 per decoder layer.
+TEST(DecoderLayers, LongcatFlashSplitsAsGetPpIndices) {
+    const ModelSpec m =
+        load_hf_config(std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/longcat-flash-chat.json");
+    ASSERT_EQ(m.num_decoder_layers(), 28);
+    for (int pp = 1; pp <= 28; ++pp) {
+        SCOPED_TRACE(pp);
+        ParallelConfig p;
+        p.pp = pp;
+        const KvLayout l = make_layout(m, p);
+        for (int s = 0; s < pp; ++s) {
+            const auto [start, end] = get_pp_indices(28, s, pp);
+            const RankKv& r = l.ranks[static_cast<size_t>(rank_of(p, 0, s, 0, 0))];
+            EXPECT_EQ(r.layer_begin, 3 * start) << "stage " << s;
+            EXPECT_EQ(r.layer_end, 3 * end) << "stage " << s;
+            EXPECT_EQ(r.kv_bytes_per_token, int64_t{end - start} * 2 * 576 * 2) << "stage " << s;
+        }
+    }
+}
+
 }  // namespace
 }  // namespace kvshard

@@ -99,7 +99,7 @@ TEST(PerLayerCli, UnmodelledFieldsAndRunsOfPerLayerModelsAreRefused) {
 
 // Decoder layers of several cache layers through the CLI: layout says which layers it counts, plan
 // --explain prints decoder-layer ranges per stage, models the parameter count to set beside the
-// published size (Falcon-H1-7B: 7.59B), and
+// published size (Falcon-H1-7B: 7.59B; LongCat-Flash-Chat: 560B, 18.6B-31.3B active), and
 // --pp-layers counts decoder layers.
 TEST(PerLayerCli, DecoderLayersOfSeveralCacheLayers) {
     const auto lay = kvshard("layout --model " + config("falcon-h1-7b-instruct") + " --pp 2");
@@ -137,6 +137,12 @@ TEST(PerLayerCli, DecoderLayersOfSeveralCacheLayers) {
     const auto f = nlohmann::json::parse(falcon.out);
     EXPECT_EQ(f.at("cache_layers_per_decoder_layer"), 2);
     EXPECT_NEAR(f.at("total_params").get<double>(), 7.59e9, 0.01e9);
+    const auto longcat = kvshard("models --model " + config("longcat-flash-chat"));
+    ASSERT_EQ(longcat.status, 0) << longcat.out;
+    const auto l = nlohmann::json::parse(longcat.out);
+    EXPECT_EQ(l.at("cache_layers_per_decoder_layer"), 3);
+    EXPECT_EQ(l.at("kv_bytes_per_token"), 28 * 2 * (512 + 64) * 2);
+    EXPECT_NEAR(l.at("total_params").get<double>(), 560e9, 0.005 * 560e9);
     // The reference model does not run them: refused with the reason.
     const auto run = kvshard("run --model " + config("falcon-h1-7b-instruct") + " --tp 1");
     EXPECT_EQ(run.status, 2) << run.out;

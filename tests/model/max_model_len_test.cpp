@@ -200,6 +200,8 @@ TEST(MaxModelLen, ClassDefaultWhereTheConfigStatesNone) {
          "max_position_embeddings", 2048},
         {"bamba", "bamba-9b", "BambaConfig", "max_position_embeddings", 262144},
         {"falcon_h1", "falcon-h1-7b-instruct", "FalconH1Config", "max_position_embeddings", 8192},
+        {"longcat_flash", "longcat-flash-chat", "LongcatFlashConfig", "max_position_embeddings",
+         131072},
         {"jamba", "jamba-v0.1", "JambaConfig", "max_position_embeddings", 262144},
         {"olmo2", "olmo-2-7b-instruct", "Olmo2Config", "max_position_embeddings", 2048},
         {"olmo3", "olmo-3-7b", "Olmo3Config", "max_position_embeddings", 2048},

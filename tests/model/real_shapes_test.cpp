@@ -281,6 +281,12 @@ std::vector<Family> families() {
                    0,
                    0,
                    [](int tp) { return state_bf16(24, 128, 1, 256, 4, tp); }});
+    // LongCat-Flash-Chat: 28 decoder layers of three cache layers, two MLA attentions (a 512 +
+    // 64 latent each, replicated over tp) and the MoE, which caches nothing; 64 heads.
+    out.push_back({"longcat-flash-chat",
+                   pattern(84, [](int i) { return i % 3 == 2 ? L{'-'} : L{'L'}; }),
+                   {1, 2, 4, 8},
+                   (512 + 64) * 2});
     // Jamba-v0.1: attention where l % 8 == 4 (8 KV heads of 4096 / 32 = 128), the other 28
     // layers Mamba-1 of d_inner 8192, d_state 16, d_conv 4 (mamba1_state_by_hand).
     out.push_back({"jamba-v0.1",
@@ -1082,6 +1088,75 @@ TEST(RealShapes, FalconH1AsVllmBuildsIt) {
     nlohmann::json llama = nlohmann::json::parse(read_file(config_path("llama-3.1-8b")));
     llama["mamba_d_ssm"] = 1024;
     expect_refused(llama.dump(), "mamba_d_ssm");
+}
+
+// LongCat-Flash-Chat as vLLM's longcat_flash.py builds it: each FlashDecoderLayer runs
+// self_attn[0] and self_attn[1] (DeepseekV2MLAAttention with prefixes self_attn.0 and .1: two MLA
+// caches), mlps[0] and mlps[1] (FlashMLP of ffn_hidden_size) and one LongcatMoe (512 experts of
+// expert_ffn_hidden_size, top 12, 256 identity zero experts). kvshard: 84 cache layers, MLA +
+// mlps[0], MLA + mlps[1], and the MoE on one that caches nothing.
+TEST(RealShapes, LongcatFlashAsVllmBuildsIt) {
+    const ModelSpec m = load_hf_config(config_path("longcat-flash-chat"));
+    EXPECT_EQ(m.num_decoder_layers(), 28);
+    EXPECT_EQ(m.cache_layers_per_decoder_layer, 3);
+    ASSERT_EQ(m.num_layers, 84);
+    for (int d = 0; d < 28; ++d) {
+        for (int i : {0, 1}) {
+            EXPECT_EQ(m.layer(3 * d + i).kind, LayerKind::kMla) << d;
+            EXPECT_EQ(m.layer(3 * d + i).mlp, MlpKind::kDense) << d;
+            EXPECT_EQ(m.layer(3 * d + i).intermediate, 12288) << d;
+        }
+        EXPECT_EQ(m.layer(3 * d + 2).kind, LayerKind::kNoKv) << d;
+        EXPECT_TRUE(m.is_moe_layer(3 * d + 2)) << d;
+    }
+    EXPECT_EQ(m.moe.num_experts, 512);
+    EXPECT_EQ(m.moe.experts_per_token, 12);
+    EXPECT_EQ(m.moe.expert_intermediate, 2048);
+    EXPECT_EQ(m.moe.shared_experts, 0);
+    EXPECT_EQ(m.num_moe_layers(), 28);
+    EXPECT_FALSE(m.mtp.enabled());
+    EXPECT_EQ(m.max_model_len, 131072);
+    // KV per token: 28 decoder layers x 2 MLA latents x (512 + 64) x bf16 = 64,512 bytes.
+    EXPECT_EQ(m.kv_bytes_per_token(), int64_t{28} * 2 * (512 + 64) * 2);
+    EXPECT_EQ(m.state_bytes_per_sequence(), 0);
+    // Params by hand, per decoder layer: two MLA attentions, each q_a 6144 x 1536 + q_b 1536 x
+    // 64 x (128 + 64) + kv_a 6144 x (512 + 64) + kv_b 512 x 64 x (128 + 128) + o 64 x 128 x
+    // 6144; two FlashMLPs 3 x 6144 x 12288; 512 experts of 3 x 6144 x 2048 and the router's 6144
+    // x 512 real-expert columns. Untied embedding and LM head of 131072. Published: 560B total,
+    // 18.6B-31.3B active by how many zero experts a token picks; kvshard's active count takes
+    // 12 real experts, the top of that range.
+    const int64_t mla = int64_t{6144} * 1536 + int64_t{1536} * 64 * 192 + int64_t{6144} * 576 +
+                        int64_t{512} * 64 * 256 + int64_t{64} * 128 * 6144;
+    const int64_t dense = int64_t{3} * 6144 * 12288;
+    const int64_t expert = int64_t{3} * 6144 * 2048;
+    const int64_t router = int64_t{6144} * 512;
+    const int64_t embed = int64_t{131072} * 6144;
+    const int64_t total = 28 * (2 * mla + 2 * dense + 512 * expert + router) + 2 * embed;
+    EXPECT_EQ(m.total_params(), total);
+    EXPECT_NEAR(static_cast<double>(total), 560e9, 0.005 * 560e9);
+    const int64_t active = 28 * (2 * mla + 2 * dense + 12 * expert + router) + embed;
+    EXPECT_EQ(m.active_params_per_token(), active);
+    EXPECT_NEAR(static_cast<double>(active), 31.3e9, 0.1e9);
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+
+    nlohmann::json j = nlohmann::json::parse(read_file(config_path("longcat-flash-chat")));
+    auto refused_with = [&](const char* key, nlohmann::json value, const std::string& needle) {
+        nlohmann::json k = j;
+        k[key] = std::move(value);
+        expect_refused(k.dump(), needle);
+    };
+    refused_with("attention_method", "GQA", "attention_method");
+    refused_with("zero_expert_type", "const", "zero_expert_type");
+    refused_with("num_hidden_layers", 56, "num_hidden_layers");  // transformers' cache count
+    refused_with("hidden_act", "gelu", "silu");
+    nlohmann::json same = j;
+    same["num_hidden_layers"] = 28;        // one count, written twice: accepted
+    same["num_nextn_predict_layers"] = 1;  // vLLM skips the MTP weights: not modelled
+    EXPECT_EQ(parse_hf_config(same.dump(), "l.json").num_decoder_layers(), 28);
+    nlohmann::json gqa = j;
+    gqa.erase("kv_lora_rank");
+    gqa["num_key_value_heads"] = 8;
+    expect_refused(gqa.dump(), "MLA");
 }
 
 // Jamba-v0.1 as vLLM's jamba.py builds it: JambaConfig.layers_block_type (attention where
