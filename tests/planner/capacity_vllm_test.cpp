@@ -4,6 +4,7 @@
 // mem_util 0.9, 2 GiB reserve, block 16, vLLM's available memory = kvshard's KV budget.
 #include <gtest/gtest.h>
 
+#include "kvshard/cache/kv_group_manager.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/capacity.h"
 
@@ -253,6 +254,15 @@ TEST(CapacityVllm, FalconH1OneAttentionAndOneMambaGroup) {
     EXPECT_EQ(c.kv_tokens_per_gpu, blocks / 2 * 1568);
     EXPECT_EQ(c.request_blocks, 6 + 1);  // ceil(8192 / 1568) + the Mamba group's one state
     EXPECT_EQ(c.requests_per_replica, blocks / 7);
+    // kvshard's own block tables agree: a KvGroupManager over the model's KV groups at vLLM's
+    // block size gives a request of 8192 tokens 6 attention blocks and one Mamba state slot.
+    KvGroupManager mgr({group_pool_specs(kv_groups(m), blocks), 1568, false});
+    const std::vector<int32_t> prompt(8192, 7);
+    mgr.allocate(1, prompt);
+    ASSERT_EQ(mgr.num_groups(), 2);
+    EXPECT_EQ(mgr.resident_blocks(0, 1), 6);
+    EXPECT_EQ(mgr.resident_blocks(1, 1), 1);
+    EXPECT_EQ(mgr.resident_blocks(0, 1) + mgr.resident_blocks(1, 1), c.request_blocks);
     CapacityOptions a;
     a.context_tokens = 8192;
     EXPECT_EQ(compute_capacity(m, tp(1), hardware_by_name("h100-sxm"), a).request_blocks, 6 + 2);
