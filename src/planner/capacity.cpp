@@ -115,7 +115,13 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
     for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
         const LayerSpec s = m.layer(l);
         int64_t attn = 0;
-        norm_elems += 2 * h;  // input and post-attention RMSNorm
+        // Input and post-attention RMSNorm, once per decoder layer: of a decoder layer of several
+        // cache layers on the ones holding a mixer and an MLP (Falcon-H1's attention branch, whose
+        // input_layernorm the Mamba-2 branch shares; LongCat-Flash's two attentions, each with
+        // its input and post-attention norm, the MoE on the entry that caches nothing).
+        if (m.cache_layers_per_decoder_layer == 1 ||
+            (s.kind != LayerKind::kNoKv && s.mlp != MlpKind::kNone))
+            norm_elems += 2 * h;
         switch (s.kind) {
             case LayerKind::kMla: {
                 const MlaSpec& a = m.mla;

@@ -274,6 +274,33 @@ TEST(CapacityVllm, FalconH1OneAttentionAndOneMambaGroup) {
     EXPECT_EQ(s.engine.block_size, 1568);
     for (const auto& r : s.ranks)
         EXPECT_EQ(s.engine.block_bytes[static_cast<size_t>(r.rank)], 1605632LL * 22);
+    // Weights: the parameters at bf16, plus two RMSNorms per decoder layer (input_layernorm and
+    // pre_ff_layernorm of FalconH1ParallelHybrid, not two per cache layer) and the final norm.
+    const WeightBytes w = rank_weight_bytes(make_layout(m, tp(1)), 0);
+    EXPECT_EQ(w.norms, 2 * (44 * 2 * 3072 + 3072));
+    EXPECT_EQ(w.total() - w.norms, 2 * m.total_params());
+}
+
+// LongCat-Flash-Chat: every cache layer that caches is MLA, one uniform group of 56 layers; its
+// weights are the parameters plus, per decoder layer, input_layernorm[0..1] and
+// post_attention_layernorm[0..1] (4 x hidden) and each attention's q_a and kv_a norms.
+TEST(CapacityVllm, LongcatFlashOneMlaGroupAndItsNorms) {
+    const ModelSpec m =
+        load_hf_config(std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/longcat-flash-chat.json");
+    ParallelConfig p;
+    p.pp = 2;
+    p.tp = 8;
+    p.ep = 8;
+    CapacityOptions o;
+    o.context_tokens = 8192;
+    const CapacityReport c = compute_capacity(m, p, hardware_by_name("h200"), o);
+    EXPECT_EQ(c.engine.kind, EngineKvKind::kUniform);
+    ASSERT_EQ(c.engine.groups.size(), 1u);
+    EXPECT_EQ(c.engine.groups[0].layers.size(), 56u);
+    // 14 decoder layers a stage, two latents of (512 + 64) x bf16 each, whole on every TP rank.
+    EXPECT_EQ(c.engine.block_bytes[0], 16 * 14 * 2 * 576 * 2);
+    const WeightBytes w = rank_weight_bytes(make_layout(m, ParallelConfig{}), 0);
+    EXPECT_EQ(w.norms, 2 * (28 * (4 * 6144 + 2 * (1536 + 512)) + 6144));
 }
 
 TEST(CapacityVllm, UnpaddedHybridsKeepTheirFigures) {
