@@ -477,6 +477,9 @@ void ModelSpec::validate() const {
                 "': moe.latent_size must be >= 0 (0: the routed experts run at hidden), got ",
                 moe.latent_size);
     }
+    require(cache_layers_per_decoder_layer >= 1 && cache_layers_per_decoder_layer <= 8, "model '",
+            name, "': cache_layers_per_decoder_layer must be in [1, 8], got ",
+            cache_layers_per_decoder_layer);
     if (layers.empty()) {
         require(cache_layers_per_decoder_layer == 1, "model '", name,
                 "': cache_layers_per_decoder_layer is ", cache_layers_per_decoder_layer,
@@ -579,9 +582,7 @@ void ModelSpec::validate() const {
 }
 
 void ModelSpec::validate_decoder_layers() const {
-    const int k = cache_layers_per_decoder_layer;
-    require(k >= 1 && k <= 8, "model '", name,
-            "': cache_layers_per_decoder_layer must be in [1, 8], got ", k);
+    const int k = cache_layers_per_decoder_layer;  // in [1, 8], checked by validate
     if (k == 1) return;
     require(num_layers % k == 0, "model '", name, "': its ", num_layers,
             " cache layers are not a whole number of decoder layers of ", k,

@@ -116,6 +116,8 @@ TEST(DecoderLayers, ModelsThatDoNotGroupAreRefused) {
     expect_error([&] { m.validate(); }, "multiple of cache_layers_per_decoder_layer");
     m.cache_layers_per_decoder_layer = 0;
     expect_error([&] { m.validate(); }, "cache_layers_per_decoder_layer must be in [1, 8]");
+    m.layers.clear();  // with no layers listed too
+    expect_error([&] { m.validate(); }, "cache_layers_per_decoder_layer must be in [1, 8], got 0");
     m = parallel_hybrid(3);
     std::swap(m.layers[2], m.layers[3]);  // decoder layer 1: Mamba-2 first
     expect_error([&] { m.validate(); }, "every decoder layer");
