@@ -455,10 +455,12 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "ssm_multipliers",
         "ssm_in_multiplier",
         "ssm_out_multiplier",
+        "lm_head_multiplier",  // Falcon-H1: scales the logits
         // LongCat-Flash: scale the MLA norms' weights at load; checked below (must be MLA)
         "mla_scale_q_lora",
         "mla_scale_kv_lora",
         "attention_method",
+        "qk_head_dim",  // LongcatFlashConfig: qk_nope_head_dim + qk_rope_head_dim, checked below
         "layers_block_type",   // GraniteMoeHybridConfig's alias of layer_types
         "attn_layer_indices",  // Bamba: its attention layers, read below
         "attn_rotary_emb",     // Bamba: the rotary dim (positions only)
@@ -666,6 +668,7 @@ void refuse_foreign_fields(const HfFields& f, Family fam, const std::string& mod
         {"mamba_expand",
          {Family::kGraniteHybrid, Family::kBamba, Family::kJamba, Family::kFalconH1}},
         {"layers_block_type", {Family::kGraniteHybrid}},
+        {"qk_head_dim", {Family::kLongcat}},
         {"mamba_d_ssm", {Family::kFalconH1}},
         {"mamba_rms_norm", {Family::kFalconH1}},
         {"mamba_norm_before_gate", {Family::kFalconH1}},
@@ -1053,6 +1056,15 @@ void read_longcat_flash(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>&
         throw f.bad("hidden_act", detail::concat("is '", act,
                                                  "', but vLLM's FlashMLP runs silu only (it "
                                                  "raises on any other activation)"));
+    if (f.has("qk_head_dim") &&
+        f.positive_int("qk_head_dim") != m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim)
+        throw f.bad(
+            "qk_head_dim",
+            detail::concat("is ", f.positive_int("qk_head_dim"),
+                           ", but the attention's query/key heads are qk_nope_head_dim + "
+                           "qk_rope_head_dim = ",
+                           m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim,
+                           " (what vLLM's DeepseekV2MLAAttention builds): fix or remove it"));
     const int L = m.num_layers;
     LayerSpec attention;
     attention.kind = LayerKind::kMla;

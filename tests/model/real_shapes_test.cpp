@@ -1083,6 +1083,9 @@ TEST(RealShapes, FalconH1AsVllmBuildsIt) {
     mult["ssm_multipliers"] = {0.35, 0.25, 0.35, 0.5, 0.35};
     mult["attention_in_multiplier"] = 1.0;
     mult["mamba_norm_before_gate"] = true;
+    mult["lm_head_multiplier"] = 0.039;
+    mult["embedding_multiplier"] = 5.66;
+    mult["mlp_multipliers"] = {0.88, 0.59};
     EXPECT_EQ(parse_hf_config(mult.dump(), "m.json"), parse_hf_config(j.dump(), "m.json"));
     // Another family's config does not take Falcon-H1's fields.
     nlohmann::json llama = nlohmann::json::parse(read_file(config_path("llama-3.1-8b")));
@@ -1149,9 +1152,11 @@ TEST(RealShapes, LongcatFlashAsVllmBuildsIt) {
     refused_with("zero_expert_type", "const", "zero_expert_type");
     refused_with("num_hidden_layers", 56, "num_hidden_layers");  // transformers' cache count
     refused_with("hidden_act", "gelu", "silu");
+    refused_with("qk_head_dim", 256, "qk_head_dim");
     nlohmann::json same = j;
     same["num_hidden_layers"] = 28;        // one count, written twice: accepted
     same["num_nextn_predict_layers"] = 1;  // vLLM skips the MTP weights: not modelled
+    same["qk_head_dim"] = 192;             // LongcatFlashConfig's qk_nope + qk_rope
     EXPECT_EQ(parse_hf_config(same.dump(), "l.json").num_decoder_layers(), 28);
     nlohmann::json gqa = j;
     gqa.erase("kv_lora_rank");
