@@ -1936,9 +1936,11 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
             if ((l + 1) % interval != 0) layers[l].kind = LayerKind::kGatedDeltaNet;
     } else if (fam == Family::kLlama) {
         // Mistral writes sliding_window alone; Qwen2/3 gate it with use_sliding_window and keep
-        // the first max_window_layers layers full.
+        // the first max_window_layers layers full. With layer_types listed (read above) the
+        // window reaches the layers it names sliding only (docs/model.md).
         const bool qwen = model_type.rfind("qwen", 0) == 0;
-        if (f.has("sliding_window") && (!qwen || f.bool_or("use_sliding_window", false))) {
+        if (f.has("sliding_window") && !f.has("layer_types") &&
+            (!qwen || f.bool_or("use_sliding_window", false))) {
             const int first = qwen ? f.int_or("max_window_layers", 0) : 0;
             for (int l = first; l < L; ++l)
                 set_window(layers[l], LayerKind::kSlidingWindow, window_field("sliding_window"));

@@ -250,5 +250,23 @@ TEST(HfConfigAudit, SharedExpertsOfTheirOwnWidthAreCounted) {
     EXPECT_NE(error_of(nano).find("moe_shared_expert_intermediate_size"), std::string::npos);
 }
 
+TEST(HfConfigAudit, LayerTypesKeepTheirFullLayersUnderAModelWindow) {
+    // A Llama-field config naming each layer (vLLM's LlamaAttention, and Apertus', take the
+    // window per layer from layer_types): the full layers stay full. kvshard had also applied the
+    // model-level window to every layer, sizing the full layers as sliding.
+    const std::string cfg = R"({"model_type": "mistral", "num_hidden_layers": 4,
+        "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 512, "vocab_size": 1000, "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                        "full_attention"]})";
+    const ModelSpec m = parse_hf_config(cfg, "cfg.json");
+    EXPECT_EQ(m.layer_mix(), "4 layers: 2 sliding(64) + 2 full");
+    EXPECT_EQ(m.layer(1).kind, LayerKind::kFullAttention);
+    // Without layer_types the window is the model's, on every layer (Mistral-7B-v0.1).
+    const std::string no_types =
+        cfg.substr(0, cfg.find(R"("layer_types")")) + R"("tie_word_embeddings": false})";
+    EXPECT_EQ(parse_hf_config(no_types, "cfg.json").layer_mix(), "4 layers: 4 sliding(64)");
+}
+
 }  // namespace
 }  // namespace kvshard
