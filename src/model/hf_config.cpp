@@ -161,6 +161,9 @@ enum class Family {
                   // layer_types; LFM2-MoE with experts after num_dense_layers)
     kFalconH1,    // falcon_h1 (Falcon-H1: attention and Mamba-2 side by side in every layer)
     kLongcat,     // longcat_flash (LongCat-Flash: two MLA attentions, two MLPs, one MoE a layer)
+    kBailing,     // bailing_moe, bailing_moe_v2 (inclusionAI Ling / Ring: GQA on every layer, dense
+                  // MLPs below first_k_dense_replace, then MoE with shared experts)
+    kDots1,       // dots1 (rednote-hilab dots.llm1: GQA, DeepSeek's MoE field names)
 };
 
 Family family_of(const std::string& model_type, const std::string& file) {
@@ -255,6 +258,21 @@ Family family_of(const std::string& model_type, const std::string& file) {
         // (self_attn.0 and .1, a KV cache each), two dense MLPs and one MoE: three cache layers
         // per decoder layer (read_longcat_flash).
         {"longcat_flash", Family::kLongcat},
+        // Ling / Ring (inclusionAI): vLLM's bailing_moe.py builds BailingMoeForCausalLM (Ling 1.x,
+        // model_type bailing_moe) and BailingMoeV2ForCausalLM (Ling 2.0: Ling-mini / flash / 1T,
+        // Ring-*; the checkpoints' BailingMoeV2Config names bailing_moe_v2) with one decoder
+        // layer; read below. Ling 2.5's hybrid (bailing_hybrid, BailingMoeV2_5ForCausalLM:
+        // linear attention beside MLA) is another model file and is not read.
+        {"bailing_moe", Family::kBailing},
+        {"bailing_moe_v2", Family::kBailing},
+        // dots.llm1 (Dots1Config, vLLM's dots1.py): GQA with q / k norms on every layer, experts
+        // by DeepSeek's field names (read below).
+        {"dots1", Family::kDots1},
+        // Apertus (ApertusConfig, vLLM's apertus.py) and Arcee AFM (ArceeConfig, vLLM's arcee.py):
+        // Llama's attention and fields; their MLPs are not gated (up and down only, xIELU and
+        // squared ReLU), so mlp_projections is 2 (read below).
+        {"apertus", Family::kLlama},
+        {"arcee", Family::kLlama},
     };
     auto it = kFamilies.find(model_type);
     if (it != kFamilies.end()) return it->second;
@@ -385,6 +403,25 @@ ClassDefaults class_defaults(const std::string& model_type) {
         // heads), no head_dim of its own; vLLM's FalconH1AttentionDecoderLayer takes
         // config.head_dim when set, else hidden / heads.
         {"falcon_h1", {"FalconH1Config", 32, 8, H, true}},
+        // Ling 1.x's BailingMoeConfig (vLLM transformers_utils/configs/bailing_moe.py, adapted
+        // from inclusionAI/Ling's configuration_bailing_moe.py, commit 42f5f31a): 16 heads, 0 KV
+        // heads (no usable default: required), head_dim None -> hidden / heads, which vLLM's
+        // BailingAttention also takes (config.head_dim or hidden // heads). The heads are
+        // required too: which class a Ling 1.x checkpoint loads (vLLM's or its remote code) is
+        // not confirmed. Ling 2.0's BailingMoeV2Config is the checkpoint's remote code, whose
+        // defaults were not read: all three required.
+        {"bailing_moe", {"BailingMoeConfig", R, R, H, false}},
+        {"bailing_moe_v2", {"BailingMoeV2Config", R, R, R, false}},
+        // Dots1Config (transformers configuration_dots1.py, commit 16a1bdc1): 32 heads, 32 KV
+        // heads (None -> heads), no head_dim attribute: vLLM's Dots1Attention takes
+        // getattr(config, "head_dim", hidden // heads).
+        {"dots1", {"Dots1Config", 32, 32, H, true}},
+        // ApertusConfig (configuration_apertus.py, commit ecbf7a09): 32 heads, KV None -> heads, no
+        // head_dim attribute (vLLM's ApertusAttention: getattr(config, "head_dim", None), else
+        // hidden // heads). ArceeConfig (configuration_arcee.py, commit e1b55167): 32 heads, KV
+        // None -> heads, head_dim None -> hidden // heads (vLLM's arcee.py runs LlamaAttention).
+        {"apertus", {"ApertusConfig", 32, H, H, true}},
+        {"arcee", {"ArceeConfig", 32, H, H, true}},
     };
     auto it = kDefaults.find(model_type);
     // The rest: Falcon (head_dim is hidden / heads by definition, KV heads from its own fields),
@@ -500,6 +537,8 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "query_pre_attn_scalar",
         "use_qk_norm",
         "qk_layernorm",
+        "use_qkv_bias",  // Ling: a bias on the QKV projection, before the cache
+        "norm_head",     // Ling 1.x: the LM head's rows normalized at load
         "attn_scale",
         "attn_temperature_tuning",
         "attention_softmax_in_fp32",
@@ -1085,6 +1124,64 @@ void read_longcat_flash(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>&
     m.cache_layers_per_decoder_layer = 3;
 }
 
+// Ling (bailing_moe, bailing_moe_v2) and dots.llm1 (dots1) build every layer full attention:
+// BailingAttention and Dots1Attention give vLLM's Attention no per-layer window, so a window could
+// only come from the model level, cache_config.sliding_window =
+// ModelConfig.get_hf_config_sliding_window() (vllm/config/model.py): config.sliding_window, or
+// None where the config object has use_sliding_window false. The published configs switch it off;
+// a window that would reach every layer is refused rather than sized, as is a layer_types naming a
+// sliding layer (neither model file reads layer_types). dots.llm1's MoE layers follow
+// moe_layer_freq here (MoeSpec holds the rest).
+void read_full_attention_only(const HfFields& f, Family fam, const std::string& model_type,
+                              ModelSpec& m, std::vector<LayerSpec>& layers) {
+    const int L = m.num_layers;
+    // use_sliding_window as the config object holds it: stated, else BailingMoeConfig's False
+    // (Ling 1.x); Dots1Config and Ling 2.0's class define no such attribute.
+    const bool window_off = f.has("use_sliding_window") ? !f.bool_or("use_sliding_window", false)
+                                                        : model_type == "bailing_moe";
+    if (!window_off && f.has("sliding_window"))
+        throw f.bad("sliding_window",
+                    detail::concat("is ", f.json().at("sliding_window").dump(),
+                                   " and use_sliding_window is not false: vLLM would apply it to "
+                                   "every layer of model_type '",
+                                   model_type,
+                                   "' as the model-level window, which kvshard does not read for "
+                                   "this model (the published configs set use_sliding_window "
+                                   "false or sliding_window null)"));
+    if (!window_off && fam == Family::kDots1 && !f.json().contains("sliding_window"))
+        throw Error(detail::concat(
+            f.file(),
+            ": missing field 'sliding_window': Dots1Config defaults it to 4096, which vLLM would "
+            "apply to every layer as the model-level window; give it (null for none) or set "
+            "use_sliding_window false"));
+    if (f.has("layer_types")) {
+        const std::vector<std::string> types =
+            layer_type_list(f, "layer_types", L, {"full_attention", "sliding_attention"});
+        for (int l = 0; l < L; ++l)
+            if (types[l] != "full_attention")
+                throw f.bad(
+                    "layer_types",
+                    detail::concat("names ", types[l], " at layer ", l, ", but vLLM's ",
+                                   fam == Family::kDots1 ? "Dots1Attention" : "BailingAttention",
+                                   " builds every layer full attention (it does not read "
+                                   "layer_types): remove the list or make it all "
+                                   "\"full_attention\""));
+    }
+    if (fam != Family::kDots1 || !m.moe.enabled()) return;
+    const int freq = f.positive_int("moe_layer_freq");
+    int first_moe = -1;
+    for (int l = 0; l < L; ++l) {
+        const bool moe = l >= m.moe.first_dense_layers && l % freq == 0;
+        layers[l].mlp = moe ? MlpKind::kMoe : MlpKind::kDense;
+        layers[l].intermediate = moe ? 0 : m.intermediate;
+        if (moe && first_moe < 0) first_moe = l;
+    }
+    if (first_moe < 0)
+        m.moe = MoeSpec{};  // no layer qualifies: vLLM builds only Dots1MLP
+    else
+        m.moe.first_dense_layers = first_moe;  // a contiguous tail reads as uniform
+}
+
 // The length a config class gives where config.json states none. vLLM's _get_and_verify_max_len
 // (vllm/config/model.py) reads each length key with getattr(hf_config, key, None), so a key the
 // file leaves out is the class's default; only a class with no such attribute leaves vLLM at its
@@ -1093,7 +1190,8 @@ void read_longcat_flash(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>&
 // configuration_<type>.py (main, commit 008e5743 unless named), vLLM's own classes in
 // vllm/transformers_utils/configs/<file>.py (the model_type -> class mapping is vLLM's
 // _CONFIG_REGISTRY, vllm/transformers_utils/config.py).
-// Not confirmed, so left unknown: kimi_k2 (remote code), glm_moe_dsa (vLLM maps it to
+// Not confirmed, so left unknown: kimi_k2 (remote code), bailing_moe and bailing_moe_v2 (vLLM's
+// BailingMoeConfig or the checkpoint's remote code, not settled), glm_moe_dsa (vLLM maps it to
 // DeepseekV3Config in some versions and to transformers' GlmMoeDsaConfig in others), nemotron-nas
 // (DeciLMConfig, remote code), a config without model_type. Known to have none:
 // KimiLinearConfig (vLLM configs/kimi_linear.py) and RWConfig (RefinedWeb / RefinedWebModel, vLLM
@@ -1170,6 +1268,9 @@ const ClassLength* class_length(const std::string& model_type) {
         {"granitemoe", {"GraniteMoeConfig", "max_position_embeddings", 2048}},  // 040e1a7e
         {"falcon_h1", {"FalconH1Config", "max_position_embeddings", 8192}},
         {"longcat_flash", {"LongcatFlashConfig", "max_position_embeddings", 131072}},
+        {"dots1", {"Dots1Config", "max_position_embeddings", 2048}},            // commit 16a1bdc1
+        {"apertus", {"ApertusConfig", "max_position_embeddings", 65536}},       // commit ecbf7a09
+        {"arcee", {"ArceeConfig", "max_position_embeddings", 4096}},            // commit e1b55167
     };
     auto it = kLengths.find(model_type);
     return it != kLengths.end() ? &it->second : nullptr;
@@ -1554,6 +1655,74 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
             m.moe.experts_per_token = f.positive_int_or("num_experts_per_tok", 2);
             m.moe.expert_intermediate = f.positive_int_or("intermediate_size", 14336);
         }
+    } else if (fam == Family::kBailing) {
+        // vLLM's bailing_moe.py (BailingMoeBlock, commit 3a04cf8f): layer l below
+        // config.first_k_dense_replace holds BailingMLP(intermediate_size), gate + up + down; the
+        // others BailingMoE: a bias-free gate of hidden x num_experts
+        // (moe_router_enable_expert_bias adds a bias of num_experts, not counted, as no family's
+        // router bias is), SharedFusedMoE of num_experts experts of moe_intermediate_size, top
+        // num_experts_per_tok (n_group / topk_group group the choice, not the experts), and with
+        // num_shared_experts > 0 one shared BailingMLP of num_shared_experts x
+        // moe_shared_expert_intermediate_size (where the config has that attribute, else
+        // moe_intermediate_size). vLLM reads first_k_dense_replace and num_shared_experts from the
+        // config object: Ling 1.x's BailingMoeConfig defaults both to 0; Ling 2.0's remote
+        // BailingMoeV2Config was not read, so there they are required.
+        const bool v2 = model_type == "bailing_moe_v2";
+        auto int_v1_default = [&](const char* key, int v1_default) {
+            if (v2 && !f.has(key)) throw missing(key);
+            return f.int_or(key, v1_default);
+        };
+        m.moe.num_experts = f.positive_int("num_experts");
+        m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
+        m.moe.expert_intermediate = f.positive_int("moe_intermediate_size");
+        const char* shared_key = "moe_shared_expert_intermediate_size";
+        if (f.json().contains(shared_key) && !f.has(shared_key))
+            throw f.bad(shared_key,
+                        "is null: vLLM's BailingMoE takes it whenever the config has the attribute "
+                        "and fails on None; give the shared expert's width or remove the field");
+        const int shared = int_v1_default("num_shared_experts", 0);
+        if (shared > 0) {
+            const int64_t width = int64_t{shared} * (f.has(shared_key) ? f.positive_int(shared_key)
+                                                                       : m.moe.expert_intermediate);
+            if (width % m.moe.expert_intermediate != 0)
+                throw f.bad(shared_key,
+                            detail::concat("x num_shared_experts (", width,
+                                           ") is not a multiple of moe_intermediate_size (",
+                                           m.moe.expert_intermediate,
+                                           "): kvshard counts shared experts in routed widths"));
+            m.moe.shared_experts =
+                checked_narrow(width / m.moe.expert_intermediate, "Ling's shared experts");
+        }
+        m.moe.first_dense_layers = int_v1_default("first_k_dense_replace", 0);
+        if (m.moe.first_dense_layers >= m.num_layers) m.moe = {};  // every layer BailingMLP
+    } else if (fam == Family::kDots1) {
+        // vLLM's dots1.py (Dots1DecoderLayer, commit 3a04cf8f): Dots1MoE where
+        // config.n_routed_experts is not None and layer_idx >= first_k_dense_replace and
+        // layer_idx % moe_layer_freq == 0 (set per layer below), else Dots1MLP(intermediate_size).
+        // Dots1MoE: a bias-free gate of hidden x n_routed_experts (topk_method noaux_tc adds an
+        // e_score_correction_bias, not counted), SharedFusedMoE of n_routed_experts experts of
+        // moe_intermediate_size, top num_experts_per_tok, and n_shared_experts (None: none)
+        // shared experts as one Dots1MLP of moe_intermediate_size x n_shared_experts.
+        // Dots1Config's defaults: n_routed_experts None (dense), num_experts_per_tok None,
+        // first_k_dense_replace 0, moe_intermediate_size 1408; it defines no moe_layer_freq,
+        // which vLLM reads from the config object.
+        if (f.has("n_routed_experts")) {
+            m.moe.num_experts = f.positive_int("n_routed_experts");
+            if (!f.has("num_experts_per_tok"))
+                throw f.bad("num_experts_per_tok",
+                            "is missing while n_routed_experts is set: vLLM's Dots1MoE takes its "
+                            "top-k from it (Dots1Config's default is None); give the number");
+            m.moe.experts_per_token = f.positive_int("num_experts_per_tok");
+            m.moe.expert_intermediate = f.positive_int_or("moe_intermediate_size", 1408);
+            m.moe.shared_experts = f.int_or("n_shared_experts", 0);
+            m.moe.first_dense_layers = f.int_or("first_k_dense_replace", 0);
+            if (!f.has("moe_layer_freq"))
+                throw Error(detail::concat(
+                    file,
+                    ": missing field 'moe_layer_freq': vLLM's Dots1DecoderLayer reads "
+                    "config.moe_layer_freq, which Dots1Config does not define (1: every layer "
+                    "from first_k_dense_replace on is MoE)"));
+        }
     } else if (model_type == "ernie4_5_moe") {
         // vLLM's ernie45_moe.py (Ernie4_5_MoeDecoderLayer): layer l holds Ernie4_5_MoeMoE when
         // use_moe (default: moe_num_experts > 0) and (l + 1) % moe_layer_interval == 0 and
@@ -1735,6 +1904,18 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     }
 
     if (fam == Family::kFalcon || fam == Family::kNemotronH) m.mlp_projections = 2;
+    if (model_type == "apertus" || model_type == "arcee") {
+        // vLLM's ApertusMLP and ArceeMLP: up_proj and down_proj, no gate, and they raise on any
+        // activation but their own (ApertusMLP: "Only xIELU is supported"; ArceeMLP: "Only
+        // 'relu2' is supported for AFM"). ApertusConfig's and ArceeConfig's defaults are those.
+        m.mlp_projections = 2;
+        const std::string act = model_type == "apertus" ? "xielu" : "relu2";
+        if (f.string_or("hidden_act", act) != act)
+            throw f.bad("hidden_act",
+                        detail::concat("is ", f.json().at("hidden_act").dump(), ": vLLM's ",
+                                       model_type == "apertus" ? "ApertusMLP" : "ArceeMLP",
+                                       " supports only \"", act, "\" (an up / down MLP)"));
+    }
     const std::string inter_key = pick(
         {"intermediate_size_mlp", "ffn_hidden_size", "intermediate_size"}, "intermediate_size");
     const bool needs_dense = !m.moe.enabled() || m.moe.first_dense_layers > 0 ||
@@ -1757,6 +1938,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     else if (fam == Family::kBamba || fam == Family::kJamba ||
              fam == Family::kFalconH1)  // their dense MLP (FalconH1Config's default too)
         m.intermediate = f.positive_int_or("intermediate_size", 14336);
+    else if (fam == Family::kDots1)  // Dots1Config's default
+        m.intermediate = f.positive_int_or("intermediate_size", 10944);
     else if (model_type == "ernie4_5_moe")  // its dense layers (layer 0 by default)
         m.intermediate = f.positive_int_or("intermediate_size", 12288);
     else
@@ -1786,7 +1969,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     const bool per_layer_family = fam == Family::kOlmo || fam == Family::kCohere2 ||
                                   fam == Family::kExaone4 || fam == Family::kSmolLM3;
     if (f.has("layer_types") && fam != Family::kGraniteHybrid && fam != Family::kBamba &&
-        fam != Family::kGemma4 && fam != Family::kLfm2 && !per_layer_family) {
+        fam != Family::kGemma4 && fam != Family::kLfm2 && fam != Family::kBailing &&
+        fam != Family::kDots1 && !per_layer_family) {
         const std::vector<std::string> types = layer_type_list(f, "layer_types", L);
         for (int l = 0; l < L; ++l) {
             const LayerKind k = layer_type_kind(types[l], file, l);
@@ -2076,6 +2260,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     }
 
     if (fam == Family::kKimiLinear) read_kimi_linear(f, m, layers);
+    if (fam == Family::kBailing || fam == Family::kDots1)
+        read_full_attention_only(f, fam, model_type, m, layers);
     if (model_type == "lfm2_moe" && !f.has("layer_types"))
         throw Error(detail::concat(
             file,
@@ -2382,8 +2568,10 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     // A window the config states must reach some layer, unless the family switches it off
     // (Qwen2/3's use_sliding_window false).
     const bool qwen_gate = model_type.rfind("qwen", 0) == 0;
-    const bool window_off = qwen_gate && (!f.bool_or("use_sliding_window", false) ||
-                                          f.int_or("max_window_layers", 0) >= L);
+    // Ling and dots.llm1: read_full_attention_only refused any window that would reach a layer.
+    const bool window_off = (qwen_gate && (!f.bool_or("use_sliding_window", false) ||
+                                           f.int_or("max_window_layers", 0) >= L)) ||
+                            fam == Family::kBailing || fam == Family::kDots1;
     const bool any_sliding = std::any_of(layers.begin(), layers.end(), [](const LayerSpec& s) {
         return s.kind == LayerKind::kSlidingWindow;
     });
@@ -2414,6 +2602,13 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     if (fam == Family::kLongcat) mtp_layers = 0;
     if (mtp_layers < 0 || mtp_layers > 64)
         throw f.bad(mtp_key, detail::concat("must be in [0, 64], got ", mtp_layers));
+    // Ling 2.0 (and dots.llm1, were one to name them) carry MTP layers that vLLM neither builds
+    // nor drafts with: BailingMoeModel builds num_hidden_layers layers and its load_weights skips
+    // the rest, and SpeculativeConfig.hf_config_override (vllm/config/speculative.py) maps only
+    // the hybrid Ling 2.5 / 3 (bailing_hybrid, BailingMoeV2_5ForCausalLM, BailingMoeV3ForCausalLM)
+    // to an MTP drafter, not bailing_moe(_v2) or dots1. So no MTP layer is recorded and
+    // speculation with them is refused, as for MiniMax-M2.
+    if (fam == Family::kBailing || fam == Family::kDots1) mtp_layers = 0;
     if (mtp_layers > 0) {
         const auto last = std::find_if(layers.rbegin(), layers.rend(), [](const LayerSpec& s) {
             return s.kind == LayerKind::kFullAttention || s.kind == LayerKind::kMla;

@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 40 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 43 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -298,6 +298,13 @@ std::vector<Family> families() {
                    0,
                    0,
                    [](int tp) { return mamba1_state_by_hand(8192, 16, 4, tp); }});
+    // Ling-mini-2.0 (bailing_moe_v2): 16 query heads, 4 KV heads of head_dim 128 on every layer
+    // (vLLM's BailingAttention; tp 8 replicates the KV heads).
+    out.push_back({"ling-mini-2.0", uniform(20, {'F', 4, 128}), {1, 2, 4, 8}});
+    // dots.llm1: MHA, 32 KV heads of 4096 / 32 = 128 on every layer.
+    out.push_back({"dots.llm1.inst", uniform(62, {'F', 32, 128}), {1, 2, 4, 8}});
+    // Apertus-8B: 32 query heads, 8 KV heads of 4096 / 32 = 128 (no layer_types, no window).
+    out.push_back({"apertus-8b-instruct-2509", uniform(32, {'F', 8, 128}), {1, 2, 4, 8}});
     return out;
 }
 
@@ -1640,6 +1647,298 @@ TEST(RealShapes, Lfm2MoeAsVllmBuildsIt) {
         "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
         "num_dense_layers": 1})",
                    "num_dense_layers");
+}
+
+// Ling-mini-2.0 (bailing_moe_v2), as vLLM's bailing_moe.py builds it (BailingMoeV2ForCausalLM):
+// every layer BailingAttention (GQA, 4 KV heads of head_dim 128; q / k norms and partial RoPE cache
+// nothing more); layer 0 below first_k_dense_replace BailingMLP(intermediate_size), the others
+// BailingMoE: a gate of hidden x num_experts, num_experts experts of moe_intermediate_size, top
+// num_experts_per_tok, and one shared BailingMLP of num_shared_experts x
+// moe_shared_expert_intermediate_size.
+TEST(RealShapes, LingMini2AsVllmBuildsIt) {
+    const std::string text = read_file(config_path("ling-mini-2.0"));
+    const ModelSpec m = parse_hf_config(text, "ling.json");
+    EXPECT_EQ(m.layer_mix(), "20 layers: 20 full");
+    EXPECT_EQ(m.num_kv_heads, 4);
+    EXPECT_EQ(m.head_dim, 128);
+    EXPECT_EQ(m.kv_bytes_per_token(), 20 * 2 * 4 * 128 * 2);  // 40,960
+    EXPECT_EQ(m.moe.num_experts, 256);
+    EXPECT_EQ(m.moe.experts_per_token, 8);
+    EXPECT_EQ(m.moe.expert_intermediate, 512);
+    EXPECT_EQ(m.moe.shared_experts, 1);
+    EXPECT_EQ(m.moe.first_dense_layers, 1);
+    EXPECT_EQ(m.intermediate, 5120);
+    EXPECT_EQ(m.layer(0).mlp, MlpKind::kDense);
+    EXPECT_EQ(m.layer(1).mlp, MlpKind::kMoe);
+    EXPECT_EQ(m.num_moe_layers(), 19);
+    EXPECT_EQ(m.mlp_projections, 3);  // gate_up_proj and down_proj
+    EXPECT_FALSE(m.tie_embeddings);
+    EXPECT_EQ(m.max_model_len, 32768);
+    EXPECT_FALSE(m.mtp.enabled());
+    // Parameters by hand (weights only; norms and the router's expert bias are below the
+    // tolerance): embedding and LM head 157184 x 2048; 20 attention layers (Q, O 2048^2; K, V
+    // 2048 x 512); one dense MLP 3 x 2048 x 5120; 19 MoE layers of 256 + 1 shared experts
+    // 3 x 2048 x 512 and the gate 2048 x 256.
+    const double h = 2048, vocab = 157184 * h;
+    const double attention = 2 * h * h + 2 * h * 512, dense = 3 * h * 5120, expert = 3 * h * 512;
+    const double router = h * 256;
+    const double total = 2 * vocab + 20 * attention + dense + 19 * (257 * expert + router);
+    EXPECT_NEAR(static_cast<double>(m.total_params()), total, 1e-4 * total);  // 16.26e9
+    const double active = vocab + 20 * attention + dense + 19 * (9 * expert + router);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), active, 1e-4 * active);
+    // Published: 16.26B total, 1.43B active of which 789M non-embedding (both embedding tables
+    // counted there; kvshard's active count takes the LM head's matmul only).
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 16.26e9, 0.005 * 16.26e9);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()) - vocab, 789e6, 0.005 * 789e6);
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+
+    const nlohmann::json base = nlohmann::json::parse(text);
+    auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
+        nlohmann::json j = base;
+        edit(j);
+        return j.dump();
+    };
+    // vLLM neither builds nor drafts with Ling 2.0's MTP layers: none is recorded.
+    EXPECT_FALSE(parse_hf_config(with([](auto& j) { j["num_nextn_predict_layers"] = 1; }), "l")
+                     .mtp.enabled());
+    // The shared expert's width: moe_shared_expert_intermediate_size when present, else the
+    // routed width; a width that is not a multiple of it, or null, is refused.
+    EXPECT_EQ(
+        parse_hf_config(with([](auto& j) { j.erase("moe_shared_expert_intermediate_size"); }), "l"),
+        m);
+    EXPECT_EQ(
+        parse_hf_config(with([](auto& j) { j["moe_shared_expert_intermediate_size"] = 1024; }), "l")
+            .moe.shared_experts,
+        2);
+    EXPECT_EQ(
+        parse_hf_config(with([](auto& j) { j["num_shared_experts"] = 2; }), "l").moe.shared_experts,
+        2);
+    EXPECT_EQ(
+        parse_hf_config(with([](auto& j) { j["num_shared_experts"] = 0; }), "l").moe.shared_experts,
+        0);
+    expect_refused(with([](auto& j) { j["moe_shared_expert_intermediate_size"] = 768; }),
+                   "moe_shared_expert_intermediate_size");
+    expect_refused(with([](auto& j) { j["moe_shared_expert_intermediate_size"] = nullptr; }),
+                   "moe_shared_expert_intermediate_size");
+    // first_k_dense_replace past the last layer: every layer BailingMLP.
+    const ModelSpec all_dense =
+        parse_hf_config(with([](auto& j) { j["first_k_dense_replace"] = 20; }), "l");
+    EXPECT_FALSE(all_dense.moe.enabled());
+    EXPECT_EQ(all_dense.num_moe_layers(), 0);
+    EXPECT_EQ(all_dense.kv_bytes_per_token(), m.kv_bytes_per_token());
+    // Ling 2.0's remote config class was not read: the fields vLLM takes from it are required.
+    for (const char* key : {"first_k_dense_replace", "num_shared_experts", "head_dim",
+                            "num_key_value_heads", "num_experts", "moe_intermediate_size"})
+        expect_refused(with([&](auto& j) { j.erase(key); }), key);
+    // Ling 1.x (bailing_moe): BailingMoeConfig's defaults, first_k_dense_replace and
+    // num_shared_experts 0, head_dim hidden / heads (128 here too).
+    const ModelSpec v1 = parse_hf_config(with([](auto& j) {
+                                             j["model_type"] = "bailing_moe";
+                                             j.erase("first_k_dense_replace");
+                                             j.erase("num_shared_experts");
+                                             j.erase("head_dim");
+                                         }),
+                                         "l");
+    EXPECT_EQ(v1.moe.first_dense_layers, 0);
+    EXPECT_EQ(v1.moe.shared_experts, 0);
+    EXPECT_EQ(v1.num_moe_layers(), 20);
+    EXPECT_EQ(v1.kv_bytes_per_token(), m.kv_bytes_per_token());
+    EXPECT_EQ(v1.max_model_len, 32768);
+    // Windows: vLLM's BailingAttention has none of its own; a model-level window is off only
+    // where the config object holds use_sliding_window false (Ling 1.x's class default).
+    expect_refused(with([](auto& j) { j["sliding_window"] = 4096; }), "sliding_window");
+    EXPECT_EQ(parse_hf_config(with([](auto& j) {
+                                  j["sliding_window"] = 4096;
+                                  j["use_sliding_window"] = false;
+                              }),
+                              "l")
+                  .kv_bytes_per_token(),
+              m.kv_bytes_per_token());
+    EXPECT_EQ(parse_hf_config(with([](auto& j) {
+                                  j["model_type"] = "bailing_moe";
+                                  j["sliding_window"] = 4096;
+                              }),
+                              "l")
+                  .layer_mix(),
+              "20 layers: 20 full");
+    expect_refused(with([](auto& j) {
+                       j["model_type"] = "bailing_moe";
+                       j["sliding_window"] = 4096;
+                       j["use_sliding_window"] = true;
+                   }),
+                   "sliding_window");
+    // layer_types is not read by vLLM here: all full accepted, a sliding entry refused.
+    EXPECT_EQ(parse_hf_config(with([](auto& j) {
+                                  j["layer_types"] = std::vector<std::string>(20, "full_attention");
+                              }),
+                              "l"),
+              m);
+    expect_refused(with([](auto& j) {
+                       std::vector<std::string> t(20, "full_attention");
+                       t[3] = "sliding_attention";
+                       j["layer_types"] = t;
+                   }),
+                   "layer_types");
+}
+
+// dots.llm1 (dots1), as vLLM's dots1.py builds it: every layer Dots1Attention (32 KV heads of
+// head_dim 128, q / k norms); Dots1MoE where n_routed_experts is set, layer >=
+// first_k_dense_replace and layer % moe_layer_freq == 0 (128 experts of 1408, top 6, 2 shared of
+// 1408, a gate of hidden x 128), else Dots1MLP(intermediate_size).
+TEST(RealShapes, Dots1AsVllmBuildsIt) {
+    const std::string text = read_file(config_path("dots.llm1.inst"));
+    const ModelSpec m = parse_hf_config(text, "dots.json");
+    EXPECT_EQ(m.layer_mix(), "62 layers: 62 full");
+    EXPECT_EQ(m.attention, AttentionKind::kMha);
+    EXPECT_EQ(m.head_dim, 128);  // Dots1Config has no head_dim: hidden / heads
+    EXPECT_EQ(m.kv_bytes_per_token(), 62 * 2 * 32 * 128 * 2);  // 1,015,808
+    EXPECT_EQ(m.moe.num_experts, 128);
+    EXPECT_EQ(m.moe.experts_per_token, 6);
+    EXPECT_EQ(m.moe.expert_intermediate, 1408);
+    EXPECT_EQ(m.moe.shared_experts, 2);
+    EXPECT_EQ(m.moe.first_dense_layers, 1);
+    EXPECT_EQ(m.intermediate, 10944);
+    EXPECT_EQ(m.num_moe_layers(), 61);
+    EXPECT_EQ(m.max_model_len, 32768);
+    // Parameters by hand (norms below the tolerance): embedding and LM head 152064 x 4096; 62
+    // attention layers 4 x 4096^2; one dense MLP 3 x 4096 x 10944; 61 MoE layers of 128 + 2
+    // experts 3 x 4096 x 1408 and the gate 4096 x 128.
+    const double h = 4096, vocab = 152064 * h, attention = 4 * h * h;
+    const double dense = 3 * h * 10944, expert = 3 * h * 1408, router = h * 128;
+    const double total = 2 * vocab + 62 * attention + dense + 61 * (130 * expert + router);
+    EXPECT_NEAR(static_cast<double>(m.total_params()), total, 1e-4 * total);
+    const double active = vocab + 62 * attention + dense + 61 * (8 * expert + router);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), active, 1e-4 * active);
+    // Published: 142B total, 14B active (both embedding tables counted there; kvshard's active
+    // count takes the LM head's matmul only).
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 142e9, 0.01 * 142e9);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()) + vocab, 14e9, 0.01 * 14e9);
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+
+    const nlohmann::json base = nlohmann::json::parse(text);
+    auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
+        nlohmann::json j = base;
+        edit(j);
+        return j.dump();
+    };
+    // moe_layer_freq 2: MoE on the even layers from 2 on (30 of them), Dots1MLP elsewhere.
+    const ModelSpec every2 = parse_hf_config(with([](auto& j) { j["moe_layer_freq"] = 2; }), "d");
+    EXPECT_EQ(every2.num_moe_layers(), 30);
+    EXPECT_EQ(every2.layer(1).mlp, MlpKind::kDense);
+    EXPECT_EQ(every2.layer(2).mlp, MlpKind::kMoe);
+    EXPECT_EQ(every2.layer(3).mlp, MlpKind::kDense);
+    EXPECT_EQ(every2.layer(3).intermediate, 10944);
+    EXPECT_EQ(every2.total_params() - m.total_params(),
+              every2.mlp_params_of_layer(3) * 31 - m.mlp_params_of_layer(3) * 31);
+    // Dots1Config defines no moe_layer_freq, which vLLM reads: required with experts.
+    expect_refused(with([](auto& j) { j.erase("moe_layer_freq"); }), "moe_layer_freq");
+    // n_routed_experts null: a dense model (Dots1Config's default), every layer Dots1MLP.
+    const ModelSpec all_dense =
+        parse_hf_config(with([](auto& j) { j["n_routed_experts"] = nullptr; }), "d");
+    EXPECT_FALSE(all_dense.moe.enabled());
+    EXPECT_EQ(all_dense.kv_bytes_per_token(), m.kv_bytes_per_token());
+    const double all_dense_total = 2 * vocab + 62 * (attention + dense);
+    EXPECT_NEAR(static_cast<double>(all_dense.total_params()), all_dense_total,
+                1e-4 * all_dense_total);
+    expect_refused(with([](auto& j) { j.erase("num_experts_per_tok"); }), "num_experts_per_tok");
+    // Windows: Dots1Attention has none; Dots1Config's default sliding_window 4096 would reach
+    // every layer as vLLM's model-level window unless use_sliding_window is false: refused.
+    expect_refused(with([](auto& j) {
+                       j.erase("use_sliding_window");
+                       j["sliding_window"] = 4096;
+                   }),
+                   "sliding_window");
+    expect_refused(with([](auto& j) {
+                       j.erase("sliding_window");
+                       j.erase("use_sliding_window");
+                   }),
+                   "sliding_window");
+    EXPECT_EQ(parse_hf_config(with([](auto& j) { j["sliding_window"] = 4096; }), "d"), m);
+    EXPECT_EQ(parse_hf_config(with([](auto& j) {
+                                  j.erase("use_sliding_window");
+                                  j["sliding_window"] = nullptr;
+                              }),
+                              "d"),
+              m);
+    // No MTP drafter for dots1 in vLLM: a num_nextn_predict_layers is not recorded.
+    EXPECT_FALSE(parse_hf_config(with([](auto& j) { j["num_nextn_predict_layers"] = 1; }), "d")
+                     .mtp.enabled());
+}
+
+// Apertus-8B (apertus), as vLLM's apertus.py builds it: LlamaAttention-shaped GQA with q / k
+// norms (8 KV heads of hidden / heads = 128: ApertusConfig has no head_dim), the window per layer
+// from layer_types when listed, and ApertusMLP: up_proj and down_proj around xIELU, no gate.
+TEST(RealShapes, ApertusAsVllmBuildsIt) {
+    const std::string text = read_file(config_path("apertus-8b-instruct-2509"));
+    const ModelSpec m = parse_hf_config(text, "apertus.json");
+    EXPECT_EQ(m.layer_mix(), "32 layers: 32 full");
+    EXPECT_EQ(m.head_dim, 128);
+    EXPECT_EQ(m.kv_bytes_per_token(), 32 * 2 * 8 * 128 * 2);  // 131,072
+    EXPECT_EQ(m.mlp_projections, 2);
+    EXPECT_EQ(m.dense_mlp_params_per_layer(), int64_t{2} * 4096 * 21504);
+    EXPECT_EQ(m.max_model_len, 65536);  // llama3 rope scaling: the length already counts it
+    // Parameters by hand: embedding and LM head 131072 x 4096; 32 layers of attention (Q, O
+    // 4096^2; K, V 4096 x 1024) and the two-matrix MLP. Published: 8B (8.05B by these shapes).
+    const double h = 4096, vocab = 131072 * h;
+    const double total = 2 * vocab + 32 * (2 * h * h + 2 * h * 1024 + 2 * h * 21504);
+    EXPECT_NEAR(static_cast<double>(m.total_params()), total, 1e-4 * total);
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 8.05e9, 0.005 * 8.05e9);
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+
+    nlohmann::json j = nlohmann::json::parse(text);
+    // vLLM's ApertusMLP raises on any activation but xIELU.
+    j["hidden_act"] = "silu";
+    expect_refused(j.dump(), "hidden_act");
+    // ApertusConfig's defaults where the config is silent: 32 heads, KV heads = heads, 65536
+    // positions (its default llama3 rope scaling does not scale the length).
+    j = nlohmann::json::parse(text);
+    for (const char* k :
+         {"num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rope_scaling"})
+        j.erase(k);
+    const ModelSpec d = parse_hf_config(j.dump(), "apertus.json");
+    EXPECT_EQ(d.num_kv_heads, 32);
+    EXPECT_EQ(d.max_model_len, 65536);
+    EXPECT_EQ(d.max_model_len_from, "ApertusConfig's default max_position_embeddings 65536");
+    // ApertusAttention takes config.sliding_window on the layers layer_types names sliding.
+    j = nlohmann::json::parse(text);
+    j["sliding_window"] = 4096;
+    j["layer_types"] = std::vector<std::string>(32, "full_attention");
+    for (int l = 0; l < 32; l += 2) j["layer_types"][l] = "sliding_attention";
+    EXPECT_EQ(parse_hf_config(j.dump(), "apertus.json").layer_mix(),
+              "32 layers: 16 sliding(4096) + 16 full");
+}
+
+// Arcee AFM (arcee): vLLM's arcee.py runs LlamaAttention and ArceeMLP, up_proj and down_proj
+// around squared ReLU, no gate. No copy of AFM-4.5B's published config.json was found: this one
+// uses ArceeConfig's field names with AFM-4.5B's geometry as its model card describes it (36
+// layers, hidden 2560, 20 heads / 4 KV heads of 128, MLP 18432), so the test checks the reading,
+// not the published figures.
+TEST(RealShapes, ArceeReadsItsUngatedMlp) {
+    const std::string afm = R"({"architectures": ["ArceeForCausalLM"], "model_type": "arcee",
+        "hidden_act": "relu2", "hidden_size": 2560, "intermediate_size": 18432,
+        "num_hidden_layers": 36, "num_attention_heads": 20, "num_key_value_heads": 4,
+        "head_dim": 128, "max_position_embeddings": 65536, "vocab_size": 128004,
+        "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
+    const ModelSpec m = parse_hf_config(afm, "afm.json");
+    EXPECT_EQ(m.mlp_projections, 2);
+    EXPECT_EQ(m.kv_bytes_per_token(), 36 * 2 * 4 * 128 * 2);  // 73,728
+    const double h = 2560, vocab = 128004 * h;
+    const double total = 2 * vocab + 36 * (2 * h * 2560 + 2 * h * 512 + 2 * h * 18432);
+    EXPECT_NEAR(static_cast<double>(m.total_params()), total, 1e-4 * total);  // 4.62e9
+    // ArceeConfig's defaults: 32 heads, KV heads = heads, head_dim hidden / heads, 4096 positions.
+    nlohmann::json j = nlohmann::json::parse(afm);
+    for (const char* k :
+         {"num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"})
+        j.erase(k);
+    const ModelSpec d = parse_hf_config(j.dump(), "afm.json");
+    EXPECT_EQ(d.num_heads, 32);
+    EXPECT_EQ(d.num_kv_heads, 32);
+    EXPECT_EQ(d.head_dim, 80);
+    EXPECT_EQ(d.max_model_len, 4096);
+    // vLLM's ArceeMLP raises on any activation but relu2.
+    j = nlohmann::json::parse(afm);
+    j["hidden_act"] = "silu";
+    expect_refused(j.dump(), "hidden_act");
 }
 
 }  // namespace
