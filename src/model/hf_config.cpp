@@ -212,6 +212,11 @@ Family family_of(const std::string& model_type, const std::string& file) {
         // GLM-4.5 / 4.6 / 4.7 (Glm4MoeConfig): GQA attention with an explicit head_dim and
         // DeepSeek's MoE field names (n_routed_experts, n_shared_experts, first_k_dense_replace).
         {"glm4_moe", Family::kLlama},
+        // GLM-4.5V / GLM-4.6V (Glm4vMoeConfig): vLLM's glm4_1v.py builds the language model of a
+        // glm4v_moe wrapper as Glm4MoeForCausalLM from its text_config (glm4v_moe_text), read as
+        // glm4_moe is; its MTP layers are not (below).
+        {"glm4v_moe", Family::kLlama},
+        {"glm4v_moe_text", Family::kLlama},
         // MiniMax-M2 / M2.1 / M2.5 (MiniMaxM2Config): GQA on every layer (attn_type_list all 1;
         // MiniMax-01's lightning-attention layers, 0, are refused), Mixtral's MoE field names.
         {"minimax_m2", Family::kLlama},
@@ -322,7 +327,9 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"qwen3", {"Qwen3Config", R, 32, 128, true}},
         {"qwen3_moe", {"Qwen3MoeConfig", R, 4, R, false}},
         {"glm4", {"Glm4Config", R, 2, 128, false}},
-        {"glm4_moe", {"Glm4MoeConfig", R, R, R, false}},  // defaults not confirmed: required
+        {"glm4_moe", {"Glm4MoeConfig", R, R, R, false}},        // defaults not confirmed: required
+        {"glm4v_moe", {"Glm4vMoeTextConfig", R, R, R, false}},  // not confirmed either
+        {"glm4v_moe_text", {"Glm4vMoeTextConfig", R, R, R, false}},
         {"qwen3_vl", {"Qwen3VLTextConfig", R, R, R, false}},
         {"qwen3_vl_text", {"Qwen3VLTextConfig", R, R, R, false}},
         {"qwen3_vl_moe", {"Qwen3VLMoeTextConfig", R, R, R, false}},
@@ -2608,7 +2615,10 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     // the hybrid Ling 2.5 / 3 (bailing_hybrid, BailingMoeV2_5ForCausalLM, BailingMoeV3ForCausalLM)
     // to an MTP drafter, not bailing_moe(_v2) or dots1. So no MTP layer is recorded and
     // speculation with them is refused, as for MiniMax-M2.
-    if (fam == Family::kBailing || fam == Family::kDots1) mtp_layers = 0;
+    // GLM-4.5V / 4.6V likewise: the override maps architectures[0] == "Glm4MoeForCausalLM" to
+    // glm4_moe_mtp, and a glm4v_moe checkpoint's is Glm4vMoeForConditionalGeneration.
+    if (fam == Family::kBailing || fam == Family::kDots1 || model_type.rfind("glm4v_moe", 0) == 0)
+        mtp_layers = 0;
     if (mtp_layers > 0) {
         const auto last = std::find_if(layers.rbegin(), layers.rend(), [](const LayerSpec& s) {
             return s.kind == LayerKind::kFullAttention || s.kind == LayerKind::kMla;

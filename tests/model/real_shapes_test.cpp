@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 43 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 44 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -303,6 +303,8 @@ std::vector<Family> families() {
     out.push_back({"ling-mini-2.0", uniform(20, {'F', 4, 128}), {1, 2, 4, 8}});
     // dots.llm1: MHA, 32 KV heads of 4096 / 32 = 128 on every layer.
     out.push_back({"dots.llm1.inst", uniform(62, {'F', 32, 128}), {1, 2, 4, 8}});
+    // GLM-4.5V: GLM-4.5-Air's decoder under a vision wrapper's text_config, 8 KV heads of 128.
+    out.push_back({"glm-4.5v", uniform(46, {'F', 8, 128}), {1, 2, 4, 8}});
     // Apertus-8B: 32 query heads, 8 KV heads of 4096 / 32 = 128 (no layer_types, no window).
     out.push_back({"apertus-8b-instruct-2509", uniform(32, {'F', 8, 128}), {1, 2, 4, 8}});
     return out;
@@ -1939,6 +1941,36 @@ TEST(RealShapes, ArceeReadsItsUngatedMlp) {
     j = nlohmann::json::parse(afm);
     j["hidden_act"] = "silu";
     expect_refused(j.dump(), "hidden_act");
+}
+
+// GLM-4.5V (glm4v_moe): vLLM's glm4_1v.py builds its language model as Glm4MoeForCausalLM from the
+// text_config, so it reads as GLM-4.5-Air does (46 layers, 96 query heads, 8 KV heads of 128,
+// layer 0 dense, 128 + 1 shared experts of 1408 top 8). Its MTP is not drafted by vLLM.
+TEST(RealShapes, Glm45vIsGlm45AirUnderItsVisionWrapper) {
+    const std::string text = read_file(config_path("glm-4.5v"));
+    const ModelSpec m = parse_hf_config(text, "glm-4.5v.json");
+    const ModelSpec air = load_hf_config(config_path("glm-4.5-air"));
+    EXPECT_EQ(m.layer_mix(), "46 layers: 46 full");
+    EXPECT_EQ(m.kv_bytes_per_token(), 46 * 2 * 8 * 128 * 2);  // 188,416
+    EXPECT_EQ(m.kv_bytes_per_token(), air.kv_bytes_per_token());
+    EXPECT_EQ(m.moe, air.moe);
+    EXPECT_EQ(m.intermediate, 10944);
+    EXPECT_EQ(m.total_params(), air.total_params());
+    // The dump's weight table counts 107,710,933,120 parameters, of which the vision tower's
+    // tensors listed there hold 858,681,856: the language model's 106,852,251,264 include norms,
+    // q / k / v biases and the routers' correction biases (1,046,144), which kvshard does not
+    // count.
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 106852251264.0, 1e-4 * 106852251264.0);
+    EXPECT_EQ(m.total_params(), int64_t{106852251264} - 1046144);
+    EXPECT_EQ(m.max_model_len, 65536);
+    EXPECT_FALSE(m.mtp.enabled());
+    nlohmann::json j = nlohmann::json::parse(text);
+    j["text_config"]["num_nextn_predict_layers"] = 1;
+    EXPECT_FALSE(parse_hf_config(j.dump(), "glm-4.5v.json").mtp.enabled());
+    // Glm4vMoeTextConfig's defaults were not read: the head fields are required.
+    j = nlohmann::json::parse(text);
+    j["text_config"].erase("head_dim");
+    expect_refused(j.dump(), "head_dim");
 }
 
 }  // namespace
