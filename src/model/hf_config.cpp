@@ -176,6 +176,10 @@ Family family_of(const std::string& model_type, const std::string& file) {
         {"mixtral", Family::kLlama},
         {"qwen2", Family::kLlama},
         {"qwen2_moe", Family::kLlama},
+        // MiMo-7B (MiMoConfig, the checkpoint's configuration_mimo.py: a Qwen2Config plus
+        // num_nextn_predict_layers): vLLM's mimo.py runs Qwen2's decoder and its MTP layers as
+        // mimo_mtp.py's drafter (read below).
+        {"mimo", Family::kLlama},
         {"qwen3", Family::kLlama},
         {"qwen3_moe", Family::kLlama},
         // Qwen3-VL: a vision wrapper around a Qwen3 (qwen3_vl_text) or Qwen3-MoE
@@ -324,6 +328,7 @@ ClassDefaults class_defaults(const std::string& model_type) {
         {"mixtral", {"MixtralConfig", R, 8, H, true}},
         {"qwen2", {"Qwen2Config", R, 32, H, true}},
         {"qwen2_moe", {"Qwen2MoeConfig", R, 16, H, false}},
+        {"mimo", {"MiMoConfig", R, 32, H, true}},  // Qwen2Config's
         {"qwen3", {"Qwen3Config", R, 32, 128, true}},
         {"qwen3_moe", {"Qwen3MoeConfig", R, 4, R, false}},
         {"glm4", {"Glm4Config", R, 2, 128, false}},
@@ -1220,6 +1225,7 @@ const ClassLength* class_length(const std::string& model_type) {
         {"mixtral", {"MixtralConfig", "max_position_embeddings", 4096 * 32}},
         {"qwen2", {"Qwen2Config", "max_position_embeddings", 32768}},
         {"qwen2_moe", {"Qwen2MoeConfig", "max_position_embeddings", 32768}},
+        {"mimo", {"MiMoConfig", "max_position_embeddings", 32768}},  // Qwen2Config's
         {"qwen3", {"Qwen3Config", "max_position_embeddings", 32768}},
         {"qwen3_moe", {"Qwen3MoeConfig", "max_position_embeddings", 32768}},
         {"qwen3_vl", {"Qwen3VLTextConfig", "max_position_embeddings", 128000}},  // 000c33fd
@@ -2129,7 +2135,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         // Mistral writes sliding_window alone; Qwen2/3 gate it with use_sliding_window and keep
         // the first max_window_layers layers full. With layer_types listed (read above) the
         // window reaches the layers it names sliding only (docs/model.md).
-        const bool qwen = model_type.rfind("qwen", 0) == 0;
+        const bool qwen = model_type.rfind("qwen", 0) == 0 || model_type == "mimo";
         if (f.has("sliding_window") && !f.has("layer_types") &&
             (!qwen || f.bool_or("use_sliding_window", false))) {
             const int first = qwen ? f.int_or("max_window_layers", 0) : 0;
@@ -2574,7 +2580,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
 
     // A window the config states must reach some layer, unless the family switches it off
     // (Qwen2/3's use_sliding_window false).
-    const bool qwen_gate = model_type.rfind("qwen", 0) == 0;
+    const bool qwen_gate = model_type.rfind("qwen", 0) == 0 || model_type == "mimo";
     // Ling and dots.llm1: read_full_attention_only refused any window that would reach a layer.
     const bool window_off = (qwen_gate && (!f.bool_or("use_sliding_window", false) ||
                                            f.int_or("max_window_layers", 0) >= L)) ||

@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 44 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 45 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -303,6 +303,8 @@ std::vector<Family> families() {
     out.push_back({"ling-mini-2.0", uniform(20, {'F', 4, 128}), {1, 2, 4, 8}});
     // dots.llm1: MHA, 32 KV heads of 4096 / 32 = 128 on every layer.
     out.push_back({"dots.llm1.inst", uniform(62, {'F', 32, 128}), {1, 2, 4, 8}});
+    // MiMo-7B: Qwen2's decoder, 32 query heads, 8 KV heads of 4096 / 32 = 128.
+    out.push_back({"mimo-7b-rl", uniform(36, {'F', 8, 128}), {1, 2, 4, 8}});
     // GLM-4.5V: GLM-4.5-Air's decoder under a vision wrapper's text_config, 8 KV heads of 128.
     out.push_back({"glm-4.5v", uniform(46, {'F', 8, 128}), {1, 2, 4, 8}});
     // Apertus-8B: 32 query heads, 8 KV heads of 4096 / 32 = 128 (no layer_types, no window).
@@ -1971,6 +1973,49 @@ TEST(RealShapes, Glm45vIsGlm45AirUnderItsVisionWrapper) {
     j = nlohmann::json::parse(text);
     j["text_config"].erase("head_dim");
     expect_refused(j.dump(), "head_dim");
+}
+
+// MiMo-7B (mimo): vLLM's mimo.py runs Qwen2's decoder (MiMoConfig is a Qwen2Config), and
+// SpeculativeConfig.hf_config_override turns MiMoForCausalLM into mimo_mtp, whose
+// MiMoMultiTokenPredictorLayer is a Qwen2DecoderLayer (full attention, the dense MLP) behind an
+// input_proj nn.Linear(2 x hidden, hidden), held whole on every rank, and three RMSNorms.
+TEST(RealShapes, MiMoReadsItsMtpLayerAsVllmDraftsWithIt) {
+    const std::string text = read_file(config_path("mimo-7b-rl"));
+    const ModelSpec m = parse_hf_config(text, "mimo.json");
+    EXPECT_EQ(m.layer_mix(), "36 layers: 36 full");
+    EXPECT_EQ(m.head_dim, 128);
+    EXPECT_EQ(m.kv_bytes_per_token(), 36 * 2 * 8 * 128 * 2);  // 147,456
+    EXPECT_EQ(m.max_model_len, 32768);
+    ASSERT_TRUE(m.mtp.enabled());
+    EXPECT_EQ(m.mtp.layers, 1);
+    EXPECT_EQ(m.mtp.layer.kind, LayerKind::kFullAttention);
+    EXPECT_EQ(m.mtp.layer.num_kv_heads, 8);
+    EXPECT_EQ(m.mtp.layer.head_dim, 128);
+    EXPECT_EQ(m.mtp.layer.mlp, MlpKind::kDense);
+    EXPECT_EQ(m.mtp.layer.intermediate, 11008);
+    EXPECT_FALSE(m.mtp.proj_split_by_tp);
+    // Drafting, vLLM's KV cache holds one more such layer.
+    EXPECT_EQ(with_mtp_layers(m).kv_bytes_per_token(), 37 * 2 * 8 * 128 * 2);
+    // Parameters by hand: embedding and LM head 151680 x 4096; 36 layers of attention (Q, O
+    // 4096^2; K, V 4096 x 1024) and the gated MLP 3 x 4096 x 11008 (biases and norms below the
+    // tolerance). The MTP layer adds one such layer and its 2 x 4096 x 4096 input_proj.
+    const double h = 4096, vocab = 151680 * h, layer = 2 * h * h + 2 * h * 1024 + 3 * h * 11008;
+    const double total = 2 * vocab + 36 * layer;
+    EXPECT_NEAR(static_cast<double>(m.total_params()), total, 1e-4 * total);  // 7.62e9
+    EXPECT_NEAR(static_cast<double>(with_mtp_layers(m).total_params()), total + layer,
+                1e-4 * total);
+    EXPECT_EQ(model_spec_from_json(to_json(m)), m);
+    // Qwen2's window gate: use_sliding_window false leaves every layer full.
+    nlohmann::json j = nlohmann::json::parse(text);
+    j["sliding_window"] = 32768;
+    EXPECT_EQ(parse_hf_config(j.dump(), "mimo.json").layer_mix(), "36 layers: 36 full");
+    // MiMoConfig's (Qwen2Config's) defaults: 32 KV heads, 32768 positions.
+    j = nlohmann::json::parse(text);
+    j.erase("num_key_value_heads");
+    j.erase("max_position_embeddings");
+    const ModelSpec d = parse_hf_config(j.dump(), "mimo.json");
+    EXPECT_EQ(d.num_kv_heads, 32);
+    EXPECT_EQ(d.max_model_len_from, "MiMoConfig's default max_position_embeddings 32768");
 }
 
 }  // namespace
