@@ -1,4 +1,4 @@
-// Real model shapes: the published config.json of 45 families (tests/data/hf_configs/, sources in
+// Real model shapes: the published config.json of 46 families (tests/data/hf_configs/, sources in
 // its README) read into per-layer specs, and their KV figures per rank checked against figures this
 // test computes itself from the formulas of docs/model.md and each model's published field values.
 #include <gtest/gtest.h>
@@ -301,6 +301,8 @@ std::vector<Family> families() {
     // Ling-mini-2.0 (bailing_moe_v2): 16 query heads, 4 KV heads of head_dim 128 on every layer
     // (vLLM's BailingAttention; tp 8 replicates the KV heads).
     out.push_back({"ling-mini-2.0", uniform(20, {'F', 4, 128}), {1, 2, 4, 8}});
+    // Ling-flash-2.0: 32 query heads, 4 KV heads of 128 (its MTP layer is not vLLM's).
+    out.push_back({"ling-flash-2.0", uniform(32, {'F', 4, 128}), {1, 2, 4, 8}});
     // dots.llm1: MHA, 32 KV heads of 4096 / 32 = 128 on every layer.
     out.push_back({"dots.llm1.inst", uniform(62, {'F', 32, 128}), {1, 2, 4, 8}});
     // MiMo-7B: Qwen2's decoder, 32 query heads, 8 KV heads of 4096 / 32 = 128.
@@ -1783,6 +1785,29 @@ TEST(RealShapes, LingMini2AsVllmBuildsIt) {
                        j["layer_types"] = t;
                    }),
                    "layer_types");
+}
+
+// Ling-flash-2.0: Ling-mini-2.0's architecture at hidden 4096 with one MTP layer in its checkpoint
+// (num_nextn_predict_layers 1), which vLLM neither builds nor drafts with (bailing_moe.py builds
+// num_hidden_layers layers; SpeculativeConfig.hf_config_override has no bailing_moe mapping).
+TEST(RealShapes, LingFlash2CarriesAnMtpLayerVllmDoesNotServe) {
+    const ModelSpec m = load_hf_config(config_path("ling-flash-2.0"));
+    EXPECT_EQ(m.kv_bytes_per_token(), 32 * 2 * 4 * 128 * 2);  // 65,536
+    EXPECT_FALSE(m.mtp.enabled());
+    EXPECT_EQ(m.moe.shared_experts, 1);  // moe_shared_expert_intermediate_size 1024
+    EXPECT_EQ(m.num_moe_layers(), 31);
+    // Parameters by hand: embedding and LM head 157184 x 4096; 32 attention layers (Q, O 4096^2;
+    // K, V 4096 x 512); one dense MLP 3 x 4096 x 9216; 31 MoE layers of 256 + 1 experts
+    // 3 x 4096 x 1024 and the gate 4096 x 256.
+    const double h = 4096, vocab = 157184 * h, attention = 2 * h * h + 2 * h * 512;
+    const double dense = 3 * h * 9216, expert = 3 * h * 1024, router = h * 256;
+    const double total = 2 * vocab + 32 * attention + dense + 31 * (257 * expert + router);
+    EXPECT_NEAR(static_cast<double>(m.total_params()), total, 1e-4 * total);  // 102.9e9
+    const double active = vocab + 32 * attention + dense + 31 * (9 * expert + router);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), active, 1e-4 * active);
+    // Published: 103B total, 6.1B active (both embedding tables counted there).
+    EXPECT_NEAR(static_cast<double>(m.total_params()), 103e9, 0.005 * 103e9);
+    EXPECT_NEAR(static_cast<double>(m.active_params_per_token()) + vocab, 6.1e9, 0.02 * 6.1e9);
 }
 
 // dots.llm1 (dots1), as vLLM's dots1.py builds it: every layer Dots1Attention (32 KV heads of
