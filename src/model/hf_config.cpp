@@ -549,6 +549,10 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "query_pre_attn_scalar",
         "use_qk_norm",
         "qk_layernorm",
+        // Kimi K2.5 / GLM-5V wrappers: image and video items grouped as one "vision_chunk"
+        // modality of the prompt (vLLM's chat_utils.py, use_unified_vision_chunk_modality); the
+        // text_config's decoder caches as it does without it
+        "use_unified_vision_chunk",
         "use_qkv_bias",  // Ling: a bias on the QKV projection, before the cache
         "norm_head",     // Ling 1.x: the LM head's rows normalized at load
         "attn_scale",

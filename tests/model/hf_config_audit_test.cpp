@@ -268,5 +268,28 @@ TEST(HfConfigAudit, LayerTypesKeepTheirFullLayersUnderAModelWindow) {
     EXPECT_EQ(parse_hf_config(no_types, "cfg.json").layer_mix(), "4 layers: 4 sliding(64)");
 }
 
+TEST(HfConfigAudit, KimiK25WrapperReadsItsDeepSeekTextConfig) {
+    // moonshotai/Kimi-K2.5: a kimi_k25 wrapper whose text_config (model_type kimi_k2) is Kimi K2's
+    // DeepSeek-V3 decoder (geometry as a loader's test copies the K2.5 text_config, file id
+    // 61290795863). Its use_unified_vision_chunk groups images and video as one prompt modality
+    // (vLLM chat_utils.py); it was refused as a field that might change the KV cache.
+    const std::string k25 = R"({"architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25", "media_placeholder_token_id": 163605,
+        "use_unified_vision_chunk": true, "video_placeholder": "<|kimi_k25_video_placeholder|>",
+        "tie_word_embeddings": false, "text_config": {"model_type": "kimi_k2",
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "vocab_size": 163840, "max_position_embeddings": 262144, "torch_dtype": "bfloat16"},
+        "vision_config": {"hidden_size": 1152}})";
+    const ModelSpec m = parse_hf_config(k25, "kimi-k2.5/config.json");
+    EXPECT_TRUE(m.is_mla());
+    EXPECT_EQ(m.kv_bytes_per_token(), 61 * (512 + 64) * 2);  // 70,272
+    EXPECT_EQ(m.moe.num_experts, 384);
+    EXPECT_EQ(m.max_model_len, 262144);
+}
+
 }  // namespace
 }  // namespace kvshard
