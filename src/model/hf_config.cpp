@@ -2139,9 +2139,12 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         // Mistral writes sliding_window alone; Qwen2/3 gate it with use_sliding_window and keep
         // the first max_window_layers layers full. With layer_types listed (read above) the
         // window reaches the layers it names sliding only (docs/model.md).
+        // vLLM's ModelConfig.get_hf_config_sliding_window gives no window where the config
+        // object has use_sliding_window false: Qwen2Config / Qwen3Config (MiMoConfig) default it
+        // to False, the other classes here define no such attribute unless config.json names it.
         const bool qwen = model_type.rfind("qwen", 0) == 0 || model_type == "mimo";
         if (f.has("sliding_window") && !f.has("layer_types") &&
-            (!qwen || f.bool_or("use_sliding_window", false))) {
+            f.bool_or("use_sliding_window", !qwen)) {
             const int first = qwen ? f.int_or("max_window_layers", 0) : 0;
             for (int l = first; l < L; ++l)
                 set_window(layers[l], LayerKind::kSlidingWindow, window_field("sliding_window"));
@@ -2586,8 +2589,10 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     // (Qwen2/3's use_sliding_window false).
     const bool qwen_gate = model_type.rfind("qwen", 0) == 0 || model_type == "mimo";
     // Ling and dots.llm1: read_full_attention_only refused any window that would reach a layer.
+    // A Llama-field config's use_sliding_window false switches it off as well (above).
     const bool window_off = (qwen_gate && (!f.bool_or("use_sliding_window", false) ||
                                            f.int_or("max_window_layers", 0) >= L)) ||
+                            (fam == Family::kLlama && !f.bool_or("use_sliding_window", true)) ||
                             fam == Family::kBailing || fam == Family::kDots1;
     const bool any_sliding = std::any_of(layers.begin(), layers.end(), [](const LayerSpec& s) {
         return s.kind == LayerKind::kSlidingWindow;

@@ -291,5 +291,19 @@ TEST(HfConfigAudit, KimiK25WrapperReadsItsDeepSeekTextConfig) {
     EXPECT_EQ(m.max_model_len, 262144);
 }
 
+TEST(HfConfigAudit, UseSlidingWindowFalseSwitchesAModelWindowOff) {
+    // vLLM's ModelConfig.get_hf_config_sliding_window returns None where the config object has
+    // use_sliding_window false, whatever the model type (not only Qwen's): a Mistral-field config
+    // stating it false attends fully on every layer. kvshard had slid every layer.
+    const std::string base = R"({"model_type": "mistral", "num_hidden_layers": 4,
+        "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 512, "vocab_size": 1000, "sliding_window": 64)";
+    EXPECT_EQ(parse_hf_config(base + R"(, "use_sliding_window": false})", "cfg.json").layer_mix(),
+              "4 layers: 4 full");
+    EXPECT_EQ(parse_hf_config(base + R"(, "use_sliding_window": true})", "cfg.json").layer_mix(),
+              "4 layers: 4 sliding(64)");
+    EXPECT_EQ(parse_hf_config(base + "}", "cfg.json").layer_mix(), "4 layers: 4 sliding(64)");
+}
+
 }  // namespace
 }  // namespace kvshard
