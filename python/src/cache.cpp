@@ -395,7 +395,9 @@ void bind_cache(py::module_& m) {
             "block_hashes",
             [](const BlockManager& b, SeqId seq) { return hashes_to(b.block_hashes(seq)); },
             py::arg("seq"), "Hashes of the sequence's full blocks, as hex strings.")
-        .def("clear_cache", &BlockManager::clear_cache)
+        .def("clear_cache", &BlockManager::clear_cache,
+             "Drops every cached hash and returns True; returns False, changing nothing, while any "
+             "block is in use (vLLM's BlockPool.reset_prefix_cache).")
         .def(
             "subscribe",
             [](BlockManager& b, py::function callback) {

@@ -348,9 +348,10 @@ void BlockManager::register_blocks(Seq& s, size_t from, size_t to) {
     bool group_open = false;
     to = std::min(to, s.hashes.size());
     for (size_t i = from; i < to; ++i) {
-        // The sequence's previous block is registered (in vLLM always: see the header; here not
-        // after clear_cache dropped the hashes of used blocks, and then nothing below it is).
-        if (i > 0 && !blocks_[static_cast<size_t>(s.blocks[i - 1])].registered) break;
+        // The sequence's previous block is registered: it was a hit or registered before this
+        // one, it is used so never evicted, and clear_cache refuses while any block is used.
+        KVSHARD_CHECK(i == 0 || blocks_[static_cast<size_t>(s.blocks[i - 1])].registered, "block ",
+                      i, " of sequence registered after its unregistered parent");
         // Another block may hold the same hash (the same content computed by another sequence,
         // or past a capped hit): this one is registered beside it, as vLLM's cache_full_blocks
         // does (it never de-duplicates, so that block tables stay append-only).
@@ -501,19 +502,21 @@ void BlockManager::free(SeqId seq) {
     seqs_.erase(it);
 }
 
-void BlockManager::clear_cache() {
+bool BlockManager::clear_cache() {
+    // vLLM's BlockPool.reset_prefix_cache (vllm/v1/core/block_pool.py) refuses, returning False
+    // and publishing nothing, while any block other than its null block is in use.
+    if (num_used_ > 0) return false;
     begin_op();
     for (size_t i = 0; i < blocks_.size(); ++i) {
         Block& m = blocks_[i];
         if (!m.registered) continue;
         const auto b = static_cast<BlockId>(i);
-        if (m.ref == 0) {
-            lru_remove(b);
-            --num_cached_;
-            free_list_.push_back(b);
-            ++num_free_;
-            m.computed = false;
-        }
+        KVSHARD_CHECK(m.ref == 0, "block ", b, " in use while no block is used");
+        lru_remove(b);
+        --num_cached_;
+        free_list_.push_back(b);
+        ++num_free_;
+        m.computed = false;
         m.registered = m.has_parent = false;
         m.hash = m.parent = BlockHash{};
         m.dup_prev = m.dup_next = -1;
@@ -523,6 +526,7 @@ void BlockManager::clear_cache() {
     KVSHARD_CHECK(index_.empty(), "prefix index not empty after clearing every block");
     event_for(KvEventKind::kAllCleared, true);
     flush_events();
+    return true;
 }
 
 // ---------------------------------------------------------------- queries

@@ -216,7 +216,8 @@ TEST(BlockManager, EventsDescribeStoredAndRemovedChainsInOrder) {
     m.allocate(1, a);  // 2 full blocks stored
     m.free(1);
     m.allocate(2, iota_tokens(12, 100));  // needs 3: 2 free, evicts 1 (a's tail)
-    m.clear_cache();
+    m.free(2);
+    ASSERT_TRUE(m.clear_cache());
     ASSERT_EQ(got.size(), 4u);
     for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].seq, i);
     const auto ha = hash_token_blocks(a, 4);
@@ -363,7 +364,8 @@ TEST(KvEventIndex, FollowsTheFeedAndDetectsGaps) {
     KvEventIndex late;
     late.sync(m.registered_hashes(), m.next_event_seq());
     m.subscribe([&](const KvEvent& e) { late.apply(e); });
-    m.clear_cache();
+    m.free(2);
+    ASSERT_TRUE(m.clear_cache());
     EXPECT_EQ(idx.size(), 0u);
     EXPECT_EQ(late.size(), 0u);
     // Lost and replayed events are refused.
@@ -374,6 +376,42 @@ TEST(KvEventIndex, FollowsTheFeedAndDetectsGaps) {
     EXPECT_THROW(idx.apply(e), Error);
     e.seq = *idx.next_seq();
     EXPECT_NO_THROW(idx.apply(e));
+}
+
+// vLLM's BlockPool.reset_prefix_cache (vllm/v1/core/block_pool.py) returns False and queues no
+// AllBlocksCleared while any block but the null block is in use; it resets only an idle pool.
+TEST(BlockManager, ClearCacheRefusesWhileBlocksAreUsed) {
+    auto m = make(8);
+    std::vector<KvEvent> got;
+    m.subscribe([&](const KvEvent& e) { got.push_back(e); });
+    const auto a = iota_tokens(9), b = iota_tokens(8, 40);
+    const auto ha = hash_token_blocks(a, 4), hb = hash_token_blocks(b, 4);
+    m.allocate(1, a);
+    m.allocate(2, b);
+    m.free(2);  // b's blocks are cached, a's used
+    const auto before = m.metrics();
+    const uint64_t seq = m.next_event_seq();
+    got.clear();
+    EXPECT_FALSE(m.clear_cache());
+    EXPECT_TRUE(got.empty());
+    EXPECT_EQ(m.next_event_seq(), seq);
+    const auto after = m.metrics();
+    EXPECT_EQ(after.used_blocks, before.used_blocks);
+    EXPECT_EQ(after.cached_blocks, before.cached_blocks);
+    EXPECT_EQ(after.hashed_blocks, before.hashed_blocks);
+    EXPECT_EQ(m.lookup_hashes(ha).num_tokens, 8);  // both prefixes still hit
+    EXPECT_EQ(m.lookup_hashes(hb).num_tokens, 8);
+    m.check_invariants();
+    // A sequence that keeps running extends its chain as before.
+    m.append(1, iota_tokens(3, 9));
+    EXPECT_EQ(m.lookup_hashes(hash_token_blocks(iota_tokens(12), 4)).num_tokens, 12);
+    m.free(1);
+    EXPECT_TRUE(m.clear_cache());
+    ASSERT_EQ(got.size(), 2u);  // the appended block's BlockStored, then AllCleared
+    EXPECT_EQ(got[1].kind, KvEventKind::kAllCleared);
+    EXPECT_EQ(m.metrics().free_blocks, 8);
+    EXPECT_EQ(m.lookup_hashes(ha).num_tokens, 0);
+    m.check_invariants();
 }
 
 TEST(BlockManager, BadInputIsAClearErrorAndChangesNothing) {

@@ -185,6 +185,10 @@ def test_block_manager_prefix_cache_and_events():
     assert bm.num_tokens(1) == 12 and len(bm.block_hashes(1)) == 3
     bm.append_tokens(2, 1)
     assert bm.can_append(2, 1) and bm.can_allocate([1, 2, 3])
+    # Like vLLM's BlockPool.reset_prefix_cache (vllm/v1/core/block_pool.py): refused, with no
+    # event, while blocks are in use.
+    n_events = len(events)
+    assert bm.clear_cache() is False and len(events) == n_events
     bm.free(1)
     bm.free(2)
     m = bm.metrics()
@@ -192,7 +196,7 @@ def test_block_manager_prefix_cache_and_events():
     assert m["token_hit_rate"] == pytest.approx(8 / 20)
     assert bm.eviction_order() and bm.block_state(bm.eviction_order()[0]) == "cached"
     bm.check_invariants()
-    bm.clear_cache()
+    assert bm.clear_cache() is True
     assert events[-1]["type"] == "AllCleared"
     seqs = [e["seq"] for e in events]
     assert seqs == sorted(seqs) and bm.next_event_seq == seqs[-1] + 1

@@ -490,7 +490,12 @@ TEST(KvIndex, FollowsABlockManagerThroughEvictions) {
     EXPECT_EQ(overlaps(idx, a), (std::vector<int>{0, 2}));
     EXPECT_EQ(overlaps(idx, b), (std::vector<int>{0, 4}));
     EXPECT_EQ(idx.num_blocks(1), m.metrics().hashed_blocks);
-    m.clear_cache();
+    // A reset refused while sequence 1 runs publishes nothing: the index still equals the cache.
+    EXPECT_FALSE(m.clear_cache());
+    EXPECT_EQ(overlaps(idx, b), (std::vector<int>{0, 4}));
+    EXPECT_EQ(idx.num_blocks(1), m.metrics().hashed_blocks);
+    m.free(1);
+    ASSERT_TRUE(m.clear_cache());
     EXPECT_EQ(idx.num_blocks(1), 0);
 }
 

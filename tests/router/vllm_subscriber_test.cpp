@@ -227,7 +227,7 @@ TEST(VllmSubscriber, FollowsAKvshardBlockManagerPublishedInVllmFormat) {
 
     // Freed blocks stay cached (no event); clear_cache() publishes AllBlocksCleared.
     m.free(1);
-    m.clear_cache();
+    ASSERT_TRUE(m.clear_cache());
     ASSERT_TRUE(eventually(
         [&] { return sub.status(0).batches == static_cast<int64_t>(m.next_event_seq()); }));
     EXPECT_EQ(overlap(), 0);

@@ -19,9 +19,9 @@
 //    inserted block of the hash's dict that is still there);
 //  - evicting a copy publishes BlockRemoved for its hash, even when other copies stay; they stay
 //    findable.
-// The one rule beyond vLLM's: block i is registered only when the sequence's block i - 1 is
-// (always true in vLLM, whose reset_prefix_cache refuses while blocks are used; clear_cache here
-// drops the hashes of used blocks too). So a registered block's parent hash is always registered:
+// Block i is registered only after the sequence's block i - 1 is (it was a hit or registered
+// first, used blocks are never evicted, and clear_cache, like vLLM's reset_prefix_cache, refuses
+// while blocks are used). So a registered block's parent hash is always registered:
 // lookups never reach a block whose prefix is gone, and eviction (LRU over the cached blocks, a
 // sequence's blocks released tail first) always takes a chain's tail before the last copy of its
 // head.
@@ -173,9 +173,10 @@ class BlockManager {
     // FlashInfer-style description of these sequences' blocks (PagedKv).
     PagedKv paged_kv(std::span<const SeqId> seqs) const;
 
-    // Drops every hash from the index (used blocks stay with their sequences but are no longer
-    // shareable); cached blocks become free. Publishes AllCleared.
-    void clear_cache();
+    // Drops every hash from the index, so that cached blocks become free, and publishes
+    // AllCleared; returns true. While any block is used it refuses: returns false and changes and
+    // publishes nothing (vLLM's BlockPool.reset_prefix_cache, vllm/v1/core/block_pool.py).
+    [[nodiscard]] bool clear_cache();
 
     // ---- events and metrics ----
     // Callbacks run synchronously at the end of the operation that caused the events; they may
