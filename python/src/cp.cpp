@@ -28,7 +28,7 @@ void bind_cp(py::module_& m) {
         [](const ModelSpec& model, const ParallelConfig& p, int64_t cached, int64_t fresh,
            int block_size, int reuse_from, bool allow_long_context) {
             // The CLI's --allow-long-context.
-            model.check_sequence_length(sat_add(cached, fresh), allow_long_context,
+            model.check_computed_length(sat_add(cached, fresh), allow_long_context,
                                         detail::concat("cached ", cached, " + new ", fresh),
                                         kAllowLongContextKwarg);
             std::string json;

@@ -136,7 +136,7 @@ void bind_transfer(py::module_& m) {
            std::optional<BlockTables> dst_block_tables, int layers_per_message,
            int64_t dst_cached_tokens, bool allow_long_context) {
             // The CLI's --allow-long-context (one model on both sides: make_transfer_plan checks).
-            src.model.check_sequence_length(num_tokens, allow_long_context, "num_tokens",
+            src.model.check_computed_length(num_tokens, allow_long_context, "num_tokens",
                                             kAllowLongContextKwarg);
             py::gil_scoped_release release;
             const TransferEndpoint s = endpoint("src", src, src_dp, src_block_size, src_order,

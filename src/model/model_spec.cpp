@@ -611,6 +611,20 @@ void ModelSpec::check_sequence_length(int64_t tokens, bool allow_long, std::stri
         " tokens, or allow long contexts (", allow_long_how, ") as that variable does"));
 }
 
+void ModelSpec::check_computed_length(int64_t tokens, bool allow_long, std::string_view what,
+                                      std::string_view allow_long_how) const {
+    if (max_model_len <= 0 || tokens < max_model_len || allow_long) return;
+    throw Error(detail::concat(
+        what, " (", tokens, " tokens) is more KV than model '", name,
+        "' computes for one request: vLLM derives max_model_len ", max_model_len,
+        " from its config (", max_model_len_from,
+        ") and computes at most max_model_len - 1 = ", max_model_len - 1,
+        " tokens of a request (it refuses a prompt of max_model_len tokens, which leaves no room "
+        "for an output token, and never feeds back the last token it samples); give at most ",
+        max_model_len - 1, " tokens, or allow long contexts (", allow_long_how,
+        ") as VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 with a longer --max-model-len does"));
+}
+
 void ModelSpec::validate_totals() const {
     // Each per-layer figure fits in 64 bits under the field ranges; their sums are taken wider.
     __int128 params = embedding_params() + lm_head_params(), kv = 0, st = 0;

@@ -1,5 +1,7 @@
 #include "kvshard/sim/trace_lengths.h"
 
+#include <algorithm>
+
 #include "kvshard/common/error.h"
 
 namespace kvshard {
@@ -10,7 +12,10 @@ int64_t check_trace_lengths(const Trace& trace, const ModelSpec& m, bool allow_l
     int64_t longer = 0;
     const TraceRequest* first = nullptr;
     for (const TraceRequest& r : trace.requests) {
-        if (r.input_tokens + r.output_tokens <= m.max_model_len) continue;
+        // An output_length of 0 is replayed as one token (the prefill samples one): vLLM asks
+        // for max_tokens >= 1 and refuses a prompt of max_model_len tokens, which leaves no room
+        // for it (vllm/v1/engine/input_processor.py, InputProcessor._validate_prompt_len).
+        if (r.input_tokens + std::max<int64_t>(r.output_tokens, 1) <= m.max_model_len) continue;
         if (first == nullptr) first = &r;
         ++longer;
     }
@@ -24,7 +29,11 @@ int64_t check_trace_lengths(const Trace& trace, const ModelSpec& m, bool allow_l
         "' serves (prompt + max_tokens > max_model_len ", m.max_model_len,
         ", which vLLM derives from its config: ", m.max_model_len_from, "); the first, at line ",
         first->line, ", is a prompt of ", first->input_tokens, " tokens plus ",
-        first->output_tokens, " of output (", first->input_tokens + first->output_tokens,
+        first->output_tokens,
+        first->output_tokens == 0 ? " of output (replayed as 1, the token its prefill samples: "
+                                    "at least "
+                                  : " of output (",
+        first->input_tokens + std::max<int64_t>(first->output_tokens, 1),
         " tokens). A vLLM server starts with this model but refuses each such request when it "
         "arrives, so replaying them would measure a cluster vLLM is not: filter the trace to "
         "requests of at most ",

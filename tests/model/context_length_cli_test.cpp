@@ -1,5 +1,6 @@
 // Every command that takes a model and a length checks it against the model's max_model_len
-// (ModelSpec::check_sequence_length, the check `plan` makes): refused with exit 2 and a message
+// (ModelSpec::check_sequence_length, the check `plan` makes, for a request's length;
+// check_computed_length for KV a request has computed): refused with exit 2 and a message
 // naming the model, its length, where it came from and --allow-long-context; accepted with that
 // flag; unaffected within the length or for a model that states none (the built-in tiny models).
 #include <gtest/gtest.h>
@@ -67,12 +68,38 @@ TEST(ContextLengthCli, Layout) {
     EXPECT_EQ(run_cli("layout --model tiny --context 1000000").status, 0);
 }
 
+// KV of cached + new tokens (cp-plan) or of a prompt handed to decode (transfer-plan) is at most
+// max_model_len - 1 tokens: vLLM refuses a prompt of max_model_len tokens
+// (vllm/v1/engine/input_processor.py, InputProcessor._validate_prompt_len) and never computes a
+// request's token at position max_model_len - 1 or later (vllm/v1/core/sched/scheduler.py,
+// Scheduler.schedule caps num_new_tokens at max_model_len - 1 - num_computed_tokens).
+void expect_kv_refused(const test::CliResult& r, const std::string& what, const std::string& model,
+                       int64_t max_len) {
+    EXPECT_EQ(r.status, 2) << r.out;
+    EXPECT_NE(r.out.find("kvshard: error: " + what), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("is more KV than model '" + model +
+                         "' computes for one request: vLLM derives max_model_len " +
+                         std::to_string(max_len) + " from its config (max_position_embeddings " +
+                         std::to_string(max_len) + ") and computes at most max_model_len - 1 = " +
+                         std::to_string(max_len - 1) + " tokens of a request"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out.find("give at most " + std::to_string(max_len - 1) +
+                         " tokens, or allow long contexts (--allow-long-context)"),
+              std::string::npos)
+        << r.out;
+    EXPECT_EQ(r.out.find("allow_long_context=True"), std::string::npos) << r.out;
+}
+
 TEST(ContextLengthCli, CpPlan) {
-    expect_refused(run_cli("cp-plan --model llama-3.1-8b --cp 2 --cached 131000 --new 100"),
-                   "--cached 131000 + --new 100 (131100 tokens)", "llama-3.1-8b", 131072);
-    const auto within = run_cli("cp-plan --model llama-3.1-8b --cp 2 --cached 130000 --new 1072");
+    expect_kv_refused(run_cli("cp-plan --model llama-3.1-8b --cp 2 --cached 131000 --new 100"),
+                      "--cached 131000 + --new 100 (131100 tokens)", "llama-3.1-8b", 131072);
+    // Exactly max_model_len: refused too.
+    expect_kv_refused(run_cli("cp-plan --model llama-3.1-8b --cp 2 --cached 130000 --new 1072"),
+                      "--cached 130000 + --new 1072 (131072 tokens)", "llama-3.1-8b", 131072);
+    const auto within = run_cli("cp-plan --model llama-3.1-8b --cp 2 --cached 130000 --new 1071");
     ASSERT_EQ(within.status, 0) << within.out;
-    EXPECT_NE(within.out.find("130000 cached + 1072 new tokens"), std::string::npos) << within.out;
+    EXPECT_NE(within.out.find("130000 cached + 1071 new tokens"), std::string::npos) << within.out;
     const auto allowed = run_cli(
         "cp-plan --model llama-3.1-8b --cp 2 --cached 131000 --new 100 --allow-long-context");
     ASSERT_EQ(allowed.status, 0) << allowed.out;
@@ -81,13 +108,16 @@ TEST(ContextLengthCli, CpPlan) {
 }
 
 TEST(ContextLengthCli, TransferPlan) {
-    expect_refused(run_cli("transfer-plan --model llama-3.1-8b --from tp=2 --to tp=1 --tokens "
-                           "131073"),
-                   "--tokens (131073 tokens)", "llama-3.1-8b", 131072);
-    const auto at =
-        run_cli("transfer-plan --model llama-3.1-8b --from tp=2 --to tp=1 --tokens 131072");
-    ASSERT_EQ(at.status, 0) << at.out;
-    EXPECT_NE(at.out.find("llama-3.1-8b: 131072 tokens, dp=1"), std::string::npos) << at.out;
+    expect_kv_refused(run_cli("transfer-plan --model llama-3.1-8b --from tp=2 --to tp=1 --tokens "
+                              "131073"),
+                      "--tokens (131073 tokens)", "llama-3.1-8b", 131072);
+    expect_kv_refused(run_cli("transfer-plan --model llama-3.1-8b --from tp=2 --to tp=1 --tokens "
+                              "131072"),
+                      "--tokens (131072 tokens)", "llama-3.1-8b", 131072);
+    const auto below =
+        run_cli("transfer-plan --model llama-3.1-8b --from tp=2 --to tp=1 --tokens 131071");
+    ASSERT_EQ(below.status, 0) << below.out;
+    EXPECT_NE(below.out.find("llama-3.1-8b: 131071 tokens, dp=1"), std::string::npos) << below.out;
     const auto allowed = run_cli(
         "transfer-plan --model llama-3.1-8b --from tp=2 --to tp=1 --tokens 131073 "
         "--allow-long-context");

@@ -68,6 +68,35 @@ TEST(TraceLengths, CountsPromptPlusOutputAndNamesTheFirst) {
     EXPECT_EQ(check_trace_lengths(t, with_length(109), true, "--flag"), 3);
 }
 
+// A request asking for no output is replayed as one token (the token its prefill samples), so a
+// prompt of exactly max_model_len tokens is refused: vLLM's engine refuses a prompt of
+// max_model_len tokens, which leaves no room for an output token
+// (vllm/v1/engine/input_processor.py, InputProcessor._validate_prompt_len), and max_tokens is at
+// least 1.
+TEST(TraceLengths, AnEmptyOutputStillNeedsRoomForOneToken) {
+    std::istringstream in(
+        R"({"timestamp": 0, "input_length": 128, "output_length": 0, "hash_ids": [1]})"
+        "\n"
+        R"({"timestamp": 1, "input_length": 127, "output_length": 0, "hash_ids": [2]})"
+        "\n");
+    const Trace t = parse_trace(in, "empty-output.jsonl", TraceErrorPolicy::kFail);
+    EXPECT_EQ(check_trace_lengths(t, with_length(129), false, "--flag"), 0);
+    EXPECT_EQ(check_trace_lengths(t, with_length(128), true, "--flag"), 1);
+    try {
+        check_trace_lengths(t, with_length(128), false, "--flag");
+        FAIL() << "a prompt of max_model_len tokens was accepted";
+    } catch (const Error& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("1 of 2 requests are longer than model 'tiny' serves"),
+                  std::string::npos)
+            << what;
+        EXPECT_NE(what.find("the first, at line 1, is a prompt of 128 tokens plus 0 of output "
+                            "(replayed as 1, the token its prefill samples: at least 129 tokens)"),
+                  std::string::npos)
+            << what;
+    }
+}
+
 TEST(TraceLengthsCli, SimulateRefusesATraceVllmWouldRejectPartOf) {
     const std::string args = "simulate --trace " + kSample +
                              " --replicas 2 --policy round-robin --capacity-tokens 65536";

@@ -37,7 +37,7 @@ void run(const CpPlanFlags& f) {
     require(f.block_size >= 1, "--block-size must be >= 1, got ", f.block_size);
     require(f.reuse_from >= 0, "--reuse-from must be a CP size >= 1 (or 0: none), got ",
             f.reuse_from);
-    m.check_sequence_length(sat_add(f.cached, f.fresh), f.allow_long_context,
+    m.check_computed_length(sat_add(f.cached, f.fresh), f.allow_long_context,
                             detail::concat("--cached ", f.cached, " + --new ", f.fresh),
                             kAllowLongContextFlag);
     const std::string doc =
@@ -99,8 +99,9 @@ void setup(CLI::App& app) {
         ->capture_default_str()
         ->needs(reuse_from);
     sub->add_flag("--allow-long-context", f->allow_long_context,
-                  "plan a sequence longer than the model's max_model_len, as vLLM serves one with "
-                  "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (without it such a length is refused)");
+                  "plan --cached + --new of the model's max_model_len or more, as vLLM computes "
+                  "with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and a longer --max-model-len (without it "
+                  "at most max_model_len - 1 tokens are taken)");
     sub->add_flag("--json", f->json, "print JSON");
     sub->callback([f] { run(*f); });
 }

@@ -74,7 +74,7 @@ void run(const TransferPlanFlags& f) {
     require(f.staging_mib >= 1 && f.staging_mib <= (int64_t{1} << 20),
             "--staging-mib must be between 1 and 1048576 (1 TiB), got ", f.staging_mib);
     const ModelSpec m = load_model(f.model);
-    m.check_sequence_length(f.tokens, f.allow_long_context, "--tokens", kAllowLongContextFlag);
+    m.check_computed_length(f.tokens, f.allow_long_context, "--tokens", kAllowLongContextFlag);
     const TransferEndpoint src =
         endpoint("--from", m, f.from, f.dp_from, f.block_size_from, f.order_from, f.tokens);
     const TransferEndpoint dst =
@@ -234,8 +234,9 @@ void setup(CLI::App& app) {
         ->capture_default_str()
         ->needs(descriptors);
     sub->add_flag("--allow-long-context", f->allow_long_context,
-                  "--tokens longer than the model's max_model_len, as vLLM serves such a request "
-                  "with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (without it such --tokens are refused)");
+                  "--tokens of the model's max_model_len or more, as vLLM computes such a prompt "
+                  "with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and a longer --max-model-len (without it "
+                  "at most max_model_len - 1 tokens are taken)");
     // The schedule is text only (transfer_schedule.h has no JSON form).
     sub->add_flag("--json", f->json, "print JSON instead of a table")->excludes(schedule);
     sub->callback([f] { run(*f); });

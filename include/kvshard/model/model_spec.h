@@ -278,6 +278,18 @@ struct ModelSpec {
     // Python function, both (the default) from a library function that either reaches.
     void check_sequence_length(int64_t tokens, bool allow_long, std::string_view what,
                                std::string_view allow_long_how = kAllowLongContextEither) const;
+    // Refuses KV of `tokens` computed tokens of one request (a prompt being prefilled, the
+    // cached + new tokens of a step, the KV a prefill hands to decode) at or past max_model_len:
+    // vLLM computes at most max_model_len - 1 tokens of a request. It refuses a prompt of
+    // max_model_len tokens, which leaves no room for an output token
+    // (vllm/v1/engine/input_processor.py, InputProcessor._validate_prompt_len), and its scheduler
+    // never schedules a token at position max_model_len - 1 or later
+    // (vllm/v1/core/sched/scheduler.py, Scheduler.schedule: num_new_tokens is capped at
+    // max_model_len - 1 - num_computed_tokens; the request stops at max_model_len tokens,
+    // vllm/v1/core/sched/utils.py check_stop, its last sampled token never fed back).
+    // allow_long, `what` and `allow_long_how` as check_sequence_length's.
+    void check_computed_length(int64_t tokens, bool allow_long, std::string_view what,
+                               std::string_view allow_long_how = kAllowLongContextEither) const;
 
   private:
     void validate_totals() const;

@@ -16,12 +16,14 @@
 
 namespace kvshard {
 
-// The requests of `trace` whose input_tokens + output_tokens exceed m.max_model_len (none when the
-// model states no length). Unless allow_long (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and a --max-model-len
-// that long), throws Error when there is one: the count, the first (its line and lengths), the
-// model's length and where it came from, that a server refuses each such request when it arrives
-// (not at startup), and the cures: filter the trace, or the override `allow_long_how` names
-// (kAllowLongContextFlag from the CLI). Returns the count.
+// The requests of `trace` whose input_tokens + max(output_tokens, 1) exceed m.max_model_len (none
+// when the model states no length; an output of 0 is replayed as the one token a prefill samples,
+// and vLLM refuses a prompt of max_model_len tokens). Unless allow_long
+// (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and a --max-model-len that long), throws Error when there is
+// one: the count, the first (its line and lengths), the model's length and where it came from, that
+// a server refuses each such request when it arrives (not at startup), and the cures: filter the
+// trace, or the override `allow_long_how` names (kAllowLongContextFlag from the CLI). Returns the
+// count.
 int64_t check_trace_lengths(const Trace& trace, const ModelSpec& m, bool allow_long,
                             std::string_view allow_long_how);
 
