@@ -340,6 +340,13 @@ std::vector<ServingEntry> plan_serving(const ModelSpec& m, const HardwareSpec& h
     m.check_sequence_length(r.prompt_tokens + r.output_tokens, r.capacity.allow_long_context,
                             detail::concat("a prompt of ", r.prompt_tokens, " tokens plus ",
                                            r.output_tokens, " of output"));
+    // Each prompt of the distribution is one request's: vLLM refuses a prompt of max_model_len
+    // tokens or more (vllm/v1/engine/input_processor.py, InputProcessor._validate_prompt_len).
+    // Not prompt + output_tokens: that is a mean, and a trace's requests are checked each with its
+    // own output before they get here (check_trace_lengths).
+    for (size_t i = 0; i < r.prompt_samples.size(); ++i)
+        m.check_computed_length(r.prompt_samples[i], r.capacity.allow_long_context,
+                                detail::concat("prompt ", i, " of the distribution"));
     Evaluator ev(m, hw, r);
     std::vector<ServingEntry> out;
     // Speculating, the transfer of the MTP layers' KV (moved_) is modelled at pp 1 only: at

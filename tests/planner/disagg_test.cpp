@@ -250,6 +250,32 @@ TEST(Serving, ASpreadOfPromptLengthsNeverBeatsTheirMean) {
     EXPECT_THROW(plan_serving(m, hw, spread), Error);
 }
 
+// Every prompt of the distribution is checked, not only their mean: vLLM refuses a prompt of
+// max_model_len tokens or more (vllm/v1/engine/input_processor.py,
+// InputProcessor._validate_prompt_len), so one such prompt makes the request one vLLM never serves.
+TEST(Serving, EveryPromptOfTheDistributionIsWithinTheModelsLength) {
+    const ModelSpec m = catalog_model("llama-3.1-8b");  // max_model_len 131072
+    ASSERT_EQ(m.max_model_len, 131072);
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    ServingRequest r = request(8, 8192, 10.0, 0.05);
+    r.prompt_samples = {1024, 131071, 1024};
+    EXPECT_FALSE(plan_serving(m, hw, r).empty());
+    r.prompt_samples = {1024, 1024, 131072};  // prompt_tokens (8192) is well within
+    try {
+        plan_serving(m, hw, r);
+        FAIL() << "a prompt of max_model_len tokens was accepted";
+    } catch (const Error& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("prompt 2 of the distribution (131072 tokens) is more KV than model "
+                            "'llama-3.1-8b' computes for one request"),
+                  std::string::npos)
+            << what;
+        EXPECT_NE(what.find("give at most 131071 tokens"), std::string::npos) << what;
+    }
+    r.capacity.allow_long_context = true;
+    EXPECT_FALSE(plan_serving(m, hw, r).empty());
+}
+
 TEST(Serving, BadRequestsAreErrors) {
     const ModelSpec m = catalog_model("llama-3.1-8b");
     const HardwareSpec hw = hardware_by_name("h100-sxm");

@@ -136,6 +136,15 @@ def test_plan_disagg():
     assert svg.startswith("<svg") or svg.startswith("<?xml")
     with pytest.raises(kvshard.Error):
         _disagg(prefix_hit_rate=1.0)
+    # Each prompt of the distribution, not only the mean, is a prompt vLLM accepts: below
+    # max_model_len (131072; vllm/v1/engine/input_processor.py, _validate_prompt_len).
+    assert _disagg(prompt_samples=[1024, 131071])["configs"]
+    with pytest.raises(kvshard.Error, match=r"prompt 1 of the distribution \(131072 tokens\).*"
+                                            r"allow_long_context=True"):
+        _disagg(prompt_samples=[1024, 131072])
+    assert _disagg(prompt_samples=[1024, 131072], allow_long_context=True)["configs"]
+    with pytest.raises(kvshard.Error, match="every prompt length of the distribution"):
+        _disagg(prompt_samples=[1024, 0])
     with pytest.raises(kvshard.Error):
         kvshard.plan_disagg("llama-3.1-70b", "h100-sxm", 16, 8192, ttft_slo=0, tpot_slo=0.05)
     with pytest.raises(kvshard.Error):

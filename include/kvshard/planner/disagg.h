@@ -22,7 +22,8 @@ struct ServingRequest {
     int64_t prompt_tokens = 0;  // per request (the mean when prompt_samples are given)
     // Prompt lengths of the requests (e.g. a trace's): prefill time is averaged over them and the
     // prefill queue is M/G/1 with their spread; empty: every prompt has prompt_tokens. The KV
-    // transfer and the decode context use prompt_tokens.
+    // transfer and the decode context use prompt_tokens. Each must be in [1, 2^26] and, unless
+    // capacity.allow_long_context, below the model's max_model_len (a prompt vLLM accepts).
     std::vector<int64_t> prompt_samples;
     int64_t output_tokens = 256;
     // Share of prompt tokens found in the prefix cache (from a trace replay, sim/): only the rest
