@@ -308,7 +308,10 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
         rep.weight_bytes_per_gpu = std::max(rep.weight_bytes_per_gpu, rep.ranks[r].weights.total());
     }
     rep.limiting_rank = lim;
-    rep.kv_bytes_per_token = rep.ranks[lim].kv_bytes_per_token;
+    // The most any rank stores, as weight_bytes_per_gpu: the limiting rank may be a PP stage of
+    // only state layers (Mamba), which stores no KV per token while the other stages do.
+    for (const RankCapacity& rc : rep.ranks)
+        rep.kv_bytes_per_token = std::max(rep.kv_bytes_per_token, rc.kv_bytes_per_token);
     rep.state_bytes_per_sequence = rep.ranks[lim].state_bytes_per_sequence;
     rep.kv_blocks_per_gpu = rep.ranks[lim].kv_blocks;
     rep.kv_tokens_per_gpu = rep.ranks[lim].kv_tokens;
@@ -382,7 +385,7 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
                       rep.weight_bytes_per_gpu / kGiB, options.activation_reserve_bytes / kGiB,
                       usable / kGiB, options.mem_util, hw.memory_bytes / kGiB);
         rep.why_not = buf;
-    } else if (rep.kv_blocks_per_gpu < 1 && rep.kv_bytes_per_token > 0) {
+    } else if (rep.kv_blocks_per_gpu < 1 && worst.kv_bytes_per_token > 0) {
         rep.why_not =
             detail::concat("less than one KV block of ", bs, " tokens fits on rank ", lim);
     } else if (options.context_tokens > 0 && rep.requests_per_replica == 0) {

@@ -3,9 +3,13 @@
 // layer.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <string>
+
 #include "kvshard/common/error.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/capacity.h"
+#include "kvshard/planner/hardware.h"
 
 namespace kvshard {
 namespace {
@@ -202,6 +206,30 @@ TEST(Capacity, BadOptionsAreErrors) {
     o = {};
     o.context_tokens = -5;
     EXPECT_THROW(compute_capacity(m, cfg(1), hw, o), Error);
+}
+
+// Nemotron 3 Super at pp 8 (11 of its 88 layers a stage, its pattern's 8 attention layers on
+// stages 0 to 4, stages 5 to 7 only Mamba-2 and MoE): a Mamba-only stage stores no KV per token
+// and may hold the fewest blocks (the limiting rank); the report's KV bytes per token is the most
+// any GPU stores, as its weights per GPU, not that stage's 0.
+TEST(Capacity, KvBytesPerTokenIsTheMostAnyPpStageStores) {
+    const ModelSpec m = load_hf_config(std::string(KVSHARD_TEST_DATA_DIR) +
+                                       "/hf_configs/nemotron-3-super-120b-a12b.json");
+    const auto rep = compute_capacity(m, cfg(1, 8), hardware_by_name("h100-sxm"));
+    ASSERT_EQ(rep.ranks.size(), 8u);
+    // Stages 1 and 4 hold two attention layers (2 KV heads of 128, K and V, bf16), the others
+    // one or none.
+    const int64_t two_layers = 2 * 2 * 2 * 128 * 2;
+    EXPECT_EQ(rep.ranks[1].kv_bytes_per_token, two_layers);
+    EXPECT_EQ(rep.ranks[4].kv_bytes_per_token, two_layers);
+    for (int r : {5, 6, 7}) EXPECT_EQ(rep.ranks[r].kv_bytes_per_token, 0) << "stage " << r;
+    EXPECT_GE(rep.limiting_rank, 5);  // a Mamba-only stage has the fewest blocks
+    EXPECT_EQ(rep.ranks[rep.limiting_rank].kv_bytes_per_token, 0);
+    EXPECT_EQ(rep.kv_bytes_per_token, two_layers);
+    // The limiting rank's own figures stay its: weights are the most any rank holds.
+    int64_t most_weights = 0;
+    for (const auto& rc : rep.ranks) most_weights = std::max(most_weights, rc.weights.total());
+    EXPECT_EQ(rep.weight_bytes_per_gpu, most_weights);
 }
 
 }  // namespace

@@ -446,8 +446,9 @@ void run(const PlanFlags& f) {
                    static_cast<int>(entries.size()) - shown,
                    static_cast<int>(entries.size()) - n_fit);
     fmt::print(
-        "\nW: weights per GPU. KV B/tok: KV bytes per token on the limiting GPU. KV/req: KV one "
-        "request of the context holds there. KV tok: KV "
+        "\nW: weights per GPU. KV B/tok: the most KV bytes per token a GPU stores (a PP stage of "
+        "only Mamba layers stores none). KV/req: KV one request of the context holds on the "
+        "limiting GPU (the fewest KV blocks). KV tok: KV "
         "tokens per GPU. max ctx: longest single request (spans cp GPUs; at most the model's "
         "max_model_len). conc: requests of "
         "the context that fit at once, all replicas. comm/tok: bytes one GPU sends per decode "

@@ -110,7 +110,9 @@ struct CapacityReport {
     // The limiting rank's figures (the minimum KV token capacity over all ranks).
     int limiting_rank = 0;
     int64_t weight_bytes_per_gpu = 0;  // the most any rank holds
-    int64_t kv_bytes_per_token = 0;    // per GPU, of the limiting rank; while shorter than windows
+    // Per GPU, the most any rank stores (as weight_bytes_per_gpu; the limiting rank's is in
+    // ranks[limiting_rank], 0 for a PP stage of only state layers); while shorter than windows.
+    int64_t kv_bytes_per_token = 0;
     int64_t state_bytes_per_sequence = 0;  // per GPU, of the limiting rank
     // vLLM's arrangement of the KV cache (groups, block size, page, padding).
     EngineKvArrangement engine;
