@@ -1222,8 +1222,8 @@ const ClassLength* class_length(const std::string& model_type) {
     static const std::map<std::string, ClassLength, std::less<>> kLengths = {
         {"llama", {"LlamaConfig", "max_position_embeddings", 2048}},
         {"mistral", {"MistralConfig", "max_position_embeddings", 4096 * 32}},  // commit 001f85b3
-        // Ministral3Config: 262144, and its default rope_parameters (yarn 16 x 16384) give the
-        // same.
+        // Ministral3Config: 262144; without rope parameters its default yarn (16 x 16384,
+        // class_rope below) gives the length.
         {"ministral3", {"Ministral3Config", "max_position_embeddings", 262144}},
         {"phi3", {"Phi3Config", "max_position_embeddings", 4096}},
         {"mixtral", {"MixtralConfig", "max_position_embeddings", 4096 * 32}},
@@ -1291,6 +1291,27 @@ const ClassLength* class_length(const std::string& model_type) {
     };
     auto it = kLengths.find(model_type);
     return it != kLengths.end() ? &it->second : nullptr;
+}
+
+// Config classes that fill in a yarn RoPE scaling when config.json states none (neither
+// rope_scaling nor rope_parameters). vLLM's _get_and_verify_max_len reads the class's
+// hf_config.rope_parameters, so such a config serves original_max_position_embeddings x factor,
+// whatever its max_position_embeddings says.
+struct ClassRope {
+    const char* config_class;
+    int64_t original;  // original_max_position_embeddings
+    double factor;
+};
+
+const ClassRope* class_rope(const std::string& model_type) {
+    static const std::map<std::string, ClassRope, std::less<>> kRopes = {
+        // transformers' configuration_gpt_oss.py, GptOssConfig.__post_init__.
+        {"gpt_oss", {"GptOssConfig", 4096, 32.0}},
+        // transformers' configuration_ministral3.py, Ministral3Config.__post_init__.
+        {"ministral3", {"Ministral3Config", 16384, 16.0}},
+    };
+    auto it = kRopes.find(model_type);
+    return it != kRopes.end() ? &it->second : nullptr;
 }
 
 }  // namespace
@@ -1405,6 +1426,12 @@ void read_max_model_len(const HfFields& f, const std::string& model_type,
             derived *= factor;
             from = detail::concat(from, " x ", rope_key, " ", scaled, " factor ", factor);
         }
+    }
+    if (const ClassRope* cr = rope_key.empty() ? class_rope(model_type) : nullptr) {
+        derived = static_cast<double>(cr->original) * cr->factor;
+        from = detail::concat(cr->config_class,
+                              "'s default rope_parameters: original_max_position_embeddings ",
+                              cr->original, " x yarn factor ", cr->factor);
     }
     if (from.empty()) return;  // none stated, none defaulted (vLLM: 2048 or --max-model-len)
     m.max_model_len = static_cast<int64_t>(std::min(derived, kLongest));

@@ -168,8 +168,6 @@ TEST(MaxModelLen, ClassDefaultWhereTheConfigStatesNone) {
     const Case cases[] = {
         {"llama", "llama-3.1-8b", "LlamaConfig", "max_position_embeddings", 2048},
         {"mistral", "mistral-7b-v0.1", "MistralConfig", "max_position_embeddings", 131072},
-        {"ministral3", "mistral-7b-v0.1", "Ministral3Config", "max_position_embeddings", 262144,
-         R"("head_dim": 128)"},
         {"phi3", "phi-3-mini-4k-instruct", "Phi3Config", "max_position_embeddings", 4096},
         {"mixtral", "mixtral-8x7b-v0.1", "MixtralConfig", "max_position_embeddings", 131072},
         {"qwen2", "qwen2.5-7b", "Qwen2Config", "max_position_embeddings", 32768},
@@ -185,7 +183,6 @@ TEST(MaxModelLen, ClassDefaultWhereTheConfigStatesNone) {
         {"gemma2", "gemma-2-9b-it", "Gemma2Config", "max_position_embeddings", 8192},
         {"gemma3", "gemma-3-27b", "Gemma3TextConfig", "max_position_embeddings", 131072},
         {"gemma4", "gemma-4-31b", "Gemma4TextConfig", "max_position_embeddings", 131072},
-        {"gpt_oss", "gpt-oss-20b", "GptOssConfig", "max_position_embeddings", 131072},
         {"llama4", "llama-4-scout", "Llama4TextConfig", "max_position_embeddings", 131072},
         {"deepseek_v2", "deepseek-v3", "DeepseekV2Config", "max_position_embeddings", 2048},
         {"deepseek_v3", "deepseek-v3", "DeepseekV3Config", "max_position_embeddings", 4096},
@@ -268,6 +265,56 @@ TEST(MaxModelLen, ClassDefaultWhereTheConfigStatesNone) {
     nas.erase("max_position_embeddings");
     nas.erase("rope_scaling");
     EXPECT_EQ(parse_hf_config(nas.dump(), "nas").max_model_len, 0);
+}
+
+// GptOssConfig and Ministral3Config fill in a yarn RoPE scaling when the config states none
+// (transformers' configuration_gpt_oss.py and configuration_ministral3.py, __post_init__), and
+// vLLM's _get_and_verify_max_len (vllm/config/model.py) reads the class's rope_parameters: yarn
+// takes original_max_position_embeddings x factor in place of max_position_embeddings. So such a
+// config serves 4096 x 32 (GPT-OSS) or 16384 x 16 (Ministral 3) tokens whatever length it states;
+// a stated rope_scaling is read as before.
+TEST(MaxModelLen, ClassDefaultYarnWhereTheConfigStatesNoRope) {
+    struct Case {
+        const char* model_type;
+        const char* file;
+        const char* from;
+        int64_t tokens;
+        const char* extra;
+    };
+    const Case cases[] = {
+        {"gpt_oss", "gpt-oss-20b",
+         "GptOssConfig's default rope_parameters: original_max_position_embeddings 4096 x yarn "
+         "factor 32",
+         131072, ""},
+        {"ministral3", "mistral-7b-v0.1",
+         "Ministral3Config's default rope_parameters: original_max_position_embeddings 16384 x "
+         "yarn factor 16",
+         262144, R"("head_dim": 128)"},
+    };
+    for (const Case& c : cases) {
+        SCOPED_TRACE(c.model_type);
+        nlohmann::json j = nlohmann::json::parse(read_config(c.file));
+        j.erase("rope_scaling");
+        j.erase("rope_parameters");
+        j["model_type"] = c.model_type;
+        if (*c.extra) j.update(nlohmann::json::parse(std::string("{") + c.extra + "}"));
+        for (int stated : {0, 1000, 65536, 1 << 20}) {
+            if (stated > 0)
+                j["max_position_embeddings"] = stated;
+            else
+                j.erase("max_position_embeddings");
+            const ModelSpec m = parse_hf_config(j.dump(), c.file);
+            EXPECT_EQ(m.max_model_len, c.tokens) << "max_position_embeddings " << stated;
+            EXPECT_EQ(m.max_model_len_from, c.from);
+        }
+        // A stated rope_scaling is the config's, not the class's.
+        j["max_position_embeddings"] = 8192;
+        j["rope_scaling"] = {
+            {"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 2048}};
+        EXPECT_EQ(parse_hf_config(j.dump(), c.file).max_model_len, 8192);
+        j["rope_scaling"] = {{"rope_type", "default"}};
+        EXPECT_EQ(parse_hf_config(j.dump(), c.file).max_model_len, 8192);
+    }
 }
 
 // vLLM bounds the length by the tokenizer's model_max_length (tokenizer_config.json in the model
