@@ -74,6 +74,7 @@ std::vector<int> valid_tp_sizes(const ModelSpec& m) {
         if (has_layer_kind(m, LayerKind::kMamba2)) ok = ok && mamba2_tp_fits(m.state, t);
         if (has_layer_kind(m, LayerKind::kShortConv) || has_layer_kind(m, LayerKind::kMamba1))
             ok = ok && m.state.heads % t == 0;
+        if (m.moe.enabled() && m.moe.tp_at_most_experts) ok = ok && t <= m.moe.num_experts;
         if (ok) out.push_back(t);
     }
     return out;
@@ -141,6 +142,13 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
             "'s Mamba-2 layers: vLLM splits both over tp, or holds a single group whole on every "
             "rank, so tp must divide the heads and divide the groups unless there is one: valid "
             "tp sizes are ",
+            join(valid_tp)));
+
+    if (m.moe.enabled() && m.moe.tp_at_most_experts && p.tp > m.moe.num_experts)
+        throw Error(detail::concat(
+            "tp=", p.tp, " is greater than the ", m.moe.num_experts, " experts of ", m.name,
+            ": vLLM's MoE block of this family refuses a tensor parallel size above the expert "
+            "count (lfm2_moe.py, Lfm2MoeSparseMoeBlock): valid tp sizes are ",
             join(valid_tp)));
 
     // PP splits decoder layers (vLLM's get_pp_indices over num_hidden_layers); a model of several

@@ -1939,6 +1939,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         if (dense < 0) throw f.bad("num_dense_layers", detail::concat("must be >= 0, got ", dense));
         m.moe.first_dense_layers = dense;
         if (dense >= m.num_layers) m.moe = {};  // every layer dense, as vLLM builds it
+        // Lfm2MoeSparseMoeBlock raises when tp_size > num_experts.
+        m.moe.tp_at_most_experts = m.moe.enabled();
         for (const char* key : {"block_ff_dim", "block_auto_adjust_ff_dim", "block_multiple_of",
                                 "block_ffn_dim_multiplier"})
             if (f.has(key))

@@ -700,7 +700,8 @@ std::string to_json(const ModelSpec& m) {
           {"shared_experts", m.moe.shared_experts},
           {"expert_intermediate", m.moe.expert_intermediate},
           {"first_dense_layers", m.moe.first_dense_layers},
-          {"latent_size", m.moe.latent_size}}},
+          {"latent_size", m.moe.latent_size},
+          {"tp_at_most_experts", m.moe.tp_at_most_experts}}},
         {"kv_dtype", dtype_name(m.kv_dtype)},
         {"weight_dtype", dtype_name(m.weight_dtype)},
         {"weight_storage",
@@ -801,7 +802,8 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
         const auto& moe = j.at("moe");
         m.moe = {moe.at("num_experts").get<int>(),        moe.at("experts_per_token").get<int>(),
                  moe.at("shared_experts").get<int>(),     moe.at("expert_intermediate").get<int>(),
-                 moe.at("first_dense_layers").get<int>(), moe.value("latent_size", 0)};
+                 moe.at("first_dense_layers").get<int>(), moe.value("latent_size", 0),
+                 moe.value("tp_at_most_experts", false)};
         m.kv_dtype = parse_dtype(j.at("kv_dtype").get<std::string>());
         m.weight_dtype = parse_dtype(j.at("weight_dtype").get<std::string>());
         if (j.contains("weight_storage")) {

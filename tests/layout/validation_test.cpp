@@ -2,6 +2,11 @@
 // message says what is wrong and what would be valid.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
 #include "kvshard/common/error.h"
 #include "kvshard/layout/kv_layout.h"
 #include "kvshard/model/catalog.h"
@@ -186,6 +191,37 @@ TEST(Validation, ModelSpecFields) {
 TEST(Validation, CatalogAndDtypeErrors) {
     expect_error([] { catalog_model("gpt-5"); }, {"unknown model 'gpt-5'", "llama-3.1-70b"});
     expect_error([] { parse_dtype("fp7"); }, {"fp7"});
+}
+
+// LFM2-MoE: vLLM's Lfm2MoeSparseMoeBlock (lfm2_moe.py) raises "Tensor parallel size N is greater
+// than the number of experts E" when tp > num_experts. The published LFM2-8B-A1B (32 heads, 32
+// experts) never meets it (tp divides the heads); a config of 8 experts does at tp 16 and 32.
+TEST(Validation, Lfm2MoeTpAboveTheExperts) {
+    const std::string path = std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/lfm2-8b-a1b.json";
+    const ModelSpec published = load_hf_config(path);
+    ASSERT_EQ(published.moe.num_experts, 32);
+    EXPECT_TRUE(published.moe.tp_at_most_experts);
+    EXPECT_EQ(valid_tp_sizes(published), (std::vector<int>{1, 2, 4, 8, 16, 32}));
+    EXPECT_NO_THROW(make_layout(published, cfg(32)));
+    EXPECT_EQ(model_spec_from_json(to_json(published)), published);
+
+    std::ifstream in(path);
+    nlohmann::json j = nlohmann::json::parse(in);
+    j["num_experts"] = 8;
+    const ModelSpec eight = parse_hf_config(j.dump(), "lfm2-moe-8-experts.json");
+    EXPECT_EQ(valid_tp_sizes(eight), (std::vector<int>{1, 2, 4, 8}));
+    EXPECT_NO_THROW(make_layout(eight, cfg(8)));
+    expect_error([&] { make_layout(eight, cfg(16)); },
+                 {"tp=16 is greater than the 8 experts of", "Lfm2MoeSparseMoeBlock",
+                  "valid tp sizes are 1, 2, 4, 8"});
+    // Every layer dense (num_dense_layers >= layers): no MoE block, no limit.
+    j["num_dense_layers"] = 24;
+    const ModelSpec dense = parse_hf_config(j.dump(), "lfm2-moe-dense.json");
+    EXPECT_FALSE(dense.moe.enabled());
+    EXPECT_NO_THROW(make_layout(dense, cfg(16)));
+    // Other MoE families are not limited here: Mixtral's 8 experts at tp 16 (its 32 heads, 8 KV
+    // heads replicated) stay valid.
+    EXPECT_NO_THROW(make_layout(catalog_model("mixtral-8x7b"), cfg(16)));
 }
 
 }  // namespace

@@ -36,6 +36,10 @@ struct MoeSpec {
     // replicated projections hidden -> latent_size and latent_size -> hidden; the router and the
     // shared experts stay at hidden. 0: no latent, the routed experts run at hidden.
     int latent_size = 0;
+    // The engine's MoE block refuses tp above num_experts (vLLM's lfm2_moe.py,
+    // Lfm2MoeSparseMoeBlock: "Tensor parallel size ... is greater than the number of experts");
+    // set by the config reader for such a family, checked by validate(model, parallel).
+    bool tp_at_most_experts = false;
     bool enabled() const { return num_experts > 0; }
     bool operator==(const MoeSpec&) const = default;
 };
