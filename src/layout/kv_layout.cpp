@@ -105,6 +105,13 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
                                    "replicated evenly: valid tp sizes are ",
                                    join(valid_tp)));
 
+    if (m.moe.enabled() && m.moe.tp_at_most_experts && p.tp > m.moe.num_experts)
+        throw Error(detail::concat(
+            "tp=", p.tp, " is greater than the ", m.moe.num_experts, " experts of ", m.name,
+            ": vLLM's MoE block of this family refuses a tensor parallel size above the expert "
+            "count (lfm2_moe.py, Lfm2MoeSparseMoeBlock): valid tp sizes are ",
+            join(valid_tp)));
+
     for (const KvGroup& g : kv_groups(m)) {
         if (g.kind == LayerKind::kMla || !holds_tokens(g.kind)) continue;
         if (g.num_kv_heads % p.tp != 0 && p.tp % g.num_kv_heads != 0)
@@ -142,13 +149,6 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
             "'s Mamba-2 layers: vLLM splits both over tp, or holds a single group whole on every "
             "rank, so tp must divide the heads and divide the groups unless there is one: valid "
             "tp sizes are ",
-            join(valid_tp)));
-
-    if (m.moe.enabled() && m.moe.tp_at_most_experts && p.tp > m.moe.num_experts)
-        throw Error(detail::concat(
-            "tp=", p.tp, " is greater than the ", m.moe.num_experts, " experts of ", m.name,
-            ": vLLM's MoE block of this family refuses a tensor parallel size above the expert "
-            "count (lfm2_moe.py, Lfm2MoeSparseMoeBlock): valid tp sizes are ",
             join(valid_tp)));
 
     // PP splits decoder layers (vLLM's get_pp_indices over num_hidden_layers); a model of several
