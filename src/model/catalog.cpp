@@ -114,6 +114,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"qwen2.5-72b",
          [] {
              auto m = dense("qwen2.5-72b", 80, 8192, 64, 8, 128, 29568, 152064, 1000000);
+             m.norms.qkv_bias = true;  // Qwen2Attention: q, k, v biases (vLLM qwen2.py)
              m.rms_norm_eps = 1e-6;
              m = with_max_len(std::move(m), 32768);
              return m;
@@ -121,6 +122,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
         {"qwen3-235b-a22b",
          [] {
              auto m = dense("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 12288, 151936, 1000000);
+             m.norms.qk = QkNorm::kPerHead;  // Qwen3MoeAttention's q_norm / k_norm (head_dim)
              m.moe = {.num_experts = 128,
                       .experts_per_token = 8,
                       .shared_experts = 0,
@@ -156,6 +158,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                       .expert_intermediate = 2048,
                       .first_dense_layers = 3};
              m.rms_norm_eps = 1e-6;
+             m.norms.router_bias = true;  // topk_method noaux_tc: e_score_correction_bias
              // The published checkpoint's quantization_config: fp8 e4m3 with one fp32 scale per
              // 128 x 128 block (dynamic fp8 activations).
              const double fp8_block = 8 + 32.0 / (128 * 128);
@@ -243,7 +246,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
                  "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
                  "num_nextn_predict_layers": 1, "vocab_size": 151552, "rope_theta": 1000000, "rms_norm_eps": 1e-05,
-                 "tie_word_embeddings": false, "torch_dtype": "bfloat16"})");
+                 "attention_bias": true, "tie_word_embeddings": false, "torch_dtype": "bfloat16"})");
          }},
         // MiniMax-M2: full attention on all 62 layers, 256 experts of 1536.
         {"minimax-m2",
@@ -251,7 +254,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
              return from_config("minimax-m2", R"({"model_type": "minimax_m2",
                  "max_position_embeddings": 196608, "num_hidden_layers": 62, "hidden_size": 3072, "num_attention_heads": 48,
                  "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1536,
-                 "num_local_experts": 256, "num_experts_per_tok": 8, "vocab_size": 200064,
+                 "num_local_experts": 256, "num_experts_per_tok": 8, "use_routing_bias": true, "vocab_size": 200064,
                  "rope_theta": 5000000, "rms_norm_eps": 1e-06, "tie_word_embeddings": false,
                  "torch_dtype": "bfloat16"})");
          }},
@@ -261,8 +264,8 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "max_position_embeddings": 163840, "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
                  "num_key_value_heads": 128, "intermediate_size": 18432,
                  "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
-                 "num_experts_per_tok": 8, "first_k_dense_replace": 3, "q_lora_rank": 1536,
-                 "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                 "num_experts_per_tok": 8, "first_k_dense_replace": 3, "topk_method": "noaux_tc",
+                 "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                  "v_head_dim": 128, "index_head_dim": 128, "index_n_heads": 64,
                  "index_topk": 2048, "num_nextn_predict_layers": 1, "vocab_size": 129280,
                  "rms_norm_eps": 1e-06,

@@ -599,6 +599,7 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "expand",
         "alibi",
         "parallel_attn",
+        "num_ln_in_parallel_attn",  // Falcon: its norms (ModelSpec::norms), read below
         "multi_query_group_num_original",
         // transformers 4.48-4.50 write these runtime hints into saved configs (Llama-4's
         // text_config): the attention kernel to use, not what it caches
@@ -1436,6 +1437,128 @@ void read_max_model_len(const HfFields& f, const std::string& model_type,
     if (from.empty()) return;  // none stated, none defaulted (vLLM: 2048 or --max-model-len)
     m.max_model_len = static_cast<int64_t>(std::min(derived, kLongest));
     m.max_model_len_from = from;
+}
+
+// The norm weights and biases the checkpoint holds beside its matrices (ModelSpec::norms), as
+// vLLM's model files build each family's layers; NormsAndBiases' defaults are Llama's
+// (vLLM llama.py: LlamaDecoderLayer's input_layernorm and post_attention_layernorm, LlamaModel's
+// norm; LlamaAttention's qkv_proj and o_proj bias = attention_bias, LlamaMLP's bias = mlp_bias).
+void read_norms_and_biases(const HfFields& f, Family fam, const std::string& model_type,
+                           ModelSpec& m) {
+    NormsAndBiases& n = m.norms;
+    const bool attention_bias = f.bool_or("attention_bias", false);
+    const bool qwen3 = model_type.rfind("qwen3", 0) == 0;  // qwen3, qwen3_moe, qwen3_vl*, next, 3.5
+    n.qkv_bias = attention_bias;
+    n.o_bias = attention_bias;
+    n.mlp_bias = f.bool_or("mlp_bias", false);
+    if (model_type == "qwen2" || model_type == "qwen2_moe") {
+        // Qwen2Attention / Qwen2MoeAttention: QKVParallelLinear(bias=True), o_proj without.
+        n.qkv_bias = true;
+        n.o_bias = false;
+    } else if (qwen3) {
+        // Qwen3Attention: qkv_proj bias = attention_bias, o_proj none; q_norm / k_norm =
+        // RMSNorm(head_dim) (qwen3.py, qwen3_moe.py, qwen3_next.py's Qwen3NextAttention).
+        n.o_bias = false;
+        n.qk = QkNorm::kPerHead;
+    } else if (model_type == "seed_oss") {
+        n.o_bias = f.bool_or("attention_out_bias", false);  // SeedOssAttention's o_proj
+    } else if (model_type == "glm4_moe" || model_type == "glm4") {
+        // Glm4MoeAttention / Glm4Attention: qkv_proj bias = attention_bias, o_proj none;
+        // Glm4MoeAttention's q_norm / k_norm RMSNorm(head_dim) when use_qk_norm.
+        n.o_bias = false;
+        if (f.bool_or("use_qk_norm", false)) n.qk = QkNorm::kPerHead;
+    } else if (model_type == "hunyuan_v1_dense" || model_type == "hunyuan_v1_moe") {
+        // HunYuanAttention: query_layernorm / key_layernorm RMSNorm(head_dim) when use_qk_norm.
+        if (f.bool_or("use_qk_norm", false)) n.qk = QkNorm::kPerHead;
+    } else if (model_type == "minimax_m2") {
+        // MiniMaxM2Attention: q_norm RMSNorm(heads x head_dim), k_norm RMSNorm(kv_heads x
+        // head_dim) (qk_norm_type "per_layer"); MiniMaxM2MoE's e_score_correction_bias when
+        // use_routing_bias.
+        n.qk = QkNorm::kAllHeads;
+        n.router_bias = f.bool_or("use_routing_bias", false);
+    } else if (model_type == "chatglm") {
+        // GLMAttention: query_key_value bias = add_bias_linear or add_qkv_bias, dense (o) bias =
+        // add_bias_linear.
+        const bool linear = f.bool_or("add_bias_linear", false);
+        n.qkv_bias = linear || f.bool_or("add_qkv_bias", false);
+        n.o_bias = linear;
+    }
+    switch (fam) {
+        case Family::kGemma2:
+        case Family::kGemma3:
+        case Family::kGemma4:
+            // Gemma2DecoderLayer / Gemma3DecoderLayer: input_layernorm, post_attention_layernorm,
+            // pre_feedforward_layernorm, post_feedforward_layernorm; Gemma 3's q_norm / k_norm
+            // RMSNorm(head_dim).
+            n.per_part = 2;
+            if (fam != Family::kGemma2) n.qk = QkNorm::kPerHead;
+            break;
+        case Family::kOlmo:
+            // Olmo2DecoderLayer: post_attention_layernorm and post_feedforward_layernorm only;
+            // Olmo2Attention's q_norm RMSNorm(hidden), k_norm RMSNorm(kv_heads x head_dim).
+            n.qk = QkNorm::kAllHeads;
+            break;
+        case Family::kCohere2:
+            // CohereDecoderLayer (commandr.py): one input_layernorm before the attention and the
+            // MLP, which run in parallel; q_norm / k_norm LayerNorm((heads, head_dim)) when
+            // use_qk_norm.
+            n.parallel = true;
+            if (f.bool_or("use_qk_norm", false)) n.qk = QkNorm::kAllHeads;
+            break;
+        case Family::kExaone4:
+            // Exaone4DecoderLayer: post_attention_layernorm and post_feedforward_layernorm;
+            // Exaone4Attention's q_norm / k_norm RMSNorm(head_dim).
+            n.qk = QkNorm::kPerHead;
+            break;
+        case Family::kLfm2:
+            // Lfm2Attention: q_layernorm / k_layernorm RMSNorm(head_dim).
+            n.qk = QkNorm::kPerHead;
+            break;
+        case Family::kGptOss:
+            // OAIAttention: qkv and o_proj with biases; MLPBlock: router nn.Linear with a bias,
+            // experts with gate_up and down biases (gpt_oss.py).
+            n.qkv_bias = n.o_bias = true;
+            n.router_bias = true;
+            n.mlp_bias = true;
+            break;
+        case Family::kFalcon: {
+            // FalconDecoderLayer (falcon.py): LayerNorms with a bias; input_layernorm and
+            // post_attention_layernorm when parallel_attn is false, else ln_attn and ln_mlp when
+            // num_ln_in_parallel_attn is 2 (its default under new_decoder_architecture), else
+            // input_layernorm alone (Falcon-7B); every Linear's bias = config.bias.
+            n.norm_bias = true;
+            const int parallel_norms = f.int_or(
+                "num_ln_in_parallel_attn", f.bool_or("new_decoder_architecture", false) ? 2 : 1);
+            n.parallel = f.bool_or("parallel_attn", true) && parallel_norms != 2;
+            const bool bias = f.bool_or("bias", false);
+            n.qkv_bias = n.o_bias = n.mlp_bias = bias;
+            break;
+        }
+        case Family::kDeepSeek:
+            // DeepseekV2MoE: the gate's e_score_correction_bias when topk_method is noaux_tc.
+            n.router_bias = f.string_or("topk_method", "") == "noaux_tc";
+            break;
+        case Family::kKimiLinear:
+            // KimiMoE: the gate's e_score_correction_bias.
+            n.router_bias = true;
+            break;
+        case Family::kNemotronH:
+            // NemotronHMoE: the gate's e_score_correction_bias; NemotronHAttention's projections
+            // bias = attention_bias, NemotronHMLP's = mlp_bias.
+            n.router_bias = true;
+            break;
+        default:
+            break;
+    }
+    if (model_type == "glm4") n.per_part = 2;  // Glm4DecoderLayer: post_self_attn / post_mlp norms
+    if (model_type == "glm4_moe") n.router_bias = true;  // Glm4MoE: e_score_correction_bias
+    // Lfm2MoeSparseMoeBlock (lfm2_moe.py): the gate's e_score_correction_bias when
+    // use_expert_bias (Lfm2MoeConfig's default true).
+    if (model_type == "lfm2_moe") n.router_bias = f.bool_or("use_expert_bias", true);
+    // Qwen2MoeSparseMoeBlock / Qwen3NextSparseMoeBlock: shared_expert_gate (hidden -> 1) beside a
+    // shared expert.
+    if ((model_type == "qwen2_moe" || fam == Family::kQwen3Next) && m.moe.shared_experts > 0)
+        n.shared_expert_gate = true;
 }
 
 ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
@@ -2683,6 +2806,7 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         if (fam == Family::kNemotronH) read_nemotron_h_mtp(f, mtp_layers, m);
     }
 
+    read_norms_and_biases(f, fam, model_type, m);
     m.layers = std::move(layers);
     if (m.uniform()) m.layers.clear();
     try {

@@ -76,6 +76,24 @@ bool holds_state(LayerKind k) {
            k == LayerKind::kShortConv;
 }
 
+std::string_view qk_norm_name(QkNorm q) {
+    switch (q) {
+        case QkNorm::kNone:
+            return "none";
+        case QkNorm::kPerHead:
+            return "per_head";
+        case QkNorm::kAllHeads:
+            return "all_heads";
+    }
+    return "?";
+}
+
+QkNorm parse_qk_norm(std::string_view s) {
+    for (QkNorm q : {QkNorm::kNone, QkNorm::kPerHead, QkNorm::kAllHeads})
+        if (s == qk_norm_name(q)) return q;
+    throw Error(detail::concat("unknown qk norm '", s, "': expected none, per_head or all_heads"));
+}
+
 namespace {
 std::string_view mlp_kind_name(MlpKind k) {
     switch (k) {
@@ -239,6 +257,29 @@ int64_t ModelSpec::kv_elems_per_token_per_layer() const {
     return 2 * int64_t{num_kv_heads} * head_dim;
 }
 
+namespace {
+
+// The q_norm / k_norm weights and q, k, v, o biases of an attention layer of kv_heads x head_dim
+// (NormsAndBiases): q and o span num_heads x head_dim, k and v kv_heads x head_dim.
+int64_t attention_norm_bias_params(const ModelSpec& m, int64_t kv_heads, int64_t head_dim) {
+    const NormsAndBiases& n = m.norms;
+    const int64_t q_width = int64_t{m.num_heads} * head_dim, kv_width = kv_heads * head_dim;
+    int64_t p = 0;
+    if (n.qk == QkNorm::kPerHead) p += 2 * head_dim;
+    if (n.qk == QkNorm::kAllHeads) p += q_width + kv_width;
+    if (n.qkv_bias) p += q_width + 2 * kv_width;
+    if (n.o_bias) p += m.hidden;
+    return p;
+}
+
+// Biases of one MLP of `width` (NormsAndBiases::mlp_bias): gate and up (or up alone) of width,
+// down of hidden.
+int64_t mlp_bias_params(const ModelSpec& m, int64_t width) {
+    return m.norms.mlp_bias ? (m.mlp_projections - 1) * width + m.hidden : 0;
+}
+
+}  // namespace
+
 int64_t ModelSpec::attention_params_per_layer() const {
     const int64_t h = hidden;
     if (is_mla()) {
@@ -250,10 +291,13 @@ int64_t ModelSpec::attention_params_per_layer() const {
         const int64_t kv_b = int64_t{mla.kv_lora_rank} * num_heads *
                              (int64_t{mla.qk_nope_head_dim} + mla.v_head_dim);
         const int64_t o = int64_t{num_heads} * mla.v_head_dim * h;
-        return q + kv_a + kv_b + o;
+        // q_a_layernorm (with a query latent) and kv_a_layernorm: vLLM's DeepseekV2MLAAttention.
+        const int64_t latent_norms = int64_t{mla.q_lora_rank} + mla.kv_lora_rank;
+        return q + kv_a + kv_b + o + latent_norms;
     }
     return h * num_heads * head_dim + 2 * h * num_kv_heads * head_dim +
-           int64_t{num_heads} * head_dim * h;
+           int64_t{num_heads} * head_dim * h +
+           attention_norm_bias_params(*this, num_kv_heads, head_dim);
 }
 
 int64_t ModelSpec::mixer_params_of_layer(int l) const {
@@ -268,7 +312,8 @@ int64_t ModelSpec::mixer_params_of_layer(int l) const {
         case LayerKind::kSlidingWindow:
         case LayerKind::kChunkedLocal:
             p = 2 * h * num_heads * s.head_dim + 2 * h * s.num_kv_heads * s.head_dim +
-                (s.learned_sinks ? num_heads : 0);
+                (s.learned_sinks ? num_heads : 0) +
+                attention_norm_bias_params(*this, s.num_kv_heads, s.head_dim);
             break;
         case LayerKind::kGatedDeltaNet: {
             if (state.kda) {
@@ -336,7 +381,8 @@ int64_t ModelSpec::mlp_params_of_layer(int l) const {
     const LayerSpec s = layer(l);
     switch (s.mlp) {
         case MlpKind::kDense:
-            return int64_t{mlp_projections} * hidden * s.intermediate;
+            return int64_t{mlp_projections} * hidden * s.intermediate +
+                   mlp_bias_params(*this, s.intermediate);
         case MlpKind::kMoe:
             return moe_params_per_layer();
         case MlpKind::kNone:
@@ -350,12 +396,15 @@ int64_t ModelSpec::dense_mlp_params_per_layer() const {
 }
 
 int64_t ModelSpec::expert_params() const {
-    return int64_t{mlp_projections} * hidden * moe.expert_intermediate;
+    return int64_t{mlp_projections} * hidden * moe.expert_intermediate +
+           mlp_bias_params(*this, moe.expert_intermediate);
 }
 
 int64_t ModelSpec::routed_expert_params() const {
     const int64_t width = moe.latent_size > 0 ? moe.latent_size : hidden;
-    return int64_t{mlp_projections} * width * moe.expert_intermediate;
+    const int64_t bias =
+        norms.mlp_bias ? (mlp_projections - 1) * int64_t{moe.expert_intermediate} + width : 0;
+    return int64_t{mlp_projections} * width * moe.expert_intermediate + bias;
 }
 
 int64_t ModelSpec::latent_projection_params() const {
@@ -365,27 +414,49 @@ int64_t ModelSpec::latent_projection_params() const {
 int64_t ModelSpec::moe_params_per_layer() const {
     if (!moe.enabled()) return 0;
     return int64_t{moe.num_experts} * routed_expert_params() +
-           int64_t{moe.shared_experts} * expert_params() + int64_t{hidden} * moe.num_experts +
+           int64_t{moe.shared_experts} * expert_params() + router_params() +
            latent_projection_params();
+}
+
+int64_t ModelSpec::router_params() const {
+    if (!moe.enabled()) return 0;
+    return int64_t{hidden} * moe.num_experts + (norms.router_bias ? moe.num_experts : 0) +
+           (norms.shared_expert_gate ? hidden : 0);
 }
 
 int64_t ModelSpec::embedding_params() const { return int64_t{vocab} * hidden; }
 
 int64_t ModelSpec::lm_head_params() const { return tie_embeddings ? 0 : int64_t{vocab} * hidden; }
 
+int64_t ModelSpec::norm_params_of_layer(int l) const {
+    const LayerSpec s = layer(l);
+    const int parts = (s.kind != LayerKind::kNoKv ? 1 : 0) + (s.mlp != MlpKind::kNone ? 1 : 0);
+    // A decoder layer of several cache layers keeps its norms on the entries holding a mixer and
+    // an MLP; the others share them: Falcon-H1's Mamba-2 branch reads the attention branch's
+    // input_layernorm (FalconH1ParallelHybrid), LongCat-Flash's MoE the post_attention_layernorm[0]
+    // output beside mlps[0] (FlashDecoderLayer).
+    if (cache_layers_per_decoder_layer > 1 && parts < 2) return 0;
+    const int64_t count = norms.parallel ? (parts > 0 ? 1 : 0) : int64_t{norms.per_part} * parts;
+    return count * hidden * (norms.norm_bias ? 2 : 1);
+}
+
+int64_t ModelSpec::final_norm_params() const { return int64_t{hidden} * (norms.norm_bias ? 2 : 1); }
+
 int64_t ModelSpec::total_params() const {
-    int64_t sum = embedding_params() + lm_head_params();
-    for (int l = 0; l < num_layers; ++l) sum += mixer_params_of_layer(l) + mlp_params_of_layer(l);
+    int64_t sum = embedding_params() + lm_head_params() + final_norm_params();
+    for (int l = 0; l < num_layers; ++l)
+        sum += mixer_params_of_layer(l) + mlp_params_of_layer(l) + norm_params_of_layer(l);
     return sum;
 }
 
 int64_t ModelSpec::active_params_per_token() const {
     const int64_t active_moe = int64_t{moe.experts_per_token} * routed_expert_params() +
-                               int64_t{moe.shared_experts} * expert_params() +
-                               int64_t{hidden} * moe.num_experts + latent_projection_params();
-    int64_t sum = int64_t{vocab} * hidden;  // LM head (tied or not, it is a matmul)
+                               int64_t{moe.shared_experts} * expert_params() + router_params() +
+                               latent_projection_params();
+    int64_t sum = int64_t{vocab} * hidden + final_norm_params();  // the LM head (tied or not)
     for (int l = 0; l < num_layers; ++l)
-        sum += mixer_params_of_layer(l) + (is_moe_layer(l) ? active_moe : mlp_params_of_layer(l));
+        sum += mixer_params_of_layer(l) + norm_params_of_layer(l) +
+               (is_moe_layer(l) ? active_moe : mlp_params_of_layer(l));
     return sum;
 }
 
@@ -419,6 +490,9 @@ void ModelSpec::validate() const {
     at_most(moe.shared_experts, 1 << 10, "moe.shared_experts");
     at_most(moe.expert_intermediate, kMaxWidth, "moe.expert_intermediate");
     at_most(moe.latent_size, kMaxHidden, "moe.latent_size");
+    require(norms.per_part >= 0 && norms.per_part <= 2, "model '", name,
+            "': norms.per_part must be 0, 1 or 2 (hidden-wide norms per mixer and per MLP), got ",
+            norms.per_part);
     for (auto [v, f] :
          {std::pair{mla.kv_lora_rank, "mla.kv_lora_rank"},
           std::pair{mla.qk_rope_head_dim, "mla.qk_rope_head_dim"},
@@ -627,9 +701,9 @@ void ModelSpec::check_computed_length(int64_t tokens, bool allow_long, std::stri
 
 void ModelSpec::validate_totals() const {
     // Each per-layer figure fits in 64 bits under the field ranges; their sums are taken wider.
-    __int128 params = embedding_params() + lm_head_params(), kv = 0, st = 0;
+    __int128 params = embedding_params() + lm_head_params() + final_norm_params(), kv = 0, st = 0;
     for (int l = 0; l < num_layers; ++l) {
-        params += mixer_params_of_layer(l) + mlp_params_of_layer(l);
+        params += mixer_params_of_layer(l) + mlp_params_of_layer(l) + norm_params_of_layer(l);
         kv += kv_bytes_per_token_of_layer(l);
         st += state_bytes_of_layer(l);
     }
@@ -717,6 +791,16 @@ std::string to_json(const ModelSpec& m) {
         {"rms_norm_eps", m.rms_norm_eps},
         {"tie_embeddings", m.tie_embeddings},
         {"mlp_projections", m.mlp_projections},
+        {"norms",
+         {{"per_part", m.norms.per_part},
+          {"parallel", m.norms.parallel},
+          {"norm_bias", m.norms.norm_bias},
+          {"qk", qk_norm_name(m.norms.qk)},
+          {"qkv_bias", m.norms.qkv_bias},
+          {"o_bias", m.norms.o_bias},
+          {"mlp_bias", m.norms.mlp_bias},
+          {"router_bias", m.norms.router_bias},
+          {"shared_expert_gate", m.norms.shared_expert_gate}}},
         {"total_params", m.total_params()},
         {"kv_bytes_per_token", m.kv_bytes_per_token()},
         {"state_bytes_per_sequence", m.state_bytes_per_sequence()},
@@ -820,6 +904,19 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
         m.tie_embeddings = j.at("tie_embeddings").get<bool>();
         m.mlp_projections = j.value("mlp_projections", 3);
         m.cache_layers_per_decoder_layer = j.value("cache_layers_per_decoder_layer", 1);
+        if (j.contains("norms")) {  // absent: NormsAndBiases' defaults (a Llama decoder)
+            const auto& n = j.at("norms");
+            const NormsAndBiases d;
+            m.norms.per_part = n.value("per_part", d.per_part);
+            m.norms.parallel = n.value("parallel", d.parallel);
+            m.norms.norm_bias = n.value("norm_bias", d.norm_bias);
+            m.norms.qk = parse_qk_norm(n.value("qk", std::string(qk_norm_name(d.qk))));
+            m.norms.qkv_bias = n.value("qkv_bias", d.qkv_bias);
+            m.norms.o_bias = n.value("o_bias", d.o_bias);
+            m.norms.mlp_bias = n.value("mlp_bias", d.mlp_bias);
+            m.norms.router_bias = n.value("router_bias", d.router_bias);
+            m.norms.shared_expert_gate = n.value("shared_expert_gate", d.shared_expert_gate);
+        }
         if (j.contains("layers")) {
             for (const auto& l : j.at("layers")) {
                 LayerSpec s;

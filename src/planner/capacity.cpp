@@ -111,17 +111,16 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
     };
     auto bytes = [&](int64_t elems) { return bytes_at(elems, base); };
     WeightBytes w;
+    // Norm weights and biases (ModelSpec::norms), at the unquantized bits: norms are replicated,
+    // as are the biases of row-parallel layers (o_proj, down_proj: added once after the
+    // all-reduce); the biases of column-parallel ones (q, k, v, gate, up) are split like their
+    // outputs.
+    const NormsAndBiases& nb = m.norms;
     int64_t norm_elems = 0;
     for (int l = rk.layer_begin; l < rk.layer_end; ++l) {
         const LayerSpec s = m.layer(l);
         int64_t attn = 0;
-        // Input and post-attention RMSNorm, once per decoder layer: of a decoder layer of several
-        // cache layers on the ones holding a mixer and an MLP (Falcon-H1's attention branch, whose
-        // input_layernorm the Mamba-2 branch shares; LongCat-Flash's two attentions, each with
-        // its input and post-attention norm, the MoE on the entry that caches nothing).
-        if (m.cache_layers_per_decoder_layer == 1 ||
-            (s.kind != LayerKind::kNoKv && s.mlp != MlpKind::kNone))
-            norm_elems += 2 * h;
+        norm_elems += m.norm_params_of_layer(l);
         switch (s.kind) {
             case LayerKind::kMla: {
                 const MlaSpec& a = m.mla;
@@ -145,6 +144,13 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
                 const int64_t kv_local = std::max(1, s.num_kv_heads / p.tp);
                 // Q and O, then K and V (replicated heads counted on every holder), sinks.
                 attn = 2 * h * q_heads * d + 2 * h * kv_local * d + (s.learned_sinks ? q_heads : 0);
+                // q_norm / k_norm whole on every rank (OLMo 2's all-heads norms run after an
+                // all-gather of q and k), q / k / v biases of the held heads, o_proj's whole.
+                if (nb.qk == QkNorm::kPerHead) norm_elems += 2 * d;
+                if (nb.qk == QkNorm::kAllHeads)
+                    norm_elems += (int64_t{m.num_heads} + s.num_kv_heads) * d;
+                if (nb.qkv_bias) norm_elems += (q_heads + 2 * kv_local) * d;
+                if (nb.o_bias) norm_elems += h;
                 break;
             }
             case LayerKind::kGatedDeltaNet:
@@ -164,17 +170,38 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
                     2 * int64_t{ix.head_dim} + h * ix.heads;
         }
         w.attention += bytes_at(attn, attn_bits);
+        // An MLP's biases: gate / up split like their outputs, down whole.
+        auto mlp_bias = [&](int64_t width_on_rank) {
+            return nb.mlp_bias ? (m.mlp_projections - 1) * width_on_rank + h : 0;
+        };
         if (s.mlp == MlpKind::kDense) {
             w.dense_mlp += bytes_at(m.mlp_projections * h * s.intermediate / tp, mlp_bits);
+            norm_elems += mlp_bias(s.intermediate / tp);
         } else if (s.mlp == MlpKind::kMoe) {
-            const int64_t routed =
-                p.ep > 1 ? int64_t{m.moe.num_experts / p.ep} * m.routed_expert_params()
-                         : int64_t{m.moe.num_experts} * m.routed_expert_params() / tp;
+            // The experts' matrices (their biases, gpt-oss's, in norm_elems below).
+            const int64_t width = m.moe.latent_size > 0 ? m.moe.latent_size : h;
+            const int64_t routed_matrix =
+                int64_t{m.mlp_projections} * width * m.moe.expert_intermediate;
+            const int64_t shared_matrix =
+                int64_t{m.mlp_projections} * h * m.moe.expert_intermediate;
+            const int64_t routed = p.ep > 1 ? int64_t{m.moe.num_experts / p.ep} * routed_matrix
+                                            : int64_t{m.moe.num_experts} * routed_matrix / tp;
             // LatentMoE's fc1 / fc2_latent_proj are ReplicatedLinear in vLLM's NemotronHMoE
             // (models/nemotron_h.py): whole on every rank, stored like the experts.
-            const int64_t shared = int64_t{m.moe.shared_experts} * m.expert_params() / tp +
-                                   m.latent_projection_params();
-            const int64_t router = h * m.moe.num_experts;
+            const int64_t shared =
+                int64_t{m.moe.shared_experts} * shared_matrix / tp + m.latent_projection_params();
+            // The router with its bias and a shared-expert gate, replicated.
+            const int64_t router = m.router_params();
+            if (nb.mlp_bias) {
+                // Whole experts under EP; split by tp like their outputs otherwise (down's bias,
+                // of hidden, whole on every rank).
+                const int64_t ei = m.moe.expert_intermediate;
+                norm_elems +=
+                    p.ep > 1
+                        ? int64_t{m.moe.num_experts / p.ep} * ((m.mlp_projections - 1) * ei + width)
+                        : int64_t{m.moe.num_experts} * ((m.mlp_projections - 1) * ei / tp + width);
+                norm_elems += int64_t{m.moe.shared_experts} * mlp_bias(ei / tp);
+            }
             w.experts += expert_bits == base
                              ? bytes(routed + shared + router)
                              : bytes_at(routed + shared, expert_bits) + bytes(router);
@@ -186,7 +213,7 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
     if (first) w.embedding = bytes(vocab_shard);
     // A tied LM head reuses the embedding only when both live on the same stage.
     if (last && (!m.tie_embeddings || p.pp > 1)) w.lm_head = bytes(vocab_shard);
-    w.norms = bytes(norm_elems + (last ? h : 0));
+    w.norms = bytes(norm_elems + (last ? m.final_norm_params() : 0));
     return w;
 }
 

@@ -113,7 +113,7 @@ TEST(HfFamilies, DeepSeekV3) {
         R"({"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168,
         "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
         "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "first_k_dense_replace": 3, "topk_method": "noaux_tc", "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
         "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 129280, "torch_dtype": "bfloat16"})",
         "deepseek/config.json");
     const auto ref = catalog_model("deepseek-v3");

@@ -230,7 +230,8 @@ TEST(HfConfigAudit, SharedExpertsOfTheirOwnWidthAreCounted) {
                                         "qwen2-57b/config.json");
     EXPECT_EQ(q.moe.shared_experts, 8);
     const int64_t h = 3584;
-    EXPECT_EQ(q.moe_params_per_layer(), (64 * 3 * h * 2560) + 3 * h * 20480 + h * 64);
+    // Qwen2MoeSparseMoeBlock's shared_expert_gate (hidden -> 1) beside the shared expert.
+    EXPECT_EQ(q.moe_params_per_layer(), (64 * 3 * h * 2560) + 3 * h * 20480 + h * 64 + h);
     // nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: moe_shared_expert_intermediate_size 3712, twice the
     // routed 1856 (it was read as one expert of 1856). Squared-ReLU MLPs: 2 projections.
     std::string nano = R"({"model_type": "nemotron_h", "head_dim": 128, "hidden_size": 2688,
@@ -244,7 +245,8 @@ TEST(HfConfigAudit, SharedExpertsOfTheirOwnWidthAreCounted) {
     const ModelSpec n = parse_hf_config(nano, "nemotron-3-nano/config.json");
     EXPECT_EQ(n.moe.shared_experts, 2);
     const int64_t d = 2688;
-    EXPECT_EQ(n.moe_params_per_layer(), 128 * 2 * d * 1856 + 2 * d * 3712 + d * 128);
+    // NemotronHMoE's gate with its e_score_correction_bias (128).
+    EXPECT_EQ(n.moe_params_per_layer(), 128 * 2 * d * 1856 + 2 * d * 3712 + d * 128 + 128);
     // A width that is not a multiple of the routed one is refused, not rounded.
     nano.replace(nano.find("3712"), 4, "3000");
     EXPECT_NE(error_of(nano).find("moe_shared_expert_intermediate_size"), std::string::npos);

@@ -888,12 +888,14 @@ TEST(RealShapes, Ernie45MoeAsVllmBuildsIt) {
     EXPECT_EQ(m.num_moe_layers(), 27);
     // By hand: attention 2560 x (2 x 2560 + 2 x 4 x 128) per layer; layer 0's dense MLP 3 x 2560
     // x 12288; each MoE layer (64 + 2) experts of 3 x 2560 x 1536 and a 2560 x 64 router; one
-    // tied embedding of 103424 x 2560.
+    // tied embedding of 103424 x 2560; input_layernorm and post_attention_layernorm per layer and
+    // the final norm.
     const int64_t attn = int64_t{2560} * (2 * 2560 + 2 * 4 * 128);
     const int64_t expert = int64_t{3} * 2560 * 1536;
     const int64_t moe_layer = 66 * expert + int64_t{2560} * 64;
     const int64_t embed = int64_t{103424} * 2560;
-    const int64_t total = 28 * attn + int64_t{3} * 2560 * 12288 + 27 * moe_layer + embed;
+    const int64_t norms = 28 * 2 * 2560 + 2560;
+    const int64_t total = 28 * attn + int64_t{3} * 2560 * 12288 + 27 * moe_layer + embed + norms;
     EXPECT_EQ(m.total_params(), total);
     EXPECT_NEAR(static_cast<double>(total), 21.8e9, 0.01 * 21.8e9);
     // Active: top 6 + 2 shared of 27 layers, the LM head once: about 3B ("A3B").
@@ -948,9 +950,12 @@ TEST(RealShapes, HunyuanMoeAsVllmBuildsIt) {
     EXPECT_EQ(m.moe.expert_intermediate, 3072);
     EXPECT_EQ(m.moe.shared_experts, 1);
     EXPECT_EQ(m.num_moe_layers(), 32);
-    const int64_t attn = int64_t{4096} * (2 * 4096 + 2 * 8 * 128);
+    // Attention with query_layernorm / key_layernorm of head_dim (use_qk_norm), two norms per
+    // layer and the final one.
+    const int64_t attn = int64_t{4096} * (2 * 4096 + 2 * 8 * 128) + 2 * 128;
     const int64_t expert = int64_t{3} * 4096 * 3072;
-    const int64_t total = 32 * (attn + 65 * expert + int64_t{4096} * 64) + int64_t{128167} * 4096;
+    const int64_t total =
+        32 * (attn + 65 * expert + int64_t{4096} * 64 + 2 * 4096) + int64_t{128167} * 4096 + 4096;
     EXPECT_EQ(m.total_params(), total);
     EXPECT_NEAR(static_cast<double>(total), 80.4e9, 0.01 * 80.4e9);
     EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 13e9, 0.05 * 13e9);
@@ -1003,12 +1008,13 @@ TEST(RealShapes, BambaAsVllmBuildsIt) {
     EXPECT_EQ(m.kv_bytes_per_token(), int64_t{3} * 2 * 8 * 128 * 2);
     // Published: 9.78B. By hand: attention 4096 x (2 x 4096 + 2 x 1024); Mamba-2 in_proj 4096 x
     // (8192 + 8448 + 128), conv 8448 x (4 + 1), A + D + dt_bias 3 x 128, norm 8192, out_proj
-    // 8192 x 4096; MLP 3 x 4096 x 14336 on all 32 layers; untied embedding and LM head.
+    // 8192 x 4096; MLP 3 x 4096 x 14336 on all 32 layers; untied embedding and LM head;
+    // input_layernorm and pre_ff_layernorm per layer, final_layernorm.
     const int64_t attn = int64_t{4096} * (2 * 4096 + 2 * 1024);
     const int64_t mamba =
         int64_t{4096} * (8192 + 8448 + 128) + 8448 * 5 + 3 * 128 + 8192 + int64_t{8192} * 4096;
-    const int64_t total =
-        3 * attn + 29 * mamba + int64_t{32} * 3 * 4096 * 14336 + 2 * int64_t{128256} * 4096;
+    const int64_t total = 3 * attn + 29 * mamba + int64_t{32} * 3 * 4096 * 14336 +
+                          2 * int64_t{128256} * 4096 + 32 * 2 * 4096 + 4096;
     EXPECT_EQ(m.total_params(), total);
     EXPECT_NEAR(static_cast<double>(total), 9.78e9, 0.01 * 9.78e9);
 
@@ -1220,7 +1226,11 @@ TEST(RealShapes, JambaAsVllmBuildsIt) {
     const int64_t attn_p = int64_t{4096} * (2 * 4096 + 2 * 1024);
     const int64_t mlp = int64_t{3} * 4096 * 14336;
     const int64_t moe = 16 * mlp + int64_t{4096} * 16;
-    const int64_t total = 4 * attn_p + 28 * mixer + 16 * mlp + 16 * moe + 2 * int64_t{65536} * 4096;
+    // input_layernorm and pre_ff_layernorm per layer, final_layernorm (the Mamba dt / B / C norms
+    // are not counted).
+    const int64_t norms = 32 * 2 * 4096 + 4096;
+    const int64_t total =
+        4 * attn_p + 28 * mixer + 16 * mlp + 16 * moe + 2 * int64_t{65536} * 4096 + norms;
     EXPECT_EQ(m.total_params(), total);
     EXPECT_NEAR(static_cast<double>(total), 51.6e9, 0.01 * 51.6e9);
     EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 12e9, 0.05 * 12e9);
@@ -1293,9 +1303,10 @@ TEST(RealShapes, HunyuanDenseAsVllmBuildsIt) {
     const ModelSpec hy = load_hf_config(config_path("hy-mt2-7b"));
     const ModelSpec llama = load_hf_config(config_path("llama-3.1-8b"));
     EXPECT_EQ(hy.kv_bytes_per_token(), llama.kv_bytes_per_token());
-    // The same layers; a tied embedding of 128167 rows instead of Llama's two of 128256.
-    EXPECT_EQ(hy.total_params(),
-              llama.total_params() - int64_t{128256} * 4096 * 2 + int64_t{128167} * 4096);
+    // The same layers plus HunYuanAttention's query_layernorm / key_layernorm of head_dim 128
+    // (use_qk_norm); a tied embedding of 128167 rows instead of Llama's two of 128256.
+    EXPECT_EQ(hy.total_params(), llama.total_params() + 32 * 2 * 128 - int64_t{128256} * 4096 * 2 +
+                                     int64_t{128167} * 4096);
     nlohmann::json j = nlohmann::json::parse(read_file(config_path("hy-mt2-7b")));
     j["num_experts"] = 1;  // _is_moe: not above 1, the dense MLP
     EXPECT_EQ(parse_hf_config(j.dump(), "h.json").total_params(), hy.total_params());
@@ -1531,25 +1542,27 @@ TEST(RealShapes, NemotronHLatentMoeAsVllmBuildsIt) {
     // The Mamba-2 state: 128 heads of 64, 8 groups of state 128, conv 4, the SSM state at fp32.
     EXPECT_EQ(m.state_bytes_per_sequence(), 40 * state_bf16_ssm_fp32(128, 64, 8, 128, 4, 1));
     // Parameters by hand. Routed expert: up + down at the latent, 2 x 1024 x 2688; shared
-    // expert: 2 x 4096 x 5376; latent projections 2 x 4096 x 1024; router 4096 x 512.
+    // expert: 2 x 4096 x 5376; latent projections 2 x 4096 x 1024; router 4096 x 512 and its
+    // e_score_correction_bias of 512 (NemotronHMoE).
     const int64_t routed = 2LL * 1024 * 2688, shared = 2LL * 4096 * 5376;
-    const int64_t latent = 2LL * 4096 * 1024, router = 4096LL * 512;
+    const int64_t latent = 2LL * 4096 * 1024, router = 4096LL * 512 + 512;
     EXPECT_EQ(m.routed_expert_params(), routed);
     EXPECT_EQ(m.latent_projection_params(), latent);
     EXPECT_EQ(m.moe_params_per_layer(), 512 * routed + shared + latent + router);
     // Mamba-2 (in_proj 4096 x (8192 + 10240 + 128), conv1d 10240 x (4 + 1), A / D / dt_bias,
     // norm 8192, out_proj 8192 x 4096), attention (Q, O 4096 x 4096; K, V 4096 x 256),
-    // untied embedding and LM head 131072 x 4096.
+    // untied embedding and LM head 131072 x 4096; one norm per layer and norm_f.
+    const int64_t norms = 88 * 4096 + 4096;
     const int64_t mamba_p =
         4096LL * (8192 + 10240 + 128) + 10240 * 5 + 3 * 128 + 8192 + 8192LL * 4096;
     const int64_t attention_p = 2LL * 4096 * 4096 + 2LL * 4096 * 256;
     const int64_t vocab = 131072LL * 4096;
-    const int64_t total =
-        40 * mamba_p + 8 * attention_p + 40 * (512 * routed + shared + latent + router) + 2 * vocab;
-    EXPECT_EQ(m.total_params(), total);  // 120,668,322,816
-    const int64_t active =
-        40 * mamba_p + 8 * attention_p + 40 * (22 * routed + shared + latent + router) + vocab;
-    EXPECT_EQ(m.active_params_per_token(), active);  // 12,232,981,504
+    const int64_t total = 40 * mamba_p + 8 * attention_p +
+                          40 * (512 * routed + shared + latent + router) + 2 * vocab + norms;
+    EXPECT_EQ(m.total_params(), total);  // 120,668,707,840
+    const int64_t active = 40 * mamba_p + 8 * attention_p +
+                           40 * (22 * routed + shared + latent + router) + vocab + norms;
+    EXPECT_EQ(m.active_params_per_token(), active);  // 12,233,366,528
     // Published: 120B total, 12B active ("Nemotron 3 Super 120B-A12B").
     EXPECT_NEAR(static_cast<double>(m.total_params()), 120e9, 0.01 * 120e9);
     EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 12e9, 0.03 * 12e9);
@@ -1614,16 +1627,19 @@ TEST(RealShapes, Lfm2MoeAsVllmBuildsIt) {
     EXPECT_TRUE(m.tie_embeddings);  // Lfm2MoeConfig's default
     // Parameters by hand: embedding 65536 x 2048 (tied); 6 attention layers (Q, O 2048^2; K, V
     // 2048 x 512); 18 short convs (in_proj 3 x 2048^2, out_proj 2048^2, conv 2048 x 3); 2 dense
-    // MLPs 3 x 2048 x 7168; 22 MoE layers of 32 experts 3 x 2048 x 1792 and the gate 2048 x 32.
+    // MLPs 3 x 2048 x 7168; 22 MoE layers of 32 experts 3 x 2048 x 1792, the gate 2048 x 32 and
+    // its e_score_correction_bias of 32 (use_expert_bias); q_layernorm / k_layernorm of 64 on the
+    // attention layers; operator_norm and ffn_norm per layer, the final embedding_norm.
     const int64_t h = 2048, vocab = 65536 * h;
-    const int64_t attention = 2 * h * h + 2 * h * 512, conv = 4 * h * h + 3 * h;
-    const int64_t dense = 3 * h * 7168, expert = 3 * h * 1792, router = h * 32;
+    const int64_t attention = 2 * h * h + 2 * h * 512 + 2 * 64, conv = 4 * h * h + 3 * h;
+    const int64_t dense = 3 * h * 7168, expert = 3 * h * 1792, router = h * 32 + 32;
+    const int64_t norms = 24 * 2 * h + h;
     const int64_t total =
-        vocab + 6 * attention + 18 * conv + 2 * dense + 22 * (32 * expert + router);
-    EXPECT_EQ(m.total_params(), total);  // 8,339,828,736
+        vocab + 6 * attention + 18 * conv + 2 * dense + 22 * (32 * expert + router) + norms;
+    EXPECT_EQ(m.total_params(), total);  // 8,339,930,560
     const int64_t active =
-        vocab + 6 * attention + 18 * conv + 2 * dense + 22 * (4 * expert + router);
-    EXPECT_EQ(m.active_params_per_token(), active);  // 1,557,639,168
+        vocab + 6 * attention + 18 * conv + 2 * dense + 22 * (4 * expert + router) + norms;
+    EXPECT_EQ(m.active_params_per_token(), active);  // 1,557,740,992
     // Published: 8.3B total, 1.5B active.
     EXPECT_NEAR(static_cast<double>(m.total_params()), 8.3e9, 0.01 * 8.3e9);
     EXPECT_NEAR(static_cast<double>(m.active_params_per_token()), 1.5e9, 0.05 * 1.5e9);

@@ -178,6 +178,39 @@ struct MtpSpec {
     bool operator==(const MtpSpec&) const = default;
 };
 
+// The q_norm / k_norm weights an attention layer holds (RMSNorms of the queries and keys before
+// RoPE): none; one of head_dim each, shared by the heads (Qwen3's q_norm / k_norm, Gemma 3,
+// Hunyuan, LFM2); or one over all heads, num_heads x head_dim and num_kv_heads x head_dim (OLMo 2,
+// MiniMax-M2's per_layer norms).
+enum class QkNorm { kNone, kPerHead, kAllHeads };
+std::string_view qk_norm_name(QkNorm q);  // "none", "per_head", "all_heads"
+QkNorm parse_qk_norm(std::string_view s);
+
+// The checkpoint's norm weights and biases beside its weight matrices, as vLLM loads them
+// (docs/model.md, "Parameters"). The defaults are a Llama decoder: one RMSNorm before the mixer,
+// one before the MLP, a final norm, no biases.
+struct NormsAndBiases {
+    // Hidden-wide norms per part of a layer (its mixer, its MLP; a layer without one has none for
+    // it): 1 (Llama's input_layernorm and post_attention_layernorm, Nemotron-H's norm per layer,
+    // OLMo 2's post norms), 2 (Gemma 2 / 3 and GLM-4: a norm before and after each).
+    int per_part = 1;
+    // One norm before the mixer and the MLP together, which run in parallel (Falcon-7B's
+    // input_layernorm, Cohere's): per_part does not apply.
+    bool parallel = false;
+    bool norm_bias = false;  // LayerNorms with a bias (Falcon): every hidden-wide norm counts twice
+    QkNorm qk = QkNorm::kNone;  // attention layers' q_norm / k_norm
+    bool qkv_bias = false;      // q, k and v projections carry a bias (Qwen2, attention_bias)
+    bool o_bias = false;        // the output projection carries one (Llama's attention_bias)
+    // Every dense MLP and expert projection carries one (mlp_bias; gpt-oss's experts):
+    // (mlp_projections - 1) x width + hidden per MLP.
+    bool mlp_bias = false;
+    // A bias of one per routed expert beside the router (DeepSeek-V3's e_score_correction_bias
+    // under noaux_tc, gpt-oss's router bias).
+    bool router_bias = false;
+    bool shared_expert_gate = false;  // Qwen2-MoE / Qwen3-Next: a hidden -> 1 gate per MoE layer
+    bool operator==(const NormsAndBiases&) const = default;
+};
+
 // How a caller lets a sequence past max_model_len (ModelSpec::check_sequence_length's message).
 inline constexpr std::string_view kAllowLongContextFlag = "--allow-long-context";
 inline constexpr std::string_view kAllowLongContextKwarg = "Python allow_long_context=True";
@@ -211,6 +244,7 @@ struct ModelSpec {
     // Weight matrices of a dense MLP and of each expert: 3 gated (SwiGLU, GeGLU), 2 plain up/down
     // (Falcon's GELU, Nemotron-H's squared ReLU).
     int mlp_projections = 3;
+    NormsAndBiases norms;  // the checkpoint's norm weights and biases (total_params counts them)
     // One entry per layer, or empty: every layer full attention (MLA when attention is kMla) with
     // num_kv_heads x head_dim and the MoE / dense MLP of is_moe_layer.
     std::vector<LayerSpec> layers;
@@ -267,8 +301,16 @@ struct ModelSpec {
     // LatentMoE's two projections (hidden -> latent, latent -> hidden) per MoE layer; 0 without.
     int64_t latent_projection_params() const;
     int64_t moe_params_per_layer() const;  // all routed + shared experts + router
-    int64_t embedding_params() const;      // vocab * hidden
-    int64_t lm_head_params() const;        // 0 when tied
+    // The router (hidden -> num_experts) with its bias and a shared-expert gate when the model
+    // has them (NormsAndBiases); 0 for a dense model.
+    int64_t router_params() const;
+    int64_t embedding_params() const;  // vocab * hidden
+    int64_t lm_head_params() const;    // 0 when tied
+    // The hidden-wide norms of layer l (norms.per_part per part it holds, or one when parallel;
+    // twice with norm_bias); its q_norm / k_norm and biases are in mixer_params_of_layer, its MLP
+    // biases in mlp_params_of_layer.
+    int64_t norm_params_of_layer(int l) const;
+    int64_t final_norm_params() const;  // the norm after the last layer
     int64_t total_params() const;
     int64_t active_params_per_token() const;  // what one token multiplies through (top-k experts)
 

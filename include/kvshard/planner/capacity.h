@@ -86,7 +86,9 @@ struct WeightBytes {
                             // shared experts (split by tp) and the router (replicated)
     int64_t embedding = 0;  // first PP stage, vocab split by tp
     int64_t lm_head = 0;    // last PP stage, vocab split by tp (also when tied and pp > 1)
-    int64_t norms = 0;      // RMSNorm weights, replicated
+    // Norm weights (replicated) and biases (ModelSpec::norms: split with the outputs of column-
+    // parallel projections, whole for row-parallel ones and the router), unquantized.
+    int64_t norms = 0;
     // Speculating with MTP (CapacityOptions::speculative_tokens): the MTP layers' decoder layers
     // (sized as the model's own layers), their eh_proj / fc and three norms each.
     int64_t drafter = 0;
