@@ -105,16 +105,16 @@ TEST(CapacityMtp, DeepSeekV3Tp8AddsAnMlaLayerToItsOneGroup) {
     EXPECT_EQ(mla, 36634624);
     const int64_t mla_bytes = mla + mla / 4096;  // x (1 + 1/4096): the block scales
     // MoE (FusedMoE split by tp at ep 1): 256 routed + 1 shared expert of 3 x 7168 x 2048, fp8;
-    // the gate (7168 x 256) in bf16.
+    // the gate (7168 x 256) and its e_score_correction_bias (256, noaux_tc) in bf16.
     const int64_t expert = 3 * h * 2048;
     const int64_t experts = (256 * expert + expert) / 8;
-    const int64_t moe_bytes = experts + experts / 4096 + 2 * h * 256;
+    const int64_t moe_bytes = experts + experts / 4096 + 2 * (h * 256 + 256);
     // Norms in bf16: the layer's two, q_a_layernorm (1536), kv_a_layernorm (512); then eh_proj
     // (2h x h, unquantized nn.Linear, whole) with enorm, hnorm and shared_head.norm.
     const int64_t norm_bytes = 2 * (2 * h + 1536 + 512);
     const int64_t eh_bytes = 2 * (2 * h * h + 3 * h);
     const int64_t drafter = mla_bytes + moe_bytes + norm_bytes + eh_bytes;
-    EXPECT_EQ(drafter, 1661046832);  // 1.55 GiB per GPU
+    EXPECT_EQ(drafter, 1661047344);  // 1.55 GiB per GPU
     EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
     EXPECT_EQ(off.ranks[0].weights.drafter, 0);
     EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
@@ -145,14 +145,15 @@ TEST(CapacityMtp, GlmAirTp4AddsAGqaLayer) {
     const CapacityReport off = on_h100(m, 4, 0);
     const CapacityReport on = on_h100(m, 4, 1);
     // Glm4MoeDecoderLayer at tp 4: 24 of 96 query heads, 2 of 8 KV heads of 128 (Q, K, V, O);
-    // 128 routed + 1 shared expert of 3 x 4096 x 1408 split by tp, the gate whole; two norms;
-    // eh_proj 2h x h whole and three norms. All bf16.
+    // q, k, v biases of the held heads (attention_bias); 128 routed + 1 shared expert of 3 x
+    // 4096 x 1408 split by tp, the gate and its e_score_correction_bias whole; two norms; eh_proj
+    // 2h x h whole and three norms. All bf16.
     const int64_t h = 4096;
-    const int64_t attn = 2 * h * 24 * 128 + 2 * h * 2 * 128;
+    const int64_t attn = 2 * h * 24 * 128 + 2 * h * 2 * 128 + (24 + 2 * 2) * 128;
     const int64_t expert = 3 * h * 1408;
-    const int64_t moe = (128 * expert + expert) / 4 + h * 128;
+    const int64_t moe = (128 * expert + expert) / 4 + h * 128 + 128;
     const int64_t drafter = 2 * (attn + moe + 2 * h + 2 * h * h + 3 * h);
-    EXPECT_EQ(drafter, 1238671360);
+    EXPECT_EQ(drafter, 1238678784);
     EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
     EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
     // One full-attention group of 46 (47) layers; a page is 16 tokens x 2 x 2 heads x 128 x bf16.
@@ -195,14 +196,15 @@ TEST(CapacityMtp, QwenNextTp4RegroupsAndHoldsSpeculativeStates) {
     EXPECT_EQ(on.engine.speculative_blocks, 2);
 
     // Drafter at tp 4: Q/K/V/O of 4 query heads and 1 KV head of 256 (as kvshard sizes the
-    // model's own full layers), 512 routed + 1 shared expert of 3 x 2048 x 512 split by tp, the
-    // gate whole, two norms; fc (2h x h) split by tp and three norms. bf16.
+    // model's own full layers) with q_norm / k_norm of 256, 512 routed + 1 shared expert of 3 x
+    // 2048 x 512 split by tp, the gate and the shared_expert_gate (h) whole, two norms; fc (2h x
+    // h) split by tp and three norms. bf16.
     const int64_t h = 2048;
-    const int64_t attn = 2 * h * 4 * 256 + 2 * h * 1 * 256;
+    const int64_t attn = 2 * h * 4 * 256 + 2 * h * 1 * 256 + 2 * 256;
     const int64_t expert = 3 * h * 512;
-    const int64_t moe = (512 * expert + expert) / 4 + h * 512;
+    const int64_t moe = (512 * expert + expert) / 4 + h * 512 + h;
     const int64_t drafter = 2 * (attn + moe + 2 * h + 2 * h * h / 4 + 3 * h);
-    EXPECT_EQ(drafter, 823676928);
+    EXPECT_EQ(drafter, 823682048);
     EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
     EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
 
@@ -373,22 +375,24 @@ TEST(CapacityMtp, NemotronSuperLatentMoeOnEightH100s) {
     // moe_latent_size = 1024, up and down of 2688) split over tp at ep 1, as kvshard splits
     // experts; the shared expert (NemotronHMLP at hidden, 5376 wide) split by tp;
     // fc1_latent_proj / fc2_latent_proj (ReplicatedLinear, 4096 x 1024 each) and the router
-    // (4096 x 512) whole on every rank.
+    // (4096 x 512, with its e_score_correction_bias of 512) whole on every rank.
     const int64_t h = 4096;
     const int64_t routed = 2 * 1024 * 2688, shared = 2 * h * 5376, latent = 2 * h * 1024;
-    const int64_t moe = 512 * routed / 8 + shared / 8 + latent + h * 512;
+    const int64_t router = h * 512 + 512;
+    const int64_t moe = 512 * routed / 8 + shared / 8 + latent + router;
     EXPECT_EQ(off.ranks[0].weights.experts, 40 * moe * 2);  // 40 MoE layers, bf16
     // Under ep 8 each rank holds 64 whole routed experts; the rest as at ep 1.
     ParallelConfig ep;
     ep.tp = 8;
     ep.ep = 8;
     EXPECT_EQ(rank_weight_bytes(make_layout(m, ep), 3).experts,
-              40 * 2 * (64 * routed + shared / 8 + latent + h * 512));
+              40 * 2 * (64 * routed + shared / 8 + latent + router));
     // The drafter ("*E"): the attention layer (Q and O of 4 of 32 heads, K and V of 1 of 2 KV
-    // heads replicated, head_dim 128), the latent MoE layer, two norms a layer, eh_proj (2h x h
-    // split by tp), enorm, hnorm and final_layernorm.
+    // heads replicated, head_dim 128), the latent MoE layer, one norm a layer (NemotronH's
+    // decoder layers hold one mixer each), eh_proj (2h x h split by tp), enorm, hnorm and
+    // final_layernorm.
     const int64_t attention = 2 * h * 4 * 128 + 2 * h * 1 * 128;
-    const int64_t drafter = 2 * (attention + moe + 2 * 2 * h + 2 * h * h / 8 + 3 * h);
+    const int64_t drafter = 2 * (attention + moe + 2 * h + 2 * h * h / 8 + 3 * h);
     EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
     EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
     // KV: 8 attention layers of 1 KV head of 128 per rank, bf16; 9 with the drafter's.
@@ -426,13 +430,13 @@ TEST(CapacityMtp, NemotronHTp2GrowsItsMamba2ConvStatesAndAddsAnAttentionLayer) {
 
     // The drafter per rank, bf16: the attention layer (Q and O of 16 of 32 heads, K and V of 1 of
     // 2 KV heads, head_dim 128), the MoE layer (128 routed and a shared expert of twice 1856,
-    // squared-ReLU: up and down, split by tp; the router whole), two norms a layer as the planner
-    // counts the model's, eh_proj (2h x h split by tp) and enorm, hnorm, final_layernorm.
+    // squared-ReLU: up and down, split by tp; the router and its e_score_correction_bias whole),
+    // one norm a layer, eh_proj (2h x h split by tp) and enorm, hnorm, final_layernorm.
     const int64_t h = 2688;
     const int64_t attention = 2 * h * 16 * 128 + 2 * h * 1 * 128;
     const int64_t expert = 2 * h * 1856;
-    const int64_t moe = 128 * expert / 2 + 2 * expert / 2 + h * 128;
-    const int64_t drafter = 2 * (attention + moe + 2 * 2 * h + 2 * h * h / 2 + 3 * h);
+    const int64_t moe = 128 * expert / 2 + 2 * expert / 2 + h * 128 + 128;
+    const int64_t drafter = 2 * (attention + moe + 2 * h + 2 * h * h / 2 + 3 * h);
     EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
     EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
 }

@@ -128,9 +128,42 @@ TEST(Capacity, EmbeddingOnFirstStageLmHeadOnLast) {
     const auto one = rank_weight_bytes(make_layout(tied, cfg(1)), 0);
     EXPECT_EQ(one.lm_head, 0);
     EXPECT_EQ(one.embedding, 128256LL * 4096 * 2);
-    // Whole-model weights over tp=1 equal the parameter count (plus norms).
+    // Whole-model weights over tp=1 equal the parameter count, norms included.
     const auto all = rank_weight_bytes(make_layout(m, cfg(1)), 0);
-    EXPECT_EQ(all.total() - all.norms, m.total_params() * 2);
+    EXPECT_EQ(all.total(), m.total_params() * 2);
+}
+
+// Norms and biases per rank as vLLM shards them: RMSNorm weights and row-parallel biases whole on
+// every rank, the q / k / v biases of QKVParallelLinear split with their heads (KV heads
+// replicated where tp exceeds them).
+TEST(Capacity, NormsReplicatedColumnParallelBiasesSplit) {
+    ModelSpec qwen = catalog_model("qwen2.5-72b");  // q, k, v biases (vLLM qwen2.py)
+    ASSERT_TRUE(qwen.norms.qkv_bias);
+    const auto whole = rank_weight_bytes(make_layout(qwen, cfg(1)), 0);
+    EXPECT_EQ(whole.total(), qwen.total_params() * 2);
+    // tp 4: 16 of 64 query heads and 2 of 8 KV heads of 128 per rank.
+    const auto tp4 = rank_weight_bytes(make_layout(qwen, cfg(4)), 0);
+    EXPECT_EQ(tp4.norms, 2 * (80 * (2 * 8192 + 16 * 128 + 2 * 2 * 128) + 8192));
+    // tp 16: 4 query heads, one (replicated) KV head per rank.
+    const auto tp16 = rank_weight_bytes(make_layout(qwen, cfg(16)), 0);
+    EXPECT_EQ(tp16.norms, 2 * (80 * (2 * 8192 + 4 * 128 + 2 * 1 * 128) + 8192));
+    // o_proj's bias (attention_bias in Llama) and down_proj's are added once after the
+    // all-reduce: whole on every rank; gate / up biases split with their columns.
+    ModelSpec llama = catalog_model("llama-3.1-8b");
+    llama.norms.qkv_bias = llama.norms.o_bias = llama.norms.mlp_bias = true;
+    EXPECT_EQ(rank_weight_bytes(make_layout(llama, cfg(1)), 0).total(), llama.total_params() * 2);
+    const auto b2 = rank_weight_bytes(make_layout(llama, cfg(2)), 0);
+    EXPECT_EQ(b2.norms,
+              2 * (32 * (2 * 4096 + (16 + 2 * 4) * 128 + 4096 + 2 * 14336 / 2 + 4096) + 4096));
+    // Qwen3's q_norm / k_norm of head_dim are replicated.
+    ModelSpec qk = catalog_model("qwen3-235b-a22b");
+    ASSERT_EQ(qk.norms.qk, QkNorm::kPerHead);
+    EXPECT_EQ(rank_weight_bytes(make_layout(qk, cfg(8)), 0).norms,
+              2 * (94 * (2 * 4096 + 2 * 128) + 4096));
+    // A router's bias is whole on every rank, beside the router.
+    ModelSpec ds = catalog_model("deepseek-v3");
+    const auto d1 = rank_weight_bytes(make_layout(ds, cfg(1)), 0, 16);
+    EXPECT_EQ(d1.total(), ds.total_params() * 2);
 }
 
 TEST(Capacity, CpSpreadsOneRequestOverCpGpus) {

@@ -36,20 +36,22 @@ TEST(CapacityVllm, Gemma3PadsItsSixSlidingGroupsToTenLayers) {
     EXPECT_EQ(c.engine.padding_slots(), 8);
     const int64_t page = 16 * 2 * 16 * 128 * 2;  // tokens x (K,V) x heads x d x bf16
     EXPECT_EQ(c.engine.page_bytes, page);
+    // The budget counts Gemma 3's four norms per layer and its q_norm / k_norm (head_dim 128):
+    // 62 x (4 x 5376 + 2 x 128) bf16 weights beside the matrices.
     const int64_t budget = c.ranks[0].kv_budget_bytes;
-    EXPECT_EQ(budget, 21144600064);
-    EXPECT_EQ(c.kv_blocks_per_gpu, budget / page / 10);  // 16,132
-    EXPECT_EQ(c.kv_blocks_per_gpu, 16132);
-    EXPECT_EQ(c.kv_tokens_per_gpu, 16132 / 7 * 16);  // vLLM logs 36,864 (was 41,616)
+    EXPECT_EQ(budget, 21143235072);
+    EXPECT_EQ(c.kv_blocks_per_gpu, budget / page / 10);  // 16,131
+    EXPECT_EQ(c.kv_blocks_per_gpu, 16131);
+    EXPECT_EQ(c.kv_tokens_per_gpu, 16131 / 7 * 16);  // vLLM logs 36,864 (was 41,616)
     EXPECT_EQ(c.kv_tokens_per_gpu, 36864);
     // 8192 tokens: the full group 512 blocks, each sliding group ceil(1024/16) + 1 = 65.
     EXPECT_EQ(c.request_blocks, 512 + 6 * 65);
-    EXPECT_EQ(c.requests_per_replica, 16132 / 902);  // 17 (was 19)
+    EXPECT_EQ(c.requests_per_replica, 16131 / 902);  // 17 (was 19)
     EXPECT_EQ(c.requests_per_replica, 17);
     EXPECT_EQ(c.request_kv_bytes, 902 * page * 10);
-    // vLLM's startup check: ceil(M/16) + 6 x (ceil((1023 + 8192)/16) + 1) <= 16,132 blocks.
-    EXPECT_EQ(c.max_context, (16132 - 6 * (576 + 1)) * 16);
-    EXPECT_EQ(c.max_context, 202720);  // was 252,704
+    // vLLM's startup check: ceil(M/16) + 6 x (ceil((1023 + 8192)/16) + 1) <= 16,131 blocks.
+    EXPECT_EQ(c.max_context, (16131 - 6 * (576 + 1)) * 16);
+    EXPECT_EQ(c.max_context, 202704);  // was 252,704
     EXPECT_TRUE(c.fits);
 }
 
@@ -62,7 +64,7 @@ TEST(CapacityVllm, LongestRequestIsVllmsStartupCheck) {
     EXPECT_NE(c.why_not.find("max_num_batched_tokens"), std::string::npos) << c.why_not;
     CapacityOptions small;
     small.max_num_batched_tokens = 2048;
-    EXPECT_EQ(on_h100("gemma-3-27b", 1, 0, small).max_context, 239584);
+    EXPECT_EQ(on_h100("gemma-3-27b", 1, 0, small).max_context, 239568);
 }
 
 CapacityReport nemotron_h(DType ssm, int64_t context, CapacityOptions o = {}) {
@@ -304,13 +306,15 @@ TEST(CapacityVllm, LongcatFlashOneMlaGroupAndItsNorms) {
 }
 
 TEST(CapacityVllm, UnpaddedHybridsKeepTheirFigures) {
-    // gpt-oss-120b: 18 sliding(128) + 18 full, group size 18, no padding.
+    // gpt-oss-120b: 18 sliding(128) + 18 full, group size 18, no padding. Its weights include
+    // the bf16 biases of attention, router and experts (gpt_oss.py), 40 M parameters.
     const CapacityReport g = on_h100("gpt-oss-120b", 1, 8192);
     EXPECT_EQ(g.engine.padding_slots(), 0);
-    EXPECT_EQ(g.kv_tokens_per_gpu, 135536);
-    EXPECT_EQ(g.requests_per_replica, 16942 / (512 + 9));  // 32
-    // vLLM's check: ceil(M/16) + ceil((127 + 8192)/16) + 1 <= 16,942.
-    EXPECT_EQ(g.max_context, (16942 - 521) * 16);
+    EXPECT_EQ(g.kv_blocks_per_gpu, 16806);
+    EXPECT_EQ(g.kv_tokens_per_gpu, 16806 / 2 * 16);        // 134,448 (135,536 without the biases)
+    EXPECT_EQ(g.requests_per_replica, 16806 / (512 + 9));  // 32
+    // vLLM's check: ceil(M/16) + ceil((127 + 8192)/16) + 1 <= 16,806.
+    EXPECT_EQ(g.max_context, (16806 - 521) * 16);
     // Llama-4-Scout tp4: 36 chunked(8192) + 12 full, group size 12.
     EXPECT_EQ(on_h100("llama-4-scout", 4, 8192).kv_tokens_per_gpu, 432736);
     // Llama-3.1-70B: one group, as before (capacity_test.cpp's 1,404,320 at tp8).

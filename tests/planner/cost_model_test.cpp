@@ -269,8 +269,10 @@ TEST(CostModel, PrefillReadsTheExpertsItsTokensHit) {
         return estimate_cost(m, cfg(2), hw, work(S, S, 1)).prefill.hbm_bytes;
     };
     auto hit = [](double T) { return 1 - std::pow(1 - 4.0 / 128, T); };
-    // Bytes per layer per rank: the checkpoint's MXFP4 experts, 4.25 bits a weight.
-    const double experts = 128.0 * 3 * 2880 * 2880 / 2 * 4.25 / 8;
+    // Bytes per layer per rank: the checkpoint's MXFP4 experts, 4.25 bits a weight, with their
+    // gate_up and down biases (3 x 2880, gpt_oss.py), which the cost model reads at the experts'
+    // rate (bf16 in the checkpoint: 0.1% of an expert, not worth a rate of their own).
+    const double experts = 128.0 * (3 * 2880 * 2880 + 3 * 2880) / 2 * 4.25 / 8;
     const double kv = 2 * 4 * 64 * 2;  // K and V, 4 of 8 heads, bf16
     const double act = 2 * 2880 * 2;   // in and out, bf16
     EXPECT_NEAR(bytes(16) - bytes(8), 36 * ((hit(16) - hit(8)) * experts + 8 * (kv + act)),

@@ -159,16 +159,20 @@ TEST(WeightStorage, GptOssExpertsAreSizedInMxfp4) {
     const ModelSpec m = catalog_model("gpt-oss-120b");
     const KvLayout layout = make_layout(m, tp(1));
     const WeightBytes w = rank_weight_bytes(layout, 0);
-    // Per layer: 128 experts of 3 x 2880 x 2880 at 4.25 bits, the router (2880 x 128) in bf16.
-    const int64_t experts_per_layer = 128LL * 3 * 2880 * 2880 * 425 / 800 + 2880LL * 128 * 2;
+    // Per layer: 128 experts of 3 x 2880 x 2880 at 4.25 bits, the router (2880 x 128 and its
+    // bias of 128) in bf16. The experts' biases (gate_up 2 x 2880, down 2880 each) are bf16
+    // too, counted with the norms.
+    const int64_t experts_per_layer =
+        128LL * 3 * 2880 * 2880 * 425 / 800 + (2880LL * 128 + 128) * 2;
     EXPECT_EQ(w.experts, 36 * experts_per_layer);
-    EXPECT_EQ(w.experts, 60940615680LL);
+    EXPECT_EQ(w.experts, 60940624896LL);
+    EXPECT_EQ(w.norms, 2 * (36 * (2 * 2880 + (64 + 2 * 8) * 64 + 2880 + 128 * 3 * 2880) + 2880));
     // Attention, embedding and LM head as in bf16.
     const WeightBytes bf16 = rank_weight_bytes(layout, 0, 16);
     EXPECT_EQ(w.attention, bf16.attention);
     EXPECT_EQ(w.embedding, bf16.embedding);
     EXPECT_EQ(w.lm_head, bf16.lm_head);
-    EXPECT_EQ(bf16.experts, 36 * (128LL * 3 * 2880 * 2880 * 2 + 2880LL * 128 * 2));
+    EXPECT_EQ(bf16.experts, 36 * (128LL * 3 * 2880 * 2880 * 2 + (2880LL * 128 + 128) * 2));
     // The whole checkpoint is 60.7 GiB (OpenAI: "fits on a single 80 GB GPU"); in bf16, 217.5.
     const double total =
         double(w.attention + w.dense_mlp + w.experts + w.embedding + w.lm_head + w.norms) /
