@@ -1495,8 +1495,10 @@ void read_norms_and_biases(const HfFields& f, Family fam, const std::string& mod
             break;
         case Family::kOlmo:
             // Olmo2DecoderLayer: post_attention_layernorm and post_feedforward_layernorm only;
-            // Olmo2Attention's q_norm RMSNorm(hidden), k_norm RMSNorm(kv_heads x head_dim).
+            // Olmo2Attention's q_norm RMSNorm(hidden), k_norm RMSNorm(kv_heads x head_dim), its
+            // qkv_proj and o_proj without biases whatever attention_bias says.
             n.qk = QkNorm::kAllHeads;
+            n.qkv_bias = n.o_bias = false;
             break;
         case Family::kCohere2:
             // CohereDecoderLayer (commandr.py): one input_layernorm before the attention and the

@@ -141,6 +141,11 @@ TEST(CheckpointParams, EachNormAndBiasAsVllmBuildsIt) {
     EXPECT_EQ(olmo.norms.qk, QkNorm::kAllHeads);
     EXPECT_EQ(olmo.mixer_params_of_layer(0), int64_t{4} * 4096 * 4096 + 2 * 4096);
     EXPECT_EQ(olmo.norm_params_of_layer(0), 2 * 4096);
+    // Olmo2Attention builds qkv_proj and o_proj with bias=False whatever attention_bias says.
+    nlohmann::json oj;
+    std::ifstream(config_path("olmo-2-7b-instruct")) >> oj;
+    oj["attention_bias"] = true;
+    EXPECT_EQ(parse_hf_config(oj.dump(), "o.json").total_params(), olmo.total_params());
     // Gemma 2: four norms per layer.
     const ModelSpec gemma2 = load_hf_config(config_path("gemma-2-9b-it"));
     EXPECT_EQ(gemma2.norm_params_of_layer(0), 4 * 3584);
