@@ -516,7 +516,7 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "attn_layer_period",   // Jamba: its attention layers, read below
         "attn_layer_offset",
         "mamba_dt_rank",           // Jamba: checked below
-        "mamba_inner_layernorms",  // Jamba: dt / B / C norms (weights only, not counted)
+        "mamba_inner_layernorms",  // Jamba: dt / B / C norms (vLLM builds them always: counted)
         "linear_attn_config",      // Kimi Linear: its KDA layers and their shape, read below
         "conv_L_cache",            // LFM2's short conv: its width, and which layers are attention
         "conv_dim",
@@ -1539,6 +1539,11 @@ void read_norms_and_biases(const HfFields& f, Family fam, const std::string& mod
         case Family::kDeepSeek:
             // DeepseekV2MoE: the gate's e_score_correction_bias when topk_method is noaux_tc.
             n.router_bias = f.string_or("topk_method", "") == "noaux_tc";
+            break;
+        case Family::kJamba:
+            // JambaAttentionDecoderLayer: qkv_proj and o_proj with bias=False whatever
+            // attention_bias says.
+            n.qkv_bias = n.o_bias = false;
             break;
         case Family::kKimiLinear:
             // KimiMoE: the gate's e_score_correction_bias.

@@ -350,11 +350,12 @@ int64_t ModelSpec::mixer_params_of_layer(int l) const {
             // with bias), A (d_inner x d_state), D (d_inner), out_proj (d_inner -> hidden).
             // dt_rank is ceil(hidden / 16) (JambaConfig's "auto"; another is refused on read). The
             // conv bias is mamba_conv_bias true, in_proj / out_proj carry none (mamba_proj_bias
-            // false): JambaConfig's defaults, the other settings refused on read.
-            // Jamba's dt / B / C RMSNorm weights (dt_rank + 2 x d_state) are not counted.
+            // false): JambaConfig's defaults, the other settings refused on read. Jamba builds it
+            // with use_rms_norm=True (jamba.py's JambaMambaDecoderLayer): dt_layernorm (dt_rank),
+            // b_layernorm and c_layernorm (d_state each).
             const int64_t c = state.heads, n = state.group_dim, r = (h + 15) / 16;
             p = 2 * h * c + c * (state.conv_kernel + 1) + c * (r + 2 * n) + r * c + c + c * n + c +
-                c * h;
+                c * h + r + 2 * n;
             break;
         }
         case LayerKind::kShortConv: {

@@ -1219,15 +1219,15 @@ TEST(RealShapes, JambaAsVllmBuildsIt) {
         EXPECT_EQ(lay.ranks.at(0).state_bytes_per_sequence, state) << tp;
     }
     // Parameters by hand. Mamba-1: in_proj 4096 x 2 x 8192, conv 8192 x (4 + 1), x_proj 8192 x
-    // (256 + 2 x 16), dt_proj 256 x 8192 + 8192, A 8192 x 16, D 8192, out_proj 8192 x 4096.
+    // (256 + 2 x 16), dt_proj 256 x 8192 + 8192, A 8192 x 16, D 8192, out_proj 8192 x 4096, the
+    // dt / B / C RMSNorms of 256, 16, 16.
     const int64_t c = 8192;
     const int64_t mixer =
-        4096 * 2 * c + c * 5 + c * (256 + 32) + 256 * c + c + c * 16 + c + c * 4096;
+        4096 * 2 * c + c * 5 + c * (256 + 32) + 256 * c + c + c * 16 + c + c * 4096 + 256 + 32;
     const int64_t attn_p = int64_t{4096} * (2 * 4096 + 2 * 1024);
     const int64_t mlp = int64_t{3} * 4096 * 14336;
     const int64_t moe = 16 * mlp + int64_t{4096} * 16;
-    // input_layernorm and pre_ff_layernorm per layer, final_layernorm (the Mamba dt / B / C norms
-    // are not counted).
+    // input_layernorm and pre_ff_layernorm per layer, final_layernorm.
     const int64_t norms = 32 * 2 * 4096 + 4096;
     const int64_t total =
         4 * attn_p + 28 * mixer + 16 * mlp + 16 * moe + 2 * int64_t{65536} * 4096 + norms;
