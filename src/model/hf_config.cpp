@@ -600,6 +600,7 @@ const std::set<std::string, std::less<>>& understood_fields() {
         "alibi",
         "parallel_attn",
         "num_ln_in_parallel_attn",  // Falcon: its norms (ModelSpec::norms), read below
+        "qkv_bias",                 // Qwen3-Next: q, k, v biases (ModelSpec::norms), read below
         "multi_query_group_num_original",
         // transformers 4.48-4.50 write these runtime hints into saved configs (Llama-4's
         // text_config): the attention kernel to use, not what it caches
@@ -1566,6 +1567,12 @@ void read_norms_and_biases(const HfFields& f, Family fam, const std::string& mod
     // shared expert.
     if ((model_type == "qwen2_moe" || fam == Family::kQwen3Next) && m.moe.shared_experts > 0)
         n.shared_expert_gate = true;
+    if (fam == Family::kQwen3Next) {
+        // Qwen3NextAttention: qkv_proj of num_heads x (1 + attn_output_gate) query heads
+        // (getattr(config, "attn_output_gate", True)), its bias = qkv_bias (not attention_bias).
+        n.attention_output_gate = f.bool_or("attn_output_gate", true);
+        n.qkv_bias = f.bool_or("qkv_bias", false);
+    }
 }
 
 ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,

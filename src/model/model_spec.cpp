@@ -259,8 +259,9 @@ int64_t ModelSpec::kv_elems_per_token_per_layer() const {
 
 namespace {
 
-// The q_norm / k_norm weights and q, k, v, o biases of an attention layer of kv_heads x head_dim
-// (NormsAndBiases): q and o span num_heads x head_dim, k and v kv_heads x head_dim.
+// The q_norm / k_norm weights, q, k, v, o biases and output gate of an attention layer of
+// kv_heads x head_dim (NormsAndBiases): q and o span num_heads x head_dim, k and v kv_heads x
+// head_dim.
 int64_t attention_norm_bias_params(const ModelSpec& m, int64_t kv_heads, int64_t head_dim) {
     const NormsAndBiases& n = m.norms;
     const int64_t q_width = int64_t{m.num_heads} * head_dim, kv_width = kv_heads * head_dim;
@@ -269,6 +270,7 @@ int64_t attention_norm_bias_params(const ModelSpec& m, int64_t kv_heads, int64_t
     if (n.qk == QkNorm::kAllHeads) p += q_width + kv_width;
     if (n.qkv_bias) p += q_width + 2 * kv_width;
     if (n.o_bias) p += m.hidden;
+    if (n.attention_output_gate) p += int64_t{m.hidden} * q_width;
     return p;
 }
 
@@ -801,7 +803,8 @@ std::string to_json(const ModelSpec& m) {
           {"o_bias", m.norms.o_bias},
           {"mlp_bias", m.norms.mlp_bias},
           {"router_bias", m.norms.router_bias},
-          {"shared_expert_gate", m.norms.shared_expert_gate}}},
+          {"shared_expert_gate", m.norms.shared_expert_gate},
+          {"attention_output_gate", m.norms.attention_output_gate}}},
         {"total_params", m.total_params()},
         {"kv_bytes_per_token", m.kv_bytes_per_token()},
         {"state_bytes_per_sequence", m.state_bytes_per_sequence()},
@@ -917,6 +920,8 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
             m.norms.mlp_bias = n.value("mlp_bias", d.mlp_bias);
             m.norms.router_bias = n.value("router_bias", d.router_bias);
             m.norms.shared_expert_gate = n.value("shared_expert_gate", d.shared_expert_gate);
+            m.norms.attention_output_gate =
+                n.value("attention_output_gate", d.attention_output_gate);
         }
         if (j.contains("layers")) {
             for (const auto& l : j.at("layers")) {

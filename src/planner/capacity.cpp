@@ -144,6 +144,7 @@ WeightBytes rank_weight_bytes(const KvLayout& layout, int rank, int bits) {
                 const int64_t kv_local = std::max(1, s.num_kv_heads / p.tp);
                 // Q and O, then K and V (replicated heads counted on every holder), sinks.
                 attn = 2 * h * q_heads * d + 2 * h * kv_local * d + (s.learned_sinks ? q_heads : 0);
+                if (nb.attention_output_gate) attn += h * q_heads * d;  // split like q
                 // q_norm / k_norm whole on every rank (OLMo 2's all-heads norms run after an
                 // all-gather of q and k), q / k / v biases of the held heads, o_proj's whole.
                 if (nb.qk == QkNorm::kPerHead) norm_elems += 2 * d;

@@ -293,7 +293,8 @@ class Model {
                    qh * a.v_head_dim * h;
         }
         const double kv_local = std::max(1, ls.num_kv_heads / p_.tp);
-        return 2 * h * qh * ls.head_dim + 2 * h * kv_local * ls.head_dim;
+        const double q_gate = m_.norms.attention_output_gate ? h * qh * ls.head_dim : 0.0;
+        return 2 * h * qh * ls.head_dim + 2 * h * kv_local * ls.head_dim + q_gate;
     }
     // Query-key pairs per query head of causal attention over S tokens in layer l (continuous
     // form, the integral of the keys a query sees, so without the diagonal's S/2 of the exact

@@ -177,6 +177,17 @@ TEST(CheckpointParams, EachNormAndBiasAsVllmBuildsIt) {
     EXPECT_TRUE(oss.norms.qkv_bias && oss.norms.o_bias && oss.norms.router_bias &&
                 oss.norms.mlp_bias);
     EXPECT_EQ(oss.routed_expert_params(), int64_t{3} * 2880 * 2880 + 2 * 2880 + 2880);
+    // Qwen3-Next (qwen3_next.py's Qwen3NextAttention): q_proj of 2 x 16 heads of 256, the second
+    // half the output gate (attn_output_gate, default true), q_norm / k_norm of 256.
+    const ModelSpec next = load_hf_config(config_path("qwen3-next-80b-a3b"));
+    EXPECT_TRUE(next.norms.attention_output_gate);
+    EXPECT_EQ(next.mixer_params_of_layer(3),
+              int64_t{3} * 2048 * 16 * 256 + 2 * 2048 * 2 * 256 + 2 * 256);
+    nlohmann::json nj;
+    std::ifstream(config_path("qwen3-next-80b-a3b")) >> nj;
+    nj["attn_output_gate"] = false;
+    EXPECT_EQ(next.total_params() - parse_hf_config(nj.dump(), "n.json").total_params(),
+              12 * int64_t{2048} * 16 * 256);
     // Seed-OSS: attention_bias on q, k, v; attention_out_bias false on o.
     const ModelSpec seed = load_hf_config(config_path("seed-oss-36b-instruct"));
     EXPECT_TRUE(seed.norms.qkv_bias);

@@ -196,15 +196,15 @@ TEST(CapacityMtp, QwenNextTp4RegroupsAndHoldsSpeculativeStates) {
     EXPECT_EQ(on.engine.speculative_blocks, 2);
 
     // Drafter at tp 4: Q/K/V/O of 4 query heads and 1 KV head of 256 (as kvshard sizes the
-    // model's own full layers) with q_norm / k_norm of 256, 512 routed + 1 shared expert of 3 x
-    // 2048 x 512 split by tp, the gate and the shared_expert_gate (h) whole, two norms; fc (2h x
-    // h) split by tp and three norms. bf16.
+    // model's own full layers), the output gate of the 4 heads, q_norm / k_norm of 256, 512 routed
+    // + 1 shared expert of 3 x 2048 x 512 split by tp, the gate and the shared_expert_gate (h)
+    // whole, two norms; fc (2h x h) split by tp and three norms. bf16.
     const int64_t h = 2048;
-    const int64_t attn = 2 * h * 4 * 256 + 2 * h * 1 * 256 + 2 * 256;
+    const int64_t attn = 3 * h * 4 * 256 + 2 * h * 1 * 256 + 2 * 256;
     const int64_t expert = 3 * h * 512;
     const int64_t moe = (512 * expert + expert) / 4 + h * 512 + h;
     const int64_t drafter = 2 * (attn + moe + 2 * h + 2 * h * h / 4 + 3 * h);
-    EXPECT_EQ(drafter, 823682048);
+    EXPECT_EQ(drafter, 827876352);
     EXPECT_EQ(on.ranks[0].weights.drafter, drafter);
     EXPECT_EQ(on.ranks[0].kv_budget_bytes, off.ranks[0].kv_budget_bytes - drafter);
 

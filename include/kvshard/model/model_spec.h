@@ -208,6 +208,9 @@ struct NormsAndBiases {
     // under noaux_tc, gpt-oss's router bias).
     bool router_bias = false;
     bool shared_expert_gate = false;  // Qwen2-MoE / Qwen3-Next: a hidden -> 1 gate per MoE layer
+    // Attention layers' q_proj also yields a sigmoid gate of num_heads x head_dim on the output
+    // (Qwen3-Next / Qwen3.5's attn_output_gate): a matrix, not a bias, split by TP like q.
+    bool attention_output_gate = false;
     bool operator==(const NormsAndBiases&) const = default;
 };
 
