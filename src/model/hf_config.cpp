@@ -1552,8 +1552,18 @@ void read_norms_and_biases(const HfFields& f, Family fam, const std::string& mod
             break;
         case Family::kNemotronH:
             // NemotronHMoE: the gate's e_score_correction_bias; NemotronHAttention's projections
-            // bias = attention_bias, NemotronHMLP's = mlp_bias.
+            // bias = attention_bias, NemotronHMLP's = mlp_bias; NemotronHMambaDecoderLayer's
+            // MambaMixer2(use_conv_bias=config.use_conv_bias, use_bias=config.use_bias).
             n.router_bias = true;
+            n.mamba2_conv_bias = f.bool_or("use_conv_bias", true);
+            n.mamba2_proj_bias = f.bool_or("use_bias", false);
+            break;
+        case Family::kBamba:
+        case Family::kGraniteHybrid:
+            // BambaMixerDecoderLayer / GraniteMoeHybridMambaDecoderLayer: MambaMixer2(
+            // use_conv_bias=config.mamba_conv_bias, use_bias=config.mamba_proj_bias).
+            n.mamba2_conv_bias = f.bool_or("mamba_conv_bias", true);
+            n.mamba2_proj_bias = f.bool_or("mamba_proj_bias", false);
             break;
         default:
             break;

@@ -338,11 +338,14 @@ int64_t ModelSpec::mixer_params_of_layer(int l) const {
             break;
         }
         case LayerKind::kMamba2: {
-            // in_proj (z, x, B, C, dt), conv1d (+ bias), A + D + dt_bias, gated norm, out_proj.
+            // in_proj (z, x, B, C, dt), conv1d (+ bias), A + D + dt_bias, gated norm, out_proj
+            // (+ their biases: NormsAndBiases).
             const int64_t inner = int64_t{state.heads} * state.head_dim;
             const int64_t conv_dim = inner + 2 * int64_t{state.groups} * state.group_dim;
-            p = h * (inner + conv_dim + state.heads) + conv_dim * (state.conv_kernel + 1) +
-                3 * state.heads + inner + inner * h;
+            p = h * (inner + conv_dim + state.heads) +
+                conv_dim * (state.conv_kernel + (norms.mamba2_conv_bias ? 1 : 0)) +
+                3 * state.heads + inner + inner * h +
+                (norms.mamba2_proj_bias ? inner + conv_dim + state.heads + h : 0);
             break;
         }
         case LayerKind::kMamba1: {
@@ -804,7 +807,9 @@ std::string to_json(const ModelSpec& m) {
           {"mlp_bias", m.norms.mlp_bias},
           {"router_bias", m.norms.router_bias},
           {"shared_expert_gate", m.norms.shared_expert_gate},
-          {"attention_output_gate", m.norms.attention_output_gate}}},
+          {"attention_output_gate", m.norms.attention_output_gate},
+          {"mamba2_conv_bias", m.norms.mamba2_conv_bias},
+          {"mamba2_proj_bias", m.norms.mamba2_proj_bias}}},
         {"total_params", m.total_params()},
         {"kv_bytes_per_token", m.kv_bytes_per_token()},
         {"state_bytes_per_sequence", m.state_bytes_per_sequence()},
@@ -922,6 +927,8 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
             m.norms.shared_expert_gate = n.value("shared_expert_gate", d.shared_expert_gate);
             m.norms.attention_output_gate =
                 n.value("attention_output_gate", d.attention_output_gate);
+            m.norms.mamba2_conv_bias = n.value("mamba2_conv_bias", d.mamba2_conv_bias);
+            m.norms.mamba2_proj_bias = n.value("mamba2_proj_bias", d.mamba2_proj_bias);
         }
         if (j.contains("layers")) {
             for (const auto& l : j.at("layers")) {

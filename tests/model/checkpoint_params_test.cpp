@@ -188,6 +188,25 @@ TEST(CheckpointParams, EachNormAndBiasAsVllmBuildsIt) {
     nj["attn_output_gate"] = false;
     EXPECT_EQ(next.total_params() - parse_hf_config(nj.dump(), "n.json").total_params(),
               12 * int64_t{2048} * 16 * 256);
+    // Mamba-2 mixers (MambaMixer2): the conv1d bias by use_conv_bias / mamba_conv_bias, in_proj
+    // and out_proj biases by use_bias / mamba_proj_bias. Bamba-9B's 29 Mamba-2 layers: in_proj
+    // of 8192 + 8448 + 128 outputs, out_proj of 4096, conv of 8448 channels.
+    nlohmann::json bj;
+    std::ifstream(config_path("bamba-9b")) >> bj;
+    const int64_t bamba = parse_hf_config(bj.dump(), "b.json").total_params();
+    bj["mamba_proj_bias"] = true;
+    EXPECT_EQ(parse_hf_config(bj.dump(), "b.json").total_params() - bamba,
+              29 * int64_t{8192 + 8448 + 128 + 4096});
+    bj["mamba_proj_bias"] = false;
+    bj["mamba_conv_bias"] = false;
+    EXPECT_EQ(bamba - parse_hf_config(bj.dump(), "b.json").total_params(), 29 * int64_t{8448});
+    // Nemotron-H-8B's 24 Mamba-2 layers (128 heads of 64, 8 groups of 128): use_bias.
+    nlohmann::json hj;
+    std::ifstream(config_path("nemotron-h-8b")) >> hj;
+    const int64_t nemo = parse_hf_config(hj.dump(), "h.json").total_params();
+    hj["use_bias"] = true;
+    EXPECT_EQ(parse_hf_config(hj.dump(), "h.json").total_params() - nemo,
+              24 * int64_t{8192 + 10240 + 128 + 4096});
     // Seed-OSS: attention_bias on q, k, v; attention_out_bias false on o.
     const ModelSpec seed = load_hf_config(config_path("seed-oss-36b-instruct"));
     EXPECT_TRUE(seed.norms.qkv_bias);

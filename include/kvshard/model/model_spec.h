@@ -211,6 +211,10 @@ struct NormsAndBiases {
     // Attention layers' q_proj also yields a sigmoid gate of num_heads x head_dim on the output
     // (Qwen3-Next / Qwen3.5's attn_output_gate): a matrix, not a bias, split by TP like q.
     bool attention_output_gate = false;
+    // Mamba-2 mixers (vLLM's MambaMixer2): the conv1d's bias of conv_dim (use_conv_bias /
+    // mamba_conv_bias), and in_proj / out_proj biases (use_bias / mamba_proj_bias).
+    bool mamba2_conv_bias = true;
+    bool mamba2_proj_bias = false;
     bool operator==(const NormsAndBiases&) const = default;
 };
 
