@@ -1287,9 +1287,9 @@ const ClassLength* class_length(const std::string& model_type) {
         {"granitemoe", {"GraniteMoeConfig", "max_position_embeddings", 2048}},  // 040e1a7e
         {"falcon_h1", {"FalconH1Config", "max_position_embeddings", 8192}},
         {"longcat_flash", {"LongcatFlashConfig", "max_position_embeddings", 131072}},
-        {"dots1", {"Dots1Config", "max_position_embeddings", 2048}},            // commit 16a1bdc1
-        {"apertus", {"ApertusConfig", "max_position_embeddings", 65536}},       // commit ecbf7a09
-        {"arcee", {"ArceeConfig", "max_position_embeddings", 4096}},            // commit e1b55167
+        {"dots1", {"Dots1Config", "max_position_embeddings", 2048}},       // commit 16a1bdc1
+        {"apertus", {"ApertusConfig", "max_position_embeddings", 65536}},  // commit ecbf7a09
+        {"arcee", {"ArceeConfig", "max_position_embeddings", 4096}},       // commit e1b55167
     };
     auto it = kLengths.find(model_type);
     return it != kLengths.end() ? &it->second : nullptr;
@@ -1452,8 +1452,11 @@ void read_norms_and_biases(const HfFields& f, Family fam, const std::string& mod
     n.qkv_bias = attention_bias;
     n.o_bias = attention_bias;
     n.mlp_bias = f.bool_or("mlp_bias", false);
-    if (model_type == "qwen2" || model_type == "qwen2_moe") {
-        // Qwen2Attention / Qwen2MoeAttention: QKVParallelLinear(bias=True), o_proj without.
+    // GLM-4.5V's language model is vLLM's Glm4MoeForCausalLM (glm4_1v.py), as GLM-4.5's.
+    const bool glm4_moe = model_type == "glm4_moe" || model_type.rfind("glm4v_moe", 0) == 0;
+    if (model_type == "qwen2" || model_type == "qwen2_moe" || model_type == "mimo") {
+        // Qwen2Attention / Qwen2MoeAttention: QKVParallelLinear(bias=True), o_proj without
+        // (MiMo: vLLM's MiMoModel is Qwen2Model's decoder).
         n.qkv_bias = true;
         n.o_bias = false;
     } else if (qwen3) {
@@ -1463,7 +1466,7 @@ void read_norms_and_biases(const HfFields& f, Family fam, const std::string& mod
         n.qk = QkNorm::kPerHead;
     } else if (model_type == "seed_oss") {
         n.o_bias = f.bool_or("attention_out_bias", false);  // SeedOssAttention's o_proj
-    } else if (model_type == "glm4_moe" || model_type == "glm4") {
+    } else if (glm4_moe || model_type == "glm4") {
         // Glm4MoeAttention / Glm4Attention: qkv_proj bias = attention_bias, o_proj none;
         // Glm4MoeAttention's q_norm / k_norm RMSNorm(head_dim) when use_qk_norm.
         n.o_bias = false;
@@ -1569,7 +1572,7 @@ void read_norms_and_biases(const HfFields& f, Family fam, const std::string& mod
             break;
     }
     if (model_type == "glm4") n.per_part = 2;  // Glm4DecoderLayer: post_self_attn / post_mlp norms
-    if (model_type == "glm4_moe") n.router_bias = true;  // Glm4MoE: e_score_correction_bias
+    if (glm4_moe) n.router_bias = true;        // Glm4MoE: e_score_correction_bias
     // Lfm2MoeSparseMoeBlock (lfm2_moe.py): the gate's e_score_correction_bias when
     // use_expert_bias (Lfm2MoeConfig's default true).
     if (model_type == "lfm2_moe") n.router_bias = f.bool_or("use_expert_bias", true);

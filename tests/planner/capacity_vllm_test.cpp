@@ -279,11 +279,12 @@ TEST(CapacityVllm, FalconH1OneAttentionAndOneMambaGroup) {
     EXPECT_EQ(s.engine.block_size, 1568);
     for (const auto& r : s.ranks)
         EXPECT_EQ(s.engine.block_bytes[static_cast<size_t>(r.rank)], 1605632LL * 22);
-    // Weights: the parameters at bf16, plus two RMSNorms per decoder layer (input_layernorm and
-    // pre_ff_layernorm of FalconH1ParallelHybrid, not two per cache layer) and the final norm.
+    // Weights: the parameters at bf16, two RMSNorms per decoder layer (input_layernorm and
+    // pre_ff_layernorm of FalconH1ParallelHybrid, not two per cache layer) and the final norm
+    // among them.
     const WeightBytes w = rank_weight_bytes(make_layout(m, tp(1)), 0);
     EXPECT_EQ(w.norms, 2 * (44 * 2 * 3072 + 3072));
-    EXPECT_EQ(w.total() - w.norms, 2 * m.total_params());
+    EXPECT_EQ(w.total(), 2 * m.total_params());
 }
 
 // LongCat-Flash-Chat: every cache layer that caches is MLA, one uniform group of 56 layers; its
@@ -306,6 +307,7 @@ TEST(CapacityVllm, LongcatFlashOneMlaGroupAndItsNorms) {
     EXPECT_EQ(c.engine.block_bytes[0], 16 * 14 * 2 * 576 * 2);
     const WeightBytes w = rank_weight_bytes(make_layout(m, ParallelConfig{}), 0);
     EXPECT_EQ(w.norms, 2 * (28 * (4 * 6144 + 2 * (1536 + 512)) + 6144));
+    EXPECT_EQ(w.total(), 2 * m.total_params());
 }
 
 TEST(CapacityVllm, UnpaddedHybridsKeepTheirFigures) {
