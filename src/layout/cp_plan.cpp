@@ -36,6 +36,18 @@ void for_each_cp0_rank(const KvLayout& l, F&& f) {
         if (r.coord.cp == 0 && r.coord.dp == 0) f(r);
 }
 
+// The rank's layers that attend over the sequence's tokens: those of its token-holding KV groups
+// (full, sliding, chunked, MLA). The CP ring and the decode merge run only in them; a state layer
+// (Mamba, Gated DeltaNet, short conv) or a layer without KV (LongCat-Flash's MoE entry) has no
+// queries to pass and no partials to merge. Falcon-H1 holds 2 cache layers per decoder layer,
+// one of each kind: this counts 44 of its 88.
+int64_t attention_layers(const RankKv& r) {
+    int64_t n = 0;
+    for (const RankKvGroup& g : r.groups)
+        if (holds_tokens(g.kind)) n += static_cast<int64_t>(g.layers.size());
+    return n;
+}
+
 }  // namespace
 
 CpTokenMap::CpTokenMap(int cp) : cp_(cp) { require(cp >= 1, "cp must be >= 1, got ", cp); }
@@ -367,8 +379,8 @@ CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMa
         return t;
     };
     const int64_t returned = returned_tokens(false, 0);
-    b.ring = q_tokens * r.num_layers() * hq * d * elem_size(layout);
-    b.all_to_all = returned * r.num_layers() * unit;
+    b.ring = q_tokens * attention_layers(r) * hq * d * elem_size(layout);
+    b.all_to_all = returned * attention_layers(r) * unit;
     // A windowed group's ring stops after the steps its window needs, and returns fewer partials.
     for (const RankKvGroup& g : r.groups) {
         if (g.window <= 0 || g.layers.empty()) continue;
@@ -402,7 +414,7 @@ double cp_pass_q_threshold(const KvLayout& layout) {
     const double e = static_cast<double>(elem_size(layout));
     for_each_cp0_rank(layout, [&](const RankKv& r) {
         kv += static_cast<double>(r.kv_bytes_per_token);
-        q += static_cast<double>(r.num_layers()) * (r.q_head_end - r.q_head_begin) *
+        q += static_cast<double>(attention_layers(r)) * (r.q_head_end - r.q_head_begin) *
              (d * e + 4 * d + 4);
     });
     return q > 0 ? kv / q : 0.0;
@@ -419,7 +431,7 @@ CpPrefillChoice choose_cp_prefill(const KvLayout& layout, int64_t cached, int64_
     const int64_t d = layout.model.head_dim;
     for_each_cp0_rank(layout, [&](const RankKv& r) {
         kv_per_token += r.kv_bytes_per_token;
-        q_per_token += int64_t{r.num_layers()} * (r.q_head_end - r.q_head_begin) *
+        q_per_token += attention_layers(r) * (r.q_head_end - r.q_head_begin) *
                        (d * elem_size(layout) + 4 * d + 4);
     });
     // Exact totals: summing N - n_{c+1} over the CP ranks gives (cp - 1) N.
@@ -469,13 +481,13 @@ int64_t cp_decode_merge_bytes(const KvLayout& layout, int rank, CpDecodeMerge me
     const int64_t hq = r.q_head_end - r.q_head_begin;
     const int64_t d = layout.model.head_dim;
     const int64_t row = (d + 1) * 4;  // fp32 O and LSE per head
-    if (merge == CpDecodeMerge::kAllGather) return int64_t{r.num_layers()} * (cp - 1) * hq * row;
+    if (merge == CpDecodeMerge::kAllGather) return attention_layers(r) * (cp - 1) * hq * row;
     // all-to-all: to every other rank, the partial rows of that rank's heads; then all-gather
     // of the merged O of this rank's heads (no LSE needed any more).
     const TokenRange mine = cp_helix_heads(static_cast<int>(hq), cp, r.coord.cp);
     const int64_t a2a = (hq - mine.size()) * row;
     const int64_t ag = (cp - 1) * mine.size() * d * 4;
-    return int64_t{r.num_layers()} * (a2a + ag);
+    return attention_layers(r) * (a2a + ag);
 }
 
 std::vector<int64_t> cp_causal_pairs(const CpTokenMap& map, int64_t q_begin) {

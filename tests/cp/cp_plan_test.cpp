@@ -415,6 +415,73 @@ TEST(CpPrefillChoice, PassQWinsExactlyBelowTheThreshold) {
     EXPECT_THROW(choose_cp_prefill(l, 10, 0), Error);
 }
 
+// Queries travel and partials merge only in the layers that attend over tokens. Falcon-H1 7B
+// (tests/data/hf_configs/falcon-h1-7b-instruct.json): 44 decoder layers of 2 cache layers each, an
+// attention one (12 query heads, 2 KV heads, head dim 128, bf16) and a Mamba-2 one. Pass-Q of 1000
+// new tokens at cp 2 moves 44 x 12 x (128*2 + 4*128 + 4) x 1000 = 407,616,000 B: the counts took
+// all 88 cache layers (815,232,000 B) before 2026-12-05, which halved the threshold (0.0553 instead
+// of 45056 / 407616 = 0.1105), so 900 new tokens after 8000 cached (0.101) passed KV although
+// pass-Q moves fewer bytes.
+TEST(CpPrefillChoice, OnlyTokenHoldingLayersPassQueries) {
+    const ModelSpec m = load_hf_config(std::string(KVSHARD_TEST_DATA_DIR) +
+                                       "/hf_configs/falcon-h1-7b-instruct.json");
+    ASSERT_EQ(m.num_layers, 88);
+    ASSERT_EQ(m.num_heads, 12);
+    ASSERT_EQ(m.head_dim, 128);
+    const auto l = make_layout(m, cfg(2, CpScheme::kContiguous));
+    const CpPrefillChoice c = choose_cp_prefill(l, 8000, 1000);
+    EXPECT_EQ(c.pass_q_bytes, int64_t{44} * 12 * (128 * 2 + 4 * 128 + 4) * 1000);
+    EXPECT_EQ(c.pass_kv_bytes, int64_t{44} * 2 * 2 * 128 * 2 * 9000);
+    EXPECT_NEAR(c.threshold, 45056.0 / 407616.0, 1e-12);
+    EXPECT_EQ(c.mode, CpPrefillMode::kPassKv);  // 1000 / 9000 = 0.111 > 0.1105
+    EXPECT_EQ(choose_cp_prefill(l, 8000, 900).mode, CpPrefillMode::kPassQ);
+    // The placement's exact count: each segment in contiguous halves at cp 2, so each rank holds
+    // 450 of the new tokens, sends their query rows, and returns the other's 450 partials (each
+    // rank's new queries see keys of the other's cached half): the same as the closed form.
+    CpTokenMap map(2);
+    map.append(8000, CpScheme::kContiguous, 1);
+    map.append(900, CpScheme::kContiguous, 1);
+    const int64_t rows = 44 * 12;
+    for (int r = 0; r < 2; ++r) {
+        const CpPrefillBytes q = cp_pass_q_bytes(l, r, map, 8000);
+        EXPECT_EQ(map.count(r, 8000), 450);
+        EXPECT_EQ(q.ring, 450 * rows * 128 * 2) << r;
+        EXPECT_EQ(q.all_to_all, 450 * rows * 129 * 4) << r;
+    }
+    EXPECT_EQ(choose_cp_prefill(l, map, 8000).mode, CpPrefillMode::kPassQ);
+    // Decode: one merge per attention layer.
+    EXPECT_EQ(cp_decode_merge_bytes(l, 0, CpDecodeMerge::kAllGather), rows * 129 * 4);
+}
+
+// Every config of tests/data/hf_configs at cp 2 (pp 1, tp 1): pass-Q and the decode merge count
+// the layers whose kind holds tokens (the ModelSpec's layer list, not its KV groups): Falcon-H1
+// 44 of 88, LongCat-Flash 56 of 84, and the SSM / Gated DeltaNet / short-conv layers of Bamba,
+// Nemotron-H, Granite 4.0-H, Jamba, Qwen3-Next, Qwen3.5, Kimi Linear and LFM2 none.
+TEST(CpPrefillChoice, EveryConfigCountsItsAttentionLayers) {
+    const std::string dir = std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/";
+    int hybrids = 0;
+    for (const char* name :
+         {"apertus-8b-instruct-2509", "bamba-9b", "deepseek-v3", "falcon-h1-7b-instruct",
+          "gemma-3-27b", "gpt-oss-20b", "granite-4.0-h-tiny", "jamba-1.5-mini",
+          "kimi-linear-48b-a3b-instruct", "lfm2-1.2b", "lfm2-8b-a1b",
+          "llama-3.3-nemotron-super-49b", "llama-4-scout", "longcat-flash-chat", "nemotron-h-8b",
+          "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "qwen3-8b"}) {
+        const ModelSpec m = load_hf_config(dir + name + ".json");
+        int64_t attention = 0;
+        for (int i = 0; i < m.num_layers; ++i) attention += holds_tokens(m.layer(i).kind) ? 1 : 0;
+        if (attention < m.num_layers) ++hybrids;
+        const auto l = make_layout(m, cfg(2, CpScheme::kZigzag));
+        const int64_t d = m.head_dim, e = dtype_size(m.kv_dtype);
+        EXPECT_EQ(choose_cp_prefill(l, 4000, 100).pass_q_bytes,
+                  100 * attention * m.num_heads * (d * e + 4 * d + 4))
+            << name;
+        EXPECT_EQ(cp_decode_merge_bytes(l, 1, CpDecodeMerge::kAllGather),
+                  attention * m.num_heads * (d + 1) * 4)
+            << name;
+    }
+    EXPECT_EQ(hybrids, 12);
+}
+
 TEST(CpDecode, HelixMovesLessThanAllGatherBeyondTwoRanks) {
     const auto model = catalog_model("tiny");
     for (int cp : {2, 3, 4, 8}) {

@@ -143,6 +143,8 @@ bool cp_shard_sees(std::span<const TokenRange> q, std::span<const TokenRange> kv
                    int window);
 
 // Bytes rank `rank` of `layout` sends for one sequence placed by `map`, all its layers together.
+// Queries travel and partials merge only in the layers that attend over tokens (its token-holding
+// KV groups); state layers and layers without KV add nothing (Falcon-H1: 44 of 88 cache layers).
 struct CpPrefillBytes {
     int64_t ring = 0;        // pass-KV: K/V shards; pass-Q: query shards
     int64_t all_to_all = 0;  // pass-Q only: partial outputs + LSEs returned to the query owners
@@ -176,7 +178,8 @@ struct CpPrefillChoice {
     // spread over all ranks, full attention).
     int64_t pass_q_bytes = 0;
 };
-// 2 * Hkv_r * e_kv * D / (Hq_r * (e_kv * D + 4 * D + 4)), summed over the layers of one CP slice.
+// 2 * Hkv_r * e_kv * D / (Hq_r * (e_kv * D + 4 * D + 4)), summed over the layers of one CP slice
+// (the denominator over its token-holding layers only).
 double cp_pass_q_threshold(const KvLayout& layout);
 CpPrefillChoice choose_cp_prefill(const KvLayout& layout, int64_t cached, int64_t fresh);
 // The same choice from one placement's exact bytes, what the executor sends: pass_kv_bytes and
@@ -200,7 +203,8 @@ CpDecodeMerge parse_cp_decode_merge(std::string_view s);
 // Query heads [begin, end) that CP rank c merges in the Helix form (num_heads split as evenly as
 // possible; some ranks get none when num_heads < cp).
 TokenRange cp_helix_heads(int num_heads, int cp, int cp_rank);
-// Bytes one rank sends per decoded token, all its layers, under each merge (fp32 O and LSE).
+// Bytes one rank sends per decoded token, all its token-holding layers (no merge in a state layer),
+// under each merge (fp32 O and LSE).
 int64_t cp_decode_merge_bytes(const KvLayout& layout, int rank, CpDecodeMerge merge);
 
 // ---------------------------------------------------------------------------------------------
