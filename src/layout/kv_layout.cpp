@@ -60,6 +60,14 @@ std::vector<KvGroup> kv_groups(const ModelSpec& m) {
     return groups;
 }
 
+namespace {
+// The family's vLLM MoE block refuses tp above the routed experts (MoeSpec::tp_at_most_experts),
+// and the model builds one: a config whose every layer is dense (Qwen's mlp_only_layers) has none.
+bool tp_capped_by_experts(const ModelSpec& m) {
+    return m.moe.enabled() && m.moe.tp_at_most_experts && m.num_moe_layers() > 0;
+}
+}  // namespace
+
 std::vector<int> valid_tp_sizes(const ModelSpec& m) {
     const auto groups = kv_groups(m);
     bool has_state = false;
@@ -74,7 +82,7 @@ std::vector<int> valid_tp_sizes(const ModelSpec& m) {
         if (has_layer_kind(m, LayerKind::kMamba2)) ok = ok && mamba2_tp_fits(m.state, t);
         if (has_layer_kind(m, LayerKind::kShortConv) || has_layer_kind(m, LayerKind::kMamba1))
             ok = ok && m.state.heads % t == 0;
-        if (m.moe.enabled() && m.moe.tp_at_most_experts) ok = ok && t <= m.moe.num_experts;
+        if (tp_capped_by_experts(m)) ok = ok && t <= m.moe.num_experts;
         if (ok) out.push_back(t);
     }
     return out;
@@ -105,11 +113,13 @@ void validate(const ModelSpec& m, const ParallelConfig& p) {
                                    "replicated evenly: valid tp sizes are ",
                                    join(valid_tp)));
 
-    if (m.moe.enabled() && m.moe.tp_at_most_experts && p.tp > m.moe.num_experts)
+    if (tp_capped_by_experts(m) && p.tp > m.moe.num_experts)
         throw Error(detail::concat(
             "tp=", p.tp, " is greater than the ", m.moe.num_experts, " experts of ", m.name,
-            ": vLLM's MoE block of this family refuses a tensor parallel size above the expert "
-            "count (lfm2_moe.py, Lfm2MoeSparseMoeBlock): valid tp sizes are ",
+            ": vLLM's MoE block of this family raises 'Tensor parallel size is greater than the "
+            "number of experts' (Lfm2MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, "
+            "Qwen3MoeSparseMoeBlock, Qwen3NextSparseMoeBlock, HunYuanSparseMoeBlock, "
+            "Ernie4_5_MoeMoE), with or without expert parallelism: valid tp sizes are ",
             join(valid_tp)));
 
     for (const KvGroup& g : kv_groups(m)) {

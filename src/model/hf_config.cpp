@@ -2100,6 +2100,19 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     }
 
     if (fam == Family::kFalcon || fam == Family::kNemotronH) m.mlp_projections = 2;
+    // vLLM's MoE block of these families raises "Tensor parallel size N is greater than the
+    // number of experts E" when the TP group is larger than the routed experts, whatever
+    // expert parallelism does (the check reads get_tensor_model_parallel_world_size(), which
+    // enable_expert_parallel leaves as it is): qwen2_moe.py Qwen2MoeSparseMoeBlock, qwen3_moe.py
+    // Qwen3MoeSparseMoeBlock (qwen3_vl_moe.py's Qwen3MoeLLMModel builds Qwen3MoeModel),
+    // qwen3_next.py Qwen3NextSparseMoeBlock (qwen3_5.py builds it for qwen3_5_moe_text),
+    // hunyuan_v1.py HunYuanSparseMoeBlock, ernie45_moe.py Ernie4_5_MoeMoE. deepseek_v2.py
+    // (DeepseekV2MoE), glm4_moe.py (Glm4MoE), mixtral.py, granitemoe.py, bailing_moe.py and
+    // dots1.py check nothing of the kind.
+    for (const char* t :
+         {"qwen2_moe", "qwen3_moe", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_next",
+          "qwen3_5_moe", "qwen3_5_moe_text", "hunyuan_v1_moe", "hunyuan_v1_dense", "ernie4_5_moe"})
+        if (model_type == t) m.moe.tp_at_most_experts = m.moe.enabled();
     if (model_type == "apertus" || model_type == "arcee") {
         // vLLM's ApertusMLP and ArceeMLP: up_proj and down_proj, no gate, and they raise on any
         // activation but their own (ApertusMLP: "Only xIELU is supported"; ArceeMLP: "Only

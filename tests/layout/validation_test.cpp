@@ -224,5 +224,87 @@ TEST(Validation, Lfm2MoeTpAboveTheExperts) {
     EXPECT_NO_THROW(make_layout(catalog_model("mixtral-8x7b"), cfg(16)));
 }
 
+// The other families whose vLLM MoE block raises "Tensor parallel size N is greater than the
+// number of experts E": qwen2_moe.py Qwen2MoeSparseMoeBlock, qwen3_moe.py Qwen3MoeSparseMoeBlock
+// (qwen3_vl_moe.py builds Qwen3MoeModel), qwen3_next.py Qwen3NextSparseMoeBlock (qwen3_5.py builds
+// it for qwen3_5_moe_text), hunyuan_v1.py HunYuanSparseMoeBlock, ernie45_moe.py Ernie4_5_MoeMoE.
+// The check reads the TP group's size, which expert parallelism leaves as it is, so ep does not
+// lift it. The published configs have more experts than heads; each is cut to fewer here.
+TEST(Validation, MoeBlocksThatRefuseTpAboveTheExperts) {
+    const std::string dir = std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/";
+    auto load = [&](const std::string& name) {
+        std::ifstream in(dir + name + ".json");
+        return nlohmann::json::parse(in);
+    };
+    struct Case {
+        const char* file;
+        bool nested;  // the decoder's fields sit under text_config
+        const char* experts_key;
+        const char* top_k_key;  // nullptr: the published top-k fits the cut
+        int experts, ok_tp, refused_tp;
+    };
+    const Case cases[] = {
+        {"qwen3-30b-a3b", false, "num_experts", nullptr, 8, 8, 16},
+        {"qwen3-vl-30b-a3b", true, "num_experts", nullptr, 8, 8, 16},
+        {"qwen3-next-80b-a3b", false, "num_experts", "num_experts_per_tok", 4, 4, 8},
+        {"qwen3.5-35b-a3b", true, "num_experts", "num_experts_per_tok", 4, 4, 8},
+        {"hunyuan-a13b-instruct", false, "num_experts", nullptr, 8, 8, 16},
+        {"ernie-4.5-21b-a3b-pt", false, "moe_num_experts", "moe_k", 4, 4, 20},
+    };
+    for (const Case& c : cases) {
+        const ModelSpec published = load_hf_config(dir + c.file + ".json");
+        EXPECT_TRUE(published.moe.tp_at_most_experts) << c.file;
+        EXPECT_NO_THROW(make_layout(published, cfg(c.refused_tp))) << c.file;
+        nlohmann::json j = load(c.file);
+        nlohmann::json& t = c.nested ? j["text_config"] : j;
+        t[c.experts_key] = c.experts;
+        if (c.top_k_key) t[c.top_k_key] = c.experts;
+        const ModelSpec cut = parse_hf_config(j.dump(), std::string(c.file) + "-cut.json");
+        ASSERT_EQ(cut.moe.num_experts, c.experts) << c.file;
+        EXPECT_NO_THROW(make_layout(cut, cfg(c.ok_tp))) << c.file;
+        expect_error([&] { make_layout(cut, cfg(c.refused_tp)); },
+                     {"is greater than the", "experts of", "valid tp sizes are"});
+        const auto tps = valid_tp_sizes(cut);
+        EXPECT_EQ(tps.back(), c.ok_tp) << c.file;
+    }
+    // Expert parallelism does not lift it: Qwen3-30B-A3B cut to 8 experts at tp 16 with ep 8.
+    nlohmann::json q = load("qwen3-30b-a3b");
+    q["num_experts"] = 8;
+    const ModelSpec q8 = parse_hf_config(q.dump(), "qwen3-moe-8-experts.json");
+    expect_error([&] { make_layout(q8, cfg(16, 1, 1, 1, 8)); }, {"tp=16 is greater than the 8"});
+    EXPECT_NO_THROW(make_layout(q8, cfg(8, 1, 1, 1, 8)));
+    // Qwen2-MoE (Qwen1.5-MoE-A2.7B's shape, 4 layers, 4 experts): tp 4 accepted, 8 refused.
+    const nlohmann::json qwen2 = {{"model_type", "qwen2_moe"},
+                                  {"hidden_size", 2048},
+                                  {"num_attention_heads", 16},
+                                  {"num_key_value_heads", 16},
+                                  {"num_hidden_layers", 4},
+                                  {"intermediate_size", 5632},
+                                  {"moe_intermediate_size", 1408},
+                                  {"shared_expert_intermediate_size", 5632},
+                                  {"num_experts", 4},
+                                  {"num_experts_per_tok", 4},
+                                  {"vocab_size", 151936},
+                                  {"max_position_embeddings", 8192},
+                                  {"rope_theta", 1000000.0},
+                                  {"rms_norm_eps", 1e-6},
+                                  {"decoder_sparse_step", 1},
+                                  {"torch_dtype", "bfloat16"}};
+    const ModelSpec q2 = parse_hf_config(qwen2.dump(), "qwen2-moe-4-experts.json");
+    EXPECT_TRUE(q2.moe.tp_at_most_experts);
+    EXPECT_NO_THROW(make_layout(q2, cfg(4)));
+    expect_error([&] { make_layout(q2, cfg(8)); }, {"tp=8 is greater than the 4 experts of"});
+    // Qwen3-Next with every layer in mlp_only_layers builds no MoE block: no limit.
+    nlohmann::json next = load("qwen3-next-80b-a3b");
+    next["num_experts"] = 4;
+    next["num_experts_per_tok"] = 4;
+    next["mlp_only_layers"] = nlohmann::json::array();
+    for (int l = 0; l < next["num_hidden_layers"].get<int>(); ++l)
+        next["mlp_only_layers"].push_back(l);
+    const ModelSpec all_dense = parse_hf_config(next.dump(), "qwen3-next-all-dense.json");
+    EXPECT_EQ(all_dense.num_moe_layers(), 0);
+    EXPECT_NO_THROW(make_layout(all_dense, cfg(8)));
+}
+
 }  // namespace
 }  // namespace kvshard
