@@ -106,10 +106,17 @@ void bind_model_layout(py::module_& m) {
             py::arg("text"))
         .def(py::self == py::self)
         .def("__repr__", [](const ModelSpec& s) {
+            // Several cache layers per decoder layer (Falcon-H1: 44 x 2): the decoder layers and
+            // how many cache layers each holds, as `kvshard layout` and `kvshard models` say.
+            const std::string layers =
+                s.cache_layers_per_decoder_layer == 1
+                    ? fmt::format("layers={}", s.num_layers)
+                    : fmt::format("decoder_layers={} x {}", s.num_decoder_layers(),
+                                  s.cache_layers_per_decoder_layer);
             return fmt::format(
-                "ModelSpec(name='{}', layers={}, heads={}, kv_heads={}, head_dim={}, "
+                "ModelSpec(name='{}', {}, heads={}, kv_heads={}, head_dim={}, "
                 "attention='{}', kv_dtype='{}')",
-                s.name, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim,
+                s.name, layers, s.num_heads, s.num_kv_heads, s.head_dim,
                 attention_kind_name(s.attention), dtype_name(s.kv_dtype));
         });
     py::implicitly_convertible<py::str, ModelSpec>();

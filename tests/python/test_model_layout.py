@@ -134,6 +134,9 @@ def test_decoder_layers_of_several_cache_layers():
     assert kvshard.pp_cache_layer_split(m, "pp=3") == [30, 30, 28]
     assert m.kv_bytes_per_token() == 44 * 2 * 2 * 128 * 2
     assert kvshard.catalog_model("llama-3.1-70b").num_decoder_layers == 80
+    # The repr says decoder layers x cache layers, as `kvshard layout` does, not an unlabelled 88.
+    assert "decoder_layers=44 x 2," in repr(m) and "layers=88" not in repr(m)
+    assert "layers=80," in repr(kvshard.catalog_model("llama-3.1-70b"))
 
 
 def test_layout_helpers():
