@@ -128,6 +128,9 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                       .shared_experts = 0,
                       .expert_intermediate = 1536,
                       .first_dense_layers = 0};
+             // vLLM's Qwen3MoeSparseMoeBlock (qwen3_moe.py) raises on tp above the experts, as the
+             // config reader sets for qwen3_moe.
+             m.moe.tp_at_most_experts = true;
              m.rms_norm_eps = 1e-6;
              m = with_max_len(std::move(m), 40960);
              return m;
