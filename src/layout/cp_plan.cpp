@@ -36,15 +36,41 @@ void for_each_cp0_rank(const KvLayout& l, F&& f) {
         if (r.coord.cp == 0 && r.coord.dp == 0) f(r);
 }
 
-// The rank's layers that attend over the sequence's tokens: those of its token-holding KV groups
-// (full, sliding, chunked, MLA). The CP ring and the decode merge run only in them; a state layer
-// (Mamba, Gated DeltaNet, short conv) or a layer without KV (LongCat-Flash's MoE entry) has no
-// queries to pass and no partials to merge. Falcon-H1 holds 2 cache layers per decoder layer,
-// one of each kind: this counts 44 of its 88.
-int64_t attention_layers(const RankKv& r) {
-    int64_t n = 0;
+// Elements per query head and token of one layer of a token-holding group, as the session moves
+// them (docs/context-parallel.md §8): an attention layer's query row and partial output are its own
+// head_dim (Gemma 4's full layers 512, its sliding ones 256); MLA runs absorbed, a latent query of
+// kv_lora_rank + qk_rope_head_dim whose prefill partials travel whole (the owner drops the rope
+// part) and whose decode partials are kv_lora_rank.
+struct HeadDims {
+    int64_t q = 0, prefill_out = 0, decode_out = 0;
+};
+HeadDims head_dims(const ModelSpec& m, const RankKvGroup& g) {
+    if (g.kind == LayerKind::kMla) {
+        const int64_t latent = m.mla.kv_lora_rank, q = latent + m.mla.qk_rope_head_dim;
+        return {q, q, latent};
+    }
+    const int64_t d = m.layer(g.layers.front()).head_dim;
+    return {d, d, d};
+}
+
+// Calls f(group, layers, dims) for each of the rank's groups that attend over the sequence's
+// tokens (full, sliding, chunked, MLA). The CP ring and the decode merge run only in those; a
+// state layer (Mamba, Gated DeltaNet, short conv) or a layer without KV (LongCat-Flash's MoE
+// entry) has no queries to pass and no partials to merge: Falcon-H1's 88 cache layers count 44.
+template <typename F>
+void for_each_attention_group(const KvLayout& l, const RankKv& r, F&& f) {
     for (const RankKvGroup& g : r.groups)
-        if (holds_tokens(g.kind)) n += static_cast<int64_t>(g.layers.size());
+        if (holds_tokens(g.kind) && !g.layers.empty())
+            f(g, static_cast<int64_t>(g.layers.size()), head_dims(l.model, g));
+}
+
+// Bytes per new token and query head a rank's layers move in pass-Q (Meta's count: the query in
+// the KV dtype, the fp32 partial and LSE), summed over its attention layers.
+int64_t pass_q_bytes_per_token_head(const KvLayout& l, const RankKv& r) {
+    int64_t n = 0;
+    for_each_attention_group(l, r, [&](const RankKvGroup&, int64_t layers, const HeadDims& d) {
+        n += layers * (d.q * elem_size(l) + 4 * d.prefill_out + 4);
+    });
     return n;
 }
 
@@ -363,13 +389,11 @@ CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMa
     CpPrefillBytes b;
     if (cp == 1) return b;
     const int64_t hq = r.q_head_end - r.q_head_begin;
-    const int64_t d = layout.model.head_dim;
     const int64_t fresh = map.size() - new_begin;
-    const int64_t q_tokens = fresh - map.count(cp_ring_next(cp, r.coord.cp), new_begin);
     // The all-to-all returns owner o's partials (fp32 output and LSE per query head and token)
     // only where some new query of o's sees a key of this rank's: causally, and for a windowed
-    // group inside its window (cp_shard_sees); a partial without one would be empty.
-    const int64_t unit = hq * (d + 1) * 4;
+    // group inside its window (cp_shard_sees); a partial without one would be empty. A windowed
+    // group's ring stops after the steps its window needs.
     const std::vector<TokenRange> keys = map.ranges(r.coord.cp);
     auto returned_tokens = [&](bool chunked, int window) {
         int64_t t = 0;
@@ -378,20 +402,22 @@ CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMa
                 t += map.count(o, new_begin);
         return t;
     };
+    const int64_t q_tokens = fresh - map.count(cp_ring_next(cp, r.coord.cp), new_begin);
     const int64_t returned = returned_tokens(false, 0);
-    b.ring = q_tokens * attention_layers(r) * hq * d * elem_size(layout);
-    b.all_to_all = returned * attention_layers(r) * unit;
-    // A windowed group's ring stops after the steps its window needs, and returns fewer partials.
-    for (const RankKvGroup& g : r.groups) {
-        if (g.window <= 0 || g.layers.empty()) continue;
-        const bool chunked = g.kind == LayerKind::kChunkedLocal;
-        const auto layers = static_cast<int64_t>(g.layers.size());
-        const int steps = cp_pass_q_window_ring_steps(map, new_begin, chunked, g.window);
-        int64_t sent = 0;
-        for (int s = 0; s + 1 < steps; ++s) sent += map.count(mod(r.coord.cp - s, cp), new_begin);
-        b.ring -= (q_tokens - sent) * layers * hq * d * elem_size(layout);
-        b.all_to_all -= (returned - returned_tokens(chunked, g.window)) * layers * unit;
-    }
+    for_each_attention_group(
+        layout, r, [&](const RankKvGroup& g, int64_t layers, const HeadDims& d) {
+            int64_t sent = q_tokens, back = returned;
+            if (g.window > 0) {
+                const bool chunked = g.kind == LayerKind::kChunkedLocal;
+                const int steps = cp_pass_q_window_ring_steps(map, new_begin, chunked, g.window);
+                sent = 0;
+                for (int s = 0; s + 1 < steps; ++s)
+                    sent += map.count(mod(r.coord.cp - s, cp), new_begin);
+                back = returned_tokens(chunked, g.window);
+            }
+            b.ring += sent * layers * hq * d.q * elem_size(layout);
+            b.all_to_all += back * layers * hq * (d.prefill_out + 1) * 4;
+        });
     return b;
 }
 
@@ -410,12 +436,10 @@ double cp_pass_q_threshold(const KvLayout& layout) {
     // Per token, over one CP slice: pass-KV moves kv_bytes_per_token (2 * L * Hkv_r * D * e);
     // pass-Q moves L * Hq_r * (D * e + 4 * D + 4). Both are multiplied by (cp - 1) over the ring.
     double kv = 0, q = 0;
-    const double d = layout.model.head_dim;
-    const double e = static_cast<double>(elem_size(layout));
     for_each_cp0_rank(layout, [&](const RankKv& r) {
         kv += static_cast<double>(r.kv_bytes_per_token);
-        q += static_cast<double>(attention_layers(r)) * (r.q_head_end - r.q_head_begin) *
-             (d * e + 4 * d + 4);
+        q += static_cast<double>(pass_q_bytes_per_token_head(layout, r)) *
+             static_cast<double>(r.q_head_end - r.q_head_begin);
     });
     return q > 0 ? kv / q : 0.0;
 }
@@ -428,11 +452,9 @@ CpPrefillChoice choose_cp_prefill(const KvLayout& layout, int64_t cached, int64_
     c.threshold = cp_pass_q_threshold(layout);
     const int64_t cp1 = layout.parallel.cp - 1;
     int64_t kv_per_token = 0, q_per_token = 0;
-    const int64_t d = layout.model.head_dim;
     for_each_cp0_rank(layout, [&](const RankKv& r) {
         kv_per_token += r.kv_bytes_per_token;
-        q_per_token += attention_layers(r) * (r.q_head_end - r.q_head_begin) *
-                       (d * elem_size(layout) + 4 * d + 4);
+        q_per_token += pass_q_bytes_per_token_head(layout, r) * (r.q_head_end - r.q_head_begin);
     });
     // Exact totals: summing N - n_{c+1} over the CP ranks gives (cp - 1) N.
     const int64_t dp = layout.parallel.dp;
@@ -479,15 +501,18 @@ int64_t cp_decode_merge_bytes(const KvLayout& layout, int rank, CpDecodeMerge me
     const int cp = layout.parallel.cp;
     if (cp == 1) return 0;
     const int64_t hq = r.q_head_end - r.q_head_begin;
-    const int64_t d = layout.model.head_dim;
-    const int64_t row = (d + 1) * 4;  // fp32 O and LSE per head
-    if (merge == CpDecodeMerge::kAllGather) return attention_layers(r) * (cp - 1) * hq * row;
     // all-to-all: to every other rank, the partial rows of that rank's heads; then all-gather
     // of the merged O of this rank's heads (no LSE needed any more).
     const TokenRange mine = cp_helix_heads(static_cast<int>(hq), cp, r.coord.cp);
-    const int64_t a2a = (hq - mine.size()) * row;
-    const int64_t ag = (cp - 1) * mine.size() * d * 4;
-    return attention_layers(r) * (a2a + ag);
+    int64_t bytes = 0;
+    for_each_attention_group(layout, r, [&](const RankKvGroup&, int64_t layers, const HeadDims& d) {
+        const int64_t row = (d.decode_out + 1) * 4;  // fp32 O and LSE per head
+        bytes +=
+            merge == CpDecodeMerge::kAllGather
+                ? layers * (cp - 1) * hq * row
+                : layers * ((hq - mine.size()) * row + (cp - 1) * mine.size() * d.decode_out * 4);
+    });
+    return bytes;
 }
 
 std::vector<int64_t> cp_causal_pairs(const CpTokenMap& map, int64_t q_begin) {

@@ -325,32 +325,38 @@ TEST(CpModel, AutomaticPrefillModeFollowsTheByteRule) {
 
 namespace kvshard {
 namespace {
-// A hybrid model's state layers run no ring and no merge (docs/context-parallel.md §8: their rows
-// are all-gathered instead). tiny-hybrid, 3 Gated DeltaNet layers and 1 full-attention layer: the
-// session's pass-Q ring and all-to-all and its decode merge carry that one layer's bytes, which
-// cp_pass_q_bytes and cp_decode_merge_bytes count (they counted all 4 layers before 2026-12-05).
-TEST(CpModel, StateLayersPassNoQueriesAndMergeNoPartials) {
-    const ModelSpec hybrid = catalog_model("tiny-hybrid");
+// The plan's pass-Q and decode bytes are the session's. tiny-hybrid, 3 Gated DeltaNet layers and
+// 1 full-attention layer: a state layer runs no ring and no merge (docs/context-parallel.md §8: its
+// rows are all-gathered instead), so the ring, the all-to-all and the merge carry that one layer's
+// bytes (the plan counted all 4 layers before 2026-12-05). tiny-mla, run absorbed: queries and
+// prefill partials of kv_lora_rank + qk_rope_head_dim = 40, decode partials of kv_lora_rank = 32
+// (the plan counted head_dim = 16 for each before).
+TEST(CpModel, PlanBytesEqualTheSessionForStateAndMlaLayers) {
     const auto p = config(2, 1, CpScheme::kZigzag);
-    for (CpDecodeMerge merge : {CpDecodeMerge::kAllGather, CpDecodeMerge::kAllToAll}) {
-        run_threads(2, [&](Communicator& w) {
-            CpOptions o = options();
-            o.prefill_mode = CpPrefillMode::kPassQ;
-            o.decode_merge = merge;
-            CpDevice dev(hybrid, 1, 0, weights(), o);
-            CpSession s(dev, w, p, o);
-            s.prefill(0, tokens(16, 31));
-            ASSERT_EQ(s.last_step().mode, CpPrefillMode::kPassQ);
-            const CpPrefillBytes want = cp_pass_q_bytes(s.layout(), w.rank(), s.token_map(0), 0);
-            // One attention layer, 8 query heads of 8 fp32: 8 query rows of 256 B each way.
-            EXPECT_EQ(want.ring, 8 * 8 * 8 * 4);
-            EXPECT_EQ(s.last_step().comm.ring, want.ring);
-            EXPECT_EQ(s.last_step().comm.all_to_all, want.all_to_all);
-            s.decode(0, 5);
-            EXPECT_EQ(s.last_step().comm.total(),
-                      cp_decode_merge_bytes(s.layout(), w.rank(), merge))
-                << cp_decode_merge_name(merge);
-        });
+    for (const char* name : {"tiny-hybrid", "tiny-mla"}) {
+        const ModelSpec model = catalog_model(name);
+        for (CpDecodeMerge merge : {CpDecodeMerge::kAllGather, CpDecodeMerge::kAllToAll}) {
+            run_threads(2, [&](Communicator& w) {
+                CpOptions o = options();
+                o.prefill_mode = CpPrefillMode::kPassQ;
+                o.decode_merge = merge;
+                CpDevice dev(model, 1, 0, weights(), o);
+                CpSession s(dev, w, p, o);
+                s.prefill(0, tokens(16, 31));
+                ASSERT_EQ(s.last_step().mode, CpPrefillMode::kPassQ);
+                const CpPrefillBytes want =
+                    cp_pass_q_bytes(s.layout(), w.rank(), s.token_map(0), 0);
+                // 8 query rows of 8 heads, fp32: tiny-hybrid 1 layer of 8, tiny-mla 2 of 40.
+                EXPECT_EQ(want.ring,
+                          std::string(name) == "tiny-mla" ? 2 * 8 * 8 * 40 * 4 : 8 * 8 * 8 * 4);
+                EXPECT_EQ(s.last_step().comm.ring, want.ring) << name;
+                EXPECT_EQ(s.last_step().comm.all_to_all, want.all_to_all) << name;
+                s.decode(0, 5);
+                EXPECT_EQ(s.last_step().comm.total(),
+                          cp_decode_merge_bytes(s.layout(), w.rank(), merge))
+                    << name << " " << cp_decode_merge_name(merge);
+            });
+        }
     }
 }
 }  // namespace

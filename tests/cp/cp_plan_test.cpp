@@ -454,30 +454,38 @@ TEST(CpPrefillChoice, OnlyTokenHoldingLayersPassQueries) {
 }
 
 // Every config of tests/data/hf_configs at cp 2 (pp 1, tp 1): pass-Q and the decode merge count
-// the layers whose kind holds tokens (the ModelSpec's layer list, not its KV groups): Falcon-H1
-// 44 of 88, LongCat-Flash 56 of 84, and the SSM / Gated DeltaNet / short-conv layers of Bamba,
-// Nemotron-H, Granite 4.0-H, Jamba, Qwen3-Next, Qwen3.5, Kimi Linear and LFM2 none.
+// the layers whose kind holds tokens (from the ModelSpec's layer list, not its KV groups), each at
+// its own dims: Falcon-H1 44 of 88 layers, LongCat-Flash 56 of 84, the SSM / Gated DeltaNet /
+// short-conv layers of Bamba, Nemotron-H, Granite 4.0-H, Jamba, Qwen3-Next, Qwen3.5, Kimi Linear
+// and LFM2 none; Gemma 4's full layers at their head_dim 512, its sliding ones at 256; MLA
+// (DeepSeek-V3, LongCat-Flash) as the session runs it, absorbed: a query of kv_lora_rank +
+// qk_rope_head_dim (576), prefill partials of as many, decode partials of kv_lora_rank (512).
 TEST(CpPrefillChoice, EveryConfigCountsItsAttentionLayers) {
     const std::string dir = std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/";
     int hybrids = 0;
     for (const char* name :
          {"apertus-8b-instruct-2509", "bamba-9b", "deepseek-v3", "falcon-h1-7b-instruct",
-          "gemma-3-27b", "gpt-oss-20b", "granite-4.0-h-tiny", "jamba-1.5-mini",
+          "gemma-3-27b", "gemma-4-31b", "gpt-oss-20b", "granite-4.0-h-tiny", "jamba-1.5-mini",
           "kimi-linear-48b-a3b-instruct", "lfm2-1.2b", "lfm2-8b-a1b",
           "llama-3.3-nemotron-super-49b", "llama-4-scout", "longcat-flash-chat", "nemotron-h-8b",
           "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "qwen3-8b"}) {
         const ModelSpec m = load_hf_config(dir + name + ".json");
-        int64_t attention = 0;
-        for (int i = 0; i < m.num_layers; ++i) attention += holds_tokens(m.layer(i).kind) ? 1 : 0;
+        const int64_t e = dtype_size(m.kv_dtype), h = m.num_heads;
+        int64_t attention = 0, q_bytes = 0, merge_bytes = 0;
+        for (int i = 0; i < m.num_layers; ++i) {
+            const LayerSpec ls = m.layer(i);
+            if (!holds_tokens(ls.kind)) continue;
+            ++attention;
+            const bool mla = ls.kind == LayerKind::kMla;
+            const int64_t q = mla ? m.mla.kv_lora_rank + m.mla.qk_rope_head_dim : ls.head_dim;
+            const int64_t out = mla ? m.mla.kv_lora_rank : ls.head_dim;
+            q_bytes += h * (q * e + 4 * q + 4);
+            merge_bytes += h * (out + 1) * 4;
+        }
         if (attention < m.num_layers) ++hybrids;
         const auto l = make_layout(m, cfg(2, CpScheme::kZigzag));
-        const int64_t d = m.head_dim, e = dtype_size(m.kv_dtype);
-        EXPECT_EQ(choose_cp_prefill(l, 4000, 100).pass_q_bytes,
-                  100 * attention * m.num_heads * (d * e + 4 * d + 4))
-            << name;
-        EXPECT_EQ(cp_decode_merge_bytes(l, 1, CpDecodeMerge::kAllGather),
-                  attention * m.num_heads * (d + 1) * 4)
-            << name;
+        EXPECT_EQ(choose_cp_prefill(l, 4000, 100).pass_q_bytes, 100 * q_bytes) << name;
+        EXPECT_EQ(cp_decode_merge_bytes(l, 1, CpDecodeMerge::kAllGather), merge_bytes) << name;
     }
     EXPECT_EQ(hybrids, 12);
 }

@@ -156,7 +156,8 @@ CpPrefillBytes cp_pass_kv_bytes(const KvLayout& layout, int rank, const CpTokenM
 // pass-Q for the new tokens [new_begin, map.size()): Q of those tokens minus the next rank's,
 // in the KV dtype (windowed groups: only the steps cp_pass_q_window_ring_steps runs); then, for
 // the new tokens of every other rank whose queries see one of this rank's keys (cp_shard_sees,
-// per layer kind), the fp32 partial output (D) and fp32 LSE per query head.
+// per layer kind), the fp32 partial output (D) and fp32 LSE per query head. D is each layer's
+// head_dim; MLA runs absorbed: queries and partials of kv_lora_rank + qk_rope_head_dim.
 CpPrefillBytes cp_pass_q_bytes(const KvLayout& layout, int rank, const CpTokenMap& map,
                                int64_t new_begin);
 
@@ -204,7 +205,7 @@ CpDecodeMerge parse_cp_decode_merge(std::string_view s);
 // possible; some ranks get none when num_heads < cp).
 TokenRange cp_helix_heads(int num_heads, int cp, int cp_rank);
 // Bytes one rank sends per decoded token, all its token-holding layers (no merge in a state layer),
-// under each merge (fp32 O and LSE).
+// under each merge (fp32 O and LSE of each layer's head_dim; MLA: of kv_lora_rank).
 int64_t cp_decode_merge_bytes(const KvLayout& layout, int rank, CpDecodeMerge merge);
 
 // ---------------------------------------------------------------------------------------------
