@@ -1150,13 +1150,19 @@ void read_longcat_flash(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>&
 // a window that would reach every layer is refused rather than sized, as is a layer_types naming a
 // sliding layer (neither model file reads layer_types). dots.llm1's MoE layers follow
 // moe_layer_freq here (MoeSpec holds the rest).
+// use_sliding_window as the config object of Ling / dots.llm1 holds it: stated, else
+// BailingMoeConfig's False (Ling 1.x, vLLM transformers_utils/configs/bailing_moe.py); Dots1Config
+// defines no such attribute, and Ling 2.0's remote BailingMoeV2Config was not read (its published
+// configs state neither key). True: vLLM's get_hf_config_sliding_window returns no window.
+bool full_attention_only_window_off(const HfFields& f, const std::string& model_type) {
+    return f.has("use_sliding_window") ? !f.bool_or("use_sliding_window", false)
+                                       : model_type == "bailing_moe";
+}
+
 void read_full_attention_only(const HfFields& f, Family fam, const std::string& model_type,
                               ModelSpec& m, std::vector<LayerSpec>& layers) {
     const int L = m.num_layers;
-    // use_sliding_window as the config object holds it: stated, else BailingMoeConfig's False
-    // (Ling 1.x); Dots1Config and Ling 2.0's class define no such attribute.
-    const bool window_off = f.has("use_sliding_window") ? !f.bool_or("use_sliding_window", false)
-                                                        : model_type == "bailing_moe";
+    const bool window_off = full_attention_only_window_off(f, model_type);
     if (!window_off && f.has("sliding_window"))
         throw f.bad("sliding_window",
                     detail::concat("is ", f.json().at("sliding_window").dump(),
@@ -1166,12 +1172,32 @@ void read_full_attention_only(const HfFields& f, Family fam, const std::string& 
                                    "' as the model-level window, which kvshard does not read for "
                                    "this model (the published configs set use_sliding_window "
                                    "false or sliding_window null)"));
-    if (!window_off && fam == Family::kDots1 && !f.json().contains("sliding_window"))
-        throw Error(detail::concat(
-            f.file(),
-            ": missing field 'sliding_window': Dots1Config defaults it to 4096, which vLLM would "
-            "apply to every layer as the model-level window; give it (null for none) or set "
-            "use_sliding_window false"));
+    // An absent sliding_window is the config class's default, which vLLM would apply to every
+    // layer (getattr(hf_text_config, "sliding_window", None)): Dots1Config's and Ling 1.x's
+    // BailingMoeConfig's is 4096; Ling 2.0's class was not read, so there a stated
+    // use_sliding_window true leaves the window unknown.
+    if (!window_off && !f.json().contains("sliding_window")) {
+        if (fam == Family::kDots1)
+            throw Error(detail::concat(
+                f.file(),
+                ": missing field 'sliding_window': Dots1Config defaults it to 4096, which vLLM "
+                "would apply to every layer as the model-level window; give it (null for none) "
+                "or set use_sliding_window false"));
+        if (model_type == "bailing_moe")
+            throw Error(detail::concat(
+                f.file(),
+                ": missing field 'sliding_window' while use_sliding_window is true: "
+                "BailingMoeConfig (vLLM's transformers_utils/configs/bailing_moe.py) defaults it "
+                "to 4096, which vLLM would apply to every layer as the model-level window; give "
+                "it (null for none) or set use_sliding_window false"));
+        if (f.has("use_sliding_window"))
+            throw Error(detail::concat(
+                f.file(),
+                ": missing field 'sliding_window' while use_sliding_window is true: the default "
+                "of Ling 2.0's BailingMoeV2Config (the checkpoint's remote code) is unknown to "
+                "kvshard, and vLLM would apply it to every layer as the model-level window; give "
+                "it (null for none) or set use_sliding_window false"));
+    }
     if (f.has("layer_types")) {
         const std::vector<std::string> types =
             layer_type_list(f, "layer_types", L, {"full_attention", "sliding_attention"});
@@ -2780,12 +2806,15 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     // A window the config states must reach some layer, unless the family switches it off
     // (Qwen2/3's use_sliding_window false).
     const bool qwen_gate = model_type.rfind("qwen", 0) == 0 || model_type == "mimo";
-    // Ling and dots.llm1: read_full_attention_only refused any window that would reach a layer.
-    // A Llama-field config's use_sliding_window false switches it off as well (above).
+    // Ling and dots.llm1: read_full_attention_only refused any window that would reach a layer;
+    // their window is off as it reads it, so a use_sliding_window true with sliding_window null
+    // is refused here as for the other families. A Llama-field config's use_sliding_window false
+    // switches it off as well (above).
     const bool window_off = (qwen_gate && (!f.bool_or("use_sliding_window", false) ||
                                            f.int_or("max_window_layers", 0) >= L)) ||
                             (fam == Family::kLlama && !f.bool_or("use_sliding_window", true)) ||
-                            fam == Family::kBailing || fam == Family::kDots1;
+                            ((fam == Family::kBailing || fam == Family::kDots1) &&
+                             full_attention_only_window_off(f, model_type));
     const bool any_sliding = std::any_of(layers.begin(), layers.end(), [](const LayerSpec& s) {
         return s.kind == LayerKind::kSlidingWindow;
     });

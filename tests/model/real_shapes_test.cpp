@@ -1795,6 +1795,25 @@ TEST(RealShapes, LingMini2AsVllmBuildsIt) {
                        j["use_sliding_window"] = true;
                    }),
                    "sliding_window");
+    // use_sliding_window true with no sliding_window key: the config class's default window.
+    // Ling 1.x's BailingMoeConfig (vLLM transformers_utils/configs/bailing_moe.py) defaults it
+    // to 4096, which ModelConfig.get_hf_config_sliding_window hands every layer; Ling 2.0's
+    // remote BailingMoeV2Config was not read. Both refused, each naming what it knows.
+    expect_refused(with([](auto& j) {
+                       j["model_type"] = "bailing_moe";
+                       j["use_sliding_window"] = true;
+                   }),
+                   "BailingMoeConfig (vLLM's transformers_utils/configs/bailing_moe.py) defaults "
+                   "it to 4096");
+    expect_refused(with([](auto& j) { j["use_sliding_window"] = true; }),
+                   "BailingMoeV2Config (the checkpoint's remote code) is unknown");
+    // sliding_window null: vLLM slides no layer, and use_sliding_window true says otherwise.
+    expect_refused(with([](auto& j) {
+                       j["model_type"] = "bailing_moe";
+                       j["use_sliding_window"] = true;
+                       j["sliding_window"] = nullptr;
+                   }),
+                   "use_sliding_window' is true, but no layer slides");
     // layer_types is not read by vLLM here: all full accepted, a sliding entry refused.
     EXPECT_EQ(parse_hf_config(with([](auto& j) {
                                   j["layer_types"] = std::vector<std::string>(20, "full_attention");
