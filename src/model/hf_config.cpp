@@ -1661,9 +1661,23 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                    ": vLLM's FlashConfig builds num_hidden_layers decoder layers "
                                    "when set, while the checkpoint has num_layers of them; give "
                                    "one count (num_layers, the decoder layers)"));
-    if (m.num_layers > (1 << 14))
-        throw Error(detail::concat(file, ": ", m.num_layers,
-                                   " layers: kvshard reads models of at most 16384 layers"));
+    // ModelSpec holds at most 16384 cache layers; Falcon-H1 makes two of each decoder layer and
+    // LongCat-Flash three (read_falcon_h1, read_longcat_flash), so their decoder layers are
+    // checked here against 16384 / k, by the count the config states.
+    const int cache_layers_per_decoder_layer = fam == Family::kFalconH1  ? 2
+                                               : fam == Family::kLongcat ? 3
+                                                                         : 1;
+    if (m.num_layers > (1 << 14) / cache_layers_per_decoder_layer) {
+        if (cache_layers_per_decoder_layer == 1)
+            throw Error(detail::concat(file, ": ", m.num_layers,
+                                       " layers: kvshard reads models of at most 16384 layers"));
+        throw f.bad(pick({"num_hidden_layers", "n_layer", "num_layers"}, "num_hidden_layers"),
+                    detail::concat("is ", m.num_layers, " decoder layers: model_type '", model_type,
+                                   "' makes ", cache_layers_per_decoder_layer,
+                                   " cache layers of each, and kvshard reads at most 16384 cache "
+                                   "layers, so at most ",
+                                   (1 << 14) / cache_layers_per_decoder_layer, " decoder layers"));
+    }
     m.hidden = f.positive_int("hidden_size");
     const ClassDefaults defaults = class_defaults(model_type);
     auto missing = [&](const char* key) {

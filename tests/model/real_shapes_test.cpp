@@ -1094,6 +1094,14 @@ TEST(RealShapes, FalconH1AsVllmBuildsIt) {
     refused_with("attn_layer_indices", {0, 1}, "attn_layer_indices");
     refused_with("mamba_d_head", 64, "mamba_d_head");    // 64 x 24 heads is not 3072
     refused_with("mamba_n_heads", 25, "mamba_n_heads");  // does not divide 3072
+    // At most 16384 cache layers, two per decoder layer: 8192 decoder layers read, 10000 refused
+    // by the count the config states (not the 20000 cache layers it would make).
+    refused_with("num_hidden_layers", 10000,
+                 "is 10000 decoder layers: model_type 'falcon_h1' makes 2 cache layers of each, "
+                 "and kvshard reads at most 16384 cache layers, so at most 8192 decoder layers");
+    nlohmann::json deepest = j;
+    deepest["num_hidden_layers"] = 8192;
+    EXPECT_EQ(parse_hf_config(deepest.dump(), "d.json").num_layers, 16384);
     // mamba_d_ssm null: mamba_expand x hidden = 6144 in 24 heads of "auto" 256.
     nlohmann::json wide = j;
     wide["mamba_d_ssm"] = nullptr;
@@ -1178,6 +1186,12 @@ TEST(RealShapes, LongcatFlashAsVllmBuildsIt) {
     refused_with("num_hidden_layers", 56, "num_hidden_layers");  // transformers' cache count
     refused_with("hidden_act", "gelu", "silu");
     refused_with("qk_head_dim", 256, "qk_head_dim");
+    // Three cache layers per decoder layer: at most 16384 / 3 = 5461 decoder layers.
+    refused_with("num_layers", 5462, "is 5462 decoder layers");
+    refused_with("num_layers", 5462, "at most 5461 decoder layers");
+    nlohmann::json deepest = j;
+    deepest["num_layers"] = 5461;
+    EXPECT_EQ(parse_hf_config(deepest.dump(), "d.json").num_layers, 16383);
     nlohmann::json same = j;
     same["num_hidden_layers"] = 28;        // one count, written twice: accepted
     same["num_nextn_predict_layers"] = 1;  // vLLM skips the MTP weights: not modelled
