@@ -1001,8 +1001,10 @@ void read_lfm2(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& layers) 
 // MambaMixer2 of d_ssm = mamba_d_ssm, else mamba_expand x hidden, in mamba_n_heads heads of
 // mamba_d_head, mamba_n_groups groups of mamba_d_state, conv of mamba_d_conv) side by side, then
 // one FalconH1MLP (gate_up and down of intermediate_size, silu). The decoder layer becomes two
-// cache layers: the attention branch with the MLP, the Mamba-2 branch with none (vLLM names its
-// mixer model.layers.{num_hidden_layers + i}, a KV cache spec of its own). The multipliers
+// cache layers: the attention branch with the MLP, the Mamba-2 branch with none (vLLM's
+// FalconH1ParallelHybrid gives that branch the prefix prefix.split(".")[0] + f".{num_hidden_layers
+// + layer_idx}", i.e. model.{num_hidden_layers + i} beside the attention's model.layers.{i}: its
+// mixer model.{num_hidden_layers + i}.mixer, a KV cache spec of its own). The multipliers
 // (attention_in, key, ssm_in / ssm_out, mlp, lm_head, embedding) scale activations and cache
 // nothing; the gated norm's weight (d_ssm) is counted even where mamba_rms_norm is false and vLLM's
 // Mixer2RMSNormGated registers none (d_ssm per layer, well below 0.01% of the parameters).

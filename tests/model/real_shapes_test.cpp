@@ -1036,7 +1036,7 @@ TEST(RealShapes, BambaAsVllmBuildsIt) {
 
 // Falcon-H1-7B as vLLM's falcon_h1.py builds it: each FalconH1ParallelHybrid decoder layer runs
 // FalconH1AttentionDecoderLayer (an Attention with its KV cache) and FalconH1SSMDecoderLayer (a
-// MambaMixer2 with its conv + SSM state, registered as model.layers.{44 + i}) side by side, then
+// MambaMixer2 with its conv + SSM state, registered as model.{44 + i}.mixer) side by side, then
 // one FalconH1MLP. kvshard: 88 cache layers, two per decoder layer.
 TEST(RealShapes, FalconH1AsVllmBuildsIt) {
     const ModelSpec m = load_hf_config(config_path("falcon-h1-7b-instruct"));

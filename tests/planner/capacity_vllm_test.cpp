@@ -231,7 +231,7 @@ TEST(CapacityVllm, Lfm2KeepsBlock16AndPadsTheConvState) {
 
 // Falcon-H1-7B on one H100: 44 decoder layers, each an attention branch (2 KV heads of 128) and a
 // Mamba-2 branch side by side. vLLM registers 44 Attention layers and 44 MambaMixer2 layers (named
-// model.layers.{44 + i}, FalconH1ParallelHybrid), so its hybrid allocator sees 44 full-attention
+// model.{44 + i}.mixer, FalconH1ParallelHybrid), so its hybrid allocator sees 44 full-attention
 // and 44 Mamba specs. HybridAttentionMambaModelConfig: the Mamba page (mamba2_state_shape at bf16)
 // is 2 x (3 x (3072 + 2 x 256) + 24 x 128 x 256) = 1,594,368 B; one token's attention page 2 x 2
 // x 128 x 2 = 1024 B; block 16 x cdiv(1,594,368, 16 x 1024) = 16 x 98 = 1568 tokens, page 1568 x
