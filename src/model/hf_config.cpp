@@ -1698,8 +1698,15 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
               : fam == Family::kGemma4
                   ? 262144   // Gemma4TextConfig's default
                   : 262208;  // Gemma3TextConfig's default; the published text_config omits it
-    // vLLM's FalconH1AttentionDecoderLayer: getattr(config, "rope_theta", 1e11).
-    m.rope_theta = f.number_or("rope_theta", fam == Family::kFalconH1 ? 1e11 : 10000.0);
+    // Falcon-H1 without rope_theta: vLLM's FalconH1AttentionDecoderLayer falls back to 1e11
+    // (getattr(config, "rope_theta", 1e11); later set_default_rope_theta(config, 1e11)) only where
+    // the config object has none, and it always has one: transformers' FalconH1Config.__init__
+    // (4.x, which vLLM's requirements/common.txt pins: transformers < 5) sets rope_theta =
+    // 100000.0, which patch_rope_parameters (vllm/transformers_utils/config.py) moves into
+    // rope_parameters before the model reads it. (transformers 5's FalconH1Config defines no
+    // rope_theta; RotaryEmbeddingConfigMixin.default_theta, 10000, would apply there.) The
+    // published checkpoints state it (1e11).
+    m.rope_theta = f.number_or("rope_theta", fam == Family::kFalconH1 ? 1e5 : 10000.0);
     m.rms_norm_eps = f.number_or(
         pick({"rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon"}, "rms_norm_eps"), 1e-6);
     const bool gemma = fam == Family::kGemma2 || fam == Family::kGemma3 || fam == Family::kGemma4;

@@ -1054,7 +1054,7 @@ TEST(RealShapes, FalconH1AsVllmBuildsIt) {
         EXPECT_EQ(s.mlp, MlpKind::kNone) << d;  // the decoder layer's one MLP is counted once
     }
     EXPECT_EQ(m.max_model_len, 262144);
-    EXPECT_EQ(m.rope_theta, 1e11);
+    EXPECT_EQ(m.rope_theta, 1e11);  // as the checkpoint states it
     // KV per token: 44 attention branches x K and V x 2 KV heads x 128 x bf16 = 45056 bytes.
     EXPECT_EQ(m.kv_bytes_per_token(), int64_t{44} * 2 * 2 * 128 * 2);
     // State per sequence: 44 Mamba-2 branches x bf16 x (conv 3 x (3072 + 2 x 1 x 256) + SSM
@@ -1099,6 +1099,12 @@ TEST(RealShapes, FalconH1AsVllmBuildsIt) {
     refused_with("num_hidden_layers", 10000,
                  "is 10000 decoder layers: model_type 'falcon_h1' makes 2 cache layers of each, "
                  "and kvshard reads at most 16384 cache layers, so at most 8192 decoder layers");
+    // rope_theta absent: transformers' FalconH1Config.__init__ (4.x) sets 100000.0, which
+    // vLLM's patch_rope_parameters carries into rope_parameters; falcon_h1.py's 1e11 fallback
+    // (getattr / set_default_rope_theta) is for a config object without the attribute.
+    nlohmann::json no_theta = j;
+    no_theta.erase("rope_theta");
+    EXPECT_EQ(parse_hf_config(no_theta.dump(), "t.json").rope_theta, 1e5);
     nlohmann::json deepest = j;
     deepest["num_hidden_layers"] = 8192;
     EXPECT_EQ(parse_hf_config(deepest.dump(), "d.json").num_layers, 16384);
