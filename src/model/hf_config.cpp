@@ -2076,18 +2076,37 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                "layer's K and V) is not modelled"));
     } else if (fam == Family::kLongcat) {
         // vLLM's LongcatMoe: n_routed_experts (FlashConfig falls back to num_experts[layer]) of
-        // moe_intermediate_size, else expert_ffn_hidden_size, else the dense width; top moe_topk,
-        // else num_experts_per_tok; no shared expert. LongcatFlashConfig's defaults: 512 experts of
-        // 2048, top 12. Its zero_expert_num zero-computation experts are identities: no weights,
-        // only router columns (hidden x zero_expert_num, not counted, as no family's router bias
-        // is), and a token routed to them skips an expert, so the active parameters count top-k
-        // real experts: the most a token can activate.
+        // config.moe_intermediate_size, top config.moe_topk (else num_experts_per_tok); no shared
+        // expert. vLLM builds FlashConfig(**hf_config.__dict__) (longcat_flash.py) from the config
+        // object transformers loaded, which decides what those attributes hold:
+        //  - the checkpoint's remote LongcatFlashConfig (configuration_longcat_flash.py) sets
+        //    moe_topk (default 12) whatever num_experts_per_tok says, and overwrites
+        //    moe_intermediate_size with expert_ffn_hidden_size (default 2048);
+        //  - transformers' LongcatFlashConfig aliases num_experts_per_tok to moe_topk (default 12)
+        //    and keeps expert_ffn_hidden_size (2048), so a moe_intermediate_size in config.json
+        //    reaches FlashConfig as an extra attribute and wins there.
+        // kvshard reads moe_topk and expert_ffn_hidden_size (with their defaults), on which both
+        // agree, and refuses a num_experts_per_tok or moe_intermediate_size that differs from
+        // them: which value vLLM takes would depend on the class that loaded the config.
+        // Its zero_expert_num zero-computation experts are identities: no weights, only router
+        // columns (hidden x zero_expert_num, not counted, as no family's router bias is), and a
+        // token routed to them skips an expert, so the active parameters count top-k real
+        // experts: the most a token can activate.
         m.moe.num_experts = f.positive_int_or("n_routed_experts", 512);
-        m.moe.experts_per_token =
-            f.positive_int_or(f.has("moe_topk") ? "moe_topk" : "num_experts_per_tok", 12);
-        m.moe.expert_intermediate = f.positive_int_or(
-            f.has("moe_intermediate_size") ? "moe_intermediate_size" : "expert_ffn_hidden_size",
-            2048);
+        m.moe.experts_per_token = f.positive_int_or("moe_topk", 12);
+        m.moe.expert_intermediate = f.positive_int_or("expert_ffn_hidden_size", 2048);
+        auto refuse_other = [&](const char* key, const char* read, int value) {
+            if (f.has(key) && f.positive_int(key) != value)
+                throw f.bad(key, detail::concat(
+                                     "is ", f.positive_int(key), " beside ", read, " ", value,
+                                     " (stated or the class default): vLLM's FlashConfig takes "
+                                     "the second where the checkpoint's remote LongcatFlashConfig "
+                                     "loads the config, and may take the first where "
+                                     "transformers' LongcatFlashConfig does; state one value, or "
+                                     "make them equal"));
+        };
+        refuse_other("num_experts_per_tok", "moe_topk", m.moe.experts_per_token);
+        refuse_other("moe_intermediate_size", "expert_ffn_hidden_size", m.moe.expert_intermediate);
         if (f.int_or("zero_expert_num", 0) < 0)
             throw f.bad("zero_expert_num", "must not be negative");
         if (f.int_or("zero_expert_num", 0) > 0 &&
@@ -2180,9 +2199,22 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                              (fam == Family::kKimiLinear && f.int_or("moe_layer_freq", 1) > 1);
     if (fam == Family::kFalcon)
         m.intermediate = f.positive_int_or("ffn_hidden_size", 4 * m.hidden);
-    else if (fam == Family::kLongcat)  // FlashMLP: ffn_hidden_size, else intermediate_size
-        m.intermediate = f.positive_int_or(inter_key, 12288);
-    else if (fam == Family::kNemotronNas)
+    else if (fam == Family::kLongcat) {
+        // FlashMLP of config.intermediate_size: the remote LongcatFlashConfig takes
+        // intermediate_size, else ffn_hidden_size (default 12288); transformers' class aliases
+        // intermediate_size to ffn_hidden_size, which FlashConfig prefers. Two different values
+        // leave the width to the loading class: refused.
+        m.intermediate = f.positive_int_or(
+            f.has("intermediate_size") ? "intermediate_size" : "ffn_hidden_size", 12288);
+        if (f.has("ffn_hidden_size") && f.positive_int("ffn_hidden_size") != m.intermediate)
+            throw f.bad("ffn_hidden_size",
+                        detail::concat("is ", f.positive_int("ffn_hidden_size"),
+                                       " beside intermediate_size ", m.intermediate,
+                                       ": vLLM's FlashMLP takes the second where the checkpoint's "
+                                       "remote LongcatFlashConfig loads the config, the first "
+                                       "where transformers' LongcatFlashConfig does; state one "
+                                       "value, or make them equal"));
+    } else if (fam == Family::kNemotronNas)
         m.intermediate = 0;  // per block, from ffn_mult
     else if (fam == Family::kLlama4)
         m.intermediate = f.positive_int_or("intermediate_size_mlp", m.moe.expert_intermediate);

@@ -1192,6 +1192,28 @@ TEST(RealShapes, LongcatFlashAsVllmBuildsIt) {
     refused_with("num_hidden_layers", 56, "num_hidden_layers");  // transformers' cache count
     refused_with("hidden_act", "gelu", "silu");
     refused_with("qk_head_dim", 256, "qk_head_dim");
+    // vLLM's LongcatMoe takes FlashConfig's moe_topk and moe_intermediate_size, built from the
+    // loaded config object (longcat_flash.py, FlashConfig(**hf_config.__dict__)): the
+    // checkpoint's remote LongcatFlashConfig (configuration_longcat_flash.py) sets moe_topk
+    // (default 12) whatever num_experts_per_tok says and overwrites moe_intermediate_size with
+    // expert_ffn_hidden_size (2048); transformers' LongcatFlashConfig aliases
+    // num_experts_per_tok to moe_topk and lets a stated moe_intermediate_size through. A value
+    // the two classes would hand vLLM differently is refused; an agreeing one is read.
+    refused_with("num_experts_per_tok", 8, "field 'num_experts_per_tok' is 8 beside moe_topk 12");
+    refused_with("moe_intermediate_size", 1024,
+                 "field 'moe_intermediate_size' is 1024 beside expert_ffn_hidden_size 2048");
+    refused_with("intermediate_size", 8192,
+                 "field 'ffn_hidden_size' is 12288 beside intermediate_size 8192");
+    nlohmann::json agreeing = j;
+    agreeing["num_experts_per_tok"] = 12;
+    agreeing["moe_intermediate_size"] = 2048;
+    agreeing["intermediate_size"] = 12288;
+    EXPECT_EQ(parse_hf_config(agreeing.dump(), "a.json"), m);
+    nlohmann::json defaults = j;  // the classes' defaults: top 12 of 2048, dense 12288
+    defaults.erase("moe_topk");
+    defaults.erase("expert_ffn_hidden_size");
+    defaults.erase("ffn_hidden_size");
+    EXPECT_EQ(parse_hf_config(defaults.dump(), "d.json"), m);
     // Three cache layers per decoder layer: at most 16384 / 3 = 5461 decoder layers.
     refused_with("num_layers", 5462, "is 5462 decoder layers");
     refused_with("num_layers", 5462, "at most 5461 decoder layers");
