@@ -835,6 +835,27 @@ void read_nemotron_h_mtp(const HfFields& f, int steps, ModelSpec& m) {
     m.mtp.proj_split_by_tp = true;  // eh_proj: ColumnParallelLinear
 }
 
+// moe_layer_freq as vLLM's DeepseekV2DecoderLayer reads it (deepseek_v2.py: MoE where
+// n_routed_experts is set, layer_idx >= first_k_dense_replace and layer_idx % moe_layer_freq == 0,
+// moe_layer_freq = getattr(config, "moe_layer_freq", 1)), as do Dots1DecoderLayer (dots1.py) and
+// Kimi Linear's decoder layer: from m.moe.first_dense_layers on, the layers whose index is a
+// multiple of `freq` hold the MoE, the others the dense MLP of m.intermediate. Afterwards
+// first_dense_layers is the first MoE layer (a contiguous tail then reads as uniform); where no
+// layer qualifies the model is dense, as vLLM builds it.
+void apply_moe_layer_freq(int freq, ModelSpec& m, std::vector<LayerSpec>& layers) {
+    int first_moe = -1;
+    for (int l = 0; l < static_cast<int>(layers.size()); ++l) {
+        const bool moe = l >= m.moe.first_dense_layers && l % freq == 0;
+        layers[l].mlp = moe ? MlpKind::kMoe : MlpKind::kDense;
+        layers[l].intermediate = moe ? 0 : m.intermediate;
+        if (moe && first_moe < 0) first_moe = l;
+    }
+    if (first_moe < 0)
+        m.moe = MoeSpec{};
+    else
+        m.moe.first_dense_layers = first_moe;
+}
+
 // Kimi Linear (vLLM's kimi_linear.py, KimiLinearConfig in transformers_utils/configs): layer l is
 // Kimi Delta Attention when l + 1 is in linear_attn_config.kda_layers (1-based,
 // KimiLinearConfig.is_kda_layer), else MLA (KimiMLAAttention, which asserts q_lora_rank None and
@@ -861,14 +882,7 @@ void read_kimi_linear(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& l
             throw f.bad(k3,
                         "is set: kvshard reads Kimi Linear (KimiLinearForCausalLM), whose vLLM "
                         "model has no such part; it would be sized wrong");
-    if (m.moe.enabled()) {
-        const int freq = f.positive_int_or("moe_layer_freq", 1);
-        for (int l = 0; l < L; ++l) {
-            const bool moe = l >= m.moe.first_dense_layers && l % freq == 0;
-            layers[l].mlp = moe ? MlpKind::kMoe : MlpKind::kDense;
-            layers[l].intermediate = moe ? 0 : m.intermediate;
-        }
-    }
+    if (m.moe.enabled()) apply_moe_layer_freq(f.positive_int_or("moe_layer_freq", 1), m, layers);
     if (!f.has("linear_attn_config")) return;  // is_kda_layer false everywhere: all MLA
     const auto& lac = f.json().at("linear_attn_config");
     if (!lac.is_object()) throw f.bad("linear_attn_config", "must be an object");
@@ -1213,19 +1227,8 @@ void read_full_attention_only(const HfFields& f, Family fam, const std::string& 
                                    "layer_types): remove the list or make it all "
                                    "\"full_attention\""));
     }
-    if (fam != Family::kDots1 || !m.moe.enabled()) return;
-    const int freq = f.positive_int("moe_layer_freq");
-    int first_moe = -1;
-    for (int l = 0; l < L; ++l) {
-        const bool moe = l >= m.moe.first_dense_layers && l % freq == 0;
-        layers[l].mlp = moe ? MlpKind::kMoe : MlpKind::kDense;
-        layers[l].intermediate = moe ? 0 : m.intermediate;
-        if (moe && first_moe < 0) first_moe = l;
-    }
-    if (first_moe < 0)
-        m.moe = MoeSpec{};  // no layer qualifies: vLLM builds only Dots1MLP
-    else
-        m.moe.first_dense_layers = first_moe;  // a contiguous tail reads as uniform
+    if (fam == Family::kDots1 && m.moe.enabled())
+        apply_moe_layer_freq(f.positive_int("moe_layer_freq"), m, layers);
 }
 
 // The length a config class gives where config.json states none. vLLM's _get_and_verify_max_len
@@ -2196,7 +2199,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     const std::string inter_key = pick(
         {"intermediate_size_mlp", "ffn_hidden_size", "intermediate_size"}, "intermediate_size");
     const bool needs_dense = !m.moe.enabled() || m.moe.first_dense_layers > 0 ||
-                             (fam == Family::kKimiLinear && f.int_or("moe_layer_freq", 1) > 1);
+                             ((fam == Family::kKimiLinear || fam == Family::kDeepSeek) &&
+                              f.int_or("moe_layer_freq", 1) > 1);
     if (fam == Family::kFalcon)
         m.intermediate = f.positive_int_or("ffn_hidden_size", 4 * m.hidden);
     else if (fam == Family::kLongcat) {
@@ -2553,6 +2557,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     }
 
     if (fam == Family::kKimiLinear) read_kimi_linear(f, m, layers);
+    if (fam == Family::kDeepSeek && m.moe.enabled())
+        apply_moe_layer_freq(f.positive_int_or("moe_layer_freq", 1), m, layers);
     if (fam == Family::kBailing || fam == Family::kDots1)
         read_full_attention_only(f, fam, model_type, m, layers);
     if (model_type == "lfm2_moe" && !f.has("layer_types"))
@@ -2920,6 +2926,22 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                         "model the MTP layers on");
         m.mtp.layers = mtp_layers;
         m.mtp.layer = *last;
+        if (fam == Family::kDeepSeek) {
+            // DeepSeekMultiTokenPredictorLayer.mtp_block is a DeepseekV2DecoderLayer of prefix
+            // model.layers.{num_hidden_layers + i} (deepseek_mtp.py), so its MLP follows
+            // moe_layer_freq at that index (first_k_dense_replace is below num_hidden_layers).
+            const int freq = f.positive_int_or("moe_layer_freq", 1);
+            auto moe_at = [&](int i) { return m.moe.enabled() && (L + i) % freq == 0; };
+            for (int i = 1; i < mtp_layers; ++i)
+                if (moe_at(i) != moe_at(0))
+                    throw f.bad(
+                        "moe_layer_freq",
+                        detail::concat("is ", freq, ": vLLM's MTP layers ", L, " and ", L + i,
+                                       " would differ in their MLP (MoE or dense), and "
+                                       "kvshard models one kind of MTP layer"));
+            m.mtp.layer.mlp = moe_at(0) ? MlpKind::kMoe : MlpKind::kDense;
+            m.mtp.layer.intermediate = moe_at(0) ? 0 : m.intermediate;
+        }
         if (model_type == "ernie4_5_moe") {
             // vLLM's ernie_mtp.py: ErnieMultiTokenPredictorLayer.mtp_block is a
             // LlamaDecoderLayer, whose MLP is the dense one of intermediate_size.

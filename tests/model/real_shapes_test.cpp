@@ -1977,6 +1977,45 @@ TEST(RealShapes, Dots1AsVllmBuildsIt) {
                      .mtp.enabled());
 }
 
+// DeepSeek-V3 with moe_layer_freq above 1, as vLLM's DeepseekV2DecoderLayer builds it
+// (deepseek_v2.py: DeepseekV2MoE where n_routed_experts is set, layer_idx >=
+// first_k_dense_replace and layer_idx % moe_layer_freq == 0, else DeepseekV2MLP of
+// intermediate_size), its MTP layer a DeepseekV2DecoderLayer at index num_hidden_layers + i
+// (deepseek_mtp.py). The published V3 writes moe_layer_freq 1.
+TEST(RealShapes, DeepSeekReadsMoeLayerFreq) {
+    const nlohmann::json base = nlohmann::json::parse(read_file(config_path("deepseek-v3")));
+    const ModelSpec v3 = parse_hf_config(base.dump(), "v3.json");
+    EXPECT_EQ(v3.num_moe_layers(), 58);  // layers 3..60
+    EXPECT_EQ(v3.mtp.layer.mlp, MlpKind::kMoe);
+    nlohmann::json j = base;
+    j["moe_layer_freq"] = 2;
+    const ModelSpec every2 = parse_hf_config(j.dump(), "v3.json");
+    // MoE on the even layers from 4 (layer 3 is past first_k_dense_replace 3 but odd): 4, 6,
+    // ..., 60 = 29 layers; the other 32 hold the dense MLP of 18432.
+    EXPECT_EQ(every2.num_moe_layers(), 29);
+    EXPECT_FALSE(every2.is_moe_layer(3));
+    EXPECT_TRUE(every2.is_moe_layer(4));
+    EXPECT_FALSE(every2.is_moe_layer(59));
+    EXPECT_EQ(every2.layer(5).intermediate, 18432);
+    EXPECT_EQ(every2.total_params() - v3.total_params(),
+              29 * (every2.mlp_params_of_layer(5) - v3.mlp_params_of_layer(5)));
+    // The MTP layer sits at index 61, odd: vLLM builds it with the dense MLP.
+    EXPECT_EQ(every2.mtp.layer.mlp, MlpKind::kDense);
+    EXPECT_EQ(every2.mtp.layer.intermediate, 18432);
+    EXPECT_EQ(every2.mtp.layer.kind, LayerKind::kMla);
+    // Two MTP layers at 61 and 62 would differ (dense, MoE): one MtpSpec layer cannot hold both.
+    j["num_nextn_predict_layers"] = 2;
+    expect_refused(j.dump(), "MTP layers 61 and 62 would differ");
+    // A frequency no layer index past first_k_dense_replace meets: a dense model.
+    j["num_nextn_predict_layers"] = 1;
+    j["moe_layer_freq"] = 100;
+    const ModelSpec none = parse_hf_config(j.dump(), "v3.json");
+    EXPECT_FALSE(none.moe.enabled());
+    EXPECT_EQ(none.num_moe_layers(), 0);
+    j["moe_layer_freq"] = 0;
+    expect_refused(j.dump(), "moe_layer_freq");
+}
+
 // Apertus-8B (apertus), as vLLM's apertus.py builds it: LlamaAttention-shaped GQA with q / k
 // norms (8 KV heads of hidden / heads = 128: ApertusConfig has no head_dim), the window per layer
 // from layer_types when listed, and ApertusMLP: up_proj and down_proj around xIELU, no gate.
