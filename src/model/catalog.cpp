@@ -259,7 +259,7 @@ const std::map<std::string, std::function<ModelSpec()>, std::less<>>& catalog() 
                  "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 1536,
                  "num_local_experts": 256, "num_experts_per_tok": 8, "use_routing_bias": true, "vocab_size": 200064,
                  "rope_theta": 5000000, "rms_norm_eps": 1e-06, "tie_word_embeddings": false,
-                 "torch_dtype": "bfloat16"})");
+                 "num_mtp_modules": 3, "use_mtp": true, "torch_dtype": "bfloat16"})");
          }},
         {"deepseek-v3.2",
          [] {

@@ -2901,21 +2901,65 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     } else if (model_type == "qwen3_next" && !f.has("num_nextn_predict_layers")) {
         mtp_layers = 1;
     }
-    // LongCat-Flash: vLLM's LongcatFlashForCausalLM skips the checkpoint's .mtp. weights; its
-    // drafter (longcat_flash_mtp.py) is a model of its own, not modelled here (mtp stays empty).
-    if (fam == Family::kLongcat) mtp_layers = 0;
     if (mtp_layers < 0 || mtp_layers > 64)
         throw f.bad(mtp_key, detail::concat("must be in [0, 64], got ", mtp_layers));
-    // Ling 2.0 (and dots.llm1, were one to name them) carry MTP layers that vLLM neither builds
-    // nor drafts with: BailingMoeModel builds num_hidden_layers layers and its load_weights skips
-    // the rest, and SpeculativeConfig.hf_config_override (vllm/config/speculative.py) maps only
-    // the hybrid Ling 2.5 / 3 (bailing_hybrid, BailingMoeV2_5ForCausalLM, BailingMoeV3ForCausalLM)
-    // to an MTP drafter, not bailing_moe(_v2) or dots1. So no MTP layer is recorded and
-    // speculation with them is refused, as for MiniMax-M2.
-    // GLM-4.5V / 4.6V likewise: the override maps architectures[0] == "Glm4MoeForCausalLM" to
-    // glm4_moe_mtp, and a glm4v_moe checkpoint's is Glm4vMoeForConditionalGeneration.
-    if (fam == Family::kBailing || fam == Family::kDots1 || model_type.rfind("glm4v_moe", 0) == 0)
+    // MTP layers a checkpoint carries and this reader drops on purpose: mtp.not_modelled says
+    // why, and speculation's refusal (compute_capacity) states it. The reasons, from vLLM's
+    // SpeculativeConfig.hf_config_override (vllm/config/speculative.py), which picks the MTP
+    // drafter by model_type / architectures[0]:
+    //  - LongCat-Flash: it maps longcat_flash to longcat_flash_mtp, drafting with
+    //    num_nextn_predict_layers (getattr default 1, the remote LongcatFlashConfig's default
+    //    too); LongcatFlashForCausalLM itself skips the .mtp. weights. vLLM drafts; kvshard does
+    //    not model MTP for a model of several cache layers per decoder layer.
+    //  - Ling 1.x / 2.0 (bailing_moe, bailing_moe_v2): only the hybrid Ling 2.5 / 3
+    //    (bailing_hybrid, BailingMoeV2_5ForCausalLM, BailingMoeV3ForCausalLM) map to a drafter;
+    //    BailingMoeModel builds num_hidden_layers layers and skips the rest.
+    //  - dots.llm1 (dots1): no mapping (dots3_note is another model).
+    //  - GLM-4.5V / 4.6V (glm4v_moe): architectures[0] "Glm4MoeForCausalLM" maps to
+    //    glm4_moe_mtp, and a glm4v_moe checkpoint's is Glm4vMoeForConditionalGeneration.
+    //  - MiniMax-M2 (num_mtp_modules, use_mtp): minimax_m3 maps to MiniMaxM3MTP, minimax_m2 to
+    //    nothing (MTPModelTypes lists no minimax_m2_mtp).
+    auto no_drafter = [&](const std::string& model, const std::string& why) {
+        return detail::concat("vLLM builds no drafter for ", model, ": ", why);
+    };
+    const char* kOverride = "vllm/config/speculative.py's SpeculativeConfig.hf_config_override";
+    std::string not_modelled;
+    if (fam == Family::kLongcat && (!f.json().contains("num_nextn_predict_layers") ||
+                                    f.int_or("num_nextn_predict_layers", 0) > 0))
+        not_modelled = detail::concat(
+            "kvshard does not model LongCat-Flash's drafter (vLLM drafts with "
+            "longcat_flash_mtp.py, to which ",
+            kOverride,
+            " maps longcat_flash), as it models no MTP layers for a model of several cache "
+            "layers per decoder layer");
+    else if (fam == Family::kBailing && mtp_layers > 0)
+        not_modelled = no_drafter(
+            detail::concat(model_type == "bailing_moe" ? "Ling 1.x" : "Ling 2.0", " (", model_type,
+                           ")"),
+            detail::concat(kOverride,
+                           " maps only the hybrid Ling 2.5 / 3, bailing_hybrid, to an MTP "
+                           "drafter; bailing_moe.py builds num_hidden_layers layers and skips the "
+                           "rest"));
+    else if (fam == Family::kDots1 && mtp_layers > 0)
+        not_modelled = no_drafter("dots.llm1 (dots1)",
+                                  detail::concat(kOverride, " maps no dots1 model to one"));
+    else if (model_type.rfind("glm4v_moe", 0) == 0 && mtp_layers > 0)
+        not_modelled = no_drafter(
+            "GLM-4.5V / 4.6V (glm4v_moe)",
+            detail::concat(kOverride,
+                           " maps architectures[0] Glm4MoeForCausalLM to glm4_moe_mtp, and this "
+                           "checkpoint's is Glm4vMoeForConditionalGeneration"));
+    else if (model_type == "minimax_m2" &&
+             (f.int_or("num_mtp_modules", 0) > 0 || f.bool_or("use_mtp", false)))
+        not_modelled = no_drafter(
+            "MiniMax-M2 (minimax_m2)",
+            detail::concat(kOverride,
+                           " maps minimax_m3 to MiniMaxM3MTP and nothing for minimax_m2; its "
+                           "num_mtp_modules are not read"));
+    if (fam == Family::kLongcat || fam == Family::kBailing || fam == Family::kDots1 ||
+        model_type.rfind("glm4v_moe", 0) == 0)
         mtp_layers = 0;
+    m.mtp.not_modelled = not_modelled;
     if (mtp_layers > 0) {
         const auto last = std::find_if(layers.rbegin(), layers.rend(), [](const LayerSpec& s) {
             return s.kind == LayerKind::kFullAttention || s.kind == LayerKind::kMla;

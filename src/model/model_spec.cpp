@@ -560,6 +560,22 @@ void ModelSpec::validate() const {
     require(cache_layers_per_decoder_layer >= 1 && cache_layers_per_decoder_layer <= 8, "model '",
             name, "': cache_layers_per_decoder_layer must be in [1, 8], got ",
             cache_layers_per_decoder_layer);
+    // The MTP layers, checked for uniform and listed models alike.
+    require(mtp.layers >= 0 && mtp.layers <= 64, "model '", name,
+            "': mtp.layers must be in [0, 64], got ", mtp.layers);
+    require(!mtp.enabled() || mtp.not_modelled.empty(), "model '", name,
+            "': mtp.not_modelled says why MTP layers are not modelled, so mtp.layers must be 0 "
+            "beside it, got ",
+            mtp.layers);
+    if (mtp.enabled())
+        require(mtp.layer.kind == (is_mla() ? LayerKind::kMla : LayerKind::kFullAttention),
+                "model '", name, "': an MTP layer must be ",
+                is_mla() ? "an MLA" : "a full-attention", " layer like the model's, got ",
+                layer_kind_name(mtp.layer.kind));
+    for (const LayerSpec& s : mtp.following)
+        require(s.kind == LayerKind::kNoKv || s.kind == mtp.layer.kind, "model '", name,
+                "': a layer following an MTP step's first must cache nothing or be like it (",
+                layer_kind_name(mtp.layer.kind), "), got ", layer_kind_name(s.kind));
     if (layers.empty()) {
         require(cache_layers_per_decoder_layer == 1, "model '", name,
                 "': cache_layers_per_decoder_layer is ", cache_layers_per_decoder_layer,
@@ -647,17 +663,6 @@ void ModelSpec::validate() const {
         positive(indexer.heads, "indexer.heads");
         require(indexer.scale_bytes >= 0, "model '", name, "': indexer.scale_bytes must be >= 0");
     }
-    require(mtp.layers >= 0 && mtp.layers <= 64, "model '", name,
-            "': mtp.layers must be in [0, 64], got ", mtp.layers);
-    if (mtp.enabled())
-        require(mtp.layer.kind == (is_mla() ? LayerKind::kMla : LayerKind::kFullAttention),
-                "model '", name, "': an MTP layer must be ",
-                is_mla() ? "an MLA" : "a full-attention", " layer like the model's, got ",
-                layer_kind_name(mtp.layer.kind));
-    for (const LayerSpec& s : mtp.following)
-        require(s.kind == LayerKind::kNoKv || s.kind == mtp.layer.kind, "model '", name,
-                "': a layer following an MTP step's first must cache nothing or be like it (",
-                layer_kind_name(mtp.layer.kind), "), got ", layer_kind_name(s.kind));
     validate_totals();
 }
 
@@ -854,6 +859,8 @@ std::string to_json(const ModelSpec& m) {
             for (const LayerSpec& s : m.mtp.following) following.push_back(layer_json(s));
             j["mtp"]["following"] = std::move(following);
         }
+    } else if (!m.mtp.not_modelled.empty()) {
+        j["mtp"] = {{"layers", 0}, {"not_modelled", m.mtp.not_modelled}};
     }
     // A uniform sparse-MLA model (every layer keeps indexer keys) lists no layers.
     if (!m.layers.empty() || m.indexer.enabled())
@@ -973,10 +980,13 @@ ModelSpec model_spec_from_json(std::string_view json_text) {
                 return s;
             };
             m.mtp.layers = t.at("layers").get<int>();
-            m.mtp.proj_split_by_tp = t.at("proj_split_by_tp").get<bool>();
-            m.mtp.layer = layer_of(t.at("layer"));
-            if (t.contains("following"))
-                for (const auto& l : t.at("following")) m.mtp.following.push_back(layer_of(l));
+            m.mtp.not_modelled = t.value("not_modelled", "");
+            if (m.mtp.layers > 0) {
+                m.mtp.proj_split_by_tp = t.at("proj_split_by_tp").get<bool>();
+                m.mtp.layer = layer_of(t.at("layer"));
+                if (t.contains("following"))
+                    for (const auto& l : t.at("following")) m.mtp.following.push_back(layer_of(l));
+            }
         }
         m.validate();
         return m;

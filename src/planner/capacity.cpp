@@ -272,13 +272,21 @@ CapacityReport compute_capacity(const ModelSpec& target, const ParallelConfig& p
     hw.validate();
     target.check_sequence_length(options.context_tokens, options.allow_long_context, "the context");
     const bool speculating = options.speculative_tokens > 0;
-    if (speculating) {
-        require(target.mtp.enabled(), "speculative decoding with MTP needs MTP layers, and model '",
-                target.name,
-                "' carries none (no num_nextn_predict_layers / "
-                "mtp_num_hidden_layers; MiniMax-M2's num_mtp_modules are not read, as vLLM "
-                "builds no MiniMax-M2 drafter): leave speculation off, or use a checkpoint with "
-                "MTP layers (DeepSeek-V3/R1, GLM-4.5, Qwen3-Next, Qwen3.5)");
+    if (speculating && !target.mtp.enabled()) {
+        // Where the reader dropped the checkpoint's MTP layers on purpose it says why
+        // (MtpSpec::not_modelled): vLLM builds no drafter for the model, or kvshard does not model
+        // the one vLLM builds. Otherwise the config names none.
+        const std::string why = target.mtp.not_modelled.empty()
+                                    ? detail::concat(
+                                          "' carries none (no num_nextn_predict_layers / "
+                                          "mtp_num_hidden_layers)")
+                                    : detail::concat("' carries MTP layers that are not modelled: ",
+                                                     target.mtp.not_modelled);
+        throw Error(detail::concat("speculative decoding with MTP needs MTP layers, and model '",
+                                   target.name, why,
+                                   ": leave speculation off, or use a checkpoint whose MTP layers "
+                                   "kvshard models (DeepSeek-V3/R1, GLM-4.5, Qwen3-Next, "
+                                   "Qwen3.5)"));
     }
     // Speculating, the KV cache holds the MTP layers beside the model's own.
     ModelSpec m = speculating ? with_mtp_layers(target) : target;

@@ -19,6 +19,9 @@
 // context 8192.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include "kvshard/common/error.h"
 #include "kvshard/model/catalog.h"
 #include "kvshard/planner/capacity.h"
@@ -262,19 +265,63 @@ TEST(CapacityMtp, RefusesAModelWithoutMtpLayers) {
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("carries none"), std::string::npos) << e.what();
     }
-    // MiniMax-M2's config names num_mtp_modules 3, but vLLM builds no MiniMax-M2 drafter
-    // (vllm/config/speculative.py, SpeculativeConfig.hf_config_override maps minimax_m3 to
-    // MiniMaxM3MTP and nothing for minimax_m2; MTPModelTypes lists no minimax_m2_mtp).
-    const ModelSpec minimax = load_hf_config(kData + "/hf_configs/minimax-m2.json");
-    EXPECT_FALSE(minimax.mtp.enabled());
-    try {
-        on_h100(minimax, 8, 2);
-        FAIL() << "speculation accepted on MiniMax-M2";
-    } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("vLLM builds no MiniMax-M2 drafter"),
-                  std::string::npos)
-            << e.what();
-    }
+    // Checkpoints whose MTP layers the reader drops on purpose: the refusal says why, per model
+    // (MtpSpec::not_modelled), never that the config names none. From vLLM's
+    // SpeculativeConfig.hf_config_override (vllm/config/speculative.py), which picks the
+    // drafter: it maps longcat_flash to longcat_flash_mtp (vLLM drafts; kvshard does not model
+    // it), and nothing for MiniMax-M2 (minimax_m3 only), Ling 2.0 (bailing_hybrid only), dots1,
+    // or GLM-4.5V (architectures[0] Glm4MoeForCausalLM only).
+    auto refusal = [](const ModelSpec& m) {
+        EXPECT_FALSE(m.mtp.enabled());
+        try {
+            on_h100(m, 8, 2);
+        } catch (const Error& e) {
+            const std::string what = e.what();
+            EXPECT_EQ(what.find("carries none"), std::string::npos) << what;
+            return what;
+        }
+        ADD_FAILURE() << "speculation accepted on " << m.name;
+        return std::string();
+    };
+    auto json_of = [](const std::string& name) {
+        std::ifstream in(kData + "/hf_configs/" + name + ".json");
+        return nlohmann::json::parse(in);
+    };
+    EXPECT_NE(refusal(load_hf_config(kData + "/hf_configs/minimax-m2.json"))
+                  .find("carries MTP layers that are not modelled: vLLM builds no drafter for "
+                        "MiniMax-M2 (minimax_m2): vllm/config/speculative.py's "
+                        "SpeculativeConfig.hf_config_override maps minimax_m3 to MiniMaxM3MTP and "
+                        "nothing for minimax_m2; its num_mtp_modules are not read"),
+              std::string::npos);
+    EXPECT_NE(refusal(load_hf_config(kData + "/hf_configs/longcat-flash-chat.json"))
+                  .find("carries MTP layers that are not modelled: kvshard does not model "
+                        "LongCat-Flash's drafter (vLLM drafts with longcat_flash_mtp.py"),
+              std::string::npos);
+    EXPECT_NE(refusal(load_hf_config(kData + "/hf_configs/ling-flash-2.0.json"))
+                  .find("vLLM builds no drafter for Ling 2.0 (bailing_moe_v2): "),
+              std::string::npos);
+    nlohmann::json dots = json_of("dots.llm1.inst");
+    dots["num_nextn_predict_layers"] = 1;
+    EXPECT_NE(refusal(parse_hf_config(dots.dump(), "dots.json"))
+                  .find("vLLM builds no drafter for dots.llm1 (dots1): "),
+              std::string::npos);
+    nlohmann::json glm = json_of("glm-4.5v");
+    glm["text_config"]["num_nextn_predict_layers"] = 1;
+    EXPECT_NE(refusal(parse_hf_config(glm.dump(), "glm.json"))
+                  .find("vLLM builds no drafter for GLM-4.5V / 4.6V (glm4v_moe): "),
+              std::string::npos);
+    // The reason travels with the spec's JSON.
+    const ModelSpec longcat = load_hf_config(kData + "/hf_configs/longcat-flash-chat.json");
+    EXPECT_EQ(model_spec_from_json(to_json(longcat)).mtp.not_modelled, longcat.mtp.not_modelled);
+    // A reason beside modelled MTP layers contradicts itself.
+    ModelSpec both = catalog_model("deepseek-v3");
+    ASSERT_TRUE(both.mtp.enabled());
+    both.mtp.not_modelled = "x";
+    EXPECT_THROW(both.validate(), Error);
+    // A LongCat config stating num_nextn_predict_layers 0 carries none.
+    nlohmann::json no_mtp = json_of("longcat-flash-chat");
+    no_mtp["num_nextn_predict_layers"] = 0;
+    EXPECT_TRUE(parse_hf_config(no_mtp.dump(), "l.json").mtp.not_modelled.empty());
     CapacityOptions o;
     o.speculative_tokens = -1;
     EXPECT_THROW(o.validate(), Error);

@@ -173,6 +173,11 @@ struct MtpSpec {
     // NemotronHMultiTokenPredictor: "*E" is an attention layer, here `layer`, then a MoE layer,
     // here `following`, which caches nothing); the projection and norms come once a step.
     std::vector<LayerSpec> following;
+    // Set by the config reader where the checkpoint carries MTP layers that it does not record
+    // (layers 0): why, in a clause that completes "its MTP layers are not modelled: ...", e.g.
+    // "vLLM builds no drafter for dots1 (...)" or "kvshard does not model LongCat-Flash's drafter
+    // (...)". Empty where the config names none. Speculation's refusal states it.
+    std::string not_modelled;
     int layers_per_step() const { return 1 + static_cast<int>(following.size()); }
     bool enabled() const { return layers > 0; }
     bool operator==(const MtpSpec&) const = default;
