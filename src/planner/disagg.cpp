@@ -317,8 +317,9 @@ KvTransferCost price_kv_transfer(const ModelSpec& m, const ParallelConfig& prefi
         c.transfer_s = std::max(c.transfer_s, rank_s(recv[r], recv_msgs[r]));
     }
     // Layer l leaves when the prefill has written it: all but the last layer's share can hide
-    // behind the prefill of the layers after it.
-    const double layers = std::max(1, m.num_layers);
+    // behind the prefill of the layers after it. The prefill writes a decoder layer's caches
+    // together (Falcon-H1's attention and Mamba-2 branches), so the shares are per decoder layer.
+    const double layers = std::max(1, m.num_decoder_layers());
     c.exposed_s = std::max(c.transfer_s / layers, c.transfer_s - prefill_s * (layers - 1) / layers);
     return c;
 }

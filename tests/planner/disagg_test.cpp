@@ -68,6 +68,21 @@ TEST(KvTransfer, BytesAreTheTransferPlansAndEveryTokenMovesOnce) {
     EXPECT_TRUE(remote.crosses_nodes);
 }
 
+// A decoder layer of several cache layers is written by the prefill at once: Falcon-H1's 88 cache
+// layers are 44 decoder layers, and a long prefill hides all but the last one's share, 1 / 44 of
+// the transfer (1 / 88 were each cache layer a step of its own).
+TEST(KvTransfer, LayerwiseOverlapIsPerDecoderLayer) {
+    const ModelSpec m = load_hf_config(std::string(KVSHARD_TEST_DATA_DIR) +
+                                       "/hf_configs/falcon-h1-7b-instruct.json");
+    ASSERT_EQ(m.num_layers, 88);
+    ASSERT_EQ(m.num_decoder_layers(), 44);
+    const HardwareSpec hw = hardware_by_name("h100-sxm");
+    const double t = price_kv_transfer(m, cfg(1), cfg(2), hw, 4096, 0).transfer_s;
+    ASSERT_GT(t, 0);
+    EXPECT_NEAR(price_kv_transfer(m, cfg(1), cfg(2), hw, 4096, 1000 * t).exposed_s, t / 44,
+                1e-9 * t);
+}
+
 TEST(Serving, EntriesUseTheGpusAndThoseMeetingTheSlosComeFirstBestFirst) {
     const ModelSpec m = catalog_model("llama-3.1-70b");
     const HardwareSpec hw = hardware_by_name("h100-sxm");
