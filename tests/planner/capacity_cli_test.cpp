@@ -8,6 +8,23 @@ namespace {
 
 using test::run_cli;
 
+// At pp > 1 vLLM groups the whole model's layers and each stage holds its share of every group:
+// Falcon-H1-7B's 44-slot groups are 22 slots on each of two stages.
+TEST(CapacityCli, ExplainSaysAGroupsSlotsAreModelWideAndWhatAStageHolds) {
+    const std::string model =
+        std::string(KVSHARD_TEST_DATA_DIR) + "/hf_configs/falcon-h1-7b-instruct.json";
+    const auto pp = run_cli("plan -m " + model + " -n 2 -c 8192 --explain pp=2");
+    ASSERT_EQ(pp.status, 0) << pp.out;
+    EXPECT_NE(pp.out.find("2 groups (1 full + 1 mamba2) of 44 layer slots model-wide (22 on this "
+                          "GPU's stage), 0 of them padding"),
+              std::string::npos)
+        << pp.out;
+    EXPECT_NE(pp.out.find("(1605632 B x 22 slots)"), std::string::npos) << pp.out;
+    const auto tp = run_cli("plan -m " + model + " -n 2 -c 8192 --explain tp=2");
+    ASSERT_EQ(tp.status, 0) << tp.out;
+    EXPECT_NE(tp.out.find("of 44 layer slots, 0 of them padding"), std::string::npos) << tp.out;
+}
+
 TEST(CapacityCli, ExplainShowsTheGroupsPaddingAndEachFiguresArithmetic) {
     const auto r = run_cli("plan -m gemma-3-27b -n 1 -c 8192 --explain tp=1");
     ASSERT_EQ(r.status, 0) << r.out;

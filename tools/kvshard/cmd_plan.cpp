@@ -155,11 +155,14 @@ std::string engine_kv_summary(const CapacityReport& c, const CapacityOptions& o,
         }
         const int64_t slots = a.block_bytes[c.limiting_rank] / a.page_bytes;
         out = fmt::format(
-            "vLLM's KV arrangement: {} groups ({}) of {} layer slots, {} of them padding; blocks "
+            "vLLM's KV arrangement: {} groups ({}) of {} layer slots{}, {} of them padding; blocks "
             "of {} tokens{}, a page of {} B per slot{}; {} blocks = floor({} B budget / ({} B x {} "
             "slots)); KV tokens = {} blocks / {} groups x {}, as vLLM logs it",
-            a.groups.size(), kinds, a.group_size, a.padding_slots(), a.block_size, raised,
-            a.page_bytes,
+            a.groups.size(), kinds, a.group_size,
+            // vLLM groups the layers of the whole model and each PP stage holds its share.
+            slots != a.group_size ? fmt::format(" model-wide ({} on this GPU's stage)", slots)
+                                  : std::string(),
+            a.padding_slots(), a.block_size, raised, a.page_bytes,
             a.state_page_padding > 0
                 ? fmt::format(" (each state page padded by {} B)", a.state_page_padding)
                 : "",
