@@ -1575,6 +1575,26 @@ void read_norms_and_biases(const HfFields& f, Family fam, const std::string& mod
             // DeepseekV2MoE: the gate's e_score_correction_bias when topk_method is noaux_tc.
             n.router_bias = f.string_or("topk_method", "") == "noaux_tc";
             break;
+        case Family::kDots1:
+            // Dots1Attention (dots1.py): qkv_proj bias = attention_bias, o_proj none, q_norm /
+            // k_norm RMSNorm(head_dim) always; Dots1MoE's gate e_score_correction_bias when
+            // topk_method is noaux_tc.
+            n.o_bias = false;
+            n.qk = QkNorm::kPerHead;
+            n.router_bias = f.string_or("topk_method", "") == "noaux_tc";
+            break;
+        case Family::kBailing:
+            // BailingAttention (bailing_moe.py): query_key_value bias = use_bias or use_qkv_bias,
+            // dense (o) bias = use_bias; query_layernorm / key_layernorm of head_dim when
+            // use_qk_norm (RMSNorm under use_rmsnorm, else a LayerNorm whose bias of head_dim is
+            // not counted); BailingMoE's gate expert_bias when moe_router_enable_expert_bias.
+            // BailingMLP's biases under use_bias (dense and shared experts, not the routed ones)
+            // are not counted: the published Ling configs set use_bias false.
+            n.qkv_bias = f.bool_or("use_bias", false) || f.bool_or("use_qkv_bias", false);
+            n.o_bias = f.bool_or("use_bias", false);
+            if (f.bool_or("use_qk_norm", false)) n.qk = QkNorm::kPerHead;
+            n.router_bias = f.bool_or("moe_router_enable_expert_bias", false);
+            break;
         case Family::kJamba:
             // JambaAttentionDecoderLayer: qkv_proj and o_proj with bias=False whatever
             // attention_bias says.

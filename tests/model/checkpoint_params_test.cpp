@@ -259,5 +259,39 @@ TEST(CheckpointParams, NormsRoundTripThroughJson) {
     EXPECT_THROW(model_spec_from_json(j.dump()), Error);
 }
 
+nlohmann::json config_json(const std::string& name) {
+    std::ifstream in(config_path(name));
+    return nlohmann::json::parse(in);
+}
+
+// Ling 2.0 (vLLM's bailing_moe.py): BailingAttention's query_layernorm / key_layernorm of head_dim
+// under use_qk_norm, BailingMoE's gate expert_bias (one per expert) under
+// moe_router_enable_expert_bias, the query_key_value bias under use_qkv_bias. Ling-mini-2.0: 20
+// layers of 16 query and 4 KV heads of 128, 19 MoE layers of 256 experts.
+TEST(CheckpointParams, LingQkNormsExpertBiasAndQkvBias) {
+    nlohmann::json j = config_json("ling-mini-2.0");
+    const int64_t published = parse_hf_config(j.dump(), "ling.json").total_params();
+    j["use_qk_norm"] = false;
+    j["moe_router_enable_expert_bias"] = false;
+    const int64_t bare = parse_hf_config(j.dump(), "ling.json").total_params();
+    EXPECT_EQ(published - bare, 20 * 2 * 128 + 19 * 256);
+    j["use_qkv_bias"] = true;
+    EXPECT_EQ(parse_hf_config(j.dump(), "ling.json").total_params() - bare,
+              20 * (16 + 2 * 4) * 128);
+}
+
+// dots.llm1 (vLLM's dots1.py): Dots1Attention's q_norm / k_norm RMSNorm(head_dim) on every layer,
+// Dots1MoE's e_score_correction_bias under topk_method noaux_tc; o_proj without a bias. 62
+// layers, head_dim 128, 61 MoE layers of 128 experts.
+TEST(CheckpointParams, Dots1QkNormsAndCorrectionBias) {
+    nlohmann::json j = config_json("dots.llm1.inst");
+    const ModelSpec m = parse_hf_config(j.dump(), "dots1.json");
+    EXPECT_EQ(m.norms.qk, QkNorm::kPerHead);
+    EXPECT_FALSE(m.norms.o_bias);
+    const int64_t published = m.total_params();
+    j["topk_method"] = "greedy";
+    EXPECT_EQ(published - parse_hf_config(j.dump(), "dots1.json").total_params(), 61 * 128);
+}
+
 }  // namespace
 }  // namespace kvshard
