@@ -931,6 +931,19 @@ void read_kimi_linear(const HfFields& f, ModelSpec& m, std::vector<LayerSpec>& l
     m.state.state_dtype = DType::kFp32;  // and the recurrent state always float32
 }
 
+// MoeSpec counts shared experts in routed experts' widths: a shared MLP of `width` is width /
+// moe_intermediate_size of them (the same parameters and FLOPs, kept whole on every EP rank). A
+// width that is not a multiple is refused on `key`; `how` says how the width came from it.
+int shared_experts_in_routed_widths(const HfFields& f, const ModelSpec& m, int64_t width,
+                                    const char* key, std::string_view how) {
+    if (width % m.moe.expert_intermediate != 0)
+        throw f.bad(
+            key, detail::concat(how, "(", width, ") is not a multiple of moe_intermediate_size (",
+                                m.moe.expert_intermediate,
+                                "): kvshard counts shared experts in routed widths"));
+    return checked_narrow(width / m.moe.expert_intermediate, "the shared experts");
+}
+
 // LFM2's dense MLP width as vLLM's Lfm2MLP takes it: block_ff_dim (transformers' Lfm2Config maps
 // it to intermediate_size, default 12288); with block_auto_adjust_ff_dim (default true) 2/3 of
 // it, times block_ffn_dim_multiplier when set, rounded up to block_multiple_of (256).
@@ -1856,17 +1869,10 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
     }
 
     // ---- MoE ----
-    // MoeSpec counts shared experts in routed experts' widths: a shared expert of width w is
-    // w / expert_intermediate of them (the same parameters and FLOPs, kept whole on every EP rank).
+    // A shared expert of the width `key` states, in routed widths
+    // (shared_experts_in_routed_widths).
     auto shared_width_in_experts = [&](const char* key) {
-        if (!f.has(key)) return 1;
-        const int w = f.positive_int(key);
-        if (w % m.moe.expert_intermediate != 0)
-            throw f.bad(key,
-                        detail::concat("(", w, ") is not a multiple of moe_intermediate_size (",
-                                       m.moe.expert_intermediate,
-                                       "): kvshard counts shared experts in routed widths"));
-        return w / m.moe.expert_intermediate;
+        return f.has(key) ? shared_experts_in_routed_widths(f, m, f.positive_int(key), key, "") : 1;
     };
     if (fam == Family::kGemma4) {
         // enable_moe_block: num_experts experts of moe_intermediate_size (top_k_experts) beside
@@ -1950,14 +1956,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
         if (shared > 0) {
             const int64_t width = int64_t{shared} * (f.has(shared_key) ? f.positive_int(shared_key)
                                                                        : m.moe.expert_intermediate);
-            if (width % m.moe.expert_intermediate != 0)
-                throw f.bad(shared_key,
-                            detail::concat("x num_shared_experts (", width,
-                                           ") is not a multiple of moe_intermediate_size (",
-                                           m.moe.expert_intermediate,
-                                           "): kvshard counts shared experts in routed widths"));
             m.moe.shared_experts =
-                checked_narrow(width / m.moe.expert_intermediate, "Ling's shared experts");
+                shared_experts_in_routed_widths(f, m, width, shared_key, "x num_shared_experts ");
         }
         m.moe.first_dense_layers = int_v1_default("first_k_dense_replace", 0);
         if (m.moe.first_dense_layers >= m.num_layers) m.moe = {};  // every layer BailingMLP
@@ -2080,15 +2080,8 @@ ModelSpec parse_hf_config(std::string_view json_text, const std::string& file,
                                 "is missing while use_mixed_mlp_moe is set: vLLM's "
                                 "HunYuanSparseMoeBlock reads it for the shared MLP's width");
                 const int64_t width = int64_t{dense_width} * per_layer("num_shared_expert");
-                if (width % m.moe.expert_intermediate != 0)
-                    throw f.bad(
-                        "num_shared_expert",
-                        detail::concat("x intermediate_size (", width,
-                                       ") is not a multiple of moe_intermediate_size (",
-                                       m.moe.expert_intermediate,
-                                       "): kvshard counts shared experts in routed widths"));
-                m.moe.shared_experts =
-                    checked_narrow(width / m.moe.expert_intermediate, "Hunyuan's shared MLP");
+                m.moe.shared_experts = shared_experts_in_routed_widths(
+                    f, m, width, "num_shared_expert", "x intermediate_size ");
             }
         }
         if (f.bool_or("use_cla", false) && f.int_or("cla_share_factor", 1) > 1)

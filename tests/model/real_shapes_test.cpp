@@ -411,6 +411,24 @@ TEST(RealShapes, WindowsMakeLongRequestsCheaper) {
 
 void expect_refused(const std::string& text, const std::string& needle);
 
+// A shared expert is counted as routed experts of its width (MoeSpec), so a width that is not a
+// multiple of moe_intermediate_size is refused on the field it came from, in each family's terms.
+TEST(RealShapes, SharedExpertWidthsNotInRoutedWidthsAreRefused) {
+    nlohmann::json next = nlohmann::json::parse(read_file(config_path("qwen3-next-80b-a3b")));
+    next["shared_expert_intermediate_size"] = 700;
+    expect_refused(next.dump(),
+                   "shared_expert_intermediate_size' (700) is not a multiple of "
+                   "moe_intermediate_size (512)");
+    nlohmann::json ling = nlohmann::json::parse(read_file(config_path("ling-mini-2.0")));
+    ling["moe_shared_expert_intermediate_size"] = 700;
+    expect_refused(ling.dump(),
+                   "x num_shared_experts (700) is not a multiple of "
+                   "moe_intermediate_size (512)");
+    nlohmann::json hy = nlohmann::json::parse(read_file(config_path("hunyuan-a13b-instruct")));
+    hy["intermediate_size"] = 3000;
+    expect_refused(hy.dump(), "x intermediate_size (3000) is not a multiple of");
+}
+
 TEST(RealShapes, NonFiniteValuesInUnrelatedFieldsLoad) {
     // Nemotron-H's published config writes time_step_limit as [0.0, Infinity] (Python's json).
     std::string text = read_file(config_path("nemotron-h-8b"));
