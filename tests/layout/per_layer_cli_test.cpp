@@ -127,8 +127,8 @@ TEST(PerLayerCli, DecoderLayersOfSeveralCacheLayers) {
     ASSERT_EQ(plan.status, 0) << plan.out;
     EXPECT_NE(plan.out.find("dec. lyrs"), std::string::npos) << plan.out;
     EXPECT_NE(plan.out.find("[22,44)"), std::string::npos) << plan.out;
-    EXPECT_NE(plan.out.find("2 groups (1 full + 1 mamba2) of 44 layer slots, 0 of them padding; "
-                            "blocks of 1568 tokens"),
+    EXPECT_NE(plan.out.find("2 groups (1 full + 1 mamba2) of 44 layer slots model-wide (22 on this "
+                            "GPU's stage), 0 of them padding; blocks of 1568 tokens"),
               std::string::npos)
         << plan.out;
 
